@@ -1,0 +1,1 @@
+"""Benchmarks for ffpa_cute (outside the package): `python -m perf.sweep --help`."""
