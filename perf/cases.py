@@ -1,0 +1,210 @@
+"""Benchmark cases: the FFPA table's set, the shapes users run, and the --quick subset.
+
+A `Case` is one attention problem in [B, H, N, D] terms. Families:
+
+* FFPA table (grid over N x D, B=1, H=32):
+  `self` (N/N), `cross` (1024/N), `decode` (1/N), `gqa` (Hq/4 KV heads), `causal` (N/N,
+  causal), `unaligned` (N-1 / N-1, not a multiple of any tile).
+* Shapes users run (D fixed by the model, N a free parameter):
+  `gemma4` (Gemma-4 global layer: Hq 32, Hkv 4, D 512, causal, N 4K-16K),
+  `mqa` (DeepSeek-V4-style MQA: Hq 64, Hkv 1, D 512, causal),
+  `vae` (diffusion VAE mid-block: B 1, H 1, D 512, N 16K-64K, non-causal, bf16 and fp32 input).
+
+`--head-dims` and `--seqlens` replace the FFPA grid; for the user families `--seqlens` replaces
+their N list and `--head-dims` filters them (their D belongs to the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .flops import attn_flops_bwd, attn_flops_fwd, valid_pairs
+
+FFPA_FAMILIES = ("self", "cross", "decode", "gqa", "causal", "unaligned")
+USER_FAMILIES = ("gemma4", "mqa", "vae")
+ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
+FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES}
+
+FFPA_SEQLENS = (8192, 16384)
+FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
+USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
+                "vae": (16384, 32768, 65536)}
+DTYPES = ("bf16", "fp16", "fp32")
+DEFAULT_DTYPE = "bf16"
+CROSS_NQ = 1024
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark problem. `causal` is bottom-right aligned (as ffpa_cute.attention)."""
+
+    name: str
+    dtype: str
+    batch: int
+    hq: int
+    hkv: int
+    nq: int
+    nkv: int
+    d: int
+    causal: bool = False
+
+    @property
+    def label(self) -> str:
+        c = "c" if self.causal else "nc"
+        return (f"{self.name}-{self.dtype}-b{self.batch}-h{self.hq}x{self.hkv}"
+                f"-n{self.nq}x{self.nkv}-d{self.d}-{c}")
+
+    @property
+    def gqa(self) -> bool:
+        return self.hq != self.hkv
+
+    @property
+    def pairs(self) -> int:
+        return valid_pairs(self.nq, self.nkv, self.causal)
+
+    def flops(self, direction: str) -> float:
+        fn = attn_flops_fwd if direction == "fwd" else attn_flops_bwd
+        return fn(self.batch, self.hq, self.nq, self.nkv, self.d, self.causal)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ffpa_case(family: str, n: int, d: int, dtype: str, batch: int = 1, heads: int = 32) -> Case:
+    if family == "self":
+        return Case(family, dtype, batch, heads, heads, n, n, d)
+    if family == "cross":
+        return Case(family, dtype, batch, heads, heads, min(CROSS_NQ, n), n, d)
+    if family == "decode":
+        return Case(family, dtype, batch, heads, heads, 1, n, d)
+    if family == "gqa":
+        return Case(family, dtype, batch, heads, max(1, heads // 4), n, n, d)
+    if family == "causal":
+        return Case(family, dtype, batch, heads, heads, n, n, d, causal=True)
+    if family == "unaligned":
+        return Case(family, dtype, batch, heads, heads, n - 1, n - 1, d)
+    raise ValueError(f"unknown FFPA family {family!r}")
+
+
+def _user_case(family: str, n: int, dtype: str) -> Case:
+    if family == "gemma4":
+        return Case(family, dtype, 1, 32, 4, n, n, 512, causal=True)
+    if family == "mqa":
+        return Case(family, dtype, 1, 64, 1, n, n, 512, causal=True)
+    if family == "vae":
+        return Case(family, dtype, 1, 1, 1, n, n, 512)
+    raise ValueError(f"unknown user family {family!r}")
+
+
+def parse_families(spec: str | None) -> tuple[str, ...]:
+    """'self,gqa' / 'ffpa' / 'users' / 'all' / None -> ordered, deduplicated family names."""
+    if not spec:
+        return ALL_FAMILIES
+    out: list[str] = []
+    for tok in (t.strip().lower() for t in spec.split(",")):
+        if not tok:
+            continue
+        names = FAMILY_ALIASES.get(tok, (tok,))
+        for name in names:
+            if name not in ALL_FAMILIES:
+                raise ValueError(f"unknown case family {name!r}; choose from "
+                                 f"{', '.join(ALL_FAMILIES + tuple(FAMILY_ALIASES))}")
+            if name not in out:
+                out.append(name)
+    return tuple(out)
+
+
+def parse_ints(spec: str | None) -> tuple[int, ...] | None:
+    """'320,512' -> (320, 512); None/'' -> None. Accepts 8k / 16K."""
+    if not spec:
+        return None
+    vals = []
+    for tok in (t.strip().lower() for t in spec.split(",")):
+        if not tok:
+            continue
+        mult = 1024 if tok.endswith("k") else 1
+        vals.append(int(tok[:-1] if mult > 1 else tok) * mult)
+    return tuple(vals)
+
+
+def parse_dtypes(spec: str | None) -> tuple[str, ...] | None:
+    if not spec:
+        return None
+    alias = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+             "float": "fp32"}
+    out = []
+    for tok in (t.strip().lower() for t in spec.split(",")):
+        if not tok:
+            continue
+        tok = alias.get(tok, tok)
+        if tok not in DTYPES:
+            raise ValueError(f"unknown dtype {tok!r}; choose from {', '.join(DTYPES)}")
+        if tok not in out:
+            out.append(tok)
+    return tuple(out)
+
+
+def full_cases(families=ALL_FAMILIES, head_dims=None, seqlens=None, dtypes=None) -> list[Case]:
+    """Every case of the selected families. `dtypes=None`: bf16, plus fp32 for the VAE."""
+    cases: list[Case] = []
+    hds = tuple(head_dims) if head_dims else FFPA_HEAD_DIMS
+    for fam in families:
+        if fam in FFPA_FAMILIES:
+            for dt in dtypes or (DEFAULT_DTYPE,):
+                for n in seqlens or FFPA_SEQLENS:
+                    for d in hds:
+                        cases.append(_ffpa_case(fam, n, d, dt))
+        else:
+            if head_dims and 512 not in head_dims:
+                continue
+            fam_dtypes = dtypes or ((DEFAULT_DTYPE, "fp32") if fam == "vae" else (DEFAULT_DTYPE,))
+            for dt in fam_dtypes:
+                for n in seqlens or USER_SEQLENS[fam]:
+                    cases.append(_user_case(fam, n, dt))
+    return _dedup(cases)
+
+
+def quick_cases(families=ALL_FAMILIES, head_dims=None, seqlens=None, dtypes=None) -> list[Case]:
+    """A handful that runs in under two minutes: D=512 self/causal/GQA, D=320, D=1024 (N=8K).
+
+    Selection flags filter this list (they never grow it).
+    """
+    n = 8192
+    base = [
+        _ffpa_case("self", n, 512, DEFAULT_DTYPE),
+        _ffpa_case("self", n, 320, DEFAULT_DTYPE),
+        _ffpa_case("self", n, 1024, DEFAULT_DTYPE),
+        _ffpa_case("causal", n, 512, DEFAULT_DTYPE),
+        _ffpa_case("gqa", n, 512, DEFAULT_DTYPE),
+    ]
+    out = []
+    for c in base:
+        if c.name not in families:
+            continue
+        if head_dims and c.d not in head_dims:
+            continue
+        if seqlens and c.nkv not in seqlens:
+            continue
+        if dtypes and c.dtype not in dtypes:
+            continue
+        out.append(c)
+    return out
+
+
+def select_cases(*, quick: bool = False, cases: str | None = None, head_dims: str | None = None,
+                 seqlens: str | None = None, dtypes: str | None = None) -> list[Case]:
+    """The CLI's case selection from its raw string arguments."""
+    fams = parse_families(cases)
+    hds, sls, dts = parse_ints(head_dims), parse_ints(seqlens), parse_dtypes(dtypes)
+    if quick:
+        return quick_cases(fams, hds, sls, dts)
+    return full_cases(fams, hds, sls, dts)
+
+
+def _dedup(cases: list[Case]) -> list[Case]:
+    seen, out = set(), []
+    for c in cases:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
