@@ -1,0 +1,127 @@
+"""Online softmax on mma.sync accumulator fragments (row max / row sum / O rescale, exp2 form).
+
+Works on the (MMA=(2,2), MMA_M, MMA_N) fragments of an m16n8 tiled MMA: `mn_view` re-indexes a
+fragment as (rows, cols) of this thread, where each row is shared by the 4 threads of a quad.
+When the warp layout splits N across `warp_n` warps, a row's max is also combined across warps
+through shared memory (`OnlineSoftmax.exchange_max`); the row sum is a linear quantity, so each
+thread keeps a partial and the reduction happens once, in `finalize`.
+
+Note [exp2 scaling]: scores are kept unscaled; p = exp2(s * scale_log2 - m * scale_log2) with
+scale_log2 = scale * log2(e), and LSE = (m * scale_log2 + log2(sum)) * ln(2). A row with no
+visible key keeps m = -inf; its "safe" max is 0 so that exp2 gives exactly 0 (never NaN), its sum
+stays 0, its output is 0 and its LSE is -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+LN2 = math.log(2.0)
+
+
+def mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) as (rows, cols)."""
+    lay = cute.make_layout(acc.layout.shape)
+    mn = cute.make_layout(
+        ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+        stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+@cute.jit
+def quad_allreduce_max(val: cutlass.Float32) -> cutlass.Float32:
+    val = cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=2))
+    return cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=1))
+
+
+@cute.jit
+def quad_allreduce_sum(val: cutlass.Float32) -> cutlass.Float32:
+    val = val + cute.arch.shuffle_sync_bfly(val, offset=2)
+    return val + cute.arch.shuffle_sync_bfly(val, offset=1)
+
+
+class OnlineSoftmax:
+    """Per-thread online-softmax state for `num_rows` fragment rows.
+
+    row_max holds the running max of raw (unscaled) scores; row_sum this thread's partial sum of
+    exp2 terms over its own columns (reduced across the quad and across warps in `finalize`).
+    """
+
+    def __init__(self, num_rows: int, scale_log2: cutlass.Float32):
+        self.num_rows = num_rows
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        self.row_max.fill(-cutlass.Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def block_max(self, acc_S_mn: cute.Tensor) -> cute.Tensor:
+        """Row max of this block over the quad (this warp's columns)."""
+        mx = cute.make_rmem_tensor(self.num_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            v = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            mx[r] = quad_allreduce_max(v)
+        return mx
+
+    @cute.jit
+    def exchange(self, vals: cute.Tensor, sStat: cute.Tensor, row_idx: cute.Tensor,
+                 warp_n_idx: cutlass.Int32, lane: cutlass.Int32, warp_n: cutlass.Constexpr,
+                 is_max: cutlass.Constexpr, barrier):
+        """Combine per-row values across the `warp_n` warps that share rows, through smem.
+
+        sStat: (warp_n, tile_m) fp32; row_idx[r] = tile-local row of fragment row r.
+        Leaves the combined value in vals. Costs one CTA barrier.
+        """
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(self.num_rows):
+                sStat[warp_n_idx, row_idx[r]] = vals[r]
+        barrier()
+        for r in cutlass.range_constexpr(self.num_rows):
+            acc = sStat[0, row_idx[r]]
+            for w in cutlass.range_constexpr(1, warp_n):
+                if cutlass.const_expr(is_max):
+                    acc = cute.arch.fmax(acc, sStat[w, row_idx[r]])
+                else:
+                    acc = acc + sStat[w, row_idx[r]]
+            vals[r] = acc
+
+    @cute.jit
+    def update(self, acc_S_mn: cute.Tensor, blk_max: cute.Tensor, acc_O_mns: list):
+        """New max, P = exp2 in place of S, rescale every O chunk, accumulate partial row sums."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            prev = self.row_max[r]
+            cur = cute.arch.fmax(prev, blk_max[r])
+            safe = cutlass.Float32(0.0) if cur == -cutlass.Float32.inf else cur
+            max_scaled = safe * self.scale_log2
+            alpha = cute.math.exp2(prev * self.scale_log2 - max_scaled, fastmath=True)
+            p = cute.math.exp2(acc_S_mn[r, None].load() * self.scale_log2 - max_scaled,
+                               fastmath=True)
+            acc_S_mn[r, None] = p
+            self.row_sum[r] = self.row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            self.row_max[r] = cur
+            for c in cutlass.range_constexpr(len(acc_O_mns)):
+                acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * alpha
+
+    @cute.jit
+    def finalize_sum(self):
+        """Reduce partial row sums over the quad (call `exchange` after for warp_n > 1)."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            self.row_sum[r] = quad_allreduce_sum(self.row_sum[r])
+
+    @cute.jit
+    def normalize(self, acc_O_mns: list, lse: cute.Tensor):
+        """O /= row_sum (0 for empty rows); lse[r] = natural-log logsumexp of scaled scores."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            s = self.row_sum[r]
+            inv = cutlass.Float32(0.0)
+            lse[r] = -cutlass.Float32.inf
+            if s > 0.0:
+                inv = cute.arch.rcp_approx(s)
+                lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN2
+            for c in cutlass.range_constexpr(len(acc_O_mns)):
+                acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * inv

@@ -1,0 +1,193 @@
+"""The one arch selector: device -> compile target -> kernel family -> config -> launch.
+
+Forward and backward consult the same table (`FAMILY_OF_TARGET`), so they cannot diverge.
+
+| device (major, minor)  | compile target | family (kernels)                                    |
+|------------------------|----------------|-----------------------------------------------------|
+| 8.0 / 8.6 / 8.7 / 8.9  | sm_80 / ...    | sm80  (mma.sync Split-D)                             |
+| 9.0                    | sm_90a         | sm90  -> until ffpa_cute/sm90 lands: sm80 kernels   |
+|                        |                |          compiled for sm_90a                        |
+| 10.0 exactly           | sm_100a        | sm100 -> no kernels yet: SDPA fallback              |
+| 12.0 / 12.1            | sm_120a/121a   | sm120 (compile-verified only, never run)            |
+
+`FFPA_CUTE_ARCH` forces a family ("sm80", "sm90", "sm100", "sm120"), e.g. `FFPA_CUTE_ARCH=sm80`
+runs the mma.sync kernels on an H200. The compile target always stays the device's own.
+Kernels never query the device; only this module does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .problem import AttnProblem
+
+FAMILIES = ("sm80", "sm90", "sm100", "sm120")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
+
+
+def target_of(major: int, minor: int) -> str | None:
+    """cutlass-dsl compile target for a compute capability (None: no family serves it)."""
+    if major == 8 and minor in (0, 6, 7, 9):
+        return f"sm_8{minor}"
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if (major, minor) == (10, 0):
+        return "sm_100a"
+    if major == 12 and minor in (0, 1):
+        return f"sm_12{minor}a"
+    return None
+
+
+def family_of_target(target: str) -> str:
+    if target.startswith("sm_8"):
+        return "sm80"
+    return {"sm_90a": "sm90", "sm_100a": "sm100"}.get(target, "sm120")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def current_arch(device: torch.device | None = None) -> str:
+    """Compile target of `device` (default: the current CUDA device), e.g. "sm_90a"."""
+    if device is None or device.index is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device.index
+    major, minor = _capability(index)
+    return target_of(major, minor) or f"sm_{major}{minor}"
+
+
+def forced_family() -> str | None:
+    v = os.environ.get("FFPA_CUTE_ARCH", "").strip().lower().replace("_", "")
+    if not v:
+        return None
+    if v not in FAMILIES:
+        raise ValueError(f"FFPA_CUTE_ARCH={v!r}: accepted values are {', '.join(FAMILIES)}")
+    return v
+
+
+def _kernel_family(family: str):
+    """(kernel class, planner) of a family, or None when it has no kernels yet."""
+    if family in ("sm80", "sm90"):  # sm90: WGMMA kernels not built yet -> Split-D mma.sync
+        from .sm80 import FFPAFwdSm80, plan_fwd
+        return FFPAFwdSm80, plan_fwd
+    if family == "sm120":
+        from .sm120 import FFPAFwdSm120, plan_fwd
+        return FFPAFwdSm120, plan_fwd
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What would run for a problem: a kernel config, or the reason it goes to SDPA."""
+
+    problem: AttnProblem
+    target: str | None = None
+    family: str | None = None
+    cfg: Any = None
+    reason: str | None = None
+
+    @property
+    def kernel_cls(self):
+        return _kernel_family(self.family)[0]
+
+    def describe(self) -> str:
+        if self.reason is not None:
+            return f"torch SDPA fallback: {self.reason}"
+        kind = self.kernel_cls.__name__
+        note = " (sm90 WGMMA kernels not built yet)" if self.family == "sm90" else ""
+        return f"{kind} for {self.target}{note}: {self.cfg}"
+
+
+def problem_reason(p: AttnProblem) -> str | None:
+    """Reasons no kernel family covers a problem, whatever the GPU."""
+    if p.device_type != "cuda":
+        return f"tensors on {p.device_type}: the kernels run on CUDA devices only"
+    if p.dtype not in ("bf16", "fp16"):
+        return f"dtype {p.dtype} has no kernel (bf16 and fp16 only)"
+    if p.has_mask:
+        return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
+    if p.dropout_p > 0.0:
+        return "dropout_p > 0 has no kernel yet"
+    if p.head_dim_v != p.head_dim:
+        return f"head_dim_v={p.head_dim_v} != head_dim={p.head_dim} has no kernel yet"
+    if p.head_dim <= 256:
+        return (f"head_dim={p.head_dim} <= 256: FlashAttention-class kernels (torch SDPA's "
+                "flash/cuDNN backends) already cover it")
+    if p.head_dim % 8 or p.head_dim > MAX_HEAD_DIM or p.head_dim < MIN_HEAD_DIM:
+        return (f"head_dim={p.head_dim}: kernels cover multiples of 8 in "
+                f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(p: AttnProblem, target: str, family: str) -> Plan:
+    fam = _kernel_family(family)
+    if fam is None:
+        return Plan(p, target, family, reason=f"{family} has no kernel family yet ({target})")
+    _, planner = fam
+    try:
+        cfg = planner(p, target)
+    except ValueError as e:
+        return Plan(p, target, family, reason=f"{family} kernels cannot run it: {e}")
+    return Plan(p, target, family, cfg=cfg)
+
+
+def plan_fwd(problem: AttnProblem, device: torch.device | None = None,
+             target: str | None = None) -> Plan:
+    """Never raises for "unsupported": the Plan carries the reason instead."""
+    reason = problem_reason(problem)
+    if reason is not None:
+        return Plan(problem, reason=reason)
+    target = target or current_arch(device)
+    family = forced_family()
+    if family is None:
+        if target_of(*_parse(target)) is None:
+            return Plan(problem, target, reason=f"no kernel family for {target}")
+        family = family_of_target(target)
+    if family in ("sm80", "sm90") and target.startswith("sm_12"):
+        family = "sm120"  # the Split-D kernel on sm_12x is the sm120 subclass
+    return _plan_cached(problem, target, family)
+
+
+def _parse(target: str) -> tuple[int, int]:
+    digits = target[3:].rstrip("a")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernels need unit stride on D, 16-byte aligned rows: copy only when that fails."""
+    elems = 16 // t.element_size()
+    if (t.stride(-1) != 1 or t.data_ptr() % 16
+            or any(s % elems for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
+        return t.contiguous()
+    return t
+
+
+def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Run a kernel plan: returns (out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32)."""
+    if plan.reason is not None:
+        raise NotImplementedError(plan.reason)
+    from .cache import jit_cache
+
+    p = plan.problem
+    b, hq, nq, _ = q.shape
+    out = torch.empty(b, hq, nq, p.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[2] == 0:  # no keys at all: every row is empty
+        return out.zero_(), lse.fill_(float("-inf"))
+    cls = plan.kernel_cls
+    fn = jit_cache().get(cls, plan.cfg)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    cls.launch(fn, _kernel_ready(q), _kernel_ready(k), _kernel_ready(v), out, lse,
+               p.softmax_scale, p.causal_offset, stream)
+    return out, lse

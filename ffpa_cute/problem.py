@@ -1,0 +1,74 @@
+"""The attention problem as the dispatcher sees it: dtypes, head dims, sizes, causal alignment.
+
+`AttnProblem` is built once per call from the (already validated) tensors and describes *what* is
+asked, not how it will be computed. Kernel planners (`smXX/config.py:plan_fwd`) turn it into a
+frozen per-kernel config, which is the compile key; sizes (B, H, N) never enter that key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass(frozen=True)
+class AttnProblem:
+    """One attention call in kernel terms ([B, H, N, D] inputs).
+
+    causal_offset: query row i may see key j iff j <= i + causal_offset (only when `causal`).
+    Bottom-right alignment (FlashAttention / our `attention(is_causal=True)`) is
+    offset = seqlen_kv - seqlen_q; upper-left (SDPA's `is_causal`) is offset = 0.
+    """
+
+    dtype: str  # "bf16" | "fp16" | "fp32" | ...
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_kv: int
+    head_dim: int
+    head_dim_v: int
+    causal: bool = False
+    causal_offset: int = 0
+    scale: float | None = None  # None: 1/sqrt(head_dim), as SDPA
+    device_type: str = "cuda"
+    has_mask: bool = False
+    dropout_p: float = 0.0
+    requires_grad: bool = False
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @staticmethod
+    def from_tensors(q, k, v, *, causal: bool = False, causal_offset: int | None = None,
+                     scale: float | None = None, has_mask: bool = False,
+                     dropout_p: float = 0.0) -> "AttnProblem":
+        """Describe q [B, Hq, Nq, D], k [B, Hkv, Nkv, D], v [B, Hkv, Nkv, Dv].
+
+        causal_offset defaults to bottom-right alignment (Nkv - Nq).
+        """
+        b, hq, nq, d = q.shape
+        _, hkv, nkv, _ = k.shape
+        if causal_offset is None:
+            causal_offset = nkv - nq
+        return AttnProblem(
+            dtype=dtype_name(q.dtype), batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+            seqlen_kv=nkv, head_dim=d, head_dim_v=v.shape[-1], causal=bool(causal),
+            causal_offset=int(causal_offset) if causal else 0,
+            scale=float(scale) if scale is not None else None, device_type=q.device.type,
+            has_mask=has_mask, dropout_p=float(dropout_p),
+            requires_grad=bool(q.requires_grad or k.requires_grad or v.requires_grad),
+        )

@@ -1,0 +1,139 @@
+"""Compile key and planner for the mma.sync Split-D forward (`FFPAFwdSm80`).
+
+`FwdConfigSm80` is frozen and holds Python scalars only, so it pickles, hashes and reads well in
+logs; `(qualname, cfg)` is the compile-cache key. `plan_fwd(problem, arch)` never returns a config
+that `can_implement` rejects.
+
+# === TUNING TABLE ===================================================================
+# Warp layout (warp_m x warp_n warps; tile_m = 16 * warp_m rows of Q per CTA).
+# O lives in registers for the whole KV loop: D / (2 * warp_n) fp32 registers per thread.
+#   D <= 256*warp_n keeps that at <= 128, which leaves room for S, P and addresses without spills.
+#   - M8N1 (FA-2 style, 8 warps, tile_m 128): no cross-warp softmax exchange; O = D/2 registers,
+#     so only for D <= 320 (160 registers), measured against M4N2 on the H200 (perf/NOTES.md).
+#   - M4N2 (8 warps, tile_m 64): O split in two along D; row max/sum exchanged through smem.
+#   - M2N4 (8 warps, tile_m 32): D > 512 (O = D/8 <= 128 registers at D = 1024).
+# tile_n 64, tile_hdim 64 (one 128-byte swizzled row per chunk), stages: as many 8 KB K/V
+# chunks as fit beside Q (Q[tile_m, D] is resident: tile_m * D <= 32K elements = 64 KB).
+# =====================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..problem import AttnProblem
+
+# Shared memory per CTA (bytes) by compile target, as cutlass-dsl names them.
+SMEM_CAPACITY = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
+                 "sm_90a": 232448, "sm_100a": 232448, "sm_120a": 101376, "sm_121a": 101376}
+WARP_LAYOUTS = {"m8n1": (8, 1), "m4n2": (4, 2), "m2n4": (2, 4)}
+DTYPES = ("bf16", "fp16")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
+
+
+@dataclass(frozen=True)
+class FwdConfigSm80:
+    """Everything that changes the generated code of the Split-D forward.
+
+    arch:        compile target ("sm_80", "sm_90a", "sm_120a", ...), sets the smem budget
+    dtype:       "bf16" | "fp16" (q, k, v, o); accumulation is fp32
+    head_dim:    D, a multiple of 8; chunks of tile_hdim, the last one zero-padded in smem
+    causal:      causal masking (the diagonal offset is a runtime argument)
+    warp_layout: "m8n1" | "m4n2" | "m2n4" (see the tuning table)
+    tile_n:      KV rows per block
+    tile_hdim:   head-dim chunk width for both QK^T (k-dim) and PV (n-dim)
+    num_stages:  depth of the K/V chunk ring (cp.async groups in flight + 1)
+    """
+
+    arch: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    warp_layout: str = "m4n2"
+    tile_n: int = 64
+    tile_hdim: int = 64
+    num_stages: int = 3
+
+    @property
+    def warp_m(self) -> int:
+        return WARP_LAYOUTS[self.warp_layout][0]
+
+    @property
+    def warp_n(self) -> int:
+        return WARP_LAYOUTS[self.warp_layout][1]
+
+    @property
+    def tile_m(self) -> int:
+        return 16 * self.warp_m
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.warp_m * self.warp_n
+
+    @property
+    def num_hdim_chunks(self) -> int:
+        return -(-self.head_dim // self.tile_hdim)
+
+    @property
+    def hdim_padded(self) -> int:
+        return self.num_hdim_chunks * self.tile_hdim
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA: resident Q, the K/V chunk ring, P and row statistics."""
+        elt = 2
+        q = self.tile_m * self.hdim_padded * elt
+        ring = self.num_stages * self.tile_n * self.tile_hdim * elt
+        p = self.tile_m * self.tile_n * elt
+        stats = self.warp_n * self.tile_m * 4
+        return q + ring + p + stats + 3 * 1024  # 1 KB alignment per region
+
+    def o_registers(self) -> int:
+        """fp32 registers per thread holding O for the whole KV loop."""
+        return self.head_dim // (2 * self.warp_n)
+
+
+def can_implement(cfg: FwdConfigSm80) -> str | None:
+    """None when the kernel can be built for cfg, else the reason (mirrors the docstring)."""
+    if cfg.dtype not in DTYPES:
+        return f"dtype {cfg.dtype!r} not in {DTYPES}"
+    if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
+        return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if cfg.warp_layout not in WARP_LAYOUTS:
+        return f"warp_layout {cfg.warp_layout!r} not in {sorted(WARP_LAYOUTS)}"
+    if cfg.tile_hdim != 64 or cfg.tile_n != 64:
+        return "tile_hdim and tile_n must be 64 (one 128-byte swizzle atom per row)"
+    if cfg.num_stages < 2:
+        return "num_stages must be >= 2"
+    if cfg.arch not in SMEM_CAPACITY:
+        return f"arch {cfg.arch!r} not in {sorted(SMEM_CAPACITY)}"
+    if cfg.smem_bytes() > SMEM_CAPACITY[cfg.arch]:
+        return f"needs {cfg.smem_bytes()} B of smem, {cfg.arch} has {SMEM_CAPACITY[cfg.arch]}"
+    if cfg.o_registers() > 160:
+        return f"O needs {cfg.o_registers()} registers per thread with {cfg.warp_layout} (> 160)"
+    return None
+
+
+def pick_warp_layout(head_dim: int) -> str:
+    """Measured crossover (perf/NOTES.md): see the tuning table above."""
+    if head_dim <= 320:
+        return "m8n1"
+    if head_dim <= 512:
+        return "m4n2"
+    return "m2n4"
+
+
+def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) -> FwdConfigSm80:
+    """The config for `problem` on `arch`; raises ValueError with the reason if none can run."""
+    layout = warp_layout or pick_warp_layout(problem.head_dim)
+    cfg = None
+    for stages in (4, 3, 2):
+        cfg = FwdConfigSm80(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                            causal=problem.causal, warp_layout=layout, num_stages=stages)
+        if cfg.smem_bytes() <= SMEM_CAPACITY.get(arch, 0):
+            break
+    if warp_layout is None and can_implement(cfg) and layout == "m8n1":
+        return plan_fwd(problem, arch, "m4n2")  # M8N1's 128-row Q does not fit this arch's smem
+    reason = can_implement(cfg)
+    if reason:
+        raise ValueError(reason)
+    return cfg

@@ -1,0 +1,418 @@
+"""Split-D attention forward on mma.sync (sm_80 / sm_86 / sm_89; also runs on sm_90 and sm_120).
+
+What it computes: O = softmax(scale * Q K^T [+ causal mask]) V and LSE, for q [B, Hq, Nq, D],
+k/v [B, Hkv, Nkv, D] (any strides, unit stride on D), Hq a multiple of Hkv (GQA/MQA), any Nq, Nkv,
+bf16/fp16 in, fp32 accumulation, D from 264 to 1024 in steps of 8.
+
+This kernel works as follows (one CTA = one tile_m-row Q tile of one (batch, head)):
+1. cp.async Q[tile_m, D] into shared memory once (it stays resident: tile_m * D <= 32K elements).
+2. Stream K and V through one ring of `num_stages` chunk buffers, each [tile_n, tile_hdim]. The
+   ring order per KV block is K chunk 0..C-1, then V chunk 0..C-1 (C = ceil(D / tile_hdim)), so the
+   shared memory used by K/V does not grow with D (the FFPA "O(1) SRAM" idea).
+3. S = Q K^T accumulates over the C head-dim chunks (ldmatrix + mma.sync m16n8k16).
+4. Mask (seqlen residue, causal diagonal) only on blocks that need it; online softmax in exp2
+   form (common/softmax.py). With warp_n > 1 the row max is combined across warps through smem.
+5. P (bf16/fp16) goes to shared memory once, is loaded back as the A operand of PV, and each V
+   chunk updates its own O chunk: O[:, c] += P V[:, c]. O stays in registers as C fragments.
+6. Epilogue: O /= row_sum, LSE, O staged through the (now free) Q buffer and stored with 128-bit
+   predicated writes; rows past Nq and columns past D are never written.
+
+Warp layouts (config field `warp_layout`, warps along M x warps along N of every MMA):
+M8N1 (FA-2 style, no exchange), M4N2 and M2N4 (O split across warps along D, so each thread
+holds D / (2 * warp_n) fp32 of O; the price is one extra CTA barrier per KV block).
+
+Budget (bf16, tile_n = tile_hdim = 64): smem = Q 64 KB + ring 8 KB/stage + P 8 KB (+ 0.5 KB
+stats). D=512, M4N2: O 128 regs/thread, 3 stages = 97 KB. D=1024, M2N4: O 128 regs/thread,
+Q = 32 x 1024 = 64 KB, same 97 KB. Both fit sm_120's 99 KB.
+
+Constraints (mirrored by `config.can_implement`):
+* dtype bf16 or fp16; D a multiple of 8 in [264, 1024] (the last chunk is zero-padded in smem);
+* the last mode of q, k, v, o has stride 1 and every other stride is a multiple of 8 elements;
+* Hq % Hkv == 0.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor)
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warp
+
+from ..common.mask import apply_mask, block_needs_mask, n_block_max
+from ..common.softmax import OnlineSoftmax, mn_view
+from .config import FwdConfigSm80, can_implement
+
+CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+LOG2_E = 1.4426950408889634
+
+
+class FFPAFwdSm80:
+    """Split-D forward; one instance per `FwdConfigSm80` (the compile key)."""
+
+    arch_family = "sm80"
+
+    def __init__(self, cfg: FwdConfigSm80):
+        reason = can_implement(cfg)
+        if reason:
+            raise ValueError(f"{type(self).__name__}: {reason}")
+        self.cfg = cfg
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        self.tile_m, self.tile_n, self.tile_hdim = cfg.tile_m, cfg.tile_n, cfg.tile_hdim
+        self.num_chunks = cfg.num_hdim_chunks
+        self.num_stages = cfg.num_stages
+        self.warp_m, self.warp_n = cfg.warp_m, cfg.warp_n
+        self.num_threads = cfg.num_threads
+        self.causal = cfg.causal
+
+    # ---------------------------------------------------------------- compile and launch
+    @staticmethod
+    def arch_of(cfg: FwdConfigSm80) -> str:
+        return cfg.arch
+
+    @classmethod
+    def compile(cls, cfg: FwdConfigSm80, options: str = ""):
+        """Compile for cfg.arch from fake tensors: no GPU needed, one compile per config."""
+        return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
+                            options=f"--gpu-arch {cfg.arch} {options}".strip())
+
+    @staticmethod
+    def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
+        """Run a compiled kernel on torch tensors ([B, H, N, D], last stride 1, 16-byte
+        aligned, other strides multiples of 8 elements; lse [B, Hq, Nq] fp32 contiguous)."""
+        from cutlass.cute.runtime import from_dlpack
+
+        def arg(t):
+            return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+        fn(arg(q), arg(k), arg(v), arg(out), arg(lse), softmax_scale, causal_offset,
+           cuda.CUstream(stream))
+
+    # ---------------------------------------------------------------- layouts, MMA, storage
+    def _smem_layouts(self):
+        # 64 bf16 = 128 B per row: Swizzle<3,3,3> makes ldmatrix and 128-bit cp.async conflict-free
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
+        sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
+        sP = cute.tile_to_shape(atom, (self.tile_m, self.tile_n), (0, 1))
+        sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
+        return sQ, sKV, sP, sStat
+
+    def _tiled_mma(self):
+        # Each warp owns 16 rows and 16 * k columns of every product (permutation N = 16 * warp_n).
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
+            (self.warp_m, self.warp_n, 1),
+            permutation_mnk=(self.warp_m * 16, self.warp_n * 16, 16),
+        )
+
+    def _gmem_tiled_copy(self, async_copy: bool):
+        elems = 128 // self.dtype.width  # 8 elements = 16 bytes per thread per copy
+        op = (cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL) if async_copy
+              else cute.nvgpu.CopyUniversalOp())
+        atom = cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128)
+        cols = self.tile_hdim // elems
+        thr = cute.make_layout((self.num_threads // cols, cols), stride=(cols, 1))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: cutlass.Float32,
+                 causal_offset: cutlass.Int32, stream: cuda.CUstream):
+        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Launch grid = (m_blocks, Hq, B)."""
+        mQ, mK, mV, mO = [self._aligned(t) for t in (mQ, mK, mV, mO)]
+        sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sStat: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 16]
+
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
+                cute.size(mQ.shape[0]))
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, causal_offset,
+            sQ_layout, sKV_layout, sP_layout, sStat_layout,
+            self._gmem_tiled_copy(True), self._gmem_tiled_copy(False), self._tiled_mma(),
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1],
+                 smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    def _aligned(self, t: cute.Tensor) -> cute.Tensor:
+        """Re-state a (B, H, N, D) tensor with D static and 16-byte-divisible strides.
+
+        Runtime tensors arrive with fully dynamic layouts (one compile serves every size and
+        stride); this tells the compiler what the dispatcher guarantees, so that gmem copies are
+        128-bit: stride(D) == 1, every other stride a multiple of 8 elements.
+        """
+        elems = 128 // self.dtype.width
+        shape = (t.shape[0], t.shape[1], t.shape[2], self.cfg.head_dim)
+        stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
+        return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, scale_log2: cutlass.Float32, causal_offset: cutlass.Int32,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+               gmem_copy_in: cute.TiledCopy, gmem_copy_out: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        grid_m, _, _ = cute.arch.grid_dim()
+        m_block = grid_m - 1 - bidx  # longest tiles first under causal (bottom-right)
+        seqlen_q, seqlen_k, hdim = mQ.shape[2], mK.shape[2], mQ.shape[3]
+        head_kv = head // (mQ.shape[1] // mK.shape[1])
+        warp_n_idx = cute.arch.warp_idx() // self.warp_m
+        lane = cute.arch.lane_idx()
+        cta_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
+        C = self.num_chunks
+
+        # ///// shared memory
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)        # (tile_m, tile_hdim, C)
+        sKV = storage.sKV.get_tensor(sKV_layout)     # (tile_n, tile_hdim, stages)
+        sP = storage.sP.get_tensor(sP_layout)        # (tile_m, tile_n)
+        sStat = storage.sStat.get_tensor(sStat_layout)  # (warp_n, tile_m)
+
+        # ///// global tiles and their coordinates
+        # (tile_m, tile_hdim, C)
+        gQ = cute.local_tile(mQ[batch, head, None, None], (self.tile_m, self.tile_hdim),
+                             (m_block, None))
+        # (tile_n, tile_hdim, n_blocks, C)
+        gK = cute.local_tile(mK[batch, head_kv, None, None], (self.tile_n, self.tile_hdim),
+                             (None, None))
+        gV = cute.local_tile(mV[batch, head_kv, None, None], (self.tile_n, self.tile_hdim),
+                             (None, None))
+        idQ = cute.make_identity_tensor((seqlen_q, hdim))
+        idKV = cute.make_identity_tensor((seqlen_k, hdim))
+        cQ = cute.local_tile(idQ, (self.tile_m, self.tile_hdim), (m_block, None))
+        cKV = cute.local_tile(idKV, (self.tile_n, self.tile_hdim), (None, None))
+
+        thr_copy = gmem_copy_in.get_slice(tidx)
+        tQgQ = thr_copy.partition_S(gQ)     # (CPY, CPY_M, CPY_K, C)
+        tQsQ = thr_copy.partition_D(sQ)     # (CPY, CPY_M, CPY_K, C)
+        tQcQ = thr_copy.partition_S(cQ)
+        tKgK = thr_copy.partition_S(gK)     # (CPY, CPY_N, CPY_K, n_blocks, C)
+        tVgV = thr_copy.partition_S(gV)
+        tKVcKV = thr_copy.partition_S(cKV)  # (CPY, CPY_N, CPY_K, n_blocks, C)
+        tKVsKV = thr_copy.partition_D(sKV)  # (CPY, CPY_N, CPY_K, stages)
+
+        # ///// MMA partitions and fragments
+        thr_mma = tiled_mma.get_slice(tidx)
+        sV0t = self._transposed(sKV[None, None, 0])
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, 0]))   # (MMA, MMA_M, MMA_K)
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKV[None, None, 0]))  # (MMA, MMA_N, MMA_K)
+        tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))                  # (MMA, MMA_M, MMA_K)
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sV0t))              # (MMA, MMA_N, MMA_K)
+        acc_S = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+        acc_O = [cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), cutlass.Float32)
+            for _ in range(C)]
+        for c in cutlass.range_constexpr(C):
+            acc_O[c].fill(0.0)
+        acc_S_mn = mn_view(acc_S)
+        acc_O_mn = [mn_view(acc_O[c]) for c in range(C)]
+        # tile-local (row, col) of each S element, for masking and the row-stat exchange
+        tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        row_idx = cute.make_rmem_tensor(num_rows, cutlass.Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            row_idx[r] = tScS_mn[r, 0][0]
+
+        # ldmatrix copies smem -> registers
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                   self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                     self.dtype)
+        s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+        tSrQ_v, tSrK_v = s2r_A.retile(tSrQ), s2r_B.retile(tSrK)
+        tOrP_v, tOrVt_v = s2r_A.retile(tOrP), s2r_B.retile(tOrVt)
+        tOsP = s2r_A.partition_S(sP)
+
+        softmax = OnlineSoftmax(num_rows, scale_log2)
+
+        # ///// KV loop bounds (reverse order: the residue / diagonal block comes first)
+        n_max = n_block_max(m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
+                            self.causal)
+        num_iters = n_max  # blocks n_max-1 ... 0
+        steps = 2 * C      # ring steps per KV block: K chunks then V chunks
+
+        # ///// prologue: Q (all chunks) joins the first ring group
+        for c in cutlass.range_constexpr(C):
+            self._load_tile(gmem_copy_in, tQgQ[None, None, None, c], tQsQ[None, None, None, c],
+                            tQcQ[None, None, None, c], seqlen_q, hdim)
+        for s in cutlass.range_constexpr(self.num_stages - 1):
+            if s // steps < num_iters:
+                self._load_ring_step(gmem_copy_in, tKgK, tVgV, tKVcKV, tKVsKV,
+                                     n_max - 1 - s // steps, s % steps, s % self.num_stages,
+                                     seqlen_k, hdim)
+            cute.arch.cp_async_commit_group()
+
+        # ///// main loop over KV blocks
+        for it in cutlass.range(num_iters, unroll=1):
+            n_block = n_max - 1 - it
+            for j in cutlass.range_constexpr(steps):
+                t = it * steps + j
+                cute.arch.cp_async_wait_group(self.num_stages - 2)
+                cta_sync.arrive_and_wait()
+                # prefetch the step num_stages-1 ahead into the slot step t-1 just released
+                jp = j + self.num_stages - 1
+                it_p = it + jp // steps
+                if it_p < num_iters:
+                    self._load_ring_step(gmem_copy_in, tKgK, tVgV, tKVcKV, tKVsKV,
+                                         n_max - 1 - it_p, jp % steps,
+                                         (t + self.num_stages - 1) % self.num_stages,
+                                         seqlen_k, hdim)
+                cute.arch.cp_async_commit_group()
+                slot = t % self.num_stages
+                if cutlass.const_expr(j < C):
+                    # ---- S += Q[:, chunk j] K[:, chunk j]^T
+                    if cutlass.const_expr(j == 0):
+                        acc_S.fill(0.0)
+                    tSsQ = s2r_A.partition_S(sQ[None, None, j])
+                    tSsK = s2r_B.partition_S(sKV[None, None, slot])
+                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        cute.copy(s2r_A, tSsQ[None, None, k], tSrQ_v[None, None, k])
+                        cute.copy(s2r_B, tSsK[None, None, k], tSrK_v[None, None, k])
+                        cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k],
+                                  acc_S)
+                    if cutlass.const_expr(j == C - 1):
+                        self._softmax_step(acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax, sStat,
+                                           sP, thr_mma, row_idx, warp_n_idx, lane, m_block,
+                                           n_block, seqlen_k, causal_offset, cta_sync)
+                else:
+                    # ---- O[:, chunk] += P V[:, chunk]  (P was written before this step's barrier)
+                    if cutlass.const_expr(j == C):
+                        cute.copy(s2r_A, tOsP, tOrP_v)
+                    tOsVt = s2r_Bt.partition_S(self._transposed(sKV[None, None, slot]))
+                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                        cute.copy(s2r_Bt, tOsVt[None, None, k], tOrVt_v[None, None, k])
+                        cute.gemm(tiled_mma, acc_O[j - C], tOrP[None, None, k],
+                                  tOrVt[None, None, k], acc_O[j - C])
+        cute.arch.cp_async_wait_group(0)
+
+        # ///// epilogue
+        self._epilogue(softmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx, lane, thr_mma,
+                       tiled_mma, gmem_copy_out, mO, mLSE, batch, head, m_block, seqlen_q, hdim,
+                       cta_sync, tidx)
+
+    def _transposed(self, sV_chunk: cute.Tensor) -> cute.Tensor:
+        """(tile_n, tile_hdim) V chunk seen as (tile_hdim, tile_n): the B operand of P V."""
+        return cute.composition(
+            sV_chunk, cute.make_layout((self.tile_hdim, self.tile_n), stride=(self.tile_n, 1)))
+
+    @cute.jit
+    def _load_tile(self, tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
+                   coord: cute.Tensor, row_limit: cutlass.Int32, col_limit: cutlass.Int32):
+        """Predicated 16-byte cp.async of one chunk; out-of-range vectors are zero-filled.
+
+        Zero fill matters: padded K columns would add garbage to S, and rows past Nkv of V would
+        turn P = 0 into NaN (0 * NaN) in P V.
+        """
+        for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                rc = coord[0, m, k]
+                if rc[0] < row_limit and rc[1] < col_limit:
+                    cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+                else:
+                    dst[None, m, k].fill(0)
+
+    @cute.jit
+    def _load_ring_step(self, tiled_copy, tKgK, tVgV, tKVcKV, tKVsKV, n_block: cutlass.Int32,
+                        step: cutlass.Constexpr, slot: cutlass.Int32, seqlen_k: cutlass.Int32,
+                        hdim: cutlass.Int32):
+        """Ring step `step` of KV block n_block: K chunk `step`, or V chunk `step - C`."""
+        C = self.num_chunks
+        chunk = step % C
+        src = tKgK if cutlass.const_expr(step < C) else tVgV
+        self._load_tile(tiled_copy, src[None, None, None, n_block, chunk],
+                        tKVsKV[None, None, None, slot],
+                        tKVcKV[None, None, None, n_block, chunk], seqlen_k, hdim)
+
+    @cute.jit
+    def _softmax_step(self, acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax: OnlineSoftmax,
+                      sStat, sP, thr_mma, row_idx, warp_n_idx, lane, m_block, n_block, seqlen_k,
+                      causal_offset, cta_sync):
+        """Mask, online softmax, O rescale; P -> sP for the PV steps."""
+        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
+                            self.causal):
+            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
+                       self.tile_m, self.tile_n, self.causal)
+        blk_max = softmax.block_max(acc_S_mn)
+        if cutlass.const_expr(self.warp_n > 1):
+            softmax.exchange(blk_max, sStat, row_idx, warp_n_idx, lane, self.warp_n, True,
+                             cta_sync.arrive_and_wait)
+        softmax.update(acc_S_mn, blk_max, acc_O_mn)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        tPsP = thr_mma.partition_C(sP)
+        cute.autovec_copy(rP, tPsP)
+
+    @cute.jit
+    def _epilogue(self, softmax: OnlineSoftmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx,
+                  lane, thr_mma, tiled_mma, gmem_copy_out, mO, mLSE, batch, head, m_block,
+                  seqlen_q, hdim, cta_sync, tidx):
+        """Normalise, write LSE, stage O in the Q buffer, 128-bit predicated stores."""
+        C = self.num_chunks
+        softmax.finalize_sum()
+        cta_sync.arrive_and_wait()  # everyone is done with sQ and sStat
+        if cutlass.const_expr(self.warp_n > 1):
+            softmax.exchange(softmax.row_sum, sStat, row_idx, warp_n_idx, lane, self.warp_n,
+                             False, cta_sync.arrive_and_wait)
+        lse = cute.make_rmem_tensor(softmax.num_rows, cutlass.Float32)
+        softmax.normalize(acc_O_mn, lse)
+        if warp_n_idx == 0 and lane % 4 == 0:
+            for r in cutlass.range_constexpr(softmax.num_rows):
+                row = m_block * self.tile_m + row_idx[r]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[r]
+        # O -> sQ (the Q buffer is free: the last QK step precedes the last barrier)
+        for c in cutlass.range_constexpr(C):
+            rO = cute.make_fragment_like(acc_O[c], self.dtype)
+            rO.store(acc_O[c].load().to(self.dtype))
+            cute.autovec_copy(rO, thr_mma.partition_C(sQ[None, None, c]))
+        cta_sync.arrive_and_wait()
+        gO = cute.local_tile(mO[batch, head, None, None], (self.tile_m, self.tile_hdim),
+                             (m_block, None))
+        cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, hdim)),
+                             (self.tile_m, self.tile_hdim), (m_block, None))
+        thr_copy = gmem_copy_out.get_slice(tidx)
+        tOsO = thr_copy.partition_S(sQ)   # (CPY, CPY_M, CPY_K, C)
+        tOgO = thr_copy.partition_D(gO)
+        tOcO = thr_copy.partition_D(cO)
+        for c in cutlass.range_constexpr(C):
+            for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tOsO, mode=[2])):
+                    rc = tOcO[0, m, k, c]
+                    if rc[0] < seqlen_q and rc[1] < hdim:
+                        vec = cute.make_fragment_like(tOsO[None, m, k, c])
+                        cute.autovec_copy(tOsO[None, m, k, c], vec)
+                        cute.copy(gmem_copy_out, vec, tOgO[None, m, k, c])
+
+
+def fake_args(cfg) -> tuple:
+    """Compile-time stand-ins for (q, k, v, o, lse): every size and stride symbolic.
+
+    They match what `runtime_args` builds from torch tensors (from_dlpack + dynamic layout with
+    unit stride on the last mode), so one compiled function serves every shape and stride.
+    """
+    dtype = CUTLASS_DTYPES[cfg.dtype]
+
+    def fake(dt, rank, div):
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int(64, divisibility=div) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    qkvo = [fake(dtype, 4, 128 // dtype.width) for _ in range(4)]
+    return (*qkvo, fake(cutlass.Float32, 3, 1))
