@@ -1,0 +1,10 @@
+"""ffpa_cute: exact attention for large head dims (D > 256), CuTe-DSL kernels behind SDPA's API.
+
+Importing is cheap on purpose: cutlass and the kernel families load on the first kernel call.
+"""
+
+from .interface import attention, explain, patch_sdpa, unpatch_sdpa
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "explain", "patch_sdpa", "unpatch_sdpa", "__version__"]

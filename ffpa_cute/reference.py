@@ -1,0 +1,96 @@
+"""Reference attention for tests and benchmarks: explicit matmuls, no fused kernels.
+
+Why explicit matmuls and not SDPA: the reference must never be another kernel under test, and
+SDPA's fused backends differ by device and version. `attention_ref` upcasts (float64 by default,
+so it is truth for bf16/fp16 outputs on any device; pass `upcast=torch.float32` where fp64 is
+slow); `attention_same_dtype` runs the same math in the inputs' dtype, which is roughly what a
+plain PyTorch implementation gets. Tests bound a kernel's error by twice the latter's error
+(FlashAttention's ratio test), so the bound scales with what the dtype can deliver.
+
+Semantics match `ffpa_cute.attention`: [..., H, N, D] layout, GQA by repeating K/V heads,
+`causal_offset` (query i sees key j iff j <= i + offset) defaulting to bottom-right alignment
+(Nkv - Nq), and rows that see no key give out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_ref", "attention_same_dtype", "rel_err"]
+
+
+def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq == hkv:
+        return k, v
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    rep = hq // hkv
+    return k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+
+
+def _attention_math(q, k, v, causal, causal_offset, scale, compute_dtype):
+    """Softmax(q k^T * scale) v in `compute_dtype`; returns (out, lse) in that dtype."""
+    nq, nkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    k, v = _expand_kv(q, k, v)
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        offset = nkv - nq if causal_offset is None else int(causal_offset)
+        rows = torch.arange(nq, device=q.device).unsqueeze(-1)
+        cols = torch.arange(nkv, device=q.device)
+        scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+    # logsumexp is computed in at least fp32 even for the same-dtype path (torch's softmax does the
+    # same internally); the probabilities are then rounded to compute_dtype before the PV matmul.
+    lse = torch.logsumexp(scores.float() if scores.element_size() < 4 else scores, dim=-1)
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
+    probs = probs.masked_fill(empty.unsqueeze(-1), 0.0)
+    out = torch.matmul(probs.to(compute_dtype), v)
+    return out, lse.to(compute_dtype)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                  causal_offset: int | None = None, scale: float | None = None,
+                  upcast: torch.dtype = torch.float64):
+    """Ground-truth attention on `upcast` copies of the inputs.
+
+    q [..., Hq, Nq, D], k [..., Hkv, Nkv, D], v [..., Hkv, Nkv, Dv] with Hq % Hkv == 0.
+    Returns (out [..., Hq, Nq, Dv], lse [..., Hq, Nq]) both in `upcast` (kept high precision so
+    the caller chooses when to round); lse is the natural-log logsumexp of the scaled scores.
+    """
+    return _attention_math(q, k, v, causal, causal_offset, scale, upcast)
+
+
+def attention_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                         causal_offset: int | None = None, scale: float | None = None):
+    """The same math as `attention_ref` carried out in the inputs' dtype ("what torch gets").
+
+    Used as the error baseline: a kernel is accepted when its error against `attention_ref` is at
+    most ~2x this function's error, plus a small noise floor.
+    """
+    return _attention_math(q, k, v, causal, causal_offset, scale, q.dtype)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ||a - ref|| / ||ref|| in float64.
+
+    Entries where both tensors hold the same infinity (e.g. lse = -inf on empty rows) count as
+    equal; any other non-finite entry makes the error infinite so it can never pass a bound.
+    """
+    a64, r64 = a.detach().to(torch.float64), ref.detach().to(torch.float64)
+    if a64.shape != r64.shape:
+        raise ValueError(f"shape mismatch: {tuple(a64.shape)} vs reference {tuple(r64.shape)}")
+    same_inf = torch.isinf(a64) & (a64 == r64)
+    a64 = a64.masked_fill(same_inf, 0.0)
+    r64 = r64.masked_fill(same_inf, 0.0)
+    if not (torch.isfinite(a64).all() and torch.isfinite(r64).all()):
+        return math.inf
+    denom = r64.norm().item()
+    num = (a64 - r64).norm().item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / denom
