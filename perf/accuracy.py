@@ -33,7 +33,7 @@ def no_tf32():
 
 
 def ref_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float32 else torch.float32
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def spaced(n: int, k: int) -> list[int]:

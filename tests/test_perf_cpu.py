@@ -1,0 +1,349 @@
+"""perf/ on the CPU: FLOP counts, case selection, CLI, writers, header, reference, a smoke sweep."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from perf import accuracy, report
+from perf.baselines import (Ffpa, Sdpa, Unsupported, introspect_api, math_bytes,
+                            parse_baselines)
+from perf.cases import (ALL_FAMILIES, FFPA_FAMILIES, Case, full_cases, parse_dtypes,
+                        parse_families, parse_ints, quick_cases, select_cases)
+from perf.envinfo import collect_env, slug
+from perf.flops import (attn_flops, attn_flops_bwd, attn_flops_fwd, tflops, valid_pairs,
+                        valid_pairs_bruteforce)
+from perf.runner import Ctx, Notes, run_impl
+from perf.sweep import build_parser, main, parse_args
+from perf.timing import bench, summarize
+
+
+# ------------------------------------------------------------------------------------ flops
+def brute(nq, nkv, causal, offset=None):
+    """Count pairs from the definition, independently of perf.flops."""
+    if not causal:
+        return nq * nkv
+    off = nkv - nq if offset is None else offset
+    return sum(1 for i in range(nq) for j in range(nkv) if j <= i + off)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_valid_pairs_matches_bruteforce(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        nq, nkv = rng.randint(0, 37), rng.randint(0, 37)
+        for off in (None, 0, rng.randint(-45, 45)):
+            want = brute(nq, nkv, True, off)
+            assert valid_pairs(nq, nkv, True, off) == want, (nq, nkv, off)
+            assert valid_pairs_bruteforce(nq, nkv, True, off) == want
+        assert valid_pairs(nq, nkv, False) == nq * nkv
+
+
+@pytest.mark.parametrize("nq,nkv", [(7, 20), (20, 7), (13, 13), (1, 9), (9, 1), (0, 5), (5, 0)])
+def test_valid_pairs_both_alignments(nq, nkv):
+    # bottom-right (default, offset nkv - nq) and upper-left (offset 0)
+    assert valid_pairs(nq, nkv, True) == brute(nq, nkv, True, nkv - nq)
+    assert valid_pairs(nq, nkv, True, causal_offset=0) == brute(nq, nkv, True, 0)
+
+
+def test_valid_pairs_known_values():
+    n = 8192
+    assert valid_pairs(n, n, True) == n * (n + 1) // 2
+    assert valid_pairs(n, n, True, 0) == n * (n + 1) // 2  # alignments agree when Nq == Nkv
+    # decode: one query at the KV tail sees everything (bottom-right), one key (upper-left)
+    assert valid_pairs(1, n, True) == n
+    assert valid_pairs(1, n, True, 0) == 1
+    # Nq > Nkv bottom-right: the first Nq - Nkv rows see no key (empty rows)
+    assert valid_pairs(10, 4, True) == sum(range(1, 5))
+    # an offset that hides every key, and one that shows every key
+    assert valid_pairs(5, 5, True, -10) == 0
+    assert valid_pairs(5, 5, True, 100) == 25
+    with pytest.raises(ValueError):
+        valid_pairs(-1, 3, True)
+
+
+def test_attn_flops():
+    b, h, nq, nkv, d = 2, 3, 17, 29, 64
+    for causal in (False, True):
+        p = brute(nq, nkv, causal)
+        assert attn_flops_fwd(b, h, nq, nkv, d, causal) == 4 * b * h * p * d
+        assert attn_flops_bwd(b, h, nq, nkv, d, causal) == 2.5 * 4 * b * h * p * d
+        assert attn_flops("fwd", b, h, nq, nkv, d, causal) == 4 * b * h * p * d
+    assert attn_flops_fwd(1, 1, 4, 4, 64, False, head_dim_v=32) == 2 * 16 * (64 + 32)
+    assert attn_flops_fwd(1, 2, 5, 9, 8, True, causal_offset=0) == 4 * 2 * brute(5, 9, True, 0) * 8
+    with pytest.raises(ValueError):
+        attn_flops("sideways", 1, 1, 1, 1, 1, False)
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert tflops(1.0, None) is None and tflops(1.0, 0) is None
+
+
+def test_case_flops_uses_query_heads():
+    c = Case("gqa", "bf16", 1, 32, 8, 1024, 1024, 512)
+    assert c.flops("fwd") == 4 * 32 * 1024 * 1024 * 512
+    assert c.flops("bwd") == 2.5 * c.flops("fwd")
+
+
+# ------------------------------------------------------------------------------------ cases
+def test_quick_cases_small_and_nonempty():
+    q = quick_cases()
+    assert 1 <= len(q) <= 8
+    assert {c.d for c in q} >= {320, 512, 1024}
+    assert any(c.causal for c in q) and any(c.hq != c.hkv for c in q)
+    assert select_cases(quick=True) == q
+    assert len(select_cases(quick=True, head_dims="512")) < len(q)  # flags filter quick
+    assert select_cases(quick=True, cases="vae") == []
+
+
+def test_full_cases_cover_the_tables():
+    cases = full_cases()
+    ffpa = [c for c in cases if c.name in FFPA_FAMILIES]
+    assert len(ffpa) == 6 * 2 * 7
+    assert {c.d for c in ffpa} == {320, 384, 512, 576, 640, 768, 1024}
+    assert {c.nkv for c in ffpa if c.name != "unaligned"} == {8192, 16384}
+    by = {c.name: c for c in ffpa if c.nkv in (8191, 8192) and c.d == 512}
+    assert (by["cross"].nq, by["decode"].nq, by["unaligned"].nq) == (1024, 1, 8191)
+    assert by["gqa"].hkv == by["gqa"].hq // 4 and by["causal"].causal
+    users = [c for c in cases if c.name not in FFPA_FAMILIES]
+    gem = [c for c in users if c.name == "gemma4"]
+    assert gem and all((c.hq, c.hkv, c.d, c.causal) == (32, 4, 512, True) for c in gem)
+    assert {c.nq for c in gem} == {4096, 8192, 16384}
+    assert all((c.hq, c.hkv, c.causal) == (64, 1, True) for c in users if c.name == "mqa")
+    vae = [c for c in users if c.name == "vae"]
+    assert {c.dtype for c in vae} == {"bf16", "fp32"} and max(c.nq for c in vae) == 65536
+    assert all(c.hq == 1 and not c.causal for c in vae)
+    assert len(set(cases)) == len(cases)
+
+
+def test_case_selection_flags():
+    cs = select_cases(cases="self,gqa", head_dims="320,1024", seqlens="8k", dtypes="fp16")
+    assert {(c.name, c.d, c.nkv, c.dtype) for c in cs} == {
+        (f, d, 8192, "fp16") for f in ("self", "gqa") for d in (320, 1024)}
+    assert select_cases(cases="users", head_dims="320") == []  # user D (512) filtered out
+    assert {c.nq for c in select_cases(cases="vae", seqlens="4096")} == {4096}
+    assert parse_families("ffpa,users") == ALL_FAMILIES
+    assert parse_families(None) == ALL_FAMILIES
+    assert parse_ints("8k, 16K,100") == (8192, 16384, 100) and parse_ints("") is None
+    assert parse_dtypes("bfloat16,fp32,bf16") == ("bf16", "fp32")
+    with pytest.raises(ValueError):
+        parse_families("selff")
+    with pytest.raises(ValueError):
+        parse_dtypes("int8")
+
+
+# ------------------------------------------------------------------------------------ CLI
+def test_cli_parsing():
+    a = parse_args(["--quick"])
+    assert a.directions == ("fwd", "bwd") and a.baseline_names == ("sdpa", "ffpa", "fa")
+    assert parse_args(["--fwd"]).directions == ("fwd",)
+    assert parse_args(["--bwd"]).directions == ("bwd",)
+    assert parse_args(["--fwd", "--bwd"]).directions == ("fwd", "bwd")
+    assert parse_args(["--baselines", "none"]).baseline_names == ()
+    assert parse_args(["--baselines", "sdpa,ffpa-triton"]).baseline_names == ("sdpa",
+                                                                              "ffpa-triton")
+    assert parse_args(["--sdpa-backends", "efficient,math"]).sdpa_order == ("efficient", "math")
+    a = parse_args(["--backend", "sm80", "--out", "x", "--head-dims", "512"])
+    assert (a.backend, a.out, a.head_dims) == ("sm80", "x", "512")
+    with pytest.raises(SystemExit):
+        parse_args(["--sdpa-backends", "warp"])
+    with pytest.raises(ValueError):
+        parse_baselines("xformers")
+    assert "--quick" in build_parser().format_help()
+
+
+def test_cli_help_and_list(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "--head-dims" in capsys.readouterr().out
+    assert main(["--list", "--quick"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [c.label for c in quick_cases()]
+
+
+# ------------------------------------------------------------------------------------ writers
+def _row(direction="fwd", ours_ms=2.0, sdpa_ms=4.0, fallback=False):
+    c = Case("self", "bf16", 1, 32, 32, 8192, 8192, 512)
+    fl = c.flops(direction)
+    row = c.to_dict() | {"label": c.label, "direction": direction, "flops": fl}
+    row["results"] = {
+        "ours": {"ms": ours_ms, "tflops": tflops(fl, ours_ms), "first_s": 3.5, "err": 2.1e-3,
+                 "backend": "ffpa_cute kernel: X", "fallback": fallback, "method": "events"},
+        "sdpa": {"ms": sdpa_ms, "tflops": tflops(fl, sdpa_ms), "first_s": 0.1, "err": 2.2e-3,
+                 "backend": "efficient", "fallback": False, "method": "events"},
+        "ffpa": {"ms": None, "tflops": None, "note": "not importable"},
+    }
+    return row
+
+
+IMPLS = [{"name": "ours", "title": "ours", "version": "0.1"},
+         {"name": "sdpa", "title": "SDPA", "version": "2.11"},
+         {"name": "ffpa", "title": "FFPA", "version": None, "unavailable": "not importable"},
+         {"name": "fa", "title": "FA", "version": None, "unavailable": "not importable"}]
+
+
+def test_markdown_table_blanks_and_speedup():
+    md = report.render_table([_row(), _row("bwd")], "fwd", IMPLS[1:])
+    lines = md.splitlines()
+    assert len(lines) == 3  # header, rule, one fwd row
+    head = [x.strip() for x in lines[0].strip("|").split("|")]
+    cells = [x.strip() for x in lines[2].strip("|").split("|")]
+    assert len(head) == len(cells)
+    col = dict(zip(head, cells))
+    assert col["FFPA TFLOPS"] == "—" and col["FA TFLOPS"] == "—" and col["×FA"] == "—"
+    assert col["×SDPA"] == "2.00×" and col["SDPA backend"] == "efficient"
+    assert col["err ours"] == "2.1e-03" and col["1st call s"] == "3.50"
+    assert col["ours ms"] == "2.00"
+
+
+def test_markdown_marks_fallback():
+    md = report.render_table([_row(fallback=True)], "fwd", IMPLS[1:])
+    row = md.splitlines()[2]
+    assert "FALLBACK" in row and report.FALLBACK_MARK in row
+
+
+def test_csv_and_json_writers(tmp_path):
+    rows = [_row(), _row("bwd", ours_ms=5.0, sdpa_ms=None)]
+    names = [im["name"] for im in IMPLS]
+    p = report.write_csv(rows, tmp_path / "raw.csv", names)
+    got = list(csv.DictReader(open(p)))
+    assert len(got) == 2
+    assert got[0]["ffpa_ms"] == "" and got[0]["fa_tflops"] == ""  # blanks are empty
+    assert float(got[0]["speedup_vs_sdpa"]) == pytest.approx(2.0)
+    assert got[1]["speedup_vs_sdpa"] == "" and got[1]["direction"] == "bwd"
+    payload = {"env": {"gpu": None, "device": "cpu"}, "impls": IMPLS, "rows": rows,
+               "notes": [{"who": "fa", "msg": "x", "first": "", "count": 1}],
+               "ceilings": {"matmul_bf16_8192_tflops": float("nan")}}
+    j = json.loads(report.write_json(payload, tmp_path / "raw.json").read_text())
+    assert j["rows"][0]["results"]["ffpa"]["ms"] is None
+    assert j["ceilings"]["matmul_bf16_8192_tflops"] is None  # NaN -> null, valid JSON
+    written = report.write_all(payload, tmp_path / "out")
+    for f in ("fwd.md", "bwd.md", "raw.json", "raw.csv"):
+        assert (tmp_path / "out" / f).exists(), f
+    assert "fwd.png" in written  # a path, or the note that matplotlib is missing
+    md = (tmp_path / "out" / "fwd.md").read_text()
+    assert "| GPU | none" in md and "- fa: x" in md
+
+
+def test_header_without_gpu():
+    env = collect_env(torch.device("cpu"), {"ours": "0.1"}, commit="abc123")
+    assert env["gpu"] is None and env["driver"] is None and env["commit"] == "abc123"
+    h = report.render_header(env, {}, IMPLS, "python -m perf.sweep --quick")
+    assert "| GPU | none (cpu run) |" in h and "abc123" in h and "not measured" in h
+    assert "| FFPA | unavailable: not importable |" in h
+    h2 = report.render_header({}, {"matmul_bf16_8192_tflops": 680.0, "copy_gbps": 4250.0})
+    assert "680" in h2 and "4250" in h2 and "| driver | — |" in h2
+    assert slug("NVIDIA H200") == "nvidia-h200" and slug(None) == "cpu"
+
+
+# ------------------------------------------------------------------------------------ pieces
+def test_introspect_api():
+    def sdpa_style(query, key, value, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+        pass
+
+    def fa_style(q, k, v, softmax_scale=None, causal=False):
+        pass
+
+    def explicit(q, k, v, causal=False, backend="triton"):
+        pass
+
+    assert introspect_api(sdpa_style) == {"layout": "bhnd", "causal_kw": "is_causal",
+                                          "backend_kw": "forward_backend",
+                                          "gqa_kw": "enable_gqa"}
+    assert introspect_api(fa_style)["layout"] == "bnhd"
+    assert introspect_api(fa_style)["backend_kw"] is None
+    assert introspect_api(explicit)["backend_kw"] == "backend"
+    assert Ffpa("triton").name == "ffpa-triton" and Ffpa().title == "FFPA"
+
+
+def test_sdpa_candidates_and_math_guard():
+    s = Sdpa()
+    gqa = Case("gqa", "bf16", 1, 32, 8, 8192, 8192, 512)
+    cands = s.candidates(gqa)
+    assert cands[0] == ("cudnn", "native") and cands[-1] == ("math", "native")
+    assert ("efficient", "expand") in cands
+    assert cands.index(("efficient", "native")) < cands.index(("cudnn", "expand"))
+    big = Case("vae", "bf16", 1, 1, 1, 65536, 65536, 512)
+    assert math_bytes(big, "fwd") > 40e9
+    # MATH alone, over the memory limit: skipped with a note, not run
+    ctx = Ctx(device=torch.device("cpu"), mem_limit_bytes=1)
+    tiny = Case("self", "fp32", 1, 2, 2, 8, 8, 16)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(Unsupported, match="MATH skipped"):
+        Sdpa(("math",)).prepare(tiny, q, q, q, "fwd", ctx)
+
+
+def test_reference_matches_sdpa_fp64():
+    from torch.nn.attention.bias import causal_lower_right
+    torch.manual_seed(0)
+    b, hq, hkv, nq, nkv, d = 2, 4, 2, 6, 11, 16
+    q = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    k = torch.randn(b, hkv, nkv, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, nkv, d, dtype=torch.float64)
+    do = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    for causal in (False, True):
+        ins = [x.clone().requires_grad_() for x in (q, k.repeat_interleave(2, 1),
+                                                     v.repeat_interleave(2, 1))]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *ins, attn_mask=causal_lower_right(nq, nkv) if causal else None)
+        gq, gk, gv = torch.autograd.grad(o, ins, do)
+        heads = accuracy.fwd_heads(hq, 2)
+        r = accuracy.ref_forward(q, k, v, causal=causal, heads=heads, chunk_bytes=64)
+        assert accuracy.fwd_error(o.detach(), r, heads) < 1e-12
+        qh, kvh = accuracy.bwd_heads(hq, hkv, 4)
+        rg = accuracy.ref_backward(q, k, v, do, causal=causal, kv_heads=kvh, chunk_bytes=64)
+        gk = gk.view(b, hkv, 2, nkv, d).sum(2)
+        gv = gv.view(b, hkv, 2, nkv, d).sum(2)
+        assert accuracy.bwd_error((gq, gk, gv), rg, qh, kvh) < 1e-12
+    # rows with no visible key give 0 (Nq > Nkv, bottom-right)
+    r = accuracy.ref_forward(q[:, :, :6], k[:, :, :3], v[:, :, :3], causal=True)
+    assert torch.all(r[:, :, :3] == 0) and torch.all(r[:, :, 3:].abs().sum(-1) > 0)
+    assert accuracy.spaced(32, 4) == [0, 10, 21, 31] and accuracy.spaced(3, 8) == [0, 1, 2]
+    assert math.isnan(accuracy.rel_fro(torch.tensor([float("nan")]), torch.ones(1)))
+
+
+def test_timing_summary_and_cpu_bench():
+    t = summarize([3.0, 1.0, 2.0, 10.0, 4.0])
+    assert t.median_ms == 3.0 and t.min_ms == 1.0 and t.reps == 5 and t.p20_ms <= t.p80_ms
+    calls = []
+    t = bench(lambda: calls.append(1), torch.device("cpu"), rep_ms=1, min_reps=4, max_reps=4)
+    assert t.reps == 4 and len(calls) >= 6
+
+
+def test_run_impl_blank_when_not_importable():
+    class Missing(Sdpa):
+        name, title = "gone", "Gone"
+
+        def _load(self):
+            import perf_no_such_module  # noqa: F401
+
+    ctx, c = Ctx(device=torch.device("cpu")), Case("self", "fp32", 1, 2, 2, 8, 8, 16)
+    q = torch.randn(1, 2, 8, 16)
+    res = run_impl(Missing(), c, q, q, q, q, "fwd", None, ctx)
+    assert res["ms"] is None and "not importable" in res["note"]
+    assert [n["who"] for n in ctx.notes.to_list()] == ["gone"]
+    n = Notes()
+    n.add("a", "m", "c1")
+    n.add("a", "m", "c2")
+    assert n.to_list() == [{"who": "a", "msg": "m", "first": "c1", "count": 2}]
+
+
+def test_smoke_sweep_on_cpu(tmp_path):
+    out = tmp_path / "res"
+    rc = main(["--device", "cpu", "--cases", "self,gqa", "--head-dims", "320", "--seqlens", "32",
+               "--baselines", "sdpa,ffpa", "--rep-ms", "1", "--warmup-ms", "1",
+               "--no-progress", "--no-charts", "--err-heads", "2", "--out", str(out)])
+    assert rc == 0
+    raw = json.loads((out / "raw.json").read_text())
+    assert len(raw["rows"]) == 4  # 2 cases x (fwd, bwd)
+    for row in raw["rows"]:
+        sd = row["results"]["sdpa"]
+        assert sd["ms"] > 0 and sd["backend"] and sd["err"] < 2e-2
+        assert row["results"]["ours"] is not None  # a number, or blank with a note
+    md = (out / "bwd.md").read_text()
+    assert md.count("\n| self |") == 1 and md.count("\n| gqa |") == 1
+    assert len(list(csv.DictReader(open(out / "raw.csv")))) == 4
