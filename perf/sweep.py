@@ -207,6 +207,8 @@ def main(argv=None) -> int:
         return 2
     device = torch.device(dev_name)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     impls = make_impls(args.baseline_names, args.sdpa_order)
     impl_meta = []
