@@ -1,0 +1,61 @@
+"""Shared test setup: markers, seeding, an isolated compile cache, a clean routing state.
+
+Markers:
+  gpu  - needs CUDA; skipped automatically when torch.cuda.is_available() is False.
+  slow - the full numerical grid; run with `-m slow` (the default tier is a documented subset).
+"""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: full grid; the fast tier covers a subset")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """One fresh FFPA_CUTE_CACHE_DIR per test run, so no stale .o from another build is used.
+
+    Honours an explicitly set FFPA_CUTE_CACHE_DIR (CI may point it at a warm, shipped cache).
+    """
+    if os.environ.get("FFPA_CUTE_CACHE_DIR"):
+        yield os.environ["FFPA_CUTE_CACHE_DIR"]
+        return
+    path = str(tmp_path_factory.mktemp("ffpa_cute_cache"))
+    os.environ["FFPA_CUTE_CACHE_DIR"] = path
+    yield path
+    os.environ.pop("FFPA_CUTE_CACHE_DIR", None)
+
+
+@pytest.fixture(autouse=True)
+def _clean_routing(monkeypatch):
+    """Each test starts unpatched, non-strict, with empty plan/log caches."""
+    from ffpa_cute import interface
+
+    monkeypatch.delenv("FFPA_CUTE_STRICT", raising=False)
+    interface._clear_caches()
+    yield
+    interface.unpatch_sdpa()
+    interface._clear_caches()
+
+
+@pytest.fixture
+def seed():
+    """Seed torch's CPU and CUDA generators; returns the seed for messages."""
+    torch.manual_seed(0)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(0)
+    return 0
