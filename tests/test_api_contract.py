@@ -32,7 +32,8 @@ def rand(*shape, dtype=torch.float32, grad=False):
 
 
 def qkv(b=2, hq=4, hkv=4, nq=7, nkv=7, d=32, dv=None, dtype=torch.float32, grad=False):
-    return (rand(b, hq, nq, d, dtype=dtype, grad=grad), rand(b, hkv, nkv, d, dtype=dtype, grad=grad),
+    return (rand(b, hq, nq, d, dtype=dtype, grad=grad),
+            rand(b, hkv, nkv, d, dtype=dtype, grad=grad),
             rand(b, hkv, nkv, dv or d, dtype=dtype, grad=grad))
 
 
