@@ -4,7 +4,7 @@ Key: `(kernel class qualname, cfg)` where cfg is a frozen dataclass of Python sc
 *classes*, never tensors or sizes), so the key is stable across processes and pickles cleanly.
 
 Disk layout: `$FFPA_CUTE_CACHE_DIR/<fingerprint>/<key hash>.o` (+ `.h`), where the fingerprint
-hashes the package sources, the cutlass-dsl and Python versions and the target arch, so a change
+hashes the package sources, the cutlass-dsl version and the target arch, so a change
 to any of them starts a fresh directory. Each entry is written under a per-key `flock` (racing
 processes compile a key once), through a temporary name and `os.replace` (readers never see a
 partial file); an entry that fails to load is deleted and recompiled. Directories are created
@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import pathlib
-import sys
 import tempfile
 import threading
 import time
@@ -66,8 +65,13 @@ def cutlass_dsl_version() -> str:
 
 
 def fingerprint(arch: str, src_hash: str | None = None, dsl_version: str | None = None) -> str:
-    parts = [src_hash or source_hash(), dsl_version or cutlass_dsl_version(),
-             "py%d.%d" % sys.version_info[:2], arch]
+    """Directory name for one (sources, cutlass-dsl version, target arch).
+
+    The Python version is left out on purpose: an entry is a C-ABI object file (host stub +
+    cubin) that any interpreter loads, and precompiling on a CI box with another Python than the
+    GPU machine's must still hit.
+    """
+    parts = [src_hash or source_hash(), dsl_version or cutlass_dsl_version(), arch]
     return arch + "-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -40,6 +40,7 @@ import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor)
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
+from ..common.compat import compile_target
 from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
 from .config import FwdConfigSm80, can_implement
@@ -74,8 +75,9 @@ class FFPAFwdSm80:
     @classmethod
     def compile(cls, cfg: FwdConfigSm80, options: str = ""):
         """Compile for cfg.arch from fake tensors: no GPU needed, one compile per config."""
-        return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
-                            options=f"--gpu-arch {cfg.arch} {options}".strip())
+        with compile_target(cfg.arch):
+            return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
+                                options=options)
 
     @staticmethod
     def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:

@@ -1,0 +1,100 @@
+"""Fill a kernel cache directory ahead of time, on any machine (no GPU needed).
+
+    python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16,fp16 \
+        --cache-dir /opt/ffpa-cache
+
+Each (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch,
+compiled from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
+an object file into `<cache-dir>/<fingerprint>/`. A process on the GPU machine that sets
+`FFPA_CUTE_CACHE_DIR` to the same directory (same package sources and cutlass-dsl version) loads
+those files and compiles nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import dispatch
+from .cache import JitCache
+from .problem import AttnProblem
+
+ARCH_ALIASES = {"sm_80": "sm_80", "sm80": "sm_80", "sm_86": "sm_86", "sm_89": "sm_89",
+                "sm_90": "sm_90a", "sm_90a": "sm_90a", "sm90": "sm_90a",
+                "sm_100": "sm_100a", "sm_100a": "sm_100a", "sm_120": "sm_120a",
+                "sm_120a": "sm_120a", "sm120": "sm_120a", "sm_121a": "sm_121a"}
+ALL_HEAD_DIMS = tuple(range(dispatch.MIN_HEAD_DIM, dispatch.MAX_HEAD_DIM + 1, 8))
+
+
+def normalize_arch(arch: str) -> str:
+    a = arch.strip().lower()
+    if a not in ARCH_ALIASES:
+        raise ValueError(f"--arch {arch!r}: accepted values are {sorted(set(ARCH_ALIASES))}")
+    return ARCH_ALIASES[a]
+
+
+def plans_for(target: str, head_dims, dtypes, causals) -> list:
+    """The kernel plans dispatch would make on `target` (uncovered combinations skipped)."""
+    plans, seen = [], set()
+    for d in head_dims:
+        for dt in dtypes:
+            for causal in causals:
+                p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
+                                seqlen_kv=1, head_dim=d, head_dim_v=d, causal=causal)
+                plan = dispatch.plan_fwd(p, target=target)
+                if plan.reason is None and (plan.kernel_cls, plan.cfg) not in seen:
+                    seen.add((plan.kernel_cls, plan.cfg))
+                    plans.append(plan)
+    return plans
+
+
+def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: bool = True):
+    """Compile every plan into cache_dir; returns the cache (its .stats count the work)."""
+    cache = JitCache(cache_dir, disk=True)
+    plans = plans_for(target, head_dims, dtypes, causals)
+    try:
+        from rich.progress import Progress
+    except ImportError:  # rich is a dependency, but keep precompile usable without it
+        Progress = None
+    if progress and Progress is not None:
+        with Progress() as bar:
+            task = bar.add_task(f"precompiling for {target}", total=len(plans))
+            for plan in plans:
+                bar.update(task, description=f"{target} D={plan.cfg.head_dim} "
+                           f"{plan.cfg.dtype} causal={plan.cfg.causal}")
+                cache.get(plan.kernel_cls, plan.cfg)
+                bar.advance(task)
+    else:
+        for plan in plans:
+            cache.get(plan.kernel_cls, plan.cfg)
+    return cache, plans
+
+
+def _csv(s: str, conv=str):
+    return [conv(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ffpa_cute.precompile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", required=True, help="sm_80, sm_86, sm_89, sm_90, sm_120 ...")
+    ap.add_argument("--head-dims", default="320,384,448,512,576,640,768,1024",
+                    help="comma list, or 'all' for every multiple of 8 in [264, 1024]")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    ap.add_argument("--cache-dir", required=True)
+    args = ap.parse_args(argv)
+    target = normalize_arch(args.arch)
+    dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, int)
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    t0 = time.time()
+    cache, plans = precompile(target, dims, _csv(args.dtypes), causals, args.cache_dir)
+    st = cache.stats
+    print(f"{len(plans)} kernels for {target} in {cache.entry_dir(target)}: {st.compiles} "
+          f"compiled, {st.disk_loads} already there ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
