@@ -160,8 +160,9 @@ def _concrete(x):
 
 
 def _env_strict(strict):
-    return os.environ.get("FFPA_CUTE_STRICT", "").strip().lower() in _TRUE if strict is None \
-        else bool(strict)
+    if strict is not None:
+        return bool(strict)
+    return os.environ.get("FFPA_CUTE_STRICT", "").strip().lower() in _TRUE
 
 
 def _plan(problem: AttnProblem, device: torch.device):
