@@ -67,7 +67,7 @@ def main():
                 stages = [int(s) for s in args.stages.split(",")] if args.stages else [None]
                 for st in stages:
                     base = FwdConfigSm80(arch=target, dtype="bf16", head_dim=d, causal=causal,
-                                         warp_layout=lay)
+                                         warp_layout=lay, tile_n=32 if lay == "m8n1" else 64)
                     cfg = base
                     if st is None:
                         for st2 in (4, 3, 2):

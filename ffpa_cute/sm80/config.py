@@ -83,7 +83,7 @@ class FwdConfigSm80:
         elt = 2
         q = self.tile_m * self.hdim_padded * elt
         ring = self.num_stages * self.tile_n * self.tile_hdim * elt
-        p = self.tile_m * self.tile_n * elt
+        p = (self.tile_m if self.warp_n > 1 else 8) * 64 * elt
         stats = self.warp_n * self.tile_m * 4
         return q + ring + p + stats + 3 * 1024  # 1 KB alignment per region
 
@@ -100,8 +100,10 @@ def can_implement(cfg: FwdConfigSm80) -> str | None:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
     if cfg.warp_layout not in WARP_LAYOUTS:
         return f"warp_layout {cfg.warp_layout!r} not in {sorted(WARP_LAYOUTS)}"
-    if cfg.tile_hdim != 64 or cfg.tile_n != 64:
-        return "tile_hdim and tile_n must be 64 (one 128-byte swizzle atom per row)"
+    if cfg.tile_hdim != 64:
+        return "tile_hdim must be 64 (one 128-byte swizzle atom per row)"
+    if cfg.tile_n not in (32, 64) or (cfg.tile_n != 64 and cfg.warp_n > 1):
+        return "tile_n must be 64 (or 32 with warp_n == 1, where P stays in registers)"
     if cfg.num_stages < 2:
         return "num_stages must be >= 2"
     if cfg.arch not in SMEM_CAPACITY:

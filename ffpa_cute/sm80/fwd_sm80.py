@@ -98,7 +98,8 @@ class FFPAFwdSm80:
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
         sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
-        sP = cute.tile_to_shape(atom, (self.tile_m, self.tile_n), (0, 1))
+        # P goes through smem only when warp_n > 1 (else a 1-row stand-in keeps the struct fixed)
+        sP = cute.tile_to_shape(atom, (self.tile_m if self.warp_n > 1 else 8, 64), (0, 1))
         sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
         return sQ, sKV, sP, sStat
 
@@ -213,6 +214,8 @@ class FFPAFwdSm80:
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, 0]))   # (MMA, MMA_M, MMA_K)
         tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKV[None, None, 0]))  # (MMA, MMA_N, MMA_K)
         tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))                  # (MMA, MMA_M, MMA_K)
+        if cutlass.const_expr(self.warp_n == 1):
+            tOrP = None  # replaced by the register view of rP below
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sV0t))              # (MMA, MMA_N, MMA_K)
         acc_S = cute.make_rmem_tensor(
             thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
@@ -239,8 +242,15 @@ class FFPAFwdSm80:
         s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
         s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
         tSrQ_v, tSrK_v = s2r_A.retile(tSrQ), s2r_B.retile(tSrK)
-        tOrP_v, tOrVt_v = s2r_A.retile(tOrP), s2r_B.retile(tOrVt)
-        tOsP = s2r_A.partition_S(sP)
+        tOrVt_v = s2r_B.retile(tOrVt)
+        tOrP_v, tOsP = None, None
+        if cutlass.const_expr(self.warp_n > 1):
+            tOrP_v, tOsP = s2r_A.retile(tOrP), s2r_A.partition_S(sP)
+        # P in the input dtype. With warp_n == 1 a warp holds whole rows of P, so its C fragment
+        # is reused directly as the A operand of P V (FA-2); otherwise P goes through sP.
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        if cutlass.const_expr(self.warp_n == 1):
+            tOrP = self._c_frag_as_a(rP)
 
         softmax = OnlineSoftmax(num_rows, scale_log2)
 
@@ -291,11 +301,11 @@ class FFPAFwdSm80:
                                   acc_S)
                     if cutlass.const_expr(j == C - 1):
                         self._softmax_step(acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax, sStat,
-                                           sP, thr_mma, row_idx, warp_n_idx, lane, m_block,
+                                           rP, sP, thr_mma, row_idx, warp_n_idx, lane, m_block,
                                            n_block, seqlen_k, causal_offset, cta_sync)
                 else:
                     # ---- O[:, chunk] += P V[:, chunk]  (P was written before this step's barrier)
-                    if cutlass.const_expr(j == C):
+                    if cutlass.const_expr(j == C and self.warp_n > 1):
                         cute.copy(s2r_A, tOsP, tOrP_v)
                     tOsVt = s2r_Bt.partition_S(self._transposed(sKV[None, None, slot]))
                     for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
@@ -344,9 +354,9 @@ class FFPAFwdSm80:
 
     @cute.jit
     def _softmax_step(self, acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax: OnlineSoftmax,
-                      sStat, sP, thr_mma, row_idx, warp_n_idx, lane, m_block, n_block, seqlen_k,
-                      causal_offset, cta_sync):
-        """Mask, online softmax, O rescale; P -> sP for the PV steps."""
+                      sStat, rP, sP, thr_mma, row_idx, warp_n_idx, lane, m_block, n_block,
+                      seqlen_k, causal_offset, cta_sync):
+        """Mask, online softmax, O rescale; P -> rP (and sP when warp_n > 1)."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
@@ -356,10 +366,18 @@ class FFPAFwdSm80:
             softmax.exchange(blk_max, sStat, row_idx, warp_n_idx, lane, self.warp_n, True,
                              cta_sync.arrive_and_wait)
         softmax.update(acc_S_mn, blk_max, acc_O_mn)
-        rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
-        tPsP = thr_mma.partition_C(sP)
-        cute.autovec_copy(rP, tPsP)
+        if cutlass.const_expr(self.warp_n > 1):
+            cute.autovec_copy(rP, thr_mma.partition_C(sP))
+
+    def _c_frag_as_a(self, rP: cute.Tensor) -> cute.Tensor:
+        """View an m16n8 C fragment ((2,2), MMA_M, MMA_N) as an m16n8k16 A fragment
+        ((2,2,2), MMA_M, MMA_N / 2): two adjacent n8 atoms form one k16 step."""
+        d = cute.logical_divide(rP.layout, (None, None, 2))
+        view = cute.make_layout(
+            ((d.shape[0], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+            stride=((d.stride[0], d.stride[2][0]), d.stride[1], d.stride[2][1]))
+        return cute.make_tensor(rP.iterator, view)
 
     @cute.jit
     def _epilogue(self, softmax: OnlineSoftmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx,

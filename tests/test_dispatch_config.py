@@ -1,0 +1,100 @@
+"""Dispatch table, planners and config invariants (no GPU)."""
+
+import dataclasses
+import pickle
+
+import pytest
+
+from ffpa_cute import dispatch
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.sm80.config import SMEM_CAPACITY, FwdConfigSm80, can_implement, plan_fwd
+
+
+def prob(d=512, dtype="bf16", **kw):
+    base = dict(dtype=dtype, batch=1, heads_q=4, heads_kv=4, seqlen_q=7, seqlen_kv=7,
+                head_dim=d, head_dim_v=d)
+    base.update(kw)
+    return AttnProblem(**base)
+
+
+@pytest.mark.parametrize("cap,target,family", [
+    ((8, 0), "sm_80", "sm80"), ((8, 6), "sm_86", "sm80"), ((8, 9), "sm_89", "sm80"),
+    ((9, 0), "sm_90a", "sm90"), ((10, 0), "sm_100a", "sm100"), ((12, 0), "sm_120a", "sm120"),
+    ((12, 1), "sm_121a", "sm120")])
+def test_arch_table(cap, target, family):
+    assert dispatch.target_of(*cap) == target
+    assert dispatch.family_of_target(target) == family
+
+
+@pytest.mark.parametrize("cap", [(7, 5), (10, 3), (11, 0), (9, 1)])
+def test_unlisted_archs_have_no_family(cap):
+    assert dispatch.target_of(*cap) is None
+
+
+def test_sm100_has_no_kernels_yet_and_falls_back():
+    plan = dispatch.plan_fwd(prob(), target="sm_100a")
+    assert plan.reason and "sm100" in plan.reason
+
+
+def test_sm90_runs_split_d_until_wgmma_lands():
+    plan = dispatch.plan_fwd(prob(), target="sm_90a")
+    assert plan.reason is None and plan.family == "sm90"
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm80" and plan.cfg.arch == "sm_90a"
+
+
+def test_forced_family(monkeypatch):
+    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm80")
+    plan = dispatch.plan_fwd(prob(), target="sm_90a")
+    assert plan.family == "sm80" and plan.cfg.arch == "sm_90a"
+    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm70")
+    with pytest.raises(ValueError, match="FFPA_CUTE_ARCH"):
+        dispatch.plan_fwd(prob(), target="sm_90a")
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(device_type="cpu"), "cpu"), (dict(dtype="fp32"), "fp32"), (dict(has_mask=True), "mask"),
+    (dict(dropout_p=0.1), "dropout"), (dict(head_dim=128, head_dim_v=128), "256"),
+    (dict(head_dim=1032, head_dim_v=1032), "1024"), (dict(head_dim=516, head_dim_v=516), "8"),
+    (dict(head_dim_v=256), "head_dim_v")])
+def test_uncovered_problems_carry_a_reason(kw, needle):
+    plan = dispatch.plan_fwd(prob(**kw), target="sm_90a")
+    assert plan.reason is not None and needle in plan.reason
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_90a", "sm_120a"])
+def test_planner_covers_every_head_dim(target):
+    for d in range(264, 1025, 8):
+        for causal in (False, True):
+            cfg = plan_fwd(prob(d, causal=causal), target)
+            assert can_implement(cfg) is None
+            assert cfg.smem_bytes() <= SMEM_CAPACITY[target]
+            assert cfg.o_registers() <= 160
+            assert cfg.hdim_padded - d < cfg.tile_hdim
+
+
+def test_config_is_a_stable_picklable_key():
+    cfg = plan_fwd(prob(512), "sm_90a")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert hash(cfg) == hash(dataclasses.replace(cfg))
+    assert all(isinstance(v, (int, str, bool)) for v in dataclasses.asdict(cfg).values())
+    assert cfg != dataclasses.replace(cfg, causal=not cfg.causal)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (dict(dtype="fp32"), "dtype"), (dict(head_dim=260), "head_dim"),
+    (dict(warp_layout="m1n8"), "warp_layout"), (dict(tile_n=128), "tile_n"),
+    (dict(num_stages=1), "num_stages"), (dict(arch="sm_70"), "arch"),
+    (dict(head_dim=1024, warp_layout="m4n2"), "registers"),
+    (dict(head_dim=1024, warp_layout="m8n1", arch="sm_80"), "smem")])
+def test_can_implement_mirrors_the_docstring_constraints(bad, needle):
+    base = dict(arch="sm_90a", dtype="bf16", head_dim=512, causal=False, warp_layout="m4n2")
+    base.update(bad)
+    reason = can_implement(FwdConfigSm80(**base))
+    assert reason is not None and needle in reason
+
+
+def test_warp_layout_crossover():
+    # measured on the H200 (perf/NOTES.md): M8N1 wins at D=320, M4N2 at 512, M2N4 above 512
+    assert plan_fwd(prob(320), "sm_90a").warp_layout == "m8n1"
+    assert plan_fwd(prob(512), "sm_90a").warp_layout == "m4n2"
+    assert plan_fwd(prob(1024), "sm_90a").warp_layout == "m2n4"

@@ -1,0 +1,73 @@
+"""Compile-only kernel tests (no GPU): every family builds for its targets, with the
+instructions we meant and no local memory.
+
+sm_80 and sm_120a are the Split-D mma.sync kernels' own targets; sm_90a is what the H200 runs
+until the WGMMA kernels land. sm_120a builds are compile-verified only (no such GPU here).
+"""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from ffpa_cute.dispatch import plan_fwd
+from ffpa_cute.problem import AttnProblem
+
+HEAD_DIMS = (320, 512, 1024)
+
+
+def _plan(target, d, causal=False, dtype="bf16"):
+    p = AttnProblem(dtype=dtype, batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal)
+    plan = plan_fwd(p, target=target)
+    assert plan.reason is None, plan.reason
+    return plan
+
+
+def _ptxas_spills(ptx: str, arch: str):
+    """(spill store bytes, spill load bytes, registers) from ptxas -v, or None without ptxas."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    r = subprocess.run([ptxas, f"-arch={arch}", "-v", "-", "-o", "/dev/null"], input=ptx,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return None  # an older ptxas than the DSL's own may not know the target
+    st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    return int(st.group(1)), int(st.group(2)), int(regs.group(1))
+
+
+CASES = [("sm_80", d, False) for d in HEAD_DIMS] + [("sm_120a", d, False) for d in HEAD_DIMS] + [
+    ("sm_90a", 512, True), ("sm_80", 576, True)]
+
+
+@pytest.mark.parametrize("target,d,causal", CASES)
+def test_splitd_compiles_with_mma_sync_and_no_spills(target, d, causal):
+    plan = _plan(target, d, causal)
+    fn = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx")
+    ptx = fn.__ptx__
+    assert f".target {target}" in ptx
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    assert "ldmatrix" in ptx and "cp.async" in ptx
+    assert "wgmma" not in ptx and "tcgen05" not in ptx
+    assert ".local" not in ptx, "local memory in PTX"
+    res = _ptxas_spills(ptx, target)
+    if res is not None:
+        stores, loads, regs = res
+        assert stores == 0 and loads == 0, f"{plan.cfg}: spills {stores}/{loads} B, {regs} regs"
+
+
+def test_sm120_family_is_the_sm80_kernel_under_99kb():
+    plan = _plan("sm_120a", 320)
+    assert plan.family == "sm120"
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm120"
+    assert plan.cfg.smem_bytes() <= 101376
+    assert plan.cfg.warp_layout != "m8n1"  # its 128-row resident Q does not fit 99 KB
+
+
+def test_fp16_compiles():
+    plan = _plan("sm_80", 384, dtype="fp16")
+    fn = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fn.__ptx__
