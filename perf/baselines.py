@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -34,6 +35,7 @@ class Prepared:
     backend: str | None = None  # what ran: SDPA backend, our path, FFPA backend
     fallback: bool = False  # True: not this implementation's own kernel
     note: str | None = None
+    first_s: float | None = None  # set when prepare() already made the first call
 
 
 def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -222,7 +224,9 @@ class Sdpa(Impl):
                 continue
             call = self.make_call(case, backend, mode)
             try:
+                t0 = time.perf_counter()
                 self._trial(call, q, k, v, direction)
+                first_s = time.perf_counter() - t0
             except Exception as e:
                 tried.append(f"{self.label(backend, mode)}: {_short(e, 80)}")
                 if q.is_cuda:
@@ -231,7 +235,8 @@ class Sdpa(Impl):
             note = None
             if mode == "expand":
                 note = "SDPA has no GQA kernel here: K/V expanded inside the timed call"
-            return Prepared(call, "bhnd", backend=self.label(backend, mode), note=note)
+            return Prepared(call, "bhnd", backend=self.label(backend, mode), note=note,
+                            first_s=first_s)
         raise Unsupported("no SDPA backend runs this case: " + "; ".join(tried))
 
     @staticmethod

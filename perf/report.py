@@ -262,8 +262,14 @@ def plot_bars(payload: dict, direction: str, path) -> str:
         import matplotlib.pyplot as plt
     except Exception as e:
         return f"matplotlib not available ({type(e).__name__}): {direction} chart skipped"
-    impls = payload.get("impls", [])
-    n, k = len(rows), max(1, len(impls))
+    # Only implementations with at least one number get a bar slot and a legend entry.
+    impls = [im for im in payload.get("impls", [])
+             if any(_ok((r.get("results", {}).get(im["name"]) or {}).get("tflops"))
+                    for r in rows)]
+    if not impls:
+        return f"no {direction} timings: no chart"
+    n, k = len(rows), len(impls)
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
     width = 0.8 / k
     fig, ax = plt.subplots(figsize=(min(48, max(8, 0.55 * n * (k + 1) / 2 + 2)), 5.5))
     for j, im in enumerate(impls):
@@ -274,7 +280,7 @@ def plot_bars(payload: dict, direction: str, path) -> str:
                 xs.append(i + (j - (k - 1) / 2) * width)
                 ys.append(r["tflops"])
                 hatches.append("//" if r.get("fallback") else "")
-        bars = ax.bar(xs, ys, width, label=im["title"])
+        bars = ax.bar(xs, ys, width, label=im["title"], color=colors[j % len(colors)])
         for b, h in zip(bars, hatches):
             if h:
                 b.set_hatch(h)
@@ -287,7 +293,7 @@ def plot_bars(payload: dict, direction: str, path) -> str:
     ax.set_ylabel("TFLOPS")
     gpu = (payload.get("env") or {}).get("gpu") or "cpu"
     ax.set_title(f"{gpu}: attention {direction} (hatched = fallback, not own kernel)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
