@@ -263,13 +263,16 @@ def plot_bars(payload: dict, direction: str, path) -> str:
     except Exception as e:
         return f"matplotlib not available ({type(e).__name__}): {direction} chart skipped"
     # Only implementations with at least one number get a bar slot and a legend entry.
+    # Colours follow the implementation's place in the full list, so they match across charts.
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    color_of = {im["name"]: colors[i % len(colors)]
+                for i, im in enumerate(payload.get("impls", []))}
     impls = [im for im in payload.get("impls", [])
              if any(_ok((r.get("results", {}).get(im["name"]) or {}).get("tflops"))
                     for r in rows)]
     if not impls:
         return f"no {direction} timings: no chart"
     n, k = len(rows), len(impls)
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
     width = 0.8 / k
     fig, ax = plt.subplots(figsize=(min(48, max(8, 0.55 * n * (k + 1) / 2 + 2)), 5.5))
     for j, im in enumerate(impls):
@@ -280,7 +283,7 @@ def plot_bars(payload: dict, direction: str, path) -> str:
                 xs.append(i + (j - (k - 1) / 2) * width)
                 ys.append(r["tflops"])
                 hatches.append("//" if r.get("fallback") else "")
-        bars = ax.bar(xs, ys, width, label=im["title"], color=colors[j % len(colors)])
+        bars = ax.bar(xs, ys, width, label=im["title"], color=color_of[im["name"]])
         for b, h in zip(bars, hatches):
             if h:
                 b.set_hatch(h)

@@ -347,3 +347,12 @@ def test_smoke_sweep_on_cpu(tmp_path):
     md = (out / "bwd.md").read_text()
     assert md.count("\n| self |") == 1 and md.count("\n| gqa |") == 1
     assert len(list(csv.DictReader(open(out / "raw.csv")))) == 4
+
+
+def test_bar_chart_when_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    payload = {"env": {"gpu": "GPU X"}, "impls": IMPLS, "rows": [_row(), _row(fallback=True)],
+               "ceilings": {"matmul_bf16_8192_tflops": 700.0}}
+    out = report.plot_bars(payload, "fwd", tmp_path / "fwd.png")
+    assert out == str(tmp_path / "fwd.png") and (tmp_path / "fwd.png").stat().st_size > 1000
+    assert "no bwd rows" in report.plot_bars(payload, "bwd", tmp_path / "bwd.png")
