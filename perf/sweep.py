@@ -145,7 +145,7 @@ class Reporter:
 
     def log(self, msg: str) -> None:
         if self.bar is not None:
-            self.bar.console.print(msg, markup=False, highlight=False)
+            self.bar.console.print(msg, markup=False, highlight=False, soft_wrap=True)
         else:
             print(msg, flush=True)
 
