@@ -8,12 +8,15 @@ that `can_implement` rejects.
 # Warp layout (warp_m x warp_n warps; tile_m = 16 * warp_m rows of Q per CTA).
 # O lives in registers for the whole KV loop: D / (2 * warp_n) fp32 registers per thread.
 #   D <= 256*warp_n keeps that at <= 128, which leaves room for S, P and addresses without spills.
-#   - M8N1 (FA-2 style, 8 warps, tile_m 128): no cross-warp softmax exchange; O = D/2 registers,
-#     so only for D <= 320 (160 registers), measured against M4N2 on the H200 (perf/NOTES.md).
+#   - M8N1 (FA-2 style, 8 warps, tile_m 128, tile_n 32): no cross-warp softmax exchange, P stays
+#     in registers; O = D/2 registers, so only for D <= 320 (160 registers). tile_n 32 halves S,
+#     P and K fragments so that 160 O registers fit without spills on sm_80 with 3 stages
+#     (sm_90a: an 8-byte spill).
+#     H200, D=320: 259 TFLOPS vs M4N2 201 (perf/NOTES.md).
 #   - M4N2 (8 warps, tile_m 64): O split in two along D; row max/sum exchanged through smem.
 #   - M2N4 (8 warps, tile_m 32): D > 512 (O = D/8 <= 128 registers at D = 1024).
-# tile_n 64, tile_hdim 64 (one 128-byte swizzled row per chunk), stages: as many 8 KB K/V
-# chunks as fit beside Q (Q[tile_m, D] is resident: tile_m * D <= 32K elements = 64 KB).
+# tile_n 64 (M4N2, M2N4), tile_hdim 64 (one 128-byte swizzled row per chunk), stages: as many
+# K/V chunks (tile_n x 64) as fit beside Q (Q[tile_m, D] is resident: tile_m * D <= 32K elements = 64 KB).
 # =====================================================================================
 """
 
@@ -128,9 +131,12 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
     """The config for `problem` on `arch`; raises ValueError with the reason if none can run."""
     layout = warp_layout or pick_warp_layout(problem.head_dim)
     cfg = None
-    for stages in (4, 3, 2):
+    # The kernels sit near the 255-register limit and ptxas's choices move with the ring depth:
+    # 3 stages is the spill-free point we measured (4 and 2 spill a few bytes at D=320/512).
+    for stages in (3, 2):
         cfg = FwdConfigSm80(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                            causal=problem.causal, warp_layout=layout, num_stages=stages)
+                            causal=problem.causal, warp_layout=layout, num_stages=stages,
+                            tile_n=32 if layout == "m8n1" else 64)
         if cfg.smem_bytes() <= SMEM_CAPACITY.get(arch, 0):
             break
     if warp_layout is None and can_implement(cfg) and layout == "m8n1":

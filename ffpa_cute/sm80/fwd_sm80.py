@@ -86,7 +86,8 @@ class FFPAFwdSm80:
         from cutlass.cute.runtime import from_dlpack
 
         def arg(t):
-            return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+            return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(
+                leading_dim=t.dim() - 1)
 
         fn(arg(q), arg(k), arg(v), arg(out), arg(lse), softmax_scale, causal_offset,
            cuda.CUstream(stream))
