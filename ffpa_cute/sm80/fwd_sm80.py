@@ -180,7 +180,7 @@ class FFPAFwdSm80:
         C = self.num_chunks
 
         # ///// shared memory
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)        # (tile_m, tile_hdim, C)
         sKV = storage.sKV.get_tensor(sKV_layout)     # (tile_n, tile_hdim, stages)
         sP = storage.sP.get_tensor(sP_layout)        # (tile_m, tile_n)

@@ -1,0 +1,137 @@
+"""Compile cache: key stability, disk round trip, corrupt entries, fingerprints (no GPU)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ffpa_cute import cache as cache_mod
+from ffpa_cute.cache import JitCache, fingerprint, key_hash
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyCfg:
+    arch: str = "sm_80"
+    n: int = 4
+
+
+class TinyKernel:
+    """A real (tiny) CuTe function: compiles in well under a second, exports like a kernel."""
+
+    compiles = 0
+
+    @staticmethod
+    def arch_of(cfg):
+        return cfg.arch
+
+    @classmethod
+    def compile(cls, cfg):
+        import cutlass
+        import cutlass.cute as cute
+
+        from ffpa_cute.common.compat import compile_target
+
+        @cute.jit
+        def scale(x: cute.Tensor, s: cutlass.Float32):
+            for i in cutlass.range_constexpr(cfg.n):
+                x[i] = x[i] * s
+
+        cls.compiles += 1
+        fake = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cfg.n,))
+        with compile_target(cfg.arch):
+            return cute.compile(scale, fake, 1.0)
+
+
+def test_key_hash_is_stable_across_processes():
+    cfg = TinyCfg()
+    here = key_hash("TinyKernel", cfg)
+    code = ("import dataclasses; from ffpa_cute.cache import key_hash\n"
+            "@dataclasses.dataclass(frozen=True)\nclass TinyCfg:\n arch: str = 'sm_80'\n n: int = 4\n"
+            "print(key_hash('TinyKernel', TinyCfg()))")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert here == there
+    assert key_hash("TinyKernel", TinyCfg(n=5)) != here
+    assert key_hash("OtherKernel", cfg) != here
+
+
+def test_fingerprint_changes_with_sources_version_and_arch():
+    base = fingerprint("sm_90a", "src", "4.8.1")
+    assert fingerprint("sm_90a", "src", "4.8.1") == base
+    assert fingerprint("sm_90a", "src2", "4.8.1") != base
+    assert fingerprint("sm_90a", "src", "4.9.0") != base
+    assert fingerprint("sm_80", "src", "4.8.1") != base
+    assert len(cache_mod.source_hash()) == 64
+
+
+def test_memory_then_disk_round_trip(tmp_path):
+    TinyKernel.compiles = 0
+    c1 = JitCache(tmp_path, disk=True)
+    f1 = c1.get(TinyKernel, TinyCfg())
+    assert c1.get(TinyKernel, TinyCfg()) is f1 and c1.stats.mem_hits == 1
+    assert c1.stats.compiles == 1
+    d = c1.entry_dir("sm_80")
+    assert oct(d.stat().st_mode & 0o777) == "0o700"
+    objs = list(d.glob("*.o"))
+    assert len(objs) == 1
+    rec = json.loads((d / "manifest.jsonl").read_text().splitlines()[0])
+    assert rec["config"] == {"arch": "sm_80", "n": 4} and rec["kernel"] == "TinyKernel"
+    c2 = JitCache(tmp_path, disk=True)  # a "new process": empty memory, same directory
+    c2.get(TinyKernel, TinyCfg())
+    assert c2.stats.compiles == 0 and c2.stats.disk_loads == 1
+    assert TinyKernel.compiles == 1
+
+
+def test_corrupt_entry_is_recompiled(tmp_path):
+    c1 = JitCache(tmp_path, disk=True)
+    c1.get(TinyKernel, TinyCfg(n=3))
+    (obj,) = c1.entry_dir("sm_80").glob("*.o")
+    obj.write_bytes(b"not an object file")
+    c2 = JitCache(tmp_path, disk=True)
+    c2.get(TinyKernel, TinyCfg(n=3))
+    assert c2.stats.compiles == 1 and c2.stats.disk_loads == 0
+    c3 = JitCache(tmp_path, disk=True)
+    c3.get(TinyKernel, TinyCfg(n=3))
+    assert c3.stats.compiles == 0 and c3.stats.disk_loads == 1
+
+
+def test_fingerprint_change_misses(tmp_path, monkeypatch):
+    c1 = JitCache(tmp_path, disk=True)
+    c1.get(TinyKernel, TinyCfg(n=2))
+    monkeypatch.setattr(cache_mod, "source_hash", lambda: "edited sources")
+    c2 = JitCache(tmp_path, disk=True)
+    c2.get(TinyKernel, TinyCfg(n=2))
+    assert c2.stats.compiles == 1
+    assert c2.entry_dir("sm_80") != c1.entry_dir("sm_80")
+
+
+def test_disk_cache_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("FFPA_CUTE_DISK_CACHE", "0")
+    c = JitCache(tmp_path)
+    c.get(TinyKernel, TinyCfg(n=1))
+    assert not any(tmp_path.rglob("*.o"))
+
+
+def test_env_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FFPA_CUTE_CACHE_DIR", str(tmp_path / "x"))
+    assert JitCache().cache_dir == tmp_path / "x"
+    assert os.fspath(cache_mod.default_cache_dir()) == os.fspath(tmp_path / "x")
+
+
+@pytest.mark.parametrize("n", [1])
+def test_unwritable_dir_still_returns_a_kernel(tmp_path, n):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    c = JitCache(ro, disk=True)
+    d = c.entry_dir("sm_80")
+    d.mkdir(parents=True)
+    os.chmod(d, 0o500)
+    try:
+        if os.access(d, os.W_OK):
+            pytest.skip("running as a user that ignores permissions")
+        assert c.get(TinyKernel, TinyCfg(n=n)) is not None
+    finally:
+        os.chmod(d, 0o700)
