@@ -12,6 +12,7 @@ as SDPA when Nq == Nkv); the SDPA patch keeps SDPA's upper-left meaning. Both ac
 `causal_lower_right` / `causal_upper_left` bias objects. Rows that see no key output 0.
 """
 
+import contextlib
 import importlib
 import logging
 import numbers
@@ -40,6 +41,11 @@ _TRUE = ("1", "true", "yes", "on")
 def _dispatch():
     # Lazy so `import ffpa_cute` never pulls in cutlass (dispatch imports kernel families).
     return importlib.import_module("ffpa_cute.dispatch")
+
+
+def _on(device: torch.device):
+    """Make `device` current (dispatch reads the current device's arch; launches use its stream)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _clear_caches() -> None:
@@ -170,12 +176,8 @@ def _plan(problem: AttnProblem, device: torch.device):
     key = (problem, str(device), os.environ.get("FFPA_CUTE_ARCH"))
     plan = _PLANS.get(key)
     if plan is None:
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                plan = _dispatch().plan_fwd(problem)
-        else:
-            plan = _dispatch().plan_fwd(problem)
-        _PLANS[key] = plan
+        with _on(device):
+            plan = _PLANS[key] = _dispatch().plan_fwd(problem)
     return plan
 
 
@@ -246,30 +248,43 @@ def _gqa_in_native(q, v, mask) -> bool:
             and max(q.shape[-1], v.shape[-1]) <= 256)
 
 
+def _causal_split(nq, nkv, causal, offset):
+    """(rows without keys at the top, use SDPA's is_causal, needs an explicit bool mask).
+
+    Rows i with i + offset < 0 see no key (all rows when Nkv == 0). The rest is upper-left
+    causal when the remaining offset is 0, unmasked when every row sees every key, and needs
+    an explicit tril mask otherwise.
+    """
+    skip = nq if nkv == 0 else (min(max(-offset, 0), nq) if causal else 0)
+    # Branches, not boolean expressions: with dynamic shapes under torch.compile the comparisons
+    # are SymBools, and only a branch makes Dynamo guard them into the plain bools SDPA takes.
+    if not causal:
+        return skip, False, False
+    if offset + skip == 0:
+        return skip, True, False
+    if 0 < offset + skip < nkv - 1:
+        return skip, False, True
+    return skip, False, False
+
+
 def _native_attention(q, k, v, *, causal, offset, mask, dropout_p, scale):
     """Native SDPA with our semantics: any causal offset, GQA, rows without keys -> 0.
 
-    Rows i with i + offset < 0 see no key; they are dropped before SDPA and padded back as
-    zeros, so neither the output nor the gradients ever see a fully masked (NaN) softmax row.
-    The rest is upper-left causal (SDPA's fused `is_causal`) when the remaining offset is 0,
-    unmasked when every row sees every key, and an explicit boolean tril mask otherwise.
+    Rows without keys are dropped before SDPA and padded back as zeros, so neither the output
+    nor the gradients ever see a fully masked (NaN) softmax row.
     """
     nq, nkv, hq, hkv = q.shape[-2], k.shape[-2], q.shape[-3], k.shape[-3]
-    gqa = hq != hkv
-    if gqa and not _gqa_in_native(q, v, mask):
-        k, v = k.repeat_interleave(hq // hkv, dim=-3), v.repeat_interleave(hq // hkv, dim=-3)
-        gqa = False
-    skip = nq if nkv == 0 else (min(max(-offset, 0), nq) if causal else 0)
+    skip, is_causal, explicit = _causal_split(nq, nkv, causal, offset)
     if skip == nq:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    is_causal = False
-    if causal:
-        q, off = q[..., skip:, :], offset + skip
-        if off == 0:
-            is_causal = True
-        elif off < nkv - 1:
-            rows = torch.arange(nq - skip, device=q.device).unsqueeze(-1)
-            mask = torch.arange(nkv, device=q.device) <= rows + off
+    q = q[..., skip:, :] if skip else q
+    if explicit:
+        rows = torch.arange(nq - skip, device=q.device).unsqueeze(-1)
+        mask = torch.arange(nkv, device=q.device) <= rows + offset + skip
+    gqa = hq != hkv
+    if gqa and not _gqa_in_native(q, v, mask):  # decided on the final mask
+        k, v = k.repeat_interleave(hq // hkv, dim=-3), v.repeat_interleave(hq // hkv, dim=-3)
+        gqa = False
     out = _native_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                        scale=scale, enable_gqa=gqa)
     return F.pad(out, (0, 0, skip, 0)) if skip else out
@@ -289,10 +304,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if plan.reason is not None:  # attention() routed here, so the planner changed its mind
         raise RuntimeError(f"ffpa_cute::attention_fwd called for an unsupported problem: "
                            f"{plan.reason}")
-    if q.is_cuda:
-        with torch.cuda.device(q.device):
-            out, lse = _dispatch().run_fwd(plan, q, k, v)
-    else:
+    with _on(q.device):
         out, lse = _dispatch().run_fwd(plan, q, k, v)
     # The fake impl below promises contiguous outputs (Inductor indexes by the fake's strides);
     # these are no-ops for the layout run_fwd writes.
@@ -372,18 +384,17 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
                       strict=_env_strict(strict), level=logging.WARNING)
 
 
-def _fallback_details(q, k, v, problem: AttnProblem, mask) -> str:
-    notes = []
-    if problem.heads_q != problem.heads_kv:
-        how = "natively (flash)" if _gqa_in_native(q, v, mask) else \
-            f"by expanding K/V heads {problem.qhead_per_kvhead}x"
-        notes.append(f"GQA {how}")
-    if problem.causal:
-        if problem.causal_offset < 0:
-            notes.append(f"first {min(-problem.causal_offset, problem.seqlen_q)} rows see no key"
-                         " -> 0")
-        if problem.causal_offset > 0 and problem.causal_offset < problem.seqlen_kv - 1:
-            notes.append(f"causal offset {problem.causal_offset} as an explicit bool mask")
+def _fallback_details(q, v, problem: AttnProblem, mask) -> str:
+    """What `_native_attention` will do, for explain(); mirrors its decisions."""
+    p = problem
+    skip, _, explicit = _causal_split(p.seqlen_q, p.seqlen_kv, p.causal, p.causal_offset)
+    notes = [f"first {skip} rows see no key -> 0"] if skip else []
+    if explicit:
+        notes.append(f"causal offset {p.causal_offset} as an explicit bool mask")
+    if p.heads_q != p.heads_kv:
+        native = _gqa_in_native(q, v, True if explicit else mask)
+        notes.append("GQA natively (flash)" if native else
+                     f"GQA by expanding K/V heads {p.qhead_per_kvhead}x")
     return "; ".join(notes)
 
 
@@ -401,7 +412,7 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     reason = _reason(problem, q.device)
     if reason is None:
         return f"ffpa_cute kernel: {_plan(problem, q.device).describe()}"
-    details = _fallback_details(q, k, v, problem, mask)
+    details = _fallback_details(q, v, problem, mask)
     return f"native SDPA fallback: {reason}" + (f" [{details}]" if details else "")
 
 

@@ -165,6 +165,21 @@ def test_explain_and_patch(seed):
     assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
 
 
+def test_fallback_on_cuda(seed):
+    """Small D goes to native SDPA; GQA stays native only where flash can take it."""
+    q, k, v = make_qkv(1, 8, 2, 129, 1000, 128, BF16)
+    text = explain(q, k, v, is_causal=True, enable_gqa=True)
+    assert "head_dim=128" in text and "expanding K/V heads 4x" in text, text
+    assert "GQA natively" in explain(q, k, v, enable_gqa=True)
+    for causal in (False, True):
+        out = attention(q, k, v, is_causal=causal, enable_gqa=True)
+        ref, _ = attention_ref(q, k, v, causal=causal)
+        base, _ = attention_same_dtype(q, k, v, causal=causal)
+        assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+    with pytest.raises(NotImplementedError, match="head_dim=128"):
+        attention(q, k, v, enable_gqa=True, strict=True)
+
+
 def test_torch_compile_fullgraph(seed):
     torch._dynamo.reset()
 
