@@ -4,7 +4,7 @@ Key: `(kernel class qualname, cfg)` where cfg is a frozen dataclass of Python sc
 *classes*, never tensors or sizes), so the key is stable across processes and pickles cleanly.
 
 Disk layout: `$FFPA_CUTE_CACHE_DIR/<fingerprint>/<key hash>.o` (+ `.h`), where the fingerprint
-hashes the package sources, the cutlass-dsl version and the target arch, so a change
+hashes the kernel sources (`common/`, `sm*/`), the cutlass-dsl version and the target arch, so a change
 to any of them starts a fresh directory. Each entry is written under a per-key `flock` (racing
 processes compile a key once), through a temporary name and `os.replace` (readers never see a
 partial file); an entry that fails to load is deleted and recompiled. Directories are created
@@ -41,10 +41,21 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "ffpa_cute"
 
 
+def kernel_sources() -> list[pathlib.Path]:
+    """The files that shape generated code: the kernel families and their shared helpers.
+
+    The API, dispatch and cache modules are left out on purpose: a compiled entry is fully
+    described by its config (the key), so editing them must not invalidate shipped caches.
+    """
+    return sorted(p for p in _PKG_DIR.rglob("*.py")
+                  if p.relative_to(_PKG_DIR).parts[0] == "common"
+                  or p.relative_to(_PKG_DIR).parts[0].startswith("sm"))
+
+
 def source_hash() -> str:
-    """sha256 over every .py file of the package (path + contents), sorted."""
+    """sha256 over the kernel sources (path + contents), sorted."""
     h = hashlib.sha256()
-    for p in sorted(_PKG_DIR.rglob("*.py")):
+    for p in kernel_sources():
         h.update(str(p.relative_to(_PKG_DIR)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()

@@ -135,3 +135,9 @@ def test_unwritable_dir_still_returns_a_kernel(tmp_path, n):
         assert c.get(TinyKernel, TinyCfg(n=n)) is not None
     finally:
         os.chmod(d, 0o700)
+
+
+def test_fingerprint_covers_kernel_sources_only():
+    names = {p.relative_to(cache_mod._PKG_DIR).as_posix() for p in cache_mod.kernel_sources()}
+    assert "sm80/fwd_sm80.py" in names and "common/softmax.py" in names
+    assert "interface.py" not in names and "dispatch.py" not in names
