@@ -15,7 +15,6 @@ import torch
 
 from ffpa_cute import dispatch
 from ffpa_cute.cache import jit_cache
-from ffpa_cute.problem import AttnProblem
 
 
 def ref_attention(q, k, v, causal, offset, scale):
