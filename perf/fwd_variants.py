@@ -54,6 +54,7 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--causal", default="no,yes")
     args = ap.parse_args()
     dev = torch.device("cuda")
     target = dispatch.current_arch(dev)
@@ -62,7 +63,7 @@ def main():
     rows = []
     for d in [int(x) for x in args.d.split(",")]:
         for lay in args.layouts.split(","):
-            for causal in (False, True):
+            for causal in [c == "yes" for c in args.causal.split(",")]:
                 stages = [int(s) for s in args.stages.split(",")] if args.stages else [None]
                 for st in stages:
                     base = FwdConfigSm80(arch=target, dtype="bf16", head_dim=d, causal=causal,

@@ -7,11 +7,12 @@ a silent fallback to SDPA can never pass.
 Accuracy criterion (FlashAttention's ratio test): with `ref` the float64 reference on the same
 bf16/fp16 inputs, rel_err(kernel, ref) <= 2 * rel_err(same-dtype torch math, ref) + 1e-3.
 
-Grids. Default tier (~50 cases, 8 kernel compiles): D in {320 (M8N1), 512 (M4N2), 1024 (M2N4)}
+Grids. Default tier (~56 cases): D in {320 (M8N1), 512 (M4N2), 1024 (M2N4)}
 in bf16 plus 576 in fp16; causal none / bottom-right / upper-left; (Nq, Nkv, Hq/Hkv) from
-(1, 129, 1), (7, 7, 4), (129, 1000, 16), (1000, 129, 1), plus one 4097 x 4097 case.
-Slow tier (`-m slow`): every D in {320, 384, 448, 512, 576, 640, 768, 1024} x {bf16, fp16} x the
-three causal modes, with six (Nq, Nkv) mixes from {1, 7, 129, 1000, 4097}, GQA ratios 1/4/16
+(1, 129, 1), (7, 7, 4), (129, 1000, 16), (1000, 129, 1), plus one 4097 x 4097 case, plus
+D in {264, 328, 712} (not multiples of the 64-wide head-dim chunk: padded last chunk).
+Slow tier (`-m slow`): every D in {264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1024} x
+{bf16, fp16} x the three causal modes, with six (Nq, Nkv) mixes from {1, 7, 129, 1000, 4097}, GQA ratios 1/4/16
 assigned round-robin (not the full product: compiles scale with D x dtype x causal, and the
 shape mixes exercise the same residue/masking code for every config).
 """
@@ -88,10 +89,12 @@ def check_forward(d, dtype, mode, nq, nkv, ratio, b=1):
 
 SHAPES = [(1, 129, 1), (7, 7, 4), (129, 1000, 16), (1000, 129, 1)]
 FAST = [(d, dt, mode, *s) for d, dt in ((320, BF16), (512, BF16), (1024, BF16), (576, FP16))
-        for mode in MODES for s in SHAPES] + [(512, BF16, "bottom_right", 4097, 4097, 4)]
+        for mode in MODES for s in SHAPES] + [(512, BF16, "bottom_right", 4097, 4097, 4)] + [
+    # D not a multiple of the 64-wide chunk: the zero-padded last chunk (column predicates)
+    (d, BF16, mode, 129, 1000, 4) for d in (264, 328, 712) for mode in ("none", "bottom_right")]
 SLOW_SHAPES = [(1, 4097), (7, 129), (129, 7), (1000, 1000), (4097, 1000), (129, 4097)]
 SLOW = [(d, dt, mode, nq, nkv, (1, 4, 16)[i % 3])
-        for d in (320, 384, 448, 512, 576, 640, 768, 1024) for dt in (BF16, FP16)
+        for d in (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1024) for dt in (BF16, FP16)
         for mode in MODES for i, (nq, nkv) in enumerate(SLOW_SHAPES)]
 
 

@@ -10,8 +10,7 @@ that `can_implement` rejects.
 #   D <= 256*warp_n keeps that at <= 128, which leaves room for S, P and addresses without spills.
 #   - M8N1 (FA-2 style, 8 warps, tile_m 128, tile_n 32): no cross-warp softmax exchange, P stays
 #     in registers; O = D/2 registers, so only for D <= 320 (160 registers). tile_n 32 halves S,
-#     P and K fragments so that 160 O registers fit without spills on sm_80 with 3 stages
-#     (sm_90a: an 8-byte spill).
+#     P and K fragments so that 160 O registers fit without spills.
 #     H200, D=320: 259 TFLOPS vs M4N2 201 (perf/NOTES.md).
 #   - M4N2 (8 warps, tile_m 64): O split in two along D; row max/sum exchanged through smem.
 #   - M2N4 (8 warps, tile_m 32): D > 512 (O = D/8 <= 128 registers at D = 1024).
@@ -131,9 +130,10 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
     """The config for `problem` on `arch`; raises ValueError with the reason if none can run."""
     layout = warp_layout or pick_warp_layout(problem.head_dim)
     cfg = None
-    # The kernels sit near the 255-register limit and ptxas's choices move with the ring depth:
-    # 3 stages is the spill-free point we measured (4 and 2 spill a few bytes at D=320/512).
-    for stages in (3, 2):
+    # The deepest ring that fits: 4 stages is worth +10% (D=512) to +30% (D=1024) over 3 on the
+    # H200, and is spill-free on every target since loads stopped carrying per-vector predicates
+    # (fwd_sm80.py, `_load_tile`); tests/test_kernels_compile.py checks ptxas's report.
+    for stages in (4, 3, 2):
         cfg = FwdConfigSm80(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                             causal=problem.causal, warp_layout=layout, num_stages=stages,
                             tile_n=32 if layout == "m8n1" else 64)

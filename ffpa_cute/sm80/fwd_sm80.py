@@ -264,12 +264,13 @@ class FFPAFwdSm80:
         # ///// prologue: Q (all chunks) joins the first ring group
         for c in cutlass.range_constexpr(C):
             self._load_tile(gmem_copy_in, tQgQ[None, None, None, c], tQsQ[None, None, None, c],
-                            tQcQ[None, None, None, c], seqlen_q, hdim)
+                            tQcQ[None, None, None, c], seqlen_q, self.tile_m,
+                            m_block * self.tile_m, c)
         for s in cutlass.range_constexpr(self.num_stages - 1):
             if s // steps < num_iters:
                 self._load_ring_step(gmem_copy_in, tKgK, tVgV, tKVcKV, tKVsKV,
                                      n_max - 1 - s // steps, s % steps, s % self.num_stages,
-                                     seqlen_k, hdim)
+                                     seqlen_k)
             cute.arch.cp_async_commit_group()
 
         # ///// main loop over KV blocks
@@ -286,7 +287,7 @@ class FFPAFwdSm80:
                     self._load_ring_step(gmem_copy_in, tKgK, tVgV, tKVcKV, tKVsKV,
                                          n_max - 1 - it_p, jp % steps,
                                          (t + self.num_stages - 1) % self.num_stages,
-                                         seqlen_k, hdim)
+                                         seqlen_k)
                 cute.arch.cp_async_commit_group()
                 slot = t % self.num_stages
                 if cutlass.const_expr(j < C):
@@ -327,31 +328,49 @@ class FFPAFwdSm80:
 
     @cute.jit
     def _load_tile(self, tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
-                   coord: cute.Tensor, row_limit: cutlass.Int32, col_limit: cutlass.Int32):
-        """Predicated 16-byte cp.async of one chunk; out-of-range vectors are zero-filled.
+                   coord: cute.Tensor, row_limit: cutlass.Int32, tile_rows: cutlass.Constexpr,
+                   tile_row0: cutlass.Int32, chunk: cutlass.Constexpr):
+        """16-byte cp.async of one [rows, tile_hdim] chunk; out-of-range vectors are zero-filled.
 
         Zero fill matters: padded K columns would add garbage to S, and rows past Nkv of V would
-        turn P = 0 into NaN (0 * NaN) in P V.
+        turn P = 0 into NaN (0 * NaN) in P V. Only the tile that crosses `row_limit` pays for
+        row predicates (a runtime branch), and only the last chunk of a D that is not a multiple
+        of tile_hdim pays for column predicates (a compile-time one): the steady-state loads are
+        plain copies, which keeps predicate and address registers out of the 255-register budget.
         """
-        for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
-                rc = coord[0, m, k]
-                if rc[0] < row_limit and rc[1] < col_limit:
-                    cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
-                else:
-                    dst[None, m, k].fill(0)
+        check_cols = chunk == self.num_chunks - 1 and self.cfg.head_dim % self.tile_hdim != 0
+        if tile_row0 + tile_rows > row_limit:
+            for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                    rc = coord[0, m, k]
+                    ok = rc[0] < row_limit
+                    if cutlass.const_expr(check_cols):
+                        ok = ok and rc[1] < self.cfg.head_dim
+                    if ok:
+                        cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+                    else:
+                        dst[None, m, k].fill(0)
+        else:
+            for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                    if cutlass.const_expr(check_cols):
+                        if coord[0, m, k][1] < self.cfg.head_dim:
+                            cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+                        else:
+                            dst[None, m, k].fill(0)
+                    else:
+                        cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
 
     @cute.jit
     def _load_ring_step(self, tiled_copy, tKgK, tVgV, tKVcKV, tKVsKV, n_block: cutlass.Int32,
-                        step: cutlass.Constexpr, slot: cutlass.Int32, seqlen_k: cutlass.Int32,
-                        hdim: cutlass.Int32):
+                        step: cutlass.Constexpr, slot: cutlass.Int32, seqlen_k: cutlass.Int32):
         """Ring step `step` of KV block n_block: K chunk `step`, or V chunk `step - C`."""
         C = self.num_chunks
         chunk = step % C
         src = tKgK if cutlass.const_expr(step < C) else tVgV
         self._load_tile(tiled_copy, src[None, None, None, n_block, chunk],
-                        tKVsKV[None, None, None, slot],
-                        tKVcKV[None, None, None, n_block, chunk], seqlen_k, hdim)
+                        tKVsKV[None, None, None, slot], tKVcKV[None, None, None, n_block, chunk],
+                        seqlen_k, self.tile_n, n_block * self.tile_n, chunk)
 
     @cute.jit
     def _softmax_step(self, acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax: OnlineSoftmax,
