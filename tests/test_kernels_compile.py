@@ -45,7 +45,8 @@ def _ptxas_spills(ptx: str, arch: str):
 
 
 CASES = [("sm_80", d, False) for d in HEAD_DIMS] + [("sm_120a", d, False) for d in HEAD_DIMS] + [
-    ("sm_90a", 512, True), ("sm_80", 576, True)]
+    ("sm_90a", 320, True), ("sm_90a", 512, True), ("sm_90a", 1024, False), ("sm_80", 576, True),
+    ("sm_90a", 328, False)]  # 328: padded last head-dim chunk (column predicates)
 
 
 @pytest.mark.parametrize("target,d,causal", CASES)
