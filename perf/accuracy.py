@@ -78,17 +78,22 @@ def _probs(s):
     return p / torch.where(denom == 0, torch.ones_like(denom), denom)
 
 
+def _setup(q, k, scale, causal_offset, ref_dtype):
+    """Sizes, reference dtype, scale, causal offset (bottom-right default) and GQA group."""
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    rd = ref_dtype or ref_dtype_for(q.dtype)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    offset = nkv - nq if causal_offset is None else causal_offset
+    return b, hq, nq, d, hkv, nkv, rd, scale, offset, hq // hkv
+
+
 def ref_forward(q, k, v, *, causal: bool, heads: list[int] | None = None, scale=None,
                 causal_offset: int | None = None, ref_dtype=None,
                 chunk_bytes: int = 1 << 30) -> torch.Tensor:
     """Output for query heads `heads` as [B, len(heads), Nq, Dv] in `ref_dtype`."""
-    b, hq, nq, d = q.shape
-    hkv, nkv = k.shape[1], k.shape[2]
-    rd = ref_dtype or ref_dtype_for(q.dtype)
+    b, hq, nq, d, hkv, nkv, rd, scale, offset, group = _setup(q, k, scale, causal_offset, ref_dtype)
     heads = list(range(hq)) if heads is None else heads
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    offset = nkv - nq if causal_offset is None else causal_offset
-    group = hq // hkv
     out = torch.empty(b, len(heads), nq, v.shape[-1], dtype=rd, device=q.device)
     step = _row_chunk(nkv, torch.finfo(rd).bits // 8, chunk_bytes, 2)
     with no_tf32():
@@ -110,13 +115,8 @@ def ref_backward(q, k, v, dout, *, causal: bool, kv_heads: list[int] | None = No
     dq is [B, len(kv_heads) * group, Nq, D] (query heads in group order), dk/dv are
     [B, len(kv_heads), Nkv, D].
     """
-    b, hq, nq, d = q.shape
-    hkv, nkv = k.shape[1], k.shape[2]
-    rd = ref_dtype or ref_dtype_for(q.dtype)
+    b, hq, nq, d, hkv, nkv, rd, scale, offset, group = _setup(q, k, scale, causal_offset, ref_dtype)
     kv_heads = list(range(hkv)) if kv_heads is None else kv_heads
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    offset = nkv - nq if causal_offset is None else causal_offset
-    group = hq // hkv
     dq = torch.empty(b, len(kv_heads) * group, nq, d, dtype=rd, device=q.device)
     dk = torch.zeros(b, len(kv_heads), nkv, d, dtype=rd, device=q.device)
     dv = torch.zeros(b, len(kv_heads), nkv, v.shape[-1], dtype=rd, device=q.device)
