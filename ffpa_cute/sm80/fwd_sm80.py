@@ -21,9 +21,11 @@ Warp layouts (config field `warp_layout`, warps along M x warps along N of every
 M8N1 (FA-2 style, no exchange), M4N2 and M2N4 (O split across warps along D, so each thread
 holds D / (2 * warp_n) fp32 of O; the price is one extra CTA barrier per KV block).
 
-Budget (bf16, tile_n = tile_hdim = 64): smem = Q 64 KB + ring 8 KB/stage + P 8 KB (+ 0.5 KB
-stats). D=512, M4N2: O 128 regs/thread, 3 stages = 97 KB. D=1024, M2N4: O 128 regs/thread,
-Q = 32 x 1024 = 64 KB, same 97 KB. Both fit sm_120's 99 KB.
+Budget (bf16, tile_hdim = 64): smem = Q (tile_m x D) + ring (tile_n x 64 x 2 B per stage) + P
+(tile_m x 64 x 2 B, M4N2/M2N4 only) + row stats. D=512, M4N2: Q 64 KB + 4 x 8 KB + 8 KB = 107 KB
+(sm_80/sm_90a; sm_120's 99 KB takes 2 stages), O 128 registers/thread. D=1024, M2N4: Q 32 x 1024
+= 64 KB, same ring, O 128 registers/thread (3 stages on sm_120). D=320, M8N1 (tile_n 32, P in
+registers): Q 80 KB + 4 x 4 KB, O 160 registers/thread. ptxas: 210-254 registers, no spills.
 
 Constraints (mirrored by `config.can_implement`):
 * dtype bf16 or fp16; D a multiple of 8 in [264, 1024] (the last chunk is zero-padded in smem);
