@@ -22,15 +22,17 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .fallback import causal_split as _causal_split
+from .fallback import gqa_in_native as _gqa_in_native
+from .fallback import native_attention as _native_attention
+from .fallback import native_sdpa as _native_sdpa
+from .fallback import sdpa_recompute_backward as _sdpa_recompute_backward
 from .problem import AttnProblem
 
 __all__ = ["attention", "explain", "patch_sdpa", "unpatch_sdpa"]
 
 log = logging.getLogger("ffpa_cute")
 
-# Bound once at import: the C entry point is what the public symbol wraps, and a monkey-patch of
-# `F.scaled_dot_product_attention` (ours or anyone's) cannot redirect it.
-_native_sdpa = torch._C._nn.scaled_dot_product_attention
 
 _PLANS: dict = {}  # (problem, device, FFPA_CUTE_ARCH) -> plan; planning depends on no tensor data
 _LOGGED: set = set()  # (level, reason) pairs already logged
@@ -234,62 +236,6 @@ def _route(problem: AttnProblem, device, strict, level):
     return _decide(str(device), strict, level, *fields)
 
 
-# ---------------------------------------------------------------------------- native fallback
-
-
-def _gqa_in_native(q, v, mask) -> bool:
-    """True when native SDPA can take grouped K/V itself without dropping to its MATH backend.
-
-    Only the flash backend handles `enable_gqa` natively, and it needs CUDA half types, no
-    tensor mask and head dims <= 256. Anything else gets K/V expanded first (costs memory, but
-    MATH on D > 256 costs far more).
-    """
-    return (q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16)
-            and max(q.shape[-1], v.shape[-1]) <= 256)
-
-
-def _causal_split(nq, nkv, causal, offset):
-    """(rows without keys at the top, use SDPA's is_causal, needs an explicit bool mask).
-
-    Rows i with i + offset < 0 see no key (all rows when Nkv == 0). The rest is upper-left
-    causal when the remaining offset is 0, unmasked when every row sees every key, and needs
-    an explicit tril mask otherwise.
-    """
-    skip = nq if nkv == 0 else (min(max(-offset, 0), nq) if causal else 0)
-    # Branches, not boolean expressions: with dynamic shapes under torch.compile the comparisons
-    # are SymBools, and only a branch makes Dynamo guard them into the plain bools SDPA takes.
-    if not causal:
-        return skip, False, False
-    if offset + skip == 0:
-        return skip, True, False
-    if 0 < offset + skip < nkv - 1:
-        return skip, False, True
-    return skip, False, False
-
-
-def _native_attention(q, k, v, *, causal, offset, mask, dropout_p, scale):
-    """Native SDPA with our semantics: any causal offset, GQA, rows without keys -> 0.
-
-    Rows without keys are dropped before SDPA and padded back as zeros, so neither the output
-    nor the gradients ever see a fully masked (NaN) softmax row.
-    """
-    nq, nkv, hq, hkv = q.shape[-2], k.shape[-2], q.shape[-3], k.shape[-3]
-    skip, is_causal, explicit = _causal_split(nq, nkv, causal, offset)
-    if skip == nq:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    q = q[..., skip:, :] if skip else q
-    if explicit:
-        rows = torch.arange(nq - skip, device=q.device).unsqueeze(-1)
-        mask = torch.arange(nkv, device=q.device) <= rows + offset + skip
-    gqa = hq != hkv
-    if gqa and not _gqa_in_native(q, v, mask):  # decided on the final mask
-        k, v = k.repeat_interleave(hq // hkv, dim=-3), v.repeat_interleave(hq // hkv, dim=-3)
-        gqa = False
-    out = _native_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                       scale=scale, enable_gqa=gqa)
-    return F.pad(out, (0, 0, skip, 0)) if skip else out
-
-
 # ------------------------------------------------------------------------------- kernel op
 
 
@@ -314,20 +260,6 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, causal_offset, scale):
     return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-def _sdpa_recompute_backward(q, k, v, dout, causal, causal_offset, scale, needs=(True,) * 3):
-    """dq, dk, dv by re-running native SDPA under autograd (stand-in until backward kernels land).
-
-    GQA K/V are expanded inside `_native_attention`, so autograd sums dk/dv back over the group.
-    """
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
-        out = _native_attention(*inputs, causal=causal, offset=causal_offset, mask=None,
-                                dropout_p=0.0, scale=scale)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
-    return tuple(next(grads) if n else None for n in needs)
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,80 @@
+"""torch's native SDPA with ffpa_cute's semantics: the fallback path and the interim backward.
+
+Used for everything no kernel covers, and (until the backward kernels land) for the backward of
+the kernel path. We bind `torch._C._nn.scaled_dot_product_attention` once and never call
+`F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
+"""
+
+import torch
+import torch.nn.functional as F
+
+# Bound once at import: the C entry point is what the public symbol wraps, and a monkey-patch of
+# `F.scaled_dot_product_attention` (ours or anyone's) cannot redirect it.
+native_sdpa = torch._C._nn.scaled_dot_product_attention
+
+
+def gqa_in_native(q, v, mask) -> bool:
+    """True when native SDPA can take grouped K/V itself without dropping to its MATH backend.
+
+    Only the flash backend handles `enable_gqa` natively, and it needs CUDA half types, no
+    tensor mask and head dims <= 256. Anything else gets K/V expanded first (costs memory, but
+    MATH on D > 256 costs far more).
+    """
+    return (q.is_cuda and mask is None and q.dtype in (torch.float16, torch.bfloat16)
+            and max(q.shape[-1], v.shape[-1]) <= 256)
+
+
+def causal_split(nq, nkv, causal, offset):
+    """(rows without keys at the top, use SDPA's is_causal, needs an explicit bool mask).
+
+    Rows i with i + offset < 0 see no key (all rows when Nkv == 0). The rest is upper-left
+    causal when the remaining offset is 0, unmasked when every row sees every key, and needs
+    an explicit tril mask otherwise.
+    """
+    skip = nq if nkv == 0 else (min(max(-offset, 0), nq) if causal else 0)
+    # Branches, not boolean expressions: with dynamic shapes under torch.compile the comparisons
+    # are SymBools, and only a branch makes Dynamo guard them into the plain bools SDPA takes.
+    if not causal:
+        return skip, False, False
+    if offset + skip == 0:
+        return skip, True, False
+    if 0 < offset + skip < nkv - 1:
+        return skip, False, True
+    return skip, False, False
+
+
+def native_attention(q, k, v, *, causal, offset, mask, dropout_p, scale):
+    """Native SDPA with our semantics: any causal offset, GQA, rows without keys -> 0.
+
+    Rows without keys are dropped before SDPA and padded back as zeros, so neither the output
+    nor the gradients ever see a fully masked (NaN) softmax row.
+    """
+    nq, nkv, hq, hkv = q.shape[-2], k.shape[-2], q.shape[-3], k.shape[-3]
+    skip, is_causal, explicit = causal_split(nq, nkv, causal, offset)
+    if skip == nq:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    q = q[..., skip:, :] if skip else q
+    if explicit:
+        rows = torch.arange(nq - skip, device=q.device).unsqueeze(-1)
+        mask = torch.arange(nkv, device=q.device) <= rows + offset + skip
+    gqa = hq != hkv
+    if gqa and not gqa_in_native(q, v, mask):  # decided on the final mask
+        k, v = k.repeat_interleave(hq // hkv, dim=-3), v.repeat_interleave(hq // hkv, dim=-3)
+        gqa = False
+    out = native_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                       scale=scale, enable_gqa=gqa)
+    return F.pad(out, (0, 0, skip, 0)) if skip else out
+
+
+def sdpa_recompute_backward(q, k, v, dout, causal, causal_offset, scale, needs=(True,) * 3):
+    """dq, dk, dv by re-running native SDPA under autograd (stand-in until backward kernels land).
+
+    GQA K/V are expanded inside `native_attention`, so autograd sums dk/dv back over the group.
+    """
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        out = native_attention(*inputs, causal=causal, offset=causal_offset, mask=None,
+                                dropout_p=0.0, scale=scale)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
+    return tuple(next(grads) if n else None for n in needs)
