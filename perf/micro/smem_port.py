@@ -201,7 +201,9 @@ class SmemPortBench:
         tFsF, tFgF = cpasync.tma_partition(tma_f, 0, cute.make_layout(1),
                                            cute.group_modes(sF, 0, 2), cute.group_modes(gF, 0, 2))
         n_tiles = cute.size(gF, mode=[2])
-        first = (bidx * 7) % n_tiles  # spread the CTAs over the buffer
+        grid, _, _ = cute.arch.grid_dim()
+        # each CTA streams its own slice first: a buffer larger than L2 is then read from HBM
+        first = bidx * (n_tiles // grid)
         stages = self.fill_stages
         t0 = cute.arch.clock64()
         count = Int32(0)
@@ -255,3 +257,55 @@ def compile(bench: SmemPortBench, args, options: str = ""):
 
     with compile_target("sm_90a"):
         return cute.compile(bench, *args, Int32(1), Int32(1), cuda.CUstream(0), options=options)
+
+
+def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64) -> tuple[list, list]:
+    """All variants on the current GPU: (table rows, notes)."""
+    import torch
+
+    from perf.micro import median, row, stream, timed
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    stamps = torch.zeros(sms, STAMP_COLS, dtype=torch.int64, device="cuda")
+    sources = {"L2 16MB": 16 << 20, "HBM 1GB": 1 << 30}  # fill buffer bytes
+    fills = {k: torch.randn(v // (2 * FILL_COLS), FILL_COLS, **bf16) for k, v in sources.items()}
+    rows, notes = [], [f"smem_port: grid {sms} CTAs (1 per SM), iters {iters}, k_tile {k_tile}"]
+    cases = [(n, True, None) for n in (128, 256)]
+    cases += [(n, True, src) for n in (128, 256) for src in sources]
+    cases += [(128, False, src) for src in sources]
+    for n, mma, src in cases:
+        a, b = torch.randn(64, k_tile, **bf16), torch.randn(n, k_tile, **bf16)
+        fill = fills[src] if src else fills["L2 16MB"]
+        variant = ("mma" if mma else "fill") + (f"+fill {src}" if mma and src else "")
+        variant = f"n{n} {variant}" if mma else f"fill {src}"
+        stamps.zero_()
+        args = make_args(a, b, fill, stamps)
+        fn = compile(SmemPortBench(n, mma, src is not None, k_tile), args)
+        n_fill = fill_tiles if not mma else 2**30  # with MMA the stream stops on the stop barrier
+        ms = timed(lambda: fn(*args, iters, n_fill, stream()))
+        st = stamps.cpu()
+        name = "smem_port"
+        if mma:
+            cyc = median((st[:, 2] - st[:, 1]).double() / (iters * (k_tile // 16)))
+            mma_bytes = 2 * 64 * 16 + 2 * n * 16  # A + B per m64nNk16
+            flops = sms * (iters + 1) * (k_tile // 16) * 2 * 64 * n * 16
+            rows += [row(name, variant, "cyc/wgmma", round(cyc, 2), "clk"),
+                     row(name, variant, "ideal cyc/wgmma", n // 2, "clk"),
+                     row(name, variant, "mma_smem", round(mma_bytes / cyc, 1), "B/clk/SM"),
+                     row(name, variant, "tflops_wall", round(flops / ms / 1e9, 1), "TFLOPS"),
+                     row(name, variant, "sm_clock", round(median(st[:, 2] - st[:, 1]) / ms / 1e3),
+                         "MHz")]
+        if src:
+            fill_bpc = median(st[:, 5].double() * FILL_ROWS * FILL_COLS * 2
+                              / (st[:, 4] - st[:, 3]).double())
+            rows.append(row(name, variant, "fill", round(fill_bpc, 1), "B/clk/SM"))
+            if mma:
+                rows.append(row(name, variant, "total_smem", round(fill_bpc + mma_bytes / cyc, 1),
+                                "B/clk/SM"))
+            else:
+                gbs = float(st[:, 5].sum()) * FILL_ROWS * FILL_COLS * 2 / ms / 1e6
+                rows.append(row(name, variant, "fill_all_SMs", round(gbs), "GB/s"))
+        if len(set(st[:, 0].tolist())) != sms:
+            notes.append(f"smem_port {variant}: CTAs did not land on {sms} distinct SMs")
+    return rows, notes

@@ -27,11 +27,13 @@ How to read the numbers (per scenario, medians over CTAs; cycles from t_base):
     issue). Issue order (FIFO): about 0.5 in `together` and `f1`. Interleaving: close to 1.0.
   - `late_short`: `wg1_done < wg0_done` means the late short chain overtook the long one
     (interleaving); `wg1_done > wg0_done` means it waited behind it (issue order).
-  - `overlap_groups`: how many of WG1's group completions fall before WG0's last completion
-    (0 = strictly after, GROUPS = fully interleaved).
+  - `interleaved_groups`: how many groups of the WG that finished last completed before the
+    other WG finished (0 = strictly one after the other; GROUPS - 1 or so = interleaved).
+  - `tc_busy`: issued MMA-cycles (GROUPS * chains * N/2) over the span from first issue to last
+    completion: about 1.0 means the tensor core never idled, whatever the order.
   The printed timeline (CTA 0) lists every group completion of both WGs in time order.
 
-Constraints. sm_90a only; 256 threads; N in {64, 128, 256}; chains are compile-time; delays are
+Constraints. sm_90a only; 256 threads; over 114 KB of smem so one CTA per SM; N in {64, 128, 256}; chains are compile-time; delays are
 run-time (cycles).
 """
 
@@ -41,7 +43,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 
 GROUPS = 4  # commit groups per WG
@@ -82,6 +84,7 @@ class WgmmaOrderBench:
                                                        cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
                                                        cute.cosize(sB_layout)], 1024]
+            pad: cute.struct.MemRange[cutlass.Int8, 100 * 1024]  # > 114 KB: one CTA per SM
 
         self.storage = Storage
         self.kernel(tiled_mma, mStamps, delay0, delay1, sA_layout, sB_layout).launch(
@@ -173,3 +176,46 @@ def compile(bench: WgmmaOrderBench, args, options: str = ""):
 
     with compile_target("sm_90a"):
         return cute.compile(bench, *args, Int32(0), Int32(0), cuda.CUstream(0), options=options)
+
+
+def run(reps: int = 5, n: int = 128) -> tuple[list, list]:
+    """Every scenario on the current GPU: (table rows, notes with CTA 0's timelines)."""
+    import torch
+
+    from perf.micro import median, row, stream
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    stamps = torch.zeros(sms, 2, STAMP_COLS, dtype=torch.int64, device="cuda")
+    args = make_args(stamps)
+    rows, notes, compiled = [], [f"wgmma_order: grid {sms}, N={n}, {GROUPS} groups per WG"], {}
+    for name, (chains, delays) in SCENARIOS.items():
+        if chains not in compiled:
+            compiled[chains] = compile(WgmmaOrderBench(chains, n), args)
+        runs = []
+        for _ in range(reps):
+            stamps.zero_()
+            compiled[chains](*args, delays[0], delays[1], stream())
+            torch.cuda.synchronize()
+            runs.append(stamps.cpu())
+        st = torch.cat(runs)  # (reps * grid, 2, STAMP_COLS)
+        base = torch.minimum(st[:, 0, 1], st[:, 1, 1])
+        issue = torch.minimum(st[:, 0, 2], st[:, 1, 2])
+        fin0, fin1 = st[:, 0, -1], st[:, 1, -1]
+        first = (torch.minimum(fin0, fin1) - issue).double()
+        frac = first / (torch.maximum(fin0, fin1) - issue).double()
+        later = torch.where((fin1 >= fin0)[:, None], st[:, 1, 4:], st[:, 0, 4:])
+        overlap = (later < torch.minimum(fin0, fin1)[:, None]).sum(dim=1)
+        busy = GROUPS * (chains[0] + chains[1]) * n // 2  # MMA-cycles of work issued
+        span = (torch.maximum(fin0, fin1) - issue).double()
+        v = f"{name} chains {chains[0]}x{GROUPS}/{chains[1]}x{GROUPS} delay {delays[1]}"
+        rows += [row("wgmma_order", v, "wg0_done", median(fin0 - base), "clk"),
+                 row("wgmma_order", v, "wg1_done", median(fin1 - base), "clk"),
+                 row("wgmma_order", v, "first_done_frac", round(median(frac), 3), ""),
+                 row("wgmma_order", v, "interleaved_groups", median(overlap), f"of {GROUPS}"),
+                 row("wgmma_order", v, "tc_busy", round(busy / median(span), 3), "of span")]
+        events = sorted([(int(st[0, w, 4 + g] - base[0]), f"WG{w}.g{g}")
+                         for w in range(2) for g in range(GROUPS)])
+        issue_rel = [(int(st[0, w, 2] - base[0]), int(st[0, w, 3] - base[0])) for w in range(2)]
+        notes.append(f"wgmma_order {name} CTA0: issue WG0 {issue_rel[0]} WG1 {issue_rel[1]}; "
+                     + ", ".join(f"{e}@{t}" for t, e in events))
+    return rows, notes
