@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import statistics
 
+DEVICE = "cuda"  # where run() allocates; the CPU dry-run test swaps this and the helpers below
+
 
 def row(bench: str, variant: str, metric: str, value, unit: str) -> dict:
     return {"benchmark": bench, "variant": variant, "metric": metric, "value": value,
@@ -17,6 +19,18 @@ def row(bench: str, variant: str, metric: str, value, unit: str) -> dict:
 def median(xs) -> float:
     xs = [float(x) for x in xs]
     return statistics.median(xs) if xs else float("nan")
+
+
+def sm_count() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
 
 
 def stream():

@@ -85,7 +85,7 @@ class DsmemBench:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         peer = 1 - rank
-        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         ring = storage.ring.get_tensor(cute.make_layout((self.words, self.stages)))
         src = storage.src.get_tensor(cute.make_layout(self.words))
@@ -224,10 +224,10 @@ def run(steps: int = 20000, rounds: int = 10000) -> tuple[list, list]:
     """Every variant on the current GPU: (table rows, notes)."""
     import torch
 
-    from perf.micro import median, row, stream, timed
+    from perf.micro import DEVICE, median, row, sm_count, stream, timed
 
-    grid = torch.cuda.get_device_properties(0).multi_processor_count // 2 * 2
-    stamps = torch.zeros(grid, STAMP_COLS, dtype=torch.int64, device="cuda")
+    grid = sm_count() // 2 * 2
+    stamps = torch.zeros(grid, STAMP_COLS, dtype=torch.int64, device=DEVICE)
     args = make_args(stamps)
     rows, notes = [], [f"dsmem: grid {grid} CTAs in clusters of 2, steps {steps}"]
     cases = [("stream", m, k, bidir) for m in ("st_async", "bulk") for k in (8192, 16384)

@@ -81,8 +81,8 @@ class SmemPortBench:
         self.sF_layout = cute.tile_to_shape(atom, (FILL_ROWS, FILL_COLS, self.fill_stages),
                                             (0, 1, 2))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, self.n))
+            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1), (64, self.n))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, self.sA_layout, (64, self.k_tile))
         tma_b, tB = cpasync.make_tiled_tma_atom(g2s, mB, self.sB_layout, (self.n, self.k_tile))
@@ -118,7 +118,7 @@ class SmemPortBench:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         bar_ab = storage.bar_ab.data_ptr()
         bar_fill = storage.bar_fill.data_ptr()
         bar_stop = storage.bar_stop.data_ptr()
@@ -259,16 +259,17 @@ def compile(bench: SmemPortBench, args, options: str = ""):
         return cute.compile(bench, *args, Int32(1), Int32(1), cuda.CUstream(0), options=options)
 
 
-def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64) -> tuple[list, list]:
+def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64, l2_mb: int = 16,
+        hbm_mb: int = 1024) -> tuple[list, list]:
     """All variants on the current GPU: (table rows, notes)."""
     import torch
 
-    from perf.micro import median, row, stream, timed
+    from perf.micro import DEVICE, median, row, sm_count, stream, timed
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    stamps = torch.zeros(sms, STAMP_COLS, dtype=torch.int64, device="cuda")
-    sources = {"L2 16MB": 16 << 20, "HBM 1GB": 1 << 30}  # fill buffer bytes
+    sms = sm_count()
+    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
+    stamps = torch.zeros(sms, STAMP_COLS, dtype=torch.int64, device=DEVICE)
+    sources = {f"L2 {l2_mb}MB": l2_mb << 20, f"HBM {hbm_mb}MB": hbm_mb << 20}  # fill buffers
     fills = {k: torch.randn(v // (2 * FILL_COLS), FILL_COLS, **bf16) for k, v in sources.items()}
     rows, notes = [], [f"smem_port: grid {sms} CTAs (1 per SM), iters {iters}, k_tile {k_tile}"]
     cases = [(n, True, None) for n in (128, 256)]
@@ -276,7 +277,7 @@ def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64) -> tuple[l
     cases += [(128, False, src) for src in sources]
     for n, mma, src in cases:
         a, b = torch.randn(64, k_tile, **bf16), torch.randn(n, k_tile, **bf16)
-        fill = fills[src] if src else fills["L2 16MB"]
+        fill = fills[src] if src else fills[f"L2 {l2_mb}MB"]
         variant = ("mma" if mma else "fill") + (f"+fill {src}" if mma and src else "")
         variant = f"n{n} {variant}" if mma else f"fill {src}"
         stamps.zero_()

@@ -71,8 +71,8 @@ class WgmmaOrderBench:
                  stream: cuda.CUstream):
         # mStamps [grid, 2, STAMP_COLS] int64
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K, Float32, (1, 1, 1), (64, self.n))
+            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1), (64, self.n))
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                cutlass.BFloat16)
         sA_layout = cute.tile_to_shape(atom, (64, K_TILE), (0, 1))
@@ -98,7 +98,7 @@ class WgmmaOrderBench:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)  # (64, K_TILE)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)  # (N, K_TILE)
         # Operands: any finite values do; written by threads, so fence into the async proxy.
@@ -182,10 +182,10 @@ def run(reps: int = 5, n: int = 128) -> tuple[list, list]:
     """Every scenario on the current GPU: (table rows, notes with CTA 0's timelines)."""
     import torch
 
-    from perf.micro import median, row, stream
+    from perf.micro import DEVICE, median, row, sm_count, stream, sync
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    stamps = torch.zeros(sms, 2, STAMP_COLS, dtype=torch.int64, device="cuda")
+    sms = sm_count()
+    stamps = torch.zeros(sms, 2, STAMP_COLS, dtype=torch.int64, device=DEVICE)
     args = make_args(stamps)
     rows, notes, compiled = [], [f"wgmma_order: grid {sms}, N={n}, {GROUPS} groups per WG"], {}
     for name, (chains, delays) in SCENARIOS.items():
@@ -195,7 +195,7 @@ def run(reps: int = 5, n: int = 128) -> tuple[list, list]:
         for _ in range(reps):
             stamps.zero_()
             compiled[chains](*args, delays[0], delays[1], stream())
-            torch.cuda.synchronize()
+            sync()
             runs.append(stamps.cpu())
         st = torch.cat(runs)  # (reps * grid, 2, STAMP_COLS)
         base = torch.minimum(st[:, 0, 1], st[:, 1, 1])
