@@ -16,10 +16,13 @@ them one by one with `wait_group(GROUPS-1-g)` and stamps clock64 after each: don
 WG w saw its group g complete (groups of one WG complete in order).
 
 Scenarios (`python -m perf.micro --which wgmma_order`; chains at N=128, 64 cycles per WGMMA):
-  - `together`   : chains 8 / 8 (4 groups: 2048 cycles per WG), both start at once.
-  - `late_short` : WG0 8 x 4 groups (2048 cycles), WG1 2 x 4 groups (512) issued 256 cycles later.
-  - `f1`         : WG0 ("S-WG", QK[n+1]) 8 x 4 issued first; WG1 ("O-WG", PV[n]) 8 x 4 issued
-                   128 cycles later: the F1 order.
+  - `together`    : chains 8 / 8 (4 groups: 2048 cycles per WG), both start at once.
+  - `f1`          : WG0 ("S-WG", QK[n+1]) 8 x 4 first; WG1 ("O-WG", PV[n]) 8 x 4 issued 256
+                    cycles later: the F1 order. Issue order: WG0 done near 2048, WG1 near 4096.
+  - `late_short`  : WG0 8 x 4 (2048 cycles), WG1 2 x 4 (512) issued 256 cycles later. Does a
+                    late short chain overtake a long one?
+  - `early_short` : WG0 2 x 4 (512 cycles) first, WG1 8 x 4 issued 64 cycles later. Is an early
+                    short chain slowed down by a later long one? (FIFO: WG0 done near 512.)
 
 How to read the numbers (per scenario, medians over CTAs; cycles from t_base):
   - `wg0_done`, `wg1_done`: cycles at which each WG's last group completed.
@@ -33,8 +36,8 @@ How to read the numbers (per scenario, medians over CTAs; cycles from t_base):
     completion: about 1.0 means the tensor core never idled, whatever the order.
   The printed timeline (CTA 0) lists every group completion of both WGs in time order.
 
-Constraints. sm_90a only; 256 threads; over 114 KB of smem so one CTA per SM; N in {64, 128, 256}; chains are compile-time; delays are
-run-time (cycles).
+Constraints. sm_90a only; 256 threads; over 114 KB of smem so one CTA per SM; N in
+{64, 128, 256}; chains are compile-time, delays run-time (cycles).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ STAMP_COLS = 4 + GROUPS  # per (CTA, WG): smid, t_base, issue start, issue end, 
 
 SCENARIOS = {  # name: ((chain WG0, chain WG1), (delay WG0, delay WG1) in cycles)
     "together": ((8, 8), (0, 0)),
+    "f1": ((8, 8), (0, 256)),
     "late_short": ((8, 2), (0, 256)),
-    "f1": ((8, 8), (0, 128)),
+    "early_short": ((2, 8), (0, 64)),
 }
 
 
