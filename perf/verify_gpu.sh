@@ -5,8 +5,8 @@
 #   bash ../shared/device/stage.sh          # STAGE_PEERS=1 to add the FFPA column to the sweep
 #   python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16 \
 #       --cache-dir .precache               # (.precache is git-ignored via .git/info/exclude)
-# Then the device call: carry [".device", ".precache"], command
-#   source .device/setup.sh && bash perf/verify_gpu.sh
+# Then the device call: carry [".device", ".precache"], command (the device copy has no .git)
+#   source .device/setup.sh && PERF_COMMIT=<git rev-parse --short HEAD> bash perf/verify_gpu.sh
 # Sections: precompiled cache (0 compiles), default GPU tier, slow grid, forward sweep vs SDPA at
 # every head dim of the FFPA grid and the padded-chunk dims. About 6-7 minutes on an H200.
 set -uo pipefail
