@@ -72,12 +72,13 @@ def test_wgmma_order_compiles():
         assert f"wgmma.wait_group.sync.aligned 	{g};" in ptx
 
 
-@pytest.mark.parametrize("mode,method,bidir", [("stream", "st_async", False),
-                                               ("stream", "bulk", True),
-                                               ("pingpong", "st_async", False)])
-def test_dsmem_compiles(mode, method, bidir):
-    fn = dsmem.compile(dsmem.DsmemBench(mode, method, bidir=bidir), dsmem.fake_args(132),
-                       options="--keep-ptx")
+@pytest.mark.parametrize("mode,method,bidir,spin", [("stream", "st_async", False, False),
+                                                    ("stream", "bulk", True, False),
+                                                    ("pingpong", "st_async", False, False),
+                                                    ("pingpong", "st_async", False, True)])
+def test_dsmem_compiles(mode, method, bidir, spin):
+    fn = dsmem.compile(dsmem.DsmemBench(mode, method, bidir=bidir, spin=spin),
+                       dsmem.fake_args(132), options="--keep-ptx")
     ptx = fn.__ptx__
     _check_common(ptx)
     assert "mapa.shared::cluster" in ptx and "barrier.cluster.arrive" in ptx
@@ -88,6 +89,8 @@ def test_dsmem_compiles(mode, method, bidir):
     if mode == "stream":  # the sender arms the peer's full barrier; the receiver frees remotely
         assert "mbarrier.arrive.expect_tx.release.cluster.shared::cluster" in ptx
         assert re.search(r"mbarrier\.arrive\.\S*cluster\S*shared::cluster", ptx)
+    if spin:
+        assert "mbarrier.test_wait" in ptx and "mbarrier.try_wait" not in ptx
 
 
 def test_runtime_args_compile():
@@ -174,7 +177,7 @@ def test_dsmem_driver(monkeypatch):
     got = {(r["variant"], r["metric"]): r["value"] for r in rows}
     assert got[("st_async 16 KB/step one-way", "recv")] == 16.0
     assert got[("bulk 8 KB/step bidir", "errors")] == 0
-    assert ("pingpong st_async 16 B", "round_trip") in got
+    assert ("pingpong st_async 16 B, spin", "round_trip") in got
 
 
 def test_cli_table_and_arguments():

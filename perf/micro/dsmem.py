@@ -17,7 +17,8 @@ sender warpgroup (warps 0-3) and a receiver warpgroup (warps 4-7).
     The full[s] barrier is armed by the sender with a remote arrive.expect_tx.
     `bidir=False`: rank 0 sends, rank 1 receives. `bidir=True`: both directions at once.
   - `pingpong`: one thread per CTA; rank 0 sends 16 B by st.async, rank 1 answers as soon as
-    its barrier flips; `rounds` round trips timed by rank 0's clock64.
+    its barrier flips; `rounds` round trips timed by rank 0's clock64. Waiting by
+    mbarrier.try_wait (may suspend the thread; what pipelines use) or by a test_wait spin.
 
 How to read the numbers.
   - `recv_B/clk`: bytes landed per clock at a receiving SM, (steps - 1) * step_bytes over the
@@ -51,10 +52,10 @@ class DsmemBench:
     """A 2-CTA cluster streams step_bytes per step into the peer's smem ring (or ping-pongs)."""
 
     def __init__(self, mode: str = "stream", method: str = "st_async", step_bytes: int = 16384,
-                 stages: int = 4, bidir: bool = False):
+                 stages: int = 4, bidir: bool = False, spin: bool = False):
         assert mode in ("stream", "pingpong") and method in ("st_async", "bulk")
         assert step_bytes % (128 * CHUNK) == 0 and (stages + 1) * step_bytes <= 227 * 1024
-        self.mode, self.method, self.bidir = mode, method, bidir
+        self.mode, self.method, self.bidir, self.spin = mode, method, bidir, spin
         self.step_bytes, self.stages = step_bytes, stages
         self.words = step_bytes // 4  # Int32 words per step
         self.threads = 256
@@ -181,6 +182,15 @@ class DsmemBench:
             mStamps[bidx, 5] = Int64(steps)
 
     @cute.jit
+    def _wait(self, bar, phase: Int32):
+        """mbarrier wait: try_wait (may suspend the thread) or, with spin, a test_wait loop."""
+        if const_expr(self.spin):
+            while not cute.arch.mbarrier_test_wait(bar, phase):
+                pass
+        else:
+            cute.arch.mbarrier_wait(bar, phase)
+
+    @cute.jit
     def _pingpong(self, ring: cute.Tensor, full, rank: Int32, peer: Int32, rounds: Int32,
                   mStamps: cute.Tensor, bidx: Int32):
         t0 = cute.arch.clock64()
@@ -189,9 +199,9 @@ class DsmemBench:
             cute.arch.mbarrier_arrive_and_expect_tx(full, CHUNK)
             if rank == 0:
                 cute.arch.store_async_dsmem(self._chunk_ptr(ring, 0, 0), (r, 0, r, 0), full, peer)
-                cute.arch.mbarrier_wait(full, r % 2)
+                self._wait(full, r % 2)
             else:
-                cute.arch.mbarrier_wait(full, r % 2)
+                self._wait(full, r % 2)
                 cute.arch.store_async_dsmem(self._chunk_ptr(ring, 0, 0), (r, 0, r, 0), full, peer)
         t1 = cute.arch.clock64()
         mStamps[bidx, 2] = t0
@@ -231,9 +241,14 @@ def run(steps: int = 20000, rounds: int = 10000) -> tuple[list, list]:
     args = make_args(stamps)
     rows, notes = [], [f"dsmem: grid {grid} CTAs in clusters of 2, steps {steps}"]
     cases = [("stream", m, k, bidir) for m in ("st_async", "bulk") for k in (8192, 16384)
-             for bidir in (False, True)] + [("pingpong", "st_async", 16384, False)]
+             for bidir in (False, True)]
+    cases += [("pingpong", "try_wait", 16384, False), ("pingpong", "spin", 16384, False)]
     for mode, method, step_bytes, bidir in cases:
-        fn = compile(DsmemBench(mode, method, step_bytes, bidir=bidir), args)
+        if mode == "pingpong":
+            bench = DsmemBench(mode, "st_async", spin=method == "spin")
+        else:
+            bench = DsmemBench(mode, method, step_bytes, bidir=bidir)
+        fn = compile(bench, args)
         count = rounds if mode == "pingpong" else steps
         ms = timed(lambda: (stamps.zero_(), fn(*args, count, stream())), reps=1)
         st = stamps.cpu()
@@ -243,7 +258,8 @@ def run(steps: int = 20000, rounds: int = 10000) -> tuple[list, list]:
         if mode == "pingpong":
             r0 = st[st[:, 1] == 0]
             rt = median((r0[:, 3] - r0[:, 2]).double() / count)
-            rows.append(row("dsmem", "pingpong st_async 16 B", "round_trip", round(rt, 1), "clk"))
+            rows.append(row("dsmem", f"pingpong st_async 16 B, {method}", "round_trip",
+                            round(rt, 1), "clk"))
             continue
         v = f"{method} {step_bytes // 1024} KB/step {'bidir' if bidir else 'one-way'}"
         recv = st[(st[:, 1] == 1) | bidir]  # receiving CTAs

@@ -13,8 +13,9 @@ How. One CTA per SM (grid = #SMs; over 114 KB of smem each, so no two CTAs share
     clock64 after a warm-up group and after the last `wait_group(0)`.
   - warp 4 (producer) in the `fill` variants streams 32 KB tiles ([128 x 128] bf16, 128B
     swizzle: one K/V ring chunk of F1) from a gmem buffer with TMA (cp.async.bulk.tensor) into
-    `fill_stages` smem stages that the MMA never reads. It keeps all stages in flight: before
-    reusing a stage it waits for that stage's previous load on its mbarrier (complete_tx).
+    `fill_stages` smem stages (as many as fit) that the MMA never reads. It keeps all stages in
+    flight: before reusing a stage it waits for that stage's previous load on its mbarrier
+    (complete_tx).
     With MMA on, it runs until the consumer arrives on a `stop` mbarrier, then drains.
 
 Variants (`python -m perf.micro --which smem_port`):
@@ -38,7 +39,8 @@ How to read the numbers.
 Constraints.
   - sm_90a only (WGMMA, TMA). 160 threads, no setmaxnreg: registers are not a limit.
   - N in {128, 256}; k_tile a multiple of 64 (one 128B-swizzle atom); fill tile fixed at
-    [128 x 128] bf16 (32 KB); smem = 8 KB A + N*k_tile*2 B + fill_stages*32 KB <= 227 KB.
+    [128 x 128] bf16 (32 KB); smem = 8 KB A + N*k_tile*2 B + fill_stages*32 KB <= 227 KB
+    (fill_stages defaults to the most that fit: 6 at N=128, 5 at N=256, k_tile 64).
   - The fill buffer is a row-major bf16 [rows x 128] tensor, rows a multiple of 128.
 """
 
@@ -52,6 +54,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 FILL_ROWS, FILL_COLS = 128, 128  # one 32 KB fill tile = one F1 K/V ring chunk
+SMEM_CAP = 232448  # bytes of smem one CTA may use on sm_90
 STAMP_COLS = 8  # per CTA: smid, mma t0, mma t1, fill t0, fill t1, fill tiles, sink, unused
 
 
@@ -59,14 +62,17 @@ class SmemPortBench:
     """One CTA per SM: a WGMMA SS loop, optionally racing a TMA fill stream."""
 
     def __init__(self, n: int = 128, mma: bool = True, fill: bool = False, k_tile: int = 64,
-                 fill_stages: int = 4):
+                 fill_stages: int | None = None):
         assert n in (128, 256) and k_tile % 64 == 0 and (mma or fill)
-        self.n, self.mma, self.fill = n, mma, fill
-        self.k_tile, self.fill_stages = k_tile, fill_stages
+        self.n, self.mma, self.fill, self.k_tile = n, mma, fill, k_tile
         self.k_blocks = k_tile // 16  # WGMMAs per commit group
         self.threads = 160  # warps 0-3: MMA warpgroup; warp 4: TMA producer
         self.fill_bytes = FILL_ROWS * FILL_COLS * 2
-        assert 2 * (64 + n) * k_tile + fill_stages * self.fill_bytes <= 227 * 1024
+        operand_bytes = 2 * (64 + n) * k_tile
+        # as many fill stages as fit (6 at n128, 5 at n256): the most bytes in flight per SM
+        free = SMEM_CAP - operand_bytes - 1024  # 1 KB: barriers and alignment
+        self.fill_stages = fill_stages or free // self.fill_bytes
+        assert 1 <= self.fill_stages and self.fill_stages * self.fill_bytes <= free
 
     # ------------------------------------------------------------------ host
     @cute.jit
