@@ -187,3 +187,20 @@ def test_cli_table_and_arguments():
     assert _table(rows).splitlines()[-1] == "| b | v | m | 1.5 | clk |"
     with pytest.raises(SystemExit):
         main(["--which", "nope"])
+
+
+@pytest.mark.parametrize("mode", ["hang", "crash"])
+def test_cli_keeps_partial_rows(tmp_path, monkeypatch, mode):
+    """A child that hangs (deadlocked kernel) or dies keeps the variants it checkpointed."""
+    from perf.micro import __main__ as cli
+
+    fake = tmp_path / "fake_python.sh"
+    fake.write_text('#!/bin/bash\nout="${@: -1}"\n'
+                    """echo '{"rows": [{"benchmark": "b", "variant": "v", "metric": "m", """
+                    """"value": 1, "unit": "u"}], "notes": ["n"]}' > "$out.partial"\n"""
+                    + ("sleep 20\n" if mode == "hang" else "echo 'boom' >&2; exit 3\n"))
+    fake.chmod(0o755)
+    monkeypatch.setattr(cli.sys, "executable", str(fake))
+    rows, notes = cli._spawn("b", 10, timeout=1)
+    assert [r["metric"] for r in rows] == ["m", "error"] and notes == ["n"]
+    assert ("timed out" in rows[-1]["value"]) == (mode == "hang")

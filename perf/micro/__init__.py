@@ -9,11 +9,21 @@ from __future__ import annotations
 import statistics
 
 DEVICE = "cuda"  # where run() allocates; the CPU dry-run test swaps this and the helpers below
+CHECKPOINT = None  # the runner's child process sets a path: partial results survive a hang
 
 
 def row(bench: str, variant: str, metric: str, value, unit: str) -> dict:
     return {"benchmark": bench, "variant": variant, "metric": metric, "value": value,
             "unit": unit}
+
+
+def checkpoint(rows: list, notes: list) -> None:
+    """Save what a benchmark has measured so far (called after every variant)."""
+    if CHECKPOINT:
+        import json
+
+        with open(CHECKPOINT, "w") as f:
+            json.dump({"rows": rows, "notes": notes}, f)
 
 
 def median(xs) -> float:

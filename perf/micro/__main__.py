@@ -41,6 +41,9 @@ def _run_one(name: str, iters: int) -> tuple[list, list]:
 
 
 def _child(name: str, iters: int, out: str) -> None:
+    import perf.micro
+
+    perf.micro.CHECKPOINT = out + ".partial"
     t0 = time.time()
     rows, notes = _run_one(name, iters)
     notes.append(f"{name}: {time.time() - t0:.1f} s including JIT compiles")
@@ -48,7 +51,16 @@ def _child(name: str, iters: int, out: str) -> None:
         json.dump({"rows": rows, "notes": notes}, f)
 
 
+def _load(path: str) -> tuple[list, list]:
+    if not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        res = json.load(f)
+    return res["rows"], res["notes"]
+
+
 def _spawn(name: str, iters: int, timeout: int) -> tuple[list, list]:
+    """Run one benchmark in a child; on a hang or crash keep the variants it finished."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "perf.micro", "--child", name, "--iters", str(iters),
@@ -56,16 +68,17 @@ def _spawn(name: str, iters: int, timeout: int) -> tuple[list, list]:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return [row(name, "-", "error", f"timed out after {timeout} s (deadlock?)", "")], []
+            rows, notes = _load(out + ".partial")
+            msg = f"timed out after {timeout} s (deadlock?) after {len(rows)} rows"
+            return rows + [row(name, "-", "error", msg, "")], notes
         if p.returncode != 0 or not os.path.exists(out):
             tail = (p.stderr or p.stdout).strip().splitlines()[-12:]
             sys.stderr.write(f"--- {name} failed (rc {p.returncode}) ---\n" + "\n".join(tail)
                              + "\n")
+            rows, notes = _load(out + ".partial")
             last = tail[-1] if tail else f"rc {p.returncode}"
-            return [row(name, "-", "error", last[:160], "")], []
-        with open(out) as f:
-            res = json.load(f)
-        return res["rows"], res["notes"]
+            return rows + [row(name, "-", "error", last[:160], "")], notes
+        return _load(out)
 
 
 def _table(rows: list) -> str:
@@ -104,7 +117,7 @@ def main(argv=None) -> int:
                     help="comma-separated subset of " + ",".join(BENCHES))
     ap.add_argument("--iters", type=int, default=20000,
                     help="WGMMA k-tiles per CTA (smem_port), DSMEM steps (dsmem)")
-    ap.add_argument("--timeout", type=int, default=240, help="seconds per benchmark")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds per benchmark")
     ap.add_argument("--out", help="write rows, notes and environment as JSON here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)

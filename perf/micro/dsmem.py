@@ -234,7 +234,7 @@ def run(steps: int = 20000, rounds: int = 10000) -> tuple[list, list]:
     """Every variant on the current GPU: (table rows, notes)."""
     import torch
 
-    from perf.micro import DEVICE, median, row, sm_count, stream, timed
+    from perf.micro import DEVICE, checkpoint, median, row, sm_count, stream, timed
 
     grid = sm_count() // 2 * 2
     stamps = torch.zeros(grid, STAMP_COLS, dtype=torch.int64, device=DEVICE)
@@ -260,6 +260,7 @@ def run(steps: int = 20000, rounds: int = 10000) -> tuple[list, list]:
             rt = median((r0[:, 3] - r0[:, 2]).double() / count)
             rows.append(row("dsmem", f"pingpong st_async 16 B, {method}", "round_trip",
                             round(rt, 1), "clk"))
+            checkpoint(rows, notes)
             continue
         v = f"{method} {step_bytes // 1024} KB/step {'bidir' if bidir else 'one-way'}"
         recv = st[(st[:, 1] == 1) | bidir]  # receiving CTAs
@@ -268,4 +269,5 @@ def run(steps: int = 20000, rounds: int = 10000) -> tuple[list, list]:
         rows += [row("dsmem", v, "recv", round(bpc, 1), "B/clk/SM"),
                  row("dsmem", v, "recv_all_SMs", round(total), "GB/s"),
                  row("dsmem", v, "errors", int(st[:, 4].sum()), "chunks")]
+        checkpoint(rows, notes)
     return rows, notes

@@ -270,7 +270,7 @@ def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64, l2_mb: int
     """All variants on the current GPU: (table rows, notes)."""
     import torch
 
-    from perf.micro import DEVICE, median, row, sm_count, stream, timed
+    from perf.micro import DEVICE, checkpoint, median, row, sm_count, stream, timed
 
     sms = sm_count()
     bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
@@ -315,4 +315,5 @@ def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64, l2_mb: int
                 rows.append(row(name, variant, "fill_all_SMs", round(gbs), "GB/s"))
         if len(set(st[:, 0].tolist())) != sms:
             notes.append(f"smem_port {variant}: CTAs did not land on {sms} distinct SMs")
+        checkpoint(rows, notes)
     return rows, notes

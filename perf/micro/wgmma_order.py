@@ -186,7 +186,7 @@ def run(reps: int = 5, n: int = 128) -> tuple[list, list]:
     """Every scenario on the current GPU: (table rows, notes with CTA 0's timelines)."""
     import torch
 
-    from perf.micro import DEVICE, median, row, sm_count, stream, sync
+    from perf.micro import DEVICE, checkpoint, median, row, sm_count, stream, sync
 
     sms = sm_count()
     stamps = torch.zeros(sms, 2, STAMP_COLS, dtype=torch.int64, device=DEVICE)
@@ -222,4 +222,5 @@ def run(reps: int = 5, n: int = 128) -> tuple[list, list]:
         issue_rel = [(int(st[0, w, 2] - base[0]), int(st[0, w, 3] - base[0])) for w in range(2)]
         notes.append(f"wgmma_order {name} CTA0: issue WG0 {issue_rel[0]} WG1 {issue_rel[1]}; "
                      + ", ".join(f"{e}@{t}" for t, e in events))
+        checkpoint(rows, notes)
     return rows, notes
