@@ -43,7 +43,8 @@ def _check_common(ptx: str):
         assert res[:2] == (0, 0), f"spills {res}"
 
 
-@pytest.mark.parametrize("n,mma,fill", [(128, True, True), (256, True, False), (128, False, True)])
+@pytest.mark.parametrize("n,mma,fill", [(128, True, True), (256, True, False), (64, True, True),
+                                        (128, False, True)])
 def test_smem_port_compiles(n, mma, fill):
     fn = smem_port.compile(smem_port.SmemPortBench(n, mma, fill),
                            smem_port.fake_args(n, 64, 4096, 132), options="--keep-ptx")

@@ -15,32 +15,38 @@ How. One CTA per SM (grid = #SMs; over 114 KB of smem each, so no two CTAs share
     swizzle: one K/V ring chunk of F1) from a gmem buffer with TMA (cp.async.bulk.tensor) into
     `fill_stages` smem stages (as many as fit) that the MMA never reads. It keeps all stages in
     flight: before reusing a stage it waits for that stage's previous load on its mbarrier
-    (complete_tx).
-    With MMA on, it runs until the consumer arrives on a `stop` mbarrier, then drains.
+    (complete_tx). With MMA on, it runs until the consumer arrives on a `stop` mbarrier,
+    then drains.
 
-Variants (`python -m perf.micro --which smem_port`):
-  - `mma`      : WGMMA alone. cycles/WGMMA ideally N/2 (64 at n128, 128 at n256).
-  - `mma+fill` : WGMMA with the TMA stream running on the same SM.
-  - `fill`     : the TMA stream alone (its own ceiling: L2->SM for a small buffer, HBM for a
-                 large one).
+Variants (`python -m perf.micro --which smem_port`), N in {64, 128, 256}:
+  - `nN mma`              : WGMMA alone; ideally N/2 cycles per WGMMA.
+  - `nN mma+fill L2 16MB` : WGMMA with the TMA stream from a 16 MB buffer (L2-resident: the
+                            highest fill rate an SM gets when all SMs pull at once).
+  - `nN mma+fill HBM 1024MB`: the same from a 1 GB buffer (HBM-bound, about 17 B/clk/SM).
+  - `fill L2 16MB`, `fill HBM 1024MB`: the TMA stream alone (its own ceiling).
+  SS operand demand at full rate, (A 2 KB + B 32*N B) / (N/2 cycles): 128 B/clk at N=64
+  (the whole port), 96 at N=128, 80 at N=256.
 
-How to read the numbers.
-  - `cyc/wgmma`: clock64 cycles per m64nNk16 (per SM, median over CTAs).
-  - `mma_smem_B/clk` = (A 2 KB + B 32*N B) / cyc: operand bytes WGMMA pulls out of smem.
-    At full rate that is 96 B/clk at n128 and 80 B/clk at n256.
-  - `fill_B/clk`: TMA bytes written per clock per SM over the producer's window.
-  - `total_B/clk` = mma + fill (in `mma+fill`).
-  - `tflops_wall`: 2*64*N*16 FLOP per WGMMA, all SMs, over CUDA-event wall time.
-  Reading: if `mma+fill` keeps `cyc/wgmma` at the `mma` value while `total_B/clk` passes 128,
+How to read the numbers (per SM, medians over CTAs).
+  - `cyc/wgmma`: clock64 cycles per m64nNk16; `ideal cyc/wgmma` = N/2.
+  - `mma_smem` = (2048 + 32*N) B / `cyc/wgmma`: operand bytes WGMMA pulls out of smem.
+  - `fill`: TMA bytes written per clock over the producer's window.
+  - `total_smem` = mma_smem + fill (in `mma+fill`).
+  - `tflops_wall`: 2*64*N*16 FLOP per WGMMA, all SMs, over CUDA-event wall time;
+    `sm_clock`: MMA-window cycles / wall time (an estimate of the SM clock under load).
+  - `fill_all_SMs` (fill-only): the stream's aggregate GB/s.
+  Reading: if `mma+fill` keeps `cyc/wgmma` at the `mma` value while `total_smem` passes 128,
   fills do not take operand-read bandwidth (F1 is MMA-bound). If `cyc/wgmma` grows so that
-  `total_B/clk` stays near one ceiling (about 128), they share the port and F1's smem budget
-  (§2, "Cycle budget per n_block") is the binding limit.
+  `total_smem` stays near one ceiling (about 128), they share the port and F1's smem budget
+  (§2, "Cycle budget per n_block") is the binding limit. N=64 (128 B/clk of operands alone)
+  gives the sharpest signal; at N=128/256 a fill below 32/48 B/clk cannot push the total
+  past 128, so an unchanged `cyc/wgmma` there is inconclusive.
 
 Constraints.
   - sm_90a only (WGMMA, TMA). 160 threads, no setmaxnreg: registers are not a limit.
-  - N in {128, 256}; k_tile a multiple of 64 (one 128B-swizzle atom); fill tile fixed at
+  - N in {64, 128, 256}; k_tile a multiple of 64 (one 128B-swizzle atom); fill tile fixed at
     [128 x 128] bf16 (32 KB); smem = 8 KB A + N*k_tile*2 B + fill_stages*32 KB <= 227 KB
-    (fill_stages defaults to the most that fit: 6 at N=128, 5 at N=256, k_tile 64).
+    (fill_stages defaults to the most that fit: 6 at N=64 and 128, 5 at N=256, k_tile 64).
   - The fill buffer is a row-major bf16 [rows x 128] tensor, rows a multiple of 128.
 """
 
@@ -63,7 +69,7 @@ class SmemPortBench:
 
     def __init__(self, n: int = 128, mma: bool = True, fill: bool = False, k_tile: int = 64,
                  fill_stages: int | None = None):
-        assert n in (128, 256) and k_tile % 64 == 0 and (mma or fill)
+        assert n in (64, 128, 256) and k_tile % 64 == 0 and (mma or fill)
         self.n, self.mma, self.fill, self.k_tile = n, mma, fill, k_tile
         self.k_blocks = k_tile // 16  # WGMMAs per commit group
         self.threads = 160  # warps 0-3: MMA warpgroup; warp 4: TMA producer
@@ -278,8 +284,8 @@ def run(iters: int = 20000, fill_tiles: int = 4000, k_tile: int = 64, l2_mb: int
     sources = {f"L2 {l2_mb}MB": l2_mb << 20, f"HBM {hbm_mb}MB": hbm_mb << 20}  # fill buffers
     fills = {k: torch.randn(v // (2 * FILL_COLS), FILL_COLS, **bf16) for k, v in sources.items()}
     rows, notes = [], [f"smem_port: grid {sms} CTAs (1 per SM), iters {iters}, k_tile {k_tile}"]
-    cases = [(n, True, None) for n in (128, 256)]
-    cases += [(n, True, src) for n in (128, 256) for src in sources]
+    cases = [(n, True, None) for n in (64, 128, 256)]
+    cases += [(n, True, src) for n in (64, 128, 256) for src in sources]
     cases += [(128, False, src) for src in sources]
     for n, mma, src in cases:
         a, b = torch.randn(64, k_tile, **bf16), torch.randn(n, k_tile, **bf16)
