@@ -4,7 +4,14 @@ Compiles (JIT, sm_90a) and runs each microbenchmark of kernel-design.md §8 on t
 and prints one markdown table (benchmark, variant, metric, value, unit) plus notes.
 
 Each benchmark runs in its own child process with a time limit (--timeout): a kernel that
-deadlocks or faults costs that benchmark only, and is reported as an `error` row.
+deadlocks or faults costs that benchmark only (the variants it finished are kept), and is
+reported as an `error` row. Exit status 1 if any row is an error.
+
+On the H200 (one device call, carry [".device"]; the device copy has no .git, so pass the
+commit):
+  source .device/setup.sh && PERF_COMMIT=<sha> PYTHONUNBUFFERED=1 python -m perf.micro
+      --out $OUT/micro.json 2>&1 | tee $OUT/micro.log      (one line)
+About 2-3 minutes, most of it JIT compiles (about 30 kernels); at most 3 x --timeout.
 """
 
 from __future__ import annotations
@@ -102,11 +109,13 @@ def _env() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                       capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
+    env["commit"] = os.environ.get("PERF_COMMIT", "")  # the device copy has no .git
+    if not env["commit"]:
+        try:
+            env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
     return env
 
 
