@@ -3,8 +3,9 @@
 Works on the (MMA=(2,2), MMA_M, MMA_N) fragments of an m16n8 tiled MMA: `mn_view` re-indexes a
 fragment as (rows, cols) of this thread, where each row is shared by the 4 threads of a quad.
 When the warp layout splits N across `warp_n` warps, a row's max is also combined across warps
-through shared memory (`OnlineSoftmax.exchange_max`); the row sum is a linear quantity, so each
-thread keeps a partial and the reduction happens once, in `finalize`.
+through shared memory (`OnlineSoftmax.exchange`); the row sum is a linear quantity, so each
+thread keeps a partial and the reduction happens once, at the end (`finalize_sum`, then
+`exchange`).
 
 Note [exp2 scaling]: scores are kept unscaled; p = exp2(s * scale_log2 - m * scale_log2) with
 scale_log2 = scale * log2(e), and LSE = (m * scale_log2 + log2(sum)) * ln(2). A row with no
@@ -48,7 +49,8 @@ class OnlineSoftmax:
     """Per-thread online-softmax state for `num_rows` fragment rows.
 
     row_max holds the running max of raw (unscaled) scores; row_sum this thread's partial sum of
-    exp2 terms over its own columns (reduced across the quad and across warps in `finalize`).
+    exp2 terms over its own columns (reduced across the quad by `finalize_sum`, across warps by
+    `exchange`).
     """
 
     def __init__(self, num_rows: int, scale_log2: cutlass.Float32):
