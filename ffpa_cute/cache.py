@@ -163,9 +163,16 @@ class JitCache:
             return self._compile(kernel_cls, cfg)
         name = "k" + key_hash(kernel_cls.__qualname__, cfg)
         d = self.entry_dir(kernel_cls.arch_of(cfg))
-        _mkdir_private(d)
         obj = d / f"{name}.o"
-        with open(d / f"{name}.lock", "w") as lockf:
+        try:
+            _mkdir_private(d)
+            lockf = open(d / f"{name}.lock", "w")
+        except OSError:
+            # A read-only cache (e.g. a precompiled directory baked into an image): use what is
+            # there, compile in memory what is not.
+            fn = self._load(obj, name, delete_bad=False) if obj.exists() else None
+            return fn if fn is not None else self._compile(kernel_cls, cfg)
+        with lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)  # one compiler per key across processes
             try:
                 if obj.exists():
@@ -178,15 +185,16 @@ class JitCache:
             finally:
                 fcntl.flock(lockf, fcntl.LOCK_UN)
 
-    def _load(self, obj: pathlib.Path, name: str):
+    def _load(self, obj: pathlib.Path, name: str, delete_bad: bool = True):
         import cutlass.cute as cute
 
         try:
             fn = getattr(cute.runtime.load_module(str(obj)), name)
         except Exception as e:  # noqa: BLE001  (corrupt or foreign entry: recompile)
             log.warning("ffpa_cute: cache entry %s unusable (%s); recompiling", obj, e)
-            with contextlib.suppress(OSError):
-                obj.unlink()
+            if delete_bad:
+                with contextlib.suppress(OSError):
+                    obj.unlink()
             return None
         self.stats.disk_loads += 1
         return fn

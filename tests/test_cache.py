@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from ffpa_cute import cache as cache_mod
 from ffpa_cute.cache import JitCache, fingerprint, key_hash
@@ -121,23 +120,22 @@ def test_env_cache_dir(monkeypatch, tmp_path):
     assert os.fspath(cache_mod.default_cache_dir()) == os.fspath(tmp_path / "x")
 
 
-@pytest.mark.parametrize("n", [1])
-def test_unwritable_dir_still_returns_a_kernel(tmp_path, n):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    c = JitCache(ro, disk=True)
-    d = c.entry_dir("sm_80")
-    d.mkdir(parents=True)
-    os.chmod(d, 0o500)
-    try:
-        if os.access(d, os.W_OK):
-            pytest.skip("running as a user that ignores permissions")
-        assert c.get(TinyKernel, TinyCfg(n=n)) is not None
-    finally:
-        os.chmod(d, 0o700)
+def test_read_only_cache_dir_loads_and_compiles_in_memory(tmp_path, monkeypatch):
+    """A shipped cache may be read-only: entries load, misses compile without writing."""
+    warm = JitCache(tmp_path, disk=True)
+    warm.get(TinyKernel, TinyCfg(n=1))
+    d = warm.entry_dir("sm_80")
+    real_open = open
 
+    def no_write_open(path, mode="r", *a, **kw):  # root ignores chmod, so refuse writes here
+        if "w" in mode and str(path).startswith(str(d)):
+            raise PermissionError(13, "read-only", str(path))
+        return real_open(path, mode, *a, **kw)
 
-def test_fingerprint_covers_kernel_sources_only():
-    names = {p.relative_to(cache_mod._PKG_DIR).as_posix() for p in cache_mod.kernel_sources()}
-    assert "sm80/fwd_sm80.py" in names and "common/softmax.py" in names
-    assert "interface.py" not in names and "dispatch.py" not in names
+    monkeypatch.setattr("builtins.open", no_write_open)
+    ro = JitCache(tmp_path, disk=True)
+    assert ro.get(TinyKernel, TinyCfg(n=1)) is not None
+    assert ro.stats.disk_loads == 1 and ro.stats.compiles == 0
+    assert ro.get(TinyKernel, TinyCfg(n=7)) is not None
+    assert ro.stats.compiles == 1
+    assert len(list(d.glob("*.o"))) == 1
