@@ -239,10 +239,11 @@ def _route(problem: AttnProblem, device, strict, level):
 # ------------------------------------------------------------------------------- kernel op
 
 
-@torch.library.custom_op("ffpa_cute::attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   causal_offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32)."""
+def _kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float):
+    """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32).
+
+    The body of the custom op, and of the eager fast path (`_EagerAttention`).
+    """
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
                                        scale=scale)
@@ -255,6 +256,13 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     # The fake impl below promises contiguous outputs (Inductor indexes by the fake's strides);
     # these are no-ops for the layout run_fwd writes.
     return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("ffpa_cute::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   causal_offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32)."""
+    return _kernel_forward(q, k, v, causal, causal_offset, scale)
 
 
 @_attention_fwd.register_fake
@@ -280,6 +288,25 @@ torch.library.register_autograd("ffpa_cute::attention_fwd", _backward,
                                 setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """Eager fast path: the op's forward and backward without the custom-op dispatcher.
+
+    That dispatcher costs ~35 us per call on a small CPU (perf/NOTES.md, host overhead), which
+    matters for decode and small shapes. torch.compile still sees the custom op (`_attention`
+    picks it while compiling), so graphs keep an opaque node with a fake implementation.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, causal_offset, scale):
+        out, lse = _kernel_forward(q, k, v, causal, causal_offset, scale)
+        _setup_context(ctx, (q, k, v, causal, causal_offset, scale), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
+
+
 # ------------------------------------------------------------------------------- public API
 
 
@@ -292,7 +319,8 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
                                  dropout_p=dropout_p, scale=scale)
     shape = q.shape
     q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
-    out, _ = _attention_fwd(q4, k4, v4, causal, offset if causal else 0, problem.softmax_scale)
+    fwd = _attention_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
+    out, _ = fwd(q4, k4, v4, causal, offset if causal else 0, problem.softmax_scale)
     return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
 
 
