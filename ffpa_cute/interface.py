@@ -232,22 +232,27 @@ def _problem(q, k, v, causal, offset, scale, mask, dropout_p) -> AttnProblem:
 
 
 def _route(problem: AttnProblem, device, strict, level):
-    fields = [_concrete(getattr(problem, f)) for f in AttnProblem.__dataclass_fields__]
+    if torch.compiler.is_compiling():
+        fields = [_concrete(getattr(problem, f)) for f in AttnProblem.__dataclass_fields__]
+    else:  # eager: every field is already a Python scalar (dataclass fields in order)
+        fields = problem.__dict__.values()
     return _decide(str(device), strict, level, *fields)
 
 
 # ------------------------------------------------------------------------------- kernel op
 
 
-def _kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float):
+def _kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float, plan=None):
     """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32).
 
-    The body of the custom op, and of the eager fast path (`_EagerAttention`).
+    The body of the custom op, and of the eager fast path (`_EagerAttention`), which passes the
+    plan `attention()` already made.
     """
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
-                                       scale=scale)
-    plan = _plan(problem, q.device)
+    if plan is None:
+        problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                           scale=scale)
+        plan = _plan(problem, q.device)
     if plan.reason is not None:  # attention() routed here, so the planner changed its mind
         raise RuntimeError(f"ffpa_cute::attention_fwd called for an unsupported problem: "
                            f"{plan.reason}")
@@ -297,14 +302,14 @@ class _EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, causal_offset, scale):
-        out, lse = _kernel_forward(q, k, v, causal, causal_offset, scale)
+    def forward(ctx, q, k, v, causal, causal_offset, scale, plan):
+        out, lse = _kernel_forward(q, k, v, causal, causal_offset, scale, plan)
         _setup_context(ctx, (q, k, v, causal, causal_offset, scale), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+        return (*_backward(ctx, dout, dlse), None)
 
 
 # ------------------------------------------------------------------------------- public API
@@ -319,8 +324,11 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
                                  dropout_p=dropout_p, scale=scale)
     shape = q.shape
     q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
-    fwd = _attention_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
-    out, _ = fwd(q4, k4, v4, causal, offset if causal else 0, problem.softmax_scale)
+    args = (q4, k4, v4, causal, offset if causal else 0, problem.softmax_scale)
+    if torch.compiler.is_compiling():
+        out, _ = _attention_fwd(*args)
+    else:
+        out, _ = _EagerAttention.apply(*args, _plan(problem, q.device))
     return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
 
 
