@@ -28,6 +28,7 @@ from .problem import AttnProblem
 
 FAMILIES = ("sm80", "sm90", "sm100", "sm120")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y / gridDim.z
 
 
 def target_of(major: int, minor: int) -> str | None:
@@ -121,6 +122,9 @@ def problem_reason(p: AttnProblem) -> str | None:
     if p.head_dim <= 256:
         return (f"head_dim={p.head_dim} <= 256: FlashAttention-class kernels (torch SDPA's "
                 "flash/cuDNN backends) already cover it")
+    if p.batch > MAX_GRID_YZ or p.heads_q > MAX_GRID_YZ:
+        return (f"batch={p.batch} or heads={p.heads_q} above {MAX_GRID_YZ}: the kernels put "
+                "heads and batch on the grid's y and z axes")
     if p.head_dim % 8 or p.head_dim > MAX_HEAD_DIM or p.head_dim < MIN_HEAD_DIM:
         return (f"head_dim={p.head_dim}: kernels cover multiples of 8 in "
                 f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")

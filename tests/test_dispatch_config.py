@@ -55,7 +55,8 @@ def test_forced_family(monkeypatch):
     (dict(device_type="cpu"), "cpu"), (dict(dtype="fp32"), "fp32"), (dict(has_mask=True), "mask"),
     (dict(dropout_p=0.1), "dropout"), (dict(head_dim=128, head_dim_v=128), "256"),
     (dict(head_dim=1032, head_dim_v=1032), "1024"), (dict(head_dim=516, head_dim_v=516), "8"),
-    (dict(head_dim_v=256), "head_dim_v")])
+    (dict(head_dim_v=256), "head_dim_v"), (dict(batch=70000), "grid"),
+    (dict(heads_q=65536 * 2, heads_kv=2), "grid")])
 def test_uncovered_problems_carry_a_reason(kw, needle):
     plan = dispatch.plan_fwd(prob(**kw), target="sm_90a")
     assert plan.reason is not None and needle in plan.reason
