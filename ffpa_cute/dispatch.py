@@ -167,11 +167,14 @@ def _parse(target: str) -> tuple[int, int]:
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernels need unit stride on D, 16-byte aligned rows: copy only when that fails."""
+    """The kernels need unit stride on D, 16-byte aligned rows: copy only when that fails.
+
+    A clone, not `.contiguous()`: a contiguous view at a misaligned offset would come back as is.
+    """
     elems = 16 // t.element_size()
     if (t.stride(-1) != 1 or t.data_ptr() % 16
             or any(s % elems for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
     return t
 
 

@@ -99,3 +99,24 @@ def test_warp_layout_crossover():
     assert plan_fwd(prob(320), "sm_90a").warp_layout == "m8n1"
     assert plan_fwd(prob(512), "sm_90a").warp_layout == "m4n2"
     assert plan_fwd(prob(1024), "sm_90a").warp_layout == "m2n4"
+
+
+def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
+    import torch
+
+    from ffpa_cute.dispatch import _kernel_ready
+
+    base = torch.randn(1, 2, 9, 512, dtype=torch.bfloat16)
+    assert _kernel_ready(base) is base
+    bnhd = torch.randn(1, 9, 2, 512, dtype=torch.bfloat16).transpose(1, 2)  # strides fine
+    assert _kernel_ready(bnhd) is bnhd
+    flat = torch.randn(9 * 512 * 2 + 4, dtype=torch.bfloat16)
+    shifted = flat[4:].view(1, 2, 9, 512)  # contiguous, but 8 bytes off a 16-byte boundary
+    fixed = _kernel_ready(shifted)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
+    odd = torch.randn(1, 2, 9, 520, dtype=torch.bfloat16)[..., :512]  # row stride 520: fine
+    assert _kernel_ready(odd) is odd
+    bad = torch.randn(1, 2, 9, 515, dtype=torch.bfloat16)[..., :512]  # row stride 515: copy
+    assert _kernel_ready(bad).is_contiguous()
+    t = torch.randn(1, 2, 512, 9, dtype=torch.bfloat16).transpose(-1, -2)  # D not unit-stride
+    assert _kernel_ready(t).stride(-1) == 1
