@@ -101,7 +101,7 @@ class FFPAFwdSm80:
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
         sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
-        # P goes through smem only when warp_n > 1 (else a 1-row stand-in keeps the struct fixed)
+        # P goes through smem only when warp_n > 1 (else an 8-row stand-in keeps the struct fixed)
         sP = cute.tile_to_shape(atom, (self.tile_m if self.warp_n > 1 else 8, 64), (0, 1))
         sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
         return sQ, sKV, sP, sStat
@@ -216,9 +216,6 @@ class FFPAFwdSm80:
         sV0t = self._transposed(sKV[None, None, 0])
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ[None, None, 0]))   # (MMA, MMA_M, MMA_K)
         tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKV[None, None, 0]))  # (MMA, MMA_N, MMA_K)
-        tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))                  # (MMA, MMA_M, MMA_K)
-        if cutlass.const_expr(self.warp_n == 1):
-            tOrP = None  # replaced by the register view of rP below
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sV0t))              # (MMA, MMA_N, MMA_K)
         acc_S = cute.make_rmem_tensor(
             thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
@@ -246,14 +243,14 @@ class FFPAFwdSm80:
         s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
         tSrQ_v, tSrK_v = s2r_A.retile(tSrQ), s2r_B.retile(tSrK)
         tOrVt_v = s2r_B.retile(tOrVt)
-        tOrP_v, tOsP = None, None
-        if cutlass.const_expr(self.warp_n > 1):
-            tOrP_v, tOsP = s2r_A.retile(tOrP), s2r_A.partition_S(sP)
         # P in the input dtype. With warp_n == 1 a warp holds whole rows of P, so its C fragment
         # is reused directly as the A operand of P V (FA-2); otherwise P goes through sP.
         rP = cute.make_fragment_like(acc_S, self.dtype)
         if cutlass.const_expr(self.warp_n == 1):
-            tOrP = self._c_frag_as_a(rP)
+            tOrP = self._c_frag_as_a(rP)                                         # (MMA, MMA_M, MMA_K)
+        else:
+            tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))              # (MMA, MMA_M, MMA_K)
+            tOrP_v, tOsP = s2r_A.retile(tOrP), s2r_A.partition_S(sP)
 
         softmax = OnlineSoftmax(num_rows, scale_log2)
 
@@ -320,7 +317,7 @@ class FFPAFwdSm80:
 
         # ///// epilogue
         self._epilogue(softmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx, lane, thr_mma,
-                       tiled_mma, gmem_copy_out, mO, mLSE, batch, head, m_block, seqlen_q, hdim,
+                       gmem_copy_out, mO, mLSE, batch, head, m_block, seqlen_q, hdim,
                        cta_sync, tidx)
 
     def _transposed(self, sV_chunk: cute.Tensor) -> cute.Tensor:
@@ -403,7 +400,7 @@ class FFPAFwdSm80:
 
     @cute.jit
     def _epilogue(self, softmax: OnlineSoftmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx,
-                  lane, thr_mma, tiled_mma, gmem_copy_out, mO, mLSE, batch, head, m_block,
+                  lane, thr_mma, gmem_copy_out, mO, mLSE, batch, head, m_block,
                   seqlen_q, hdim, cta_sync, tidx):
         """Normalise, write LSE, stage O in the Q buffer, 128-bit predicated stores."""
         C = self.num_chunks
@@ -446,7 +443,7 @@ class FFPAFwdSm80:
 def fake_args(cfg) -> tuple:
     """Compile-time stand-ins for (q, k, v, o, lse): every size and stride symbolic.
 
-    They match what `runtime_args` builds from torch tensors (from_dlpack + dynamic layout with
+    They match what `launch` builds from torch tensors (from_dlpack + dynamic layout with
     unit stride on the last mode), so one compiled function serves every shape and stride.
     """
     dtype = CUTLASS_DTYPES[cfg.dtype]
