@@ -5,8 +5,8 @@ Forward and backward consult the same table (`FAMILY_OF_TARGET`), so they cannot
 | device (major, minor)  | compile target | family (kernels)                                    |
 |------------------------|----------------|-----------------------------------------------------|
 | 8.0 / 8.6 / 8.7 / 8.9  | sm_80 / ...    | sm80  (mma.sync Split-D)                             |
-| 9.0                    | sm_90a         | sm90  -> until ffpa_cute/sm90 lands: sm80 kernels   |
-|                        |                |          compiled for sm_90a                        |
+| 9.0                    | sm_90a         | sm90  (WGMMA + TMA, D <= 512; D > 512: the sm80     |
+|                        |                |        Split-D kernel compiled for sm_90a)          |
 | 10.0 exactly           | sm_100a        | sm100 -> no kernels yet: SDPA fallback              |
 | 12.0 / 12.1            | sm_120a/121a   | sm120 (compile-verified only, never run)            |
 
@@ -75,14 +75,40 @@ def forced_family() -> str | None:
 
 
 def _kernel_family(family: str):
-    """(kernel class, planner) of a family, or None when it has no kernels yet."""
-    if family in ("sm80", "sm90"):  # sm90: WGMMA kernels not built yet -> Split-D mma.sync
-        from .sm80 import FFPAFwdSm80, plan_fwd
-        return FFPAFwdSm80, plan_fwd
+    """The planner of a family, or None when it has no kernels yet.
+
+    A planner maps (problem, target) to a config; the config's type names its kernel class
+    (`kernel_of_config`), so one family may serve different head dims with different kernels.
+    """
+    if family == "sm80":
+        from .sm80 import plan_fwd
+        return plan_fwd
+    if family == "sm90":
+        return _plan_sm90
     if family == "sm120":
-        from .sm120 import FFPAFwdSm120, plan_fwd
-        return FFPAFwdSm120, plan_fwd
+        from .sm120 import plan_fwd
+        return plan_fwd
     return None
+
+
+def _plan_sm90(problem: AttnProblem, target: str):
+    """WGMMA kernel for D <= 512; the Split-D mma.sync kernel (compiled for sm_90a) above, until
+    the two-CTA WGMMA split for D > 512 lands."""
+    from . import sm80, sm90
+
+    if problem.head_dim <= sm90.config.MAX_HEAD_DIM:
+        return sm90.plan_fwd(problem, target)
+    return sm80.plan_fwd(problem, target)
+
+
+def kernel_of_config(cfg):
+    """The kernel class a config compiles (one config dataclass per kernel)."""
+    from . import sm80, sm90, sm120
+
+    if isinstance(cfg, sm90.FwdConfigSm90):
+        return sm90.FFPAFwdSm90
+    # the sm120 family is the Split-D kernel planned for sm_12x's smaller shared memory
+    return sm120.FFPAFwdSm120 if cfg.arch.startswith("sm_12") else sm80.FFPAFwdSm80
 
 
 @dataclass(frozen=True)
@@ -97,14 +123,12 @@ class Plan:
 
     @property
     def kernel_cls(self):
-        return _kernel_family(self.family)[0]
+        return kernel_of_config(self.cfg)
 
     def describe(self) -> str:
         if self.reason is not None:
             return f"torch SDPA fallback: {self.reason}"
-        kind = self.kernel_cls.__name__
-        note = " (sm90 WGMMA kernels not built yet)" if self.family == "sm90" else ""
-        return f"{kind} for {self.target}{note}: {self.cfg}"
+        return f"{self.kernel_cls.__name__} for {self.target}: {self.cfg}"
 
 
 def problem_reason(p: AttnProblem) -> str | None:
@@ -136,7 +160,7 @@ def _plan_cached(p: AttnProblem, target: str, family: str) -> Plan:
     fam = _kernel_family(family)
     if fam is None:
         return Plan(p, target, family, reason=f"{family} has no kernel family yet ({target})")
-    _, planner = fam
+    planner = fam
     try:
         cfg = planner(p, target)
     except ValueError as e:

@@ -36,10 +36,13 @@ def test_sm100_has_no_kernels_yet_and_falls_back():
     assert plan.reason and "sm100" in plan.reason
 
 
-def test_sm90_runs_split_d_until_wgmma_lands():
-    plan = dispatch.plan_fwd(prob(), target="sm_90a")
+@pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
+                                      (520, "FFPAFwdSm80"), (1024, "FFPAFwdSm80")])
+def test_sm90_family_kernels(d, kernel):
+    """sm_90a: the WGMMA kernel up to D = 512, the Split-D kernel (compiled for sm_90a) above."""
+    plan = dispatch.plan_fwd(prob(d=d), target="sm_90a")
     assert plan.reason is None and plan.family == "sm90"
-    assert plan.kernel_cls.__name__ == "FFPAFwdSm80" and plan.cfg.arch == "sm_90a"
+    assert plan.kernel_cls.__name__ == kernel and plan.cfg.arch == "sm_90a"
 
 
 def test_forced_family(monkeypatch):

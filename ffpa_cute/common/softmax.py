@@ -24,12 +24,18 @@ LN2 = math.log(2.0)
 
 
 def mn_view(acc: cute.Tensor) -> cute.Tensor:
-    """View an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) as (rows, cols)."""
+    """View an accumulator fragment as (rows, cols) of this thread.
+
+    mma.sync m16n8 fragments are ((2,2), MMA_M, MMA_N); WGMMA m64nN fragments are
+    ((2,2,N/8), MMA_M, MMA_N). Mode 0 is (column pair, row +8[, column group of 8]) in both, so
+    rows = (mode0[1], MMA_M) and cols = (mode0[0], [mode0[2],] MMA_N).
+    """
     lay = cute.make_layout(acc.layout.shape)
-    mn = cute.make_layout(
-        ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-        stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
-    )
+    s0, d0 = lay.shape[0], lay.stride[0]
+    col_shape = (s0[0], *s0[2:], lay.shape[2])
+    col_stride = (d0[0], *d0[2:], lay.stride[2])
+    mn = cute.make_layout(((s0[1], lay.shape[1]), col_shape),
+                          stride=((d0[1], lay.stride[1]), col_stride))
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 
@@ -93,8 +99,13 @@ class OnlineSoftmax:
             vals[r] = acc
 
     @cute.jit
-    def update(self, acc_S_mn: cute.Tensor, blk_max: cute.Tensor, acc_O_mns: list):
-        """New max, P = exp2 in place of S, rescale every O chunk, accumulate partial row sums."""
+    def update(self, acc_S_mn: cute.Tensor, blk_max: cute.Tensor, acc_O_mns: list,
+               alpha_out: cute.Tensor | None = None):
+        """New max, P = exp2 in place of S, rescale every O chunk, accumulate partial row sums.
+
+        alpha_out (optional, num_rows fp32) receives each row's O rescale factor, for kernels
+        whose O lives in other threads (sm90: the O warpgroups rescale from shared memory).
+        """
         for r in cutlass.range_constexpr(self.num_rows):
             prev = self.row_max[r]
             cur = cute.arch.fmax(prev, blk_max[r])
@@ -106,6 +117,8 @@ class OnlineSoftmax:
             acc_S_mn[r, None] = p
             self.row_sum[r] = self.row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             self.row_max[r] = cur
+            if cutlass.const_expr(alpha_out is not None):
+                alpha_out[r] = alpha
             for c in cutlass.range_constexpr(len(acc_O_mns)):
                 acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * alpha
 
@@ -116,8 +129,11 @@ class OnlineSoftmax:
             self.row_sum[r] = quad_allreduce_sum(self.row_sum[r])
 
     @cute.jit
-    def normalize(self, acc_O_mns: list, lse: cute.Tensor):
-        """O /= row_sum (0 for empty rows); lse[r] = natural-log logsumexp of scaled scores."""
+    def normalize(self, acc_O_mns: list, lse: cute.Tensor, inv_out: cute.Tensor | None = None):
+        """O /= row_sum (0 for empty rows); lse[r] = natural-log logsumexp of scaled scores.
+
+        inv_out (optional) receives each row's 1 / row_sum (0 for empty rows).
+        """
         for r in cutlass.range_constexpr(self.num_rows):
             s = self.row_sum[r]
             inv = cutlass.Float32(0.0)
@@ -125,5 +141,7 @@ class OnlineSoftmax:
             if s > 0.0:
                 inv = cute.arch.rcp_approx(s)
                 lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN2
+            if cutlass.const_expr(inv_out is not None):
+                inv_out[r] = inv
             for c in cutlass.range_constexpr(len(acc_O_mns)):
                 acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * inv

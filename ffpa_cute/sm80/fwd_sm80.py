@@ -38,17 +38,14 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor)
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.compat import compile_target
 from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, aligned_bhnd, fake_args, launch_args
 from .config import FwdConfigSm80, can_implement
-
-CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-LOG2_E = 1.4426950408889634
 
 
 class FFPAFwdSm80:
@@ -85,14 +82,7 @@ class FFPAFwdSm80:
     def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
         """Run a compiled kernel on torch tensors ([B, H, N, D], last stride 1, 16-byte
         aligned, other strides multiples of 8 elements; lse [B, Hq, Nq] fp32 contiguous)."""
-        from cutlass.cute.runtime import from_dlpack
-
-        def arg(t):
-            return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(
-                leading_dim=t.dim() - 1)
-
-        fn(arg(q), arg(k), arg(v), arg(out), arg(lse), softmax_scale, causal_offset,
-           cuda.CUstream(stream))
+        fn(*launch_args(q, k, v, out, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
 
     # ---------------------------------------------------------------- layouts, MMA, storage
     def _smem_layouts(self):
@@ -151,16 +141,7 @@ class FFPAFwdSm80:
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
     def _aligned(self, t: cute.Tensor) -> cute.Tensor:
-        """Re-state a (B, H, N, D) tensor with D static and 16-byte-divisible strides.
-
-        Runtime tensors arrive with fully dynamic layouts (one compile serves every size and
-        stride); this tells the compiler what the dispatcher guarantees, so that gmem copies are
-        128-bit: stride(D) == 1, every other stride a multiple of 8 elements.
-        """
-        elems = 128 // self.dtype.width
-        shape = (t.shape[0], t.shape[1], t.shape[2], self.cfg.head_dim)
-        stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
-        return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+        return aligned_bhnd(t, self.cfg.head_dim, self.dtype)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -440,18 +421,4 @@ class FFPAFwdSm80:
                         cute.copy(gmem_copy_out, vec, tOgO[None, m, k, c])
 
 
-def fake_args(cfg) -> tuple:
-    """Compile-time stand-ins for (q, k, v, o, lse): every size and stride symbolic.
-
-    They match what `launch` builds from torch tensors (from_dlpack + dynamic layout with
-    unit stride on the last mode), so one compiled function serves every shape and stride.
-    """
-    dtype = CUTLASS_DTYPES[cfg.dtype]
-
-    def fake(dt, rank, div):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int(64, divisibility=div) for _ in range(rank - 1)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
-
-    qkvo = [fake(dtype, 4, 128 // dtype.width) for _ in range(4)]
-    return (*qkvo, fake(cutlass.Float32, 3, 1))
+__all__ = ["FFPAFwdSm80", "fake_args"]

@@ -1,0 +1,132 @@
+"""Compile key and planner for the Hopper WGMMA forward (`FFPAFwdSm90`).
+
+`FwdConfigSm90` is frozen and holds Python scalars only; `(qualname, cfg)` is the compile-cache
+key. `plan_fwd(problem, arch)` never returns a config that `can_implement` rejects.
+
+# === TUNING TABLE ===================================================================
+# tile_m 64 (one m64 WGMMA row block: O[64 x D] fp32 is 128 KB at D = 512, half the register
+#   file, split between two O warpgroups), tile_n 128 (QK WGMMA m64n128k16: 96 B of smem operand
+#   reads per MMA-cycle, under the measured port; n64 would need 128).
+# k_chunk 64: one 128-byte swizzle atom of K per ring stage, [128 x 64] = 16 KB.
+# V rows per ring stage: 32 when an O half is wider than 128 columns (a [32 x 256] stage is
+#   16 KB), else 64.
+# Ring depths: the deepest K ring, then V ring, that fit beside resident Q and two P buffers.
+# D > 512: O[64 x D] needs more than the 2 x 168 registers the O warpgroups have -> the Split-D
+#   mma.sync kernel serves it until the 2-CTA split lands.
+# =====================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..problem import AttnProblem
+
+SMEM_CAPACITY = 232448  # bytes per CTA on sm_90a
+DTYPES = ("bf16", "fp16")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 512
+TILE_M = 64
+
+
+@dataclass(frozen=True)
+class FwdConfigSm90:
+    """Everything that changes the generated code of the WGMMA forward.
+
+    arch:          "sm_90a"
+    dtype:         "bf16" | "fp16"; accumulation is fp32
+    head_dim:      D, a multiple of 8 in [264, 512]
+    causal:        causal masking (the diagonal offset is a runtime argument)
+    tile_n:        KV rows per block (the N of the QK WGMMA)
+    k_stages:      depth of the K ring ([tile_n x 64] chunks)
+    v_stages:      depth of each of the two V rings ([v_rows x D/2] chunks)
+    publish_after: QK WGMMA chunks of block n+1 the S warpgroup issues before it hands P[n] to
+                   the O warpgroups (0: hand over first). Orders the tensor-core queue so that
+                   PV[n] runs while softmax[n+1] does (perf/NOTES.md, "WGMMA order").
+    """
+
+    arch: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    tile_n: int = 128
+    k_stages: int = 4
+    v_stages: int = 2
+    publish_after: int = 0
+
+    @property
+    def tile_m(self) -> int:
+        return TILE_M
+
+    @property
+    def k_chunk(self) -> int:
+        return 64
+
+    @property
+    def num_k_chunks(self) -> int:
+        return -(-self.head_dim // self.k_chunk)
+
+    @property
+    def hdim_q_padded(self) -> int:
+        """sQ width: whole 64-column swizzle atoms (TMA zero-fills the columns past D)."""
+        return self.num_k_chunks * self.k_chunk
+
+    @property
+    def dv_halves(self) -> tuple[int, int]:
+        """O columns of the two O warpgroups: multiples of 8 (a WGMMA N), lo >= hi."""
+        lo = -(-self.head_dim // 16) * 8
+        return lo, self.head_dim - lo
+
+    @property
+    def v_rows(self) -> int:
+        return 32 if self.dv_halves[0] > 128 else 64
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA, laid out as `FFPAFwdSm90`'s storage struct: barriers and
+        row factors first, then Q, the K ring, the two V rings and P, each 1 KB aligned."""
+        elt = 2
+        regions = [TILE_M * self.hdim_q_padded * elt,
+                   self.k_stages * self.tile_n * self.k_chunk * elt,
+                   *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
+                   2 * TILE_M * self.tile_n * elt]
+        header = 8 * (1 + 2 * self.k_stages + 4 * self.v_stages + 4) + 2 * TILE_M * 4
+        return sum(_align(x) for x in [header, *regions])
+
+
+def _align(nbytes: int, to: int = 1024) -> int:
+    return -(-nbytes // to) * to
+
+
+def can_implement(cfg: FwdConfigSm90) -> str | None:
+    """None when the kernel can be built for cfg, else the reason."""
+    if cfg.arch != "sm_90a":
+        return f"arch {cfg.arch!r}: WGMMA and TMA need sm_90a"
+    if cfg.dtype not in DTYPES:
+        return f"dtype {cfg.dtype!r} not in {DTYPES}"
+    if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
+        return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if cfg.tile_n != 128:
+        return "tile_n must be 128"
+    if cfg.k_stages < 2 or cfg.v_stages < 2:
+        return "k_stages and v_stages must be >= 2"
+    if not 0 <= cfg.publish_after <= cfg.num_k_chunks:
+        return f"publish_after must be in [0, {cfg.num_k_chunks}]"
+    if cfg.smem_bytes() > SMEM_CAPACITY:
+        return f"needs {cfg.smem_bytes()} B of smem, sm_90a has {SMEM_CAPACITY}"
+    return None
+
+
+def plan_fwd(problem: AttnProblem, arch: str, publish_after: int = 0) -> FwdConfigSm90:
+    """The config for `problem`; raises ValueError with the reason if this kernel cannot run it."""
+    best = None
+    for k_stages in (8, 7, 6, 5, 4, 3, 2):
+        for v_stages in (4, 3, 2):
+            cfg = FwdConfigSm90(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                                causal=problem.causal, k_stages=k_stages, v_stages=v_stages,
+                                publish_after=min(publish_after, -(-problem.head_dim // 64)))
+            if can_implement(cfg) is None and (best is None or cfg.smem_bytes() > best.smem_bytes()):
+                best = cfg
+    if best is None:
+        cfg = FwdConfigSm90(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                            causal=problem.causal, k_stages=2, v_stages=2)
+        raise ValueError(can_implement(cfg))
+    return best

@@ -1,0 +1,489 @@
+"""Hopper attention forward for large head dims: warp-specialised WGMMA + TMA ("F1").
+
+What it computes: O = softmax(scale * Q K^T [+ causal mask]) V and LSE, for q [B, Hq, Nq, D],
+k/v [B, Hkv, Nkv, D] (any strides, unit stride on D), Hq a multiple of Hkv (GQA/MQA), any Nq, Nkv,
+bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8.
+
+One CTA = one 64-row Q tile of one (batch, head), 4 warpgroups with separate roles
+(kernel-design.md §2, design F1; the microbenchmarks in perf/NOTES.md chose it):
+
+  WG0 "producer"  (24 registers)  one warp issues every TMA load: Q once, then K and V chunks in
+                                  the order the tensor core consumes them, K[n+1] before V[n].
+  WG1 "S"         (152)           S = Q K^T over D in 64-column chunks (m64n128k16 SS WGMMA),
+                                  mask, online softmax (common/softmax.py), P -> smem (stmatrix)
+                                  with each row's rescale factor, LSE.
+  WG2 "O-lo"      (168)           O[:, :D_lo] += P V[:, :D_lo] (SS WGMMA, A = P from smem),
+  WG3 "O-hi"      (168)           O[:, D_lo:] likewise; each first rescales its O rows by the
+                                  factor the S warpgroup published with P.
+
+O[64 x 512] fp32 is 128 KB, half the register file: it is split along D between the two O
+warpgroups (D_lo = D_hi = D/2 when D % 16 == 0, else D_lo = D_hi + 8: WGMMA N is a multiple of 8).
+
+Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x [128 x 64] 64 KB; two V rings
+2 x 2 x [32 x 256] 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B. Each ring has a single
+consumer warpgroup (full barrier: TMA transaction bytes; empty barrier: one arrival per consumer
+warp), so a consumer can never wait on a phase two rounds ahead.
+
+Hand-off of P (double-buffered, mbarriers): P_full[b] (128 S-thread arrivals after a proxy fence,
+so WGMMA's async proxy sees the stores) and P_empty[b] (one arrival per O warp once its PV
+WGMMAs on buffer b completed). After the last block the S warpgroup publishes 1 / row_sum through
+the same buffers (no P), so the O warpgroups normalise with the protocol they already follow.
+
+Tensor-core order: the S warpgroup writes P[n], issues `publish_after` chunks of QK[n+1], then
+arrives on P_full[n]; WGMMAs from different warpgroups run in issue order on the H200
+(perf/NOTES.md), so PV[n] queues behind the start of QK[n+1] and runs while softmax[n+1] does.
+
+Masking: only blocks that cross Nkv or the causal diagonal (one runtime check per block). TMA
+zero-fills rows past Nq / Nkv and columns past D, so no load carries a predicate; O and LSE
+stores skip rows past Nq.
+
+Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
+[264, 512]; last stride 1, 16-byte aligned base, other strides multiples of 8 elements.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common.compat import compile_target
+from ..common.mask import apply_mask, block_needs_mask, n_block_max
+from ..common.softmax import OnlineSoftmax, mn_view
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, aligned_bhnd, fake_args, launch_args
+from .config import TILE_M, FwdConfigSm90, can_implement
+
+WG_THREADS = 128
+
+
+class Barriers(NamedTuple):
+    """mbarrier pointers: Q loaded; K / V ring stages loaded (TMA transaction bytes); P[b]
+    written (128 S threads); P[b] consumed (one arrival per O warp)."""
+
+    q: cute.Pointer
+    k: cute.Pointer
+    v: cute.Pointer
+    p_full: cute.Pointer
+    p_empty: cute.Pointer
+
+
+class FFPAFwdSm90:
+    """F1 forward; one instance per `FwdConfigSm90` (the compile key)."""
+
+    arch_family = "sm90"
+
+    def __init__(self, cfg: FwdConfigSm90):
+        reason = can_implement(cfg)
+        if reason:
+            raise ValueError(f"{type(self).__name__}: {reason}")
+        self.cfg = cfg
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        self.tile_n = cfg.tile_n
+        self.num_chunks = cfg.num_k_chunks
+        self.dv = cfg.dv_halves
+        self.v_rows = cfg.v_rows
+        self.v_chunks = cfg.tile_n // cfg.v_rows  # V stages per O half per KV block
+        self.causal = cfg.causal
+        self.num_threads = 3 * WG_THREADS
+        # bytes one TMA load brings in (the full box, zero-filled parts included)
+        self.q_bytes = TILE_M * cfg.hdim_q_padded * 2
+        self.k_bytes = cfg.tile_n * cfg.k_chunk * 2
+        self.v_bytes = [cfg.v_rows * d * 2 for d in self.dv]
+
+    # ---------------------------------------------------------------- compile and launch
+    @staticmethod
+    def arch_of(cfg: FwdConfigSm90) -> str:
+        return cfg.arch
+
+    @classmethod
+    def compile(cls, cfg: FwdConfigSm90, options: str = ""):
+        """Compile for sm_90a from fake tensors: no GPU needed, one compile per config."""
+        with compile_target(cfg.arch):
+            return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
+                                options=options)
+
+    @staticmethod
+    def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
+        """Run a compiled kernel on torch tensors (see `common.tensors.launch_args`)."""
+        fn(*launch_args(q, k, v, out, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
+
+    # ---------------------------------------------------------------- layouts and MMAs
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        """Row-major (cols contiguous) WGMMA-compatible layout with the widest swizzle."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _mma(self, n: int, b_major):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, b_major, Float32,
+            (1, 1, 1), (TILE_M, n))
+
+    @staticmethod
+    def _bhnd_to_tma(t: cute.Tensor) -> cute.Tensor:
+        """(B, H, N, D) -> (N, D, H, B): the row/column modes first, as TMA tiles them."""
+        return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+    def _column_slice(self, t: cute.Tensor, col0: int, cols: int) -> cute.Tensor:
+        """(N, D, H, B) columns [col0, col0 + cols) as their own tensor (a TMA box never reads
+        the other half). col0 is a multiple of 8: the base stays 16-byte aligned."""
+        lay = cute.make_layout((t.shape[0], cols, t.shape[2], t.shape[3]), stride=t.stride)
+        return cute.make_tensor(t.iterator + col0, lay)
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 stream: cuda.CUstream):
+        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid = (m_blocks, Hq, B)."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        mQ, mK, mV, mO = [aligned_bhnd(t, D, self.dtype) for t in (mQ, mK, mV, mO)]
+        tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
+        dlo, dhi = self.dv
+
+        sQ_layout = self._smem_layout(TILE_M, cfg.hdim_q_padded)
+        sK_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
+        sVlo_layout = self._smem_layout(self.v_rows, dlo, cfg.v_stages)
+        sVhi_layout = self._smem_layout(self.v_rows, dhi, cfg.v_stages)
+        sP_layout = self._smem_layout(TILE_M, self.tile_n, 2)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(g2s, tQ, sQ_layout,
+                                                    (TILE_M, cfg.hdim_q_padded))
+        tma_k, gK_tma = cpasync.make_tiled_tma_atom(
+            g2s, tK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        tma_vlo, gVlo_tma = cpasync.make_tiled_tma_atom(
+            g2s, self._column_slice(tV, 0, dlo), cute.select(sVlo_layout, mode=[0, 1]),
+            (self.v_rows, dlo))
+        tma_vhi, gVhi_tma = cpasync.make_tiled_tma_atom(
+            g2s, self._column_slice(tV, dlo, dhi), cute.select(sVhi_layout, mode=[0, 1]),
+            (self.v_rows, dhi))
+
+        ks, vs = cfg.k_stages, cfg.v_stages
+
+        @cute.struct
+        class SharedStorage:
+            bar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            bar_k: cute.struct.MemRange[cutlass.Int64, ks]
+            bar_v: cute.struct.MemRange[cutlass.Int64, 2 * vs]   # [half * vs + stage]
+            bar_p_full: cute.struct.MemRange[cutlass.Int64, 2]
+            bar_p_empty: cute.struct.MemRange[cutlass.Int64, 2]
+            row_factor: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sVlo: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sVlo_layout)], 1024]
+            sVhi: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sVhi_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+
+        grid = (cute.ceil_div(mQ.shape[2], TILE_M), cute.size(mQ.shape[1]),
+                cute.size(mQ.shape[0]))
+        self.kernel(
+            mO, mLSE, gQ_tma, gK_tma, gVlo_tma, gVhi_tma, tma_q, tma_k, tma_vlo, tma_vhi,
+            mK.shape[2], mK.shape[1], softmax_scale * LOG2_E, causal_offset,
+            sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout,
+            self._mma(self.tile_n, warpgroup.OperandMajorMode.K),
+            self._mma(dlo, warpgroup.OperandMajorMode.MN),
+            self._mma(dhi, warpgroup.OperandMajorMode.MN),
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1],
+                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mLSE: cute.Tensor, gQ_tma: cute.Tensor,
+               gK_tma: cute.Tensor, gVlo_tma: cute.Tensor, gVhi_tma: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_vlo: cute.CopyAtom,
+               tma_vhi: cute.CopyAtom, seqlen_k: Int32, heads_kv: Int32, scale_log2: Float32,
+               causal_offset: Int32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sVlo_layout: cute.ComposedLayout,
+               sVhi_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+               mma_qk: cute.TiledMma, mma_pv_lo: cute.TiledMma, mma_pv_hi: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        grid_m, _, _ = cute.arch.grid_dim()
+        m_block = grid_m - 1 - bidx  # longest tiles first under causal (bottom-right)
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head_kv = head // (cute.size(mO.shape[1]) // heads_kv)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        bars = Barriers(storage.bar_q.data_ptr(), storage.bar_k.data_ptr(),
+                        storage.bar_v.data_ptr(), storage.bar_p_full.data_ptr(),
+                        storage.bar_p_empty.data_ptr())
+        if warp_idx == 0:
+            for tma in (tma_q, tma_k, tma_vlo, tma_vhi):
+                cpasync.prefetch_descriptor(tma)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bars.q, 1)
+                for s in cutlass.range_constexpr(self.cfg.k_stages):
+                    cute.arch.mbarrier_init(bars.k + s, 1)
+                for s in cutlass.range_constexpr(2 * self.cfg.v_stages):
+                    cute.arch.mbarrier_init(bars.v + s, 1)
+                for b in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(bars.p_full + b, WG_THREADS)  # every S thread
+                    cute.arch.mbarrier_init(bars.p_empty + b, 8)  # one per O warp
+                cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVlo = storage.sVlo.get_tensor(sVlo_layout.outer, swizzle=sVlo_layout.inner)
+        sVhi = storage.sVhi.get_tensor(sVhi_layout.outer, swizzle=sVhi_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
+
+        seqlen_q = mO.shape[2]
+        n_max = n_block_max(m_block, seqlen_k, causal_offset, TILE_M, self.tile_n, self.causal)
+
+        if wg == 0:
+            self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
+                             bars, tidx, m_block, head, head_kv, batch, n_max, seqlen_q,
+                             seqlen_k, causal_offset, scale_log2)
+        elif wg == 1:
+            self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
+                       tidx - WG_THREADS, m_block, head, head_kv, batch, n_max, seqlen_q)
+        else:
+            self._o_wg(mma_pv_hi, mO, gVhi_tma, tma_vhi, sP, sVhi, sFactor, bars, 1,
+                       tidx - 2 * WG_THREADS, m_block, head, head_kv, batch, n_max, seqlen_q)
+
+    @cute.jit
+    def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
+                  nbytes: cutlass.Constexpr, tidx):
+        """One TMA load by warp 0 of the calling warpgroup, completing on `bar`."""
+        if tidx // 32 == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+            cute.copy(tma, src, dst, tma_bar_ptr=bar)
+
+    # ---------------------------------------------------------------- S warpgroup
+    @cute.jit
+    def _softmax_wg(self, mma_qk: cute.TiledMma, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK,
+                    sP, sFactor, bars, tidx, m_block, head, head_kv, batch, n_max, seqlen_q,
+                    seqlen_k, causal_offset, scale_log2):
+        cfg = self.cfg
+        C = self.num_chunks
+        ks = cfg.k_stages
+        lane = cute.arch.lane_idx()
+        # ---- TMA views: Q tile (TMA) and K chunks (TMA, n_blocks, C) / (TMA, k_stages)
+        one = cute.make_layout(1)
+        gQ = cute.local_tile(gQ_tma[None, None, head, batch], (TILE_M, cfg.hdim_q_padded),
+                             (m_block, 0))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        gK = cute.local_tile(gK_tma[None, None, head_kv, batch], (self.tile_n, cfg.k_chunk),
+                             (None, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        # ---- MMA fragments
+        thr_mma = mma_qk.get_slice(tidx)
+        tSrQ = mma_qk.make_fragment_A(thr_mma.partition_A(sQ))   # (MMA, 1, Dq/16)
+        tSrK = mma_qk.make_fragment_B(thr_mma.partition_B(sK))   # (MMA, 1, 4, k_stages)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+        acc_S_mn = mn_view(acc_S)
+        tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        softmax = OnlineSoftmax(num_rows, scale_log2)
+        factor = cute.make_rmem_tensor(num_rows, Float32)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        # P -> sP through stmatrix, in the accumulator's thread layout
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                      self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
+        tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, 2)
+        tPrP = thr_st.retile(rP)
+        k_steps_last = -(-(cfg.head_dim - (C - 1) * cfg.k_chunk) // 16)
+        k_per_chunk = cfg.k_chunk // 16
+        total = n_max * C  # K chunks this tile reads, in ring order
+
+        # ---- Q, then the first k_stages K chunks
+        self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
+        for x in cutlass.range_constexpr(ks):
+            if x < total:
+                self._tma_load(tma_k, tKg[None, n_max - 1 - x // C, x % C], tKs[None, x],
+                               bars.k + x, self.k_bytes, tidx)
+        cute.arch.mbarrier_wait(bars.q, 0)
+        x = Int32(0)  # ring position of the next K chunk
+        for i in cutlass.range(n_max, unroll=1):
+            n_block = n_max - 1 - i
+            # ---- S = Q K[n]^T, streamed over the K ring; each chunk's stage is refilled
+            #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
+            #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
+            atom = cute.make_mma_atom(mma_qk.op)  # a fresh atom: ACCUMULATE changes below
+            warpgroup.fence()
+            for c in cutlass.range_constexpr(C):
+                if const_expr(c == cfg.publish_after):
+                    if i > 0:
+                        cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+                s = x % ks
+                cute.arch.mbarrier_wait(bars.k + s, (x // ks) & 1)
+                n_k = k_steps_last if const_expr(c == C - 1) else k_per_chunk
+                for k in cutlass.range_constexpr(n_k):
+                    atom.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
+                    cute.gemm(atom, acc_S, tSrQ[None, None, c * k_per_chunk + k],
+                              tSrK[None, None, k, s], acc_S)
+                warpgroup.commit_group()
+                if const_expr(c > 0):
+                    warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
+                    self._refill_k(tma_k, tKg, tKs, bars, x - 1, total, n_max, tidx)
+                x += 1
+            if const_expr(cfg.publish_after == C):
+                if i > 0:
+                    cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+            warpgroup.wait_group(0)
+            self._refill_k(tma_k, tKg, tKs, bars, x - 1, total, n_max, tidx)
+            # ---- mask, online softmax, P -> smem with the rows' O factors
+            self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
+                                n_block, seqlen_k, causal_offset)
+            b = i % 2
+            cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
+            cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
+            self._write_factors(sFactor, factor, tScS_mn, b, lane)
+            cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
+        # ---- last P, then 1 / row_sum in place of a factor; LSE
+        if n_max > 0:
+            cute.arch.mbarrier_arrive(bars.p_full + (n_max - 1) % 2)
+        softmax.finalize_sum()
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.normalize([], lse, factor)
+        b = n_max % 2
+        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_max // 2) & 1) ^ 1)
+        self._write_factors(sFactor, factor, tScS_mn, b, lane)
+        cute.arch.mbarrier_arrive(bars.p_full + b)
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = m_block * TILE_M + tScS_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[r]
+
+    @cute.jit
+    def _refill_k(self, tma_k, tKg, tKs, bars, done: Int32, total: Int32, n_max: Int32, tidx):
+        """K chunk `done` was consumed: load chunk done + k_stages into its stage."""
+        ks, C = self.cfg.k_stages, self.num_chunks
+        nxt = done + ks
+        if nxt < total:
+            s = done % ks
+            self._tma_load(tma_k, tKg[None, n_max - 1 - nxt // C, nxt % C], tKs[None, s],
+                           bars.k + s, self.k_bytes, tidx)
+
+    @cute.jit
+    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
+                       m_block, n_block, seqlen_k, causal_offset):
+        """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
+        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
+                            self.causal):
+            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
+                       TILE_M, self.tile_n, self.causal)
+        blk_max = softmax.block_max(acc_S_mn)
+        softmax.update(acc_S_mn, blk_max, [], factor)
+        rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
+    def _write_factors(self, sFactor, factor, tScS_mn, b, lane):
+        """Each quad shares its rows: one lane per quad writes them."""
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(factor)):
+                sFactor[tScS_mn[r, 0][0], b] = factor[r]
+
+    # ---------------------------------------------------------------- O warpgroups
+    @cute.jit
+    def _o_wg(self, mma_pv: cute.TiledMma, mO, gV_tma, tma_v, sP, sV, sFactor, bars,
+              half: cutlass.Constexpr, tidx, m_block, head, head_kv, batch, n_max, seqlen_q):
+        cfg = self.cfg
+        vs, vj = cfg.v_stages, self.v_chunks
+        dv = self.dv[half]
+        lane = cute.arch.lane_idx()
+        bar_v = bars.v + half * vs
+        # ---- TMA views: V rows of this half (TMA, v_blocks) / (TMA, v_stages)
+        gV = cute.local_tile(gV_tma[None, None, head_kv, batch], (self.v_rows, dv), (None, 0))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                         cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        # ---- MMA fragments: V stage (v_rows, dv) seen as (dv, v_rows), the MN-major B of P V
+        thr_mma = mma_pv.get_slice(tidx)
+        sVt = cute.composition(sV, cute.make_ordered_layout((dv, self.v_rows, vs),
+                                                            order=(1, 0, 2)))
+        tOrP = mma_pv.make_fragment_A(thr_mma.partition_A(sP))    # (MMA, 1, tile_n/16, 2)
+        tOrV = mma_pv.make_fragment_B(thr_mma.partition_B(sVt))   # (MMA, 1, v_rows/16, stages)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
+        acc_O.fill(0.0)
+        acc_O_mn = mn_view(acc_O)
+        tOcO_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, dv))))
+        num_rows = cute.size(acc_O_mn, mode=[0])
+        k_per_v = self.v_rows // 16
+        total = n_max * vj  # V stages of this half the tile reads, in ring order
+
+        for x in cutlass.range_constexpr(vs):
+            if x < total:
+                self._tma_load(tma_v, tVg[None, (n_max - 1 - x // vj) * vj + x % vj],
+                               tVs[None, x], bar_v + x, self.v_bytes[half], tidx)
+        x = Int32(0)
+        for i in cutlass.range(n_max, unroll=1):
+            b = i % 2
+            cute.arch.mbarrier_wait(bars.p_full + b, (i // 2) & 1)
+            self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+            atom = cute.make_mma_atom(mma_pv.op)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for j in cutlass.range_constexpr(vj):
+                s = x % vs
+                cute.arch.mbarrier_wait(bar_v + s, (x // vs) & 1)
+                for k in cutlass.range_constexpr(k_per_v):
+                    cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, b],
+                              tOrV[None, None, k, s], acc_O)
+                warpgroup.commit_group()
+                if const_expr(j > 0):
+                    warpgroup.wait_group(1)  # stage x-1 has been read: refill it
+                    self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_max, half, tidx)
+                x += 1
+            warpgroup.wait_group(0)
+            self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_max, half, tidx)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bars.p_empty + b)
+        # ---- 1 / row_sum arrives through the factor buffer; store O (rows < Nq)
+        b = n_max % 2
+        cute.arch.mbarrier_wait(bars.p_full + b, (n_max // 2) & 1)
+        self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        mO_bh = mO[batch, head, None, None]
+        if const_expr(half == 1):
+            mO_bh = cute.domain_offset((0, self.dv[0]), mO_bh)
+        gO = cute.local_tile(mO_bh, (TILE_M, dv), (m_block, 0))
+        tOgO_mn = mn_view(thr_mma.partition_C(gO))
+        rO_mn = mn_view(rO)
+        rows_left = seqlen_q - m_block * TILE_M
+        for r in cutlass.range_constexpr(num_rows):
+            if tOcO_mn[r, 0][0] < rows_left:
+                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
+                    tOgO_mn[r, c] = rO_mn[r, c]
+
+    @cute.jit
+    def _refill_v(self, tma_v, tVg, tVs, bar_v, done: Int32, total: Int32, n_max: Int32,
+                  half: cutlass.Constexpr, tidx):
+        """V stage `done` was consumed: load stage done + v_stages into its slot."""
+        vs, vj = self.cfg.v_stages, self.v_chunks
+        nxt = done + vs
+        if nxt < total:
+            s = done % vs
+            self._tma_load(tma_v, tVg[None, (n_max - 1 - nxt // vj) * vj + nxt % vj],
+                           tVs[None, s], bar_v + s, self.v_bytes[half], tidx)
+
+    @cute.jit
+    def _scale_rows(self, acc_O_mn, tOcO_mn, sFactor, b, num_rows: cutlass.Constexpr):
+        for r in cutlass.range_constexpr(num_rows):
+            f = sFactor[tOcO_mn[r, 0][0], b]
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
+
+
+__all__ = ["FFPAFwdSm90"]
