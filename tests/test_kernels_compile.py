@@ -1,8 +1,9 @@
 """Compile-only kernel tests (no GPU): every family builds for its targets, with the
 instructions we meant and no local memory.
 
-sm_80 and sm_120a are the Split-D mma.sync kernels' own targets; sm_90a is what the H200 runs
-until the WGMMA kernels land. sm_120a builds are compile-verified only (no such GPU here).
+sm_80 and sm_120a are the Split-D mma.sync kernels' own targets; on sm_90a the Split-D kernel
+serves D > 512 (and any D under FFPA_CUTE_ARCH=sm80), the WGMMA kernel D <= 512. sm_120a builds
+are compile-verified only (no such GPU here).
 """
 
 import re
@@ -22,7 +23,9 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx next to the working directory
 
 
-def _plan(target, d, causal=False, dtype="bf16"):
+def _plan(target, d, causal=False, dtype="bf16", family=None, monkeypatch=None):
+    if family is not None:
+        monkeypatch.setenv("FFPA_CUTE_ARCH", family)
     p = AttnProblem(dtype=dtype, batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1,
                     head_dim=d, head_dim_v=d, causal=causal)
     plan = plan_fwd(p, target=target)
@@ -50,8 +53,10 @@ CASES = [("sm_80", d, False) for d in HEAD_DIMS] + [("sm_120a", d, False) for d 
 
 
 @pytest.mark.parametrize("target,d,causal", CASES)
-def test_splitd_compiles_with_mma_sync_and_no_spills(target, d, causal):
-    plan = _plan(target, d, causal)
+def test_splitd_compiles_with_mma_sync_and_no_spills(target, d, causal, monkeypatch):
+    plan = _plan(target, d, causal, family="sm80" if target == "sm_90a" else None,
+                 monkeypatch=monkeypatch)
+    assert plan.kernel_cls.__name__ in ("FFPAFwdSm80", "FFPAFwdSm120")
     fn = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx")
     ptx = fn.__ptx__
     assert f".target {target}" in ptx
@@ -77,3 +82,27 @@ def test_fp16_compiles():
     plan = _plan("sm_80", 384, dtype="fp16")
     fn = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx")
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fn.__ptx__
+
+
+SM90_CASES = [(264, True), (320, False), (384, True), (448, False), (512, True), (512, False)]
+
+
+@pytest.mark.parametrize("d,causal", SM90_CASES)
+def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
+    """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs, TMA loads, stmatrix for P,
+    no mma.sync, no local memory, no ptxas spills (384 threads: at most 168 registers)."""
+    plan = _plan("sm_90a", d, causal)
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm90"
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    dlo, dhi = plan.cfg.dv_halves
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{dlo}k16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{dhi}k16" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "stmatrix" in ptx
+    assert "mma.sync" not in ptx and "tcgen05" not in ptx
+    assert ".local" not in ptx, "local memory in PTX"
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        stores, loads, regs = res
+        assert stores == 0 and loads == 0, f"{plan.cfg}: spills {stores}/{loads} B, {regs} regs"
+        assert regs <= 168
