@@ -4,25 +4,30 @@ What it computes: O = softmax(scale * Q K^T [+ causal mask]) V and LSE, for q [B
 k/v [B, Hkv, Nkv, D] (any strides, unit stride on D), Hq a multiple of Hkv (GQA/MQA), any Nq, Nkv,
 bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8.
 
-One CTA = one 64-row Q tile of one (batch, head), 4 warpgroups with separate roles
-(kernel-design.md §2, design F1; the microbenchmarks in perf/NOTES.md chose it):
+One CTA = one 64-row Q tile of one (batch, head), three warpgroups with separate roles
+(kernel-design.md §2, design F1 without the producer warpgroup; perf/NOTES.md has the
+microbenchmarks that chose it):
 
-  WG0 "producer"  (24 registers)  one warp issues every TMA load: Q once, then K and V chunks in
-                                  the order the tensor core consumes them, K[n+1] before V[n].
-  WG1 "S"         (152)           S = Q K^T over D in 64-column chunks (m64n128k16 SS WGMMA),
-                                  mask, online softmax (common/softmax.py), P -> smem (stmatrix)
-                                  with each row's rescale factor, LSE.
-  WG2 "O-lo"      (168)           O[:, :D_lo] += P V[:, :D_lo] (SS WGMMA, A = P from smem),
-  WG3 "O-hi"      (168)           O[:, D_lo:] likewise; each first rescales its O rows by the
-                                  factor the S warpgroup published with P.
+  WG0 "S"     S = Q K^T over D in 64-column chunks (m64n128k16 SS WGMMA), mask, online softmax
+              (common/softmax.py), P -> smem (stmatrix) with each row's O rescale factor, LSE.
+  WG1 "O-lo"  O[:, :D_lo] += P V[:, :D_lo] (SS WGMMA, A = P from smem);
+  WG2 "O-hi"  O[:, D_lo:] likewise. Each first rescales its O rows by the factor the S
+              warpgroup published with P.
 
 O[64 x 512] fp32 is 128 KB, half the register file: it is split along D between the two O
-warpgroups (D_lo = D_hi = D/2 when D % 16 == 0, else D_lo = D_hi + 8: WGMMA N is a multiple of 8).
+warpgroups (D_lo = D_hi = D/2 when D % 16 == 0, else D_lo = D_hi + 8: WGMMA N is a multiple of
+8). 384 threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every instruction
+against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128 registers each)
+could not hold an m64n256 accumulator (ptxas asks for 154).
 
-Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x [128 x 64] 64 KB; two V rings
-2 x 2 x [32 x 256] 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B. Each ring has a single
-consumer warpgroup (full barrier: TMA transaction bytes; empty barrier: one arrival per consumer
-warp), so a consumer can never wait on a phase two rounds ahead.
+Loads: TMA only, and every ring feeds exactly one warpgroup, which also refills it: the S
+warpgroup owns Q and the K ring ([128 x 64] chunks), each O warpgroup its V ring ([v_rows x D_half]
+stages). As soon as a stage's WGMMAs are done (wait_group(1) after the next stage's are issued)
+the owner issues the TMA for the stage `stages` positions ahead; a stage only has a "full"
+mbarrier (TMA transaction bytes), and since its only reader is its only writer, no "empty" one.
+
+Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
+[32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
 
 Hand-off of P (double-buffered, mbarriers): P_full[b] (128 S-thread arrivals after a proxy fence,
 so WGMMA's async proxy sees the stores) and P_empty[b] (one arrival per O warp once its PV
@@ -321,13 +326,13 @@ class FFPAFwdSm90:
             #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
             #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
             atom = cute.make_mma_atom(mma_qk.op)  # a fresh atom: ACCUMULATE changes below
-            warpgroup.fence()
             for c in cutlass.range_constexpr(C):
                 if const_expr(c == cfg.publish_after):
                     if i > 0:
                         cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
                 s = x % ks
                 cute.arch.mbarrier_wait(bars.k + s, (x // ks) & 1)
+                warpgroup.fence()
                 n_k = k_steps_last if const_expr(c == C - 1) else k_per_chunk
                 for k in cutlass.range_constexpr(n_k):
                     atom.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
@@ -434,10 +439,10 @@ class FFPAFwdSm90:
             self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
             atom = cute.make_mma_atom(mma_pv.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
             for j in cutlass.range_constexpr(vj):
                 s = x % vs
                 cute.arch.mbarrier_wait(bar_v + s, (x // vs) & 1)
+                warpgroup.fence()
                 for k in cutlass.range_constexpr(k_per_v):
                     cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, b],
                               tOrV[None, None, k, s], acc_O)
