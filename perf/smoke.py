@@ -5,8 +5,10 @@ a float64 reference, and forward TFLOPS for the larger shapes.
     python -m perf.smoke --family sm90 --cases "512:1000:1000:0,320:129:7:1" --timeout 60
     python -m perf.smoke --family sm90 --bench "512:8192:0,512:8192:1,320:8192:0"
 
-A case is D:Nq:Nkv:causal[:ratio] (causal 1 = bottom-right); a bench is D:N:causal, timed at
-B=1, H=32 with CUDA events.
+A case is D:Nq:Nkv:causal[:ratio[:fp16]] (causal 1 = bottom-right); a bench is
+D:N:causal[:field=value;field=value], timed at B=1, H=32 with CUDA events (no L2 flush: compare
+variants with each other, report with perf.sweep). Fields override the planned config, e.g.
+"512:8192:0:publish_after=2;k_stages=3".
 """
 
 from __future__ import annotations
@@ -55,16 +57,23 @@ def _one_bench(spec: str) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.problem import AttnProblem
 
-    d, n, causal = [int(x) for x in spec.split(":")]
+    import dataclasses
+
+    fields = spec.split(":")
+    d, n, causal = [int(x) for x in fields[:3]]
+    over = dict(kv.split("=") for kv in fields[3].split(";")) if len(fields) > 3 else {}
     q, k, v = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
                                                       causal_offset=0))
+    if over:
+        cfg = dataclasses.replace(plan.cfg, **{f: int(x) for f, x in over.items()})
+        plan = dataclasses.replace(plan, cfg=cfg)
     fn = lambda: dispatch.run_fwd(plan, q, k, v)  # noqa: E731
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(10):
+    for _ in range(30):
         start.record()
         fn()
         end.record()
