@@ -10,7 +10,8 @@ key. `plan_fwd(problem, arch)` never returns a config that `can_implement` rejec
 # k_chunk 64: one 128-byte swizzle atom of K per ring stage, [128 x 64] = 16 KB.
 # V rows per ring stage: 32 when an O half is wider than 128 columns (a [32 x 256] stage is
 #   16 KB), else 64.
-# Ring depths: the deepest K ring, then V ring, that fit beside resident Q and two P buffers.
+# Ring depths: K 4 stages (fewer starves QK), then the deepest V rings (<= 4) that fit beside
+#   resident Q and two P buffers, then any room left goes to K. publish_after = all K chunks.
 # D > 512: O[64 x D] needs more than the 2 x 168 registers the O warpgroups have -> the Split-D
 #   mma.sync kernel serves it until the 2-CTA split lands.
 # =====================================================================================
@@ -115,18 +116,21 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     return None
 
 
-def plan_fwd(problem: AttnProblem, arch: str, publish_after: int = 0) -> FwdConfigSm90:
-    """The config for `problem`; raises ValueError with the reason if this kernel cannot run it."""
-    best = None
-    for k_stages in (8, 7, 6, 5, 4, 3, 2):
-        for v_stages in (4, 3, 2):
-            cfg = FwdConfigSm90(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                                causal=problem.causal, k_stages=k_stages, v_stages=v_stages,
-                                publish_after=min(publish_after, -(-problem.head_dim // 64)))
-            if can_implement(cfg) is None and (best is None or cfg.smem_bytes() > best.smem_bytes()):
-                best = cfg
-    if best is None:
-        cfg = FwdConfigSm90(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                            causal=problem.causal, k_stages=2, v_stages=2)
-        raise ValueError(can_implement(cfg))
-    return best
+def plan_fwd(problem: AttnProblem, arch: str) -> FwdConfigSm90:
+    """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
+
+    Measured on the H200 (perf/NOTES.md, 2026-12-02 session 2): a K ring under 4 stages
+    starves QK (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4
+    stages 507 vs 7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
+    """
+    base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=problem.causal, publish_after=-(-problem.head_dim // 64))
+
+    def fits(k, v):
+        return can_implement(FwdConfigSm90(**base, k_stages=k, v_stages=v)) is None
+
+    v = next((v for v in (4, 3, 2) if fits(4, v)), None)
+    if v is None:
+        raise ValueError(can_implement(FwdConfigSm90(**base, k_stages=4, v_stages=2)))
+    k = max(k for k in range(4, 9) if fits(k, v))
+    return FwdConfigSm90(**base, k_stages=k, v_stages=v)
