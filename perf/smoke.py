@@ -4,6 +4,12 @@ a float64 reference, and forward TFLOPS for the larger shapes.
 
     python -m perf.smoke --family sm90 --cases "512:1000:1000:0,320:129:7:1" --timeout 60
     python -m perf.smoke --family sm90 --bench "512:8192:0,512:8192:1,320:8192:0"
+    python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512
+
+--first-call D,...: wall time of the first `attention()` call per head dim in a fresh process with
+an empty ffpa_cute cache and the DSL's file cache off (what a user's first call pays; issue 4
+asks for <= 10 s). --overhead D: a cached call's wall time on a tiny shape (B=1, H=1, N=1) minus
+the kernel time of the same call (CUDA events), i.e. the host overhead (issue 4: < 20 µs).
 
 A case is D:Nq:Nkv:causal[:ratio[:fp16]] (causal 1 = bottom-right); a bench is
 D:N:causal[:field=value;field=value], timed at B=1, H=32 with CUDA events (no L2 flush: compare
@@ -85,24 +91,93 @@ def _one_bench(spec: str) -> dict:
             "tflops": 4 * 32 * pairs * d / ms / 1e9, "cfg": str(plan.cfg)}
 
 
+def _first_call(d: int) -> dict:
+    import time
+
+    import torch
+
+    from ffpa_cute import attention
+
+    q, k, v = (torch.randn(1, 4, 256, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    attention(q, k, v, strict=True)
+    torch.cuda.synchronize()
+    return {"first_call_d": d, "seconds": round(time.perf_counter() - t, 2)}
+
+
+def _overhead(d: int) -> dict:
+    import time
+
+    import torch
+
+    from ffpa_cute import attention
+
+    q, k, v = (torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(20):
+        attention(q, k, v, strict=True)
+    torch.cuda.synchronize()
+    n = 2000
+    t = time.perf_counter()
+    for _ in range(n):
+        attention(q, k, v, strict=True)
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t) / n * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = torch.cuda.CUDAGraph()  # the kernel alone: the same call replayed from a graph
+    with torch.cuda.graph(graph):
+        attention(q, k, v, strict=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    gpu_us = start.elapsed_time(end) / n * 1e3
+    return {"overhead_d": d, "call_us": round(wall_us, 1), "graph_replay_us": round(gpu_us, 1),
+            "host_overhead_us": round(wall_us - gpu_us, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="sm90")
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
+    ap.add_argument("--first-call", default="")
+    ap.add_argument("--overhead", default="")
     ap.add_argument("--timeout", type=int, default=90)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-bench", help=argparse.SUPPRESS)
+    ap.add_argument("--one-first", help=argparse.SUPPRESS)
+    ap.add_argument("--one-overhead", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.one_first:
+        print(json.dumps(_first_call(int(a.one_first))))
+        return
+    if a.one_overhead:
+        print(json.dumps(_overhead(int(a.one_overhead))))
+        return
     if a.one:
         print(json.dumps(_one_case(a.one)))
         return
     if a.one_bench:
         print(json.dumps(_one_bench(a.one_bench)))
         return
+    import tempfile
+
     env = dict(os.environ, FFPA_CUTE_ARCH=a.family)
     jobs = [("--one", c) for c in a.cases.split(",") if c]
     jobs += [("--one-bench", b) for b in a.bench.split(",") if b]
+    jobs += [("--one-overhead", d) for d in a.overhead.split(",") if d]
+    for d in [d for d in a.first_call.split(",") if d]:
+        fresh = tempfile.mkdtemp(prefix="ffpa_cute_cold_")
+        cold = dict(env, FFPA_CUTE_CACHE_DIR=fresh, CUTE_DSL_DISABLE_FILE_CACHING="1")
+        r = subprocess.run([sys.executable, "-m", "perf.smoke", "--one-first", d], env=cold,
+                           capture_output=True, text=True, timeout=a.timeout)
+        out = r.stdout.strip().splitlines()
+        print(f"first call D={d}: {out[-1] if r.returncode == 0 and out else r.stderr[-600:]}",
+              flush=True)
     for flag, spec in jobs:
         try:
             r = subprocess.run([sys.executable, "-m", "perf.smoke", flag, spec], env=env,

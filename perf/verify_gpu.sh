@@ -7,21 +7,50 @@
 #       --cache-dir .precache               # (.precache is git-ignored via .git/info/exclude)
 # Then the device call: carry [".device", ".precache"], command (the device copy has no .git)
 #   source .device/setup.sh && PERF_COMMIT=<git rev-parse --short HEAD> bash perf/verify_gpu.sh
-# Sections: precompiled cache (0 compiles), default GPU tier, slow grid, forward sweep vs SDPA at
-# every head dim of the FFPA grid and the padded-chunk dims. About 6-7 minutes on an H200.
+# Sections: precompiled cache (0 compiles); default GPU tier for the Split-D family
+# (FFPA_CUTE_ARCH=sm80) and the sm90 family (WGMMA for D <= 512); slow grid for both (sm90: only
+# its own D range); first-call compile and host overhead of the WGMMA kernel; forward sweep vs
+# SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA if staged with STAGE_PEERS=1) at the head dims of
+# the FFPA grid plus the padded-chunk ones, as the default family routes them. About 9-10 minutes
+# on an H200: split it over two calls (SECTIONS="1 2 3" then SECTIONS="4 5 6") under the
+# 10-minute limit per call.
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
 step() { echo "=== $1"; }
-step "precompiled cache"
-FFPA_CUTE_PRECOMPILED_DIR="$PWD/.precache" timeout 120 python -m pytest -m gpu -q \
-    tests/test_precompiled_gpu.py 2>&1 | tail -2
-step "GPU tests, default tier"
-timeout 240 python -m pytest -m "gpu and not slow" -q tests/ 2>&1 | tee "$out/gpu_fast.log" | tail -3
-step "GPU tests, slow grid"
-timeout 300 python -m pytest -m "gpu and slow" -q -x tests/ 2>&1 | tee "$out/gpu_slow.log" | tail -3
-step "forward sweep vs SDPA"
-timeout 300 python -m perf.sweep --cases self,causal --head-dims 264,320,328,384,448,512,576,640,768,1024 \
-    --seqlens 8192 --fwd --baselines "${SWEEP_BASELINES:-sdpa}" --no-progress --out "$out/sweep" \
-    --commit "${PERF_COMMIT:-unknown}" > "$out/sweep.log" 2>&1
-grep -E "^\| (self|causal) " "$out/sweep/fwd.md" | cut -d'|' -f2,7,8,10,11,13,16
+sections="${SECTIONS:-1 2 3 4 5 6}"
+has() { [[ " $sections " == *" $1 "* ]]; }
+if has 1; then
+  step "precompiled cache"
+  FFPA_CUTE_PRECOMPILED_DIR="$PWD/.precache" timeout 120 python -m pytest -m gpu -q \
+      tests/test_precompiled_gpu.py 2>&1 | tail -2
+fi
+if has 2; then
+  for fam in sm80 sm90; do
+    step "GPU tests, default tier, FFPA_CUTE_ARCH=$fam"
+    FFPA_CUTE_ARCH=$fam timeout 200 python -m pytest -m "gpu and not slow" -q tests/ 2>&1 \
+        | tee "$out/gpu_fast_$fam.log" | tail -2
+  done
+fi
+if has 3; then
+  step "GPU tests, slow grid, FFPA_CUTE_ARCH=sm90 (its WGMMA range, D <= 512)"
+  FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m "gpu and slow" -q -x \
+      tests/test_attention_gpu.py -k "d264 or d320 or d328 or d384 or d448 or d512" 2>&1 \
+      | tee "$out/gpu_slow_sm90.log" | tail -2
+fi
+if has 4; then
+  step "GPU tests, slow grid, FFPA_CUTE_ARCH=sm80"
+  FFPA_CUTE_ARCH=sm80 timeout 300 python -m pytest -m "gpu and slow" -q -x tests/ 2>&1 \
+      | tee "$out/gpu_slow_sm80.log" | tail -2
+fi
+if has 5; then
+  step "WGMMA kernel: first-call compile (empty caches) and host overhead of a cached call"
+  timeout 200 python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512 --timeout 90
+fi
+if has 6; then
+  step "forward sweep vs ${SWEEP_BASELINES:-sdpa}"
+  timeout 300 python -m perf.sweep --cases self,causal --head-dims 264,320,384,448,512,576,1024 \
+      --seqlens 8192 --fwd --baselines "${SWEEP_BASELINES:-sdpa}" --no-progress --out "$out/sweep" \
+      --commit "${PERF_COMMIT:-unknown}" > "$out/sweep.log" 2>&1
+  grep -E "^\| (self|causal) " "$out/sweep/fwd.md" | cut -d'|' -f2,7,8,10,11,13,16
+fi
