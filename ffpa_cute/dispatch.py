@@ -5,8 +5,8 @@ Forward and backward consult the same table (`FAMILY_OF_TARGET`), so they cannot
 | device (major, minor)  | compile target | family (kernels)                                    |
 |------------------------|----------------|-----------------------------------------------------|
 | 8.0 / 8.6 / 8.7 / 8.9  | sm_80 / ...    | sm80  (mma.sync Split-D)                             |
-| 9.0                    | sm_90a         | sm90  (WGMMA + TMA, D <= 512; D > 512: the sm80     |
-|                        |                |        Split-D kernel compiled for sm_90a)          |
+| 9.0                    | sm_90a         | sm90  (WGMMA + TMA up to SM90_WGMMA_MAX_HEAD_DIM;   |
+|                        |                |        above: the sm80 Split-D kernel for sm_90a)   |
 | 10.0 exactly           | sm_100a        | sm100 -> no kernels yet: SDPA fallback              |
 | 12.0 / 12.1            | sm_120a/121a   | sm120 (compile-verified only, never run)            |
 
@@ -91,13 +91,21 @@ def _kernel_family(family: str):
     return None
 
 
+# Head dims the sm90 family sends to the WGMMA kernel. Above it: the Split-D mma.sync kernel
+# compiled for sm_90a. The WGMMA kernel also builds D in (512, 1024] (O split over two CTAs,
+# compile-verified); this moves to 1024 once that path has passed the GPU grid (perf/NOTES.md).
+SM90_WGMMA_MAX_HEAD_DIM = 512
+
+
 def _plan_sm90(problem: AttnProblem, target: str):
-    """WGMMA kernel for D <= 512; the Split-D mma.sync kernel (compiled for sm_90a) above, until
-    the two-CTA WGMMA split for D > 512 lands."""
+    """WGMMA kernel up to SM90_WGMMA_MAX_HEAD_DIM when it can run the problem, else Split-D."""
     from . import sm80, sm90
 
-    if problem.head_dim <= sm90.config.MAX_HEAD_DIM:
-        return sm90.plan_fwd(problem, target)
+    if problem.head_dim <= SM90_WGMMA_MAX_HEAD_DIM:
+        try:
+            return sm90.plan_fwd(problem, target)
+        except ValueError:
+            pass
     return sm80.plan_fwd(problem, target)
 
 

@@ -11,6 +11,9 @@ an empty ffpa_cute cache and the DSL's file cache off (what a user's first call 
 asks for <= 10 s). --overhead D: a cached call's wall time on a tiny shape (B=1, H=1, N=1) minus
 the kernel time of the same call (CUDA events), i.e. the host overhead (issue 4: < 20 µs).
 
+--wgmma-max-d 1024 routes D up to 1024 to the sm90 WGMMA kernel (O split over two CTAs above
+512) before that is the default (`dispatch.SM90_WGMMA_MAX_HEAD_DIM`).
+
 A case is D:Nq:Nkv:causal[:ratio[:fp16]] (causal 1 = bottom-right); a bench is
 D:N:causal[:field=value;field=value], timed at B=1, H=32 with CUDA events (no L2 flush: compare
 variants with each other, report with perf.sweep). Fields override the planned config, e.g.
@@ -26,6 +29,14 @@ import subprocess
 import sys
 
 
+def _route():
+    """Apply --wgmma-max-d (passed to the per-case subprocess through the environment)."""
+    from ffpa_cute import dispatch
+
+    if os.environ.get("PERF_SMOKE_WGMMA_MAX_D"):
+        dispatch.SM90_WGMMA_MAX_HEAD_DIM = int(os.environ["PERF_SMOKE_WGMMA_MAX_D"])
+
+
 def _one_case(spec: str) -> dict:
     import torch
 
@@ -33,6 +44,7 @@ def _one_case(spec: str) -> dict:
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 
+    _route()
     parts = [int(x) for x in spec.split(":")]
     d, nq, nkv, causal = parts[:4]
     ratio = parts[4] if len(parts) > 4 else 1
@@ -65,6 +77,7 @@ def _one_bench(spec: str) -> dict:
 
     import dataclasses
 
+    _route()
     fields = spec.split(":")
     d, n, causal = [int(x) for x in fields[:3]]
     over = dict(kv.split("=") for kv in fields[3].split(";")) if len(fields) > 3 else {}
@@ -147,6 +160,7 @@ def main() -> None:
     ap.add_argument("--first-call", default="")
     ap.add_argument("--overhead", default="")
     ap.add_argument("--timeout", type=int, default=90)
+    ap.add_argument("--wgmma-max-d", type=int, default=0)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-bench", help=argparse.SUPPRESS)
     ap.add_argument("--one-first", help=argparse.SUPPRESS)
@@ -167,6 +181,8 @@ def main() -> None:
     import tempfile
 
     env = dict(os.environ, FFPA_CUTE_ARCH=a.family)
+    if a.wgmma_max_d:
+        env["PERF_SMOKE_WGMMA_MAX_D"] = str(a.wgmma_max_d)
     jobs = [("--one", c) for c in a.cases.split(",") if c]
     jobs += [("--one-bench", b) for b in a.bench.split(",") if b]
     jobs += [("--one-overhead", d) for d in a.overhead.split(",") if d]

@@ -46,6 +46,10 @@ fi
 if has 5; then
   step "WGMMA kernel: first-call compile (empty caches) and host overhead of a cached call"
   timeout 200 python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512 --timeout 90
+  step "WGMMA kernel with O split over two CTAs (D > 512, not yet the default route)"
+  timeout 200 python -m perf.smoke --family sm90 --wgmma-max-d 1024 --timeout 60 \
+      --cases "1024:1000:1000:0,768:129:1000:1:4,576:1000:129:1,1024:4097:4097:1:16" \
+      --bench "1024:8192:0,1024:8192:1,768:8192:0,576:8192:0"
 fi
 if has 6; then
   step "forward sweep vs ${SWEEP_BASELINES:-sdpa}"

@@ -232,3 +232,33 @@ def test_backward(seed, mode, nq, nkv, ratio):
     for name, g, r, b in zip("qkv", got, grads["ref"], grads["base"]):
         err, base_err = rel_err(g, r), rel_err(b, r)
         assert err <= 2 * base_err + 1e-3, f"d{name}: err {err:.3g} vs torch {base_err:.3g}"
+
+
+SPLIT_O_CASES = [(576, "none", 129, 1000, 1), (640, "bottom_right", 1000, 129, 4),
+                 (768, "upper_left", 7, 7, 16), (1024, "none", 1000, 1000, 1),
+                 (1024, "bottom_right", 1, 129, 4), (1024, "none", 4097, 4097, 1)]
+
+
+@pytest.mark.parametrize("d,mode,nq,nkv,ratio", SPLIT_O_CASES)
+def test_forward_sm90_split_o(seed, monkeypatch, d, mode, nq, nkv, ratio):
+    """The WGMMA kernel with O split over two CTAs (D > 512), before it is the default route
+    (dispatch.SM90_WGMMA_MAX_HEAD_DIM): numerics, and the plan really is FFPAFwdSm90."""
+    if dispatch.current_arch() != "sm_90a":
+        pytest.skip("WGMMA kernel: sm_90 only")
+    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
+    monkeypatch.setattr(dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 1024)
+    _forget_plans()
+    try:
+        q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
+        plan = kernel_plan(q, k, v, mode)
+        assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
+        check_forward(d, BF16, mode, nq, nkv, ratio)
+    finally:
+        _forget_plans()
+
+
+def _forget_plans():
+    from ffpa_cute import interface
+
+    dispatch._plan_cached.cache_clear()
+    interface._PLANS.clear()

@@ -45,6 +45,20 @@ def test_sm90_family_kernels(d, kernel):
     assert plan.kernel_cls.__name__ == kernel and plan.cfg.arch == "sm_90a"
 
 
+def test_sm90_wgmma_range_and_o_split(monkeypatch):
+    """Above SM90_WGMMA_MAX_HEAD_DIM the Split-D kernel serves sm_90a; raised to 1024, D > 512
+    goes to the WGMMA kernel with O split over two CTAs, except D % 16 != 0 (Split-D)."""
+    monkeypatch.setattr(dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 1024)
+    dispatch._plan_cached.cache_clear()
+    try:
+        plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
+        assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
+        plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
+        assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
+    finally:
+        dispatch._plan_cached.cache_clear()
+
+
 def test_forced_family(monkeypatch):
     monkeypatch.setenv("FFPA_CUTE_ARCH", "sm80")
     plan = dispatch.plan_fwd(prob(), target="sm_90a")

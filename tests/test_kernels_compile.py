@@ -84,17 +84,22 @@ def test_fp16_compiles():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in fn.__ptx__
 
 
-SM90_CASES = [(264, True), (320, False), (384, True), (448, False), (512, True), (512, False)]
+SM90_CASES = [(264, True), (320, False), (384, True), (448, False), (512, True), (512, False),
+              (576, True), (768, False), (1024, True)]  # > 512: O split over two CTAs
 
 
 @pytest.mark.parametrize("d,causal", SM90_CASES)
 def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
     """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs, TMA loads, stmatrix for P,
     no mma.sync, no local memory, no ptxas spills (384 threads: at most 168 registers)."""
-    plan = _plan("sm_90a", d, causal)
-    assert plan.kernel_cls.__name__ == "FFPAFwdSm90"
-    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
-    dlo, dhi = plan.cfg.dv_halves
+    from ffpa_cute import sm90
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal)
+    cfg = sm90.plan_fwd(p, "sm_90a")
+    assert cfg.o_split == (1 if d <= 512 else 2)
+    ptx = sm90.FFPAFwdSm90.compile(cfg, options="--keep-ptx").__ptx__
+    dlo, dhi = cfg.dv_halves
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{dlo}k16" in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{dhi}k16" in ptx
@@ -104,5 +109,5 @@ def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         stores, loads, regs = res
-        assert stores == 0 and loads == 0, f"{plan.cfg}: spills {stores}/{loads} B, {regs} regs"
+        assert stores == 0 and loads == 0, f"{cfg}: spills {stores}/{loads} B, {regs} regs"
         assert regs <= 168

@@ -12,8 +12,11 @@ key. `plan_fwd(problem, arch)` never returns a config that `can_implement` rejec
 #   16 KB), else 64.
 # Ring depths: K 4 stages (fewer starves QK), then the deepest V rings (<= 4) that fit beside
 #   resident Q and two P buffers, then any room left goes to K. publish_after = all K chunks.
-# D > 512: O[64 x D] needs more than the 2 x 168 registers the O warpgroups have -> the Split-D
-#   mma.sync kernel serves it until the 2-CTA split lands.
+# D > 512 (o_split 2): O[64 x D] needs more than the 2 x 168 registers the O warpgroups have,
+#   so two CTAs share each Q tile, each computing half of O's columns; both compute the full
+#   S = Q K^T (QK recomputed: at most 2/3 of the tensor work is counted), and Q streams through
+#   the K ring in [64 x 64] chunks (Q[64 x 1024] would take 128 KB of smem). Needs D % 16 == 0
+#   (equal CTA halves, so one TMA box width serves both CTAs).
 # =====================================================================================
 """
 
@@ -25,7 +28,8 @@ from ..problem import AttnProblem
 
 SMEM_CAPACITY = 232448  # bytes per CTA on sm_90a
 DTYPES = ("bf16", "fp16")
-MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 512
+MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
+MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2
 TILE_M = 64
 
 
@@ -35,7 +39,7 @@ class FwdConfigSm90:
 
     arch:          "sm_90a"
     dtype:         "bf16" | "fp16"; accumulation is fp32
-    head_dim:      D, a multiple of 8 in [264, 512]
+    head_dim:      D, a multiple of 8 in [264, 512], or of 16 in (512, 1024] (split over 2 CTAs)
     causal:        causal masking (the diagonal offset is a runtime argument)
     tile_n:        KV rows per block (the N of the QK WGMMA)
     k_stages:      depth of the K ring ([tile_n x 64] chunks)
@@ -67,15 +71,30 @@ class FwdConfigSm90:
         return -(-self.head_dim // self.k_chunk)
 
     @property
+    def o_split(self) -> int:
+        """CTAs per Q tile, each owning head_dim / o_split columns of O."""
+        return 1 if self.head_dim <= MAX_SINGLE_CTA_HEAD_DIM else 2
+
+    @property
+    def stream_q(self) -> bool:
+        """Q streams through the K ring ([64 x 64] chunk per K chunk) instead of staying resident."""
+        return self.o_split > 1
+
+    @property
     def hdim_q_padded(self) -> int:
         """sQ width: whole 64-column swizzle atoms (TMA zero-fills the columns past D)."""
         return self.num_k_chunks * self.k_chunk
 
     @property
+    def dv_cta(self) -> int:
+        """O columns one CTA computes."""
+        return self.head_dim // self.o_split
+
+    @property
     def dv_halves(self) -> tuple[int, int]:
-        """O columns of the two O warpgroups: multiples of 8 (a WGMMA N), lo >= hi."""
-        lo = -(-self.head_dim // 16) * 8
-        return lo, self.head_dim - lo
+        """O columns of the CTA's two O warpgroups: multiples of 8 (a WGMMA N), lo >= hi."""
+        lo = -(-self.dv_cta // 16) * 8
+        return lo, self.dv_cta - lo
 
     @property
     def v_rows(self) -> int:
@@ -85,7 +104,9 @@ class FwdConfigSm90:
         """Shared memory of one CTA, laid out as `FFPAFwdSm90`'s storage struct: barriers and
         row factors first, then Q, the K ring, the two V rings and P, each 1 KB aligned."""
         elt = 2
-        regions = [TILE_M * self.hdim_q_padded * elt,
+        q = (self.k_stages * TILE_M * self.k_chunk if self.stream_q
+             else TILE_M * self.hdim_q_padded) * elt
+        regions = [q,
                    self.k_stages * self.tile_n * self.k_chunk * elt,
                    *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
                    2 * TILE_M * self.tile_n * elt]
@@ -105,6 +126,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if cfg.o_split > 1 and cfg.head_dim % 16:
+        return (f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} is split over 2 CTAs and "
+                "needs a multiple of 16")
     if cfg.tile_n != 128:
         return "tile_n must be 128"
     if cfg.k_stages < 2 or cfg.v_stages < 2:

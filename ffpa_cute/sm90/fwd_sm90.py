@@ -2,7 +2,8 @@
 
 What it computes: O = softmax(scale * Q K^T [+ causal mask]) V and LSE, for q [B, Hq, Nq, D],
 k/v [B, Hkv, Nkv, D] (any strides, unit stride on D), Hq a multiple of Hkv (GQA/MQA), any Nq, Nkv,
-bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8.
+bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8, and from 528 to 1024 in steps
+of 16 with O split over two CTAs (`o_split`, below).
 
 One CTA = one 64-row Q tile of one (batch, head), three warpgroups with separate roles
 (kernel-design.md §2, design F1 without the producer warpgroup; perf/NOTES.md has the
@@ -26,6 +27,14 @@ stages). As soon as a stage's WGMMAs are done (wait_group(1) after the next stag
 the owner issues the TMA for the stage `stages` positions ahead; a stage only has a "full"
 mbarrier (TMA transaction bytes), and since its only reader is its only writer, no "empty" one.
 
+D > 512 (config `o_split` = 2): O[64 x D] does not fit two warpgroups' registers, so two
+adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O warpgroups D/4
+each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor work is counted at
+D=1024), and Q no longer stays resident (64 x 1024 would be 128 KB): it streams through the K
+ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. CTA 0 writes LSE.
+Status: compile-verified; `dispatch.SM90_WGMMA_MAX_HEAD_DIM` keeps D > 512 on the Split-D
+kernel until this path has passed the GPU grid.
+
 Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
 [32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
 
@@ -43,7 +52,8 @@ zero-fills rows past Nq / Nkv and columns past D, so no load carries a predicate
 stores skip rows past Nq.
 
 Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
-[264, 512]; last stride 1, 16-byte aligned base, other strides multiples of 8 elements.
+[264, 512] or of 16 in (512, 1024]; last stride 1, 16-byte aligned base, other strides multiples
+of 8 elements.
 """
 
 from __future__ import annotations
@@ -97,7 +107,8 @@ class FFPAFwdSm90:
         self.causal = cfg.causal
         self.num_threads = 3 * WG_THREADS
         # bytes one TMA load brings in (the full box, zero-filled parts included)
-        self.q_bytes = TILE_M * cfg.hdim_q_padded * 2
+        self.stream_q = cfg.stream_q
+        self.q_bytes = TILE_M * (cfg.k_chunk if cfg.stream_q else cfg.hdim_q_padded) * 2
         self.k_bytes = cfg.tile_n * cfg.k_chunk * 2
         self.v_bytes = [cfg.v_rows * d * 2 for d in self.dv]
 
@@ -137,41 +148,36 @@ class FFPAFwdSm90:
         """(B, H, N, D) -> (N, D, H, B): the row/column modes first, as TMA tiles them."""
         return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
 
-    def _column_slice(self, t: cute.Tensor, col0: int, cols: int) -> cute.Tensor:
-        """(N, D, H, B) columns [col0, col0 + cols) as their own tensor (a TMA box never reads
-        the other half). col0 is a multiple of 8: the base stays 16-byte aligned."""
-        lay = cute.make_layout((t.shape[0], cols, t.shape[2], t.shape[3]), stride=t.stride)
-        return cute.make_tensor(t.iterator + col0, lay)
-
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
                  stream: cuda.CUstream):
-        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid = (m_blocks, Hq, B)."""
+        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid = (m_blocks * o_split, Hq, B)."""
         cfg = self.cfg
         D = cfg.head_dim
         mQ, mK, mV, mO = [aligned_bhnd(t, D, self.dtype) for t in (mQ, mK, mV, mO)]
         tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
         dlo, dhi = self.dv
 
-        sQ_layout = self._smem_layout(TILE_M, cfg.hdim_q_padded)
+        sQ_layout = (self._smem_layout(TILE_M, cfg.k_chunk, cfg.k_stages) if self.stream_q
+                     else self._smem_layout(TILE_M, cfg.hdim_q_padded))
         sK_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
         sVlo_layout = self._smem_layout(self.v_rows, dlo, cfg.v_stages)
         sVhi_layout = self._smem_layout(self.v_rows, dhi, cfg.v_stages)
         sP_layout = self._smem_layout(TILE_M, self.tile_n, 2)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(g2s, tQ, sQ_layout,
-                                                    (TILE_M, cfg.hdim_q_padded))
+        q_box = (TILE_M, cfg.k_chunk if self.stream_q else cfg.hdim_q_padded)
+        tma_q, gQ_tma = cpasync.make_tiled_tma_atom(
+            g2s, tQ, cute.select(sQ_layout, mode=[0, 1]), q_box)
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(
             g2s, tK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        # V boxes are one O warpgroup wide; the kernel offsets them to its columns
         tma_vlo, gVlo_tma = cpasync.make_tiled_tma_atom(
-            g2s, self._column_slice(tV, 0, dlo), cute.select(sVlo_layout, mode=[0, 1]),
-            (self.v_rows, dlo))
+            g2s, tV, cute.select(sVlo_layout, mode=[0, 1]), (self.v_rows, dlo))
         tma_vhi, gVhi_tma = cpasync.make_tiled_tma_atom(
-            g2s, self._column_slice(tV, dlo, dhi), cute.select(sVhi_layout, mode=[0, 1]),
-            (self.v_rows, dhi))
+            g2s, tV, cute.select(sVhi_layout, mode=[0, 1]), (self.v_rows, dhi))
 
         ks, vs = cfg.k_stages, cfg.v_stages
 
@@ -191,7 +197,7 @@ class FFPAFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sVhi_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
 
-        grid = (cute.ceil_div(mQ.shape[2], TILE_M), cute.size(mQ.shape[1]),
+        grid = (cute.ceil_div(mQ.shape[2], TILE_M) * cfg.o_split, cute.size(mQ.shape[1]),
                 cute.size(mQ.shape[0]))
         self.kernel(
             mO, mLSE, gQ_tma, gK_tma, gVlo_tma, gVhi_tma, tma_q, tma_k, tma_vlo, tma_vhi,
@@ -218,7 +224,9 @@ class FFPAFwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         grid_m, _, _ = cute.arch.grid_dim()
-        m_block = grid_m - 1 - bidx  # longest tiles first under causal (bottom-right)
+        # longest tiles first under causal (bottom-right); the o_split CTAs of a Q tile adjacent
+        m_block = grid_m // self.cfg.o_split - 1 - bidx // self.cfg.o_split
+        o_part = bidx % self.cfg.o_split  # which head_dim / o_split columns of O
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head_kv = head // (cute.size(mO.shape[1]) // heads_kv)
@@ -254,14 +262,15 @@ class FFPAFwdSm90:
 
         if wg == 0:
             self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
-                             bars, tidx, m_block, head, head_kv, batch, n_max, seqlen_q,
+                             bars, tidx, m_block, o_part, head, head_kv, batch, n_max, seqlen_q,
                              seqlen_k, causal_offset, scale_log2)
         elif wg == 1:
             self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
-                       tidx - WG_THREADS, m_block, head, head_kv, batch, n_max, seqlen_q)
+                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, n_max, seqlen_q)
         else:
             self._o_wg(mma_pv_hi, mO, gVhi_tma, tma_vhi, sP, sVhi, sFactor, bars, 1,
-                       tidx - 2 * WG_THREADS, m_block, head, head_kv, batch, n_max, seqlen_q)
+                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, n_max,
+                       seqlen_q)
 
     @cute.jit
     def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
@@ -275,16 +284,21 @@ class FFPAFwdSm90:
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
     def _softmax_wg(self, mma_qk: cute.TiledMma, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK,
-                    sP, sFactor, bars, tidx, m_block, head, head_kv, batch, n_max, seqlen_q,
-                    seqlen_k, causal_offset, scale_log2):
+                    sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch, n_max,
+                    seqlen_q, seqlen_k, causal_offset, scale_log2):
         cfg = self.cfg
         C = self.num_chunks
         ks = cfg.k_stages
         lane = cute.arch.lane_idx()
-        # ---- TMA views: Q tile (TMA) and K chunks (TMA, n_blocks, C) / (TMA, k_stages)
+        # ---- TMA views: Q tile (TMA), or Q chunks (TMA, C) / (TMA, k_stages) when Q streams
+        #      with K; K chunks (TMA, n_blocks, C) / (TMA, k_stages)
         one = cute.make_layout(1)
-        gQ = cute.local_tile(gQ_tma[None, None, head, batch], (TILE_M, cfg.hdim_q_padded),
-                             (m_block, 0))
+        if const_expr(self.stream_q):
+            gQ = cute.local_tile(gQ_tma[None, None, head, batch], (TILE_M, cfg.k_chunk),
+                                 (m_block, None))
+        else:
+            gQ = cute.local_tile(gQ_tma[None, None, head, batch], (TILE_M, cfg.hdim_q_padded),
+                                 (m_block, 0))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))
         gK = cute.local_tile(gK_tma[None, None, head_kv, batch], (self.tile_n, cfg.k_chunk),
@@ -293,7 +307,8 @@ class FFPAFwdSm90:
                                          cute.group_modes(gK, 0, 2))
         # ---- MMA fragments
         thr_mma = mma_qk.get_slice(tidx)
-        tSrQ = mma_qk.make_fragment_A(thr_mma.partition_A(sQ))   # (MMA, 1, Dq/16)
+        # (MMA, 1, Dq/16), or (MMA, 1, 4, k_stages) when Q streams
+        tSrQ = mma_qk.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = mma_qk.make_fragment_B(thr_mma.partition_B(sK))   # (MMA, 1, 4, k_stages)
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
         acc_S_mn = mn_view(acc_S)
@@ -312,13 +327,15 @@ class FFPAFwdSm90:
         k_per_chunk = cfg.k_chunk // 16
         total = n_max * C  # K chunks this tile reads, in ring order
 
-        # ---- Q, then the first k_stages K chunks
-        self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
+        # ---- Q (unless it streams with K), then the first k_stages K chunks
+        loads = (tma_k, tKg, tKs, tma_q, tQg, tQs)
+        if const_expr(not self.stream_q):
+            self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
             if x < total:
-                self._tma_load(tma_k, tKg[None, n_max - 1 - x // C, x % C], tKs[None, x],
-                               bars.k + x, self.k_bytes, tidx)
-        cute.arch.mbarrier_wait(bars.q, 0)
+                self._load_k_chunk(loads, bars, x, x, n_max, tidx)
+        if const_expr(not self.stream_q):
+            cute.arch.mbarrier_wait(bars.q, 0)
         x = Int32(0)  # ring position of the next K chunk
         for i in cutlass.range(n_max, unroll=1):
             n_block = n_max - 1 - i
@@ -336,18 +353,19 @@ class FFPAFwdSm90:
                 n_k = k_steps_last if const_expr(c == C - 1) else k_per_chunk
                 for k in cutlass.range_constexpr(n_k):
                     atom.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
-                    cute.gemm(atom, acc_S, tSrQ[None, None, c * k_per_chunk + k],
-                              tSrK[None, None, k, s], acc_S)
+                    rQ = (tSrQ[None, None, k, s] if const_expr(self.stream_q)
+                          else tSrQ[None, None, c * k_per_chunk + k])
+                    cute.gemm(atom, acc_S, rQ, tSrK[None, None, k, s], acc_S)
                 warpgroup.commit_group()
                 if const_expr(c > 0):
                     warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
-                    self._refill_k(tma_k, tKg, tKs, bars, x - 1, total, n_max, tidx)
+                    self._refill_k(loads, bars, x - 1, total, n_max, tidx)
                 x += 1
             if const_expr(cfg.publish_after == C):
                 if i > 0:
                     cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
             warpgroup.wait_group(0)
-            self._refill_k(tma_k, tKg, tKs, bars, x - 1, total, n_max, tidx)
+            self._refill_k(loads, bars, x - 1, total, n_max, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
                                 n_block, seqlen_k, causal_offset)
@@ -366,21 +384,36 @@ class FFPAFwdSm90:
         cute.arch.mbarrier_wait(bars.p_empty + b, ((n_max // 2) & 1) ^ 1)
         self._write_factors(sFactor, factor, tScS_mn, b, lane)
         cute.arch.mbarrier_arrive(bars.p_full + b)
-        if lane % 4 == 0:
+        if lane % 4 == 0 and o_part == 0:
             for r in cutlass.range_constexpr(num_rows):
                 row = m_block * TILE_M + tScS_mn[r, 0][0]
                 if row < seqlen_q:
                     mLSE[batch, head, row] = lse[r]
 
     @cute.jit
-    def _refill_k(self, tma_k, tKg, tKs, bars, done: Int32, total: Int32, n_max: Int32, tidx):
+    def _refill_k(self, loads, bars, done: Int32, total: Int32, n_max: Int32, tidx):
         """K chunk `done` was consumed: load chunk done + k_stages into its stage."""
-        ks, C = self.cfg.k_stages, self.num_chunks
-        nxt = done + ks
+        nxt = done + self.cfg.k_stages
         if nxt < total:
-            s = done % ks
-            self._tma_load(tma_k, tKg[None, n_max - 1 - nxt // C, nxt % C], tKs[None, s],
-                           bars.k + s, self.k_bytes, tidx)
+            self._load_k_chunk(loads, bars, nxt, done % self.cfg.k_stages, n_max, tidx)
+
+    @cute.jit
+    def _load_k_chunk(self, loads, bars, pos, s, n_max: Int32, tidx):
+        """Ring position pos = (block i, chunk c) into stage s: K[n_max-1-i][:, c] and, when Q
+        streams, Q[:, c] with it on the same barrier."""
+        tma_k, tKg, tKs, tma_q, tQg, tQs = loads
+        C = self.num_chunks
+        n_block, c = n_max - 1 - pos // C, pos % C
+        if const_expr(self.stream_q):
+            if tidx // 32 == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bars.k + s,
+                                                            self.k_bytes + self.q_bytes)
+                cute.copy(tma_k, tKg[None, n_block, c], tKs[None, s], tma_bar_ptr=bars.k + s)
+                cute.copy(tma_q, tQg[None, c], tQs[None, s], tma_bar_ptr=bars.k + s)
+        else:
+            self._tma_load(tma_k, tKg[None, n_block, c], tKs[None, s], bars.k + s,
+                           self.k_bytes, tidx)
 
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
@@ -404,14 +437,17 @@ class FFPAFwdSm90:
     # ---------------------------------------------------------------- O warpgroups
     @cute.jit
     def _o_wg(self, mma_pv: cute.TiledMma, mO, gV_tma, tma_v, sP, sV, sFactor, bars,
-              half: cutlass.Constexpr, tidx, m_block, head, head_kv, batch, n_max, seqlen_q):
+              half: cutlass.Constexpr, tidx, m_block, o_part, head, head_kv, batch, n_max,
+              seqlen_q):
         cfg = self.cfg
         vs, vj = cfg.v_stages, self.v_chunks
         dv = self.dv[half]
         lane = cute.arch.lane_idx()
         bar_v = bars.v + half * vs
-        # ---- TMA views: V rows of this half (TMA, v_blocks) / (TMA, v_stages)
-        gV = cute.local_tile(gV_tma[None, None, head_kv, batch], (self.v_rows, dv), (None, 0))
+        col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.dv[0])  # first O column
+        # ---- TMA views: V rows of this warpgroup's columns (TMA, v_blocks) / (TMA, v_stages)
+        gV = cute.local_tile(cute.domain_offset((0, col0), gV_tma[None, None, head_kv, batch]),
+                             (self.v_rows, dv), (None, 0))
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
                                          cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         # ---- MMA fragments: V stage (v_rows, dv) seen as (dv, v_rows), the MN-major B of P V
@@ -461,10 +497,8 @@ class FFPAFwdSm90:
         self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        mO_bh = mO[batch, head, None, None]
-        if const_expr(half == 1):
-            mO_bh = cute.domain_offset((0, self.dv[0]), mO_bh)
-        gO = cute.local_tile(mO_bh, (TILE_M, dv), (m_block, 0))
+        gO = cute.local_tile(cute.domain_offset((0, col0), mO[batch, head, None, None]),
+                             (TILE_M, dv), (m_block, 0))
         tOgO_mn = mn_view(thr_mma.partition_C(gO))
         rO_mn = mn_view(rO)
         rows_left = seqlen_q - m_block * TILE_M
