@@ -14,7 +14,7 @@ the kernel time of the same call (CUDA events), i.e. the host overhead (issue 4:
 --wgmma-max-d 1024 routes D up to 1024 to the sm90 WGMMA kernel (O split over two CTAs above
 512) before that is the default (`dispatch.SM90_WGMMA_MAX_HEAD_DIM`).
 
-A case is D:Nq:Nkv:causal[:ratio[:fp16]] (causal 1 = bottom-right); a bench is
+A case is D:Nq:Nkv:causal[:ratio[:fp16]][:overrides] (causal 1 = bottom-right); a bench is
 D:N:causal[:field=value;field=value], timed at B=1, H=32 with CUDA events (no L2 flush: compare
 variants with each other, report with perf.sweep). Fields override the planned config, e.g.
 "512:8192:0:publish_after=2;k_stages=3".
@@ -37,6 +37,18 @@ def _route():
         dispatch.SM90_WGMMA_MAX_HEAD_DIM = int(os.environ["PERF_SMOKE_WGMMA_MAX_D"])
 
 
+def _override(plan, text: str):
+    """plan with config fields replaced: text = "field=int;field=int" ("" = unchanged)."""
+    import dataclasses
+
+    if not text:
+        return plan
+    over = dict(kv.split("=") for kv in text.split(";"))
+    cfg = dataclasses.replace(plan.cfg, **{f: type(getattr(plan.cfg, f))(int(x))
+                                           for f, x in over.items()})
+    return dataclasses.replace(plan, cfg=cfg)
+
+
 def _one_case(spec: str) -> dict:
     import torch
 
@@ -45,7 +57,9 @@ def _one_case(spec: str) -> dict:
     from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 
     _route()
-    parts = [int(x) for x in spec.split(":")]
+    fields = spec.split(":")
+    over = fields.pop() if "=" in fields[-1] else ""
+    parts = [int(x) for x in fields]
     d, nq, nkv, causal = parts[:4]
     ratio = parts[4] if len(parts) > 4 else 1
     dtype = torch.float16 if len(parts) > 5 and parts[5] else torch.bfloat16
@@ -55,8 +69,8 @@ def _one_case(spec: str) -> dict:
     k = torch.randn(1, hkv, nkv, d, device="cuda", dtype=dtype)
     v = torch.randn(1, hkv, nkv, d, device="cuda", dtype=dtype)
     off = nkv - nq
-    plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
-                                                      causal_offset=off))
+    plan = _override(dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
+                                                                causal_offset=off)), over)
     out, lse = dispatch.run_fwd(plan, q, k, v)
     torch.cuda.synchronize()
     ref, ref_lse = attention_ref(q, k, v, causal=bool(causal), causal_offset=off)
@@ -75,18 +89,13 @@ def _one_bench(spec: str) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.problem import AttnProblem
 
-    import dataclasses
-
     _route()
     fields = spec.split(":")
     d, n, causal = [int(x) for x in fields[:3]]
-    over = dict(kv.split("=") for kv in fields[3].split(";")) if len(fields) > 3 else {}
     q, k, v = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
-                                                      causal_offset=0))
-    if over:
-        cfg = dataclasses.replace(plan.cfg, **{f: int(x) for f, x in over.items()})
-        plan = dataclasses.replace(plan, cfg=cfg)
+    plan = _override(dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
+                                                                causal_offset=0)),
+                     fields[3] if len(fields) > 3 else "")
     fn = lambda: dispatch.run_fwd(plan, q, k, v)  # noqa: E731
     fn()
     torch.cuda.synchronize()

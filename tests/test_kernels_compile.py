@@ -111,3 +111,20 @@ def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
         stores, loads, regs = res
         assert stores == 0 and loads == 0, f"{cfg}: spills {stores}/{loads} B, {regs} regs"
         assert regs <= 168
+
+
+def test_sm90_streamed_q_below_512_compiles():
+    """stream_q at D <= 512 (a tuning variant: Q's smem goes to the V rings) builds spill-free."""
+    import dataclasses
+
+    from ffpa_cute import sm90
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                    head_dim=512, head_dim_v=512, causal=True)
+    cfg = dataclasses.replace(sm90.plan_fwd(p, "sm_90a"), stream_q=True, v_stages=3)
+    assert sm90.can_implement(cfg) is None
+    ptx = sm90.FFPAFwdSm90.compile(cfg, options="--keep-ptx").__ptx__
+    assert "cp.async.bulk.tensor" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

@@ -47,6 +47,9 @@ class FwdConfigSm90:
     publish_after: QK WGMMA chunks of block n+1 the S warpgroup issues before it hands P[n] to
                    the O warpgroups (0: hand over first). Orders the tensor-core queue so that
                    PV[n] runs while softmax[n+1] does (perf/NOTES.md, "WGMMA order").
+    stream_q:      Q streams through the K ring (a [64 x 64] Q chunk beside each K chunk)
+                   instead of staying resident: required when O is split over two CTAs (D > 512);
+                   at D <= 512 it trades L2 reads of Q for smem given to the V rings.
     """
 
     arch: str
@@ -57,6 +60,7 @@ class FwdConfigSm90:
     k_stages: int = 4
     v_stages: int = 2
     publish_after: int = 0
+    stream_q: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -74,11 +78,6 @@ class FwdConfigSm90:
     def o_split(self) -> int:
         """CTAs per Q tile, each owning head_dim / o_split columns of O."""
         return 1 if self.head_dim <= MAX_SINGLE_CTA_HEAD_DIM else 2
-
-    @property
-    def stream_q(self) -> bool:
-        """Q streams through the K ring ([64 x 64] chunk per K chunk) instead of staying resident."""
-        return self.o_split > 1
 
     @property
     def hdim_q_padded(self) -> int:
@@ -126,6 +125,8 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if cfg.o_split > 1 and not cfg.stream_q:
+        return f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} needs stream_q=True"
     if cfg.o_split > 1 and cfg.head_dim % 16:
         return (f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} is split over 2 CTAs and "
                 "needs a multiple of 16")
@@ -148,7 +149,8 @@ def plan_fwd(problem: AttnProblem, arch: str) -> FwdConfigSm90:
     stages 507 vs 7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
     """
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.causal, publish_after=-(-problem.head_dim // 64))
+                causal=problem.causal, publish_after=-(-problem.head_dim // 64),
+                stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM)
 
     def fits(k, v):
         return can_implement(FwdConfigSm90(**base, k_stages=k, v_stages=v)) is None
