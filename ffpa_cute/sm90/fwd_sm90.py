@@ -197,6 +197,9 @@ class FFPAFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sVhi_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
 
+        # the planner's budget must be the real one (else a config it accepts fails at launch)
+        assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
+            SharedStorage.size_in_bytes(), cfg.smem_bytes())
         grid = (cute.ceil_div(mQ.shape[2], TILE_M) * cfg.o_split, cute.size(mQ.shape[1]),
                 cute.size(mQ.shape[0]))
         self.kernel(
