@@ -92,6 +92,7 @@ class FFPAFwdSm90:
     """F1 forward; one instance per `FwdConfigSm90` (the compile key)."""
 
     arch_family = "sm90"
+    rescale_o = True  # O warpgroups multiply O's rows by the published factors
 
     def __init__(self, cfg: FwdConfigSm90):
         reason = can_implement(cfg)
@@ -261,19 +262,28 @@ class FFPAFwdSm90:
         sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
 
         seqlen_q = mO.shape[2]
-        n_max = n_block_max(m_block, seqlen_k, causal_offset, TILE_M, self.tile_n, self.causal)
+        # KV blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
+        n_top, n_count = self._block_range(m_block, seqlen_k, causal_offset)
 
         if wg == 0:
             self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
-                             bars, tidx, m_block, o_part, head, head_kv, batch, n_max, seqlen_q,
-                             seqlen_k, causal_offset, scale_log2)
+                             bars, tidx, m_block, o_part, head, head_kv, batch, n_top, n_count,
+                             seqlen_q, seqlen_k, causal_offset, scale_log2)
         elif wg == 1:
             self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
-                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, n_max, seqlen_q)
+                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, n_top, n_count,
+                       seqlen_q)
         else:
             self._o_wg(mma_pv_hi, mO, gVhi_tma, tma_vhi, sP, sVhi, sFactor, bars, 1,
-                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, n_max,
-                       seqlen_q)
+                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, n_top,
+                       n_count, seqlen_q)
+
+    # ---------------------------------------------------------------- hooks (see bwd_sm90.py)
+    @cute.jit
+    def _block_range(self, m_block, seqlen_k, causal_offset):
+        """(n_top, n_count): the KV blocks this Q tile visits are n_top-1 down to n_top-n_count."""
+        n_max = n_block_max(m_block, seqlen_k, causal_offset, TILE_M, self.tile_n, self.causal)
+        return n_max, n_max
 
     @cute.jit
     def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
@@ -287,8 +297,8 @@ class FFPAFwdSm90:
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
     def _softmax_wg(self, mma_qk: cute.TiledMma, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK,
-                    sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch, n_max,
-                    seqlen_q, seqlen_k, causal_offset, scale_log2):
+                    sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch, n_top,
+                    n_count, seqlen_q, seqlen_k, causal_offset, scale_log2):
         cfg = self.cfg
         C = self.num_chunks
         ks = cfg.k_stages
@@ -328,7 +338,7 @@ class FFPAFwdSm90:
         tPrP = thr_st.retile(rP)
         k_steps_last = -(-(cfg.head_dim - (C - 1) * cfg.k_chunk) // 16)
         k_per_chunk = cfg.k_chunk // 16
-        total = n_max * C  # K chunks this tile reads, in ring order
+        total = n_count * C  # K chunks this tile reads, in ring order
 
         # ---- Q (unless it streams with K), then the first k_stages K chunks
         loads = (tma_k, tKg, tKs, tma_q, tQg, tQs)
@@ -336,12 +346,12 @@ class FFPAFwdSm90:
             self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
             if x < total:
-                self._load_k_chunk(loads, bars, x, x, n_max, tidx)
+                self._load_k_chunk(loads, bars, x, x, n_top, tidx)
         if const_expr(not self.stream_q):
             cute.arch.mbarrier_wait(bars.q, 0)
         x = Int32(0)  # ring position of the next K chunk
-        for i in cutlass.range(n_max, unroll=1):
-            n_block = n_max - 1 - i
+        for i in cutlass.range(n_count, unroll=1):
+            n_block = n_top - 1 - i
             # ---- S = Q K[n]^T, streamed over the K ring; each chunk's stage is refilled
             #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
             #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
@@ -362,51 +372,50 @@ class FFPAFwdSm90:
                 warpgroup.commit_group()
                 if const_expr(c > 0):
                     warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
-                    self._refill_k(loads, bars, x - 1, total, n_max, tidx)
+                    self._refill_k(loads, bars, x - 1, total, n_top, tidx)
                 x += 1
             if const_expr(cfg.publish_after == C):
                 if i > 0:
                     cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
             warpgroup.wait_group(0)
-            self._refill_k(loads, bars, x - 1, total, n_max, tidx)
+            self._refill_k(loads, bars, x - 1, total, n_top, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset)
+                                n_block, seqlen_k, causal_offset, mLSE, batch, head)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
             self._write_factors(sFactor, factor, tScS_mn, b, lane)
             cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
-        # ---- last P, then 1 / row_sum in place of a factor; LSE
-        if n_max > 0:
-            cute.arch.mbarrier_arrive(bars.p_full + (n_max - 1) % 2)
-        softmax.finalize_sum()
-        lse = cute.make_rmem_tensor(num_rows, Float32)
-        softmax.normalize([], lse, factor)
-        b = n_max % 2
-        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_max // 2) & 1) ^ 1)
+        # ---- last P, then the final row factors (1 / row_sum) the same way; LSE
+        if n_count > 0:
+            cute.arch.mbarrier_arrive(bars.p_full + (n_count - 1) % 2)
+        lse = self._final_factors(softmax, factor, num_rows)
+        b = n_count % 2
+        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_count // 2) & 1) ^ 1)
         self._write_factors(sFactor, factor, tScS_mn, b, lane)
         cute.arch.mbarrier_arrive(bars.p_full + b)
-        if lane % 4 == 0 and o_part == 0:
-            for r in cutlass.range_constexpr(num_rows):
-                row = m_block * TILE_M + tScS_mn[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[batch, head, row] = lse[r]
+        if const_expr(lse is not None):
+            if lane % 4 == 0 and o_part == 0:
+                for r in cutlass.range_constexpr(num_rows):
+                    row = m_block * TILE_M + tScS_mn[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[batch, head, row] = lse[r]
 
     @cute.jit
-    def _refill_k(self, loads, bars, done: Int32, total: Int32, n_max: Int32, tidx):
+    def _refill_k(self, loads, bars, done: Int32, total: Int32, n_top: Int32, tidx):
         """K chunk `done` was consumed: load chunk done + k_stages into its stage."""
         nxt = done + self.cfg.k_stages
         if nxt < total:
-            self._load_k_chunk(loads, bars, nxt, done % self.cfg.k_stages, n_max, tidx)
+            self._load_k_chunk(loads, bars, nxt, done % self.cfg.k_stages, n_top, tidx)
 
     @cute.jit
-    def _load_k_chunk(self, loads, bars, pos, s, n_max: Int32, tidx):
-        """Ring position pos = (block i, chunk c) into stage s: K[n_max-1-i][:, c] and, when Q
+    def _load_k_chunk(self, loads, bars, pos, s, n_top: Int32, tidx):
+        """Ring position pos = (block i, chunk c) into stage s: K[n_top-1-i][:, c] and, when Q
         streams, Q[:, c] with it on the same barrier."""
         tma_k, tKg, tKs, tma_q, tQg, tQs = loads
         C = self.num_chunks
-        n_block, c = n_max - 1 - pos // C, pos % C
+        n_block, c = n_top - 1 - pos // C, pos % C
         if const_expr(self.stream_q):
             if tidx // 32 == 0:
                 with cute.arch.elect_one():
@@ -419,8 +428,16 @@ class FFPAFwdSm90:
                            self.k_bytes, tidx)
 
     @cute.jit
+    def _final_factors(self, softmax: OnlineSoftmax, factor, num_rows: cutlass.Constexpr):
+        """After the last block: factor = 1 / row_sum (0 for empty rows); returns the LSE."""
+        softmax.finalize_sum()
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.normalize([], lse, factor)
+        return lse
+
+    @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
-                       m_block, n_block, seqlen_k, causal_offset):
+                       m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head):
         """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
@@ -440,8 +457,8 @@ class FFPAFwdSm90:
     # ---------------------------------------------------------------- O warpgroups
     @cute.jit
     def _o_wg(self, mma_pv: cute.TiledMma, mO, gV_tma, tma_v, sP, sV, sFactor, bars,
-              half: cutlass.Constexpr, tidx, m_block, o_part, head, head_kv, batch, n_max,
-              seqlen_q):
+              half: cutlass.Constexpr, tidx, m_block, o_part, head, head_kv, batch, n_top,
+              n_count, seqlen_q):
         cfg = self.cfg
         vs, vj = cfg.v_stages, self.v_chunks
         dv = self.dv[half]
@@ -465,17 +482,18 @@ class FFPAFwdSm90:
         tOcO_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, dv))))
         num_rows = cute.size(acc_O_mn, mode=[0])
         k_per_v = self.v_rows // 16
-        total = n_max * vj  # V stages of this half the tile reads, in ring order
+        total = n_count * vj  # V stages of this half the tile reads, in ring order
 
         for x in cutlass.range_constexpr(vs):
             if x < total:
-                self._tma_load(tma_v, tVg[None, (n_max - 1 - x // vj) * vj + x % vj],
+                self._tma_load(tma_v, tVg[None, (n_top - 1 - x // vj) * vj + x % vj],
                                tVs[None, x], bar_v + x, self.v_bytes[half], tidx)
         x = Int32(0)
-        for i in cutlass.range(n_max, unroll=1):
+        for i in cutlass.range(n_count, unroll=1):
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_full + b, (i // 2) & 1)
-            self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+            if const_expr(self.rescale_o):
+                self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
             atom = cute.make_mma_atom(mma_pv.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
             for j in cutlass.range_constexpr(vj):
@@ -488,16 +506,17 @@ class FFPAFwdSm90:
                 warpgroup.commit_group()
                 if const_expr(j > 0):
                     warpgroup.wait_group(1)  # stage x-1 has been read: refill it
-                    self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_max, half, tidx)
+                    self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_top, half, tidx)
                 x += 1
             warpgroup.wait_group(0)
-            self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_max, half, tidx)
+            self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_top, half, tidx)
             if lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
         # ---- 1 / row_sum arrives through the factor buffer; store O (rows < Nq)
-        b = n_max % 2
-        cute.arch.mbarrier_wait(bars.p_full + b, (n_max // 2) & 1)
-        self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+        b = n_count % 2
+        cute.arch.mbarrier_wait(bars.p_full + b, (n_count // 2) & 1)
+        if const_expr(self.rescale_o):
+            self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         gO = cute.local_tile(cute.domain_offset((0, col0), mO[batch, head, None, None]),
@@ -511,14 +530,14 @@ class FFPAFwdSm90:
                     tOgO_mn[r, c] = rO_mn[r, c]
 
     @cute.jit
-    def _refill_v(self, tma_v, tVg, tVs, bar_v, done: Int32, total: Int32, n_max: Int32,
+    def _refill_v(self, tma_v, tVg, tVs, bar_v, done: Int32, total: Int32, n_top: Int32,
                   half: cutlass.Constexpr, tidx):
         """V stage `done` was consumed: load stage done + v_stages into its slot."""
         vs, vj = self.cfg.v_stages, self.v_chunks
         nxt = done + vs
         if nxt < total:
             s = done % vs
-            self._tma_load(tma_v, tVg[None, (n_max - 1 - nxt // vj) * vj + nxt % vj],
+            self._tma_load(tma_v, tVg[None, (n_top - 1 - nxt // vj) * vj + nxt % vj],
                            tVs[None, s], bar_v + s, self.v_bytes[half], tidx)
 
     @cute.jit
