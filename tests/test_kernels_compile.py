@@ -128,3 +128,18 @@ def test_sm90_streamed_q_below_512_compiles():
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+@pytest.mark.parametrize("d,causal", [(320, False), (512, True)])
+def test_sm90_dv_kernel_compiles(d, causal):
+    """The backward's dV kernel (the forward's skeleton, other roles): wgmma + TMA, no spills."""
+    from ffpa_cute.sm90.bwd_sm90 import FFPABwdDVSm90, plan_dv
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=2, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal)
+    cfg = plan_dv(p)
+    ptx = FFPABwdDVSm90.compile(cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

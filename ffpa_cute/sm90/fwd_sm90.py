@@ -381,7 +381,8 @@ class FFPAFwdSm90:
             self._refill_k(loads, bars, x - 1, total, n_top, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset, mLSE, batch, head)
+                                n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
+                                tidx)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
@@ -437,7 +438,8 @@ class FFPAFwdSm90:
 
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
-                       m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head):
+                       m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
+                       tidx):
         """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
