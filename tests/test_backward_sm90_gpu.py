@@ -14,20 +14,22 @@ from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 
 pytestmark = pytest.mark.gpu
 
-CASES = [(512, False, 1000, 1000), (512, True, 129, 1000), (320, True, 1000, 129),
-         (384, False, 7, 300), (448, True, 4097, 4097), (264, False, 1, 129)]
+CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4), (320, True, 1000, 129, 1),
+         (384, False, 7, 300, 16), (448, True, 4097, 4097, 1), (264, False, 1, 129, 4),
+         (512, True, 1000, 1000, 8)]
 
 
-@pytest.mark.parametrize("d,causal,nq,nkv", CASES)
-def test_dv_matches_reference(seed, d, causal, nq, nkv):
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
+def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
+    """dV summed over each KV head's query heads (GQA ratio `ratio`) inside the kernel."""
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
     from ffpa_cute import sm90
     from ffpa_cute.sm90.bwd_sm90 import run_dv
 
-    h, dt = 2, torch.bfloat16
+    hkv, dt = 2, torch.bfloat16
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=dt)
-                   for n in (nq, nkv, nkv, nq))
+                   for h, n in ((hkv * ratio, nq), (hkv, nkv), (hkv, nkv), (hkv * ratio, nq)))
     off = nkv - nq
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=off)
     cfg = sm90.plan_fwd(problem, "sm_90a")

@@ -25,8 +25,9 @@ P = exp2(finite - inf) = 0.
 
 Status: **compile-verified only** (tests/test_kernels_compile.py); not yet run on a GPU and not
 wired into autograd (the backward still recomputes through torch SDPA).
-Constraints: those of `FwdConfigSm90`, plus Hq == Hkv (GQA needs the loop over a KV head's query
-heads inside the tile, the next step) and D <= 512.
+GQA / MQA: a KV tile walks the blocks of all G = Hq / Hkv query heads of its KV head (heads
+outer), so dV is summed over the group in registers: no atomics, deterministic.
+Constraints: those of `FwdConfigSm90`, and D <= 512.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline  # noqa: F401  (NamedBarrier)
 from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.tensors import LOG2_E, launch_args
 from ..problem import AttnProblem
@@ -62,8 +64,6 @@ def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
 
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
-    if problem.heads_q != problem.heads_kv:
-        raise ValueError("the dV kernel needs heads_q == heads_kv (GQA: not yet)")
     cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch)))
     reason = can_implement_dv(cfg)
     if reason:
@@ -81,7 +81,7 @@ def run_dv(q, k, do, lse, softmax_scale: float, causal: bool, causal_offset: int
 
     problem = AttnProblem.from_tensors(q, k, k, causal=causal, causal_offset=causal_offset)
     cfg = plan_dv(problem)
-    dv = torch.empty_like(k)
+    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     fn = jit_cache().get(FFPABwdDVSm90, cfg)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     FFPABwdDVSm90.launch_dv(fn, _kernel_ready(q), _kernel_ready(k), _kernel_ready(do), dv,
@@ -108,14 +108,47 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 
     # ---------------------------------------------------------------- hooks
     @cute.jit
-    def _block_range(self, m_block, seqlen_q, causal_offset):
-        """Query blocks n_top-1 .. n_top-n_count: all of them, or under causal those holding
-        a query i >= (first key of the tile) - offset."""
+    def _heads(self, head, heads_rows, heads_cols):
+        """This KV head's query heads are head*G .. head*G+G-1 (G = Hq / Hkv): the blocks walk
+        all of them, so dV sums over the group in registers (no atomics)."""
+        group = heads_cols // heads_rows
+        return head * group, group
+
+    @cute.jit
+    def _block_range(self, m_block, seqlen_q, causal_offset, group):
+        """Per query head, the blocks n_top-1 .. n_top-n_per: all of them, or under causal those
+        holding a query i >= (first key of the tile) - offset; n_count = group * n_per."""
         n_top = (seqlen_q + self.tile_n - 1) // self.tile_n
         n_low = 0
         if cutlass.const_expr(self.causal):
             n_low = cutlass.max(m_block * TILE_M - causal_offset, 0) // self.tile_n
-        return n_top, cutlass.max(n_top - n_low, 0)
+        return n_top, cutlass.max(n_top - n_low, 0) * group
+
+    @cute.jit
+    def _block(self, seq, i):
+        """Block i = (query head g, block n): heads outer, blocks highest first."""
+        n_per = seq.n_count // seq.group
+        return seq.head_kv + i // n_per, seq.n_top - 1 - i % n_per
+
+    @cute.jit
+    def _k_src(self, loads, seq, head, n_block, c):
+        """Q chunk c of query block n_block of query `head` (the K role's TMA, re-tiled per head)."""
+        tma_k, gK_tma, sK = loads[0], loads[6], loads[7]
+        g = cute.local_tile(gK_tma[None, None, head, seq.batch], (self.tile_n, self.cfg.k_chunk),
+                            (None, None))
+        _, tg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                      cute.group_modes(g, 0, 2))
+        return tg[None, n_block, c]
+
+    @cute.jit
+    def _v_src(self, v_loads, seq, head, row_block, half: cutlass.Constexpr):
+        """dO rows block row_block of query `head`, this warpgroup's columns."""
+        tma_v, gV_tma, col0, sV = v_loads[0], v_loads[4], v_loads[5], v_loads[6]
+        g = cute.local_tile(cute.domain_offset((0, col0), gV_tma[None, None, head, seq.batch]),
+                            (self.v_rows, self.dv[half]), (None, 0))
+        _, tg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                      cute.group_modes(g, 0, 2))
+        return tg[None, row_block]
 
     @cute.jit
     def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):

@@ -77,6 +77,16 @@ from .config import TILE_M, FwdConfigSm90, can_implement
 WG_THREADS = 128
 
 
+class BlockSeq(NamedTuple):
+    """The tile's sequence of column blocks: n_count of them, block i at `_block(seq, i)`."""
+
+    n_top: Int32
+    n_count: Int32
+    head_kv: Int32
+    group: Int32
+    batch: Int32
+
+
 class Barriers(NamedTuple):
     """mbarrier pointers: Q loaded; K / V ring stages loaded (TMA transaction bytes); P[b]
     written (128 S threads); P[b] consumed (one arrival per O warp)."""
@@ -233,7 +243,7 @@ class FFPAFwdSm90:
         o_part = bidx % self.cfg.o_split  # which head_dim / o_split columns of O
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head_kv = head // (cute.size(mO.shape[1]) // heads_kv)
+        head_kv, group = self._heads(head, cute.size(mO.shape[1]), heads_kv)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         bars = Barriers(storage.bar_q.data_ptr(), storage.bar_k.data_ptr(),
@@ -263,27 +273,47 @@ class FFPAFwdSm90:
 
         seqlen_q = mO.shape[2]
         # KV blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
-        n_top, n_count = self._block_range(m_block, seqlen_k, causal_offset)
+        n_top, n_count = self._block_range(m_block, seqlen_k, causal_offset, group)
+        seq = BlockSeq(n_top, n_count, head_kv, group, batch)
 
         if wg == 0:
             self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
-                             bars, tidx, m_block, o_part, head, head_kv, batch, n_top, n_count,
+                             bars, tidx, m_block, o_part, head, head_kv, batch, seq,
                              seqlen_q, seqlen_k, causal_offset, scale_log2)
         elif wg == 1:
             self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
-                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, n_top, n_count,
-                       seqlen_q)
+                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, seq, seqlen_q)
         else:
             self._o_wg(mma_pv_hi, mO, gVhi_tma, tma_vhi, sP, sVhi, sFactor, bars, 1,
-                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, n_top,
-                       n_count, seqlen_q)
+                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, seq,
+                       seqlen_q)
 
     # ---------------------------------------------------------------- hooks (see bwd_sm90.py)
     @cute.jit
-    def _block_range(self, m_block, seqlen_k, causal_offset):
+    def _heads(self, head, heads_rows, heads_cols):
+        """(head of the streamed operands, blocks' head group): K/V head of this query head."""
+        return head // (heads_rows // heads_cols), 1
+
+    @cute.jit
+    def _block_range(self, m_block, seqlen_k, causal_offset, group):
         """(n_top, n_count): the KV blocks this Q tile visits are n_top-1 down to n_top-n_count."""
         n_max = n_block_max(m_block, seqlen_k, causal_offset, TILE_M, self.tile_n, self.causal)
         return n_max, n_max
+
+    @cute.jit
+    def _block(self, seq, i):
+        """(head, KV block) of the tile's i-th block: one head, blocks highest first."""
+        return seq.head_kv, seq.n_top - 1 - i
+
+    @cute.jit
+    def _k_src(self, loads, seq, head, n_block, c):
+        """Source of K chunk c of block n_block (of `head`: one head here, tKg covers it)."""
+        return loads[1][None, n_block, c]
+
+    @cute.jit
+    def _v_src(self, v_loads, seq, head, row_block, half: cutlass.Constexpr):
+        """Source of V rows block row_block (of `head`: one head here, tVg covers it)."""
+        return v_loads[1][None, row_block]
 
     @cute.jit
     def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
@@ -297,8 +327,8 @@ class FFPAFwdSm90:
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
     def _softmax_wg(self, mma_qk: cute.TiledMma, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK,
-                    sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch, n_top,
-                    n_count, seqlen_q, seqlen_k, causal_offset, scale_log2):
+                    sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch,
+                    seq: BlockSeq, seqlen_q, seqlen_k, causal_offset, scale_log2):
         cfg = self.cfg
         C = self.num_chunks
         ks = cfg.k_stages
@@ -338,20 +368,21 @@ class FFPAFwdSm90:
         tPrP = thr_st.retile(rP)
         k_steps_last = -(-(cfg.head_dim - (C - 1) * cfg.k_chunk) // 16)
         k_per_chunk = cfg.k_chunk // 16
+        n_count = seq.n_count
         total = n_count * C  # K chunks this tile reads, in ring order
 
         # ---- Q (unless it streams with K), then the first k_stages K chunks
-        loads = (tma_k, tKg, tKs, tma_q, tQg, tQs)
+        loads = (tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK)
         if const_expr(not self.stream_q):
             self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
             if x < total:
-                self._load_k_chunk(loads, bars, x, x, n_top, tidx)
+                self._load_k_chunk(loads, bars, x, x, seq, tidx)
         if const_expr(not self.stream_q):
             cute.arch.mbarrier_wait(bars.q, 0)
         x = Int32(0)  # ring position of the next K chunk
         for i in cutlass.range(n_count, unroll=1):
-            n_block = n_top - 1 - i
+            blk_head, n_block = self._block(seq, i)
             # ---- S = Q K[n]^T, streamed over the K ring; each chunk's stage is refilled
             #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
             #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
@@ -372,17 +403,17 @@ class FFPAFwdSm90:
                 warpgroup.commit_group()
                 if const_expr(c > 0):
                     warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
-                    self._refill_k(loads, bars, x - 1, total, n_top, tidx)
+                    self._refill_k(loads, bars, x - 1, total, seq, tidx)
                 x += 1
             if const_expr(cfg.publish_after == C):
                 if i > 0:
                     cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
             warpgroup.wait_group(0)
-            self._refill_k(loads, bars, x - 1, total, n_top, tidx)
+            self._refill_k(loads, bars, x - 1, total, seq, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
-                                tidx)
+                                n_block, seqlen_k, causal_offset, mLSE, batch, blk_head,
+                                sFactor, tidx)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
@@ -404,28 +435,30 @@ class FFPAFwdSm90:
                         mLSE[batch, head, row] = lse[r]
 
     @cute.jit
-    def _refill_k(self, loads, bars, done: Int32, total: Int32, n_top: Int32, tidx):
+    def _refill_k(self, loads, bars, done: Int32, total: Int32, seq, tidx):
         """K chunk `done` was consumed: load chunk done + k_stages into its stage."""
         nxt = done + self.cfg.k_stages
         if nxt < total:
-            self._load_k_chunk(loads, bars, nxt, done % self.cfg.k_stages, n_top, tidx)
+            self._load_k_chunk(loads, bars, nxt, done % self.cfg.k_stages, seq, tidx)
 
     @cute.jit
-    def _load_k_chunk(self, loads, bars, pos, s, n_top: Int32, tidx):
-        """Ring position pos = (block i, chunk c) into stage s: K[n_top-1-i][:, c] and, when Q
-        streams, Q[:, c] with it on the same barrier."""
-        tma_k, tKg, tKs, tma_q, tQg, tQs = loads
+    def _load_k_chunk(self, loads, bars, pos, s, seq, tidx):
+        """Ring position pos = (block i, chunk c) into stage s: chunk c of block i's K and, when
+        Q streams, Q[:, c] with it on the same barrier."""
+        tma_k, tKg, tKs, tma_q, tQg, tQs = loads[:6]
         C = self.num_chunks
-        n_block, c = n_top - 1 - pos // C, pos % C
+        head, n_block = self._block(seq, pos // C)
+        c = pos % C
+        k_src = self._k_src(loads, seq, head, n_block, c)
         if const_expr(self.stream_q):
             if tidx // 32 == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bars.k + s,
                                                             self.k_bytes + self.q_bytes)
-                cute.copy(tma_k, tKg[None, n_block, c], tKs[None, s], tma_bar_ptr=bars.k + s)
+                cute.copy(tma_k, k_src, tKs[None, s], tma_bar_ptr=bars.k + s)
                 cute.copy(tma_q, tQg[None, c], tQs[None, s], tma_bar_ptr=bars.k + s)
         else:
-            self._tma_load(tma_k, tKg[None, n_block, c], tKs[None, s], bars.k + s,
+            self._tma_load(tma_k, k_src, tKs[None, s], bars.k + s,
                            self.k_bytes, tidx)
 
     @cute.jit
@@ -459,8 +492,8 @@ class FFPAFwdSm90:
     # ---------------------------------------------------------------- O warpgroups
     @cute.jit
     def _o_wg(self, mma_pv: cute.TiledMma, mO, gV_tma, tma_v, sP, sV, sFactor, bars,
-              half: cutlass.Constexpr, tidx, m_block, o_part, head, head_kv, batch, n_top,
-              n_count, seqlen_q):
+              half: cutlass.Constexpr, tidx, m_block, o_part, head, head_kv, batch,
+              seq: BlockSeq, seqlen_q):
         cfg = self.cfg
         vs, vj = cfg.v_stages, self.v_chunks
         dv = self.dv[half]
@@ -484,12 +517,13 @@ class FFPAFwdSm90:
         tOcO_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, dv))))
         num_rows = cute.size(acc_O_mn, mode=[0])
         k_per_v = self.v_rows // 16
+        n_count = seq.n_count
         total = n_count * vj  # V stages of this half the tile reads, in ring order
+        v_loads = (tma_v, tVg, tVs, bar_v, gV_tma, col0, sV)
 
         for x in cutlass.range_constexpr(vs):
             if x < total:
-                self._tma_load(tma_v, tVg[None, (n_top - 1 - x // vj) * vj + x % vj],
-                               tVs[None, x], bar_v + x, self.v_bytes[half], tidx)
+                self._load_v(v_loads, x, x, seq, half, tidx)
         x = Int32(0)
         for i in cutlass.range(n_count, unroll=1):
             b = i % 2
@@ -508,10 +542,10 @@ class FFPAFwdSm90:
                 warpgroup.commit_group()
                 if const_expr(j > 0):
                     warpgroup.wait_group(1)  # stage x-1 has been read: refill it
-                    self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_top, half, tidx)
+                    self._refill_v(v_loads, x - 1, total, seq, half, tidx)
                 x += 1
             warpgroup.wait_group(0)
-            self._refill_v(tma_v, tVg, tVs, bar_v, x - 1, total, n_top, half, tidx)
+            self._refill_v(v_loads, x - 1, total, seq, half, tidx)
             if lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
         # ---- 1 / row_sum arrives through the factor buffer; store O (rows < Nq)
@@ -532,15 +566,21 @@ class FFPAFwdSm90:
                     tOgO_mn[r, c] = rO_mn[r, c]
 
     @cute.jit
-    def _refill_v(self, tma_v, tVg, tVs, bar_v, done: Int32, total: Int32, n_top: Int32,
-                  half: cutlass.Constexpr, tidx):
+    def _refill_v(self, v_loads, done: Int32, total: Int32, seq, half: cutlass.Constexpr,
+                  tidx):
         """V stage `done` was consumed: load stage done + v_stages into its slot."""
-        vs, vj = self.cfg.v_stages, self.v_chunks
-        nxt = done + vs
+        nxt = done + self.cfg.v_stages
         if nxt < total:
-            s = done % vs
-            self._tma_load(tma_v, tVg[None, (n_top - 1 - nxt // vj) * vj + nxt % vj],
-                           tVs[None, s], bar_v + s, self.v_bytes[half], tidx)
+            self._load_v(v_loads, nxt, done % self.cfg.v_stages, seq, half, tidx)
+
+    @cute.jit
+    def _load_v(self, v_loads, pos, s, seq, half: cutlass.Constexpr, tidx):
+        """V ring position pos = (block i, row chunk j) into stage s."""
+        tma_v, tVg, tVs, bar_v = v_loads[:4]
+        vj = self.v_chunks
+        head, n_block = self._block(seq, pos // vj)
+        src = self._v_src(v_loads, seq, head, n_block * vj + pos % vj, half)
+        self._tma_load(tma_v, src, tVs[None, s], bar_v + s, self.v_bytes[half], tidx)
 
     @cute.jit
     def _scale_rows(self, acc_O_mn, tOcO_mn, sFactor, b, num_rows: cutlass.Constexpr):
