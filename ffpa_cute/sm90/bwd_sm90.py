@@ -133,20 +133,20 @@ class FFPABwdDVSm90(FFPAFwdSm90):
     @cute.jit
     def _k_src(self, loads, seq, head, n_block, c):
         """Q chunk c of query block n_block of query `head` (the K role's TMA, re-tiled per head)."""
-        tma_k, gK_tma, sK = loads[0], loads[6], loads[7]
-        g = cute.local_tile(gK_tma[None, None, head, seq.batch], (self.tile_n, self.cfg.k_chunk),
-                            (None, None))
-        _, tg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                      cute.group_modes(g, 0, 2))
+        g = cute.local_tile(loads.gK_tma[None, None, head, seq.batch],
+                            (self.tile_n, self.cfg.k_chunk), (None, None))
+        _, tg = cpasync.tma_partition(loads.tma_k, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sK, 0, 2), cute.group_modes(g, 0, 2))
         return tg[None, n_block, c]
 
     @cute.jit
     def _v_src(self, v_loads, seq, head, row_block, half: cutlass.Constexpr):
         """dO rows block row_block of query `head`, this warpgroup's columns."""
-        tma_v, gV_tma, col0, sV = v_loads[0], v_loads[4], v_loads[5], v_loads[6]
-        g = cute.local_tile(cute.domain_offset((0, col0), gV_tma[None, None, head, seq.batch]),
+        rows = v_loads.gV_tma[None, None, head, seq.batch]
+        g = cute.local_tile(cute.domain_offset((0, v_loads.col0), rows),
                             (self.v_rows, self.dv[half]), (None, 0))
-        _, tg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+        _, tg = cpasync.tma_partition(v_loads.tma_v, 0, cute.make_layout(1),
+                                      cute.group_modes(v_loads.sV, 0, 2),
                                       cute.group_modes(g, 0, 2))
         return tg[None, row_block]
 

@@ -51,6 +51,16 @@ Masking: only blocks that cross Nkv or the causal diagonal (one runtime check pe
 zero-fills rows past Nq / Nkv and columns past D, so no load carries a predicate; O and LSE
 stores skip rows past Nq.
 
+`stream_q` is also a config field at D <= 512 (a tuning variant: the 64 KB of resident Q go to
+deeper V rings, for L2 re-reads of Q); the planner leaves it off there until it is measured.
+
+Hooks, for the backward kernels (bwd_sm90.py) that reuse this skeleton with the operands in other
+roles: `_heads` (which head the streamed operands come from, and the head group a tile walks),
+`_block_range` / `_block` (the sequence of column blocks and each one's head), `_k_src` / `_v_src`
+(TMA sources of a block), `_softmax_block` (scores -> P and row factors), `_final_factors`, and
+`rescale_o`. The forward's own versions are the code above; introducing them left its PTX
+byte-identical (D <= 512), so its GPU verification carries over.
+
 Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
 [264, 512] or of 16 in (512, 1024]; last stride 1, 16-byte aligned base, other strides multiples
 of 8 elements.
@@ -85,6 +95,32 @@ class BlockSeq(NamedTuple):
     head_kv: Int32
     group: Int32
     batch: Int32
+
+
+class KLoads(NamedTuple):
+    """What the S warpgroup's loads need: TMA atoms, partitioned sources/stages, and the whole
+    TMA tensor + smem ring (for hooks that re-tile per head)."""
+
+    tma_k: cute.CopyAtom
+    tKg: cute.Tensor
+    tKs: cute.Tensor
+    tma_q: cute.CopyAtom
+    tQg: cute.Tensor
+    tQs: cute.Tensor
+    gK_tma: cute.Tensor
+    sK: cute.Tensor
+
+
+class VLoads(NamedTuple):
+    """What an O warpgroup's loads need (as KLoads), plus its barrier base and first column."""
+
+    tma_v: cute.CopyAtom
+    tVg: cute.Tensor
+    tVs: cute.Tensor
+    bar_v: cute.Pointer
+    gV_tma: cute.Tensor
+    col0: Int32
+    sV: cute.Tensor
 
 
 class Barriers(NamedTuple):
@@ -308,12 +344,12 @@ class FFPAFwdSm90:
     @cute.jit
     def _k_src(self, loads, seq, head, n_block, c):
         """Source of K chunk c of block n_block (of `head`: one head here, tKg covers it)."""
-        return loads[1][None, n_block, c]
+        return loads.tKg[None, n_block, c]
 
     @cute.jit
     def _v_src(self, v_loads, seq, head, row_block, half: cutlass.Constexpr):
         """Source of V rows block row_block (of `head`: one head here, tVg covers it)."""
-        return v_loads[1][None, row_block]
+        return v_loads.tVg[None, row_block]
 
     @cute.jit
     def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
@@ -372,7 +408,7 @@ class FFPAFwdSm90:
         total = n_count * C  # K chunks this tile reads, in ring order
 
         # ---- Q (unless it streams with K), then the first k_stages K chunks
-        loads = (tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK)
+        loads = KLoads(tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK)
         if const_expr(not self.stream_q):
             self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
@@ -445,7 +481,6 @@ class FFPAFwdSm90:
     def _load_k_chunk(self, loads, bars, pos, s, seq, tidx):
         """Ring position pos = (block i, chunk c) into stage s: chunk c of block i's K and, when
         Q streams, Q[:, c] with it on the same barrier."""
-        tma_k, tKg, tKs, tma_q, tQg, tQs = loads[:6]
         C = self.num_chunks
         head, n_block = self._block(seq, pos // C)
         c = pos % C
@@ -455,10 +490,11 @@ class FFPAFwdSm90:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bars.k + s,
                                                             self.k_bytes + self.q_bytes)
-                cute.copy(tma_k, k_src, tKs[None, s], tma_bar_ptr=bars.k + s)
-                cute.copy(tma_q, tQg[None, c], tQs[None, s], tma_bar_ptr=bars.k + s)
+                cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
+                cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
+                          tma_bar_ptr=bars.k + s)
         else:
-            self._tma_load(tma_k, k_src, tKs[None, s], bars.k + s,
+            self._tma_load(loads.tma_k, k_src, loads.tKs[None, s], bars.k + s,
                            self.k_bytes, tidx)
 
     @cute.jit
@@ -519,7 +555,7 @@ class FFPAFwdSm90:
         k_per_v = self.v_rows // 16
         n_count = seq.n_count
         total = n_count * vj  # V stages of this half the tile reads, in ring order
-        v_loads = (tma_v, tVg, tVs, bar_v, gV_tma, col0, sV)
+        v_loads = VLoads(tma_v, tVg, tVs, bar_v, gV_tma, col0, sV)
 
         for x in cutlass.range_constexpr(vs):
             if x < total:
@@ -576,11 +612,11 @@ class FFPAFwdSm90:
     @cute.jit
     def _load_v(self, v_loads, pos, s, seq, half: cutlass.Constexpr, tidx):
         """V ring position pos = (block i, row chunk j) into stage s."""
-        tma_v, tVg, tVs, bar_v = v_loads[:4]
         vj = self.v_chunks
         head, n_block = self._block(seq, pos // vj)
         src = self._v_src(v_loads, seq, head, n_block * vj + pos % vj, half)
-        self._tma_load(tma_v, src, tVs[None, s], bar_v + s, self.v_bytes[half], tidx)
+        self._tma_load(v_loads.tma_v, src, v_loads.tVs[None, s], v_loads.bar_v + s,
+                       self.v_bytes[half], tidx)
 
     @cute.jit
     def _scale_rows(self, acc_O_mn, tOcO_mn, sFactor, b, num_rows: cutlass.Constexpr):
