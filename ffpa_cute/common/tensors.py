@@ -7,9 +7,12 @@ CPU-only compile; `launch_args` builds the matching runtime tensors from torch t
 
 from __future__ import annotations
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor)
+
+from .compat import compile_target
 
 CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2_E = 1.4426950408889634
@@ -52,3 +55,26 @@ def aligned_bhnd(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
     shape = (t.shape[0], t.shape[1], t.shape[2], head_dim)
     stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+class KernelEntry:
+    """Compile and launch, shared by the kernel classes whose `__call__` takes
+    (q, k, v, o, lse, softmax_scale, causal_offset, stream); a class instance is built from its
+    config, the compile key."""
+
+    @staticmethod
+    def arch_of(cfg) -> str:
+        return cfg.arch
+
+    @classmethod
+    def compile(cls, cfg, options: str = ""):
+        """Compile for cfg.arch from fake tensors: no GPU needed, one compile per config."""
+        with compile_target(cfg.arch):
+            return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
+                                options=options)
+
+    @staticmethod
+    def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
+        """Run a compiled kernel on torch tensors ([B, H, N, D], last stride 1, 16-byte
+        aligned, other strides multiples of 8 elements; lse [B, Hq, Nq] fp32 contiguous)."""
+        fn(*launch_args(q, k, v, out, lse), softmax_scale, causal_offset, cuda.CUstream(stream))

@@ -41,14 +41,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
-from ..common.compat import compile_target
 from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, aligned_bhnd, fake_args, launch_args
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
 from .config import FwdConfigSm80, can_implement
 
 
-class FFPAFwdSm80:
+class FFPAFwdSm80(KernelEntry):
     """Split-D forward; one instance per `FwdConfigSm80` (the compile key)."""
 
     arch_family = "sm80"
@@ -65,24 +64,6 @@ class FFPAFwdSm80:
         self.warp_m, self.warp_n = cfg.warp_m, cfg.warp_n
         self.num_threads = cfg.num_threads
         self.causal = cfg.causal
-
-    # ---------------------------------------------------------------- compile and launch
-    @staticmethod
-    def arch_of(cfg: FwdConfigSm80) -> str:
-        return cfg.arch
-
-    @classmethod
-    def compile(cls, cfg: FwdConfigSm80, options: str = ""):
-        """Compile for cfg.arch from fake tensors: no GPU needed, one compile per config."""
-        with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
-                                options=options)
-
-    @staticmethod
-    def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
-        """Run a compiled kernel on torch tensors ([B, H, N, D], last stride 1, 16-byte
-        aligned, other strides multiples of 8 elements; lse [B, Hq, Nq] fp32 contiguous)."""
-        fn(*launch_args(q, k, v, out, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
 
     # ---------------------------------------------------------------- layouts, MMA, storage
     def _smem_layouts(self):
@@ -421,4 +402,4 @@ class FFPAFwdSm80:
                         cute.copy(gmem_copy_out, vec, tOgO[None, m, k, c])
 
 
-__all__ = ["FFPAFwdSm80", "fake_args"]
+__all__ = ["FFPAFwdSm80"]

@@ -78,10 +78,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.compat import compile_target
 from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, aligned_bhnd, fake_args, launch_args
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
 from .config import TILE_M, FwdConfigSm90, can_implement
 
 WG_THREADS = 128
@@ -134,7 +133,7 @@ class Barriers(NamedTuple):
     p_empty: cute.Pointer
 
 
-class FFPAFwdSm90:
+class FFPAFwdSm90(KernelEntry):
     """F1 forward; one instance per `FwdConfigSm90` (the compile key)."""
 
     arch_family = "sm90"
@@ -158,23 +157,6 @@ class FFPAFwdSm90:
         self.q_bytes = TILE_M * (cfg.k_chunk if cfg.stream_q else cfg.hdim_q_padded) * 2
         self.k_bytes = cfg.tile_n * cfg.k_chunk * 2
         self.v_bytes = [cfg.v_rows * d * 2 for d in self.dv]
-
-    # ---------------------------------------------------------------- compile and launch
-    @staticmethod
-    def arch_of(cfg: FwdConfigSm90) -> str:
-        return cfg.arch
-
-    @classmethod
-    def compile(cls, cfg: FwdConfigSm90, options: str = ""):
-        """Compile for sm_90a from fake tensors: no GPU needed, one compile per config."""
-        with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
-                                options=options)
-
-    @staticmethod
-    def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
-        """Run a compiled kernel on torch tensors (see `common.tensors.launch_args`)."""
-        fn(*launch_args(q, k, v, out, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
 
     # ---------------------------------------------------------------- layouts and MMAs
     def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
