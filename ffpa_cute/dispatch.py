@@ -110,13 +110,20 @@ def _plan_sm90(problem: AttnProblem, target: str):
 
 
 def kernel_of_config(cfg):
-    """The kernel class a config compiles (one config dataclass per kernel)."""
+    """The forward kernel class a config compiles (one config dataclass per kernel)."""
+    return _kernel_class(type(cfg), cfg.arch.startswith("sm_12"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_class(cfg_type, sm12: bool):
     from . import sm80, sm90, sm120
 
-    if isinstance(cfg, sm90.FwdConfigSm90):
+    if cfg_type is sm90.FwdConfigSm90:
         return sm90.FFPAFwdSm90
-    # the sm120 family is the Split-D kernel planned for sm_12x's smaller shared memory
-    return sm120.FFPAFwdSm120 if cfg.arch.startswith("sm_12") else sm80.FFPAFwdSm80
+    if cfg_type is sm80.FwdConfigSm80:
+        # the sm120 family is the Split-D kernel planned for sm_12x's smaller shared memory
+        return sm120.FFPAFwdSm120 if sm12 else sm80.FFPAFwdSm80
+    raise TypeError(f"no forward kernel compiles a {cfg_type.__name__}")
 
 
 @dataclass(frozen=True)

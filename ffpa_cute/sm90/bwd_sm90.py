@@ -11,22 +11,24 @@ self-fed TMA rings, P handed over through smem) with the operands in other roles
     accumulator B (V)        dO
     accumulator (O)          dV (fp32 in registers, split along D between two warpgroups)
 
-and three hooks replaced:
-  * block range: the query blocks that see some key of the tile (causal: those with
-    i >= j - offset), highest first;
-  * score step: P^T = exp2(S^T * scale * log2(e) - LSE[i] * log2(e)) with the transposed mask
-    (i < Nq, and j <= i + offset under causal); no running max: the forward's LSE already
-    normalises, so the published row factors are 1 and the accumulator warpgroups skip the
-    rescale (`rescale_o = False`);
-  * final factors: 1 (dV needs no normalisation) and no LSE output.
+and the skeleton's hooks replaced:
+  * `_heads`, `_block_range`, `_block`: a KV tile walks the query blocks of all G = Hq / Hkv
+    query heads of its KV head (heads outer; per head, the blocks that see some key of the
+    tile: under causal those with i >= j - offset, highest first), so dV is summed over the
+    group in registers: GQA / MQA without atomics, deterministic;
+  * `_k_src`, `_v_src`: Q chunks and dO rows of the block's query head (TMA re-tiled per head);
+  * `_softmax_block`: P^T = exp2(S^T * scale * log2(e) - LSE[i] * log2(e)) with the transposed
+    mask (i < Nq, and j <= i + offset under causal); no running max: the forward's LSE already
+    normalises, so there are no row factors and the accumulator warpgroups skip the rescale
+    (`rescale_o = False`; `_write_factors` does nothing, and the factor buffer stages each
+    block's 128 LSE values instead);
+  * `_final_factors`: none (dV needs no normalisation) and no LSE output.
 
 Queries whose LSE is -inf (they see no key) contribute nothing: their LSE is read as +inf, so
 P = exp2(finite - inf) = 0.
 
 Status: **compile-verified only** (tests/test_kernels_compile.py); not yet run on a GPU and not
 wired into autograd (the backward still recomputes through torch SDPA).
-GQA / MQA: a KV tile walks the blocks of all G = Hq / Hkv query heads of its KV head (heads
-outer), so dV is summed over the group in registers: no atomics, deterministic.
 Constraints: those of `FwdConfigSm90`, and D <= 512.
 """
 
@@ -152,7 +154,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 
     @cute.jit
     def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):
-        factor.fill(1.0)
+        """No normalisation and no LSE output: dV is the sum itself."""
         return None
 
     @cute.jit

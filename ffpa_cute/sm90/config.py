@@ -109,7 +109,7 @@ class FwdConfigSm90:
                    self.k_stages * self.tile_n * self.k_chunk * elt,
                    *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
                    2 * TILE_M * self.tile_n * elt]
-        header = 8 * (1 + 2 * self.k_stages + 4 * self.v_stages + 4) + 2 * TILE_M * 4
+        header = 8 * (1 + self.k_stages + 2 * self.v_stages + 4) + 2 * TILE_M * 4  # mbarriers, factors
         return sum(_align(x) for x in [header, *regions])
 
 
