@@ -108,6 +108,10 @@ class KLoads(NamedTuple):
     tQs: cute.Tensor
     gK_tma: cute.Tensor
     sK: cute.Tensor
+    sQ: cute.Tensor
+    m_block: Int32
+    head: Int32
+    extra: object
 
 
 class VLoads(NamedTuple):
@@ -138,6 +142,7 @@ class FFPAFwdSm90(KernelEntry):
 
     arch_family = "sm90"
     rescale_o = True  # O warpgroups multiply O's rows by the published factors
+    second_score = False  # the S warpgroup accumulates one score product (see `_chunk`)
 
     def __init__(self, cfg: FwdConfigSm90):
         reason = can_implement(cfg)
@@ -183,18 +188,32 @@ class FFPAFwdSm90(KernelEntry):
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
                  stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid = (m_blocks * o_split, Hq, B)."""
-        cfg = self.cfg
-        D = cfg.head_dim
-        mQ, mK, mV, mO = [aligned_bhnd(t, D, self.dtype) for t in (mQ, mK, mV, mO)]
-        tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
-        dlo, dhi = self.dv
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, causal_offset, stream, None)
 
+    def _smem_layouts(self):
+        """(sQ, sK, sV_lo, sV_hi, sP): Q resident or a ring, the K ring, the V rings, P x 2."""
+        cfg = self.cfg
+        dlo, dhi = self.dv
         sQ_layout = (self._smem_layout(TILE_M, cfg.k_chunk, cfg.k_stages) if self.stream_q
                      else self._smem_layout(TILE_M, cfg.hdim_q_padded))
         sK_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
         sVlo_layout = self._smem_layout(self.v_rows, dlo, cfg.v_stages)
         sVhi_layout = self._smem_layout(self.v_rows, dhi, cfg.v_stages)
         sP_layout = self._smem_layout(TILE_M, self.tile_n, 2)
+        return sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout
+
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                stream: cuda.CUstream, extra):
+        """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel built
+        on this skeleton adds (None here; bwd_sm90.py)."""
+        cfg = self.cfg
+        D = cfg.head_dim
+        mQ, mK, mV, mO = [aligned_bhnd(t, D, self.dtype) for t in (mQ, mK, mV, mO)]
+        tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
+        dlo, dhi = self.dv
+        sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout = self._smem_layouts()
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         q_box = (TILE_M, cfg.k_chunk if self.stream_q else cfg.hdim_q_padded)
@@ -238,7 +257,7 @@ class FFPAFwdSm90(KernelEntry):
             self._mma(self.tile_n, warpgroup.OperandMajorMode.K),
             self._mma(dlo, warpgroup.OperandMajorMode.MN),
             self._mma(dhi, warpgroup.OperandMajorMode.MN),
-            SharedStorage,
+            SharedStorage, extra,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -252,7 +271,7 @@ class FFPAFwdSm90(KernelEntry):
                sK_layout: cute.ComposedLayout, sVlo_layout: cute.ComposedLayout,
                sVhi_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv_lo: cute.TiledMma, mma_pv_hi: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               SharedStorage: cutlass.Constexpr, extra):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         grid_m, _, _ = cute.arch.grid_dim()
@@ -297,7 +316,7 @@ class FFPAFwdSm90(KernelEntry):
         if wg == 0:
             self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
                              bars, tidx, m_block, o_part, head, head_kv, batch, seq,
-                             seqlen_q, seqlen_k, causal_offset, scale_log2)
+                             seqlen_q, seqlen_k, causal_offset, scale_log2, extra)
         elif wg == 1:
             self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
                        tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, seq, seqlen_q)
@@ -323,6 +342,14 @@ class FFPAFwdSm90(KernelEntry):
         """(head, KV block) of the tile's i-th block: one head, blocks highest first."""
         return seq.head_kv, seq.n_top - 1 - i
 
+    def _chunk(self, c: int):
+        """(second accumulator?, first chunk of its accumulator?, k16 steps, first k16 step of Q)
+        for S-ring chunk c (compile time): one product over the D chunks here."""
+        cfg = self.cfg
+        last = -(-(cfg.head_dim - (self.num_chunks - 1) * cfg.k_chunk) // 16)
+        per = cfg.k_chunk // 16
+        return False, c == 0, last if c == self.num_chunks - 1 else per, c * per
+
     @cute.jit
     def _k_src(self, loads, seq, head, n_block, c):
         """Source of K chunk c of block n_block (of `head`: one head here, tKg covers it)."""
@@ -346,7 +373,7 @@ class FFPAFwdSm90(KernelEntry):
     @cute.jit
     def _softmax_wg(self, mma_qk: cute.TiledMma, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK,
                     sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch,
-                    seq: BlockSeq, seqlen_q, seqlen_k, causal_offset, scale_log2):
+                    seq: BlockSeq, seqlen_q, seqlen_k, causal_offset, scale_log2, extra):
         cfg = self.cfg
         C = self.num_chunks
         ks = cfg.k_stages
@@ -372,6 +399,9 @@ class FFPAFwdSm90(KernelEntry):
         tSrQ = mma_qk.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = mma_qk.make_fragment_B(thr_mma.partition_B(sK))   # (MMA, 1, 4, k_stages)
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+        # a second score accumulator for skeletons with two score products (bwd dQ / dK)
+        acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+                 if const_expr(self.second_score) else None)
         acc_S_mn = mn_view(acc_S)
         tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         num_rows = cute.size(acc_S_mn, mode=[0])
@@ -384,13 +414,11 @@ class FFPAFwdSm90(KernelEntry):
         thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
         tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, 2)
         tPrP = thr_st.retile(rP)
-        k_steps_last = -(-(cfg.head_dim - (C - 1) * cfg.k_chunk) // 16)
-        k_per_chunk = cfg.k_chunk // 16
         n_count = seq.n_count
         total = n_count * C  # K chunks this tile reads, in ring order
 
         # ---- Q (unless it streams with K), then the first k_stages K chunks
-        loads = KLoads(tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK)
+        loads = KLoads(tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK, sQ, m_block, head, extra)
         if const_expr(not self.stream_q):
             self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
@@ -412,12 +440,13 @@ class FFPAFwdSm90(KernelEntry):
                 s = x % ks
                 cute.arch.mbarrier_wait(bars.k + s, (x // ks) & 1)
                 warpgroup.fence()
-                n_k = k_steps_last if const_expr(c == C - 1) else k_per_chunk
+                second, first, n_k, q_k0 = self._chunk(c)
+                acc = acc_2 if const_expr(second) else acc_S
                 for k in cutlass.range_constexpr(n_k):
-                    atom.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
+                    atom.set(warpgroup.Field.ACCUMULATE, not (first and k == 0))
                     rQ = (tSrQ[None, None, k, s] if const_expr(self.stream_q)
-                          else tSrQ[None, None, c * k_per_chunk + k])
-                    cute.gemm(atom, acc_S, rQ, tSrK[None, None, k, s], acc_S)
+                          else tSrQ[None, None, q_k0 + k])
+                    cute.gemm(atom, acc, rQ, tSrK[None, None, k, s], acc)
                 warpgroup.commit_group()
                 if const_expr(c > 0):
                     warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
@@ -431,7 +460,7 @@ class FFPAFwdSm90(KernelEntry):
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
                                 n_block, seqlen_k, causal_offset, mLSE, batch, blk_head,
-                                sFactor, tidx)
+                                sFactor, tidx, acc_2, extra)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
@@ -453,6 +482,12 @@ class FFPAFwdSm90(KernelEntry):
                         mLSE[batch, head, row] = lse[r]
 
     @cute.jit
+    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
+        """Stage s of the S ring when Q streams: the K chunk and Q[:, c], on one barrier."""
+        cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
+        cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s], tma_bar_ptr=bars.k + s)
+
+    @cute.jit
     def _refill_k(self, loads, bars, done: Int32, total: Int32, seq, tidx):
         """K chunk `done` was consumed: load chunk done + k_stages into its stage."""
         nxt = done + self.cfg.k_stages
@@ -472,9 +507,7 @@ class FFPAFwdSm90(KernelEntry):
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bars.k + s,
                                                             self.k_bytes + self.q_bytes)
-                cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
-                cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
-                          tma_bar_ptr=bars.k + s)
+                self._copy_stream_chunk(loads, bars, s, k_src, seq, head, n_block, c)
         else:
             self._tma_load(loads.tma_k, k_src, loads.tKs[None, s], bars.k + s,
                            self.k_bytes, tidx)
@@ -490,7 +523,7 @@ class FFPAFwdSm90(KernelEntry):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
                        m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
-                       tidx):
+                       tidx, acc_2, extra):
         """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
