@@ -164,7 +164,8 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx):
+                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
+                       extra):
         """P^T for this block in rP: rows are keys j, columns queries i."""
         rows, cols = cute.size(acc_S_mn, mode=[0]), cute.size(acc_S_mn, mode=[1])
         col0 = n_block * self.tile_n
