@@ -143,3 +143,19 @@ def test_sm90_dv_kernel_compiles(d, causal):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+@pytest.mark.parametrize("d,causal", [(264, True), (512, False)])
+def test_sm90_dq_kernel_compiles(d, causal):
+    """The backward's dQ kernel: two m64n64k16 score products on one S ring, dQ accumulated by
+    m64nNk16 WGMMAs; no spills."""
+    from ffpa_cute.sm90.bwd_sm90 import FFPABwdDQSm90, plan_dq
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal)
+    cfg = plan_dq(p)
+    ptx = FFPABwdDQSm90.compile(cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async.sync.aligned.m64n64k16" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline  # noqa: F401  (NamedBarrier)
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
+from ..common.mask import apply_mask, block_needs_mask
+from ..common.softmax import mn_view
 from ..common.tensors import LOG2_E, launch_args
 from ..problem import AttnProblem
 from .config import TILE_M, FwdConfigSm90
@@ -204,4 +207,185 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         rP.store(acc_S.load().to(self.dtype))
 
 
-__all__ = ["BwdDVConfigSm90", "FFPABwdDVSm90", "can_implement_dv", "plan_dv", "run_dv"]
+
+
+# ==================================================================================== dQ kernel
+class DQExtra(NamedTuple):
+    """What the dQ kernel adds to the skeleton: dO row chunks and V chunks (the second score
+    product dP = dO V^T rides the S ring after S = Q K^T), and Delta = rowsum(dO * O)."""
+
+    tma_do: cute.CopyAtom
+    gdO_tma: cute.Tensor
+    tma_v: cute.CopyAtom
+    gV_tma: cute.Tensor
+    mDelta: cute.Tensor
+
+
+@dataclass(frozen=True)
+class BwdDQConfigSm90(FwdConfigSm90):
+    """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
+    warpgroup's registers), Q and dO streamed through the S ring (stream_q)."""
+
+
+def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
+    reason = _can_implement_fwd(cfg)
+    if reason is None and (cfg.o_split > 1 or not cfg.stream_q or cfg.tile_n != 64):
+        reason = "the dQ kernel needs D <= 512, stream_q and tile_n 64"
+    return reason
+
+
+def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
+    """K ring (here: K then V chunks) 4 deep, then the deepest K-row rings that fit."""
+    base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=problem.causal, tile_n=64, stream_q=True,
+                publish_after=-(-problem.head_dim // 64))
+    for v in (4, 3, 2):
+        cfg = BwdDQConfigSm90(**base, k_stages=4, v_stages=v)
+        if can_implement_dq(cfg) is None:
+            return cfg
+    raise ValueError(can_implement_dq(BwdDQConfigSm90(**base, k_stages=4, v_stages=2)))
+
+
+def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
+    """dQ for torch tensors q, k, v, do [B, H, N, D], the forward's lse and
+    delta = rowsum(dO * O) [B, Hq, Nq] fp32 (compile-verified only)."""
+    import torch
+
+    from ..cache import jit_cache
+    from ..dispatch import _kernel_ready
+
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
+    cfg = plan_dq(problem)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fn = jit_cache().get(FFPABwdDQSm90, cfg)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    fn(*launch_args(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), _kernel_ready(do), dq,
+                    lse.contiguous(), delta.contiguous()),
+       softmax_scale, causal_offset, cuda.CUstream(stream))
+    return dq
+
+
+class FFPABwdDQSm90(FFPAFwdSm90):
+    """dQ = scale * dS K, dS = P (dP - Delta), on the forward's skeleton (compile-verified only).
+
+    Roles: resident rows = the Q tile (streamed in 64-column chunks), S ring = K chunks then V
+    chunks (2 x ceil(D/64) chunks per block: S = Q K^T into the first accumulator, dP = dO V^T
+    into the second; dO chunks ride with V's), accumulator B operand = K rows, output = dQ.
+    Same KV blocks, heads and causal rule as the forward (its `_heads` / `_block_range`).
+    """
+
+    rescale_o = False
+    second_score = True
+
+    def __init__(self, cfg: BwdDQConfigSm90):
+        reason = can_implement_dq(cfg)
+        if reason:
+            raise ValueError(f"{type(self).__name__}: {reason}")
+        super().__init__(cfg)
+        self.c_half = cfg.num_k_chunks        # chunks per score product
+        self.num_chunks = 2 * cfg.num_k_chunks
+
+    @classmethod
+    def compile(cls, cfg: BwdDQConfigSm90, options: str = ""):
+        """Compile from fake tensors: q, k, v, do, dq (B, H, N, D); lse, delta (B, Hq, Nq)."""
+        from ..common.compat import compile_target
+        from ..common.tensors import fake_args
+
+        q, k, v, o, lse = fake_args(cfg)
+        do, dq, _, _, delta = fake_args(cfg)
+        with compile_target(cfg.arch):
+            return cute.compile(cls(cfg), q, k, v, do, dq, lse, delta, 1.0, 0,
+                                cuda.CUstream(0), options=options)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        from ..common.tensors import aligned_bhnd
+
+        cfg = self.cfg
+        sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
+        tdO, tV = [self._bhnd_to_tma(aligned_bhnd(t, cfg.head_dim, self.dtype))
+                   for t in (mdO, mV)]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_do, gdO_tma = cpasync.make_tiled_tma_atom(
+            g2s, tdO, cute.select(sQ_layout, mode=[0, 1]), (TILE_M, cfg.k_chunk))
+        tma_v, gV_tma = cpasync.make_tiled_tma_atom(
+            g2s, tV, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        # the accumulator warpgroups' B operand is K (rows): K takes the skeleton's V role
+        self._launch(mQ, mK, mK, mdQ, mLSE, softmax_scale, causal_offset, stream,
+                     DQExtra(tma_do, gdO_tma, tma_v, gV_tma, mDelta))
+
+    # ---------------------------------------------------------------- hooks
+    def _chunk(self, c: int):
+        """Chunks 0..C-1: S = Q K^T; chunks C..2C-1: dP = dO V^T (second accumulator)."""
+        cfg, half = self.cfg, self.c_half
+        cc = c % half
+        last = -(-(cfg.head_dim - (half - 1) * cfg.k_chunk) // 16)
+        per = cfg.k_chunk // 16
+        return c >= half, cc == 0, last if cc == half - 1 else per, cc * per
+
+    @cute.jit
+    def _k_src(self, loads, seq, head, n_block, c):
+        return loads.tKg[None, n_block, c % self.c_half]
+
+    @cute.jit
+    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
+        """Chunk c < C: K and Q columns c; chunk c >= C: V and dO columns c - C."""
+        if c < self.c_half:
+            cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
+            cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
+                      tma_bar_ptr=bars.k + s)
+        else:
+            ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
+            gV = cute.local_tile(ex.gV_tma[None, None, seq.head_kv, seq.batch],
+                                 (self.tile_n, self.cfg.k_chunk), (None, None))
+            tVs, tVg = cpasync.tma_partition(ex.tma_v, 0, one, cute.group_modes(loads.sK, 0, 2),
+                                             cute.group_modes(gV, 0, 2))
+            cute.copy(ex.tma_v, tVg[None, n_block, cc], tVs[None, s], tma_bar_ptr=bars.k + s)
+            gdO = cute.local_tile(ex.gdO_tma[None, None, loads.head, seq.batch],
+                                  (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
+            tOs, tOg = cpasync.tma_partition(ex.tma_do, 0, one, cute.group_modes(loads.sQ, 0, 2),
+                                             cute.group_modes(gdO, 0, 2))
+            cute.copy(ex.tma_do, tOg[None, cc], tOs[None, s], tma_bar_ptr=bars.k + s)
+
+    @cute.jit
+    def _write_factors(self, sFactor, factor, tScS_mn, b, lane):
+        """No row factors (rescale_o is False)."""
+        pass
+
+    @cute.jit
+    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):
+        """No normalisation and no LSE output: dQ is the sum itself."""
+        return None
+
+    @cute.jit
+    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
+                       seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
+                       extra):
+        """dS * scale in rP: P = exp2(S * scale * log2(e) - LSE * log2(e)) (masked as the
+        forward masks), dS = P (dP - Delta) with dP in the second accumulator."""
+        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
+                            self.causal):
+            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
+                       TILE_M, self.tile_n, self.causal)
+        acc_dP_mn = mn_view(acc_2)
+        seqlen_q = extra.mDelta.shape[2]
+        scale = softmax.scale_log2 * (1.0 / LOG2_E)
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            row = m_block * TILE_M + tScS_mn[r, 0][0]
+            lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
+            delta = Float32(0.0)
+            if row < seqlen_q:
+                v = mLSE[batch, head, row]
+                if v != -Float32.inf:
+                    lse2 = v * LOG2_E
+                delta = extra.mDelta[batch, head, row]
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2, fastmath=True)
+                acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
+        rP.store(acc_S.load().to(self.dtype))
+
+
+__all__ = ["BwdDQConfigSm90", "BwdDVConfigSm90", "FFPABwdDQSm90", "FFPABwdDVSm90",
+           "can_implement_dq", "can_implement_dv", "plan_dq", "plan_dv", "run_dq", "run_dv"]

@@ -130,8 +130,8 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     if cfg.o_split > 1 and cfg.head_dim % 16:
         return (f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} is split over 2 CTAs and "
                 "needs a multiple of 16")
-    if cfg.tile_n != 128:
-        return "tile_n must be 128"
+    if cfg.tile_n not in (64, 128):
+        return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
     if cfg.k_stages < 2 or cfg.v_stages < 2:
         return "k_stages and v_stages must be >= 2"
     if not 0 <= cfg.publish_after <= cfg.num_k_chunks:
