@@ -52,7 +52,7 @@ from ..problem import AttnProblem
 from .config import TILE_M, FwdConfigSm90
 from .config import can_implement as _can_implement_fwd
 from .config import plan_fwd as _plan_fwd
-from .fwd_sm90 import FFPAFwdSm90
+from .fwd_sm90 import WG_THREADS, FFPAFwdSm90
 
 
 @dataclass(frozen=True)
@@ -166,47 +166,65 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         pass
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra):
-        """P^T for this block in rP: rows are keys j, columns queries i."""
-        rows, cols = cute.size(acc_S_mn, mode=[0]), cute.size(acc_S_mn, mode=[1])
-        col0 = n_block * self.tile_n
-        # the block's LSE in log2 units, one query per S thread, staged in the (otherwise
-        # unused) row-factor buffer; +inf for queries past Nq or that see no key
-        sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
-        s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=TILE_M * 2)
+    def _stage_columns(self, sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, mDelta):
+        """Stage the block's per-query values in the (otherwise unused) row-factor buffer:
+        LSE in log2 units at [0, tile_n) (+inf for queries past Nq or that see no key, so their
+        P is 0), and with mDelta also Delta at [tile_n, 2 tile_n) (0 past Nq). One value per S
+        thread; two S-warpgroup barriers fence the buffer's reuse."""
+        n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
+        assert n_vals <= 2 * TILE_M, "the row-factor buffer holds 2 * TILE_M floats"
+        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
+        s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
-        i = col0 + tidx
-        v = Float32.inf
-        if i < seqlen_q:
-            v = mLSE[batch, head, i]
-            if v == -Float32.inf:
-                v = Float32.inf
-        sLSE[tidx] = v * LOG2_E
+        slot = tidx % self.tile_n
+        i = n_block * self.tile_n + slot
+        if tidx < self.tile_n:
+            v = Float32.inf
+            if i < seqlen_q:
+                v = mLSE[batch, head, i]
+                if v == -Float32.inf:
+                    v = Float32.inf
+            sCol[slot] = v * LOG2_E
+        elif cutlass.const_expr(mDelta is not None):
+            dlt = Float32(0.0)
+            if i < seqlen_q:
+                dlt = mDelta[batch, head, i]
+            sCol[self.tile_n + slot] = dlt
         s_sync.arrive_and_wait()
-        # mask only where the block crosses Nq or the diagonal (j > i + offset)
+
+    @cute.jit
+    def _mask_transposed(self, acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset):
+        """-inf where query i (column) is past Nq or, under causal, cannot see key j (row):
+        j > i + offset. Only blocks that cross Nq or the diagonal pay for it."""
+        col0 = n_block * self.tile_n
         need = col0 + self.tile_n > seqlen_q
         if cutlass.const_expr(self.causal):
             need = need | (m_block * TILE_M + TILE_M - 1 > col0 + causal_offset)
         if need:
-            for r in cutlass.range_constexpr(rows):
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 j = m_block * TILE_M + tScS_mn[r, 0][0]
-                for c in cutlass.range_constexpr(cols):
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     q = col0 + tScS_mn[0, c][1]
                     bad = q >= seqlen_q
                     if cutlass.const_expr(self.causal):
                         bad = bad | (j > q + causal_offset)
                     if bad:
                         acc_S_mn[r, c] = -Float32.inf
-        for c in cutlass.range_constexpr(cols):
+
+    @cute.jit
+    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
+                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
+                       extra):
+        """P^T for this block in rP: rows are keys j, columns queries i."""
+        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, None)
+        self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
+        sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             lse2 = sLSE[tScS_mn[0, c][1]]
-            for r in cutlass.range_constexpr(rows):
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
                                                 fastmath=True)
         rP.store(acc_S.load().to(self.dtype))
-
-
 
 
 # ==================================================================================== dQ kernel
