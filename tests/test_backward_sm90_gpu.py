@@ -1,9 +1,9 @@
 """The sm90 backward kernels on a GPU (every test is @gpu; sm_90 only).
 
-dV and dQ (`ffpa_cute/sm90/bwd_sm90.py`) against float64 with the forward's criterion:
+dV, dQ and dK (`ffpa_cute/sm90/bwd_sm90.py`) against float64 with the forward's criterion:
 rel_err(kernel) <= 2 * rel_err(same-dtype torch) + 1e-3. The LSE (and O for Delta) they consume
-come from our own forward, as in training. dQ's reference is written out (not autograd): rows that
-see no key make autograd's softmax gradient NaN.
+come from our own forward, as in training. The dQ / dK reference is written out (not autograd): rows
+that see no key make autograd's softmax gradient NaN.
 """
 
 import pytest
@@ -51,8 +51,9 @@ def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
     assert err <= 2 * base_err + 1e-3, f"dV err {err:.3g} vs torch {base_err:.3g}"
 
 
-def _dq_math(q, k, v, do, causal, off, dtype):
-    """dQ = scale * (P * (dP - Delta)) K in `dtype` (P = 0 on rows that see no key)."""
+def _dq_math(q, k, v, do, causal, off, dtype, want="dq"):
+    """dQ = scale * dS K, or dK = scale * dS^T Q summed over each KV head's query heads, with
+    dS = P (dP - Delta), in `dtype` (P = 0 on rows that see no key)."""
     g = q.shape[1] // k.shape[1]
     q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
     k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
@@ -62,19 +63,25 @@ def _dq_math(q, k, v, do, causal, off, dtype):
         i = torch.arange(q.shape[2], device=q.device)[:, None]
         j = torch.arange(k.shape[2], device=q.device)[None, :]
         s = s.masked_fill(j > i + off, float("-inf"))
-    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(dtype)
+    p = torch.softmax(s if dtype == torch.float64 else s.float(), dim=-1)
+    p = p.nan_to_num(0.0).to(dtype)
     o = p @ v
     dp = do @ v.transpose(-1, -2)
     delta = (do * o).sum(-1, keepdim=True)
-    return (p * (dp - delta)) @ k * scale
+    ds = p * (dp - delta)
+    if want == "dq":
+        return ds @ k * scale
+    dk = ds.transpose(-1, -2) @ q * scale
+    return dk.unflatten(1, (-1, g)).sum(2)
 
 
+@pytest.mark.parametrize("want", ["dq", "dk"])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
-def test_dq_matches_reference(seed, d, causal, nq, nkv, ratio):
+def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
     from ffpa_cute import sm90
-    from ffpa_cute.sm90.bwd_sm90 import run_dq
+    from ffpa_cute.sm90.bwd_sm90 import run_dk, run_dq
 
     hkv, dt = 2, torch.bfloat16
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=dt)
@@ -84,9 +91,10 @@ def test_dq_matches_reference(seed, d, causal, nq, nkv, ratio):
     plan = dispatch.Plan(problem, "sm_90a", "sm90", cfg=sm90.plan_fwd(problem, "sm_90a"))
     out, lse = dispatch.run_fwd(plan, q, k, v)
     delta = (do.float() * out.float()).sum(-1)
-    dq = run_dq(q, k, v, do, lse, delta, problem.softmax_scale, causal, off)
+    run = run_dq if want == "dq" else run_dk
+    grad = run(q, k, v, do, lse, delta, problem.softmax_scale, causal, off)
     torch.cuda.synchronize()
-    ref = _dq_math(q, k, v, do, causal, off, torch.float64)
-    base = _dq_math(q, k, v, do, causal, off, dt)
-    err, base_err = rel_err(dq, ref), rel_err(base, ref)
-    assert err <= 2 * base_err + 1e-3, f"dQ err {err:.3g} vs torch {base_err:.3g}"
+    ref = _dq_math(q, k, v, do, causal, off, torch.float64, want)
+    base = _dq_math(q, k, v, do, causal, off, dt, want)
+    err, base_err = rel_err(grad, ref), rel_err(base, ref)
+    assert err <= 2 * base_err + 1e-3, f"{want} err {err:.3g} vs torch {base_err:.3g}"

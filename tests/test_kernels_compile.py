@@ -146,15 +146,17 @@ def test_sm90_dv_kernel_compiles(d, causal):
 
 
 @pytest.mark.parametrize("d,causal", [(264, True), (512, False)])
-def test_sm90_dq_kernel_compiles(d, causal):
-    """The backward's dQ kernel: two m64n64k16 score products on one S ring, dQ accumulated by
-    m64nNk16 WGMMAs; no spills."""
-    from ffpa_cute.sm90.bwd_sm90 import FFPABwdDQSm90, plan_dq
+@pytest.mark.parametrize("grad", ["dq", "dk"])
+def test_sm90_dq_dk_kernels_compile(d, causal, grad):
+    """The backward's dQ and dK kernels: two m64n64k16 score products on one S ring, the
+    gradient accumulated by m64nNk16 WGMMAs; no spills."""
+    from ffpa_cute.sm90 import bwd_sm90
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
                     head_dim=d, head_dim_v=d, causal=causal)
-    cfg = plan_dq(p)
-    ptx = FFPABwdDQSm90.compile(cfg, options="--keep-ptx").__ptx__
+    cls = bwd_sm90.FFPABwdDQSm90 if grad == "dq" else bwd_sm90.FFPABwdDKSm90
+    cfg = (bwd_sm90.plan_dq if grad == "dq" else bwd_sm90.plan_dk)(p)
+    ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     assert "wgmma.mma_async.sync.aligned.m64n64k16" in ptx and ".local" not in ptx
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:

@@ -283,7 +283,39 @@ def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_o
     return dq
 
 
-class FFPABwdDQSm90(FFPAFwdSm90):
+class _TwoScoreProducts:
+    """For kernels whose S warpgroup forms two score products per block on one S ring
+    (dQ: S and dP; dK: S^T and dP^T): chunks 0..C-1 feed the first accumulator, C..2C-1 the
+    second (`second_score`); inputs q, k, v, do, out, lse, delta."""
+
+    second_score = True
+
+    def _two_products(self, cfg):
+        self.c_half = cfg.num_k_chunks        # chunks per score product
+        self.num_chunks = 2 * cfg.num_k_chunks
+
+    @classmethod
+    def compile(cls, cfg, options: str = ""):
+        """Compile from fake tensors: q, k, v, do, out (B, H, N, D); lse, delta (B, Hq, Nq)."""
+        from ..common.compat import compile_target
+        from ..common.tensors import fake_args
+
+        q, k, v, _, lse = fake_args(cfg)
+        do, out, _, _, delta = fake_args(cfg)
+        with compile_target(cfg.arch):
+            return cute.compile(cls(cfg), q, k, v, do, out, lse, delta, 1.0, 0,
+                                cuda.CUstream(0), options=options)
+
+    def _chunk(self, c: int):
+        """Chunks 0..C-1: the first product; C..2C-1: the second (its own accumulator)."""
+        cfg, half = self.cfg, self.c_half
+        cc = c % half
+        last = -(-(cfg.head_dim - (half - 1) * cfg.k_chunk) // 16)
+        per = cfg.k_chunk // 16
+        return c >= half, cc == 0, last if cc == half - 1 else per, cc * per
+
+
+class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     """dQ = scale * dS K, dS = P (dP - Delta), on the forward's skeleton (compile-verified only).
 
     Roles: resident rows = the Q tile (streamed in 64-column chunks), S ring = K chunks then V
@@ -293,27 +325,13 @@ class FFPABwdDQSm90(FFPAFwdSm90):
     """
 
     rescale_o = False
-    second_score = True
 
     def __init__(self, cfg: BwdDQConfigSm90):
         reason = can_implement_dq(cfg)
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason}")
         super().__init__(cfg)
-        self.c_half = cfg.num_k_chunks        # chunks per score product
-        self.num_chunks = 2 * cfg.num_k_chunks
-
-    @classmethod
-    def compile(cls, cfg: BwdDQConfigSm90, options: str = ""):
-        """Compile from fake tensors: q, k, v, do, dq (B, H, N, D); lse, delta (B, Hq, Nq)."""
-        from ..common.compat import compile_target
-        from ..common.tensors import fake_args
-
-        q, k, v, o, lse = fake_args(cfg)
-        do, dq, _, _, delta = fake_args(cfg)
-        with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), q, k, v, do, dq, lse, delta, 1.0, 0,
-                                cuda.CUstream(0), options=options)
+        self._two_products(cfg)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -335,14 +353,6 @@ class FFPABwdDQSm90(FFPAFwdSm90):
                      DQExtra(tma_do, gdO_tma, tma_v, gV_tma, mDelta))
 
     # ---------------------------------------------------------------- hooks
-    def _chunk(self, c: int):
-        """Chunks 0..C-1: S = Q K^T; chunks C..2C-1: dP = dO V^T (second accumulator)."""
-        cfg, half = self.cfg, self.c_half
-        cc = c % half
-        last = -(-(cfg.head_dim - (half - 1) * cfg.k_chunk) // 16)
-        per = cfg.k_chunk // 16
-        return c >= half, cc == 0, last if cc == half - 1 else per, cc * per
-
     @cute.jit
     def _k_src(self, loads, seq, head, n_block, c):
         return loads.tKg[None, n_block, c % self.c_half]
@@ -405,5 +415,125 @@ class FFPABwdDQSm90(FFPAFwdSm90):
         rP.store(acc_S.load().to(self.dtype))
 
 
-__all__ = ["BwdDQConfigSm90", "BwdDVConfigSm90", "FFPABwdDQSm90", "FFPABwdDVSm90",
-           "can_implement_dq", "can_implement_dv", "plan_dq", "plan_dv", "run_dq", "run_dv"]
+
+# ==================================================================================== dK kernel
+class DKExtra(NamedTuple):
+    """What the dK kernel adds: V row chunks (beside K's) and dO chunks (beside Q's) for the
+    second score product dP^T = V dO^T, and Delta = rowsum(dO * O)."""
+
+    tma_v: cute.CopyAtom
+    gV_tma: cute.Tensor
+    tma_do: cute.CopyAtom
+    gdO_tma: cute.Tensor
+    mDelta: cute.Tensor
+
+
+@dataclass(frozen=True)
+class BwdDKConfigSm90(FwdConfigSm90):
+    """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed)."""
+
+
+def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
+    return BwdDKConfigSm90(**dataclasses.asdict(plan_dq(problem, arch)))
+
+
+def run_dk(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
+    """dK [B, Hkv, Nkv, D] (summed over each KV head's query heads) for torch tensors, the
+    forward's lse and delta = rowsum(dO * O) (compile-verified only)."""
+    import torch
+
+    from ..cache import jit_cache
+    from ..dispatch import _kernel_ready
+
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
+    cfg = plan_dk(problem)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    fn = jit_cache().get(FFPABwdDKSm90, cfg)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    fn(*launch_args(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), _kernel_ready(do), dk,
+                    lse.contiguous(), delta.contiguous()),
+       softmax_scale, causal_offset, cuda.CUstream(stream))
+    return dk
+
+
+class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
+    """dK = scale * dS^T Q, dS^T = P^T (dP^T - Delta[i]), on the skeleton (compile-verified only).
+
+    The dV kernel's tile and block sequence (K rows resident-by-chunk, the query blocks of every
+    query head of the KV head, transposed mask, per-column LSE) plus dQ's two score products on
+    one S ring: chunks 0..C-1 hold K (rows) and Q (columns) for S^T = K Q^T, chunks C..2C-1 V and
+    dO for dP^T = V dO^T. The accumulator warpgroups' B operand is Q (rows of the query block).
+    """
+
+    def __init__(self, cfg: BwdDKConfigSm90):
+        reason = can_implement_dq(cfg)
+        if reason:
+            raise ValueError(f"{type(self).__name__}: {reason.replace('dQ', 'dK')}")
+        FFPAFwdSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
+        self._two_products(cfg)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        from ..common.tensors import aligned_bhnd
+
+        cfg = self.cfg
+        sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
+        tV, tdO = [self._bhnd_to_tma(aligned_bhnd(t, cfg.head_dim, self.dtype))
+                   for t in (mV, mdO)]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_v, gV_tma = cpasync.make_tiled_tma_atom(
+            g2s, tV, cute.select(sQ_layout, mode=[0, 1]), (TILE_M, cfg.k_chunk))
+        tma_do, gdO_tma = cpasync.make_tiled_tma_atom(
+            g2s, tdO, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        # roles: rows = K (resident role), columns = Q, accumulator B = Q rows, output = dK
+        self._launch(mK, mQ, mQ, mdK, mLSE, softmax_scale, causal_offset, stream,
+                     DKExtra(tma_v, gV_tma, tma_do, gdO_tma, mDelta))
+
+    @cute.jit
+    def _k_src(self, loads, seq, head, n_block, c):
+        """Q columns c (mod C) of query block n_block of query `head`."""
+        return FFPABwdDVSm90._k_src(self, loads, seq, head, n_block, c % self.c_half)
+
+    @cute.jit
+    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
+        """Chunk c < C: Q columns (k_src) and K rows c; chunk c >= C: dO columns and V rows."""
+        if c < self.c_half:
+            cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
+            cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
+                      tma_bar_ptr=bars.k + s)
+        else:
+            ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
+            gdO = cute.local_tile(ex.gdO_tma[None, None, head, seq.batch],
+                                  (self.tile_n, self.cfg.k_chunk), (None, None))
+            tOs, tOg = cpasync.tma_partition(ex.tma_do, 0, one, cute.group_modes(loads.sK, 0, 2),
+                                             cute.group_modes(gdO, 0, 2))
+            cute.copy(ex.tma_do, tOg[None, n_block, cc], tOs[None, s], tma_bar_ptr=bars.k + s)
+            gV = cute.local_tile(ex.gV_tma[None, None, loads.head, seq.batch],
+                                 (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
+            tVs, tVg = cpasync.tma_partition(ex.tma_v, 0, one, cute.group_modes(loads.sQ, 0, 2),
+                                             cute.group_modes(gV, 0, 2))
+            cute.copy(ex.tma_v, tVg[None, cc], tVs[None, s], tma_bar_ptr=bars.k + s)
+
+    @cute.jit
+    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
+                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
+                       extra):
+        """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
+        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, extra.mDelta)
+        self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
+        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+        acc_dP_mn = mn_view(acc_2)
+        scale = softmax.scale_log2 * (1.0 / LOG2_E)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            col = tScS_mn[0, c][1]
+            lse2, delta = sCol[col], sCol[self.tile_n + col]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2, fastmath=True)
+                acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
+        rP.store(acc_S.load().to(self.dtype))
+
+__all__ = ["BwdDKConfigSm90", "BwdDQConfigSm90", "BwdDVConfigSm90", "FFPABwdDKSm90",
+           "FFPABwdDQSm90", "FFPABwdDVSm90", "can_implement_dq", "can_implement_dv", "plan_dk",
+           "plan_dq", "plan_dv", "run_dk", "run_dq", "run_dv"]
