@@ -237,3 +237,39 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     cls.launch(fn, _kernel_ready(q), _kernel_ready(k), _kernel_ready(v), out, lse,
                p.softmax_scale, p.causal_offset, stream)
     return out, lse
+
+
+# The sm90 backward kernels (dQ, dK, dV in ffpa_cute/sm90/bwd_sm90.py) replace the SDPA
+# recompute only once they have passed tests/test_backward_sm90_gpu.py on the H200; until then
+# the backward recomputes through torch SDPA (README support matrix).
+SM90_BWD_KERNELS = False
+
+
+def bwd_reason(problem: AttnProblem, device: torch.device | None = None) -> str | None:
+    """None when the backward kernels serve `problem` (same routing table as the forward)."""
+    if not SM90_BWD_KERNELS:
+        return "backward kernels not enabled yet (SM90_BWD_KERNELS: awaiting the GPU grid)"
+    plan = plan_fwd(problem, device)
+    if plan.reason is not None or plan.family != "sm90" or plan.target != "sm_90a":
+        return "backward kernels exist for the sm90 family on sm_90a only"
+    from .sm90 import bwd_sm90
+
+    try:
+        bwd_sm90.plan_dq(problem)
+        bwd_sm90.plan_dv(problem)
+    except ValueError as e:
+        return f"sm90 backward kernels cannot run it: {e}"
+    return None
+
+
+def run_bwd(problem: AttnProblem, q, k, v, out, lse, dout):
+    """(dq, dk, dv) from the backward kernels; the caller checked `bwd_reason` is None."""
+    from .sm90 import bwd_sm90
+
+    q, k, v, dout = (_kernel_ready(t) for t in (q, k, v, dout))
+    delta = (dout.float() * out.float()).sum(-1)
+    args = (problem.softmax_scale, problem.causal, problem.causal_offset)
+    dq = bwd_sm90.run_dq(q, k, v, dout, lse, delta, *args)
+    dk = bwd_sm90.run_dk(q, k, v, dout, lse, delta, *args)
+    dv = bwd_sm90.run_dv(q, k, dout, lse, *args)
+    return dq, dk, dv

@@ -277,15 +277,24 @@ def _attention_fwd_fake(q, k, v, causal, causal_offset, scale):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, causal_offset, scale = inputs
-    ctx.save_for_backward(q, k, v)
+    ctx.save_for_backward(q, k, v, *output)
     ctx.attn_args = (causal, causal_offset, scale)
     ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v = ctx.saved_tensors
-    grads = _sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args,
-                                     needs=tuple(ctx.needs_input_grad[:3]))
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, causal_offset, scale = ctx.attn_args
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                       scale=scale)
+    dispatch = _dispatch()
+    if dispatch.bwd_reason(problem, q.device) is None:
+        with _on(q.device):
+            grads = dispatch.run_bwd(problem, q, k, v, out, lse, dout.contiguous())
+        grads = tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))
+    else:
+        grads = _sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args,
+                                         needs=tuple(ctx.needs_input_grad[:3]))
     return (*grads, None, None, None)
 
 

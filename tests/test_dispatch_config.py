@@ -137,3 +137,12 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
     assert _kernel_ready(bad).is_contiguous()
     t = torch.randn(1, 2, 512, 9, dtype=torch.bfloat16).transpose(-1, -2)  # D not unit-stride
     assert _kernel_ready(t).stride(-1) == 1
+
+
+def test_backward_kernels_off_until_verified(monkeypatch):
+    """The sm90 backward kernels stay off (SDPA recompute) until they pass on a GPU; when on,
+    they serve only what the sm90 family's forward serves."""
+    assert dispatch.SM90_BWD_KERNELS is False
+    assert "not enabled" in dispatch.bwd_reason(prob())
+    monkeypatch.setattr(dispatch, "SM90_BWD_KERNELS", True)
+    assert "sm90" in dispatch.bwd_reason(prob(device_type="cpu"))
