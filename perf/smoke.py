@@ -5,6 +5,7 @@ a float64 reference, and forward TFLOPS for the larger shapes.
     python -m perf.smoke --family sm90 --cases "512:1000:1000:0,320:129:7:1" --timeout 60
     python -m perf.smoke --family sm90 --bench "512:8192:0,512:8192:1,320:8192:0"
     python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512
+    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0,512:8192:1,512:8192:0:8"
 
 --first-call D,...: wall time of the first `attention()` call per head dim in a fresh process with
 an empty ffpa_cute cache and the DSL's file cache off (what a user's first call pays; issue 4
@@ -161,11 +162,54 @@ def _overhead(d: int) -> dict:
             "host_overhead_us": round(wall_us - gpu_us, 1)}
 
 
+def _one_bench_bwd(spec: str) -> dict:
+    """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 5th field: Hkv)."""
+    import torch
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.problem import AttnProblem
+
+    fields = [int(x) for x in spec.split(":")]
+    d, n, causal = fields[:3]
+    hkv = fields[3] if len(fields) > 3 else 32
+    q, do = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    problem = AttnProblem.from_tensors(q, k, v, causal=bool(causal), causal_offset=0)
+    plan = dispatch.plan_fwd(problem)
+    out, lse = dispatch.run_fwd(plan, q, k, v)
+    times = {}
+    from ffpa_cute.sm90 import bwd_sm90
+
+    delta = (do.float() * out.float()).sum(-1)
+    args = (problem.softmax_scale, bool(causal), 0)
+    jobs = {"delta": lambda: (do.float() * out.float()).sum(-1),
+            "dq": lambda: bwd_sm90.run_dq(q, k, v, do, lse, delta, *args),
+            "dk": lambda: bwd_sm90.run_dk(q, k, v, do, lse, delta, *args),
+            "dv": lambda: bwd_sm90.run_dv(q, k, do, lse, *args)}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for name, fn in jobs.items():
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ts.append(start.elapsed_time(end))
+        times[name] = sorted(ts)[len(ts) // 2]
+    pairs = n * (n + 1) // 2 if causal else n * n
+    total = sum(times.values())
+    return {"bench_bwd": spec, "ms": {k_: round(t, 3) for k_, t in times.items()},
+            "tflops": 2.5 * 4 * 32 * pairs * d / total / 1e9}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="sm90")
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
+    ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv],... (sm90 kernels)")
     ap.add_argument("--first-call", default="")
     ap.add_argument("--overhead", default="")
     ap.add_argument("--timeout", type=int, default=90)
@@ -173,10 +217,14 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-bench", help=argparse.SUPPRESS)
     ap.add_argument("--one-first", help=argparse.SUPPRESS)
+    ap.add_argument("--one-bench-bwd", help=argparse.SUPPRESS)
     ap.add_argument("--one-overhead", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one_first:
         print(json.dumps(_first_call(int(a.one_first))))
+        return
+    if a.one_bench_bwd:
+        print(json.dumps(_one_bench_bwd(a.one_bench_bwd)))
         return
     if a.one_overhead:
         print(json.dumps(_overhead(int(a.one_overhead))))
@@ -195,6 +243,7 @@ def main() -> None:
     jobs = [("--one", c) for c in a.cases.split(",") if c]
     jobs += [("--one-bench", b) for b in a.bench.split(",") if b]
     jobs += [("--one-overhead", d) for d in a.overhead.split(",") if d]
+    jobs += [("--one-bench-bwd", b) for b in a.bench_bwd.split(",") if b]
     for d in [d for d in a.first_call.split(",") if d]:
         fresh = tempfile.mkdtemp(prefix="ffpa_cute_cold_")
         cold = dict(env, FFPA_CUTE_CACHE_DIR=fresh, CUTE_DSL_DISABLE_FILE_CACHING="1")
