@@ -228,17 +228,6 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 
 
 # ==================================================================================== dQ kernel
-class DQExtra(NamedTuple):
-    """What the dQ kernel adds to the skeleton: dO row chunks and V chunks (the second score
-    product dP = dO V^T rides the S ring after S = Q K^T), and Delta = rowsum(dO * O)."""
-
-    tma_do: cute.CopyAtom
-    gdO_tma: cute.Tensor
-    tma_v: cute.CopyAtom
-    gV_tma: cute.Tensor
-    mDelta: cute.Tensor
-
-
 @dataclass(frozen=True)
 class BwdDQConfigSm90(FwdConfigSm90):
     """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
@@ -283,6 +272,18 @@ def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_o
     return dq
 
 
+class TwoProductExtra(NamedTuple):
+    """What the two-product kernels add to the skeleton: the second product's row chunks
+    (beside the first's in the Q role's ring) and column chunks (beside the K role's), and
+    Delta = rowsum(dO * O) [B, Hq, Nq]."""
+
+    tma_rows2: cute.CopyAtom
+    g_rows2: cute.Tensor
+    tma_cols2: cute.CopyAtom
+    g_cols2: cute.Tensor
+    mDelta: cute.Tensor
+
+
 class _TwoScoreProducts:
     """For kernels whose S warpgroup forms two score products per block on one S ring
     (dQ: S and dP; dK: S^T and dP^T): chunks 0..C-1 feed the first accumulator, C..2C-1 the
@@ -314,6 +315,54 @@ class _TwoScoreProducts:
         per = cfg.k_chunk // 16
         return c >= half, cc == 0, last if cc == half - 1 else per, cc * per
 
+    @cute.jit
+    def _launch_two(self, rows, cols, acc_b, out, rows2, cols2, mLSE, mDelta,
+                    softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        """The skeleton's roles: rows (resident role, streamed), cols (K role), acc_b (V role),
+        out (O role); rows2 / cols2 the second product's operands, same boxes."""
+        from ..common.tensors import aligned_bhnd
+
+        cfg = self.cfg
+        sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
+        t_rows2, t_cols2 = [self._bhnd_to_tma(aligned_bhnd(t, cfg.head_dim, self.dtype))
+                            for t in (rows2, cols2)]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_rows2, g_rows2 = cpasync.make_tiled_tma_atom(
+            g2s, t_rows2, cute.select(sQ_layout, mode=[0, 1]), (TILE_M, cfg.k_chunk))
+        tma_cols2, g_cols2 = cpasync.make_tiled_tma_atom(
+            g2s, t_cols2, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        self._launch(rows, cols, acc_b, out, mLSE, softmax_scale, causal_offset, stream,
+                     TwoProductExtra(tma_rows2, g_rows2, tma_cols2, g_cols2, mDelta))
+
+    @cute.jit
+    def _k_src(self, loads, seq, head, n_block, c):
+        """The first product's column chunk c (mod C): the base kernel's source."""
+        return super(_TwoScoreProducts, self)._k_src(loads, seq, head, n_block,
+                                                     c % self.c_half)
+
+    @cute.jit
+    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
+        """Chunk c < C: the first product's column chunk (k_src) and row chunk c; c >= C: the
+        second's, columns of the block's `head`, rows of the tile's head."""
+        if c < self.c_half:
+            cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
+            cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
+                      tma_bar_ptr=bars.k + s)
+        else:
+            ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
+            g_cols = cute.local_tile(ex.g_cols2[None, None, head, seq.batch],
+                                     (self.tile_n, self.cfg.k_chunk), (None, None))
+            ts, tg = cpasync.tma_partition(ex.tma_cols2, 0, one,
+                                           cute.group_modes(loads.sK, 0, 2),
+                                           cute.group_modes(g_cols, 0, 2))
+            cute.copy(ex.tma_cols2, tg[None, n_block, cc], ts[None, s], tma_bar_ptr=bars.k + s)
+            g_rows = cute.local_tile(ex.g_rows2[None, None, loads.head, seq.batch],
+                                     (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
+            ts, tg = cpasync.tma_partition(ex.tma_rows2, 0, one,
+                                           cute.group_modes(loads.sQ, 0, 2),
+                                           cute.group_modes(g_rows, 0, 2))
+            cute.copy(ex.tma_rows2, tg[None, cc], ts[None, s], tma_bar_ptr=bars.k + s)
+
 
 class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     """dQ = scale * dS K, dS = P (dP - Delta), on the forward's skeleton (compile-verified only).
@@ -337,46 +386,11 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
-        from ..common.tensors import aligned_bhnd
-
-        cfg = self.cfg
-        sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
-        tdO, tV = [self._bhnd_to_tma(aligned_bhnd(t, cfg.head_dim, self.dtype))
-                   for t in (mdO, mV)]
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_do, gdO_tma = cpasync.make_tiled_tma_atom(
-            g2s, tdO, cute.select(sQ_layout, mode=[0, 1]), (TILE_M, cfg.k_chunk))
-        tma_v, gV_tma = cpasync.make_tiled_tma_atom(
-            g2s, tV, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
-        # the accumulator warpgroups' B operand is K (rows): K takes the skeleton's V role
-        self._launch(mQ, mK, mK, mdQ, mLSE, softmax_scale, causal_offset, stream,
-                     DQExtra(tma_do, gdO_tma, tma_v, gV_tma, mDelta))
+        # rows Q (then dO), columns K (then V), accumulator B = K rows, output dQ
+        self._launch_two(mQ, mK, mK, mdQ, mdO, mV, mLSE, mDelta, softmax_scale, causal_offset,
+                         stream)
 
     # ---------------------------------------------------------------- hooks
-    @cute.jit
-    def _k_src(self, loads, seq, head, n_block, c):
-        return loads.tKg[None, n_block, c % self.c_half]
-
-    @cute.jit
-    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
-        """Chunk c < C: K and Q columns c; chunk c >= C: V and dO columns c - C."""
-        if c < self.c_half:
-            cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
-            cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
-                      tma_bar_ptr=bars.k + s)
-        else:
-            ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
-            gV = cute.local_tile(ex.gV_tma[None, None, seq.head_kv, seq.batch],
-                                 (self.tile_n, self.cfg.k_chunk), (None, None))
-            tVs, tVg = cpasync.tma_partition(ex.tma_v, 0, one, cute.group_modes(loads.sK, 0, 2),
-                                             cute.group_modes(gV, 0, 2))
-            cute.copy(ex.tma_v, tVg[None, n_block, cc], tVs[None, s], tma_bar_ptr=bars.k + s)
-            gdO = cute.local_tile(ex.gdO_tma[None, None, loads.head, seq.batch],
-                                  (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
-            tOs, tOg = cpasync.tma_partition(ex.tma_do, 0, one, cute.group_modes(loads.sQ, 0, 2),
-                                             cute.group_modes(gdO, 0, 2))
-            cute.copy(ex.tma_do, tOg[None, cc], tOs[None, s], tma_bar_ptr=bars.k + s)
-
     @cute.jit
     def _write_factors(self, sFactor, factor, tScS_mn, b, lane):
         """No row factors (rescale_o is False)."""
@@ -417,17 +431,6 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
 
 
 # ==================================================================================== dK kernel
-class DKExtra(NamedTuple):
-    """What the dK kernel adds: V row chunks (beside K's) and dO chunks (beside Q's) for the
-    second score product dP^T = V dO^T, and Delta = rowsum(dO * O)."""
-
-    tma_v: cute.CopyAtom
-    gV_tma: cute.Tensor
-    tma_do: cute.CopyAtom
-    gdO_tma: cute.Tensor
-    mDelta: cute.Tensor
-
-
 @dataclass(frozen=True)
 class BwdDKConfigSm90(FwdConfigSm90):
     """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed)."""
@@ -476,45 +479,9 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
-        from ..common.tensors import aligned_bhnd
-
-        cfg = self.cfg
-        sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
-        tV, tdO = [self._bhnd_to_tma(aligned_bhnd(t, cfg.head_dim, self.dtype))
-                   for t in (mV, mdO)]
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_v, gV_tma = cpasync.make_tiled_tma_atom(
-            g2s, tV, cute.select(sQ_layout, mode=[0, 1]), (TILE_M, cfg.k_chunk))
-        tma_do, gdO_tma = cpasync.make_tiled_tma_atom(
-            g2s, tdO, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
-        # roles: rows = K (resident role), columns = Q, accumulator B = Q rows, output = dK
-        self._launch(mK, mQ, mQ, mdK, mLSE, softmax_scale, causal_offset, stream,
-                     DKExtra(tma_v, gV_tma, tma_do, gdO_tma, mDelta))
-
-    @cute.jit
-    def _k_src(self, loads, seq, head, n_block, c):
-        """Q columns c (mod C) of query block n_block of query `head`."""
-        return FFPABwdDVSm90._k_src(self, loads, seq, head, n_block, c % self.c_half)
-
-    @cute.jit
-    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
-        """Chunk c < C: Q columns (k_src) and K rows c; chunk c >= C: dO columns and V rows."""
-        if c < self.c_half:
-            cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
-            cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
-                      tma_bar_ptr=bars.k + s)
-        else:
-            ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
-            gdO = cute.local_tile(ex.gdO_tma[None, None, head, seq.batch],
-                                  (self.tile_n, self.cfg.k_chunk), (None, None))
-            tOs, tOg = cpasync.tma_partition(ex.tma_do, 0, one, cute.group_modes(loads.sK, 0, 2),
-                                             cute.group_modes(gdO, 0, 2))
-            cute.copy(ex.tma_do, tOg[None, n_block, cc], tOs[None, s], tma_bar_ptr=bars.k + s)
-            gV = cute.local_tile(ex.gV_tma[None, None, loads.head, seq.batch],
-                                 (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
-            tVs, tVg = cpasync.tma_partition(ex.tma_v, 0, one, cute.group_modes(loads.sQ, 0, 2),
-                                             cute.group_modes(gV, 0, 2))
-            cute.copy(ex.tma_v, tVg[None, cc], tVs[None, s], tma_bar_ptr=bars.k + s)
+        # rows K (then V), columns Q (then dO), accumulator B = Q rows, output dK
+        self._launch_two(mK, mQ, mQ, mdK, mV, mdO, mLSE, mDelta, softmax_scale, causal_offset,
+                         stream)
 
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
@@ -535,5 +502,6 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         rP.store(acc_S.load().to(self.dtype))
 
 __all__ = ["BwdDKConfigSm90", "BwdDQConfigSm90", "BwdDVConfigSm90", "FFPABwdDKSm90",
+           "TwoProductExtra",
            "FFPABwdDQSm90", "FFPABwdDVSm90", "can_implement_dq", "can_implement_dv", "plan_dk",
            "plan_dq", "plan_dv", "run_dk", "run_dq", "run_dv"]
