@@ -50,6 +50,23 @@ def _override(plan, text: str):
     return dataclasses.replace(plan, cfg=cfg)
 
 
+def _median_ms(fn, reps: int) -> float:
+    """Median CUDA-event time of fn() over reps calls, after one warm-up call."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
 def _one_case(spec: str) -> dict:
     import torch
 
@@ -97,18 +114,7 @@ def _one_bench(spec: str) -> dict:
     plan = _override(dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
                                                                 causal_offset=0)),
                      fields[3] if len(fields) > 3 else "")
-    fn = lambda: dispatch.run_fwd(plan, q, k, v)  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(30):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
+    ms = _median_ms(lambda: dispatch.run_fwd(plan, q, k, v), 30)
     pairs = n * (n + 1) // 2 if causal else n * n
     return {"bench": spec, "kernel": plan.kernel_cls.__name__, "ms": ms,
             "tflops": 4 * 32 * pairs * d / ms / 1e9, "cfg": str(plan.cfg)}
@@ -186,18 +192,8 @@ def _one_bench_bwd(spec: str) -> dict:
             "dq": lambda: bwd_sm90.run_dq(q, k, v, do, lse, delta, *args),
             "dk": lambda: bwd_sm90.run_dk(q, k, v, do, lse, delta, *args),
             "dv": lambda: bwd_sm90.run_dv(q, k, do, lse, *args)}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for name, fn in jobs.items():
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            ts.append(start.elapsed_time(end))
-        times[name] = sorted(ts)[len(ts) // 2]
+        times[name] = _median_ms(fn, 10)
     pairs = n * (n + 1) // 2 if causal else n * n
     total = sum(times.values())
     return {"bench_bwd": spec, "ms": {k_: round(t, 3) for k_, t in times.items()},

@@ -20,22 +20,29 @@ CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4), (320, True, 100
          (512, True, 1000, 1000, 8)]
 
 
-@pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
-def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
-    """dV summed over each KV head's query heads (GQA ratio `ratio`) inside the kernel."""
+def _inputs(d, causal, nq, nkv, ratio, dt=torch.bfloat16):
+    """q, k, v, dO (2 KV heads, `ratio` query heads each), the problem, and our forward's
+    out and lse (bottom-right causal offset)."""
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
     from ffpa_cute import sm90
-    from ffpa_cute.sm90.bwd_sm90 import run_dv
 
-    hkv, dt = 2, torch.bfloat16
+    hkv = 2
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=dt)
                    for h, n in ((hkv * ratio, nq), (hkv, nkv), (hkv, nkv), (hkv * ratio, nq)))
-    off = nkv - nq
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=off)
-    cfg = sm90.plan_fwd(problem, "sm_90a")
-    plan = dispatch.Plan(problem, "sm_90a", "sm90", cfg=cfg)
-    _, lse = dispatch.run_fwd(plan, q, k, v)
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=nkv - nq)
+    plan = dispatch.Plan(problem, "sm_90a", "sm90", cfg=sm90.plan_fwd(problem, "sm_90a"))
+    out, lse = dispatch.run_fwd(plan, q, k, v)
+    return q, k, v, do, problem, out, lse
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
+def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
+    """dV summed over each KV head's query heads (GQA ratio `ratio`) inside the kernel."""
+    from ffpa_cute.sm90.bwd_sm90 import run_dv
+
+    q, k, v, do, problem, _, lse = _inputs(d, causal, nq, nkv, ratio)
+    dt, off = q.dtype, problem.causal_offset
     dv = run_dv(q, k, do, lse, problem.softmax_scale, causal, off)
     torch.cuda.synchronize()
 
@@ -78,18 +85,10 @@ def _dq_math(q, k, v, do, causal, off, dtype, want="dq"):
 @pytest.mark.parametrize("want", ["dq", "dk"])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
 def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
-    if dispatch.current_arch() != "sm_90a":
-        pytest.skip("WGMMA kernels: sm_90 only")
-    from ffpa_cute import sm90
     from ffpa_cute.sm90.bwd_sm90 import run_dk, run_dq
 
-    hkv, dt = 2, torch.bfloat16
-    q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=dt)
-                   for h, n in ((hkv * ratio, nq), (hkv, nkv), (hkv, nkv), (hkv * ratio, nq)))
-    off = nkv - nq
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=off)
-    plan = dispatch.Plan(problem, "sm_90a", "sm90", cfg=sm90.plan_fwd(problem, "sm_90a"))
-    out, lse = dispatch.run_fwd(plan, q, k, v)
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
+    dt, off = q.dtype, problem.causal_offset
     delta = (do.float() * out.float()).sum(-1)
     run = run_dq if want == "dq" else run_dk
     grad = run(q, k, v, do, lse, delta, problem.softmax_scale, causal, off)
