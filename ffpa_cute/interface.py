@@ -285,10 +285,15 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     causal, causal_offset, scale = ctx.attn_args
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
-                                       scale=scale)
     dispatch = _dispatch()
-    if dispatch.bwd_reason(problem, q.device) is None:
+    problem = reason = None
+    # The backward kernels are eager-only for now (no custom op of their own, so nothing for
+    # torch.compile to trace); the problem is built only when they are on at all.
+    if dispatch.SM90_BWD_KERNELS and not torch.compiler.is_compiling():
+        problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                           scale=scale)
+        reason = dispatch.bwd_reason(problem, q.device)
+    if problem is not None and reason is None:
         with _on(q.device):
             grads = dispatch.run_bwd(problem, q, k, v, out, lse, dout.contiguous())
         grads = tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))

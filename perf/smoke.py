@@ -18,7 +18,7 @@ the kernel time of the same call (CUDA events), i.e. the host overhead (issue 4:
 A case is D:Nq:Nkv:causal[:ratio[:fp16]][:overrides] (causal 1 = bottom-right); a bench is
 D:N:causal[:field=value;field=value], timed at B=1, H=32 with CUDA events (no L2 flush: compare
 variants with each other, report with perf.sweep). Fields override the planned config, e.g.
-"512:8192:0:publish_after=2;k_stages=3".
+"512:8192:0:publish_after=2;k_stages=3" (with --family sm80: "512:8192:0:warp_layout=m2n4").
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ def _override(plan, text: str):
     if not text:
         return plan
     over = dict(kv.split("=") for kv in text.split(";"))
-    cfg = dataclasses.replace(plan.cfg, **{f: type(getattr(plan.cfg, f))(int(x))
-                                           for f, x in over.items()})
+
+    def value(field, text):  # int/bool fields from integers, str fields (warp_layout) as is
+        kind = type(getattr(plan.cfg, field))
+        return text if kind is str else kind(int(text))
+
+    cfg = dataclasses.replace(plan.cfg, **{f: value(f, x) for f, x in over.items()})
     return dataclasses.replace(plan, cfg=cfg)
 
 

@@ -1,4 +1,4 @@
-"""Hopper backward on the forward's skeleton, first kernel: dV (plan: perf/NOTES.md, issue 5).
+"""Hopper backward on the forward's skeleton: dV, then dQ and dK below (plan: perf/NOTES.md).
 
     dV[j, :] = sum_i P[i, j] dO[i, :],   P = exp(scale * Q K^T - LSE)   (LSE from the forward)
 
@@ -27,8 +27,9 @@ and the skeleton's hooks replaced:
 Queries whose LSE is -inf (they see no key) contribute nothing: their LSE is read as +inf, so
 P = exp2(finite - inf) = 0.
 
-Status: **compile-verified only** (tests/test_kernels_compile.py); not yet run on a GPU and not
-wired into autograd (the backward still recomputes through torch SDPA).
+Status (all three kernels): **compile-verified only** (tests/test_kernels_compile.py); not yet
+run on a GPU. Autograd reaches them only when `dispatch.SM90_BWD_KERNELS` is on (it is off: the
+backward still recomputes through torch SDPA).
 Constraints: those of `FwdConfigSm90`, and D <= 512.
 """
 
