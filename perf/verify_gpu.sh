@@ -18,7 +18,7 @@ set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
 step() { echo "=== $1"; }
-sections="${SECTIONS:-1 2 3 4 5 6}"
+sections="${SECTIONS:-1 2 bwd 3 4 5 6}"
 has() { [[ " $sections " == *" $1 "* ]]; }
 if has 1; then
   step "precompiled cache"
@@ -27,10 +27,18 @@ if has 1; then
 fi
 if has 2; then
   for fam in sm80 sm90; do
-    step "GPU tests, default tier, FFPA_CUTE_ARCH=$fam"
-    FFPA_CUTE_ARCH=$fam timeout 200 python -m pytest -m "gpu and not slow" -q tests/ 2>&1 \
+    step "GPU tests, default tier (forward), FFPA_CUTE_ARCH=$fam"
+    FFPA_CUTE_ARCH=$fam timeout 200 python -m pytest -m "gpu and not slow" -q tests/ \
+        --ignore=tests/test_backward_sm90_gpu.py -k "not backward_sm90_kernels" 2>&1 \
         | tee "$out/gpu_fast_$fam.log" | tail -2
   done
+fi
+if has bwd; then
+  # Own section and timeout: a hang here must not cost the forward results.
+  step "GPU tests, sm90 backward kernels (dV, dQ, dK vs float64; autograd through them)"
+  FFPA_CUTE_ARCH=sm90 timeout 240 python -m pytest -m gpu -v tests/test_backward_sm90_gpu.py \
+      tests/test_attention_gpu.py -k "dv_matches or dq_dk or backward_sm90_kernels" 2>&1 \
+      | tee "$out/gpu_bwd_sm90.log" | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -40
 fi
 if has 3; then
   step "GPU tests, slow grid, FFPA_CUTE_ARCH=sm90 (its WGMMA range, D <= 512)"
