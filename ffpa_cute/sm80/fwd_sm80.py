@@ -35,6 +35,9 @@ Constraints (mirrored by `config.can_implement`):
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -45,6 +48,16 @@ from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
 from .config import FwdConfigSm80, can_implement
+
+
+class BlockSeq(NamedTuple):
+    """A CTA's ring iterations: `num_iters` blocks; the forward walks KV blocks n_top-1 .. 0
+    of one head (head0); the backward's dV / dK walk query blocks of `group` heads."""
+
+    n_top: cutlass.Int32
+    num_iters: cutlass.Int32
+    head0: cutlass.Int32
+    group: cutlass.Int32
 
 
 class FFPAFwdSm80(KernelEntry):
@@ -132,16 +145,40 @@ class FFPAFwdSm80(KernelEntry):
                sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
                gmem_copy_in: cute.TiledCopy, gmem_copy_out: cute.TiledCopy,
                tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        # resident rows Q; ring phases K (scores) then V (accumulator B operand); output O
+        self._mainloop((mQ,), (mK, mV), mO, (mLSE,), scale_log2, causal_offset,
+                       sQ_layout, sKV_layout, sP_layout, sStat_layout,
+                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage)
+
+    # The skeleton below is shared with the backward kernels (bwd_sm80.py), which put other
+    # tensors in its roles and replace the hooks that follow it (Note [Skeleton roles]).
+    #
+    # Note [Skeleton roles]: `rows[0]` is the resident operand (tile_m rows, every head-dim
+    # chunk in smem); `cols` holds one tensor per ring phase: phases 0 .. num_scores-1 are the
+    # score products (A = resident rows or a hook's row chunks, B = the phase's chunk), the last
+    # phase is the accumulator's B operand (transposed chunks, A = P from the softmax hook).
+    # The forward is rows (Q,), cols (K, V), num_scores 1.
+    num_scores = 1
+
+    @cute.jit
+    def _mainloop(self, rows, cols, mO: cute.Tensor, stats, scale_log2: cutlass.Float32,
+                  causal_offset: cutlass.Int32, sQ_layout: cute.ComposedLayout,
+                  sKV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
+                  sStat_layout: cute.Layout, gmem_copy_in: cute.TiledCopy,
+                  gmem_copy_out: cute.TiledCopy, tiled_mma: cute.TiledMma,
+                  SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         grid_m, _, _ = cute.arch.grid_dim()
-        m_block = grid_m - 1 - bidx  # longest tiles first under causal (bottom-right)
+        m_block = self._tile_index(bidx, grid_m)
+        mQ, mK = rows[0], cols[0]
         seqlen_q, seqlen_k, hdim = mQ.shape[2], mK.shape[2], mQ.shape[3]
-        head_kv = head // (mQ.shape[1] // mK.shape[1])
+        head_kv, group = self._heads(head, mQ.shape[1], mK.shape[1])
         warp_n_idx = cute.arch.warp_idx() // self.warp_m
         lane = cute.arch.lane_idx()
         cta_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_threads)
         C = self.num_chunks
+        S = self.num_scores
 
         # ///// shared memory
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -149,16 +186,14 @@ class FFPAFwdSm80(KernelEntry):
         sKV = storage.sKV.get_tensor(sKV_layout)     # (tile_n, tile_hdim, stages)
         sP = storage.sP.get_tensor(sP_layout)        # (tile_m, tile_n)
         sStat = storage.sStat.get_tensor(sStat_layout)  # (warp_n, tile_m)
+        sRow2 = self._row_ring(storage)              # (tile_m, tile_hdim, stages) or None
 
         # ///// global tiles and their coordinates
         # (tile_m, tile_hdim, C)
         gQ = cute.local_tile(mQ[batch, head, None, None], (self.tile_m, self.tile_hdim),
                              (m_block, None))
-        # (tile_n, tile_hdim, n_blocks, C)
-        gK = cute.local_tile(mK[batch, head_kv, None, None], (self.tile_n, self.tile_hdim),
-                             (None, None))
-        gV = cute.local_tile(mV[batch, head_kv, None, None], (self.tile_n, self.tile_hdim),
-                             (None, None))
+        # per ring phase (tile_n, tile_hdim, n_blocks, C), or None where the head varies
+        gCols = self._col_tiles(cols, batch, head_kv)
         idQ = cute.make_identity_tensor((seqlen_q, hdim))
         idKV = cute.make_identity_tensor((seqlen_k, hdim))
         cQ = cute.local_tile(idQ, (self.tile_m, self.tile_hdim), (m_block, None))
@@ -168,8 +203,8 @@ class FFPAFwdSm80(KernelEntry):
         tQgQ = thr_copy.partition_S(gQ)     # (CPY, CPY_M, CPY_K, C)
         tQsQ = thr_copy.partition_D(sQ)     # (CPY, CPY_M, CPY_K, C)
         tQcQ = thr_copy.partition_S(cQ)
-        tKgK = thr_copy.partition_S(gK)     # (CPY, CPY_N, CPY_K, n_blocks, C)
-        tVgV = thr_copy.partition_S(gV)
+        # per ring phase (CPY, CPY_N, CPY_K, n_blocks, C)
+        tCg = None if gCols is None else [thr_copy.partition_S(g) for g in gCols]
         tKVcKV = thr_copy.partition_S(cKV)  # (CPY, CPY_N, CPY_K, n_blocks, C)
         tKVsKV = thr_copy.partition_D(sKV)  # (CPY, CPY_N, CPY_K, stages)
 
@@ -181,6 +216,10 @@ class FFPAFwdSm80(KernelEntry):
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sV0t))              # (MMA, MMA_N, MMA_K)
         acc_S = cute.make_rmem_tensor(
             thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+        acc_2 = None  # the second score product (num_scores == 2)
+        if cutlass.const_expr(S == 2):
+            acc_2 = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
         acc_O = [cute.make_rmem_tensor(
             thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), cutlass.Float32)
             for _ in range(C)]
@@ -214,29 +253,35 @@ class FFPAFwdSm80(KernelEntry):
             tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))              # (MMA, MMA_M, MMA_K)
             tOrP_v, tOsP = s2r_A.retile(tOrP), s2r_A.partition_S(sP)
 
-        softmax = OnlineSoftmax(num_rows, scale_log2)
+        ctx = SimpleNamespace(
+            tidx=tidx, batch=batch, head=head, m_block=m_block, seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k, hdim=hdim, warp_n_idx=warp_n_idx, lane=lane, cta_sync=cta_sync,
+            rows=rows, cols=cols, mO=mO, stats=stats, scale_log2=scale_log2,
+            causal_offset=causal_offset, sQ=sQ, sKV=sKV, sP=sP, sStat=sStat, sRow2=sRow2,
+            gmem_copy_in=gmem_copy_in, gmem_copy_out=gmem_copy_out, thr_copy=thr_copy, tCg=tCg,
+            tKVcKV=tKVcKV, tKVsKV=tKVsKV, thr_mma=thr_mma, acc_S=acc_S, acc_S_mn=acc_S_mn,
+            acc_2=acc_2, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, row_idx=row_idx,
+            rP=rP)
+        ctx.state = self._row_state(ctx)  # forward: the online softmax
 
-        # ///// KV loop bounds (reverse order: the residue / diagonal block comes first)
-        n_max = n_block_max(m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
-                            self.causal)
-        num_iters = n_max  # blocks n_max-1 ... 0
-        steps = 2 * C      # ring steps per KV block: K chunks then V chunks
+        # ///// block sequence (forward: KV blocks in reverse, the residue / diagonal one first)
+        seq = self._block_range(m_block, seqlen_k, causal_offset, head_kv, group)
+        steps = (S + 1) * C  # ring steps per block: the score phases' chunks, then the B chunks
 
-        # ///// prologue: Q (all chunks) joins the first ring group
+        # ///// prologue: the resident rows (all chunks) join the first ring group
         for c in cutlass.range_constexpr(C):
             self._load_tile(gmem_copy_in, tQgQ[None, None, None, c], tQsQ[None, None, None, c],
                             tQcQ[None, None, None, c], seqlen_q, self.tile_m,
                             m_block * self.tile_m, c)
         for s in cutlass.range_constexpr(self.num_stages - 1):
-            if s // steps < num_iters:
-                self._load_ring_step(gmem_copy_in, tKgK, tVgV, tKVcKV, tKVsKV,
-                                     n_max - 1 - s // steps, s % steps, s % self.num_stages,
-                                     seqlen_k)
+            if s // steps < seq.num_iters:
+                h_p, n_p = self._block(seq, s // steps)
+                self._load_ring_step(ctx, h_p, n_p, s % steps, s % self.num_stages)
             cute.arch.cp_async_commit_group()
 
-        # ///// main loop over KV blocks
-        for it in cutlass.range(num_iters, unroll=1):
-            n_block = n_max - 1 - it
+        # ///// main loop over blocks
+        for it in cutlass.range(seq.num_iters, unroll=1):
+            blk_head, n_block = self._block(seq, it)
             for j in cutlass.range_constexpr(steps):
                 t = it * steps + j
                 cute.arch.cp_async_wait_group(self.num_stages - 2)
@@ -244,43 +289,86 @@ class FFPAFwdSm80(KernelEntry):
                 # prefetch the step num_stages-1 ahead into the slot step t-1 just released
                 jp = j + self.num_stages - 1
                 it_p = it + jp // steps
-                if it_p < num_iters:
-                    self._load_ring_step(gmem_copy_in, tKgK, tVgV, tKVcKV, tKVsKV,
-                                         n_max - 1 - it_p, jp % steps,
-                                         (t + self.num_stages - 1) % self.num_stages,
-                                         seqlen_k)
+                if it_p < seq.num_iters:
+                    h_p, n_p = self._block(seq, it_p)
+                    self._load_ring_step(ctx, h_p, n_p, jp % steps,
+                                         (t + self.num_stages - 1) % self.num_stages)
                 cute.arch.cp_async_commit_group()
                 slot = t % self.num_stages
-                if cutlass.const_expr(j < C):
-                    # ---- S += Q[:, chunk j] K[:, chunk j]^T
-                    if cutlass.const_expr(j == 0):
-                        acc_S.fill(0.0)
-                    tSsQ = s2r_A.partition_S(sQ[None, None, j])
+                if cutlass.const_expr(j == 0):
+                    self._block_start(ctx, blk_head, n_block)
+                if cutlass.const_expr(j < S * C):
+                    # ---- score product j // C: acc += rows[:, chunk] cols[:, chunk]^T
+                    acc = acc_S if j < C else acc_2
+                    if cutlass.const_expr(j % C == 0):
+                        acc.fill(0.0)
+                    tSsQ = s2r_A.partition_S(self._score_rows(ctx, j, slot))
                     tSsK = s2r_B.partition_S(sKV[None, None, slot])
                     for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                         cute.copy(s2r_A, tSsQ[None, None, k], tSrQ_v[None, None, k])
                         cute.copy(s2r_B, tSsK[None, None, k], tSrK_v[None, None, k])
-                        cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k],
-                                  acc_S)
-                    if cutlass.const_expr(j == C - 1):
-                        self._softmax_step(acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax, sStat,
-                                           rP, sP, thr_mma, row_idx, warp_n_idx, lane, m_block,
-                                           n_block, seqlen_k, causal_offset, cta_sync)
+                        cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+                    if cutlass.const_expr(j == S * C - 1):
+                        self._softmax_step(ctx, blk_head, n_block)
                 else:
-                    # ---- O[:, chunk] += P V[:, chunk]  (P was written before this step's barrier)
-                    if cutlass.const_expr(j == C and self.warp_n > 1):
+                    # ---- O[:, chunk] += P B[:, chunk]  (P was written before this step's barrier)
+                    if cutlass.const_expr(j == S * C and self.warp_n > 1):
                         cute.copy(s2r_A, tOsP, tOrP_v)
                     tOsVt = s2r_Bt.partition_S(self._transposed(sKV[None, None, slot]))
                     for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
                         cute.copy(s2r_Bt, tOsVt[None, None, k], tOrVt_v[None, None, k])
-                        cute.gemm(tiled_mma, acc_O[j - C], tOrP[None, None, k],
-                                  tOrVt[None, None, k], acc_O[j - C])
+                        cute.gemm(tiled_mma, acc_O[j - S * C], tOrP[None, None, k],
+                                  tOrVt[None, None, k], acc_O[j - S * C])
         cute.arch.cp_async_wait_group(0)
 
         # ///// epilogue
-        self._epilogue(softmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx, lane, thr_mma,
-                       gmem_copy_out, mO, mLSE, batch, head, m_block, seqlen_q, hdim,
-                       cta_sync, tidx)
+        self._epilogue(ctx)
+
+    # ---------------------------------------------------------------- skeleton hooks (forward)
+    @cute.jit
+    def _tile_index(self, bidx, grid_m):
+        """Row tile of this CTA: longest tiles first under causal (bottom-right)."""
+        return grid_m - 1 - bidx
+
+    @cute.jit
+    def _heads(self, head, heads_rows, heads_cols):
+        """(head of the ring tensors for this CTA's row head, group size): the KV head."""
+        return head // (heads_rows // heads_cols), 1
+
+    @cute.jit
+    def _block_range(self, m_block, seqlen_k, causal_offset, head_kv, group):
+        """KV blocks n_max-1 .. 0 (reverse order: the residue / diagonal block comes first)."""
+        n_max = n_block_max(m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
+                            self.causal)
+        return BlockSeq(n_max, n_max, head_kv, group)
+
+    @cute.jit
+    def _block(self, seq, i):
+        """(head, block) of ring iteration i."""
+        return seq.head0, seq.n_top - 1 - i
+
+    def _row_ring(self, storage):
+        """A second, streamed row operand's smem ring (none in the forward)."""
+        return None
+
+    def _col_tiles(self, cols, batch, head_kv):
+        """Every ring phase's (tile_n, tile_hdim, n_blocks, C) tiles, or None when the
+        phases' head changes from block to block (then `_load_ring_step` tiles per block)."""
+        return [cute.local_tile(m[batch, head_kv, None, None], (self.tile_n, self.tile_hdim),
+                                (None, None)) for m in cols]
+
+    def _score_rows(self, ctx, j: int, slot):
+        """A operand of score chunk j: the resident rows' chunk j."""
+        return ctx.sQ[None, None, j]
+
+    @cute.jit
+    def _row_state(self, ctx):
+        return OnlineSoftmax(cute.size(ctx.acc_S_mn, mode=[0]), ctx.scale_log2)
+
+    @cute.jit
+    def _block_start(self, ctx, blk_head, n_block):
+        """Per-block setup before the first score chunk (nothing in the forward)."""
+        pass
 
     def _transposed(self, sV_chunk: cute.Tensor) -> cute.Tensor:
         """(tile_n, tile_hdim) V chunk seen as (tile_hdim, tile_n): the B operand of P V."""
@@ -323,33 +411,39 @@ class FFPAFwdSm80(KernelEntry):
                         cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
 
     @cute.jit
-    def _load_ring_step(self, tiled_copy, tKgK, tVgV, tKVcKV, tKVsKV, n_block: cutlass.Int32,
-                        step: cutlass.Constexpr, slot: cutlass.Int32, seqlen_k: cutlass.Int32):
-        """Ring step `step` of KV block n_block: K chunk `step`, or V chunk `step - C`."""
+    def _load_ring_step(self, ctx, head, n_block: cutlass.Int32, step: cutlass.Constexpr,
+                        slot: cutlass.Int32):
+        """Ring step `step` of block n_block: chunk `step % C` of phase `step // C`
+        (forward: K chunk `step`, or V chunk `step - C`)."""
         C = self.num_chunks
         chunk = step % C
-        src = tKgK if cutlass.const_expr(step < C) else tVgV
-        self._load_tile(tiled_copy, src[None, None, None, n_block, chunk],
-                        tKVsKV[None, None, None, slot], tKVcKV[None, None, None, n_block, chunk],
-                        seqlen_k, self.tile_n, n_block * self.tile_n, chunk)
+        src = ctx.tCg[step // C]
+        self._load_tile(ctx.gmem_copy_in, src[None, None, None, n_block, chunk],
+                        ctx.tKVsKV[None, None, None, slot],
+                        ctx.tKVcKV[None, None, None, n_block, chunk],
+                        ctx.seqlen_k, self.tile_n, n_block * self.tile_n, chunk)
 
     @cute.jit
-    def _softmax_step(self, acc_S, acc_S_mn, tScS_mn, acc_O_mn, softmax: OnlineSoftmax,
-                      sStat, rP, sP, thr_mma, row_idx, warp_n_idx, lane, m_block, n_block,
-                      seqlen_k, causal_offset, cta_sync):
+    def _softmax_step(self, ctx, head, n_block):
         """Mask, online softmax, O rescale; P -> rP (and sP when warp_n > 1)."""
-        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
-                            self.causal):
-            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
-                       self.tile_m, self.tile_n, self.causal)
+        acc_S_mn, softmax = ctx.acc_S_mn, ctx.state
+        if block_needs_mask(ctx.m_block, n_block, ctx.seqlen_k, ctx.causal_offset, self.tile_m,
+                            self.tile_n, self.causal):
+            apply_mask(acc_S_mn, ctx.tScS_mn, ctx.m_block, n_block, ctx.seqlen_k,
+                       ctx.causal_offset, self.tile_m, self.tile_n, self.causal)
         blk_max = softmax.block_max(acc_S_mn)
         if cutlass.const_expr(self.warp_n > 1):
-            softmax.exchange(blk_max, sStat, row_idx, warp_n_idx, lane, self.warp_n, True,
-                             cta_sync.arrive_and_wait)
-        softmax.update(acc_S_mn, blk_max, acc_O_mn)
-        rP.store(acc_S.load().to(self.dtype))
+            softmax.exchange(blk_max, ctx.sStat, ctx.row_idx, ctx.warp_n_idx, ctx.lane,
+                             self.warp_n, True, ctx.cta_sync.arrive_and_wait)
+        softmax.update(acc_S_mn, blk_max, ctx.acc_O_mn)
+        self._store_p(ctx)
+
+    @cute.jit
+    def _store_p(self, ctx):
+        """The scores' fragment (now P) -> rP in the input dtype, and sP when warp_n > 1."""
+        ctx.rP.store(ctx.acc_S.load().to(self.dtype))
         if cutlass.const_expr(self.warp_n > 1):
-            cute.autovec_copy(rP, thr_mma.partition_C(sP))
+            cute.autovec_copy(ctx.rP, ctx.thr_mma.partition_C(ctx.sP))
 
     def _c_frag_as_a(self, rP: cute.Tensor) -> cute.Tensor:
         """View an m16n8 C fragment ((2,2), MMA_M, MMA_N) as an m16n8k16 A fragment
@@ -361,34 +455,40 @@ class FFPAFwdSm80(KernelEntry):
         return cute.make_tensor(rP.iterator, view)
 
     @cute.jit
-    def _epilogue(self, softmax: OnlineSoftmax, acc_O, acc_O_mn, sQ, sStat, row_idx, warp_n_idx,
-                  lane, thr_mma, gmem_copy_out, mO, mLSE, batch, head, m_block,
-                  seqlen_q, hdim, cta_sync, tidx):
+    def _epilogue(self, ctx):
         """Normalise, write LSE, stage O in the Q buffer, 128-bit predicated stores."""
-        C = self.num_chunks
+        softmax, mLSE = ctx.state, ctx.stats[0]
         softmax.finalize_sum()
-        cta_sync.arrive_and_wait()  # everyone is done with sQ and sStat
+        ctx.cta_sync.arrive_and_wait()  # everyone is done with sQ and sStat
         if cutlass.const_expr(self.warp_n > 1):
-            softmax.exchange(softmax.row_sum, sStat, row_idx, warp_n_idx, lane, self.warp_n,
-                             False, cta_sync.arrive_and_wait)
+            softmax.exchange(softmax.row_sum, ctx.sStat, ctx.row_idx, ctx.warp_n_idx, ctx.lane,
+                             self.warp_n, False, ctx.cta_sync.arrive_and_wait)
         lse = cute.make_rmem_tensor(softmax.num_rows, cutlass.Float32)
-        softmax.normalize(acc_O_mn, lse)
-        if warp_n_idx == 0 and lane % 4 == 0:
+        softmax.normalize(ctx.acc_O_mn, lse)
+        if ctx.warp_n_idx == 0 and ctx.lane % 4 == 0:
             for r in cutlass.range_constexpr(softmax.num_rows):
-                row = m_block * self.tile_m + row_idx[r]
-                if row < seqlen_q:
-                    mLSE[batch, head, row] = lse[r]
-        # O -> sQ (the Q buffer is free: the last QK step precedes the last barrier)
+                row = ctx.m_block * self.tile_m + ctx.row_idx[r]
+                if row < ctx.seqlen_q:
+                    mLSE[ctx.batch, ctx.head, row] = lse[r]
+        self._store_acc(ctx, ctx.acc_O)
+
+    @cute.jit
+    def _store_acc(self, ctx, acc_O):
+        """acc_O (C chunks, fp32) -> input dtype -> the Q buffer (free: the last score step
+        precedes the last barrier) -> 128-bit stores of rows < seqlen_q, columns < D."""
+        C = self.num_chunks
+        sQ, mO, seqlen_q, hdim = ctx.sQ, ctx.mO, ctx.seqlen_q, ctx.hdim
         for c in cutlass.range_constexpr(C):
             rO = cute.make_fragment_like(acc_O[c], self.dtype)
             rO.store(acc_O[c].load().to(self.dtype))
-            cute.autovec_copy(rO, thr_mma.partition_C(sQ[None, None, c]))
-        cta_sync.arrive_and_wait()
-        gO = cute.local_tile(mO[batch, head, None, None], (self.tile_m, self.tile_hdim),
-                             (m_block, None))
+            cute.autovec_copy(rO, ctx.thr_mma.partition_C(sQ[None, None, c]))
+        ctx.cta_sync.arrive_and_wait()
+        gO = cute.local_tile(mO[ctx.batch, ctx.head, None, None], (self.tile_m, self.tile_hdim),
+                             (ctx.m_block, None))
         cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, hdim)),
-                             (self.tile_m, self.tile_hdim), (m_block, None))
-        thr_copy = gmem_copy_out.get_slice(tidx)
+                             (self.tile_m, self.tile_hdim), (ctx.m_block, None))
+        gmem_copy_out = ctx.gmem_copy_out
+        thr_copy = gmem_copy_out.get_slice(ctx.tidx)
         tOsO = thr_copy.partition_S(sQ)   # (CPY, CPY_M, CPY_K, C)
         tOgO = thr_copy.partition_D(gO)
         tOcO = thr_copy.partition_D(cO)
@@ -400,6 +500,5 @@ class FFPAFwdSm80(KernelEntry):
                         vec = cute.make_fragment_like(tOsO[None, m, k, c])
                         cute.autovec_copy(tOsO[None, m, k, c], vec)
                         cute.copy(gmem_copy_out, vec, tOgO[None, m, k, c])
-
 
 __all__ = ["FFPAFwdSm80"]
