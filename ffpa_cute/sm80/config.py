@@ -145,3 +145,70 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
     if reason:
         raise ValueError(reason)
     return cfg
+
+
+# ==================================================================================== backward
+# === BACKWARD TUNING TABLE ===========================================================
+# The three backward kernels (bwd_sm80.py) run on the forward's skeleton with other operands in
+# its roles; each keeps its gradient (tile_m x D fp32) in registers like O: D / (2 * warp_n)
+# registers per thread, so the same layouts apply (M4N2 up to D = 512, M2N4 above).
+#   dV: one score product (S^T = K Q^T) + the P^T dO accumulation: the forward's budget.
+#   dQ, dK: two score products (S and dP), so two tile_m x tile_n fp32 fragments plus the
+#     per-row (dQ) or per-column (dK) LSE and Delta beside the gradient; the second product's
+#     row operand (dO for dQ, V for dK) streams through a row ring of num_stages
+#     tile_m x tile_hdim chunks beside the chunk ring (resident it would double the rows' smem).
+# Where the preferred layout's smem does not fit the target (sm_120: 99 KB), M2N4 (tile_m 32).
+# =====================================================================================
+BWD_WARP_LAYOUTS = {"dv": ((512, "m4n2"), (1024, "m2n4")),
+                    "dq": ((512, "m4n2"), (1024, "m2n4")),
+                    "dk": ((512, "m4n2"), (1024, "m2n4"))}
+
+
+@dataclass(frozen=True)
+class BwdDVConfigSm80(FwdConfigSm80):
+    """Compile key of the dV kernel: the forward's fields, read with a tile_m-row K tile as
+    the resident rows and tile_n-query blocks (Q chunks, then dO chunks) through the ring."""
+
+
+@dataclass(frozen=True)
+class BwdDQConfigSm80(FwdConfigSm80):
+    """Compile key of the dQ kernel: Q resident; per KV block the ring carries K chunks (S),
+    V chunks with dO chunks in the row ring beside them (dP), then K chunks again (dS K)."""
+
+    def smem_bytes(self) -> int:
+        """The forward's budget plus the row ring (num_stages x tile_m x tile_hdim)."""
+        return super().smem_bytes() + self.num_stages * self.tile_m * self.tile_hdim * 2 + 1024
+
+
+@dataclass(frozen=True)
+class BwdDKConfigSm80(BwdDQConfigSm80):
+    """Compile key of the dK kernel: a K tile resident; per query block the ring carries Q
+    chunks (S^T), dO chunks with V chunks in the row ring (dP^T), then Q chunks again (dS^T Q)."""
+
+
+BWD_CONFIGS = {"dv": BwdDVConfigSm80, "dq": BwdDQConfigSm80, "dk": BwdDKConfigSm80}
+
+
+def pick_bwd_warp_layout(kind: str, head_dim: int) -> str:
+    """The backward tuning table above."""
+    for max_d, layout in BWD_WARP_LAYOUTS[kind]:
+        if head_dim <= max_d:
+            return layout
+    raise ValueError(f"head_dim={head_dim} above {MAX_HEAD_DIM}")
+
+
+def plan_bwd(kind: str, problem: AttnProblem, arch: str, warp_layout: str | None = None):
+    """Config of the backward kernel `kind` ("dv" | "dq" | "dk") for `problem` on `arch`: the
+    table's layout (else M2N4 where its smem does not fit) with the deepest ring that fits;
+    raises ValueError with the reason when none can run."""
+    cls = BWD_CONFIGS[kind]
+    layouts = ([warp_layout] if warp_layout else
+               dict.fromkeys([pick_bwd_warp_layout(kind, problem.head_dim), "m2n4"]))
+    cfg = None
+    for layout in layouts:
+        for stages in (4, 3, 2):
+            cfg = cls(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                      causal=problem.causal, warp_layout=layout, num_stages=stages, tile_n=64)
+            if can_implement(cfg) is None:
+                return cfg
+    raise ValueError(f"{kind}: {can_implement(cfg)}")

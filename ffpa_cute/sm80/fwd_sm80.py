@@ -51,13 +51,14 @@ from .config import FwdConfigSm80, can_implement
 
 
 class BlockSeq(NamedTuple):
-    """A CTA's ring iterations: `num_iters` blocks; the forward walks KV blocks n_top-1 .. 0
-    of one head (head0); the backward's dV / dK walk query blocks of `group` heads."""
+    """A CTA's ring iterations: `num_iters` blocks, `per_head` of them per head from head0 on,
+    each head's from block n_top-1 down. The forward walks the KV blocks n_top-1 .. 0 of one
+    head; the backward's dV / dK walk query blocks of all the query heads of a KV head."""
 
     n_top: cutlass.Int32
     num_iters: cutlass.Int32
     head0: cutlass.Int32
-    group: cutlass.Int32
+    per_head: cutlass.Int32
 
 
 class FFPAFwdSm80(KernelEntry):
@@ -340,7 +341,7 @@ class FFPAFwdSm80(KernelEntry):
         """KV blocks n_max-1 .. 0 (reverse order: the residue / diagonal block comes first)."""
         n_max = n_block_max(m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
                             self.causal)
-        return BlockSeq(n_max, n_max, head_kv, group)
+        return BlockSeq(n_max, n_max, head_kv, n_max)
 
     @cute.jit
     def _block(self, seq, i):
