@@ -136,6 +136,10 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         n_per = seq.n_count // seq.group
         return seq.head_kv + i // n_per, seq.n_top - 1 - i % n_per
 
+    def _stats_head(self, head, blk_head):
+        """The columns are queries of the block's head: their LSE (and Delta) are that head's."""
+        return blk_head
+
     @cute.jit
     def _k_src(self, loads, seq, head, n_block, c):
         """Q chunk c of query block n_block of query `head` (the K role's TMA, re-tiled per head)."""

@@ -350,6 +350,11 @@ class FFPAFwdSm90(KernelEntry):
         per = cfg.k_chunk // 16
         return False, c == 0, last if c == self.num_chunks - 1 else per, c * per
 
+    def _stats_head(self, head, blk_head):
+        """Head whose per-row statistics (LSE, Delta) the score step reads: the tile's query
+        head (the rows are queries; the forward reads none)."""
+        return head
+
     @cute.jit
     def _k_src(self, loads, seq, head, n_block, c):
         """Source of K chunk c of block n_block (of `head`: one head here, tKg covers it)."""
@@ -459,8 +464,8 @@ class FFPAFwdSm90(KernelEntry):
             self._refill_k(loads, bars, x - 1, total, seq, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset, mLSE, batch, blk_head,
-                                sFactor, tidx, acc_2, extra)
+                                n_block, seqlen_k, causal_offset, mLSE, batch,
+                                self._stats_head(head, blk_head), sFactor, tidx, acc_2, extra)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
