@@ -91,10 +91,10 @@ def _kernel_family(family: str):
     return None
 
 
-# Head dims the sm90 family sends to the WGMMA kernel. Above it: the Split-D mma.sync kernel
-# compiled for sm_90a. The WGMMA kernel also builds D in (512, 1024] (O split over two CTAs,
-# compile-verified); this moves to 1024 once that path has passed the GPU grid (perf/NOTES.md).
-SM90_WGMMA_MAX_HEAD_DIM = 512
+# Head dims the sm90 family sends to the WGMMA kernel (D > 512: O split over two CTAs). Above
+# it, and where the WGMMA kernel cannot run a D (D % 16 != 0 above 512): the Split-D mma.sync
+# kernel compiled for sm_90a.
+SM90_WGMMA_MAX_HEAD_DIM = 1024
 
 
 def _plan_sm90(problem: AttnProblem, target: str):
@@ -239,35 +239,70 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return out, lse
 
 
-# The sm90 backward kernels (dQ, dK, dV in ffpa_cute/sm90/bwd_sm90.py) replace the SDPA
-# recompute only once they have passed tests/test_backward_sm90_gpu.py on the H200; until then
-# the backward recomputes through torch SDPA (README support matrix).
-SM90_BWD_KERNELS = False
+# Backward kernel families that replace the SDPA recompute, each added only after its GPU grid
+# passed on the H200 (tests/test_backward_sm90_gpu.py, tests/test_backward_sm80_gpu.py):
+#   sm90: WGMMA dQ / dK / dV (ffpa_cute/sm90/bwd_sm90.py), D <= 512;
+#   sm80: Split-D mma.sync dQ / dK / dV (ffpa_cute/sm80/bwd_sm80.py), D up to 1024; it also serves
+#         the sm90 family above the WGMMA backward's D range (compiled for sm_90a).
+# sm120 (the sm80 kernels' subclass) is compile-verified only and never enabled.
+BWD_KERNEL_FAMILIES: frozenset[str] = frozenset({"sm90", "sm80"})
 
 
-def bwd_reason(problem: AttnProblem, device: torch.device | None = None) -> str | None:
-    """None when the backward kernels serve `problem` (same routing table as the forward)."""
-    if not SM90_BWD_KERNELS:
-        return "backward kernels not enabled yet (SM90_BWD_KERNELS: awaiting the GPU grid)"
-    plan = plan_fwd(problem, device)
-    if plan.reason is not None or plan.family != "sm90" or plan.target != "sm_90a":
-        return "backward kernels exist for the sm90 family on sm_90a only"
-    from .sm90 import bwd_sm90
+def bwd_family(problem: AttnProblem, device: torch.device | None = None,
+               target: str | None = None) -> tuple[str | None, str]:
+    """(family, "") of the backward kernels that serve `problem`, else (None, why not)."""
+    plan = plan_fwd(problem, device, target)
+    if plan.reason is not None:
+        return None, plan.reason
+    if plan.target.startswith("sm_12") or plan.family not in ("sm80", "sm90"):
+        return None, f"no backward kernels for the {plan.family} family"
+    why = []
+    if plan.family == "sm90":
+        from .sm90 import bwd_sm90
+
+        try:
+            bwd_sm90.plan_dq(problem)
+            bwd_sm90.plan_dv(problem)
+            if "sm90" in BWD_KERNEL_FAMILIES:
+                return "sm90", ""
+            why.append("sm90 backward kernels not enabled (BWD_KERNEL_FAMILIES)")
+        except ValueError as e:
+            why.append(f"sm90 backward kernels cannot run it: {e}")
+    from .sm80.config import plan_bwd as plan_bwd_sm80
 
     try:
-        bwd_sm90.plan_dq(problem)
-        bwd_sm90.plan_dv(problem)
+        for kind in ("dv", "dq", "dk"):
+            plan_bwd_sm80(kind, problem, plan.target)
+        if "sm80" in BWD_KERNEL_FAMILIES:
+            return "sm80", ""
+        why.append("Split-D backward kernels not enabled (BWD_KERNEL_FAMILIES)")
     except ValueError as e:
-        return f"sm90 backward kernels cannot run it: {e}"
-    return None
+        why.append(f"Split-D backward kernels cannot run it: {e}")
+    return None, "; ".join(why)
+
+
+def bwd_reason(problem: AttnProblem, device: torch.device | None = None,
+               target: str | None = None) -> str | None:
+    """None when backward kernels serve `problem` (same routing table as the forward)."""
+    if not BWD_KERNEL_FAMILIES:
+        return "backward kernels not enabled (BWD_KERNEL_FAMILIES is empty)"
+    return bwd_family(problem, device, target)[1] or None
 
 
 def run_bwd(problem: AttnProblem, q, k, v, out, lse, dout):
     """(dq, dk, dv) from the backward kernels; the caller checked `bwd_reason` is None."""
-    from .sm90 import bwd_sm90
-
+    family, why = bwd_family(problem, q.device)
+    if family is None:
+        raise NotImplementedError(why)
     q, k, v, dout = (_kernel_ready(t) for t in (q, k, v, dout))
     delta = (dout.float() * out.float()).sum(-1)
+    if family == "sm80":
+        from .sm80.bwd_sm80 import run_bwd_sm80
+
+        return run_bwd_sm80(problem, q, k, v, out, lse, dout, delta,
+                            arch=plan_fwd(problem, q.device).target)
+    from .sm90 import bwd_sm90
+
     args = (problem.softmax_scale, problem.causal, problem.causal_offset)
     dq = bwd_sm90.run_dq(q, k, v, dout, lse, delta, *args)
     dk = bwd_sm90.run_dk(q, k, v, dout, lse, delta, *args)

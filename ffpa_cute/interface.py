@@ -289,7 +289,7 @@ def _backward(ctx, dout, _dlse):
     problem = reason = None
     # The backward kernels are eager-only for now (no custom op of their own, so nothing for
     # torch.compile to trace); the problem is built only when they are on at all.
-    if dispatch.SM90_BWD_KERNELS and not torch.compiler.is_compiling():
+    if dispatch.BWD_KERNEL_FAMILIES and not torch.compiler.is_compiling():
         problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
                                            scale=scale)
         reason = dispatch.bwd_reason(problem, q.device)

@@ -34,16 +34,20 @@ if has 2; then
   done
 fi
 if has bwd; then
-  # Own section and timeout: a hang here must not cost the forward results.
+  # Own section and timeouts: a hang here must not cost the forward results.
   step "GPU tests, sm90 backward kernels (dV, dQ, dK vs float64; autograd through them)"
-  FFPA_CUTE_ARCH=sm90 timeout 240 python -m pytest -m gpu -v tests/test_backward_sm90_gpu.py \
-      tests/test_attention_gpu.py -k "dv_matches or dq_dk or backward_sm90_kernels" 2>&1 \
+  FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m gpu -v tests/test_backward_sm90_gpu.py \
+      tests/test_attention_gpu.py -k "dv_matches or dq_dk or backward" 2>&1 \
       | tee "$out/gpu_bwd_sm90.log" | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -40
+  step "GPU tests, Split-D backward kernels (FFPA_CUTE_ARCH=sm80, default tier)"
+  FFPA_CUTE_ARCH=sm80 timeout 300 python -m pytest -m "gpu and not slow" -v \
+      tests/test_backward_sm80_gpu.py 2>&1 \
+      | tee "$out/gpu_bwd_sm80.log" | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -40
 fi
 if has 3; then
-  step "GPU tests, slow grid, FFPA_CUTE_ARCH=sm90 (its WGMMA range, D <= 512)"
-  FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m "gpu and slow" -q -x \
-      tests/test_attention_gpu.py -k "d264 or d320 or d328 or d384 or d448 or d512" 2>&1 \
+  step "GPU tests, slow grid, FFPA_CUTE_ARCH=sm90 (-k ${SLOW_K:-all})"
+  FFPA_CUTE_ARCH=sm90 timeout 300 python -m pytest -m "gpu and slow" -q -x \
+      tests/test_attention_gpu.py ${SLOW_K:+-k "$SLOW_K"} 2>&1 \
       | tee "$out/gpu_slow_sm90.log" | tail -2
 fi
 if has 4; then

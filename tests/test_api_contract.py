@@ -301,6 +301,7 @@ def fake_kernel(monkeypatch):
     fake = FakeKernel()
     monkeypatch.setattr(dispatch, "plan_fwd", fake.plan_fwd)
     monkeypatch.setattr(dispatch, "run_fwd", fake.run_fwd)
+    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset())  # no backward kernels
     interface._clear_caches()
     return fake
 

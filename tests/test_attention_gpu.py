@@ -219,33 +219,34 @@ def test_backward(seed, mode, nq, nkv, ratio):
     _check_backward(mode, nq, nkv, ratio)
 
 
-@pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 4),
-                                               ("bottom_right", 1000, 129, 1),
-                                               ("upper_left", 129, 129, 16), ("none", 7, 129, 1),
-                                               ("none", 1000, 1000, 1)])
-def test_backward_sm90_kernels(seed, monkeypatch, mode, nq, nkv, ratio):
-    """Autograd through the sm90 backward kernels (dispatch.SM90_BWD_KERNELS forced on): the
+@pytest.mark.parametrize("family,d,mode,nq,nkv,ratio", [
+    ("sm90", 512, "bottom_right", 129, 1000, 4), ("sm90", 512, "bottom_right", 1000, 129, 1),
+    ("sm90", 512, "upper_left", 129, 129, 16), ("sm90", 512, "none", 7, 129, 1),
+    ("sm90", 512, "none", 1000, 1000, 1), ("sm80", 512, "bottom_right", 129, 1000, 4),
+    ("sm80", 1024, "upper_left", 129, 129, 16), ("sm80", 320, "none", 1000, 1000, 1)])
+def test_backward_kernels(seed, monkeypatch, family, d, mode, nq, nkv, ratio):
+    """Autograd through one family's backward kernels (BWD_KERNEL_FAMILIES forced to it): the
     route is the kernels', and the gradients pass the same criterion."""
-    if dispatch.current_arch() != "sm_90a":
+    if family == "sm90" and dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
-    monkeypatch.setattr(dispatch, "SM90_BWD_KERNELS", True)
+    monkeypatch.setenv("FFPA_CUTE_ARCH", family)
+    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({family}))
     _forget_plans()
     try:
-        _check_backward(mode, nq, nkv, ratio, expect_kernels=True)
+        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=d)
     finally:
         _forget_plans()
 
 
-def _check_backward(mode, nq, nkv, ratio, expect_kernels=False):
+def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512):
     hkv = 2 if ratio < 16 else 1
-    q, k, v = make_qkv(1, hkv * ratio, hkv, nq, nkv, 512, BF16, grad=True)
+    q, k, v = make_qkv(1, hkv * ratio, hkv, nq, nkv, d, BF16, grad=True)
     kernel_plan(q, k, v, mode)
     causal, off = mode != "none", offset_of(mode, nq, nkv)
     if expect_kernels:
         problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=off)
         assert dispatch.bwd_reason(problem) is None
-    dout = torch.randn(1, hkv * ratio, nq, 512, device="cuda", dtype=BF16)
+    dout = torch.randn(1, hkv * ratio, nq, d, device="cuda", dtype=BF16)
     call(q, k, v, mode).backward(dout)
     got = [t.grad for t in (q, k, v)]
     grads = {}

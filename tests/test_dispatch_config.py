@@ -37,23 +37,27 @@ def test_sm100_has_no_kernels_yet_and_falls_back():
 
 
 @pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
-                                      (520, "FFPAFwdSm80"), (1024, "FFPAFwdSm80")])
+                                      (520, "FFPAFwdSm80"), (1024, "FFPAFwdSm90")])
 def test_sm90_family_kernels(d, kernel):
-    """sm_90a: the WGMMA kernel up to D = 512, the Split-D kernel (compiled for sm_90a) above."""
+    """sm_90a: the WGMMA kernel at every D it builds (above 512: D % 16 == 0), else the Split-D
+    kernel compiled for sm_90a."""
     plan = dispatch.plan_fwd(prob(d=d), target="sm_90a")
     assert plan.reason is None and plan.family == "sm90"
     assert plan.kernel_cls.__name__ == kernel and plan.cfg.arch == "sm_90a"
 
 
 def test_sm90_wgmma_range_and_o_split(monkeypatch):
-    """Above SM90_WGMMA_MAX_HEAD_DIM the Split-D kernel serves sm_90a; raised to 1024, D > 512
-    goes to the WGMMA kernel with O split over two CTAs, except D % 16 != 0 (Split-D)."""
-    monkeypatch.setattr(dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 1024)
+    """D > 512 goes to the WGMMA kernel with O split over two CTAs, except D % 16 != 0
+    (Split-D); lowering SM90_WGMMA_MAX_HEAD_DIM sends the D above it to Split-D."""
     dispatch._plan_cached.cache_clear()
     try:
         plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
         assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
         plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
+        assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
+        monkeypatch.setattr(dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 512)
+        dispatch._plan_cached.cache_clear()
+        plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
         assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
     finally:
         dispatch._plan_cached.cache_clear()
@@ -139,10 +143,21 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
     assert _kernel_ready(t).stride(-1) == 1
 
 
-def test_backward_kernels_off_until_verified(monkeypatch):
-    """The sm90 backward kernels stay off (SDPA recompute) until they pass on a GPU; when on,
-    they serve only what the sm90 family's forward serves."""
-    assert dispatch.SM90_BWD_KERNELS is False
-    assert "not enabled" in dispatch.bwd_reason(prob())
-    monkeypatch.setattr(dispatch, "SM90_BWD_KERNELS", True)
-    assert "sm90" in dispatch.bwd_reason(prob(device_type="cpu"))
+@pytest.mark.parametrize("d,enabled,target,family", [
+    (512, {"sm90", "sm80"}, "sm_90a", "sm90"), (1024, {"sm90", "sm80"}, "sm_90a", "sm80"),
+    (512, {"sm80"}, "sm_90a", "sm80"), (512, {"sm90"}, "sm_90a", "sm90"),
+    (1024, {"sm90"}, "sm_90a", None), (512, {"sm80"}, "sm_80", "sm80"),
+    (512, {"sm90", "sm80"}, "sm_120a", None), (512, set(), "sm_90a", None)])
+def test_backward_routing(monkeypatch, d, enabled, target, family):
+    """Backward kernels serve only families in BWD_KERNEL_FAMILIES (those that passed the GPU
+    grid); the sm90 family's WGMMA backward stops at D = 512 and the Split-D backward takes over;
+    sm_12x (compile-verified only) never runs them."""
+    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset(enabled))
+    got, why = dispatch.bwd_family(prob(d=d), target=target) if enabled else (None, "")
+    assert got == family
+    reason = dispatch.bwd_reason(prob(d=d), target=target)
+    assert (reason is None) == (family is not None)
+    if family is None and enabled:
+        assert why and why == reason
+    if not enabled:
+        assert "not enabled" in reason
