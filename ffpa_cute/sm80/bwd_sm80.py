@@ -52,7 +52,9 @@ Budget (bf16, tile_n 64, tile_hdim 64, 8 warps; `config.BWD_WARP_LAYOUTS`):
 ptxas register counts and spills per kernel: tests/test_backward_sm80_compile.py.
 
 Status: compile-verified for sm_80, sm_90a, sm_120a (tests/test_backward_sm80_compile.py);
-GPU numerics in tests/test_backward_sm80_gpu.py. Not wired into dispatch / autograd.
+run and tested on the H200 as sm_90a (tests/test_backward_sm80_gpu.py, commit f98b922), where
+autograd uses it for the Split-D family and for sm90 problems above the WGMMA backward's D range
+(`dispatch.bwd_family`). The sm120 subclasses have never run.
 
 Constraints (mirrored by `config.can_implement`): those of `FwdConfigSm80` (dtype bf16 / fp16;
 D a multiple of 8 in [264, 1024]; unit stride on D, other strides multiples of 8 elements;

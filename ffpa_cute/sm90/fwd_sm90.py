@@ -32,8 +32,8 @@ adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O war
 each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor work is counted at
 D=1024), and Q no longer stays resident (64 x 1024 would be 128 KB): it streams through the K
 ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. CTA 0 writes LSE.
-Status: compile-verified; `dispatch.SM90_WGMMA_MAX_HEAD_DIM` keeps D > 512 on the Split-D
-kernel until this path has passed the GPU grid.
+Status: run and tested on the H200 (commit f98b922: slow grid at D 576 / 768 / 1024); the
+default route for D > 512 with D % 16 == 0.
 
 Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
 [32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
