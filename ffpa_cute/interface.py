@@ -282,24 +282,54 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    causal, causal_offset, scale = ctx.attn_args
+def _bwd_kernel_problem(q, k, v, causal: bool, causal_offset: int, scale: float):
+    """The problem when the backward kernels serve it (`dispatch.bwd_reason`), else None.
+    Symbolic shapes (dynamic torch.compile graphs) take the SDPA recompute."""
     dispatch = _dispatch()
-    problem = reason = None
-    # The backward kernels are eager-only for now (no custom op of their own, so nothing for
-    # torch.compile to trace); the problem is built only when they are on at all.
-    if dispatch.BWD_KERNEL_FAMILIES and not torch.compiler.is_compiling():
-        problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
-                                           scale=scale)
-        reason = dispatch.bwd_reason(problem, q.device)
-    if problem is not None and reason is None:
-        with _on(q.device):
-            grads = dispatch.run_bwd(problem, q, k, v, out, lse, dout.contiguous())
-        grads = tuple(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))
+    if not dispatch.BWD_KERNEL_FAMILIES or not all(
+            type(n) is int for t in (q, k, v) for n in t.shape):
+        return None
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                       scale=scale)
+    return problem if dispatch.bwd_reason(problem, q.device) is None else None
+
+
+def _kernel_backward(problem, q, k, v, out, lse, dout):
+    with _on(q.device):
+        return _dispatch().run_bwd(problem, q, k, v, out, lse, dout.contiguous())
+
+
+@torch.library.custom_op("ffpa_cute::attention_bwd", mutates_args=())
+def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dout: torch.Tensor, causal: bool, causal_offset: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention_fwd` from the backward kernels, contiguous: what
+    torch.compile graphs call for problems the kernels serve (an opaque node, never traced)."""
+    problem = _bwd_kernel_problem(q, k, v, causal, causal_offset, scale)
+    if problem is None:  # the graph was built when the kernels served it
+        raise RuntimeError("ffpa_cute::attention_bwd called for a problem the backward kernels "
+                           "do not serve")
+    return tuple(g.contiguous() for g in _kernel_backward(problem, q, k, v, out, lse, dout))
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, out, lse, dout, causal, causal_offset, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _backward(ctx, dout, _dlse, eager=False):
+    """dq, dk, dv (None where not needed): the backward kernels where they serve the problem
+    (eager: called directly; torch.compile: through `ffpa_cute::attention_bwd`), else the SDPA
+    recompute (traced into the graph when compiling)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:3])
+    problem = _bwd_kernel_problem(q, k, v, *ctx.attn_args)
+    if problem is None:
+        grads = _sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args, needs=needs)
     else:
-        grads = _sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args,
-                                         needs=tuple(ctx.needs_input_grad[:3]))
+        grads = (_kernel_backward(problem, q, k, v, out, lse, dout) if eager else
+                 _attention_bwd(q, k, v, out, lse, dout, *ctx.attn_args))
+        grads = tuple(g if n else None for g, n in zip(grads, needs))
     return (*grads, None, None, None)
 
 
@@ -323,7 +353,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return (*_backward(ctx, dout, dlse), None)
+        return (*_backward(ctx, dout, dlse, eager=True), None)
 
 
 # ------------------------------------------------------------------------------- public API

@@ -358,6 +358,59 @@ def test_op_path_backward(seed, fake_kernel, nq, nkv, hkv):
     assert len(fake_kernel.calls) == 1
 
 
+@pytest.fixture
+def fake_bwd_kernels(monkeypatch, fake_kernel):
+    """Backward "kernels" on CPU: autograd through the float64 reference, calls recorded."""
+    calls = []
+
+    def run_bwd(problem, q, k, v, out, lse, dout):  # explicit math: no autograd inside ops
+        calls.append(problem)
+        g = q.shape[1] // k.shape[1]
+        qd, do = q.double(), dout.double()
+        kd, vd = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
+        s = qd @ kd.transpose(-1, -2) * problem.softmax_scale
+        if problem.causal:
+            i = torch.arange(s.shape[-2])[:, None]
+            s = s.masked_fill(torch.arange(s.shape[-1]) > i + problem.causal_offset, -torch.inf)
+        p = torch.softmax(s, -1).nan_to_num()
+        dp = do @ vd.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * problem.softmax_scale
+        dq, dk, dv = ds @ kd, ds.transpose(-1, -2) @ qd, p.transpose(-1, -2) @ do
+        dk, dv = (t.unflatten(1, (-1, g)).sum(2) for t in (dk, dv))
+        return tuple(t.to(x.dtype) for t, x in zip((dq, dk, dv), (q, k, v)))
+
+    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({"fake"}))
+    monkeypatch.setattr(dispatch, "bwd_reason", lambda problem, device=None: None)
+    monkeypatch.setattr(dispatch, "run_bwd", run_bwd)
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_backward_kernels_eager_and_compiled(seed, fake_bwd_kernels, compiled):
+    """The backward kernels serve eager calls directly and torch.compile graphs through the
+    `ffpa_cute::attention_bwd` op (never traced into)."""
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        return attention(q, k, v, is_causal=True, enable_gqa=True).float().square().sum()
+
+    q, k, v = qkv(hkv=2, nq=7, nkv=129, grad=True)
+    (torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn)(q, k, v).backward()
+    assert len(fake_bwd_kernels) == 1 and fake_bwd_kernels[0].causal_offset == 122
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    attention_ref(qr, kr, vr, causal=True)[0].square().sum().backward()
+    for g, r in zip((q.grad, k.grad, v.grad), (qr.grad, kr.grad, vr.grad)):
+        close(g, r)
+
+
+def test_backward_opcheck(seed, fake_bwd_kernels):
+    q, k, v = qkv(hkv=2, nq=7, nkv=9)
+    out, lse = interface._attention_fwd(q, k, v, True, 2, 0.25)
+    torch.library.opcheck(torch.ops.ffpa_cute.attention_bwd.default,
+                          (q, k, v, out, lse, torch.randn_like(out), True, 2, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_op_path_partial_grads(seed, fake_kernel):
     q, k, v = qkv()
     v.requires_grad_()
