@@ -171,30 +171,48 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         pass
 
     @cute.jit
-    def _stage_columns(self, sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, mDelta):
-        """Stage the block's per-query values in the (otherwise unused) row-factor buffer:
-        LSE in log2 units at [0, tile_n) (+inf for queries past Nq or that see no key, so their
-        P is 0), and with mDelta also Delta at [tile_n, 2 tile_n) (0 past Nq). One value per S
-        thread; two S-warpgroup barriers fence the buffer's reuse."""
-        n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
+    def _block_prefetch(self, m_block, n_block, seqlen_q, mLSE, batch, head, tidx, tScS_mn,
+                        extra):
+        """One per-query value of the block per S thread, loaded before the block's WGMMAs:
+        LSE (threads [0, tile_n)) or, with Delta, Delta (threads [tile_n, 2 tile_n)); queries
+        past Nq read as +inf / 0. Consumed by `_stage_columns`."""
+        mDelta = self._column_delta(extra)
+        slot = tidx % self.tile_n
+        i = n_block * self.tile_n + slot
+        v = Float32.inf
+        if tidx < self.tile_n:
+            if i < seqlen_q:
+                v = mLSE[batch, head, i]
+        elif cutlass.const_expr(mDelta is not None):
+            v = Float32(0.0)
+            if i < seqlen_q:
+                v = mDelta[batch, head, i]
+        return v
+
+    def _column_delta(self, extra):
+        """Delta for the columns (the dK kernel's), or None (dV needs only LSE)."""
+        return None
+
+    @cute.jit
+    def _stage_columns(self, sFactor, tidx, pre, has_delta: cutlass.Constexpr):
+        """Stage the block's per-query values (`pre`, from `_block_prefetch`) in the
+        (otherwise unused) row-factor buffer: LSE in log2 units at [0, tile_n) (+inf for queries
+        past Nq or that see no key, so their P is 0), and with Delta also Delta at
+        [tile_n, 2 tile_n). One value per S thread; two S-warpgroup barriers fence the buffer's
+        reuse."""
+        n_vals = self.tile_n * (2 if cutlass.const_expr(has_delta) else 1)
         assert n_vals <= 2 * TILE_M, "the row-factor buffer holds 2 * TILE_M floats"
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
         slot = tidx % self.tile_n
-        i = n_block * self.tile_n + slot
         if tidx < self.tile_n:
-            v = Float32.inf
-            if i < seqlen_q:
-                v = mLSE[batch, head, i]
-                if v == -Float32.inf:
-                    v = Float32.inf
+            v = pre
+            if v == -Float32.inf:
+                v = Float32.inf
             sCol[slot] = v * LOG2_E
-        elif cutlass.const_expr(mDelta is not None):
-            dlt = Float32(0.0)
-            if i < seqlen_q:
-                dlt = mDelta[batch, head, i]
-            sCol[self.tile_n + slot] = dlt
+        elif cutlass.const_expr(has_delta):
+            sCol[self.tile_n + slot] = pre
         s_sync.arrive_and_wait()
 
     @cute.jit
@@ -219,9 +237,9 @@ class FFPABwdDVSm90(FFPAFwdSm90):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra):
+                       extra, pre):
         """P^T for this block in rP: rows are keys j, columns queries i."""
-        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, None)
+        self._stage_columns(sFactor, tidx, pre, False)
         self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
         sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -407,27 +425,42 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         return None
 
     @cute.jit
+    def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
+                        extra):
+        """The thread's rows' LSE and Delta (rows past Nq: -inf / 0), loaded before the
+        block's WGMMAs (L1 hits after the first block; their latency hides behind them)."""
+        rows = cute.size(tScS_mn, mode=[0])
+        stats = cute.make_rmem_tensor((rows, 2), Float32)
+        seqlen_q = extra.mDelta.shape[2]
+        for r in cutlass.range_constexpr(rows):
+            row = m_block * TILE_M + tScS_mn[r, 0][0]
+            lse, delta = -Float32.inf, Float32(0.0)
+            if row < seqlen_q:
+                lse = mLSE[batch, head, row]
+                delta = extra.mDelta[batch, head, row]
+            stats[r, 0] = lse
+            stats[r, 1] = delta
+        return stats
+
+    @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
                        seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra):
+                       extra, pre):
         """dS * scale in rP: P = exp2(S * scale * log2(e) - LSE * log2(e)) (masked as the
-        forward masks), dS = P (dP - Delta) with dP in the second accumulator."""
+        forward masks), dS = P (dP - Delta) with dP in the second accumulator; LSE and Delta
+        from `_block_prefetch` (rows that see no key, or past Nq: LSE -inf, read as +inf so
+        P = 0)."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                        TILE_M, self.tile_n, self.causal)
         acc_dP_mn = mn_view(acc_2)
-        seqlen_q = extra.mDelta.shape[2]
         scale = softmax.scale_log2 * (1.0 / LOG2_E)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            row = m_block * TILE_M + tScS_mn[r, 0][0]
-            lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
-            delta = Float32(0.0)
-            if row < seqlen_q:
-                v = mLSE[batch, head, row]
-                if v != -Float32.inf:
-                    lse2 = v * LOG2_E
-                delta = extra.mDelta[batch, head, row]
+            lse2 = Float32.inf
+            if pre[r, 0] != -Float32.inf:
+                lse2 = pre[r, 0] * LOG2_E
+            delta = pre[r, 1]
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2, fastmath=True)
                 acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
@@ -480,6 +513,9 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         FFPAFwdSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
         self._two_products(cfg)
 
+    def _column_delta(self, extra):
+        return extra.mDelta
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
@@ -491,9 +527,9 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra):
+                       extra, pre):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
-        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, extra.mDelta)
+        self._stage_columns(sFactor, tidx, pre, True)
         self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
         acc_dP_mn = mn_view(acc_2)

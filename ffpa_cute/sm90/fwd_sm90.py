@@ -350,6 +350,12 @@ class FFPAFwdSm90(KernelEntry):
         per = cfg.k_chunk // 16
         return False, c == 0, last if c == self.num_chunks - 1 else per, c * per
 
+    def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
+                        extra):
+        """Statistics the score step of block n_block reads from global memory, loaded at the
+        block's start (None: the forward reads none)."""
+        return None
+
     def _stats_head(self, head, blk_head):
         """Head whose per-row statistics (LSE, Delta) the score step reads: the tile's query
         head (the rows are queries; the forward reads none)."""
@@ -434,6 +440,11 @@ class FFPAFwdSm90(KernelEntry):
         x = Int32(0)  # ring position of the next K chunk
         for i in cutlass.range(n_count, unroll=1):
             blk_head, n_block = self._block(seq, i)
+            stats_head = self._stats_head(head, blk_head)
+            # per-row / per-column statistics of the block, loaded before its WGMMAs so that
+            # their latency hides behind them (the forward has none)
+            pre = self._block_prefetch(m_block, n_block, seqlen_k, mLSE, batch, stats_head,
+                                       tidx, tScS_mn, extra)
             # ---- S = Q K[n]^T, streamed over the K ring; each chunk's stage is refilled
             #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
             #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
@@ -464,8 +475,8 @@ class FFPAFwdSm90(KernelEntry):
             self._refill_k(loads, bars, x - 1, total, seq, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
             self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset, mLSE, batch,
-                                self._stats_head(head, blk_head), sFactor, tidx, acc_2, extra)
+                                n_block, seqlen_k, causal_offset, mLSE, batch, stats_head,
+                                sFactor, tidx, acc_2, extra, pre)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
@@ -528,7 +539,7 @@ class FFPAFwdSm90(KernelEntry):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
                        m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
-                       tidx, acc_2, extra):
+                       tidx, acc_2, extra, pre):
         """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
