@@ -39,6 +39,10 @@ def _inputs(d, causal, nq, nkv, ratio, dt=torch.bfloat16):
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
 def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
     """dV summed over each KV head's query heads (GQA ratio `ratio`) inside the kernel."""
+    _check_dv(d, causal, nq, nkv, ratio)
+
+
+def _check_dv(d, causal, nq, nkv, ratio):
     from ffpa_cute.sm90.bwd_sm90 import run_dv
 
     q, k, v, do, problem, _, lse = _inputs(d, causal, nq, nkv, ratio)
@@ -85,6 +89,10 @@ def _dq_math(q, k, v, do, causal, off, dtype, want="dq"):
 @pytest.mark.parametrize("want", ["dq", "dk"])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
 def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
+    _check_dq_dk(d, causal, nq, nkv, ratio, want)
+
+
+def _check_dq_dk(d, causal, nq, nkv, ratio, want):
     from ffpa_cute.sm90.bwd_sm90 import run_dk, run_dq
 
     q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
@@ -97,3 +105,16 @@ def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
     base = _dq_math(q, k, v, do, causal, off, dt, want)
     err, base_err = rel_err(grad, ref), rel_err(base, ref)
     assert err <= 2 * base_err + 1e-3, f"{want} err {err:.3g} vs torch {base_err:.3g}"
+
+
+@pytest.mark.parametrize("want", ["dv", "dq", "dk"])
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [CASES[1], CASES[4], CASES[5]])
+def test_prefetch_variant(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
+    """The `prefetch_stats` configs (statistics loaded before the block's WGMMAs), same checks."""
+    from ffpa_cute.sm90 import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "PREFETCH_STATS", True)
+    if want == "dv":
+        _check_dv(d, causal, nq, nkv, ratio)
+    else:
+        _check_dq_dk(d, causal, nq, nkv, ratio, want)

@@ -161,3 +161,27 @@ def test_sm90_dq_dk_kernels_compile(d, causal, grad):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+@pytest.mark.parametrize("grad", ["dv", "dq", "dk"])
+def test_sm90_backward_prefetch_variant_compiles(grad):
+    """`prefetch_stats`: each block's LSE / Delta loaded before its WGMMAs (global loads ahead
+    of the first wgmma in the PTX); no spills."""
+    import dataclasses
+
+    from ffpa_cute.sm90 import bwd_sm90
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=512, head_dim_v=512, causal=True)
+    plan = {"dv": bwd_sm90.plan_dv, "dq": bwd_sm90.plan_dq, "dk": bwd_sm90.plan_dk}[grad]
+    cls = {"dv": bwd_sm90.FFPABwdDVSm90, "dq": bwd_sm90.FFPABwdDQSm90,
+           "dk": bwd_sm90.FFPABwdDKSm90}[grad]
+    cfg = dataclasses.replace(plan(p), prefetch_stats=True)
+    ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+    lines = ptx.splitlines()
+    first_load = min(i for i, ln in enumerate(lines) if "ld.global" in ln)
+    first_wgmma = min(i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln)
+    assert first_load < first_wgmma and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

@@ -58,7 +58,15 @@ from .fwd_sm90 import WG_THREADS, FFPAFwdSm90
 
 @dataclass(frozen=True)
 class BwdDVConfigSm90(FwdConfigSm90):
-    """Compile key of the dV kernel: the forward's fields, read with K as the resident rows."""
+    """Compile key of the dV kernel: the forward's fields, read with K as the resident rows;
+    `prefetch_stats`: load each block's LSE (and Delta) before its WGMMAs, not after them."""
+
+    prefetch_stats: bool = False
+
+
+# The planners' `prefetch_stats` (all three kernels): off until the variant has passed the GPU
+# grid (tests/test_backward_sm90_gpu.py runs both) and been timed (perf.smoke --bwd-prefetch).
+PREFETCH_STATS = False
 
 
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
@@ -70,7 +78,8 @@ def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
 
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
-    cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch)))
+    cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch)),
+                          prefetch_stats=PREFETCH_STATS)
     reason = can_implement_dv(cfg)
     if reason:
         raise ValueError(reason)
@@ -175,7 +184,10 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                         extra):
         """One per-query value of the block per S thread, loaded before the block's WGMMAs:
         LSE (threads [0, tile_n)) or, with Delta, Delta (threads [tile_n, 2 tile_n)); queries
-        past Nq read as +inf / 0. Consumed by `_stage_columns`."""
+        past Nq read as +inf / 0. Consumed by `_stage_columns`. None without
+        `prefetch_stats`: `_stage_columns` then loads them after the WGMMAs."""
+        if cutlass.const_expr(not self.cfg.prefetch_stats):
+            return None
         mDelta = self._column_delta(extra)
         slot = tidx % self.tile_n
         i = n_block * self.tile_n + slot
@@ -194,25 +206,40 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         return None
 
     @cute.jit
-    def _stage_columns(self, sFactor, tidx, pre, has_delta: cutlass.Constexpr):
-        """Stage the block's per-query values (`pre`, from `_block_prefetch`) in the
-        (otherwise unused) row-factor buffer: LSE in log2 units at [0, tile_n) (+inf for queries
-        past Nq or that see no key, so their P is 0), and with Delta also Delta at
-        [tile_n, 2 tile_n). One value per S thread; two S-warpgroup barriers fence the buffer's
-        reuse."""
-        n_vals = self.tile_n * (2 if cutlass.const_expr(has_delta) else 1)
+    def _stage_columns(self, sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, mDelta, pre):
+        """Stage the block's per-query values in the (otherwise unused) row-factor buffer:
+        LSE in log2 units at [0, tile_n) (+inf for queries past Nq or that see no key, so their
+        P is 0), and with mDelta also Delta at [tile_n, 2 tile_n) (0 past Nq). One value per S
+        thread (`pre` from `_block_prefetch`, else loaded here); two S-warpgroup barriers
+        fence the buffer's reuse."""
+        n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
         assert n_vals <= 2 * TILE_M, "the row-factor buffer holds 2 * TILE_M floats"
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
         slot = tidx % self.tile_n
-        if tidx < self.tile_n:
-            v = pre
-            if v == -Float32.inf:
+        if cutlass.const_expr(pre is None):
+            i = n_block * self.tile_n + slot
+            if tidx < self.tile_n:
                 v = Float32.inf
-            sCol[slot] = v * LOG2_E
-        elif cutlass.const_expr(has_delta):
-            sCol[self.tile_n + slot] = pre
+                if i < seqlen_q:
+                    v = mLSE[batch, head, i]
+                    if v == -Float32.inf:
+                        v = Float32.inf
+                sCol[slot] = v * LOG2_E
+            elif cutlass.const_expr(mDelta is not None):
+                dlt = Float32(0.0)
+                if i < seqlen_q:
+                    dlt = mDelta[batch, head, i]
+                sCol[self.tile_n + slot] = dlt
+        else:
+            if tidx < self.tile_n:
+                v = pre
+                if v == -Float32.inf:
+                    v = Float32.inf
+                sCol[slot] = v * LOG2_E
+            elif cutlass.const_expr(mDelta is not None):
+                sCol[self.tile_n + slot] = pre
         s_sync.arrive_and_wait()
 
     @cute.jit
@@ -239,7 +266,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
                        extra, pre):
         """P^T for this block in rP: rows are keys j, columns queries i."""
-        self._stage_columns(sFactor, tidx, pre, False)
+        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, None, pre)
         self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
         sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -254,7 +281,10 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 @dataclass(frozen=True)
 class BwdDQConfigSm90(FwdConfigSm90):
     """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
-    warpgroup's registers), Q and dO streamed through the S ring (stream_q)."""
+    warpgroup's registers), Q and dO streamed through the S ring (stream_q); `prefetch_stats`
+    as the dV kernel's."""
+
+    prefetch_stats: bool = False
 
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
@@ -268,7 +298,7 @@ def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
     """K ring (here: K then V chunks) 4 deep, then the deepest K-row rings that fit."""
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.causal, tile_n=64, stream_q=True,
-                publish_after=-(-problem.head_dim // 64))
+                publish_after=-(-problem.head_dim // 64), prefetch_stats=PREFETCH_STATS)
     for v in (4, 3, 2):
         cfg = BwdDQConfigSm90(**base, k_stages=4, v_stages=v)
         if can_implement_dq(cfg) is None:
@@ -428,7 +458,10 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
                         extra):
         """The thread's rows' LSE and Delta (rows past Nq: -inf / 0), loaded before the
-        block's WGMMAs (L1 hits after the first block; their latency hides behind them)."""
+        block's WGMMAs (L1 hits after the first block; their latency hides behind them). None
+        without `prefetch_stats`: `_softmax_block` then loads them after the WGMMAs."""
+        if cutlass.const_expr(not self.cfg.prefetch_stats):
+            return None
         rows = cute.size(tScS_mn, mode=[0])
         stats = cute.make_rmem_tensor((rows, 2), Float32)
         seqlen_q = extra.mDelta.shape[2]
@@ -455,12 +488,22 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                        TILE_M, self.tile_n, self.causal)
         acc_dP_mn = mn_view(acc_2)
+        seqlen_q = extra.mDelta.shape[2]
         scale = softmax.scale_log2 * (1.0 / LOG2_E)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            lse2 = Float32.inf
-            if pre[r, 0] != -Float32.inf:
-                lse2 = pre[r, 0] * LOG2_E
-            delta = pre[r, 1]
+            lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
+            delta = Float32(0.0)
+            if cutlass.const_expr(pre is None):
+                row = m_block * TILE_M + tScS_mn[r, 0][0]
+                if row < seqlen_q:
+                    v = mLSE[batch, head, row]
+                    if v != -Float32.inf:
+                        lse2 = v * LOG2_E
+                    delta = extra.mDelta[batch, head, row]
+            else:
+                if pre[r, 0] != -Float32.inf:
+                    lse2 = pre[r, 0] * LOG2_E
+                delta = pre[r, 1]
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2, fastmath=True)
                 acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
@@ -471,7 +514,9 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
 # ==================================================================================== dK kernel
 @dataclass(frozen=True)
 class BwdDKConfigSm90(FwdConfigSm90):
-    """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed)."""
+    """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed, `prefetch_stats`)."""
+
+    prefetch_stats: bool = False
 
 
 def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
@@ -529,7 +574,8 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
                        extra, pre):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
-        self._stage_columns(sFactor, tidx, pre, True)
+        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, extra.mDelta,
+                            pre)
         self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
         acc_dP_mn = mn_view(acc_2)
