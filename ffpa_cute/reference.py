@@ -18,7 +18,7 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "attention_same_dtype", "rel_err"]
+__all__ = ["attention_grads", "attention_ref", "attention_same_dtype", "rel_err"]
 
 
 def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -73,6 +73,37 @@ def attention_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     most ~2x this function's error, plus a small noise floor.
     """
     return _attention_math(q, k, v, causal, causal_offset, scale, q.dtype)
+
+
+def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    causal: bool = False, causal_offset: int | None = None,
+                    scale: float | None = None, dtype: torch.dtype = torch.float64):
+    """(dq, dk, dv) of `attention_ref`'s output for `dout`, written out (no autograd) in `dtype`:
+    dS = P (dP - Delta), Delta = rowsum(dO * O); dk, dv summed over each KV head's query heads.
+
+    Written out because autograd through a softmax row that sees no key gives NaN (our kernels,
+    like the forward, treat such rows as P = 0); float64 is truth, the inputs' dtype gives the
+    "what torch gets" baseline, as for the forward.
+    """
+    g = q.shape[-3] // k.shape[-3]
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    k, v = _expand_kv(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        nq, nkv = q.shape[-2], k.shape[-2]
+        offset = nkv - nq if causal_offset is None else int(causal_offset)
+        rows = torch.arange(nq, device=q.device).unsqueeze(-1)
+        s = s.masked_fill(torch.arange(nkv, device=q.device) > rows + offset, float("-inf"))
+    # softmax in at least fp32 (as torch's), rounded to dtype; rows that see no key: P = 0
+    p = torch.softmax(s if s.element_size() >= 4 else s.float(), dim=-1).nan_to_num(0.0)
+    p = p.to(dtype)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    ds = p * (dp - (dout * torch.matmul(p, v)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    return dq, dk.unflatten(-3, (-1, g)).sum(-3), dv.unflatten(-3, (-1, g)).sum(-3)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 import ffpa_cute
 from ffpa_cute import attention, dispatch, explain, interface, patch_sdpa, unpatch_sdpa
 from ffpa_cute.problem import AttnProblem
-from ffpa_cute.reference import attention_ref, rel_err
+from ffpa_cute.reference import attention_grads, attention_ref, rel_err
 
 NATIVE = torch._C._nn.scaled_dot_product_attention
 
@@ -363,21 +363,11 @@ def fake_bwd_kernels(monkeypatch, fake_kernel):
     """Backward "kernels" on CPU: autograd through the float64 reference, calls recorded."""
     calls = []
 
-    def run_bwd(problem, q, k, v, out, lse, dout):  # explicit math: no autograd inside ops
+    def run_bwd(problem, q, k, v, out, lse, dout):  # written out: no autograd inside ops
         calls.append(problem)
-        g = q.shape[1] // k.shape[1]
-        qd, do = q.double(), dout.double()
-        kd, vd = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
-        s = qd @ kd.transpose(-1, -2) * problem.softmax_scale
-        if problem.causal:
-            i = torch.arange(s.shape[-2])[:, None]
-            s = s.masked_fill(torch.arange(s.shape[-1]) > i + problem.causal_offset, -torch.inf)
-        p = torch.softmax(s, -1).nan_to_num()
-        dp = do @ vd.transpose(-1, -2)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * problem.softmax_scale
-        dq, dk, dv = ds @ kd, ds.transpose(-1, -2) @ qd, p.transpose(-1, -2) @ do
-        dk, dv = (t.unflatten(1, (-1, g)).sum(2) for t in (dk, dv))
-        return tuple(t.to(x.dtype) for t, x in zip((dq, dk, dv), (q, k, v)))
+        grads = attention_grads(q, k, v, dout, problem.causal, problem.causal_offset,
+                                problem.softmax_scale)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
     monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({"fake"}))
     monkeypatch.setattr(dispatch, "bwd_reason", lambda problem, device=None: None)

@@ -20,7 +20,7 @@ import torch
 
 from ffpa_cute import dispatch
 from ffpa_cute.problem import AttnProblem
-from ffpa_cute.reference import rel_err
+from ffpa_cute.reference import attention_grads, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -62,29 +62,6 @@ def _inputs(d, mode, nq, nkv, ratio, dt):
     return q, k, v, do, problem, out, lse
 
 
-def _grads(q, k, v, do, causal, off, dtype):
-    """(dQ, dK, dV) written out in `dtype` (dK, dV summed over each KV head's query heads);
-    P = 0 on rows that see no key."""
-    g = q.shape[1] // k.shape[1]
-    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
-    k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
-    scale = q.shape[-1] ** -0.5
-    s = q @ k.transpose(-1, -2) * scale
-    if causal:
-        i = torch.arange(q.shape[2], device=q.device)[:, None]
-        j = torch.arange(k.shape[2], device=q.device)[None, :]
-        s = s.masked_fill(j > i + off, float("-inf"))
-    p = torch.softmax(s if dtype == torch.float64 else s.float(), dim=-1)
-    p = p.nan_to_num(0.0).to(dtype)
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ v.transpose(-1, -2)
-    delta = (do * (p @ v)).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = ds @ k * scale
-    dk = ds.transpose(-1, -2) @ q * scale
-    return dq, dk.unflatten(1, (-1, g)).sum(2), dv.unflatten(1, (-1, g)).sum(2)
-
-
 def _check(d, mode, nq, nkv, ratio, dt):
     from ffpa_cute.sm80.bwd_sm80 import run_bwd_sm80
 
@@ -92,8 +69,8 @@ def _check(d, mode, nq, nkv, ratio, dt):
     got = run_bwd_sm80(problem, q, k, v, out, lse, do)
     torch.cuda.synchronize()
     off, causal = problem.causal_offset, problem.causal
-    ref = _grads(q, k, v, do, causal, off, torch.float64)
-    base = _grads(q, k, v, do, causal, off, dt)
+    ref = attention_grads(q, k, v, do, causal, off, dtype=torch.float64)
+    base = attention_grads(q, k, v, do, causal, off, dtype=dt)
     msgs, ok = [], True
     for name, x, r, b in zip(("dq", "dk", "dv"), got, ref, base):
         assert x.dtype == dt and x.shape == r.shape, (name, x.dtype, x.shape)
@@ -144,7 +121,7 @@ def test_bwd_strided_inputs(seed):
     plan = dispatch.Plan(problem, target, "sm80", cfg=sm80.plan_fwd(problem, target))
     out, lse = dispatch.run_fwd(plan, q, k, v)
     got = run_bwd_sm80(problem, q, k, v, out, lse, do)
-    ref = _grads(q, k, v, do, True, problem.causal_offset, torch.float64)
-    base = _grads(q, k, v, do, True, problem.causal_offset, BF16)
+    ref = attention_grads(q, k, v, do, True, problem.causal_offset, dtype=torch.float64)
+    base = attention_grads(q, k, v, do, True, problem.causal_offset, dtype=BF16)
     for x, r, b in zip(got, ref, base):
         assert rel_err(x, r) <= 2 * rel_err(b, r) + 1e-3

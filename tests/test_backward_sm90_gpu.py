@@ -2,8 +2,9 @@
 
 dV, dQ and dK (`ffpa_cute/sm90/bwd_sm90.py`) against float64 with the forward's criterion:
 rel_err(kernel) <= 2 * rel_err(same-dtype torch) + 1e-3. The LSE (and O for Delta) they consume
-come from our own forward, as in training. The dQ / dK reference is written out (not autograd): rows
-that see no key make autograd's softmax gradient NaN.
+come from our own forward, as in training. The dQ / dK reference is written out
+(`reference.attention_grads`, not autograd): rows that see no key make autograd's softmax
+gradient NaN.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from ffpa_cute import dispatch
 from ffpa_cute.problem import AttnProblem
-from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
+from ffpa_cute.reference import attention_grads, attention_ref, attention_same_dtype, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -62,30 +63,6 @@ def _check_dv(d, causal, nq, nkv, ratio):
     assert err <= 2 * base_err + 1e-3, f"dV err {err:.3g} vs torch {base_err:.3g}"
 
 
-def _dq_math(q, k, v, do, causal, off, dtype, want="dq"):
-    """dQ = scale * dS K, or dK = scale * dS^T Q summed over each KV head's query heads, with
-    dS = P (dP - Delta), in `dtype` (P = 0 on rows that see no key)."""
-    g = q.shape[1] // k.shape[1]
-    q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
-    k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
-    scale = q.shape[-1] ** -0.5
-    s = q @ k.transpose(-1, -2) * scale
-    if causal:
-        i = torch.arange(q.shape[2], device=q.device)[:, None]
-        j = torch.arange(k.shape[2], device=q.device)[None, :]
-        s = s.masked_fill(j > i + off, float("-inf"))
-    p = torch.softmax(s if dtype == torch.float64 else s.float(), dim=-1)
-    p = p.nan_to_num(0.0).to(dtype)
-    o = p @ v
-    dp = do @ v.transpose(-1, -2)
-    delta = (do * o).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    if want == "dq":
-        return ds @ k * scale
-    dk = ds.transpose(-1, -2) @ q * scale
-    return dk.unflatten(1, (-1, g)).sum(2)
-
-
 @pytest.mark.parametrize("want", ["dq", "dk"])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", CASES)
 def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
@@ -101,8 +78,9 @@ def _check_dq_dk(d, causal, nq, nkv, ratio, want):
     run = run_dq if want == "dq" else run_dk
     grad = run(q, k, v, do, lse, delta, problem.softmax_scale, causal, off)
     torch.cuda.synchronize()
-    ref = _dq_math(q, k, v, do, causal, off, torch.float64, want)
-    base = _dq_math(q, k, v, do, causal, off, dt, want)
+    pick = 0 if want == "dq" else 1
+    ref = attention_grads(q, k, v, do, causal, off, dtype=torch.float64)[pick]
+    base = attention_grads(q, k, v, do, causal, off, dtype=dt)[pick]
     err, base_err = rel_err(grad, ref), rel_err(base, ref)
     assert err <= 2 * base_err + 1e-3, f"{want} err {err:.3g} vs torch {base_err:.3g}"
 
