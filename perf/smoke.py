@@ -6,7 +6,7 @@ a float64 reference, and forward TFLOPS for the larger shapes.
     python -m perf.smoke --family sm90 --bench "512:8192:0,512:8192:1,320:8192:0"
     python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512
     python -m perf.smoke --family sm90 --bench-bwd "512:8192:0,512:8192:1,512:8192:0:8"
-    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:prefetch"   # a bwd variant
+    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:prefetch:seq"   # variants
 
 --first-call D,...: wall time of the first `attention()` call per head dim in a fresh process with
 an empty ffpa_cute cache and the DSL's file cache off (what a user's first call pays; issue 4
@@ -175,7 +175,7 @@ def _overhead(d: int) -> dict:
 
 def _one_bench_bwd(spec: str) -> dict:
     """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 4th field: Hkv;
-    a last field "prefetch" times the `prefetch_stats` configs)."""
+    trailing fields "prefetch" / "seq" time the `prefetch_stats` / dK `seq_scores` configs)."""
     import torch
 
     from ffpa_cute import dispatch
@@ -183,9 +183,8 @@ def _one_bench_bwd(spec: str) -> dict:
     from ffpa_cute.sm90 import bwd_sm90
 
     parts = spec.split(":")
-    if parts[-1] == "prefetch":
-        bwd_sm90.PREFETCH_STATS = True
-        parts = parts[:-1]
+    while parts[-1] in ("prefetch", "seq"):  # variants: PREFETCH_STATS, SEQ_SCORES (dK)
+        setattr(bwd_sm90, "PREFETCH_STATS" if parts.pop() == "prefetch" else "SEQ_SCORES", True)
     fields = [int(x) for x in parts]
     d, n, causal = fields[:3]
     hkv = fields[3] if len(fields) > 3 else 32
@@ -214,7 +213,7 @@ def main() -> None:
     ap.add_argument("--family", default="sm90")
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
-    ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv][:prefetch],... (sm90 kernels)")
+    ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv][:prefetch][:seq],... (sm90 kernels)")
     ap.add_argument("--first-call", default="")
     ap.add_argument("--overhead", default="")
     ap.add_argument("--timeout", type=int, default=90)

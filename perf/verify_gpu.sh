@@ -64,7 +64,7 @@ if has 5; then
       --bench "1024:8192:0,1024:8192:1,768:8192:0,576:8192:0"
   step "sm90 backward kernels (dQ + dK + dV + Delta), counted TFLOPS = 2.5 x forward FLOPs"
   timeout 200 python -m perf.smoke --family sm90 --timeout 90 \
-      --bench-bwd "512:8192:0,512:8192:0:32:prefetch,512:8192:1,512:8192:1:32:prefetch,512:8192:0:8,320:8192:0,320:8192:0:32:prefetch"
+      --bench-bwd "512:8192:0,512:8192:0:32:prefetch,512:8192:0:32:prefetch:seq,512:8192:1,512:8192:1:32:prefetch:seq,512:8192:0:8,320:8192:0,320:8192:0:32:prefetch:seq"
   step "WGMMA kernel D <= 512: Q streamed with K, the smem it frees given to the V rings"
   timeout 200 python -m perf.smoke --family sm90 --timeout 60 \
       --cases "512:1000:1000:1:1:0:stream_q=1;v_stages=3" \

@@ -96,3 +96,13 @@ def test_prefetch_variant(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
         _check_dv(d, causal, nq, nkv, ratio)
     else:
         _check_dq_dk(d, causal, nq, nkv, ratio, want)
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [CASES[1], CASES[2], CASES[4], CASES[5]])
+def test_dk_seq_scores_variant(seed, monkeypatch, d, causal, nq, nkv, ratio):
+    """dK with `seq_scores` (128-query blocks, S^T then dP^T in one accumulator)."""
+    from ffpa_cute.sm90 import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "SEQ_SCORES", True)
+    assert bwd_sm90.plan_dk(_inputs(d, causal, nq, nkv, ratio)[4]).tile_n == 128
+    _check_dq_dk(d, causal, nq, nkv, ratio, "dk")

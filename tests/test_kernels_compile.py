@@ -185,3 +185,20 @@ def test_sm90_backward_prefetch_variant_compiles(grad):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+@pytest.mark.parametrize("d,causal", [(512, True), (320, False)])
+def test_sm90_dk_seq_scores_variant_compiles(d, causal, monkeypatch):
+    """dK `seq_scores`: m64n128k16 score WGMMAs into one accumulator, no spills."""
+    from ffpa_cute.sm90 import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "SEQ_SCORES", True)
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal)
+    cfg = bwd_sm90.plan_dk(p)
+    assert cfg.tile_n == 128 and cfg.seq_scores and cfg.prefetch_stats
+    ptx = bwd_sm90.FFPABwdDKSm90.compile(cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

@@ -67,6 +67,10 @@ class BwdDVConfigSm90(FwdConfigSm90):
 # The planners' `prefetch_stats` (all three kernels): off until the variant has passed the GPU
 # grid (tests/test_backward_sm90_gpu.py runs both) and been timed (perf.smoke --bwd-prefetch).
 PREFETCH_STATS = False
+# The dK planner's `seq_scores` (tile_n 128, the two score products one after the other in one
+# accumulator, P^T kept in rP between them; with `prefetch_stats`): off until GPU-verified.
+# dQ compiles it too but spills (88-300 B at D = 320-512), so its planner keeps tile_n 64.
+SEQ_SCORES = False
 
 
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
@@ -213,7 +217,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         thread (`pre` from `_block_prefetch`, else loaded here); two S-warpgroup barriers
         fence the buffer's reuse."""
         n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
-        assert n_vals <= 2 * TILE_M, "the row-factor buffer holds 2 * TILE_M floats"
+        assert n_vals <= self.cfg.factor_floats, "the row-factor buffer is too small"
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
@@ -282,28 +286,39 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 class BwdDQConfigSm90(FwdConfigSm90):
     """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
     warpgroup's registers), Q and dO streamed through the S ring (stream_q); `prefetch_stats`
-    as the dV kernel's."""
+    as the dV kernel's. `seq_scores`: tile_n 128 and one 64 x 128 accumulator that holds S,
+    then dP (P waits in the bf16 P fragment in between)."""
 
     prefetch_stats: bool = False
+    seq_scores: bool = False
 
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
-    if reason is None and (cfg.o_split > 1 or not cfg.stream_q or cfg.tile_n != 64):
-        reason = "the dQ kernel needs D <= 512, stream_q and tile_n 64"
+    if reason is None and (cfg.o_split > 1 or not cfg.stream_q
+                           or cfg.tile_n != (128 if cfg.seq_scores else 64)):
+        reason = "the dQ / dK kernels need D <= 512, stream_q and tile_n 64 (seq_scores: 128)"
+    if reason is None and cfg.seq_scores and not cfg.prefetch_stats:
+        reason = "seq_scores needs prefetch_stats (the statistics are read mid-block)"
     return reason
 
 
-def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
-    """K ring (here: K then V chunks) 4 deep, then the deepest K-row rings that fit."""
+def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
+    """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
+    second's), then the deepest accumulator-operand rings that fit."""
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.causal, tile_n=64, stream_q=True,
-                publish_after=-(-problem.head_dim // 64), prefetch_stats=PREFETCH_STATS)
+                causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
+                publish_after=-(-problem.head_dim // 64),
+                prefetch_stats=PREFETCH_STATS or seq_scores, seq_scores=seq_scores)
     for v in (4, 3, 2):
-        cfg = BwdDQConfigSm90(**base, k_stages=4, v_stages=v)
+        cfg = cls(**base, k_stages=4, v_stages=v)
         if can_implement_dq(cfg) is None:
             return cfg
-    raise ValueError(can_implement_dq(BwdDQConfigSm90(**base, k_stages=4, v_stages=2)))
+    raise ValueError(can_implement_dq(cls(**base, k_stages=4, v_stages=2)))
+
+
+def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
+    return _plan_two(BwdDQConfigSm90, problem, arch, False)
 
 
 def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
@@ -347,6 +362,7 @@ class _TwoScoreProducts:
     def _two_products(self, cfg):
         self.c_half = cfg.num_k_chunks        # chunks per score product
         self.num_chunks = 2 * cfg.num_k_chunks
+        self.seq_scores = cfg.seq_scores
 
     @classmethod
     def compile(cls, cfg, options: str = ""):
@@ -455,6 +471,24 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         return None
 
     @cute.jit
+    def _first_scores(self, acc_S, acc_S_mn, tScS_mn, rP, m_block, n_block, seqlen_k,
+                      causal_offset, sFactor, tidx, softmax, extra, pre):
+        """`seq_scores`: S is complete in acc_S; P = exp2(S * scale * log2(e) - LSE * log2(e))
+        (masked as the forward masks) goes to rP, freeing acc_S for dP."""
+        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
+                            self.causal):
+            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
+                       TILE_M, self.tile_n, self.causal)
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
+            if pre[r, 0] != -Float32.inf:
+                lse2 = pre[r, 0] * LOG2_E
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
+                                                fastmath=True)
+        rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
     def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
                         extra):
         """The thread's rows' LSE and Delta (rows past Nq: -inf / 0), loaded before the
@@ -487,26 +521,36 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                        TILE_M, self.tile_n, self.causal)
-        acc_dP_mn = mn_view(acc_2)
-        seqlen_q = extra.mDelta.shape[2]
-        scale = softmax.scale_log2 * (1.0 / LOG2_E)
-        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
-            delta = Float32(0.0)
-            if cutlass.const_expr(pre is None):
-                row = m_block * TILE_M + tScS_mn[r, 0][0]
-                if row < seqlen_q:
-                    v = mLSE[batch, head, row]
-                    if v != -Float32.inf:
-                        lse2 = v * LOG2_E
-                    delta = extra.mDelta[batch, head, row]
-            else:
-                if pre[r, 0] != -Float32.inf:
-                    lse2 = pre[r, 0] * LOG2_E
+        if cutlass.const_expr(self.seq_scores):  # acc_S holds dP, rP holds P
+            scale = softmax.scale_log2 * (1.0 / LOG2_E)
+            rP_mn = mn_view(rP)
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 delta = pre[r, 1]
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2, fastmath=True)
-                acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    acc_S_mn[r, c] = (rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta)
+                                      * scale)
+        else:
+            acc_dP_mn = mn_view(acc_2)
+            seqlen_q = extra.mDelta.shape[2]
+            scale = softmax.scale_log2 * (1.0 / LOG2_E)
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
+                delta = Float32(0.0)
+                if cutlass.const_expr(pre is None):
+                    row = m_block * TILE_M + tScS_mn[r, 0][0]
+                    if row < seqlen_q:
+                        v = mLSE[batch, head, row]
+                        if v != -Float32.inf:
+                            lse2 = v * LOG2_E
+                        delta = extra.mDelta[batch, head, row]
+                else:
+                    if pre[r, 0] != -Float32.inf:
+                        lse2 = pre[r, 0] * LOG2_E
+                    delta = pre[r, 1]
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
+                                       fastmath=True)
+                    acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
         rP.store(acc_S.load().to(self.dtype))
 
 
@@ -514,13 +558,21 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
 # ==================================================================================== dK kernel
 @dataclass(frozen=True)
 class BwdDKConfigSm90(FwdConfigSm90):
-    """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed, `prefetch_stats`)."""
+    """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed, `prefetch_stats`,
+    `seq_scores`)."""
 
     prefetch_stats: bool = False
+    seq_scores: bool = False
+
+    @property
+    def factor_floats(self) -> int:
+        """The columns' LSE and Delta: 2 * tile_n floats."""
+        return 2 * max(TILE_M, self.tile_n)
 
 
 def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
-    return BwdDKConfigSm90(**dataclasses.asdict(plan_dq(problem, arch)))
+    """As dQ's (with `SEQ_SCORES`: tile_n 128, one score accumulator)."""
+    return _plan_two(BwdDKConfigSm90, problem, arch, SEQ_SCORES)
 
 
 def run_dk(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
@@ -562,6 +614,22 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         return extra.mDelta
 
     @cute.jit
+    def _first_scores(self, acc_S, acc_S_mn, tScS_mn, rP, m_block, n_block, seqlen_q,
+                      causal_offset, sFactor, tidx, softmax, extra, pre):
+        """`seq_scores`: S^T is complete in acc_S; the block's column LSE / Delta are staged and
+        P^T (transposed mask) goes to rP, freeing acc_S for dP^T."""
+        self._stage_columns(sFactor, tidx, n_block, seqlen_q, None, None, None, extra.mDelta,
+                            pre)
+        self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
+        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            lse2 = sCol[tScS_mn[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
+                                                fastmath=True)
+        rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
@@ -574,18 +642,29 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
                        extra, pre):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
-        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, extra.mDelta,
-                            pre)
-        self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
-        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-        acc_dP_mn = mn_view(acc_2)
-        scale = softmax.scale_log2 * (1.0 / LOG2_E)
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            col = tScS_mn[0, c][1]
-            lse2, delta = sCol[col], sCol[self.tile_n + col]
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2, fastmath=True)
-                acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
+        if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
+            sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+            scale = softmax.scale_log2 * (1.0 / LOG2_E)
+            rP_mn = mn_view(rP)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                delta = sCol[self.tile_n + tScS_mn[0, c][1]]
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    acc_S_mn[r, c] = (rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta)
+                                      * scale)
+        else:
+            self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head,
+                                extra.mDelta, pre)
+            self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
+            sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+            acc_dP_mn = mn_view(acc_2)
+            scale = softmax.scale_log2 * (1.0 / LOG2_E)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                col = tScS_mn[0, c][1]
+                lse2, delta = sCol[col], sCol[self.tile_n + col]
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
+                                       fastmath=True)
+                    acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
         rP.store(acc_S.load().to(self.dtype))
 
 __all__ = ["BwdDKConfigSm90", "BwdDQConfigSm90", "BwdDVConfigSm90", "FFPABwdDKSm90",

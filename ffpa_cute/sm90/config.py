@@ -109,8 +109,14 @@ class FwdConfigSm90:
                    self.k_stages * self.tile_n * self.k_chunk * elt,
                    *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
                    2 * TILE_M * self.tile_n * elt]
-        header = 8 * (1 + self.k_stages + 2 * self.v_stages + 4) + 2 * TILE_M * 4  # mbarriers, factors
+        header = 8 * (1 + self.k_stages + 2 * self.v_stages + 4) + self.factor_floats * 4
         return sum(_align(x) for x in [header, *regions])
+
+    @property
+    def factor_floats(self) -> int:
+        """Floats of the row-factor buffer (two blocks' row factors; the backward's column
+        statistics in it need 2 * tile_n)."""
+        return 2 * TILE_M
 
 
 def _align(nbytes: int, to: int = 1024) -> int:

@@ -143,6 +143,7 @@ class FFPAFwdSm90(KernelEntry):
     arch_family = "sm90"
     rescale_o = True  # O warpgroups multiply O's rows by the published factors
     second_score = False  # the S warpgroup accumulates one score product (see `_chunk`)
+    seq_scores = False    # with two: one accumulator, the first product consumed mid-block
 
     def __init__(self, cfg: FwdConfigSm90):
         reason = can_implement(cfg)
@@ -236,7 +237,7 @@ class FFPAFwdSm90(KernelEntry):
             bar_v: cute.struct.MemRange[cutlass.Int64, 2 * vs]   # [half * vs + stage]
             bar_p_full: cute.struct.MemRange[cutlass.Int64, 2]
             bar_p_empty: cute.struct.MemRange[cutlass.Int64, 2]
-            row_factor: cute.struct.Align[cute.struct.MemRange[Float32, 2 * TILE_M], 16]
+            row_factor: cute.struct.Align[cute.struct.MemRange[Float32, cfg.factor_floats], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sVlo: cute.struct.Align[
@@ -412,7 +413,7 @@ class FFPAFwdSm90(KernelEntry):
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
         # a second score accumulator for skeletons with two score products (bwd dQ / dK)
         acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
-                 if const_expr(self.second_score) else None)
+                 if const_expr(self.second_score and not self.seq_scores) else None)
         acc_S_mn = mn_view(acc_S)
         tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         num_rows = cute.size(acc_S_mn, mode=[0])
@@ -453,11 +454,17 @@ class FFPAFwdSm90(KernelEntry):
                 if const_expr(c == cfg.publish_after):
                     if i > 0:
                         cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+                if const_expr(self.seq_scores and c == self.c_half):
+                    # the first product is complete: consume it (into rP) before the second
+                    # product overwrites its accumulator
+                    warpgroup.wait_group(0)
+                    self._first_scores(acc_S, acc_S_mn, tScS_mn, rP, m_block, n_block, seqlen_k,
+                                       causal_offset, sFactor, tidx, softmax, extra, pre)
                 s = x % ks
                 cute.arch.mbarrier_wait(bars.k + s, (x // ks) & 1)
                 warpgroup.fence()
                 second, first, n_k, q_k0 = self._chunk(c)
-                acc = acc_2 if const_expr(second) else acc_S
+                acc = acc_2 if const_expr(second and not self.seq_scores) else acc_S
                 for k in cutlass.range_constexpr(n_k):
                     atom.set(warpgroup.Field.ACCUMULATE, not (first and k == 0))
                     rQ = (tSrQ[None, None, k, s] if const_expr(self.stream_q)
