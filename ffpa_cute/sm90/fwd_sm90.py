@@ -57,9 +57,11 @@ deeper V rings, for L2 re-reads of Q); the planner leaves it off there until it 
 Hooks, for the backward kernels (bwd_sm90.py) that reuse this skeleton with the operands in other
 roles: `_heads` (which head the streamed operands come from, and the head group a tile walks),
 `_block_range` / `_block` (the sequence of column blocks and each one's head), `_k_src` / `_v_src`
-(TMA sources of a block), `_softmax_block` (scores -> P and row factors), `_final_factors`, and
-`rescale_o`. The forward's own versions are the code above; introducing them left its PTX
-byte-identical (D <= 512), so its GPU verification carries over.
+(TMA sources of a block), `_stats_head` / `_block_prefetch` (whose per-row statistics a block
+reads, loaded before its WGMMAs), `_softmax_block` (scores -> P and row factors),
+`_final_factors`, `rescale_o`, and for two score products per block `second_score` /
+`seq_scores` / `_chunk` / `_first_scores`. The forward's own versions are the code above;
+introducing them left its PTX byte-identical (D <= 512), so its GPU verification carries over.
 
 Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
 [264, 512] or of 16 in (512, 1024]; last stride 1, 16-byte aligned base, other strides multiples
