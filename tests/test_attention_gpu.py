@@ -258,6 +258,26 @@ def test_backward_kernels(seed, monkeypatch, family, d, mode, nq, nkv, ratio):
         _forget_plans()
 
 
+@pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 4),
+                                               ("none", 1000, 1000, 1)])
+def test_backward_above_wgmma_range(seed, monkeypatch, mode, nq, nkv, ratio):
+    """sm90 family at D = 1024: the WGMMA forward (O split) and its LSE feed the Split-D
+    backward kernels (compiled for sm_90a)."""
+    if dispatch.current_arch() != "sm_90a":
+        pytest.skip("WGMMA kernels: sm_90 only")
+    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
+    _forget_plans()
+    try:
+        p = AttnProblem(dtype="bf16", batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
+                        seqlen_kv=nkv, head_dim=1024, head_dim_v=1024, causal=mode != "none",
+                        causal_offset=offset_of(mode, nq, nkv))
+        assert dispatch.plan_fwd(p).kernel_cls.__name__ == "FFPAFwdSm90"
+        assert dispatch.bwd_family(p) == ("sm80", "")
+        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=1024)
+    finally:
+        _forget_plans()
+
+
 def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512):
     hkv = 2 if ratio < 16 else 1
     q, k, v = make_qkv(1, hkv * ratio, hkv, nq, nkv, d, BF16, grad=True)
