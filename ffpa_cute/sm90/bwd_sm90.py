@@ -270,7 +270,15 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
                        extra, pre):
         """P^T for this block in rP: rows are keys j, columns queries i."""
-        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, None, pre)
+        self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
+                           causal_offset, sFactor, tidx, mLSE, batch, head, None, pre)
+
+    @cute.jit
+    def _p_transposed(self, acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
+                      causal_offset, sFactor, tidx, mLSE, batch, head, mDelta, pre):
+        """Stage the block's column statistics, mask, and P^T = exp2(S^T * scale * log2(e) -
+        LSE * log2(e)) into rP (dV's whole score step; dK's first product)."""
+        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, mDelta, pre)
         self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
         sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -618,16 +626,8 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
                       causal_offset, sFactor, tidx, softmax, extra, pre):
         """`seq_scores`: S^T is complete in acc_S; the block's column LSE / Delta are staged and
         P^T (transposed mask) goes to rP, freeing acc_S for dP^T."""
-        self._stage_columns(sFactor, tidx, n_block, seqlen_q, None, None, None, extra.mDelta,
-                            pre)
-        self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
-        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            lse2 = sCol[tScS_mn[0, c][1]]
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
-                                                fastmath=True)
-        rP.store(acc_S.load().to(self.dtype))
+        self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
+                           causal_offset, sFactor, tidx, None, None, None, extra.mDelta, pre)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
