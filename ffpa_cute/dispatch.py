@@ -105,7 +105,8 @@ def _plan_sm90(problem: AttnProblem, target: str):
         try:
             return sm90.plan_fwd(problem, target)
         except ValueError:
-            pass
+            if problem.head_dim_v != problem.head_dim:
+                raise  # Split-D needs Dv == D
     return sm80.plan_fwd(problem, target)
 
 
@@ -156,8 +157,6 @@ def problem_reason(p: AttnProblem) -> str | None:
         return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
     if p.dropout_p > 0.0:
         return "dropout_p > 0 has no kernel yet"
-    if p.head_dim_v != p.head_dim:
-        return f"head_dim_v={p.head_dim_v} != head_dim={p.head_dim} has no kernel yet"
     if p.head_dim <= 256:
         return (f"head_dim={p.head_dim} <= 256: FlashAttention-class kernels (torch SDPA's "
                 "flash/cuDNN backends) already cover it")
@@ -195,6 +194,11 @@ def plan_fwd(problem: AttnProblem, device: torch.device | None = None,
         if target_of(*_parse(target)) is None:
             return Plan(problem, target, reason=f"no kernel family for {target}")
         family = family_of_target(target)
+    if problem.head_dim_v != problem.head_dim and (family != "sm90"
+                                                   or target.startswith("sm_12")):
+        return Plan(problem, target, family,
+                    reason=f"head_dim_v={problem.head_dim_v} != head_dim={problem.head_dim}: "
+                           "only the sm90 WGMMA kernel takes Dv != D (MLA); Split-D needs equal")
     if family in ("sm80", "sm90") and target.startswith("sm_12"):
         family = "sm120"  # the Split-D kernel on sm_12x is the sm120 subclass
     return _plan_cached(problem, target, family)
@@ -254,6 +258,8 @@ def bwd_family(problem: AttnProblem, device: torch.device | None = None,
     plan = plan_fwd(problem, device, target)
     if plan.reason is not None:
         return None, plan.reason
+    if problem.head_dim_v != problem.head_dim:
+        return None, "the backward kernels need head_dim_v == head_dim"
     if plan.target.startswith("sm_12") or plan.family not in ("sm80", "sm90"):
         return None, f"no backward kernels for the {plan.family} family"
     why = []

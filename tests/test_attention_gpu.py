@@ -68,9 +68,11 @@ def kernel_plan(q, k, v, mode):
     return plan
 
 
-def check_forward(d, dtype, mode, nq, nkv, ratio, b=1):
+def check_forward(d, dtype, mode, nq, nkv, ratio, b=1, dv=None):
     hkv = 2 if ratio < 16 else 1
     q, k, v = make_qkv(b, hkv * ratio, hkv, nq, nkv, d, dtype)
+    if dv is not None:  # Dv != D (MLA-absorbed 576 / 512)
+        v = torch.randn(b, hkv, nkv, dv, device="cuda", dtype=dtype)
     plan = kernel_plan(q, k, v, mode)
     causal, off = mode != "none", offset_of(mode, nq, nkv)
     out = call(q, k, v, mode)
@@ -112,6 +114,21 @@ def test_forward_fast(seed, case):
 @pytest.mark.parametrize("case", SLOW, ids=case_id)
 def test_forward_full_grid(seed, case):
     check_forward(*case)
+
+
+MLA = [(576, BF16, "none", 1, 4097, 128, 512), (576, BF16, "bottom_right", 129, 1000, 16, 512),
+       (576, BF16, "upper_left", 1000, 1000, 1, 512), (576, FP16, "bottom_right", 1000, 129, 4, 512),
+       (512, BF16, "bottom_right", 129, 1000, 4, 320), (320, BF16, "none", 7, 129, 1, 256)]
+
+
+@pytest.mark.parametrize("case", MLA, ids=lambda c: case_id(c[:6]) + f"-dv{c[6]}")
+def test_forward_dv_not_d(seed, case):
+    """Dv != D (MLA-absorbed 576 / 512, MQA 128:1 decode among them): the WGMMA kernel on sm_90
+    (the Split-D family falls back to SDPA, tests/test_dispatch_config.py)."""
+    if dispatch.current_arch() != "sm_90a" or dispatch.forced_family() not in (None, "sm90"):
+        pytest.skip("Dv != D runs on the sm90 family only")
+    d, dt, mode, nq, nkv, ratio, dv = case
+    check_forward(d, dt, mode, nq, nkv, ratio, dv=dv)
 
 
 @pytest.mark.parametrize("mode", MODES)

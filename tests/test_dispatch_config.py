@@ -76,7 +76,7 @@ def test_forced_family(monkeypatch):
     (dict(device_type="cpu"), "cpu"), (dict(dtype="fp32"), "fp32"), (dict(has_mask=True), "mask"),
     (dict(dropout_p=0.1), "dropout"), (dict(head_dim=128, head_dim_v=128), "256"),
     (dict(head_dim=1032, head_dim_v=1032), "1024"), (dict(head_dim=516, head_dim_v=516), "8"),
-    (dict(head_dim_v=256), "head_dim_v"), (dict(batch=70000), "grid"),
+    (dict(head_dim_v=520), "head_dim_v"), (dict(batch=70000), "grid"),
     (dict(heads_q=65536 * 2, heads_kv=2), "grid")])
 def test_uncovered_problems_carry_a_reason(kw, needle):
     plan = dispatch.plan_fwd(prob(**kw), target="sm_90a")
@@ -161,3 +161,18 @@ def test_backward_routing(monkeypatch, d, enabled, target, family):
         assert why and why == reason
     if not enabled:
         assert "not enabled" in reason
+
+
+def test_dv_not_d_routes_to_wgmma_only():
+    """Dv != D (MLA 576 / 512): the WGMMA kernel with head_dim_v on sm_90a; the Split-D
+    families (sm_80, sm_120) fall back with the reason; no backward kernels (SDPA recompute)."""
+    p = prob(d=576, head_dim_v=512, heads_q=128, heads_kv=1)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.head_dim_v == 512
+    assert plan.cfg.dv_halves == (256, 256) and plan.cfg.o_split == 1
+    for target in ("sm_80", "sm_120a"):
+        assert "head_dim_v" in dispatch.plan_fwd(p, target=target).reason
+    assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_90a")
+    assert dispatch.plan_fwd(prob(d=512), target="sm_90a").cfg.head_dim_v is None
+    bad = prob(d=576, head_dim_v=520)  # not a multiple of 16: no kernel serves it
+    assert dispatch.plan_fwd(bad, target="sm_90a").reason

@@ -202,3 +202,16 @@ def test_sm90_dk_seq_scores_variant_compiles(d, causal, monkeypatch):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+def test_sm90_dv_not_d_compiles():
+    """MLA-absorbed D = 576, Dv = 512: QK over nine 64-wide chunks (Q streamed), O 512 wide."""
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=128, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                    head_dim=576, head_dim_v=512, causal=True)
+    plan = plan_fwd(p, target="sm_90a")
+    assert plan.cfg.head_dim_v == 512 and plan.cfg.stream_q
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

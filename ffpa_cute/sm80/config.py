@@ -128,6 +128,9 @@ def pick_warp_layout(head_dim: int) -> str:
 
 def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) -> FwdConfigSm80:
     """The config for `problem` on `arch`; raises ValueError with the reason if none can run."""
+    if problem.head_dim_v != problem.head_dim:
+        raise ValueError(f"head_dim_v={problem.head_dim_v} != head_dim={problem.head_dim}: "
+                         "the Split-D kernels need equal head dims")
     layout = warp_layout or pick_warp_layout(problem.head_dim)
     cfg = None
     # The deepest ring that fits: 4 stages is worth +10% (D=512) to +30% (D=1024) over 3 on the
@@ -201,6 +204,8 @@ def plan_bwd(kind: str, problem: AttnProblem, arch: str, warp_layout: str | None
     """Config of the backward kernel `kind` ("dv" | "dq" | "dk") for `problem` on `arch`: the
     table's layout (else M2N4 where its smem does not fit) with the deepest ring that fits;
     raises ValueError with the reason when none can run."""
+    if problem.head_dim_v != problem.head_dim:
+        raise ValueError("the Split-D backward needs head_dim_v == head_dim")
     cls = BWD_CONFIGS[kind]
     layouts = ([warp_layout] if warp_layout else
                dict.fromkeys([pick_bwd_warp_layout(kind, problem.head_dim), "m2n4"]))

@@ -75,8 +75,8 @@ SEQ_SCORES = False
 
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
-    if reason is None and cfg.o_split > 1:
-        reason = "the dV kernel covers D <= 512"
+    if reason is None and (cfg.o_split > 1 or cfg.head_dim_v is not None):
+        reason = "the dV kernel covers D <= 512 and head_dim_v == head_dim"
     return reason
 
 
@@ -303,9 +303,10 @@ class BwdDQConfigSm90(FwdConfigSm90):
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
-    if reason is None and (cfg.o_split > 1 or not cfg.stream_q
+    if reason is None and (cfg.o_split > 1 or not cfg.stream_q or cfg.head_dim_v is not None
                            or cfg.tile_n != (128 if cfg.seq_scores else 64)):
-        reason = "the dQ / dK kernels need D <= 512, stream_q and tile_n 64 (seq_scores: 128)"
+        reason = ("the dQ / dK kernels need D <= 512, head_dim_v == head_dim, stream_q and "
+                  "tile_n 64 (seq_scores: 128)")
     if reason is None and cfg.seq_scores and not cfg.prefetch_stats:
         reason = "seq_scores needs prefetch_stats (the statistics are read mid-block)"
     return reason

@@ -50,6 +50,8 @@ class FwdConfigSm90:
     stream_q:      Q streams through the K ring (a [64 x 64] Q chunk beside each K chunk)
                    instead of staying resident: required when O is split over two CTAs (D > 512);
                    at D <= 512 it trades L2 reads of Q for smem given to the V rings.
+    head_dim_v:    Dv of V and O when it differs from D (MLA-absorbed 576 / 512), else None (one
+                   key per kernel): a multiple of 16 in [64, 512] (O in one CTA)
     """
 
     arch: str
@@ -61,6 +63,7 @@ class FwdConfigSm90:
     v_stages: int = 2
     publish_after: int = 0
     stream_q: bool = False
+    head_dim_v: int | None = None
 
     @property
     def tile_m(self) -> int:
@@ -75,9 +78,14 @@ class FwdConfigSm90:
         return -(-self.head_dim // self.k_chunk)
 
     @property
+    def dv(self) -> int:
+        """Head dim of V and O."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def o_split(self) -> int:
-        """CTAs per Q tile, each owning head_dim / o_split columns of O."""
-        return 1 if self.head_dim <= MAX_SINGLE_CTA_HEAD_DIM else 2
+        """CTAs per Q tile, each owning dv / o_split columns of O."""
+        return 1 if self.dv <= MAX_SINGLE_CTA_HEAD_DIM else 2
 
     @property
     def hdim_q_padded(self) -> int:
@@ -87,7 +95,7 @@ class FwdConfigSm90:
     @property
     def dv_cta(self) -> int:
         """O columns one CTA computes."""
-        return self.head_dim // self.o_split
+        return self.dv // self.o_split
 
     @property
     def dv_halves(self) -> tuple[int, int]:
@@ -131,6 +139,10 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if cfg.head_dim_v is not None and (cfg.head_dim_v == cfg.head_dim or cfg.head_dim_v % 16
+                                       or not 64 <= cfg.head_dim_v <= MAX_SINGLE_CTA_HEAD_DIM):
+        return (f"head_dim_v={cfg.head_dim_v}: None when equal to head_dim, else a multiple of "
+                f"16 in [64, {MAX_SINGLE_CTA_HEAD_DIM}]")
     if cfg.o_split > 1 and not cfg.stream_q:
         return f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} needs stream_q=True"
     if cfg.o_split > 1 and cfg.head_dim % 16:
@@ -154,9 +166,11 @@ def plan_fwd(problem: AttnProblem, arch: str) -> FwdConfigSm90:
     starves QK (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4
     stages 507 vs 7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
     """
+    dv = problem.head_dim_v
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.causal, publish_after=-(-problem.head_dim // 64),
-                stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM)
+                stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
+                head_dim_v=None if dv == problem.head_dim else dv)
 
     def fits(k, v):
         return can_implement(FwdConfigSm90(**base, k_stages=k, v_stages=v)) is None

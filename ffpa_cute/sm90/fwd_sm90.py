@@ -212,8 +212,8 @@ class FFPAFwdSm90(KernelEntry):
         """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel built
         on this skeleton adds (None here; bwd_sm90.py)."""
         cfg = self.cfg
-        D = cfg.head_dim
-        mQ, mK, mV, mO = [aligned_bhnd(t, D, self.dtype) for t in (mQ, mK, mV, mO)]
+        mQ, mK = [aligned_bhnd(t, cfg.head_dim, self.dtype) for t in (mQ, mK)]
+        mV, mO = [aligned_bhnd(t, cfg.dv, self.dtype) for t in (mV, mO)]
         tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
         dlo, dhi = self.dv
         sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout = self._smem_layouts()
