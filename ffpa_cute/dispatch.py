@@ -17,6 +17,7 @@ Kernels never query the device; only this module does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -136,6 +137,7 @@ class Plan:
     family: str | None = None
     cfg: Any = None
     reason: str | None = None
+    packed: bool = False  # cfg runs `packed_problem(problem)`: query heads packed into rows
 
     @property
     def kernel_cls(self):
@@ -144,7 +146,24 @@ class Plan:
     def describe(self) -> str:
         if self.reason is not None:
             return f"torch SDPA fallback: {self.reason}"
-        return f"{self.kernel_cls.__name__} for {self.target}: {self.cfg}"
+        pack = " (query heads of each KV head packed into the rows)" if self.packed else ""
+        return f"{self.kernel_cls.__name__} for {self.target}{pack}: {self.cfg}"
+
+
+TILE_ROWS = 64  # query rows per CTA tile, every kernel family
+
+
+def packed_problem(p: AttnProblem) -> AttnProblem | None:
+    """The same attention with each KV head's G = Hq / Hkv query heads stacked along the query
+    rows ([B, Hkv, G * Nq, D], one head per KV head), when that needs fewer row tiles (GQA / MQA
+    decode and short queries) and no query row is masked (not causal, or every query sees every
+    key); else None. A reshape on the host: the kernels see plain attention."""
+    g, nq = p.qhead_per_kvhead, p.seqlen_q
+    mask_free = not p.causal or p.causal_offset >= p.seqlen_kv - 1
+    if g == 1 or not mask_free or -(-g * nq // TILE_ROWS) >= g * -(-nq // TILE_ROWS):
+        return None
+    return dataclasses.replace(p, heads_q=p.heads_kv, seqlen_q=g * nq, causal=False,
+                               causal_offset=0, scale=p.softmax_scale)
 
 
 def problem_reason(p: AttnProblem) -> str | None:
@@ -174,12 +193,12 @@ def _plan_cached(p: AttnProblem, target: str, family: str) -> Plan:
     fam = _kernel_family(family)
     if fam is None:
         return Plan(p, target, family, reason=f"{family} has no kernel family yet ({target})")
-    planner = fam
+    packed = packed_problem(p)
     try:
-        cfg = planner(p, target)
+        cfg = fam(packed or p, target)
     except ValueError as e:
         return Plan(p, target, family, reason=f"{family} kernels cannot run it: {e}")
-    return Plan(p, target, family, cfg=cfg)
+    return Plan(p, target, family, cfg=cfg, packed=packed is not None)
 
 
 def plan_fwd(problem: AttnProblem, device: torch.device | None = None,
@@ -238,8 +257,13 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     cls = plan.kernel_cls
     fn = jit_cache().get(cls, plan.cfg)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    cls.launch(fn, _kernel_ready(q), _kernel_ready(k), _kernel_ready(v), out, lse,
-               p.softmax_scale, p.causal_offset, stream)
+    q, qo, lo, offset = _kernel_ready(q), out, lse, p.causal_offset
+    if plan.packed:  # [B, Hq, Nq, .] -> [B, Hkv, G * Nq, .]: views, or a copy of q
+        hkv = k.shape[1]
+        q = _kernel_ready(q.reshape(b, hkv, -1, q.shape[-1]))
+        qo, lo, offset = out.view(b, hkv, -1, out.shape[-1]), lse.view(b, hkv, -1), 0
+    cls.launch(fn, q, _kernel_ready(k), _kernel_ready(v), qo, lo, p.softmax_scale, offset,
+               stream)
     return out, lse
 
 

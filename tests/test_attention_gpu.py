@@ -231,6 +231,27 @@ def test_torch_compile_backward(seed):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("hq,hkv,nq,nkv,mode,d", [(128, 1, 1, 4097, "bottom_right", 512),
+                                                 (32, 8, 7, 129, "none", 320),
+                                                 (16, 2, 1, 1000, "none", 1024)])
+def test_gqa_row_packing_is_exact(seed, monkeypatch, hq, hkv, nq, nkv, mode, d):
+    """Query heads packed into a KV head's rows give the same bits as one head per tile (each
+    row's arithmetic is the same), and pass the reference check."""
+    q, k, v = make_qkv(2, hq, hkv, nq, nkv, d, BF16)
+    assert kernel_plan(q, k, v, mode).packed
+    off = offset_of(mode, nq, nkv)
+    packed = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, d ** -0.5)
+    monkeypatch.setattr(dispatch, "packed_problem", lambda p: None)
+    _forget_plans()
+    try:
+        assert not kernel_plan(q, k, v, mode).packed
+        plain = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, d ** -0.5)
+    finally:
+        _forget_plans()
+    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
+    check_forward(d, BF16, mode, nq, nkv, hq // hkv)  # (2 KV heads below ratio 16)
+
+
 def test_cuda_graph_capture(seed):
     q, k, v = make_qkv(2, 8, 2, 129, 1000, 512, BF16)
     stream = torch.cuda.Stream()

@@ -176,3 +176,26 @@ def test_dv_not_d_routes_to_wgmma_only():
     assert dispatch.plan_fwd(prob(d=512), target="sm_90a").cfg.head_dim_v is None
     bad = prob(d=576, head_dim_v=520)  # not a multiple of 16: no kernel serves it
     assert dispatch.plan_fwd(bad, target="sm_90a").reason
+
+
+@pytest.mark.parametrize("hq,hkv,nq,nkv,causal,offset,packed", [
+    (128, 1, 1, 4097, False, 0, True),      # MQA decode: 128 tiles -> 2
+    (128, 1, 1, 4097, True, 4096, True),    # bottom-right causal decode sees every key
+    (128, 1, 1, 4097, True, 0, False),      # upper-left: a masked row
+    (32, 8, 7, 129, False, 0, True),        # 4 tiles -> 1
+    (32, 8, 8192, 8192, False, 0, False),   # prefill: no fewer tiles
+    (32, 32, 1, 129, False, 0, False),      # MHA: nothing to pack
+    (32, 8, 100, 129, True, 29, False)])    # causal prefill rows are masked
+def test_gqa_rows_packing(hq, hkv, nq, nkv, causal, offset, packed):
+    """GQA / MQA query heads go into the rows of one KV head's tiles when that needs fewer
+    tiles and no row is masked; the plan's config is the packed (non-causal) problem's."""
+    p = prob(heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, causal=causal,
+             causal_offset=offset)
+    pp = dispatch.packed_problem(p)
+    assert (pp is not None) == packed
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.packed == packed and plan.problem == p
+    if packed:
+        assert (pp.heads_q, pp.seqlen_q, pp.causal) == (hkv, hq // hkv * nq, False)
+        assert pp.softmax_scale == p.softmax_scale and not plan.cfg.causal
+        assert "packed" in plan.describe()
