@@ -152,12 +152,20 @@ class Plan:
 
 TILE_ROWS = 64  # query rows per CTA tile, every kernel family
 
+# Routes that are built and CPU-tested but wait for their GPU tests before they become the
+# default (perf/NOTES.md, "Next device session"): GQA rows packing (`packed_problem`) and the
+# WGMMA forward's Dv != D (MLA). Off: one head per tile, and Dv != D runs torch SDPA.
+PACK_GQA_ROWS = False
+DV_NOT_D_KERNELS = False
+
 
 def packed_problem(p: AttnProblem) -> AttnProblem | None:
     """The same attention with each KV head's G = Hq / Hkv query heads stacked along the query
     rows ([B, Hkv, G * Nq, D], one head per KV head), when that needs fewer row tiles (GQA / MQA
     decode and short queries) and no query row is masked (not causal, or every query sees every
     key); else None. A reshape on the host: the kernels see plain attention."""
+    if not PACK_GQA_ROWS:
+        return None
     g, nq = p.qhead_per_kvhead, p.seqlen_q
     mask_free = not p.causal or p.causal_offset >= p.seqlen_kv - 1
     if g == 1 or not mask_free or -(-g * nq // TILE_ROWS) >= g * -(-nq // TILE_ROWS):
@@ -213,6 +221,11 @@ def plan_fwd(problem: AttnProblem, device: torch.device | None = None,
         if target_of(*_parse(target)) is None:
             return Plan(problem, target, reason=f"no kernel family for {target}")
         family = family_of_target(target)
+    if problem.head_dim_v != problem.head_dim and not DV_NOT_D_KERNELS:
+        return Plan(problem, target, family,
+                    reason=f"head_dim_v={problem.head_dim_v} != head_dim={problem.head_dim}: "
+                           "the WGMMA kernel's Dv != D mode awaits its GPU tests "
+                           "(DV_NOT_D_KERNELS)")
     if problem.head_dim_v != problem.head_dim and (family != "sm90"
                                                    or target.startswith("sm_12")):
         return Plan(problem, target, family,

@@ -29,16 +29,20 @@ if has 2; then
   for fam in sm80 sm90; do
     step "GPU tests, default tier (forward), FFPA_CUTE_ARCH=$fam"
     FFPA_CUTE_ARCH=$fam timeout 200 python -m pytest -m "gpu and not slow" -q tests/ \
-        --ignore=tests/test_backward_sm90_gpu.py -k "not backward_sm90_kernels" 2>&1 \
+        --ignore=tests/test_backward_sm90_gpu.py --ignore=tests/test_backward_sm80_gpu.py \
+        -k "not backward" 2>&1 \
         | tee "$out/gpu_fast_$fam.log" | tail -2
   done
 fi
 if has bwd; then
   # Own section and timeouts: a hang here must not cost the forward results.
   step "GPU tests, sm90 backward kernels (dV, dQ, dK vs float64; autograd through them)"
-  FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m gpu -v tests/test_backward_sm90_gpu.py \
-      tests/test_attention_gpu.py -k "dv_matches or dq_dk or backward" 2>&1 \
-      | tee "$out/gpu_bwd_sm90.log" | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -40
+  FFPA_CUTE_ARCH=sm90 timeout 240 python -m pytest -m gpu -v tests/test_backward_sm90_gpu.py \
+      2>&1 | tee "$out/gpu_bwd_sm90.log" | grep -E "FAIL|ERROR|passed|failed|Error" | tail -30
+  step "GPU tests, autograd through the backward kernels (eager, torch.compile, both families)"
+  FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m gpu -v tests/test_attention_gpu.py \
+      -k backward 2>&1 | tee "$out/gpu_bwd_autograd.log" \
+      | grep -E "FAIL|ERROR|passed|failed|Error" | tail -30
   step "GPU tests, Split-D backward kernels (FFPA_CUTE_ARCH=sm80, default tier)"
   FFPA_CUTE_ARCH=sm80 timeout 300 python -m pytest -m "gpu and not slow" -v \
       tests/test_backward_sm80_gpu.py 2>&1 \

@@ -122,13 +122,18 @@ MLA = [(576, BF16, "none", 1, 4097, 128, 512), (576, BF16, "bottom_right", 129, 
 
 
 @pytest.mark.parametrize("case", MLA, ids=lambda c: case_id(c[:6]) + f"-dv{c[6]}")
-def test_forward_dv_not_d(seed, case):
+def test_forward_dv_not_d(seed, monkeypatch, case):
     """Dv != D (MLA-absorbed 576 / 512, MQA 128:1 decode among them): the WGMMA kernel on sm_90
     (the Split-D family falls back to SDPA, tests/test_dispatch_config.py)."""
     if dispatch.current_arch() != "sm_90a" or dispatch.forced_family() not in (None, "sm90"):
         pytest.skip("Dv != D runs on the sm90 family only")
     d, dt, mode, nq, nkv, ratio, dv = case
-    check_forward(d, dt, mode, nq, nkv, ratio, dv=dv)
+    monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", True)
+    _forget_plans()
+    try:
+        check_forward(d, dt, mode, nq, nkv, ratio, dv=dv)
+    finally:
+        _forget_plans()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -238,18 +243,23 @@ def test_gqa_row_packing_is_exact(seed, monkeypatch, hq, hkv, nq, nkv, mode, d):
     """Query heads packed into a KV head's rows give the same bits as one head per tile (each
     row's arithmetic is the same), and pass the reference check."""
     q, k, v = make_qkv(2, hq, hkv, nq, nkv, d, BF16)
-    assert kernel_plan(q, k, v, mode).packed
-    off = offset_of(mode, nq, nkv)
-    packed = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, d ** -0.5)
-    monkeypatch.setattr(dispatch, "packed_problem", lambda p: None)
-    _forget_plans()
+    off, scale = offset_of(mode, nq, nkv), d ** -0.5
+    real_packed = dispatch.packed_problem
+    monkeypatch.setattr(dispatch, "PACK_GQA_ROWS", True)
     try:
-        assert not kernel_plan(q, k, v, mode).packed
-        plain = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, d ** -0.5)
-    finally:
         _forget_plans()
-    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
-    check_forward(d, BF16, mode, nq, nkv, hq // hkv)  # (2 KV heads below ratio 16)
+        assert kernel_plan(q, k, v, mode).packed
+        packed = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, scale)
+        monkeypatch.setattr(dispatch, "packed_problem", lambda p: None)
+        _forget_plans()
+        assert not kernel_plan(q, k, v, mode).packed
+        plain = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, scale)
+        assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
+        monkeypatch.setattr(dispatch, "packed_problem", real_packed)
+        _forget_plans()
+        check_forward(d, BF16, mode, nq, nkv, hq // hkv)  # (2 KV heads below ratio 16)
+    finally:
+        _forget_plans()  # no packed plan outlives the flag
 
 
 def test_cuda_graph_capture(seed):
