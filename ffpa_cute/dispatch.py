@@ -332,6 +332,26 @@ def bwd_reason(problem: AttnProblem, device: torch.device | None = None,
     return bwd_family(problem, device, target)[1] or None
 
 
+def bwd_kernels(problem: AttnProblem, device: torch.device | None = None,
+                target: str | None = None) -> list[tuple[type, Any]]:
+    """The (kernel class, config) pairs `run_bwd` compiles for `problem` (none when no
+    backward kernel serves it): what `precompile --backward` fills the cache with."""
+    family, _ = bwd_family(problem, device, target)
+    if family == "sm90":
+        from .sm90 import bwd_sm90 as b
+
+        return [(b.FFPABwdDQSm90, b.plan_dq(problem)), (b.FFPABwdDKSm90, b.plan_dk(problem)),
+                (b.FFPABwdDVSm90, b.plan_dv(problem))]
+    if family == "sm80":
+        from .sm80.bwd_sm80 import kernel_class
+        from .sm80.config import plan_bwd
+
+        arch = plan_fwd(problem, device, target).target
+        return [(kernel_class(kind, arch), plan_bwd(kind, problem, arch))
+                for kind in ("dq", "dk", "dv")]
+    return []
+
+
 def run_bwd(problem: AttnProblem, q, k, v, out, lse, dout):
     """(dq, dk, dv) from the backward kernels; the caller checked `bwd_reason` is None."""
     family, why = bwd_family(problem, q.device)

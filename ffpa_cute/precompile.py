@@ -3,8 +3,9 @@
     python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16,fp16 \
         --cache-dir /opt/ffpa-cache
 
-Each (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch,
-compiled from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
+Each (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch
+(with --backward also the dQ / dK / dV kernels `dispatch.bwd_kernels` names for training), compiled
+from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
 an object file into `<cache-dir>/<fingerprint>/`. A process on the GPU machine that sets
 `FFPA_CUTE_CACHE_DIR` to the same directory (same package sources and cutlass-dsl version) loads
 those files and compiles nothing.
@@ -49,10 +50,26 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
     return plans
 
 
-def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: bool = True):
-    """Compile every plan into cache_dir; returns the cache (its .stats count the work)."""
+def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False) -> list:
+    """(kernel class, config) pairs to compile: the forward plans, and with `backward` the
+    backward kernels of the same problems (deduplicated, uncovered combinations skipped)."""
+    jobs = [(plan.kernel_cls, plan.cfg) for plan in plans_for(target, head_dims, dtypes, causals)]
+    if backward:
+        for d in head_dims:
+            for dt in dtypes:
+                for causal in causals:
+                    p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
+                                    seqlen_kv=1, head_dim=d, head_dim_v=d, causal=causal)
+                    jobs += [j for j in dispatch.bwd_kernels(p, target=target) if j not in jobs]
+    return jobs
+
+
+def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: bool = True,
+               backward: bool = False):
+    """Compile every job into cache_dir; returns (the cache, its .stats count the work; the
+    (kernel class, config) jobs)."""
     cache = JitCache(cache_dir, disk=True)
-    plans = plans_for(target, head_dims, dtypes, causals)
+    plans = jobs_for(target, head_dims, dtypes, causals, backward)
     try:
         from rich.progress import Progress
     except ImportError:  # rich is a dependency, but keep precompile usable without it
@@ -60,14 +77,14 @@ def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: boo
     if progress and Progress is not None:
         with Progress() as bar:
             task = bar.add_task(f"precompiling for {target}", total=len(plans))
-            for plan in plans:
-                bar.update(task, description=f"{target} D={plan.cfg.head_dim} "
-                           f"{plan.cfg.dtype} causal={plan.cfg.causal}")
-                cache.get(plan.kernel_cls, plan.cfg)
+            for cls, cfg in plans:
+                bar.update(task, description=f"{target} {cls.__name__} D={cfg.head_dim} "
+                           f"{cfg.dtype} causal={cfg.causal}")
+                cache.get(cls, cfg)
                 bar.advance(task)
     else:
-        for plan in plans:
-            cache.get(plan.kernel_cls, plan.cfg)
+        for cls, cfg in plans:
+            cache.get(cls, cfg)
     return cache, plans
 
 
@@ -84,12 +101,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     ap.add_argument("--cache-dir", required=True)
+    ap.add_argument("--backward", action="store_true",
+                    help="also the backward kernels (training); on sm_90 3 more per config")
     args = ap.parse_args(argv)
     target = normalize_arch(args.arch)
     dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, int)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     t0 = time.time()
-    cache, plans = precompile(target, dims, _csv(args.dtypes), causals, args.cache_dir)
+    cache, plans = precompile(target, dims, _csv(args.dtypes), causals, args.cache_dir,
+                              backward=args.backward)
     st = cache.stats
     print(f"{len(plans)} kernels for {target} in {cache.entry_dir(target)}: {st.compiles} "
           f"compiled, {st.disk_loads} already there ({time.time() - t0:.0f} s)")

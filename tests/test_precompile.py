@@ -11,9 +11,22 @@ def test_precompile_then_load_without_compiling(tmp_path):
                                          progress=False)
     assert len(plans) == 2 and cache.stats.compiles == 2
     fresh = JitCache(tmp_path, disk=True)
-    for plan in plans:
-        fresh.get(plan.kernel_cls, plan.cfg)
+    for cls, cfg in plans:
+        fresh.get(cls, cfg)
     assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 2
+
+
+def test_backward_jobs_are_what_run_bwd_compiles():
+    """--backward adds the dQ / dK / dV kernels `dispatch.bwd_kernels` names: the WGMMA ones up
+    to D = 512 on sm_90a, the Split-D ones above (and on sm_80); none on sm_120 (never run)."""
+    names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512, 1024], ["bf16"],
+                                                               (True,), backward=True)]
+             for t in ("sm_90a", "sm_80", "sm_120a")}
+    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90", "FFPABwdDQSm90", "FFPABwdDKSm90",
+                               "FFPABwdDVSm90", "FFPABwdDQSm80", "FFPABwdDKSm80",
+                               "FFPABwdDVSm80"]
+    assert names["sm_80"][2:] == ["FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
+    assert names["sm_120a"] == ["FFPAFwdSm120", "FFPAFwdSm120"]
 
 
 def test_cli(tmp_path, capsys):
@@ -32,3 +45,14 @@ def test_plans_dedupe_and_skip_uncovered():
 def test_bad_arch():
     with pytest.raises(ValueError, match="--arch"):
         precompile.normalize_arch("sm_70")
+
+
+def test_backward_kernels_export_and_load(tmp_path):
+    """The backward kernels go through the same export / load as the forward."""
+    cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,
+                                        progress=False, backward=True)
+    assert len(jobs) == 4 and cache.stats.compiles == 4
+    fresh = JitCache(tmp_path, disk=True)
+    for cls, cfg in jobs:
+        fresh.get(cls, cfg)
+    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 4
