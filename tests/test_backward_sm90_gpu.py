@@ -43,10 +43,10 @@ def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
     _check_dv(d, causal, nq, nkv, ratio)
 
 
-def _check_dv(d, causal, nq, nkv, ratio):
+def _check_dv(d, causal, nq, nkv, ratio, dt=torch.bfloat16):
     from ffpa_cute.sm90.bwd_sm90 import run_dv
 
-    q, k, v, do, problem, _, lse = _inputs(d, causal, nq, nkv, ratio)
+    q, k, v, do, problem, _, lse = _inputs(d, causal, nq, nkv, ratio, dt)
     dt, off = q.dtype, problem.causal_offset
     dv = run_dv(q, k, do, lse, problem.softmax_scale, causal, off)
     torch.cuda.synchronize()
@@ -69,10 +69,10 @@ def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
     _check_dq_dk(d, causal, nq, nkv, ratio, want)
 
 
-def _check_dq_dk(d, causal, nq, nkv, ratio, want):
+def _check_dq_dk(d, causal, nq, nkv, ratio, want, dt=torch.bfloat16):
     from ffpa_cute.sm90.bwd_sm90 import run_dk, run_dq
 
-    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio, dt)
     dt, off = q.dtype, problem.causal_offset
     delta = (do.float() * out.float()).sum(-1)
     run = run_dq if want == "dq" else run_dk
@@ -106,3 +106,15 @@ def test_dk_seq_scores_variant(seed, monkeypatch, d, causal, nq, nkv, ratio):
     monkeypatch.setattr(bwd_sm90, "SEQ_SCORES", True)
     assert bwd_sm90.plan_dk(_inputs(d, causal, nq, nkv, ratio)[4]).tile_n == 128
     _check_dq_dk(d, causal, nq, nkv, ratio, "dk")
+
+
+@pytest.mark.parametrize("want", ["dv", "dq", "dk"])
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),
+                                                   (320, False, 1000, 1000, 16),
+                                                   (384, True, 1000, 129, 1)])
+def test_fp16(seed, d, causal, nq, nkv, ratio, want):
+    """fp16 inputs (dS goes to fp16 before the gradient GEMM): same criterion."""
+    if want == "dv":
+        _check_dv(d, causal, nq, nkv, ratio, torch.float16)
+    else:
+        _check_dq_dk(d, causal, nq, nkv, ratio, want, torch.float16)
