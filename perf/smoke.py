@@ -7,6 +7,7 @@ a float64 reference, and forward TFLOPS for the larger shapes.
     python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512
     python -m perf.smoke --family sm90 --bench-bwd "512:8192:0,512:8192:1,512:8192:0:8"
     python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:prefetch:seq"   # variants
+    python -m perf.smoke --family sm90 --decode "512:8192:32:8:8,576:4096:128:1:4:512"
 
 --first-call D,...: wall time of the first `attention()` call per head dim in a fresh process with
 an empty ffpa_cute cache and the DSL's file cache off (what a user's first call pays; issue 4
@@ -125,6 +126,38 @@ def _one_bench(spec: str) -> dict:
             "tflops": 4 * 32 * pairs * d / ms / 1e9, "cfg": str(plan.cfg)}
 
 
+def _one_decode(spec: str) -> dict:
+    """Forward at Nq = Nq_: D:Nkv:Hq:Hkv:B[:Dv[:Nq]], bf16, as one head per tile and with GQA rows
+    packed (`dispatch.PACK_GQA_ROWS`); a Dv other than D turns on `DV_NOT_D_KERNELS`. Both
+    variants' outputs are compared bit for bit."""
+    import torch
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.problem import AttnProblem
+
+    f = [int(x) for x in spec.split(":")]
+    d, nkv, hq, hkv, b = f[:5]
+    dv = f[5] if len(f) > 5 else d
+    nq = f[6] if len(f) > 6 else 1
+    dispatch.DV_NOT_D_KERNELS = dv != d
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, nkv, dv, device="cuda", dtype=torch.bfloat16)
+    res, outs = {"decode": spec}, []
+    for pack in (False, True):
+        dispatch.PACK_GQA_ROWS = pack
+        dispatch._plan_cached.cache_clear()
+        plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v))
+        assert plan.reason is None, plan.reason
+        ms = _median_ms(lambda: dispatch.run_fwd(plan, q, k, v), 30)
+        outs.append(dispatch.run_fwd(plan, q, k, v))
+        key = "packed" if plan.packed else "per_head"
+        res[key] = {"us": round(ms * 1e3, 1),
+                    "tflops": round(2 * b * hq * nq * nkv * (d + dv) / ms / 1e9, 1)}
+    res["same_bits"] = all(torch.equal(a, c) for a, c in zip(*outs))
+    return res
+
+
 def _first_call(d: int) -> dict:
     import time
 
@@ -214,6 +247,8 @@ def main() -> None:
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
     ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv][:prefetch][:seq],... (sm90 kernels)")
+    ap.add_argument("--decode", default="",
+                    help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")
     ap.add_argument("--first-call", default="")
     ap.add_argument("--overhead", default="")
     ap.add_argument("--timeout", type=int, default=90)
@@ -223,12 +258,16 @@ def main() -> None:
     ap.add_argument("--one-first", help=argparse.SUPPRESS)
     ap.add_argument("--one-bench-bwd", help=argparse.SUPPRESS)
     ap.add_argument("--one-overhead", help=argparse.SUPPRESS)
+    ap.add_argument("--one-decode", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one_first:
         print(json.dumps(_first_call(int(a.one_first))))
         return
     if a.one_bench_bwd:
         print(json.dumps(_one_bench_bwd(a.one_bench_bwd)))
+        return
+    if a.one_decode:
+        print(json.dumps(_one_decode(a.one_decode)))
         return
     if a.one_overhead:
         print(json.dumps(_overhead(int(a.one_overhead))))
@@ -248,6 +287,7 @@ def main() -> None:
     jobs += [("--one-bench", b) for b in a.bench.split(",") if b]
     jobs += [("--one-overhead", d) for d in a.overhead.split(",") if d]
     jobs += [("--one-bench-bwd", b) for b in a.bench_bwd.split(",") if b]
+    jobs += [("--one-decode", b) for b in a.decode.split(",") if b]
     for d in [d for d in a.first_call.split(",") if d]:
         fresh = tempfile.mkdtemp(prefix="ffpa_cute_cold_")
         cold = dict(env, FFPA_CUTE_CACHE_DIR=fresh, CUTE_DSL_DISABLE_FILE_CACHING="1")
