@@ -204,8 +204,11 @@ def test_sm90_dk_seq_scores_variant_compiles(d, causal, monkeypatch):
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
 
 
-def test_sm90_dv_not_d_compiles():
+def test_sm90_dv_not_d_compiles(monkeypatch):
     """MLA-absorbed D = 576, Dv = 512: QK over nine 64-wide chunks (Q streamed), O 512 wide."""
+    from ffpa_cute import dispatch
+
+    monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", True)
     p = AttnProblem(dtype="bf16", batch=1, heads_q=128, heads_kv=1, seqlen_q=1, seqlen_kv=1,
                     head_dim=576, head_dim_v=512, causal=True)
     plan = plan_fwd(p, target="sm_90a")
