@@ -150,7 +150,7 @@ class Plan:
         return f"{self.kernel_cls.__name__} for {self.target}{pack}: {self.cfg}"
 
 
-TILE_ROWS = 64  # query rows per CTA tile, every kernel family
+TILE_ROWS = 64  # query rows per CTA tile of the WGMMA kernel (Split-D: 32-128); packing's rule
 
 # Routes that are built and CPU-tested but wait for their GPU tests before they become the
 # default (perf/NOTES.md, "Next device session"): GQA rows packing (`packed_problem`) and the
