@@ -260,24 +260,14 @@ def main() -> None:
     ap.add_argument("--one-overhead", help=argparse.SUPPRESS)
     ap.add_argument("--one-decode", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.one_first:
-        print(json.dumps(_first_call(int(a.one_first))))
-        return
-    if a.one_bench_bwd:
-        print(json.dumps(_one_bench_bwd(a.one_bench_bwd)))
-        return
-    if a.one_decode:
-        print(json.dumps(_one_decode(a.one_decode)))
-        return
-    if a.one_overhead:
-        print(json.dumps(_overhead(int(a.one_overhead))))
-        return
-    if a.one:
-        print(json.dumps(_one_case(a.one)))
-        return
-    if a.one_bench:
-        print(json.dumps(_one_bench(a.one_bench)))
-        return
+    # inside a per-job subprocess: run that one job and print its JSON line
+    one = {"one_first": lambda x: _first_call(int(x)), "one_bench_bwd": _one_bench_bwd,
+           "one_decode": _one_decode, "one_overhead": lambda x: _overhead(int(x)),
+           "one": _one_case, "one_bench": _one_bench}
+    for name, job in one.items():
+        if getattr(a, name):
+            print(json.dumps(job(getattr(a, name))))
+            return
     import tempfile
 
     env = dict(os.environ, FFPA_CUTE_ARCH=a.family)
