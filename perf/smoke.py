@@ -208,7 +208,8 @@ def _overhead(d: int) -> dict:
 
 def _one_bench_bwd(spec: str) -> dict:
     """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 4th field: Hkv;
-    trailing fields "prefetch" / "seq" time the `prefetch_stats` / dK `seq_scores` configs)."""
+    trailing fields "prefetch" / "seq" / "wide" time the `prefetch_stats` / dK `seq_scores` /
+    D > 512 configs)."""
     import torch
 
     from ffpa_cute import dispatch
@@ -216,8 +217,10 @@ def _one_bench_bwd(spec: str) -> dict:
     from ffpa_cute.sm90 import bwd_sm90
 
     parts = spec.split(":")
-    while parts[-1] in ("prefetch", "seq"):  # variants: PREFETCH_STATS, SEQ_SCORES (dK)
-        setattr(bwd_sm90, "PREFETCH_STATS" if parts.pop() == "prefetch" else "SEQ_SCORES", True)
+    switches = {"prefetch": ("PREFETCH_STATS", True), "seq": ("SEQ_SCORES", True),
+                "wide": ("MAX_HEAD_DIM", 1024)}  # variants; "wide": D > 512 on two CTAs
+    while parts[-1] in switches:
+        setattr(bwd_sm90, *switches[parts.pop()])
     fields = [int(x) for x in parts]
     d, n, causal = fields[:3]
     hkv = fields[3] if len(fields) > 3 else 32
@@ -246,7 +249,7 @@ def main() -> None:
     ap.add_argument("--family", default="sm90")
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
-    ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv][:prefetch][:seq],... (sm90 kernels)")
+    ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv][:prefetch][:seq][:wide],... (sm90 kernels)")
     ap.add_argument("--decode", default="",
                     help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")
     ap.add_argument("--first-call", default="")

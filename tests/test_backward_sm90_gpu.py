@@ -118,3 +118,19 @@ def test_fp16(seed, d, causal, nq, nkv, ratio, want):
         _check_dv(d, causal, nq, nkv, ratio, torch.float16)
     else:
         _check_dq_dk(d, causal, nq, nkv, ratio, want, torch.float16)
+
+
+@pytest.mark.parametrize("want", ["dv", "dq", "dk"])
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(1024, True, 129, 1000, 4),
+                                                   (768, False, 1000, 1000, 1),
+                                                   (576, True, 1000, 129, 16)])
+def test_above_512(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
+    """D > 512: the gradient split over two CTAs (each recomputing the scores), as the forward
+    splits O (`bwd_sm90.MAX_HEAD_DIM` raised to 1024)."""
+    from ffpa_cute.sm90 import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", 1024)
+    if want == "dv":
+        _check_dv(d, causal, nq, nkv, ratio)
+    else:
+        _check_dq_dk(d, causal, nq, nkv, ratio, want)

@@ -218,3 +218,21 @@ def test_sm90_dv_not_d_compiles(monkeypatch):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+def test_sm90_backward_above_512_compiles(monkeypatch):
+    """D = 1024 backward: dQ with its gradient split over two CTAs; wgmma, no spills."""
+    from ffpa_cute.sm90 import bwd_sm90
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=1024, head_dim_v=1024, causal=True)
+    with pytest.raises(ValueError, match="MAX_HEAD_DIM"):
+        bwd_sm90.plan_dq(p)
+    monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", 1024)
+    cfg = bwd_sm90.plan_dq(p)
+    assert cfg.o_split == 2
+    ptx = bwd_sm90.FFPABwdDQSm90.compile(cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

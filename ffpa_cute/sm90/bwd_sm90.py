@@ -73,15 +73,27 @@ PREFETCH_STATS = False
 SEQ_SCORES = False
 
 
+# Head dims the planners take. The kernels also build D in (512, 1024] with the gradient split
+# over two CTAs, as the forward splits O (each recomputes the scores; compile-verified only):
+# raised once tests/test_backward_sm90_gpu.py::test_above_512 passes on the GPU.
+MAX_HEAD_DIM = 512
+
+
+def _check_head_dim(problem: AttnProblem):
+    if problem.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={problem.head_dim} > {MAX_HEAD_DIM} (bwd_sm90.MAX_HEAD_DIM)")
+
+
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
-    if reason is None and (cfg.o_split > 1 or cfg.head_dim_v is not None):
-        reason = "the dV kernel covers D <= 512 and head_dim_v == head_dim"
+    if reason is None and cfg.head_dim_v is not None:
+        reason = "the dV kernel needs head_dim_v == head_dim"
     return reason
 
 
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
+    _check_head_dim(problem)
     cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch)),
                           prefetch_stats=PREFETCH_STATS)
     reason = can_implement_dv(cfg)
@@ -303,10 +315,10 @@ class BwdDQConfigSm90(FwdConfigSm90):
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
-    if reason is None and (cfg.o_split > 1 or not cfg.stream_q or cfg.head_dim_v is not None
+    if reason is None and (not cfg.stream_q or cfg.head_dim_v is not None
                            or cfg.tile_n != (128 if cfg.seq_scores else 64)):
-        reason = ("the dQ / dK kernels need D <= 512, head_dim_v == head_dim, stream_q and "
-                  "tile_n 64 (seq_scores: 128)")
+        reason = ("the dQ / dK kernels need head_dim_v == head_dim, stream_q and tile_n 64 "
+                  "(seq_scores: 128)")
     if reason is None and cfg.seq_scores and not cfg.prefetch_stats:
         reason = "seq_scores needs prefetch_stats (the statistics are read mid-block)"
     return reason
@@ -315,6 +327,7 @@ def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
 def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
     """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
     second's), then the deepest accumulator-operand rings that fit."""
+    _check_head_dim(problem)
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
                 publish_after=-(-problem.head_dim // 64),
