@@ -30,7 +30,9 @@ P = exp2(finite - inf) = 0.
 Status (all three kernels): run and tested on the H200 against float64 (commit f98b922;
 tests/test_backward_sm90_gpu.py); autograd uses them for the sm90 family at D <= 512
 (`dispatch.BWD_KERNEL_FAMILIES`).
-Constraints: those of `FwdConfigSm90`, and D <= 512.
+Constraints: those of `FwdConfigSm90` with head_dim_v == head_dim; the planners take
+D <= `MAX_HEAD_DIM` (512: above it the kernels split the gradient over two CTAs, compile-verified
+only).
 """
 
 from __future__ import annotations
