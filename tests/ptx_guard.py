@@ -1,0 +1,81 @@
+"""Which default kernels' generated code is the code that passed the GPU tests.
+
+`tests/ptx_verified.json` maps a kernel config (by name) to the sha256 of its PTX and the
+commit whose GPU run verified that exact code. `tests/test_ptx_guard.py` recompiles each on the
+CPU and fails when the PTX differs: a kernel edit changed code the GPU has not run. After
+running the GPU tests on the new code, refresh the record with
+
+    CUTE_DSL_ARCH=sm_90a python -m tests.ptx_guard --verified-at <commit>
+
+(or `--verified-at none` to record an edit as compile-verified only: the README must then say
+so). Keeping this record exact is what lets a session say "byte-identical to the verified code".
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+
+RECORD = pathlib.Path(__file__).with_name("ptx_verified.json")
+
+
+def _problem(d, causal):
+    from ffpa_cute.problem import AttnProblem
+
+    return AttnProblem(dtype="bf16", batch=1, heads_q=2, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                       head_dim=d, head_dim_v=d, causal=causal)
+
+
+def kernels() -> dict:
+    """name -> (kernel class, config): the default configs of every GPU-run kernel."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.sm80 import bwd_sm80
+    from ffpa_cute.sm80.config import plan_bwd
+    from ffpa_cute.sm90 import bwd_sm90
+
+    out = {}
+    for d, causal in ((320, False), (512, True), (1024, False)):
+        plan = dispatch.plan_fwd(_problem(d, causal), target="sm_90a")
+        out[f"sm90-fwd-d{d}-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
+    from ffpa_cute import sm80
+
+    cfg = sm80.plan_fwd(_problem(512, True), "sm_90a")  # the Split-D forward (FFPA_CUTE_ARCH=sm80)
+    out["splitd-fwd-d512-causal-sm90a"] = (dispatch.kernel_of_config(cfg), cfg)
+    p = _problem(512, True)
+    for name, cls, plan in (("dq", bwd_sm90.FFPABwdDQSm90, bwd_sm90.plan_dq),
+                            ("dk", bwd_sm90.FFPABwdDKSm90, bwd_sm90.plan_dk),
+                            ("dv", bwd_sm90.FFPABwdDVSm90, bwd_sm90.plan_dv)):
+        out[f"sm90-bwd-{name}-d512-causal"] = (cls, plan(p))
+    p = _problem(1024, True)
+    for kind in ("dq", "dv"):
+        out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (bwd_sm80.kernel_class(kind, "sm_90a"),
+                                                        plan_bwd(kind, p, "sm_90a"))
+    return out
+
+
+def ptx_sha(cls, cfg) -> str:
+    ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+    return hashlib.sha256(ptx.encode()).hexdigest()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verified-at", required=True,
+                    help="commit whose GPU run tested this code, or 'none'")
+    a = ap.parse_args(argv)
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    for name, (cls, cfg) in kernels().items():
+        sha = ptx_sha(cls, cfg)
+        if record.get(name, {}).get("sha256") != sha:
+            record[name] = {"sha256": sha, "config": repr(cfg),
+                            "verified_at": None if a.verified_at == "none" else a.verified_at}
+            print(f"{name}: recorded ({a.verified_at})")
+    RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
