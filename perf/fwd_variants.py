@@ -16,21 +16,7 @@ import torch
 from ffpa_cute import dispatch
 from ffpa_cute.cache import jit_cache
 from ffpa_cute.reference import attention_ref, rel_err
-
-
-def bench(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        st.record()
-        fn()
-        en.record()
-        torch.cuda.synchronize()
-        ts.append(st.elapsed_time(en))
-    ts.sort()
-    return ts[len(ts) // 2]
+from perf.smoke import _median_ms
 
 
 def main():
@@ -100,11 +86,12 @@ def main():
                     out = torch.empty_like(q)
                     lse = torch.empty(1, h, n, device=dev)
                     s = torch.cuda.current_stream().cuda_stream
-                    ms = bench(lambda: FFPAFwdSm80.launch(fn, q, k, v, out, lse, d ** -0.5, 0, s))
+                    ms = _median_ms(
+                        lambda: FFPAFwdSm80.launch(fn, q, k, v, out, lse, d ** -0.5, 0, s), 20)
                     pairs = n * (n + 1) / 2 if causal else n * n
                     tf = 4 * h * pairs * d / ms / 1e9
-                    msd = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, is_causal=causal))
+                    msd = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal), 20)
                     tfs = 4 * h * pairs * d / msd / 1e9
                     rows.append((d, lay, cfg.num_stages, causal, ms, tf, tfs, ct))
                     print(f"PERF D={d} {lay} st={cfg.num_stages} causal={causal}: {ms:.2f} ms "
