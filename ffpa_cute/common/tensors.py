@@ -111,6 +111,13 @@ def _raw_args_ok() -> bool:
     return ok
 
 
+def fake_grad_args(cfg) -> tuple:
+    """Stand-ins for the dQ / dK kernels' (q, k, v, do, grad, lse, delta)."""
+    q, k, v, _, lse = fake_args(cfg)
+    do, grad, _, _, delta = fake_args(cfg)
+    return q, k, v, do, grad, lse, delta
+
+
 def launch_args(*tensors) -> list:
     """Runtime tensor arguments for torch tensors ([B, H, N, D] / [B, H, N]; last stride 1,
     16-byte aligned, other strides multiples of 8 elements): the layouts `fake_args` promised."""
@@ -141,15 +148,21 @@ class KernelEntry:
     def arch_of(cfg) -> str:
         return cfg.arch
 
+    # the tensor arguments of `__call__` as compile-time stand-ins (four [B, H, N, D], one
+    # [B, Hq, Nq] fp32); kernels with other inputs name their own
+    fake_inputs = staticmethod(fake_args)
+
     @classmethod
     def compile(cls, cfg, options: str = ""):
         """Compile for cfg.arch from fake tensors: no GPU needed, one compile per config."""
         with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), *fake_args(cfg), 1.0, 0, cuda.CUstream(0),
+            return cute.compile(cls(cfg), *cls.fake_inputs(cfg), 1.0, 0, cuda.CUstream(0),
                                 options=options)
 
     @staticmethod
-    def launch(fn, q, k, v, out, lse, softmax_scale: float, causal_offset: int, stream) -> None:
-        """Run a compiled kernel on torch tensors ([B, H, N, D], last stride 1, 16-byte
-        aligned, other strides multiples of 8 elements; lse [B, Hq, Nq] fp32 contiguous)."""
-        fn(*launch_args(q, k, v, out, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
+    def launch(fn, *args) -> None:
+        """Run a compiled kernel: its torch tensors in `__call__` order ([B, H, N, D], last
+        stride 1, 16-byte aligned, other strides multiples of 8 elements; [B, Hq, Nq] fp32
+        contiguous), then softmax_scale, causal_offset and the CUDA stream handle."""
+        *tensors, softmax_scale, causal_offset, stream = args
+        fn(*launch_args(*tensors), softmax_scale, causal_offset, cuda.CUstream(stream))

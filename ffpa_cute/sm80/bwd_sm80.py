@@ -70,10 +70,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.compat import compile_target
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, fake_args, launch_args
+from ..common.tensors import LOG2_E, fake_grad_args
 from ..problem import AttnProblem
 from .config import (BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement,
                      plan_bwd)
@@ -312,18 +311,6 @@ class FFPABwdDVSm80(_TransposedSm80):
         self._launch_bwd(mK, mK, mQ, mdO, mdO, mdV, mLSE, mLSE, softmax_scale, causal_offset,
                          stream)
 
-    @classmethod
-    def compile(cls, cfg, options: str = ""):
-        """Compile for cfg.arch from fake tensors (q, k, do, dv, lse): no GPU needed."""
-        q, k, do, dv, lse = fake_args(cfg)
-        with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), q, k, do, dv, lse, 1.0, 0, cuda.CUstream(0),
-                                options=options)
-
-    @staticmethod
-    def launch(fn, q, k, do, dv, lse, softmax_scale: float, causal_offset: int, stream) -> None:
-        fn(*launch_args(q, k, do, dv, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
-
     @cute.jit
     def _softmax_step(self, ctx, head, n_block):
         """P^T = exp2(S^T * scale * log2(e) - LSE[i] * log2(e)) -> rP (and sP)."""
@@ -343,20 +330,7 @@ class _TwoScoresSm80(_BwdSm80):
     num_scores = 2
     scaled = True
 
-    @classmethod
-    def compile(cls, cfg, options: str = ""):
-        """Compile from fake tensors: q, k, v, do, grad [B, H, N, D]; lse, delta [B, Hq, Nq]."""
-        q, k, v, _, lse = fake_args(cfg)
-        do, grad, _, _, delta = fake_args(cfg)
-        with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), q, k, v, do, grad, lse, delta, 1.0, 0,
-                                cuda.CUstream(0), options=options)
-
-    @staticmethod
-    def launch(fn, q, k, v, do, grad, lse, delta, softmax_scale: float, causal_offset: int,
-               stream) -> None:
-        fn(*launch_args(q, k, v, do, grad, lse, delta), softmax_scale, causal_offset,
-           cuda.CUstream(stream))
+    fake_inputs = staticmethod(fake_grad_args)  # q, k, v, do, grad; lse, delta
 
     @cute.jit
     def _ds(self, ctx, lse_of, delta_of):

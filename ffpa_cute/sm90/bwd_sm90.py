@@ -50,7 +50,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, launch_args
+from ..common.tensors import LOG2_E, fake_grad_args
 from ..problem import AttnProblem
 from .config import TILE_M, FwdConfigSm90
 from .config import can_implement as _can_implement_fwd
@@ -117,8 +117,9 @@ def run_dv(q, k, do, lse, softmax_scale: float, causal: bool, causal_offset: int
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     fn = jit_cache().get(FFPABwdDVSm90, cfg)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    FFPABwdDVSm90.launch_dv(fn, _kernel_ready(q), _kernel_ready(k), _kernel_ready(do), dv,
-                            lse.contiguous(), softmax_scale, causal_offset, stream)
+    # the skeleton's roles: K the resident rows, Q the streamed columns, dO the accumulator's B
+    FFPABwdDVSm90.launch(fn, _kernel_ready(k), _kernel_ready(q), _kernel_ready(do), dv,
+                         lse.contiguous(), softmax_scale, causal_offset, stream)
     return dv
 
 
@@ -132,12 +133,6 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason}")
         super().__init__(cfg)
-
-    @staticmethod
-    def launch_dv(fn, q, k, do, dv, lse, softmax_scale: float, causal_offset: int,
-                  stream) -> None:
-        """dv [B, H, Nkv, D] from q [B, H, Nq, D], k, do, lse [B, H, Nq] (the forward's)."""
-        fn(*launch_args(k, q, do, dv, lse), softmax_scale, causal_offset, cuda.CUstream(stream))
 
     # ---------------------------------------------------------------- hooks
     @cute.jit
@@ -345,23 +340,28 @@ def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
     return _plan_two(BwdDQConfigSm90, problem, arch, False)
 
 
-def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
-    """dQ for torch tensors q, k, v, do [B, H, N, D], the forward's lse and
-    delta = rowsum(dO * O) [B, Hq, Nq] fp32."""
+def _run_two(cls, plan, grad_like, q, k, v, do, lse, delta, softmax_scale, causal,
+             causal_offset):
+    """The dQ or dK kernel on torch tensors: a gradient shaped like `grad_like`."""
     import torch
 
     from ..cache import jit_cache
     from ..dispatch import _kernel_ready
 
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
-    cfg = plan_dq(problem)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    fn = jit_cache().get(FFPABwdDQSm90, cfg)
+    grad = torch.empty(grad_like.shape, dtype=grad_like.dtype, device=grad_like.device)
+    fn = jit_cache().get(cls, plan(problem))
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    fn(*launch_args(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), _kernel_ready(do), dq,
-                    lse.contiguous(), delta.contiguous()),
-       softmax_scale, causal_offset, cuda.CUstream(stream))
-    return dq
+    cls.launch(fn, *(_kernel_ready(t) for t in (q, k, v, do)), grad, lse.contiguous(),
+               delta.contiguous(), softmax_scale, causal_offset, stream)
+    return grad
+
+
+def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
+    """dQ for torch tensors q, k, v, do [B, H, N, D], the forward's lse and
+    delta = rowsum(dO * O) [B, Hq, Nq] fp32."""
+    return _run_two(FFPABwdDQSm90, plan_dq, q, q, k, v, do, lse, delta, softmax_scale, causal,
+                    causal_offset)
 
 
 class TwoProductExtra(NamedTuple):
@@ -388,17 +388,7 @@ class _TwoScoreProducts:
         self.num_chunks = 2 * cfg.num_k_chunks
         self.seq_scores = cfg.seq_scores
 
-    @classmethod
-    def compile(cls, cfg, options: str = ""):
-        """Compile from fake tensors: q, k, v, do, out (B, H, N, D); lse, delta (B, Hq, Nq)."""
-        from ..common.compat import compile_target
-        from ..common.tensors import fake_args
-
-        q, k, v, _, lse = fake_args(cfg)
-        do, out, _, _, delta = fake_args(cfg)
-        with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), q, k, v, do, out, lse, delta, 1.0, 0,
-                                cuda.CUstream(0), options=options)
+    fake_inputs = staticmethod(fake_grad_args)  # q, k, v, do, grad; lse, delta
 
     def _chunk(self, c: int):
         """Chunks 0..C-1: the first product; C..2C-1: the second (its own accumulator)."""
@@ -602,20 +592,8 @@ def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
 def run_dk(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
     """dK [B, Hkv, Nkv, D] (summed over each KV head's query heads) for torch tensors, the
     forward's lse and delta = rowsum(dO * O)."""
-    import torch
-
-    from ..cache import jit_cache
-    from ..dispatch import _kernel_ready
-
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
-    cfg = plan_dk(problem)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    fn = jit_cache().get(FFPABwdDKSm90, cfg)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    fn(*launch_args(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), _kernel_ready(do), dk,
-                    lse.contiguous(), delta.contiguous()),
-       softmax_scale, causal_offset, cuda.CUstream(stream))
-    return dk
+    return _run_two(FFPABwdDKSm90, plan_dk, k, q, k, v, do, lse, delta, softmax_scale, causal,
+                    causal_offset)
 
 
 class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
