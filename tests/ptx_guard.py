@@ -24,7 +24,7 @@ RECORD = pathlib.Path(__file__).with_name("ptx_verified.json")
 def _problem(d, causal):
     from ffpa_cute.problem import AttnProblem
 
-    return AttnProblem(dtype="bf16", batch=1, heads_q=2, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+    return AttnProblem(dtype="bf16", batch=1, heads_q=2, heads_kv=1, seqlen_q=4096, seqlen_kv=4096,
                        head_dim=d, head_dim_v=d, causal=causal)
 
 
@@ -48,6 +48,8 @@ def kernels() -> dict:
                             ("dk", bwd_sm90.FFPABwdDKSm90, bwd_sm90.plan_dk),
                             ("dv", bwd_sm90.FFPABwdDVSm90, bwd_sm90.plan_dv)):
         out[f"sm90-bwd-{name}-d512-causal"] = (cls, plan(p))
+    p = _problem(1024, True)  # the gradient split over two CTAs
+    out["sm90-bwd-dq-d1024-causal"] = (bwd_sm90.FFPABwdDQSm90, bwd_sm90.plan_dq(p))
     p = _problem(1024, True)
     for kind in ("dq", "dv"):
         out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (bwd_sm80.kernel_class(kind, "sm_90a"),

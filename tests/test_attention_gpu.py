@@ -118,7 +118,8 @@ def test_forward_full_grid(seed, case):
 
 MLA = [(576, BF16, "none", 1, 4097, 128, 512), (576, BF16, "bottom_right", 129, 1000, 16, 512),
        (576, BF16, "upper_left", 1000, 1000, 1, 512), (576, FP16, "bottom_right", 1000, 129, 4, 512),
-       (512, BF16, "bottom_right", 129, 1000, 4, 320), (320, BF16, "none", 7, 129, 1, 256)]
+       (512, BF16, "bottom_right", 129, 1000, 4, 320), (320, BF16, "none", 7, 129, 1, 256),
+       (1024, BF16, "bottom_right", 1000, 1000, 8, 512), (768, FP16, "none", 129, 4097, 16, 128)]
 
 
 @pytest.mark.parametrize("case", MLA, ids=lambda c: case_id(c[:6]) + f"-dv{c[6]}")
@@ -308,19 +309,24 @@ def test_backward_kernels(seed, monkeypatch, family, d, mode, nq, nkv, ratio):
 
 @pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 4),
                                                ("none", 1000, 1000, 1)])
-def test_backward_above_wgmma_range(seed, monkeypatch, mode, nq, nkv, ratio):
-    """sm90 family at D = 1024: the WGMMA forward (O split) and its LSE feed the Split-D
-    backward kernels (compiled for sm_90a)."""
+@pytest.mark.parametrize("bwd_max,family", [(1024, "sm90"), (512, "sm80")])
+def test_backward_above_512(seed, monkeypatch, mode, nq, nkv, ratio, bwd_max, family):
+    """sm90 family at D = 1024: the WGMMA forward (O split) and its LSE feed the WGMMA
+    backward (gradient split over two CTAs, the default) or, with `bwd_sm90.MAX_HEAD_DIM`
+    lowered to 512, the Split-D backward kernels (compiled for sm_90a)."""
+    from ffpa_cute.sm90 import bwd_sm90
+
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
     monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
+    monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", bwd_max)
     _forget_plans()
     try:
         p = AttnProblem(dtype="bf16", batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=1024, head_dim_v=1024, causal=mode != "none",
                         causal_offset=offset_of(mode, nq, nkv))
         assert dispatch.plan_fwd(p).kernel_cls.__name__ == "FFPAFwdSm90"
-        assert dispatch.bwd_family(p) == ("sm80", "")
+        assert dispatch.bwd_family(p) == (family, "")
         _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=1024)
     finally:
         _forget_plans()

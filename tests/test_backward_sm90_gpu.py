@@ -87,11 +87,12 @@ def _check_dq_dk(d, causal, nq, nkv, ratio, want, dt=torch.bfloat16):
 
 @pytest.mark.parametrize("want", ["dv", "dq", "dk"])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [CASES[1], CASES[4], CASES[5]])
-def test_prefetch_variant(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
-    """The `prefetch_stats` configs (statistics loaded before the block's WGMMAs), same checks."""
+def test_without_prefetch(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
+    """The configs without `prefetch_stats` (statistics loaded after the block's WGMMAs; the
+    default is with), same checks."""
     from ffpa_cute.sm90 import bwd_sm90
 
-    monkeypatch.setattr(bwd_sm90, "PREFETCH_STATS", True)
+    monkeypatch.setattr(bwd_sm90, "PREFETCH_STATS", False)
     if want == "dv":
         _check_dv(d, causal, nq, nkv, ratio)
     else:
@@ -126,7 +127,7 @@ def test_fp16(seed, d, causal, nq, nkv, ratio, want):
                                                    (576, True, 1000, 129, 16)])
 def test_above_512(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
     """D > 512: the gradient split over two CTAs (each recomputing the scores), as the forward
-    splits O (`bwd_sm90.MAX_HEAD_DIM` raised to 1024)."""
+    splits O (`bwd_sm90.MAX_HEAD_DIM` = 1024, the default)."""
     from ffpa_cute.sm90 import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", 1024)

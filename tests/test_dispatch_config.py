@@ -76,7 +76,7 @@ def test_forced_family(monkeypatch):
     (dict(device_type="cpu"), "cpu"), (dict(dtype="fp32"), "fp32"), (dict(has_mask=True), "mask"),
     (dict(dropout_p=0.1), "dropout"), (dict(head_dim=128, head_dim_v=128), "256"),
     (dict(head_dim=1032, head_dim_v=1032), "1024"), (dict(head_dim=516, head_dim_v=516), "8"),
-    (dict(head_dim_v=256), "head_dim_v"), (dict(batch=70000), "grid"),
+    (dict(head_dim_v=264), "head_dim_v"), (dict(batch=70000), "grid"),
     (dict(heads_q=65536 * 2, heads_kv=2), "grid")])
 def test_uncovered_problems_carry_a_reason(kw, needle):
     plan = dispatch.plan_fwd(prob(**kw), target="sm_90a")
@@ -144,14 +144,14 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
 
 
 @pytest.mark.parametrize("d,enabled,target,family", [
-    (512, {"sm90", "sm80"}, "sm_90a", "sm90"), (1024, {"sm90", "sm80"}, "sm_90a", "sm80"),
+    (512, {"sm90", "sm80"}, "sm_90a", "sm90"), (1024, {"sm90", "sm80"}, "sm_90a", "sm90"),
     (512, {"sm80"}, "sm_90a", "sm80"), (512, {"sm90"}, "sm_90a", "sm90"),
-    (1024, {"sm90"}, "sm_90a", None), (512, {"sm80"}, "sm_80", "sm80"),
+    (1024, {"sm80"}, "sm_90a", "sm80"), (512, {"sm80"}, "sm_80", "sm80"),
     (512, {"sm90", "sm80"}, "sm_120a", None), (512, set(), "sm_90a", None)])
 def test_backward_routing(monkeypatch, d, enabled, target, family):
     """Backward kernels serve only families in BWD_KERNEL_FAMILIES (those that passed the GPU
-    grid); the sm90 family's WGMMA backward stops at D = 512 and the Split-D backward takes over;
-    sm_12x (compile-verified only) never runs them."""
+    grid); the sm90 family's WGMMA backward serves D <= 1024 (`bwd_sm90.MAX_HEAD_DIM`) and the
+    Split-D backward takes what it does not; sm_12x (compile-verified only) never runs them."""
     monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset(enabled))
     got, why = dispatch.bwd_family(prob(d=d), target=target) if enabled else (None, "")
     assert got == family
@@ -166,8 +166,9 @@ def test_backward_routing(monkeypatch, d, enabled, target, family):
 def test_dv_not_d_routes_to_wgmma_only(monkeypatch):
     """Dv != D (MLA 576 / 512): the WGMMA kernel with head_dim_v on sm_90a; the Split-D
     families (sm_80, sm_120) fall back with the reason; no backward kernels (SDPA recompute).
-    Off (SDPA) until its GPU tests pass."""
+    On by default; switched off, such calls run SDPA with the reason."""
     p = prob(d=576, head_dim_v=512, heads_q=128, heads_kv=1)
+    monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", False)
     assert "DV_NOT_D_KERNELS" in dispatch.plan_fwd(p, target="sm_90a").reason
     monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", True)
     plan = dispatch.plan_fwd(p, target="sm_90a")
@@ -192,9 +193,10 @@ def test_dv_not_d_routes_to_wgmma_only(monkeypatch):
 def test_gqa_rows_packing(monkeypatch, hq, hkv, nq, nkv, causal, offset, packed):
     """GQA / MQA query heads go into the rows of one KV head's tiles when that needs fewer
     tiles and no row is masked; the plan's config is the packed (non-causal) problem's.
-    Off until its GPU test passes."""
+    On by default; switched off, nothing is packed."""
     p = prob(heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, causal=causal,
              causal_offset=offset)
+    monkeypatch.setattr(dispatch, "PACK_GQA_ROWS", False)
     assert dispatch.packed_problem(p) is None
     monkeypatch.setattr(dispatch, "PACK_GQA_ROWS", True)
     pp = dispatch.packed_problem(p)

@@ -226,6 +226,7 @@ def test_sm90_backward_above_512_compiles(monkeypatch):
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
                     head_dim=1024, head_dim_v=1024, causal=True)
+    monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", 512)
     with pytest.raises(ValueError, match="MAX_HEAD_DIM"):
         bwd_sm90.plan_dq(p)
     monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", 1024)

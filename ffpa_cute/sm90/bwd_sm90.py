@@ -66,19 +66,19 @@ class BwdDVConfigSm90(FwdConfigSm90):
     prefetch_stats: bool = False
 
 
-# The planners' `prefetch_stats` (all three kernels): off until the variant has passed the GPU
-# grid (tests/test_backward_sm90_gpu.py runs both) and been timed (perf.smoke --bwd-prefetch).
-PREFETCH_STATS = False
+# The planners' `prefetch_stats` (all three kernels): passed the GPU grid at e1f5101 and measured
+# 206 -> 215 TFLOPS at D=512 (perf/NOTES.md, session 4), so on.
+PREFETCH_STATS = True
 # The dK planner's `seq_scores` (tile_n 128, the two score products one after the other in one
 # accumulator, P^T kept in rP between them; with `prefetch_stats`): off until GPU-verified.
 # dQ compiles it too but spills (88-300 B at D = 320-512), so its planner keeps tile_n 64.
 SEQ_SCORES = False
 
 
-# Head dims the planners take. The kernels also build D in (512, 1024] with the gradient split
-# over two CTAs, as the forward splits O (each recomputes the scores; compile-verified only):
-# raised once tests/test_backward_sm90_gpu.py::test_above_512 passes on the GPU.
-MAX_HEAD_DIM = 512
+# Head dims the planners take. Above 512 the gradient is split over two CTAs, as the forward
+# splits O (each recomputes the scores): passed test_above_512 at e1f5101 and ran 130 TFLOPS at
+# D=1024 against the Split-D backward's 110 (perf/NOTES.md, session 4).
+MAX_HEAD_DIM = 1024
 
 
 def _check_head_dim(problem: AttnProblem):
@@ -202,6 +202,16 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         if cutlass.const_expr(not self.cfg.prefetch_stats):
             return None
         mDelta = self._column_delta(extra)
+        if cutlass.const_expr(self._both_per_thread(mDelta)):
+            # tile_n = 128 with Delta: one S thread per query, each loads both of its values
+            i = n_block * self.tile_n + tidx
+            both = cute.make_rmem_tensor((2,), Float32)
+            both[0] = Float32.inf
+            both[1] = Float32(0.0)
+            if i < seqlen_q:
+                both[0] = mLSE[batch, head, i]
+                both[1] = mDelta[batch, head, i]
+            return both
         slot = tidx % self.tile_n
         i = n_block * self.tile_n + slot
         v = Float32.inf
@@ -214,6 +224,11 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                 v = mDelta[batch, head, i]
         return v
 
+    def _both_per_thread(self, mDelta) -> bool:
+        """Whether each S thread stages both LSE and Delta of one query (tile_n = WG_THREADS,
+        the dK `seq_scores` tile) rather than one value (LSE or Delta, tile_n = 64; dV: LSE)."""
+        return mDelta is not None and 2 * self.tile_n > WG_THREADS
+
     def _column_delta(self, extra):
         """Delta for the columns (the dK kernel's), or None (dV needs only LSE)."""
         return None
@@ -223,15 +238,28 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         """Stage the block's per-query values in the (otherwise unused) row-factor buffer:
         LSE in log2 units at [0, tile_n) (+inf for queries past Nq or that see no key, so their
         P is 0), and with mDelta also Delta at [tile_n, 2 tile_n) (0 past Nq). One value per S
-        thread (`pre` from `_block_prefetch`, else loaded here); two S-warpgroup barriers
-        fence the buffer's reuse."""
+        thread, or both of one query's when tile_n = 128 (`pre` from `_block_prefetch`, else
+        loaded here); two S-warpgroup barriers fence the buffer's reuse."""
         n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
         assert n_vals <= self.cfg.factor_floats, "the row-factor buffer is too small"
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
         slot = tidx % self.tile_n
-        if cutlass.const_expr(pre is None):
+        if cutlass.const_expr(self._both_per_thread(mDelta)):
+            i = n_block * self.tile_n + tidx
+            lse, dlt = Float32.inf, Float32(0.0)
+            if cutlass.const_expr(pre is None):
+                if i < seqlen_q:
+                    lse = mLSE[batch, head, i]
+                    dlt = mDelta[batch, head, i]
+            else:
+                lse, dlt = pre[0], pre[1]
+            if lse == -Float32.inf:
+                lse = Float32.inf
+            sCol[tidx] = lse * LOG2_E
+            sCol[self.tile_n + tidx] = dlt
+        elif cutlass.const_expr(pre is None):
             i = n_block * self.tile_n + slot
             if tidx < self.tile_n:
                 v = Float32.inf
