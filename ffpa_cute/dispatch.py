@@ -258,6 +258,7 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     from .cache import jit_cache
+    from .common.tensors import current_stream_handle
 
     p = plan.problem
     b, hq, nq, _ = q.shape
@@ -269,7 +270,7 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return out.zero_(), lse.fill_(float("-inf"))
     cls = plan.kernel_cls
     fn = jit_cache().get(cls, plan.cfg)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = current_stream_handle(q.device)
     q, qo, lo, offset = _kernel_ready(q), out, lse, p.causal_offset
     if plan.packed:  # [B, Hq, Nq, .] -> [B, Hkv, G * Nq, .]: views, or a copy of q
         hkv = k.shape[1]

@@ -35,6 +35,7 @@ log = logging.getLogger("ffpa_cute")
 
 
 _PLANS: dict = {}  # (problem, device, FFPA_CUTE_ARCH) -> plan; planning depends on no tensor data
+_FAST = "fast call"  # _PLANS keys (_FAST, call signature) -> the kernel call (`_fast_key`)
 _LOGGED: set = set()  # (level, reason) pairs already logged
 _EMPTY = "empty problem (zero-sized batch/heads/queries or no keys): no kernel needed"
 _TRUE = ("1", "true", "yes", "on")
@@ -359,7 +360,8 @@ class _EagerAttention(torch.autograd.Function):
 # ------------------------------------------------------------------------------- public API
 
 
-def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, strict, level):
+def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, strict, level,
+               fast_key=None):
     causal, offset, mask = _resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2],
                                          upper_left)
     problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p)
@@ -372,8 +374,39 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     if torch.compiler.is_compiling():
         out, _ = _attention_fwd(*args)
     else:
-        out, _ = _EagerAttention.apply(*args, _plan(problem, q.device))
+        plan = _plan(problem, q.device)
+        if fast_key is not None:
+            _PLANS[fast_key] = (*args[3:], plan)  # the next same-signature call skips to here
+        out, _ = _EagerAttention.apply(*args, plan)
     return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
+
+
+def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper_left):
+    """The signature of an eager call that can take the per-signature fast path, else None.
+
+    Everything `_check_args`, routing and planning read is in it (types, dtypes, devices,
+    shapes, strides, flags, the arch override), so a call with an equal key is checked, routed
+    and planned exactly as the first one was; only data pointers differ (`run_fwd` still checks
+    their alignment). 4-D tensors, no mask, no dropout; the entry lives in `_PLANS`, so
+    clearing the plans clears it.
+    """
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or attn_mask is not None or type(dropout_p) not in (float, int) or dropout_p != 0
+            or type(is_causal) is not bool
+            or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
+            or q.dim() != 4 or torch.compiler.is_compiling()):
+        return None
+    return (_FAST, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+            k.dtype, v.dtype, q.device, k.device, v.device, is_causal, scale, enable_gqa,
+            upper_left, os.environ.get("FFPA_CUTE_ARCH"))
+
+
+def _fast_call(q, k, v, causal, offset, softmax_scale, plan):
+    """A call whose signature already ran the kernel: straight to it (the autograd Function
+    only when a gradient will be asked for)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, causal, offset, softmax_scale, plan)[0]
+    return _kernel_forward(q, k, v, causal, offset, softmax_scale, plan)[0]
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -389,11 +422,16 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     and log the reason once; `strict=True` or env `FFPA_CUTE_STRICT=1` raises
     NotImplementedError(reason) instead. `explain(...)` tells which path a call takes.
     """
+    key = _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+    if key is not None:
+        hit = _PLANS.get(key)
+        if hit is not None:
+            return _fast_call(q, k, v, *hit)
     err = _check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if err is not None:
         raise err
     return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left=False,
-                      strict=_env_strict(strict), level=logging.WARNING)
+                      strict=_env_strict(strict), level=logging.WARNING, fast_key=key)
 
 
 def _fallback_details(q, v, problem: AttnProblem, mask) -> str:
@@ -441,11 +479,16 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     goes to native SDPA with the caller's arguments untouched apart from GQA expansion. Never
     strict: routing uncovered calls is the point of the patch. Fallback reasons log at INFO.
     """
+    fast = _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, True)
+    if fast is not None:
+        hit = _PLANS.get(fast)
+        if hit is not None:
+            return _fast_call(query, key, value, *hit)
     if _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return _native_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, upper_left=True,
-                      strict=False, level=logging.INFO)
+                      strict=False, level=logging.INFO, fast_key=fast)
 
 
 def patch_sdpa() -> None:

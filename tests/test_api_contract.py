@@ -467,3 +467,38 @@ def test_eager_calls_skip_the_custom_op_dispatcher(seed, fake_kernel, monkeypatc
     out = attention(q, k, v)
     out.sum().backward()
     assert calls == [] and len(fake_kernel.calls) == 1 and q.grad is not None
+
+
+def test_same_signature_calls_skip_checks_and_routing(seed, fake_kernel, monkeypatch):
+    """A repeated eager call (same shapes, strides, dtypes, devices, flags) goes straight to
+    the kernel: no argument checks, no routing; results, gradients and errors are unchanged."""
+    routed = []
+    real_route = interface._route
+    monkeypatch.setattr(interface, "_route", lambda *a: routed.append(a) or real_route(*a))
+    q, k, v = qkv(hkv=2, nq=7, nkv=129)
+    for _ in range(3):
+        close(attention(q, k, v, is_causal=True, enable_gqa=True),
+              attention_ref(q, k, v, causal=True)[0])
+    assert len(routed) == 1 and len(fake_kernel.calls) == 3
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attention(q2, k2, v2, is_causal=True, enable_gqa=True)  # same signature, with grad
+    assert len(routed) == 1 and out.grad_fn is not None
+    out.sum().backward()
+    assert q2.grad is not None and k2.grad is not None and v2.grad is not None
+    with pytest.raises(TypeError, match="dropout_p"):  # not a float: checked, as before
+        attention(q, k, v, dropout_p=False, is_causal=True, enable_gqa=True)
+    attention(q, k, v, enable_gqa=True)  # another flag, another signature: routed
+    attention(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, is_causal=True,
+              enable_gqa=True)  # other strides: routed
+    assert len(routed) == 3
+    interface._clear_caches()
+    attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert len(routed) == 4
+    patch_sdpa()
+    try:  # the patch keeps its own entries (upper-left causal)
+        for _ in range(2):
+            close(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                  attention_ref(q, k, v, causal=True, causal_offset=0)[0])
+        assert len(routed) == 5
+    finally:
+        unpatch_sdpa()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -72,6 +73,103 @@ class RawTensorArg:
     def raw_bytes(self) -> bytes:
         return ctypes.string_at(self._ptrs[0], ctypes.sizeof(self._desc))
 
+    def update(self, t) -> None:
+        """Re-point this argument at t (same rank) in place."""
+        d = self._desc
+        d.ptr = t.data_ptr()
+        d.shape[:] = t.shape
+        d.stride[:] = t.stride()[:-1]
+
+
+class _ScalarArg:
+    """A scalar kernel argument in storage of its own (c_float scale, c_int32 offset,
+    c_void_p stream handle), updated in place by `DirectLaunch`."""
+
+    __slots__ = ("c", "_ptrs")
+
+    def __init__(self, ctype):
+        self.c = ctype()
+        self._ptrs = [ctypes.addressof(self.c)]
+
+    def __c_pointers__(self) -> list:
+        return self._ptrs
+
+
+class DirectLaunch:
+    """One compiled function's launch with its argument storage kept between calls.
+
+    cutlass-dsl's executor rebuilds the argument pointer list on every call (~25-60 us on the
+    H200's host, perf/NOTES.md); the compiled host function only reads one pointer per argument.
+    This keeps one `RawTensorArg` per tensor and one `_ScalarArg` per scalar, re-pointed in place,
+    and calls the executor's entry with the fixed pointer list. `matches` checks once per
+    function, byte for byte, that the executor's own argument generation gives the same bytes;
+    anything else (another cutlass-dsl, a function without an executor) keeps the plain call.
+    Per thread (the storage is shared by the calls of one thread).
+    """
+
+    def __init__(self, fn, n_tensors: int, ranks):
+        self.executor = fn._default_executor
+        self.descs = [RawTensorArg.__new__(RawTensorArg) for _ in range(n_tensors)]
+        for d, rank in zip(self.descs, ranks):
+            d._desc = _DESCS[rank]()
+            d._ptrs = [ctypes.addressof(d._desc)]
+        self.scale = _ScalarArg(ctypes.c_float)
+        self.offset = _ScalarArg(ctypes.c_int32)
+        self.stream = _ScalarArg(ctypes.c_void_p)
+        self.args = [*self.descs, self.scale, self.offset, self.stream]
+        self.exe_args = [p for a in self.args for p in a.__c_pointers__()]
+
+    def set(self, tensors, softmax_scale, causal_offset, stream) -> None:
+        for d, t in zip(self.descs, tensors):
+            d.update(t)
+        self.scale.c.value = softmax_scale
+        self.offset.c.value = causal_offset
+        self.stream.c.value = stream
+
+    def __call__(self, tensors, softmax_scale, causal_offset, stream):
+        self.set(tensors, softmax_scale, causal_offset, stream)
+        return self.executor.run_compiled_program(self.exe_args)
+
+    def matches(self, fn, tensors, softmax_scale, causal_offset, stream) -> bool:
+        """Whether the executor's argument generation for these arguments points at the same
+        bytes as this launch's storage (sizes: descriptors, 4-byte scale and offset, 8-byte
+        stream handle)."""
+        self.set(tensors, softmax_scale, causal_offset, stream)
+        ref_args = (*dlpack_args(*tensors), softmax_scale, causal_offset, cuda.CUstream(stream))
+        ref, _keep = fn.execution_args.generate_execution_args(ref_args, {})  # ref_args alive
+        sizes = [ctypes.sizeof(d._desc) for d in self.descs] + [4, 4, 8]
+        if len(ref) != len(self.exe_args):
+            return False
+
+        def addr(p):
+            return p.value if isinstance(p, ctypes.c_void_p) else p
+
+        return all(ctypes.string_at(addr(a), n) == ctypes.string_at(addr(b), n)
+                   for a, b, n in zip(ref, self.exe_args, sizes))
+
+
+_DIRECT = threading.local()  # per thread: {id(fn): DirectLaunch or False (checked: plain call)}
+
+
+def _direct_launch(fn, tensors, softmax_scale, causal_offset, stream):
+    """The function's `DirectLaunch` once its executor exists and the check passed, else None
+    (the first call of a function goes through the plain path, which creates the executor)."""
+    table = getattr(_DIRECT, "table", None)
+    if table is None:
+        table = _DIRECT.table = {}
+    entry = table.get(id(fn))
+    if entry is not None:
+        return entry[1] or None
+    if getattr(fn, "_default_executor", None) is None or not hasattr(fn, "execution_args"):
+        return None
+    direct = DirectLaunch(fn, len(tensors), [t.dim() for t in tensors])
+    try:
+        ok = direct.matches(fn, tensors, softmax_scale, causal_offset, stream)
+    except Exception:  # noqa: BLE001  (any failure of the check means: keep the plain call)
+        ok = False
+    table[id(fn)] = (fn, direct if ok else False)  # fn kept alive: its id stays unique
+    return direct if ok else None
+
 
 def dlpack_args(*tensors) -> list:
     """Runtime cute tensors through DLPack (the reference packing)."""
@@ -126,6 +224,20 @@ def launch_args(*tensors) -> list:
     return dlpack_args(*tensors)
 
 
+def current_stream_handle(device) -> int:
+    """The raw handle of torch's current CUDA stream on `device` (a CUDA tensor's device).
+
+    `torch.cuda.current_stream(device).cuda_stream` resolves the device index twice and builds
+    a Stream object: ~8 us per call on the H200's host; the raw accessor is what it wraps.
+    """
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None or device.index is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return raw(device.index)
+
+
 def aligned_bhnd(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
     """Re-state a (B, H, N, D) tensor with D static and 16-byte-divisible strides.
 
@@ -165,4 +277,8 @@ class KernelEntry:
         stride 1, 16-byte aligned, other strides multiples of 8 elements; [B, Hq, Nq] fp32
         contiguous), then softmax_scale, causal_offset and the CUDA stream handle."""
         *tensors, softmax_scale, causal_offset, stream = args
+        direct = _direct_launch(fn, tensors, softmax_scale, causal_offset, stream)
+        if direct is not None:
+            direct(tensors, softmax_scale, causal_offset, stream)
+            return
         fn(*launch_args(*tensors), softmax_scale, causal_offset, cuda.CUstream(stream))

@@ -72,7 +72,7 @@ from cutlass import Float32
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, fake_grad_args
+from ..common.tensors import LOG2_E, current_stream_handle, fake_grad_args
 from ..problem import AttnProblem
 from .config import (BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement,
                      plan_bwd)
@@ -417,8 +417,6 @@ def kernel_class(kind: str, arch: str):
 
 
 def _prepare(kind, q, k, v, causal, causal_offset, arch):
-    import torch
-
     from ..cache import jit_cache
     from ..dispatch import current_arch
 
@@ -426,7 +424,7 @@ def _prepare(kind, q, k, v, causal, causal_offset, arch):
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
     cfg = plan_bwd(kind, problem, arch)
     cls = kernel_class(kind, arch)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = current_stream_handle(q.device)
     return cls, jit_cache().get(cls, cfg), stream
 
 

@@ -50,7 +50,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, fake_grad_args
+from ..common.tensors import LOG2_E, current_stream_handle, fake_grad_args
 from ..problem import AttnProblem
 from .config import TILE_M, FwdConfigSm90
 from .config import can_implement as _can_implement_fwd
@@ -116,7 +116,7 @@ def run_dv(q, k, do, lse, softmax_scale: float, causal: bool, causal_offset: int
     cfg = plan_dv(problem)
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     fn = jit_cache().get(FFPABwdDVSm90, cfg)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = current_stream_handle(q.device)
     # the skeleton's roles: K the resident rows, Q the streamed columns, dO the accumulator's B
     FFPABwdDVSm90.launch(fn, _kernel_ready(k), _kernel_ready(q), _kernel_ready(do), dv,
                          lse.contiguous(), softmax_scale, causal_offset, stream)
@@ -379,7 +379,7 @@ def _run_two(cls, plan, grad_like, q, k, v, do, lse, delta, softmax_scale, causa
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
     grad = torch.empty(grad_like.shape, dtype=grad_like.dtype, device=grad_like.device)
     fn = jit_cache().get(cls, plan(problem))
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = current_stream_handle(q.device)
     cls.launch(fn, *(_kernel_ready(t) for t in (q, k, v, do)), grad, lse.contiguous(),
                delta.contiguous(), softmax_scale, causal_offset, stream)
     return grad
