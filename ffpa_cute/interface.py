@@ -450,7 +450,8 @@ def _fallback_details(q, v, problem: AttnProblem, mask) -> str:
 
 def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False) -> str:
-    """One line saying which path `attention(...)` with these arguments takes, and why.
+    """One line saying which path `attention(...)` with these arguments takes, and why; on the
+    kernel path also which backward serves it (kernels, or the SDPA recompute and why).
 
     Runs nothing and logs nothing; validates like `attention` (same errors).
     """
@@ -461,9 +462,21 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p)
     reason = _reason(problem, q.device)
     if reason is None:
-        return f"ffpa_cute kernel: {_plan(problem, q.device).describe()}"
+        return (f"ffpa_cute kernel: {_plan(problem, q.device).describe()}; backward: "
+                f"{_backward_route(problem, q.device)}")
     details = _fallback_details(q, v, problem, mask)
     return f"native SDPA fallback: {reason}" + (f" [{details}]" if details else "")
+
+
+def _backward_route(problem: AttnProblem, device) -> str:
+    """What the backward of a kernel-served forward runs (the autograd path's own decision)."""
+    dispatch = _dispatch()
+    with _on(device):
+        why = dispatch.bwd_reason(problem, device)
+        if why is None:
+            family = dispatch.bwd_family(problem, device)[0]
+            return f"{family + ' ' if family else ''}backward kernels (dQ, dK, dV)"
+    return f"SDPA recompute ({why})"
 
 
 # ------------------------------------------------------------------------------- SDPA patch

@@ -6,7 +6,7 @@ a float64 reference, and forward TFLOPS for the larger shapes.
     python -m perf.smoke --family sm90 --bench "512:8192:0,512:8192:1,320:8192:0"
     python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512
     python -m perf.smoke --family sm90 --bench-bwd "512:8192:0,512:8192:1,512:8192:0:8"
-    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:prefetch:seq"   # variants
+    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:noprefetch:noseq"  # variants
     python -m perf.smoke --family sm90 --decode "512:8192:32:8:8,576:4096:128:1:4:512"
 
 --first-call D,...: wall time of the first `attention()` call per head dim in a fresh process with
@@ -208,8 +208,8 @@ def _overhead(d: int) -> dict:
 
 def _one_bench_bwd(spec: str) -> dict:
     """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 4th field: Hkv;
-    trailing fields "prefetch" / "seq" / "wide" time the `prefetch_stats` / dK `seq_scores` /
-    D > 512 configs)."""
+    trailing fields "prefetch" / "seq" (on by default) or "noprefetch" / "noseq" switch the
+    `prefetch_stats` / dK `seq_scores` configs; "narrow" stops the WGMMA backward at D = 512)."""
     import torch
 
     from ffpa_cute import dispatch
@@ -218,7 +218,8 @@ def _one_bench_bwd(spec: str) -> dict:
 
     parts = spec.split(":")
     switches = {"prefetch": ("PREFETCH_STATS", True), "seq": ("SEQ_SCORES", True),
-                "wide": ("MAX_HEAD_DIM", 1024)}  # variants; "wide": D > 512 on two CTAs
+                "noprefetch": ("PREFETCH_STATS", False), "noseq": ("SEQ_SCORES", False),
+                "wide": ("MAX_HEAD_DIM", 1024), "narrow": ("MAX_HEAD_DIM", 512)}  # variants
     while parts[-1] in switches:
         setattr(bwd_sm90, *switches[parts.pop()])
     fields = [int(x) for x in parts]
@@ -249,7 +250,9 @@ def main() -> None:
     ap.add_argument("--family", default="sm90")
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
-    ap.add_argument("--bench-bwd", default="", help="D:N:causal[:Hkv][:prefetch][:seq][:wide],... (sm90 kernels)")
+    ap.add_argument("--bench-bwd", default="",
+                    help="D:N:causal[:Hkv][:[no]prefetch][:[no]seq],... (sm90 kernels; "
+                         "defaults: bwd_sm90's switches)")
     ap.add_argument("--decode", default="",
                     help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")
     ap.add_argument("--first-call", default="")

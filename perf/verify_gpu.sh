@@ -68,7 +68,7 @@ if has 5; then
       --bench "1024:8192:0,1024:8192:1,768:8192:0,576:8192:0"
   step "sm90 backward kernels (dQ + dK + dV + Delta), counted TFLOPS = 2.5 x forward FLOPs"
   timeout 200 python -m perf.smoke --family sm90 --timeout 90 \
-      --bench-bwd "512:8192:0,512:8192:0:32:prefetch,512:8192:0:32:prefetch:seq,512:8192:1,512:8192:1:32:prefetch:seq,512:8192:0:8,320:8192:0,320:8192:0:32:prefetch:seq,1024:8192:0:32:wide,1024:8192:0:32:prefetch:wide"
+      --bench-bwd "512:8192:0,512:8192:0:32:noseq,512:8192:1,512:8192:0:8,320:8192:0,1024:8192:0"
   step "decode: one head per tile vs GQA rows packed; MLA 576/512 (Dv != D) prefill and decode"
   timeout 200 python -m perf.smoke --family sm90 --timeout 90 \
       --decode "512:8192:32:8:8,512:8192:64:1:4,576:4096:128:1:4:512,576:8192:128:1:1:512:1024,512:32768:32:16:1"

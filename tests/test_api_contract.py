@@ -502,3 +502,16 @@ def test_same_signature_calls_skip_checks_and_routing(seed, fake_kernel, monkeyp
         assert len(routed) == 5
     finally:
         unpatch_sdpa()
+
+
+def test_explain_names_the_backward(seed, fake_kernel, monkeypatch):
+    """On the kernel path explain() also says what the backward runs: kernels, or the SDPA
+    recompute with the reason."""
+    q, k, v = qkv(hkv=2, nq=7, nkv=129)
+    text = explain(q, k, v, is_causal=True, enable_gqa=True)
+    assert "backward: SDPA recompute (backward kernels not enabled" in text
+    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({"fake"}))
+    monkeypatch.setattr(dispatch, "bwd_reason", lambda problem, device=None: None)
+    monkeypatch.setattr(dispatch, "bwd_family", lambda problem, device=None: ("fake", ""))
+    assert "backward: fake backward kernels (dQ, dK, dV)" in explain(q, k, v, is_causal=True,
+                                                                    enable_gqa=True)

@@ -179,7 +179,9 @@ def test_strided_inputs(seed):
 
 def test_explain_and_patch(seed):
     q, k, v = make_qkv(1, 4, 4, 129, 1000, 512, BF16)
-    assert explain(q, k, v, is_causal=True).startswith("ffpa_cute kernel")
+    text = explain(q, k, v, is_causal=True)
+    assert text.startswith("ffpa_cute kernel"), text
+    assert any(f"backward: {fam} backward kernels" in text for fam in ("sm90", "sm80")), text
     assert "head_dim=128" in explain(*make_qkv(1, 4, 4, 7, 7, 128, BF16))
     patch_sdpa()
     try:

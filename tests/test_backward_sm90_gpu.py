@@ -100,12 +100,13 @@ def test_without_prefetch(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [CASES[1], CASES[2], CASES[4], CASES[5]])
-def test_dk_seq_scores_variant(seed, monkeypatch, d, causal, nq, nkv, ratio):
-    """dK with `seq_scores` (128-query blocks, S^T then dP^T in one accumulator)."""
+def test_dk_without_seq_scores(seed, monkeypatch, d, causal, nq, nkv, ratio):
+    """dK without `seq_scores` (64-query blocks, S^T and dP^T in two accumulators; the default
+    is with, which the reference tests above run)."""
     from ffpa_cute.sm90 import bwd_sm90
 
-    monkeypatch.setattr(bwd_sm90, "SEQ_SCORES", True)
-    assert bwd_sm90.plan_dk(_inputs(d, causal, nq, nkv, ratio)[4]).tile_n == 128
+    monkeypatch.setattr(bwd_sm90, "SEQ_SCORES", False)
+    assert bwd_sm90.plan_dk(_inputs(d, causal, nq, nkv, ratio)[4]).tile_n == 64
     _check_dq_dk(d, causal, nq, nkv, ratio, "dk")
 
 

@@ -70,9 +70,10 @@ class BwdDVConfigSm90(FwdConfigSm90):
 # 206 -> 215 TFLOPS at D=512 (perf/NOTES.md, session 4), so on.
 PREFETCH_STATS = True
 # The dK planner's `seq_scores` (tile_n 128, the two score products one after the other in one
-# accumulator, P^T kept in rP between them; with `prefetch_stats`): off until GPU-verified.
+# accumulator, P^T kept in rP between them; with `prefetch_stats`): passed the GPU grid at
+# eec3ee8; dK 23.3 -> 17.6 ms at D=512, the backward 215 -> 242 TFLOPS (perf/NOTES.md), so on.
 # dQ compiles it too but spills (88-300 B at D = 320-512), so its planner keeps tile_n 64.
-SEQ_SCORES = False
+SEQ_SCORES = True
 
 
 # Head dims the planners take. Above 512 the gradient is split over two CTAs, as the forward
