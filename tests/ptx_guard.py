@@ -50,6 +50,7 @@ def kernels() -> dict:
         out[f"sm90-bwd-{name}-d512-causal"] = (cls, plan(p))
     p = _problem(1024, True)  # the gradient split over two CTAs
     out["sm90-bwd-dq-d1024-causal"] = (bwd_sm90.FFPABwdDQSm90, bwd_sm90.plan_dq(p))
+    out["sm90-bwd-dk-d1024-causal"] = (bwd_sm90.FFPABwdDKSm90, bwd_sm90.plan_dk(p))
     p = _problem(1024, True)
     for kind in ("dq", "dv"):
         out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (bwd_sm80.kernel_class(kind, "sm_90a"),

@@ -189,7 +189,8 @@ def test_sm90_backward_prefetch_variant_compiles(grad):
 
 @pytest.mark.parametrize("d,causal", [(512, True), (320, False)])
 def test_sm90_dk_seq_scores_variant_compiles(d, causal, monkeypatch):
-    """dK `seq_scores`: m64n128k16 score WGMMAs into one accumulator, no spills."""
+    """dK `seq_scores`: m64n128k16 score WGMMAs into one accumulator, no spills (up to
+    `SEQ_SCORES_MAX_HEAD_DIM`; at D = 1024, split over two CTAs, it spills 148 B)."""
     from ffpa_cute.sm90 import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "SEQ_SCORES", True)

@@ -74,6 +74,9 @@ PREFETCH_STATS = True
 # eec3ee8; dK 23.3 -> 17.6 ms at D=512, the backward 215 -> 242 TFLOPS (perf/NOTES.md), so on.
 # dQ compiles it too but spills (88-300 B at D = 320-512), so its planner keeps tile_n 64.
 SEQ_SCORES = True
+# The largest D the dK planner gives `seq_scores` (the GPU grid ran D <= 512): above, with the
+# gradient split over two CTAs, ptxas spills 148 B at D = 1024, so dK keeps tile_n 64 there.
+SEQ_SCORES_MAX_HEAD_DIM = 512
 
 
 # Head dims the planners take. Above 512 the gradient is split over two CTAs, as the forward
@@ -614,8 +617,10 @@ class BwdDKConfigSm90(FwdConfigSm90):
 
 
 def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
-    """As dQ's (with `SEQ_SCORES`: tile_n 128, one score accumulator)."""
-    return _plan_two(BwdDKConfigSm90, problem, arch, SEQ_SCORES)
+    """As dQ's (with `SEQ_SCORES`, up to `SEQ_SCORES_MAX_HEAD_DIM`: tile_n 128, one score
+    accumulator)."""
+    return _plan_two(BwdDKConfigSm90, problem, arch,
+                     SEQ_SCORES and problem.head_dim <= SEQ_SCORES_MAX_HEAD_DIM)
 
 
 def run_dk(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
