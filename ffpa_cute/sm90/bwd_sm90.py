@@ -563,11 +563,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         forward masks), dS = P (dP - Delta) with dP in the second accumulator; LSE and Delta
         from `_block_prefetch` (rows that see no key, or past Nq: LSE -inf, read as +inf so
         P = 0)."""
-        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
-                            self.causal):
-            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
-                       TILE_M, self.tile_n, self.causal)
-        if cutlass.const_expr(self.seq_scores):  # acc_S holds dP, rP holds P
+        if cutlass.const_expr(self.seq_scores):  # acc_S holds dP, rP holds P (0 where masked)
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             rP_mn = mn_view(rP)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
@@ -576,6 +572,10 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
                     acc_S_mn[r, c] = (rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta)
                                       * scale)
         else:
+            if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
+                                self.causal):
+                apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
+                           TILE_M, self.tile_n, self.causal)
             acc_dP_mn = mn_view(acc_2)
             seqlen_q = extra.mDelta.shape[2]
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
