@@ -281,6 +281,78 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return out, lse
 
 
+class FwdCall:
+    """`run_fwd` for one call signature (plan, shapes, strides, dtype, device): what does not
+    depend on the data pointers is decided once, so a repeated call allocates out / lse, writes
+    five pointers and the stream, and launches (the per-signature fast path of `attention()`).
+
+    `__call__` returns None whenever the general `run_fwd` must take the call: a misaligned
+    data pointer, a layout that `_kernel_ready` would copy, an empty problem, the first calls
+    of a kernel (before its `DirectLaunch` check passed), or another device being current.
+    Per thread (the argument storage is written before each launch).
+    """
+
+    def __init__(self, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        import threading
+
+        p = plan.problem
+        b, hq, nq, _ = q.shape
+        self.plan, self.dtype, self.device = plan, q.dtype, q.device
+        self.out_shape, self.lse_shape = (b, hq, nq, p.head_dim_v), (b, hq, nq)
+        self.hkv = k.shape[1]
+        ready = all(_kernel_ready(t) is t for t in (q, k, v))
+        if plan.packed:
+            packed_q = q.reshape(b, self.hkv, -1, q.shape[-1])
+            ready = ready and packed_q.data_ptr() == q.data_ptr() and (
+                _kernel_ready(packed_q) is packed_q)
+        self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
+                       and q.device.type == "cuda")
+        self._tls = threading.local()
+
+    def _direct(self, q, k, v, out, lse):
+        """This thread's `DirectLaunch` with the signature's shapes and strides, once the
+        kernel's argument layout has been checked; else None."""
+        from .cache import jit_cache
+        from .common import tensors
+
+        direct = getattr(self._tls, "direct", None)
+        if direct is None:
+            fn = jit_cache().get(self.plan.kernel_cls, self.plan.cfg)
+            if not tensors.direct_launch_ok(fn):
+                return None
+            direct = tensors.DirectLaunch(fn, 5, [4, 4, 4, 4, 3])
+            direct.set(*self.launch_args(q, k, v, out, lse), 0)
+            self._tls.direct = direct
+        return direct
+
+    def launch_args(self, q, k, v, out, lse):
+        """((q, k, v, o, lse) as the kernel sees them, softmax_scale, causal_offset): what
+        `run_fwd` passes to the kernel's launch for this signature."""
+        p = self.plan.problem
+        if not self.plan.packed:
+            return (q, k, v, out, lse), p.softmax_scale, p.causal_offset
+        b, h = out.shape[0], self.hkv
+        return ((q.reshape(b, h, -1, q.shape[-1]), k, v, out.view(b, h, -1, out.shape[-1]),
+                 lse.view(b, h, -1)), p.softmax_scale, 0)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """(out, lse), or None: the general path takes this call."""
+        from .common.tensors import current_stream_handle
+
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if (not self.usable or (ptrs[0] | ptrs[1] | ptrs[2]) % 16
+                or torch.cuda.current_device() != self.device.index):
+            return None
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        direct = self._direct(q, k, v, out, lse)
+        if direct is None:
+            return None
+        direct.launch_pointers((*ptrs, out.data_ptr(), lse.data_ptr()),
+                               current_stream_handle(self.device))
+        return out, lse
+
+
 # Backward kernel families that replace the SDPA recompute, each added only after its GPU grid
 # passed on the H200 (tests/test_backward_sm90_gpu.py, tests/test_backward_sm80_gpu.py):
 #   sm90: WGMMA dQ / dK / dV (ffpa_cute/sm90/bwd_sm90.py), D <= 512;

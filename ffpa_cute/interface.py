@@ -375,8 +375,8 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
         out, _ = _attention_fwd(*args)
     else:
         plan = _plan(problem, q.device)
-        if fast_key is not None:
-            _PLANS[fast_key] = (*args[3:], plan)  # the next same-signature call skips to here
+        if fast_key is not None:  # the next same-signature call skips to here
+            _PLANS[fast_key] = (*args[3:], plan, _fwd_call(plan, q4, k4, v4))
         out, _ = _EagerAttention.apply(*args, plan)
     return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
 
@@ -401,11 +401,24 @@ def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper
             upper_left, os.environ.get("FFPA_CUTE_ARCH"))
 
 
-def _fast_call(q, k, v, causal, offset, softmax_scale, plan):
+def _fwd_call(plan, q, k, v):
+    """The signature's `dispatch.FwdCall` (None for plans that are not the dispatcher's)."""
+    dispatch = _dispatch()
+    if not isinstance(plan, dispatch.Plan) or plan.cfg is None:
+        return None
+    return dispatch.FwdCall(plan, q, k, v)
+
+
+def _fast_call(q, k, v, causal, offset, softmax_scale, plan, fwd_call):
     """A call whose signature already ran the kernel: straight to it (the autograd Function
-    only when a gradient will be asked for)."""
+    only when a gradient will be asked for; without one, `fwd_call` launches directly when it
+    can)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(q, k, v, causal, offset, softmax_scale, plan)[0]
+    if fwd_call is not None:
+        res = fwd_call(q, k, v)
+        if res is not None:
+            return res[0]
     return _kernel_forward(q, k, v, causal, offset, softmax_scale, plan)[0]
 
 

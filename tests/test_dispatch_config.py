@@ -4,6 +4,7 @@ import dataclasses
 import pickle
 
 import pytest
+import torch
 
 from ffpa_cute import dispatch
 from ffpa_cute.problem import AttnProblem
@@ -207,3 +208,36 @@ def test_gqa_rows_packing(monkeypatch, hq, hkv, nq, nkv, causal, offset, packed)
         assert (pp.heads_q, pp.seqlen_q, pp.causal) == (hkv, hq // hkv * nq, False)
         assert pp.softmax_scale == p.softmax_scale and not plan.cfg.causal
         assert "packed" in plan.describe()
+
+
+@pytest.mark.parametrize("hq,hkv,nq,nkv,causal", [
+    (32, 8, 1, 4097, False),     # packed (GQA decode)
+    (8, 8, 129, 1000, True),     # plain, bottom-right causal
+    (128, 1, 1, 300, True)])     # MQA decode, packed, causal sees every key
+def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, causal):
+    """The per-signature launcher hands the kernel the same tensors (pointers, shapes,
+    strides), scale and causal offset as `run_fwd` does for the same call."""
+    from ffpa_cute import cache
+    from ffpa_cute.sm90 import FFPAFwdSm90
+
+    q = torch.randn(2, hq, nq, 512, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, hkv, nkv, 512, dtype=torch.bfloat16) for _ in range(2))
+    p = dataclasses.replace(AttnProblem.from_tensors(q, k, v, causal=causal,
+                                                     causal_offset=nkv - nq), device_type="cuda")
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.packed == (hq != hkv)
+    seen = []
+    monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
+    monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(lambda fn, *a: seen.append(a)))
+    monkeypatch.setattr("ffpa_cute.common.tensors.current_stream_handle", lambda dev: 0)
+    out, lse = dispatch.run_fwd(plan, q, k, v)
+    *ts, scale, offset, _ = seen[0]
+    fc = dispatch.FwdCall(plan, q, k, v)
+    got, got_scale, got_offset = fc.launch_args(q, k, v, out, lse)
+    assert (got_scale, got_offset) == (scale, offset)
+    for a, b in zip(got, ts):
+        assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+    assert fc.out_shape == tuple(out.shape) and fc.lse_shape == tuple(lse.shape)
+    assert not fc.usable  # CPU tensors: the general path (which raises on a CPU device)
+    strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(D) != 1: copied
+    assert not dispatch.FwdCall(plan, strided, k, v).usable

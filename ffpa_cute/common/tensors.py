@@ -130,6 +130,14 @@ class DirectLaunch:
         self.set(tensors, softmax_scale, causal_offset, stream)
         return self.executor.run_compiled_program(self.exe_args)
 
+    def launch_pointers(self, pointers, stream):
+        """Launch after `set` with tensors of the same shapes and strides: only the data
+        pointers and the stream change (`FwdCall`, one call signature)."""
+        for d, ptr in zip(self.descs, pointers):
+            d._desc.ptr = ptr
+        self.stream.c.value = stream
+        return self.executor.run_compiled_program(self.exe_args)
+
     def matches(self, fn, tensors, softmax_scale, causal_offset, stream) -> bool:
         """Whether the executor's argument generation for these arguments points at the same
         bytes as this launch's storage (sizes: descriptors, 4-byte scale and offset, 8-byte
@@ -149,6 +157,12 @@ class DirectLaunch:
 
 
 _DIRECT = threading.local()  # per thread: {id(fn): DirectLaunch or False (checked: plain call)}
+
+
+def direct_launch_ok(fn) -> bool:
+    """Whether `fn`'s argument layout has passed `DirectLaunch.matches` (in this thread)."""
+    entry = getattr(_DIRECT, "table", {}).get(id(fn))
+    return bool(entry and entry[1])
 
 
 def _direct_launch(fn, tensors, softmax_scale, causal_offset, stream):
