@@ -66,6 +66,10 @@ if has 5; then
   timeout 200 python -m perf.smoke --family sm90 --wgmma-max-d 1024 --timeout 60 \
       --cases "1024:1000:1000:0,768:129:1000:1:4,576:1000:129:1,1024:4097:4097:1:16" \
       --bench "1024:8192:0,1024:8192:1,768:8192:0,576:8192:0"
+  step "kv_pair (D > 512: the CTA pair splits the KV blocks, P exchanged over DSMEM; off by default)"
+  timeout 200 python -m pytest -m gpu -q tests/test_attention_gpu.py -k kv_pair 2>&1 | tail -2
+  timeout 200 python -m perf.smoke --family sm90 --timeout 90 \
+      --bench "1024:8192:0,1024:8192:0:kv_pair=1;v_stages=2,1024:8192:1:kv_pair=1;v_stages=2,768:8192:0,768:8192:0:kv_pair=1;v_stages=2"
   step "sm90 backward kernels (dQ + dK + dV + Delta), counted TFLOPS = 2.5 x forward FLOPs"
   timeout 200 python -m perf.smoke --family sm90 --timeout 90 \
       --bench-bwd "512:8192:0,512:8192:0:32:noseq,512:8192:1,512:8192:0:8,320:8192:0,1024:8192:0"

@@ -379,6 +379,33 @@ def test_forward_sm90_split_o(seed, monkeypatch, d, mode, nq, nkv, ratio):
         _forget_plans()
 
 
+KV_PAIR_CASES = [(1024, "none", 1000, 1000, 1), (1024, "bottom_right", 129, 1000, 4),
+                 (1024, "upper_left", 1000, 1000, 16), (768, "bottom_right", 1000, 129, 1),
+                 (576, "none", 7, 4097, 4), (1024, "none", 1, 1, 1), (576, "upper_left", 129, 7, 1),
+                 (1024, "bottom_right", 4097, 4097, 2)]
+
+
+@pytest.mark.parametrize("d,mode,nq,nkv,ratio", KV_PAIR_CASES)
+def test_kv_pair_forward(seed, monkeypatch, d, mode, nq, nkv, ratio):
+    """D > 512 with `kv_pair` (the CTA pair splits the KV blocks and exchanges row maxima, P
+    and row sums through distributed shared memory): numerics and LSE as every forward, odd and
+    even block counts (a last block both CTAs score), both causal alignments, GQA."""
+    from ffpa_cute.sm90 import config
+
+    if dispatch.current_arch() != "sm_90a":
+        pytest.skip("WGMMA kernel: sm_90 only")
+    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
+    monkeypatch.setattr(config, "KV_PAIR", True)
+    _forget_plans()
+    try:
+        q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
+        plan = kernel_plan(q, k, v, mode)
+        assert plan.cfg.kv_pair and plan.cfg.o_split == 2
+        check_forward(d, BF16, mode, nq, nkv, ratio)
+    finally:
+        _forget_plans()
+
+
 def _forget_plans():
     from ffpa_cute import interface
 

@@ -148,16 +148,18 @@ def test_sm90_dv_kernel_compiles(d, causal):
 @pytest.mark.parametrize("d,causal", [(264, True), (512, False)])
 @pytest.mark.parametrize("grad", ["dq", "dk"])
 def test_sm90_dq_dk_kernels_compile(d, causal, grad):
-    """The backward's dQ and dK kernels: two m64n64k16 score products on one S ring, the
-    gradient accumulated by m64nNk16 WGMMAs; no spills."""
+    """The backward's dQ and dK kernels: two score products on one S ring (dQ: m64n64k16 into
+    two accumulators; dK with `seq_scores`: m64n128k16 into one), the gradient accumulated by
+    m64nNk16 WGMMAs; no spills."""
     from ffpa_cute.sm90 import bwd_sm90
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
                     head_dim=d, head_dim_v=d, causal=causal)
     cls = bwd_sm90.FFPABwdDQSm90 if grad == "dq" else bwd_sm90.FFPABwdDKSm90
     cfg = (bwd_sm90.plan_dq if grad == "dq" else bwd_sm90.plan_dk)(p)
+    assert cfg.tile_n == (128 if grad == "dk" and bwd_sm90.SEQ_SCORES else 64)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
-    assert "wgmma.mma_async.sync.aligned.m64n64k16" in ptx and ".local" not in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k16" in ptx and ".local" not in ptx
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
@@ -219,6 +221,44 @@ def test_sm90_dv_not_d_compiles(monkeypatch):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+@pytest.mark.parametrize("d,causal", [(1024, True), (576, False)])
+def test_sm90_kv_pair_compiles(d, causal, monkeypatch):
+    """`kv_pair` (D > 512): a 2-CTA cluster that exchanges row statistics (st.async) and P
+    (a shared::cluster bulk copy), with cluster barriers; wgmma, no spills. Off by default."""
+    from ffpa_cute.sm90 import config
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal)
+    assert not config.plan_fwd(p, "sm_90a").kv_pair
+    monkeypatch.setattr(config, "KV_PAIR", True)
+    cfg = config.plan_fwd(p, "sm_90a")
+    assert cfg.kv_pair and cfg.o_split == 2 and cfg.p_slots == 4
+    from ffpa_cute.sm90 import FFPAFwdSm90
+
+    ptx = FFPAFwdSm90.compile(cfg, options="--keep-ptx").__ptx__
+    for needle in ("wgmma.mma_async", "st.async", "cp.async.bulk.shared::cluster.shared::cta",
+                   "barrier.cluster.arrive", "mapa"):
+        assert needle in ptx, needle
+    assert ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+def test_kv_pair_config_rules():
+    import dataclasses
+
+    from ffpa_cute.sm90 import config
+
+    c = config.FwdConfigSm90(arch="sm_90a", dtype="bf16", head_dim=512, causal=False,
+                             kv_pair=True)
+    assert "kv_pair" in config.can_implement(c)  # one CTA per tile: nothing to pair
+    big = dataclasses.replace(c, head_dim=1024, stream_q=True, k_stages=4, v_stages=3,
+                              publish_after=16)
+    assert "smem" in config.can_implement(big)  # four P slots: V rings must shrink
+    assert config.can_implement(dataclasses.replace(big, v_stages=2)) is None
 
 
 def test_sm90_backward_above_512_compiles(monkeypatch):

@@ -92,6 +92,8 @@ def _check_head_dim(problem: AttnProblem):
 
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
+    if reason is None and cfg.kv_pair:
+        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
     if reason is None and cfg.head_dim_v is not None:
         reason = "the dV kernel needs head_dim_v == head_dim"
     return reason
@@ -100,7 +102,7 @@ def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
     _check_head_dim(problem)
-    cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch)),
+    cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch, kv_pair=False)),
                           prefetch_stats=PREFETCH_STATS)
     reason = can_implement_dv(cfg)
     if reason:
@@ -344,6 +346,8 @@ class BwdDQConfigSm90(FwdConfigSm90):
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
+    if reason is None and cfg.kv_pair:
+        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
     if reason is None and (not cfg.stream_q or cfg.head_dim_v is not None
                            or cfg.tile_n != (128 if cfg.seq_scores else 64)):
         reason = ("the dQ / dK kernels need head_dim_v == head_dim, stream_q and tile_n 64 "

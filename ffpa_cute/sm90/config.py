@@ -31,6 +31,9 @@ DTYPES = ("bf16", "fp16")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2
 TILE_M = 64
+# The planner's `kv_pair` for D > 512 (the pair splits the KV blocks and exchanges P instead of
+# both recomputing S): compile-verified only, so off until its GPU tests pass.
+KV_PAIR = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class FwdConfigSm90:
                    at D <= 512 it trades L2 reads of Q for smem given to the V rings.
     head_dim_v:    Dv of V and O when it differs from D (MLA-absorbed 576 / 512), else None (one
                    key per kernel): a multiple of 16 in [64, 512] (O in one CTA)
+    kv_pair:       with o_split 2: the two CTAs of a Q tile form a cluster and split the KV
+                   blocks instead of both computing every S (each computes S for every other
+                   block, the pair exchanges row maxima and P through distributed shared
+                   memory, and each still accumulates its half of O over all blocks)
     """
 
     arch: str
@@ -64,6 +71,7 @@ class FwdConfigSm90:
     publish_after: int = 0
     stream_q: bool = False
     head_dim_v: int | None = None
+    kv_pair: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -116,9 +124,16 @@ class FwdConfigSm90:
         regions = [q,
                    self.k_stages * self.tile_n * self.k_chunk * elt,
                    *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
-                   2 * TILE_M * self.tile_n * elt]
+                   self.p_slots * TILE_M * self.tile_n * elt]
         header = 8 * (1 + self.k_stages + 2 * self.v_stages + 4) + self.factor_floats * 4
+        if self.kv_pair:  # the exchange barriers and the peer's row statistics (2 x TILE_M)
+            header = _align(header + 4 * 8, 16) + 2 * TILE_M * 4
         return sum(_align(x) for x in [header, *regions])
+
+    @property
+    def p_slots(self) -> int:
+        """P tiles in smem: two buffers, each with both CTAs' tiles under `kv_pair`."""
+        return 4 if self.kv_pair else 2
 
     @property
     def factor_floats(self) -> int:
@@ -148,6 +163,8 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     if cfg.o_split > 1 and cfg.head_dim % 16:
         return (f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} is split over 2 CTAs and "
                 "needs a multiple of 16")
+    if cfg.kv_pair and (cfg.o_split != 2 or cfg.tile_n != 128 or cfg.head_dim_v is not None):
+        return "kv_pair needs O split over two CTAs (head_dim > 512), tile_n 128 and Dv == D"
     if cfg.tile_n not in (64, 128):
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
     if cfg.k_stages < 2 or cfg.v_stages < 2:
@@ -159,18 +176,22 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     return None
 
 
-def plan_fwd(problem: AttnProblem, arch: str) -> FwdConfigSm90:
+def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool | None = None) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
+    `kv_pair`: whether D > 512 pairs the CTAs (None: the `KV_PAIR` switch).
 
     Measured on the H200 (perf/NOTES.md, 2026-12-02 session 2): a K ring under 4 stages
     starves QK (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4
     stages 507 vs 7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
     """
     dv = problem.head_dim_v
+    split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.causal, publish_after=-(-problem.head_dim // 64),
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
                 head_dim_v=None if dv == problem.head_dim else dv)
+    if (KV_PAIR if kv_pair is None else kv_pair) and split and dv == problem.head_dim:
+        base["kv_pair"] = True
 
     def fits(k, v):
         return can_implement(FwdConfigSm90(**base, k_stages=k, v_stages=v)) is None

@@ -35,6 +35,16 @@ ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. C
 Status: run and tested on the H200 (commit f98b922: slow grid at D 576 / 768 / 1024); the
 default route for D > 512 with D % 16 == 0.
 
+`kv_pair` (config field, D > 512; compile-verified only, off: `config.KV_PAIR`): the two CTAs
+form a cluster and split the KV blocks instead of both computing S. At step i CTA r scores
+block 2i + r; the pair joins its row maxima (st.async into the peer's `peer_stat`, counted on
+its `x[b]` mbarrier) so both keep one running max, and each sends its P tile into the same
+slot of the peer's four-slot P buffer (one shared::cluster bulk copy, counted on the peer's
+`pp[b]`). Each O warpgroup then runs P[2i] V[2i] + P[2i+1] V[2i+1] on its columns; its warps
+arrive on both CTAs' `p_empty[b]` (the peer writes our slots). Row sums stay per CTA and are
+joined at the end. With an odd block count both score the last block (no exchange; rank 1
+leaves it out of its row sum). Per pair of blocks each CTA executes 2 GEMM units for 2 counted.
+
 Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
 [32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
 
@@ -75,8 +85,10 @@ from typing import NamedTuple
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -114,6 +126,7 @@ class KLoads(NamedTuple):
     m_block: Int32
     head: Int32
     extra: object
+    rank: object = 0  # `kv_pair`: this CTA's rank in the pair (its own blocks: 2 i + rank)
 
 
 class VLoads(NamedTuple):
@@ -137,6 +150,16 @@ class Barriers(NamedTuple):
     v: cute.Pointer
     p_full: cute.Pointer
     p_empty: cute.Pointer
+    x: object = None   # `kv_pair`: peer's row statistics landed (st.async bytes), per buffer
+    pp: object = None  # `kv_pair`: peer's P tile landed (bulk-copy bytes), per buffer
+
+
+class PairSmem(NamedTuple):
+    """`kv_pair`: the smem the two CTAs of a pair write into each other's copy of: the peer's
+    row statistics ([2 buffers x TILE_M] fp32) and the P slots' base (slot = 2 buffer + rank)."""
+
+    stat: cute.Tensor
+    p_base: cute.Pointer
 
 
 class FFPAFwdSm90(KernelEntry):
@@ -159,6 +182,7 @@ class FFPAFwdSm90(KernelEntry):
         self.v_rows = cfg.v_rows
         self.v_chunks = cfg.tile_n // cfg.v_rows  # V stages per O half per KV block
         self.causal = cfg.causal
+        self.kv_pair = cfg.kv_pair
         self.num_threads = 3 * WG_THREADS
         # bytes one TMA load brings in (the full box, zero-filled parts included)
         self.stream_q = cfg.stream_q
@@ -202,7 +226,7 @@ class FFPAFwdSm90(KernelEntry):
         sK_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
         sVlo_layout = self._smem_layout(self.v_rows, dlo, cfg.v_stages)
         sVhi_layout = self._smem_layout(self.v_rows, dhi, cfg.v_stages)
-        sP_layout = self._smem_layout(TILE_M, self.tile_n, 2)
+        sP_layout = self._smem_layout(TILE_M, self.tile_n, cfg.p_slots)
         return sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout
 
     @cute.jit
@@ -230,23 +254,8 @@ class FFPAFwdSm90(KernelEntry):
         tma_vhi, gVhi_tma = cpasync.make_tiled_tma_atom(
             g2s, tV, cute.select(sVhi_layout, mode=[0, 1]), (self.v_rows, dhi))
 
-        ks, vs = cfg.k_stages, cfg.v_stages
-
-        @cute.struct
-        class SharedStorage:
-            bar_q: cute.struct.MemRange[cutlass.Int64, 1]
-            bar_k: cute.struct.MemRange[cutlass.Int64, ks]
-            bar_v: cute.struct.MemRange[cutlass.Int64, 2 * vs]   # [half * vs + stage]
-            bar_p_full: cute.struct.MemRange[cutlass.Int64, 2]
-            bar_p_empty: cute.struct.MemRange[cutlass.Int64, 2]
-            row_factor: cute.struct.Align[cute.struct.MemRange[Float32, cfg.factor_floats], 16]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sVlo: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sVlo_layout)], 1024]
-            sVhi: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sVhi_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+        SharedStorage = _shared_storage(cfg, self.dtype, sQ_layout, sK_layout, sVlo_layout,
+                                        sVhi_layout, sP_layout)
 
         # the planner's budget must be the real one (else a config it accepts fails at launch)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
@@ -262,7 +271,8 @@ class FFPAFwdSm90(KernelEntry):
             self._mma(dhi, warpgroup.OperandMajorMode.MN),
             SharedStorage, extra,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
-                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
+                 **({"cluster": [2, 1, 1]} if cfg.kv_pair else {}))
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -289,6 +299,8 @@ class FFPAFwdSm90(KernelEntry):
         bars = Barriers(storage.bar_q.data_ptr(), storage.bar_k.data_ptr(),
                         storage.bar_v.data_ptr(), storage.bar_p_full.data_ptr(),
                         storage.bar_p_empty.data_ptr())
+        if const_expr(self.kv_pair):
+            bars = bars._replace(x=storage.bar_x.data_ptr(), pp=storage.bar_pp.data_ptr())
         if warp_idx == 0:
             for tma in (tma_q, tma_k, tma_vlo, tma_vhi):
                 cpasync.prefetch_descriptor(tma)
@@ -300,9 +312,18 @@ class FFPAFwdSm90(KernelEntry):
                     cute.arch.mbarrier_init(bars.v + s, 1)
                 for b in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(bars.p_full + b, WG_THREADS)  # every S thread
-                    cute.arch.mbarrier_init(bars.p_empty + b, 8)  # one per O warp
+                    # one per O warp (`kv_pair`: of both CTAs: the peer writes our P slots)
+                    cute.arch.mbarrier_init(bars.p_empty + b, 16 if const_expr(self.kv_pair)
+                                            else 8)
+                    if const_expr(self.kv_pair):
+                        cute.arch.mbarrier_init(bars.x + b, 1)
+                        cute.arch.mbarrier_init(bars.pp + b, 1)
                 cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(self.kv_pair):  # the peer's barriers exist before anything reaches them
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -316,10 +337,14 @@ class FFPAFwdSm90(KernelEntry):
         n_top, n_count = self._block_range(m_block, seqlen_k, causal_offset, group)
         seq = BlockSeq(n_top, n_count, head_kv, group, batch)
 
+        pair = None
+        if const_expr(self.kv_pair):
+            pair = PairSmem(storage.peer_stat.get_tensor(cute.make_layout((TILE_M, 2))),
+                            storage.sP.data_ptr())
         if wg == 0:
             self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
                              bars, tidx, m_block, o_part, head, head_kv, batch, seq,
-                             seqlen_q, seqlen_k, causal_offset, scale_log2, extra)
+                             seqlen_q, seqlen_k, causal_offset, scale_log2, extra, pair)
         elif wg == 1:
             self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
                        tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, seq, seqlen_q)
@@ -327,6 +352,9 @@ class FFPAFwdSm90(KernelEntry):
             self._o_wg(mma_pv_hi, mO, gVhi_tma, tma_vhi, sP, sVhi, sFactor, bars, 1,
                        tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, seq,
                        seqlen_q)
+        if const_expr(self.kv_pair):  # the peer may still write our smem until it is done
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # ---------------------------------------------------------------- hooks (see bwd_sm90.py)
     @cute.jit
@@ -387,7 +415,8 @@ class FFPAFwdSm90(KernelEntry):
     @cute.jit
     def _softmax_wg(self, mma_qk: cute.TiledMma, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK,
                     sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch,
-                    seq: BlockSeq, seqlen_q, seqlen_k, causal_offset, scale_log2, extra):
+                    seq: BlockSeq, seqlen_q, seqlen_k, causal_offset, scale_log2, extra,
+                    pair=None):
         cfg = self.cfg
         C = self.num_chunks
         ks = cfg.k_stages
@@ -426,13 +455,21 @@ class FFPAFwdSm90(KernelEntry):
         st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                       self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
-        tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, 2)
+        tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
         tPrP = thr_st.retile(rP)
         n_count = seq.n_count
-        total = n_count * C  # K chunks this tile reads, in ring order
+        n_iter = n_count  # score blocks this warpgroup computes (`kv_pair`: every other one)
+        if const_expr(self.kv_pair):
+            n_iter = (n_count + 1) // 2
+        total = n_iter * C  # K chunks this tile reads, in ring order
 
         # ---- Q (unless it streams with K), then the first k_stages K chunks
-        loads = KLoads(tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK, sQ, m_block, head, extra)
+        if const_expr(self.kv_pair):
+            loads = KLoads(tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK, sQ, m_block, head,
+                           extra, o_part)
+        else:
+            loads = KLoads(tma_k, tKg, tKs, tma_q, tQg, tQs, gK_tma, sK, sQ, m_block, head,
+                           extra)
         if const_expr(not self.stream_q):
             self._tma_load(tma_q, tQg, tQs, bars.q, self.q_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
@@ -441,8 +478,11 @@ class FFPAFwdSm90(KernelEntry):
         if const_expr(not self.stream_q):
             cute.arch.mbarrier_wait(bars.q, 0)
         x = Int32(0)  # ring position of the next K chunk
-        for i in cutlass.range(n_count, unroll=1):
-            blk_head, n_block = self._block(seq, i)
+        for i in cutlass.range(n_iter, unroll=1):
+            blk = i
+            if const_expr(self.kv_pair):
+                blk = self._own_block(seq, i, o_part)
+            blk_head, n_block = self._block(seq, blk)
             stats_head = self._stats_head(head, blk_head)
             # per-row / per-column statistics of the block, loaded before its WGMMAs so that
             # their latency hides behind them (the forward has none)
@@ -483,20 +523,35 @@ class FFPAFwdSm90(KernelEntry):
             warpgroup.wait_group(0)
             self._refill_k(loads, bars, x - 1, total, seq, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
-            self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset, mLSE, batch, stats_head,
-                                sFactor, tidx, acc_2, extra, pre)
+            if const_expr(self.kv_pair):
+                self._pair_softmax(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
+                                   n_block, seqlen_k, causal_offset, i, 2 * i + 1 >= n_count,
+                                   o_part, bars, pair, tidx, lane)
+            else:
+                self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
+                                    n_block, seqlen_k, causal_offset, mLSE, batch, stats_head,
+                                    sFactor, tidx, acc_2, extra, pre)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
-            cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
+            if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
+                cute.copy(thr_st, tPrP, tPsP[None, None, None, 2 * b + o_part])
+            else:
+                cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
             self._write_factors(sFactor, factor, tScS_mn, b, lane)
             cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
+            if const_expr(self.kv_pair):
+                if 2 * i + 1 < n_count:  # a pair of blocks: our P tile to the peer too
+                    self._send_p(pair, bars, b, o_part, tidx)
         # ---- last P, then the final row factors (1 / row_sum) the same way; LSE
-        if n_count > 0:
-            cute.arch.mbarrier_arrive(bars.p_full + (n_count - 1) % 2)
-        lse = self._final_factors(softmax, factor, num_rows)
-        b = n_count % 2
-        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_count // 2) & 1) ^ 1)
+        if n_iter > 0:
+            cute.arch.mbarrier_arrive(bars.p_full + (n_iter - 1) % 2)
+        if const_expr(self.kv_pair):
+            lse = self._final_factors_pair(softmax, factor, num_rows, n_iter, o_part, bars,
+                                           pair, tidx, tScS_mn, lane)
+        else:
+            lse = self._final_factors(softmax, factor, num_rows)
+        b = n_iter % 2
+        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_iter // 2) & 1) ^ 1)
         self._write_factors(sFactor, factor, tScS_mn, b, lane)
         cute.arch.mbarrier_arrive(bars.p_full + b)
         if const_expr(lse is not None):
@@ -524,7 +579,10 @@ class FFPAFwdSm90(KernelEntry):
         """Ring position pos = (block i, chunk c) into stage s: chunk c of block i's K and, when
         Q streams, Q[:, c] with it on the same barrier."""
         C = self.num_chunks
-        head, n_block = self._block(seq, pos // C)
+        if const_expr(self.kv_pair):
+            head, n_block = self._block(seq, self._own_block(seq, pos // C, loads.rank))
+        else:
+            head, n_block = self._block(seq, pos // C)
         c = pos % C
         k_src = self._k_src(loads, seq, head, n_block, c)
         if const_expr(self.stream_q):
@@ -536,6 +594,90 @@ class FFPAFwdSm90(KernelEntry):
         else:
             self._tma_load(loads.tma_k, k_src, loads.tKs[None, s], bars.k + s,
                            self.k_bytes, tidx)
+
+    # ---------------------------------------------------------------- kv_pair (D > 512)
+    @cute.jit
+    def _own_block(self, seq, i, rank):
+        """`kv_pair`: the block this CTA scores at step i: 2 i + rank; when the count is odd
+        the last block is scored by both (each needs its own P; no exchange then)."""
+        return cutlass.min(2 * i + rank, seq.n_count - 1)
+
+    @cute.jit
+    def _exchange_rows(self, vals, pair, bars, b, phase, rank, tidx, tScS_mn, lane,
+                       is_max: cutlass.Constexpr):
+        """Combine per-row values with the peer's: each quad's first lane stores its rows'
+        values into the peer's `pair.stat[:, b]` (st.async, counted on the peer's x[b]);
+        after x[b] completes, vals = max (or sum) of both."""
+        peer = 1 - rank
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(vals)):
+                row = tScS_mn[r, 0][0]
+                dst = pair.stat.iterator + (row + b * TILE_M)
+                cute.arch.store_async_dsmem(dst, Float32(vals[r]).bitcast(Int32), bars.x + b,
+                                            peer)
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bars.x + b, TILE_M * 4)
+        cute.arch.mbarrier_wait(bars.x + b, phase)
+        for r in cutlass.range_constexpr(cute.size(vals)):
+            other = pair.stat[tScS_mn[r, 0][0], b]
+            if const_expr(is_max):
+                vals[r] = cute.arch.fmax(vals[r], other)
+            else:
+                vals[r] = vals[r] + other
+
+    @cute.jit
+    def _pair_softmax(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
+                      m_block, n_block, seqlen_k, causal_offset, i, solo, rank, bars, pair,
+                      tidx, lane):
+        """`kv_pair` step i: mask, the block max joined with the peer's (both CTAs then keep
+        the same running max, so one O factor serves both tiles), P in rP. The row sums stay
+        per CTA (joined at the end); a block both CTAs scored (`solo`) counts once (rank 0)."""
+        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
+                            self.causal):
+            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
+                       TILE_M, self.tile_n, self.causal)
+        blk_max = softmax.block_max(acc_S_mn)
+        if not solo:
+            self._exchange_rows(blk_max, pair, bars, i % 2, (i // 2) & 1, rank, tidx, tScS_mn,
+                                lane, True)
+        row_sum = softmax.row_sum
+        prev = cute.make_rmem_tensor(cute.size(blk_max), Float32)
+        for r in cutlass.range_constexpr(cute.size(blk_max)):
+            prev[r] = row_sum[r]
+        softmax.update(acc_S_mn, blk_max, [], factor)
+        if solo and rank == 1:
+            for r in cutlass.range_constexpr(cute.size(blk_max)):
+                row_sum[r] = prev[r] * factor[r]
+        rP.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
+    def _send_p(self, pair, bars, b, rank, tidx):
+        """Our P tile (slot 2 b + rank, written and fenced by all S threads) into the same
+        slot of the peer's smem by one bulk copy, counted on the peer's pp[b]; we expect the
+        peer's tile on ours."""
+        from cutlass.experimental.primitives.nvvm_wrapper import (
+            cp_async_bulk_shared_cluster_shared_cta)
+
+        cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
+        if tidx == 0:
+            nbytes = TILE_M * self.tile_n * 2
+            cute.arch.mbarrier_arrive_and_expect_tx(bars.pp + b, nbytes)
+            src = pair.p_base + (2 * b + rank) * (TILE_M * self.tile_n)
+            cp_async_bulk_shared_cluster_shared_cta(
+                cute.arch.map_dsmem_ptr(src, 1 - rank), src,
+                cute.arch.map_dsmem_ptr(bars.pp + b, 1 - rank), nbytes)
+
+    @cute.jit
+    def _final_factors_pair(self, softmax: OnlineSoftmax, factor, num_rows: cutlass.Constexpr,
+                            n_iter, rank, bars, pair, tidx, tScS_mn, lane):
+        """`kv_pair`: the row sums of both CTAs joined (same running max on both), then
+        factor = 1 / row_sum and the LSE as `_final_factors`."""
+        softmax.finalize_sum()
+        self._exchange_rows(softmax.row_sum, pair, bars, n_iter % 2, (n_iter // 2) & 1, rank,
+                            tidx, tScS_mn, lane, False)
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        softmax.normalize([], lse, factor)
+        return lse
 
     @cute.jit
     def _final_factors(self, softmax: OnlineSoftmax, factor, num_rows: cutlass.Constexpr):
@@ -600,33 +742,43 @@ class FFPAFwdSm90(KernelEntry):
         for x in cutlass.range_constexpr(vs):
             if x < total:
                 self._load_v(v_loads, x, x, seq, half, tidx)
+        n_iter = n_count  # P hand-overs (`kv_pair`: one per pair of blocks)
+        if const_expr(self.kv_pair):
+            n_iter = (n_count + 1) // 2
         x = Int32(0)
-        for i in cutlass.range(n_count, unroll=1):
+        for i in cutlass.range(n_iter, unroll=1):
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_full + b, (i // 2) & 1)
             if const_expr(self.rescale_o):
                 self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
             atom = cute.make_mma_atom(mma_pv.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
-            for j in cutlass.range_constexpr(vj):
-                s = x % vs
-                cute.arch.mbarrier_wait(bar_v + s, (x // vs) & 1)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(k_per_v):
-                    cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, b],
-                              tOrV[None, None, k, s], acc_O)
-                warpgroup.commit_group()
-                if const_expr(j > 0):
-                    warpgroup.wait_group(1)  # stage x-1 has been read: refill it
-                    self._refill_v(v_loads, x - 1, total, seq, half, tidx)
-                x += 1
+            if const_expr(self.kv_pair):
+                x = self._pair_pv(atom, acc_O, tOrP, tOrV, v_loads, bars, x, i, b, n_count,
+                                  total, seq, half, o_part, tidx)
+            else:
+                for j in cutlass.range_constexpr(vj):
+                    s = x % vs
+                    cute.arch.mbarrier_wait(bar_v + s, (x // vs) & 1)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(k_per_v):
+                        cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, b],
+                                  tOrV[None, None, k, s], acc_O)
+                    warpgroup.commit_group()
+                    if const_expr(j > 0):
+                        warpgroup.wait_group(1)  # stage x-1 has been read: refill it
+                        self._refill_v(v_loads, x - 1, total, seq, half, tidx)
+                    x += 1
             warpgroup.wait_group(0)
             self._refill_v(v_loads, x - 1, total, seq, half, tidx)
             if lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
+                if const_expr(self.kv_pair):  # the peer writes our P slots too
+                    cute.arch.mbarrier_arrive(bars.p_empty + b, 1 - o_part,
+                                              scope=nvvm.MemScopeKind.CLUSTER)
         # ---- 1 / row_sum arrives through the factor buffer; store O (rows < Nq)
-        b = n_count % 2
-        cute.arch.mbarrier_wait(bars.p_full + b, (n_count // 2) & 1)
+        b = n_iter % 2
+        cute.arch.mbarrier_wait(bars.p_full + b, (n_iter // 2) & 1)
         if const_expr(self.rescale_o):
             self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
         rO = cute.make_fragment_like(acc_O, self.dtype)
@@ -640,6 +792,36 @@ class FFPAFwdSm90(KernelEntry):
             if tOcO_mn[r, 0][0] < rows_left:
                 for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
                     tOgO_mn[r, c] = rO_mn[r, c]
+
+    @cute.jit
+    def _pair_pv(self, atom, acc_O, tOrP, tOrV, v_loads, bars, x, i, b, n_count, total, seq,
+                 half: cutlass.Constexpr, rank, tidx):
+        """`kv_pair` step i: O += P[2i] V[2i] + P[2i+1] V[2i+1] (P tile t in slot 2 b + t, the
+        peer's after pp[b]); when the count is odd the last step has one block, scored by both
+        CTAs: our own tile (slot 2 b + rank). Returns the V ring position after it."""
+        vs, vj, k_per_v = self.cfg.v_stages, self.v_chunks, self.v_rows // 16
+        solo = 2 * i + 1 >= n_count
+        first = 2 * b
+        if solo:
+            first = 2 * b + rank
+        else:
+            cute.arch.mbarrier_wait(bars.pp + b, (i // 2) & 1)
+        for jj in cutlass.range_constexpr(2 * vj):
+            t, j = jj // vj, jj % vj
+            if t == 0 or not solo:
+                slot = first if const_expr(t == 0) else 2 * b + 1
+                s = x % vs
+                cute.arch.mbarrier_wait(v_loads.bar_v + s, (x // vs) & 1)
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(k_per_v):
+                    cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, slot],
+                              tOrV[None, None, k, s], acc_O)
+                warpgroup.commit_group()
+                if const_expr(jj > 0):
+                    warpgroup.wait_group(1)  # stage x-1 has been read: refill it
+                    self._refill_v(v_loads, x - 1, total, seq, half, tidx)
+                x += 1
+        return x
 
     @cute.jit
     def _refill_v(self, v_loads, done: Int32, total: Int32, seq, half: cutlass.Constexpr,
@@ -663,6 +845,33 @@ class FFPAFwdSm90(KernelEntry):
         for r in cutlass.range_constexpr(num_rows):
             f = sFactor[tOcO_mn[r, 0][0], b]
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
+
+
+def _shared_storage(cfg: FwdConfigSm90, dtype, sQ_layout, sK_layout, sVlo_layout, sVhi_layout,
+                    sP_layout):
+    """The kernel's shared-memory struct, fields in order (`kv_pair` adds its exchange
+    barriers and the peer's row statistics). Built from an annotations dict: the module's
+    postponed annotations would reach `cute.struct` as strings."""
+    ks, vs, kv = cfg.k_stages, cfg.v_stages, cfg.kv_pair
+    mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
+
+    def smem(layout):
+        return align[mem[dtype, cute.cosize(layout)], 1024]
+
+    fields = {
+        "bar_q": mem[i64, 1],
+        "bar_k": mem[i64, ks],
+        "bar_v": mem[i64, 2 * vs],      # [half * vs + stage]
+        "bar_p_full": mem[i64, 2],
+        "bar_p_empty": mem[i64, 2],
+        **({"bar_x": mem[i64, 2],       # kv_pair: the peer's row statistics landed
+            "bar_pp": mem[i64, 2]} if kv else {}),   # kv_pair: the peer's P tile landed
+        "row_factor": align[mem[Float32, cfg.factor_floats], 16],
+        **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if kv else {}),
+        "sQ": smem(sQ_layout), "sK": smem(sK_layout), "sVlo": smem(sVlo_layout),
+        "sVhi": smem(sVhi_layout), "sP": smem(sP_layout),
+    }
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 __all__ = ["FFPAFwdSm90"]
