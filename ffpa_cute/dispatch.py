@@ -410,19 +410,39 @@ def bwd_kernels(problem: AttnProblem, device: torch.device | None = None,
     """The (kernel class, config) pairs `run_bwd` compiles for `problem` (none when no
     backward kernel serves it): what `precompile --backward` fills the cache with."""
     family, _ = bwd_family(problem, device, target)
+    if family is None:
+        return []
+    arch = plan_fwd(problem, device, target).target
+    delta = []
+    if FUSED_DELTA:
+        from .common.delta import DeltaConfig, RowDot
+
+        delta = [(RowDot, DeltaConfig(arch, problem.dtype, problem.head_dim))]
     if family == "sm90":
         from .sm90 import bwd_sm90 as b
 
         return [(b.FFPABwdDQSm90, b.plan_dq(problem)), (b.FFPABwdDKSm90, b.plan_dk(problem)),
-                (b.FFPABwdDVSm90, b.plan_dv(problem))]
-    if family == "sm80":
-        from .sm80.bwd_sm80 import kernel_class
-        from .sm80.config import plan_bwd
+                (b.FFPABwdDVSm90, b.plan_dv(problem)), *delta]
+    from .sm80.bwd_sm80 import kernel_class
+    from .sm80.config import plan_bwd
 
-        arch = plan_fwd(problem, device, target).target
-        return [(kernel_class(kind, arch), plan_bwd(kind, problem, arch))
-                for kind in ("dq", "dk", "dv")]
-    return []
+    return [(kernel_class(kind, arch), plan_bwd(kind, problem, arch))
+            for kind in ("dq", "dk", "dv")] + delta
+
+
+# Delta = rowsum(dO * O) by one kernel pass (`common/delta.py`) instead of torch's two fp32
+# copies of [B, H, N, D] (~1.3 ms and 1 GB of temporaries at B=1, H=32, N=8K, D=512):
+# compile-verified only, so off until tests/test_attention_gpu.py::test_fused_delta passes.
+FUSED_DELTA = False
+
+
+def _delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Delta [B, H, N] fp32 = rowsum(dout * out) (`FUSED_DELTA`: one kernel pass)."""
+    if FUSED_DELTA:
+        from .common.delta import run_delta
+
+        return run_delta(_kernel_ready(dout), _kernel_ready(out))
+    return (dout.float() * out.float()).sum(-1)
 
 
 def run_bwd(problem: AttnProblem, q, k, v, out, lse, dout):
@@ -431,7 +451,7 @@ def run_bwd(problem: AttnProblem, q, k, v, out, lse, dout):
     if family is None:
         raise NotImplementedError(why)
     q, k, v, dout = (_kernel_ready(t) for t in (q, k, v, dout))
-    delta = (dout.float() * out.float()).sum(-1)
+    delta = _delta(dout, out)
     if family == "sm80":
         from .sm80.bwd_sm80 import run_bwd_sm80
 

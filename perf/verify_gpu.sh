@@ -41,7 +41,7 @@ if has bwd; then
       2>&1 | tee "$out/gpu_bwd_sm90.log" | grep -E "FAIL|ERROR|passed|failed|Error" | tail -30
   step "GPU tests, autograd through the backward kernels (eager, torch.compile, both families)"
   FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m gpu -v tests/test_attention_gpu.py \
-      -k backward 2>&1 | tee "$out/gpu_bwd_autograd.log" \
+      -k "backward or fused_delta" 2>&1 | tee "$out/gpu_bwd_autograd.log" \
       | grep -E "FAIL|ERROR|passed|failed|Error" | tail -30
   step "GPU tests, Split-D backward kernels (FFPA_CUTE_ARCH=sm80, default tier)"
   FFPA_CUTE_ARCH=sm80 timeout 300 python -m pytest -m "gpu and not slow" -v \

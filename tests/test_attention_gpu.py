@@ -441,3 +441,32 @@ def test_repeated_calls_take_the_fast_path(seed, hq, hkv, nq, nkv, mode):
     q, k, v = make_qkv(1, hq, hkv, nq, nkv, 512, BF16)
     buf = torch.randn(q.numel() + 1, device="cuda", dtype=BF16)
     check(buf[1:].view(q.shape), k, v)  # 2-byte offset: same signature, general path
+
+
+@pytest.mark.parametrize("d,n,dt", [(512, 1000, BF16), (264, 7, FP16), (1024, 1, BF16),
+                                    (576, 4097, BF16)])
+def test_fused_delta(seed, d, n, dt):
+    """`common/delta.run_delta` (Delta = rowsum(dO * O), one warp per row) against float64,
+    contiguous and with a strided head layout; then the backward through it
+    (`dispatch.FUSED_DELTA`) against the float64 gradients."""
+    from ffpa_cute.common.delta import run_delta
+
+    base = torch.randn(2, n, 3, d, device="cuda", dtype=dt)  # [B, N, H, D] storage
+    for dout, out in ((torch.randn(2, 3, n, d, device="cuda", dtype=dt),
+                       torch.randn(2, 3, n, d, device="cuda", dtype=dt)),
+                      (base.transpose(1, 2), torch.randn_like(base).transpose(1, 2))):
+        got = run_delta(dout, out)
+        ref = (dout.double() * out.double()).sum(-1)
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        assert rel_err(got, ref) <= 1e-5, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+def test_backward_with_fused_delta(seed, monkeypatch, family):
+    monkeypatch.setenv("FFPA_CUTE_ARCH", family)
+    monkeypatch.setattr(dispatch, "FUSED_DELTA", True)
+    _forget_plans()
+    try:
+        _check_backward("bottom_right", 129, 1000, 4, expect_kernels=True)
+    finally:
+        _forget_plans()

@@ -241,3 +241,16 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     assert not fc.usable  # CPU tensors: the general path (which raises on a CPU device)
     strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(D) != 1: copied
     assert not dispatch.FwdCall(plan, strided, k, v).usable
+
+
+def test_fused_delta_is_a_backward_job(monkeypatch):
+    """With `FUSED_DELTA` the backward's kernel list (what `precompile --backward` compiles)
+    includes the Delta kernel for the problem's arch, dtype and head dim."""
+    from ffpa_cute.common.delta import DeltaConfig, RowDot
+
+    p = prob(d=512)
+    assert all(cls is not RowDot for cls, _ in dispatch.bwd_kernels(p, target="sm_90a"))
+    monkeypatch.setattr(dispatch, "FUSED_DELTA", True)
+    for target, n in (("sm_90a", 4), ("sm_80", 4)):
+        jobs = dispatch.bwd_kernels(p, target=target)
+        assert len(jobs) == n and jobs[-1] == (RowDot, DeltaConfig(target, "bf16", 512))

@@ -261,6 +261,17 @@ def test_kv_pair_config_rules():
     assert config.can_implement(dataclasses.replace(big, v_stages=2)) is None
 
 
+@pytest.mark.parametrize("arch,d", [("sm_90a", 512), ("sm_80", 264), ("sm_120a", 1024)])
+def test_fused_delta_compiles(arch, d):
+    """Delta = rowsum(dO * O) (`common/delta.py`): 16-byte loads, a warp butterfly, no local
+    memory, on every arch."""
+    from ffpa_cute.common.delta import DeltaConfig, RowDot
+
+    ptx = RowDot.compile(DeltaConfig(arch, "bf16", d), options="--keep-ptx").__ptx__
+    assert "ld.global" in ptx and ".v4" in ptx and "shfl.sync.bfly" in ptx
+    assert ".local" not in ptx
+
+
 def test_sm90_backward_above_512_compiles(monkeypatch):
     """D = 1024 backward: dQ with its gradient split over two CTAs; wgmma, no spills."""
     from ffpa_cute.sm90 import bwd_sm90

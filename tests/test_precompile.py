@@ -55,3 +55,18 @@ def test_backward_kernels_export_and_load(tmp_path):
     for cls, cfg in jobs:
         fresh.get(cls, cfg)
     assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 4
+
+
+def test_fused_delta_exports_and_loads(tmp_path, monkeypatch):
+    """With `FUSED_DELTA`, `--backward` also ships the Delta kernel; it loads like the rest."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.common.delta import RowDot
+
+    monkeypatch.setattr(dispatch, "FUSED_DELTA", True)
+    cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,
+                                        progress=False, backward=True)
+    assert [cls for cls, _ in jobs].count(RowDot) == 1 and cache.stats.compiles == 5
+    fresh = JitCache(tmp_path, disk=True)
+    for cls, cfg in jobs:
+        fresh.get(cls, cfg)
+    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 5
