@@ -734,7 +734,6 @@ class FFPAFwdSm90(KernelEntry):
         acc_O_mn = mn_view(acc_O)
         tOcO_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, dv))))
         num_rows = cute.size(acc_O_mn, mode=[0])
-        k_per_v = self.v_rows // 16
         n_count = seq.n_count
         total = n_count * vj  # V stages of this half the tile reads, in ring order
         v_loads = VLoads(tma_v, tVg, tVs, bar_v, gV_tma, col0, sV)
@@ -758,17 +757,8 @@ class FFPAFwdSm90(KernelEntry):
                                   total, seq, half, o_part, tidx)
             else:
                 for j in cutlass.range_constexpr(vj):
-                    s = x % vs
-                    cute.arch.mbarrier_wait(bar_v + s, (x // vs) & 1)
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(k_per_v):
-                        cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, b],
-                                  tOrV[None, None, k, s], acc_O)
-                    warpgroup.commit_group()
-                    if const_expr(j > 0):
-                        warpgroup.wait_group(1)  # stage x-1 has been read: refill it
-                        self._refill_v(v_loads, x - 1, total, seq, half, tidx)
-                    x += 1
+                    x = self._pv_stage(atom, acc_O, tOrP, tOrV, v_loads, x, j, b, j > 0, total,
+                                       seq, half, tidx)
             warpgroup.wait_group(0)
             self._refill_v(v_loads, x - 1, total, seq, half, tidx)
             if lane == 0:
@@ -799,7 +789,7 @@ class FFPAFwdSm90(KernelEntry):
         """`kv_pair` step i: O += P[2i] V[2i] + P[2i+1] V[2i+1] (P tile t in slot 2 b + t, the
         peer's after pp[b]); when the count is odd the last step has one block, scored by both
         CTAs: our own tile (slot 2 b + rank). Returns the V ring position after it."""
-        vs, vj, k_per_v = self.cfg.v_stages, self.v_chunks, self.v_rows // 16
+        vj = self.v_chunks
         solo = 2 * i + 1 >= n_count
         first = 2 * b
         if solo:
@@ -810,18 +800,28 @@ class FFPAFwdSm90(KernelEntry):
             t, j = jj // vj, jj % vj
             if t == 0 or not solo:
                 slot = first if const_expr(t == 0) else 2 * b + 1
-                s = x % vs
-                cute.arch.mbarrier_wait(v_loads.bar_v + s, (x // vs) & 1)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(k_per_v):
-                    cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, slot],
-                              tOrV[None, None, k, s], acc_O)
-                warpgroup.commit_group()
-                if const_expr(jj > 0):
-                    warpgroup.wait_group(1)  # stage x-1 has been read: refill it
-                    self._refill_v(v_loads, x - 1, total, seq, half, tidx)
-                x += 1
+                x = self._pv_stage(atom, acc_O, tOrP, tOrV, v_loads, x, j, slot, jj > 0, total,
+                                   seq, half, tidx)
         return x
+
+    @cute.jit
+    def _pv_stage(self, atom, acc_O, tOrP, tOrV, v_loads, x, j: cutlass.Constexpr, slot,
+                  refill: cutlass.Constexpr, total, seq, half: cutlass.Constexpr, tidx):
+        """O += P[:, rows of V stage j] (P slot `slot`) times the V stage at ring position x;
+        with `refill`, once the previous stage has been read, load its successor. Returns
+        x + 1."""
+        vs, k_per_v = self.cfg.v_stages, self.v_rows // 16
+        s = x % vs
+        cute.arch.mbarrier_wait(v_loads.bar_v + s, (x // vs) & 1)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(k_per_v):
+            cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_v + k, slot],
+                      tOrV[None, None, k, s], acc_O)
+        warpgroup.commit_group()
+        if const_expr(refill):
+            warpgroup.wait_group(1)  # stage x-1 has been read: refill it
+            self._refill_v(v_loads, x - 1, total, seq, half, tidx)
+        return x + 1
 
     @cute.jit
     def _refill_v(self, v_loads, done: Int32, total: Int32, seq, half: cutlass.Constexpr,
