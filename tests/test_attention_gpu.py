@@ -17,6 +17,7 @@ assigned round-robin (not the full product: compiles scale with D x dtype x caus
 shape mixes exercise the same residue/masking code for every config).
 """
 
+import contextlib
 import math
 import os
 
@@ -318,20 +319,13 @@ def test_backward_above_512(seed, monkeypatch, mode, nq, nkv, ratio, bwd_max, fa
     lowered to 512, the Split-D backward kernels (compiled for sm_90a)."""
     from ffpa_cute.sm90 import bwd_sm90
 
-    if dispatch.current_arch() != "sm_90a":
-        pytest.skip("WGMMA kernels: sm_90 only")
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
-    monkeypatch.setattr(bwd_sm90, "MAX_HEAD_DIM", bwd_max)
-    _forget_plans()
-    try:
+    with sm90_with(monkeypatch, bwd_sm90, "MAX_HEAD_DIM", bwd_max):
         p = AttnProblem(dtype="bf16", batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=1024, head_dim_v=1024, causal=mode != "none",
                         causal_offset=offset_of(mode, nq, nkv))
         assert dispatch.plan_fwd(p).kernel_cls.__name__ == "FFPAFwdSm90"
         assert dispatch.bwd_family(p) == (family, "")
         _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=1024)
-    finally:
-        _forget_plans()
 
 
 def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512):
@@ -365,18 +359,11 @@ SPLIT_O_CASES = [(576, "none", 129, 1000, 1), (640, "bottom_right", 1000, 129, 4
 def test_forward_sm90_split_o(seed, monkeypatch, d, mode, nq, nkv, ratio):
     """The WGMMA kernel with O split over two CTAs (D > 512), before it is the default route
     (dispatch.SM90_WGMMA_MAX_HEAD_DIM): numerics, and the plan really is FFPAFwdSm90."""
-    if dispatch.current_arch() != "sm_90a":
-        pytest.skip("WGMMA kernel: sm_90 only")
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
-    monkeypatch.setattr(dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 1024)
-    _forget_plans()
-    try:
+    with sm90_with(monkeypatch, dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 1024):
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
         plan = kernel_plan(q, k, v, mode)
         assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
         check_forward(d, BF16, mode, nq, nkv, ratio)
-    finally:
-        _forget_plans()
 
 
 KV_PAIR_CASES = [(1024, "none", 1000, 1000, 1), (1024, "bottom_right", 129, 1000, 4),
@@ -392,16 +379,24 @@ def test_kv_pair_forward(seed, monkeypatch, d, mode, nq, nkv, ratio):
     even block counts (a last block both CTAs score), both causal alignments, GQA."""
     from ffpa_cute.sm90 import config
 
-    if dispatch.current_arch() != "sm_90a":
-        pytest.skip("WGMMA kernel: sm_90 only")
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
-    monkeypatch.setattr(config, "KV_PAIR", True)
-    _forget_plans()
-    try:
+    with sm90_with(monkeypatch, config, "KV_PAIR", True):
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
         plan = kernel_plan(q, k, v, mode)
         assert plan.cfg.kv_pair and plan.cfg.o_split == 2
         check_forward(d, BF16, mode, nq, nkv, ratio)
+
+
+@contextlib.contextmanager
+def sm90_with(monkeypatch, module, name, value):
+    """The sm90 family (sm_90 only) with module.name = value, plans made fresh and forgotten
+    after."""
+    if dispatch.current_arch() != "sm_90a":
+        pytest.skip("WGMMA kernels: sm_90 only")
+    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
+    monkeypatch.setattr(module, name, value)
+    _forget_plans()
+    try:
+        yield
     finally:
         _forget_plans()
 
