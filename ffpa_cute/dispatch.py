@@ -281,6 +281,12 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return out, lse
 
 
+# The per-signature launcher below for repeated no-grad calls: CPU-tested (it hands the kernel
+# what `run_fwd` does) but not yet run on a GPU, so off until
+# tests/test_attention_gpu.py::test_repeated_calls_take_the_fast_path passes.
+FAST_LAUNCH = False
+
+
 class FwdCall:
     """`run_fwd` for one call signature (plan, shapes, strides, dtype, device): what does not
     depend on the data pointers is decided once, so a repeated call allocates out / lse, writes

@@ -402,9 +402,10 @@ def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper
 
 
 def _fwd_call(plan, q, k, v):
-    """The signature's `dispatch.FwdCall` (None for plans that are not the dispatcher's)."""
+    """The signature's `dispatch.FwdCall` (None for plans that are not the dispatcher's, or
+    while `dispatch.FAST_LAUNCH` is off)."""
     dispatch = _dispatch()
-    if not isinstance(plan, dispatch.Plan) or plan.cfg is None:
+    if not dispatch.FAST_LAUNCH or not isinstance(plan, dispatch.Plan) or plan.cfg is None:
         return None
     return dispatch.FwdCall(plan, q, k, v)
 

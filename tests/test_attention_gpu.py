@@ -411,13 +411,14 @@ def _forget_plans():
 @pytest.mark.parametrize("hq,hkv,nq,nkv,mode", [(32, 8, 1, 4097, "none"),
                                                 (8, 8, 129, 1000, "bottom_right"),
                                                 (128, 1, 1, 300, "bottom_right")])
-def test_repeated_calls_take_the_fast_path(seed, hq, hkv, nq, nkv, mode):
+def test_repeated_calls_take_the_fast_path(seed, monkeypatch, hq, hkv, nq, nkv, mode):
     """Same-signature calls without grad, fresh data each time: from the third on the
     per-signature launcher (`dispatch.FwdCall`, pointers written into kept argument storage)
     launches; every result passes the reference check, and a misaligned view of the same
     signature falls back to the general path and is still right."""
     from ffpa_cute import interface
 
+    monkeypatch.setattr(dispatch, "FAST_LAUNCH", True)
     interface._clear_caches()
     causal, off = mode != "none", offset_of(mode, nq, nkv)
 
