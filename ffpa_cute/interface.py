@@ -36,6 +36,7 @@ log = logging.getLogger("ffpa_cute")
 
 _PLANS: dict = {}  # (problem, device, FFPA_CUTE_ARCH) -> plan; planning depends on no tensor data
 _FAST = "fast call"  # _PLANS keys (_FAST, call signature) -> the kernel call (`_fast_key`)
+_PLANS_MAX = 4096  # entries kept before `_PLANS` starts over (decode grows Nkv every step)
 _LOGGED: set = set()  # (level, reason) pairs already logged
 _EMPTY = "empty problem (zero-sized batch/heads/queries or no keys): no kernel needed"
 _TRUE = ("1", "true", "yes", "on")
@@ -180,8 +181,17 @@ def _plan(problem: AttnProblem, device: torch.device):
     plan = _PLANS.get(key)
     if plan is None:
         with _on(device):
-            plan = _PLANS[key] = _dispatch().plan_fwd(problem)
+            plan = _dispatch().plan_fwd(problem)
+        _remember(key, plan)
     return plan
+
+
+def _remember(key, value) -> None:
+    """_PLANS[key] = value, bounded: past `_PLANS_MAX` entries the dict starts over (entries
+    are cheap to rebuild; an unbounded dict would grow with every new sequence length)."""
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = value
 
 
 def _reason(problem: AttnProblem, device: torch.device):
@@ -376,7 +386,7 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     else:
         plan = _plan(problem, q.device)
         if fast_key is not None:  # the next same-signature call skips to here
-            _PLANS[fast_key] = (*args[3:], plan, _fwd_call(plan, q4, k4, v4))
+            _remember(fast_key, (*args[3:], plan, _fwd_call(plan, q4, k4, v4)))
         out, _ = _EagerAttention.apply(*args, plan)
     return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
 

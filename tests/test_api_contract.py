@@ -515,3 +515,13 @@ def test_explain_names_the_backward(seed, fake_kernel, monkeypatch):
     monkeypatch.setattr(dispatch, "bwd_family", lambda problem, device=None: ("fake", ""))
     assert "backward: fake backward kernels (dQ, dK, dV)" in explain(q, k, v, is_causal=True,
                                                                     enable_gqa=True)
+
+
+def test_plan_memory_is_bounded(seed, fake_kernel, monkeypatch):
+    """Plans and call signatures are remembered up to a bound (decode grows Nkv every step):
+    past it the memory starts over, and calls still run."""
+    monkeypatch.setattr(interface, "_PLANS_MAX", 8)
+    for nkv in range(1, 30):
+        q, k, v = qkv(nq=1, nkv=nkv)
+        close(attention(q, k, v), attention_ref(q, k, v)[0])
+        assert len(interface._PLANS) <= 8
