@@ -11,25 +11,19 @@ from __future__ import annotations
 import cProfile
 import pstats
 import sys
-import time
 
 
 def main() -> None:
     import torch
 
     from ffpa_cute import attention
+    from perf.smoke import us_per_call
 
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 512
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     q, k, v = (torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for _ in range(20):
-        attention(q, k, v, strict=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        attention(q, k, v, strict=True)
-    torch.cuda.synchronize()
-    print(f"D={d}: {(time.perf_counter() - t) / n * 1e6:.1f} us per call (unprofiled)")
+    us = us_per_call(lambda: attention(q, k, v, strict=True), n)
+    print(f"D={d}: {us:.1f} us per call (unprofiled)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):

@@ -173,10 +173,26 @@ def _first_call(d: int) -> dict:
     return {"first_call_d": d, "seconds": round(time.perf_counter() - t, 2)}
 
 
+def us_per_call(call, n: int = 2000) -> float:
+    """Wall µs per call of `call()` over n calls after 20 warm-up calls, device synchronised
+    before and after (host cost plus whatever the GPU does not hide)."""
+    import time
+
+    import torch
+
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
 def _overhead(d: int) -> dict:
     """Host overhead of a cached call, the default path and with `dispatch.FAST_LAUNCH` (the
     per-signature launcher) on; the kernel time from a CUDA-graph replay of the same call."""
-    import time
 
     import torch
 
@@ -188,14 +204,7 @@ def _overhead(d: int) -> dict:
     for fast in (False, True):
         dispatch.FAST_LAUNCH = fast
         interface._clear_caches()
-        for _ in range(20):
-            attention(q, k, v, strict=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            attention(q, k, v, strict=True)
-        torch.cuda.synchronize()
-        walls[fast] = (time.perf_counter() - t) / n * 1e6
+        walls[fast] = us_per_call(lambda: attention(q, k, v, strict=True), n)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph = torch.cuda.CUDAGraph()  # the kernel alone: the same call replayed from a graph
     with torch.cuda.graph(graph):
