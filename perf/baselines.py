@@ -138,7 +138,10 @@ class Ours(Impl):
         path = self.explain(q, k, v, case.causal, gqa, direction)
         fallback = "fallback" in path.lower()
         note = None
-        if direction == "bwd" and not any(t in path.lower() for t in ("backward", "bwd")):
+        if direction == "bwd" and "sdpa recompute" in path.lower():
+            fallback = True  # a kernel forward whose backward is torch's SDPA recompute
+            note = "backward: SDPA recompute (explain() gives the reason)"
+        elif direction == "bwd" and not any(t in path.lower() for t in ("backward", "bwd")):
             # explain() named only the forward path: do not credit the backward to a kernel.
             path = "fwd path: " + path
             note = "explain() names no backward path: backward kernel not verified as ours"

@@ -356,3 +356,20 @@ def test_bar_chart_when_matplotlib_is_installed(tmp_path):
     out = report.plot_bars(payload, "fwd", tmp_path / "fwd.png")
     assert out == str(tmp_path / "fwd.png") and (tmp_path / "fwd.png").stat().st_size > 1000
     assert "no bwd rows" in report.plot_bars(payload, "bwd", tmp_path / "bwd.png")
+
+
+@pytest.mark.parametrize("path,fallback", [
+    ("ffpa_cute kernel: K; backward: sm90 backward kernels (dQ, dK, dV)", False),
+    ("ffpa_cute kernel: K; backward: SDPA recompute (head_dim_v != head_dim)", True)])
+def test_ours_backward_credit_follows_explain(monkeypatch, path, fallback):
+    """The backward table credits our kernels only when explain() names backward kernels; a
+    kernel forward with the SDPA-recompute backward is marked a fallback."""
+    from perf.baselines import Ours
+
+    impl = Ours.__new__(Ours)
+    impl.mod = type("M", (), {"attention": staticmethod(lambda *a, **k: None)})
+    monkeypatch.setattr(Ours, "explain", lambda self, *a, **k: path)
+    case = Case("self", "bf16", 1, 2, 2, 7, 7, 512)
+    q = torch.zeros(1)
+    prepared = impl.prepare(case, q, q, q, "bwd", None)
+    assert prepared.fallback == fallback and prepared.backend == path
