@@ -7,18 +7,18 @@
 #       --cache-dir .precache               # (.precache is git-ignored via .git/info/exclude)
 # Then the device call: carry [".device", ".precache"], command (the device copy has no .git)
 #   source .device/setup.sh && PERF_COMMIT=<git rev-parse --short HEAD> bash perf/verify_gpu.sh
-# Sections: precompiled cache (0 compiles); default GPU tier for the Split-D family
-# (FFPA_CUTE_ARCH=sm80) and the sm90 family (WGMMA for D <= 512); slow grid for both (sm90: only
-# its own D range); first-call compile and host overhead of the WGMMA kernel; forward sweep vs
-# SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA if staged with STAGE_PEERS=1) at the head dims of
-# the FFPA grid plus the padded-chunk ones, as the default family routes them. About 9-10 minutes
-# on an H200: split it over two calls (SECTIONS="1 2 3" then SECTIONS="4 5 6") under the
-# 10-minute limit per call.
+# Sections (SECTIONS="..."): 1 precompiled cache (0 compiles); 2 default GPU tier (forward) for
+# the Split-D family (FFPA_CUTE_ARCH=sm80) and the sm90 family; bwd the sm90 backward kernels;
+# bwd2 autograd / torch.compile through the backward kernels, the fused Delta and the Split-D
+# backward; 3 / 4 slow grids (sm90 / sm80); 5 first-call compile, host overhead, kv_pair, benches,
+# decode; 6 forward sweep vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA if staged with
+# STAGE_PEERS=1). Each call must stay under the 10-minute limit: "1 2", "bwd", "bwd2", "5" are
+# one call each (perf/NOTES.md, "Next device session").
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
 step() { echo "=== $1"; }
-sections="${SECTIONS:-1 2 bwd 3 4 5 6}"
+sections="${SECTIONS:-1 2 bwd bwd2 3 4 5 6}"
 has() { [[ " $sections " == *" $1 "* ]]; }
 if has 1; then
   step "precompiled cache"
@@ -39,6 +39,8 @@ if has bwd; then
   step "GPU tests, sm90 backward kernels (dV, dQ, dK vs float64; autograd through them)"
   FFPA_CUTE_ARCH=sm90 timeout 240 python -m pytest -m gpu -v tests/test_backward_sm90_gpu.py \
       2>&1 | tee "$out/gpu_bwd_sm90.log" | grep -E "FAIL|ERROR|passed|failed|Error" | tail -30
+fi
+if has bwd2; then
   step "GPU tests, autograd through the backward kernels (eager, torch.compile, both families)"
   FFPA_CUTE_ARCH=sm90 timeout 200 python -m pytest -m gpu -v tests/test_attention_gpu.py \
       -k "backward or fused_delta" 2>&1 | tee "$out/gpu_bwd_autograd.log" \
