@@ -361,9 +361,10 @@ class FwdCall:
 
 # Backward kernel families that replace the SDPA recompute, each added only after its GPU grid
 # passed on the H200 (tests/test_backward_sm90_gpu.py, tests/test_backward_sm80_gpu.py):
-#   sm90: WGMMA dQ / dK / dV (ffpa_cute/sm90/bwd_sm90.py), D <= 512;
+#   sm90: WGMMA dQ / dK / dV (ffpa_cute/sm90/bwd_sm90.py), D <= 1024 (two CTAs above 512);
 #   sm80: Split-D mma.sync dQ / dK / dV (ffpa_cute/sm80/bwd_sm80.py), D up to 1024; it also serves
-#         the sm90 family above the WGMMA backward's D range (compiled for sm_90a).
+#         the sm90 family where the WGMMA backward does not (D % 16 != 0 above 512; compiled
+#         for sm_90a).
 # sm120 (the sm80 kernels' subclass) is compile-verified only and never enabled.
 BWD_KERNEL_FAMILIES: frozenset[str] = frozenset({"sm90", "sm80"})
 

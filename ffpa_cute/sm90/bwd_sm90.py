@@ -27,12 +27,12 @@ and the skeleton's hooks replaced:
 Queries whose LSE is -inf (they see no key) contribute nothing: their LSE is read as +inf, so
 P = exp2(finite - inf) = 0.
 
-Status (all three kernels): run and tested on the H200 against float64 (commit f98b922;
-tests/test_backward_sm90_gpu.py); autograd uses them for the sm90 family at D <= 512
-(`dispatch.BWD_KERNEL_FAMILIES`).
-Constraints: those of `FwdConfigSm90` with head_dim_v == head_dim; the planners take
-D <= `MAX_HEAD_DIM` (512: above it the kernels split the gradient over two CTAs, compile-verified
-only).
+Status (all three kernels): run and tested on the H200 against float64 (commits f98b922,
+e1f5101, eec3ee8; tests/test_backward_sm90_gpu.py), with `prefetch_stats`, dK `seq_scores`
+(D <= 512) and D up to 1024 (the gradient split over two CTAs above 512); autograd uses them
+for the sm90 family (`dispatch.BWD_KERNEL_FAMILIES`).
+Constraints: those of `FwdConfigSm90` with head_dim_v == head_dim and no `kv_pair`; the
+planners take D <= `MAX_HEAD_DIM` (1024).
 """
 
 from __future__ import annotations
