@@ -94,9 +94,12 @@ SHAPES = [(1, 129, 1), (7, 7, 4), (129, 1000, 16), (1000, 129, 1)]
 FAST = [(d, dt, mode, *s) for d, dt in ((320, BF16), (512, BF16), (1024, BF16), (576, FP16))
         for mode in MODES for s in SHAPES] + [(512, BF16, "bottom_right", 4097, 4097, 4)] + [
     # D not a multiple of the 64-wide chunk: the zero-padded last chunk (column predicates)
-    (d, BF16, mode, 129, 1000, 4) for d in (264, 328, 712) for mode in ("none", "bottom_right")]
+    (d, BF16, mode, 129, 1000, 4) for d in (264, 328, 712) for mode in ("none", "bottom_right")
+] + [  # MQA 64:1 (DeepSeek-V4-style): prefill, decode (heads packed into rows), both alignments
+    (512, BF16, "bottom_right", 129, 1000, 64), (1024, BF16, "none", 1, 4097, 64),
+    (320, FP16, "upper_left", 1000, 129, 64)]
 SLOW_SHAPES = [(1, 4097), (7, 129), (129, 7), (1000, 1000), (4097, 1000), (129, 4097)]
-SLOW = [(d, dt, mode, nq, nkv, (1, 4, 16)[i % 3])
+SLOW = [(d, dt, mode, nq, nkv, (1, 4, 16, 64)[i % 4])
         for d in (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1024) for dt in (BF16, FP16)
         for mode in MODES for i, (nq, nkv) in enumerate(SLOW_SHAPES)]
 
