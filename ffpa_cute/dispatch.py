@@ -157,6 +157,10 @@ TILE_ROWS = 64  # query rows per CTA tile of the WGMMA kernel (Split-D: 32-128);
 # decode (perf/NOTES.md, session 4). False restores one head per tile / SDPA for Dv != D.
 PACK_GQA_ROWS = True
 DV_NOT_D_KERNELS = True
+# The sm90 backward kernels for Dv != D (dQ / dK with a second score product over Dv, dV
+# accumulating Dv columns): compile-verified only, so Dv != D backward runs the SDPA recompute
+# until tests/test_backward_sm90_gpu.py::test_dv_not_d passes.
+DV_NOT_D_BWD = False
 
 
 def packed_problem(p: AttnProblem) -> AttnProblem | None:
@@ -375,8 +379,10 @@ def bwd_family(problem: AttnProblem, device: torch.device | None = None,
     plan = plan_fwd(problem, device, target)
     if plan.reason is not None:
         return None, plan.reason
-    if problem.head_dim_v != problem.head_dim:
-        return None, "the backward kernels need head_dim_v == head_dim"
+    if problem.head_dim_v != problem.head_dim and (plan.family != "sm90"
+                                                   or not DV_NOT_D_BWD):
+        return None, ("head_dim_v != head_dim: only the sm90 WGMMA backward takes it "
+                      "(dispatch.DV_NOT_D_BWD, off until its GPU tests pass)")
     if plan.target.startswith("sm_12") or plan.family not in ("sm80", "sm90"):
         return None, f"no backward kernels for the {plan.family} family"
     why = []
@@ -424,7 +430,7 @@ def bwd_kernels(problem: AttnProblem, device: torch.device | None = None,
     if FUSED_DELTA:
         from .common.delta import DeltaConfig, RowDot
 
-        delta = [(RowDot, DeltaConfig(arch, problem.dtype, problem.head_dim))]
+        delta = [(RowDot, DeltaConfig(arch, problem.dtype, problem.head_dim_v))]
     if family == "sm90":
         from .sm90 import bwd_sm90 as b
 

@@ -331,15 +331,17 @@ def test_backward_above_512(seed, monkeypatch, mode, nq, nkv, ratio, bwd_max, fa
         _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=1024)
 
 
-def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512):
+def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512, dv=None):
     hkv = 2 if ratio < 16 else 1
     q, k, v = make_qkv(1, hkv * ratio, hkv, nq, nkv, d, BF16, grad=True)
+    if dv is not None:  # Dv != D (MLA-absorbed 576 / 512)
+        v = torch.randn(1, hkv, nkv, dv, device="cuda", dtype=BF16, requires_grad=True)
     kernel_plan(q, k, v, mode)
     causal, off = mode != "none", offset_of(mode, nq, nkv)
     if expect_kernels:
         problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=off)
         assert dispatch.bwd_reason(problem) is None
-    dout = torch.randn(1, hkv * ratio, nq, d, device="cuda", dtype=BF16)
+    dout = torch.randn(1, hkv * ratio, nq, dv or d, device="cuda", dtype=BF16)
     call(q, k, v, mode).backward(dout)
     got = [t.grad for t in (q, k, v)]
     grads = {}
@@ -469,3 +471,12 @@ def test_backward_with_fused_delta(seed, monkeypatch, family):
         _check_backward("bottom_right", 129, 1000, 4, expect_kernels=True)
     finally:
         _forget_plans()
+
+
+@pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 16),
+                                               ("none", 1000, 1000, 1)])
+def test_backward_dv_not_d(seed, monkeypatch, mode, nq, nkv, ratio):
+    """MLA 576 / 512 through autograd: the WGMMA forward and, with `DV_NOT_D_BWD`, the WGMMA
+    backward kernels (no SDPA recompute)."""
+    with sm90_with(monkeypatch, dispatch, "DV_NOT_D_BWD", True):
+        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=576, dv=512)

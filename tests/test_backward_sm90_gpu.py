@@ -21,16 +21,17 @@ CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4), (320, True, 100
          (512, True, 1000, 1000, 8)]
 
 
-def _inputs(d, causal, nq, nkv, ratio, dt=torch.bfloat16):
-    """q, k, v, dO (2 KV heads, `ratio` query heads each), the problem, and our forward's
-    out and lse (bottom-right causal offset)."""
+def _inputs(d, causal, nq, nkv, ratio, dt=torch.bfloat16, dv=None):
+    """q, k, v, dO (2 KV heads, `ratio` query heads each; v and dO `dv` wide when given), the
+    problem, and our forward's out and lse (bottom-right causal offset)."""
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
     from ffpa_cute import sm90
 
-    hkv = 2
-    q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=dt)
-                   for h, n in ((hkv * ratio, nq), (hkv, nkv), (hkv, nkv), (hkv * ratio, nq)))
+    hkv, dv = 2, dv or d
+    q, k, v, do = (torch.randn(1, h, n, w, device="cuda", dtype=dt)
+                   for h, n, w in ((hkv * ratio, nq, d), (hkv, nkv, d), (hkv, nkv, dv),
+                                   (hkv * ratio, nq, dv)))
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=nkv - nq)
     plan = dispatch.Plan(problem, "sm_90a", "sm90", cfg=sm90.plan_fwd(problem, "sm_90a"))
     out, lse = dispatch.run_fwd(plan, q, k, v)
@@ -43,10 +44,10 @@ def test_dv_matches_reference(seed, d, causal, nq, nkv, ratio):
     _check_dv(d, causal, nq, nkv, ratio)
 
 
-def _check_dv(d, causal, nq, nkv, ratio, dt=torch.bfloat16):
+def _check_dv(d, causal, nq, nkv, ratio, dt=torch.bfloat16, dv=None):
     from ffpa_cute.sm90.bwd_sm90 import run_dv
 
-    q, k, v, do, problem, _, lse = _inputs(d, causal, nq, nkv, ratio, dt)
+    q, k, v, do, problem, _, lse = _inputs(d, causal, nq, nkv, ratio, dt, dv)
     dt, off = q.dtype, problem.causal_offset
     dv = run_dv(q, k, do, lse, problem.softmax_scale, causal, off)
     torch.cuda.synchronize()
@@ -69,10 +70,10 @@ def test_dq_dk_match_reference(seed, d, causal, nq, nkv, ratio, want):
     _check_dq_dk(d, causal, nq, nkv, ratio, want)
 
 
-def _check_dq_dk(d, causal, nq, nkv, ratio, want, dt=torch.bfloat16):
+def _check_dq_dk(d, causal, nq, nkv, ratio, want, dt=torch.bfloat16, dv=None):
     from ffpa_cute.sm90.bwd_sm90 import run_dk, run_dq
 
-    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio, dt)
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio, dt, dv)
     dt, off = q.dtype, problem.causal_offset
     delta = (do.float() * out.float()).sum(-1)
     run = run_dq if want == "dq" else run_dk
@@ -136,3 +137,16 @@ def test_above_512(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
         _check_dv(d, causal, nq, nkv, ratio)
     else:
         _check_dq_dk(d, causal, nq, nkv, ratio, want)
+
+
+@pytest.mark.parametrize("want", ["dv", "dq", "dk"])
+@pytest.mark.parametrize("d,dv,causal,nq,nkv,ratio", [(576, 512, True, 129, 1000, 16),
+                                                      (576, 512, False, 1000, 1000, 1),
+                                                      (512, 320, True, 1000, 129, 4)])
+def test_dv_not_d(seed, d, dv, causal, nq, nkv, ratio, want):
+    """Dv != D (MLA-absorbed 576 / 512): dQ / dK with the second score product over Dv, dV
+    accumulating Dv columns (`dispatch.DV_NOT_D_BWD` routes autograd here once this passes)."""
+    if want == "dv":
+        _check_dv(d, causal, nq, nkv, ratio, dv=dv)
+    else:
+        _check_dq_dk(d, causal, nq, nkv, ratio, want, dv=dv)

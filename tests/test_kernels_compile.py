@@ -272,6 +272,27 @@ def test_fused_delta_compiles(arch, d):
     assert ".local" not in ptx
 
 
+def test_sm90_backward_dv_not_d_compiles(monkeypatch):
+    """MLA 576 / 512 backward (`dispatch.DV_NOT_D_BWD`): dQ / dK with the second score product
+    over Dv (8 chunks after the 9 of D), dV accumulating Dv columns; wgmma, no spills."""
+    from ffpa_cute import dispatch
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=128, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                    head_dim=576, head_dim_v=512, causal=True)
+    assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_90a")
+    monkeypatch.setattr(dispatch, "DV_NOT_D_BWD", True)
+    assert dispatch.bwd_reason(p, target="sm_90a") is None
+    assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_80")  # Split-D: equal D only
+    jobs = dispatch.bwd_kernels(p, target="sm_90a")
+    assert [c.second_dim for _, c in jobs[:2]] == [512, 512] and jobs[2][1].head_dim_v == 512
+    for cls, cfg in jobs:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "wgmma.mma_async" in ptx and ".local" not in ptx
+        res = _ptxas_spills(ptx, "sm_90a")
+        if res is not None:
+            assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
 def test_sm90_backward_above_512_compiles(monkeypatch):
     """D = 1024 backward: dQ with its gradient split over two CTAs; wgmma, no spills."""
     from ffpa_cute.sm90 import bwd_sm90

@@ -94,8 +94,6 @@ def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = _can_implement_fwd(cfg)
     if reason is None and cfg.kv_pair:
         reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
-    if reason is None and cfg.head_dim_v is not None:
-        reason = "the dV kernel needs head_dim_v == head_dim"
     return reason
 
 
@@ -111,16 +109,18 @@ def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
 
 
 def run_dv(q, k, do, lse, softmax_scale: float, causal: bool, causal_offset: int):
-    """dV for torch tensors q, k, do [B, H, N, D] (bf16/fp16) and the forward's lse [B, H, Nq]
-    fp32."""
+    """dV [B, Hkv, Nkv, Dv] for torch tensors q, k [B, H, N, D], do [B, Hq, Nq, Dv] (bf16/fp16)
+    and the forward's lse [B, Hq, Nq] fp32."""
     import torch
 
     from ..cache import jit_cache
     from ..dispatch import _kernel_ready
 
-    problem = AttnProblem.from_tensors(q, k, k, causal=causal, causal_offset=causal_offset)
+    problem = dataclasses.replace(
+        AttnProblem.from_tensors(q, k, k, causal=causal, causal_offset=causal_offset),
+        head_dim_v=do.shape[-1])
     cfg = plan_dv(problem)
-    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(*k.shape[:-1], do.shape[-1], dtype=k.dtype, device=k.device)
     fn = jit_cache().get(FFPABwdDVSm90, cfg)
     stream = current_stream_handle(q.device)
     # the skeleton's roles: K the resident rows, Q the streamed columns, dO the accumulator's B
@@ -338,10 +338,17 @@ class BwdDQConfigSm90(FwdConfigSm90):
     """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
     warpgroup's registers), Q and dO streamed through the S ring (stream_q); `prefetch_stats`
     as the dV kernel's. `seq_scores`: tile_n 128 and one 64 x 128 accumulator that holds S,
-    then dP (P waits in the bf16 P fragment in between)."""
+    then dP (P waits in the bf16 P fragment in between). `second_dim`: the width of the second
+    product's operands (dO and V: Dv) when it differs from D (MLA-absorbed 576 / 512), else
+    None."""
 
     prefetch_stats: bool = False
     seq_scores: bool = False
+    second_dim: int | None = None
+
+    @property
+    def second_width(self) -> int:
+        return self.head_dim if self.second_dim is None else self.second_dim
 
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
@@ -354,6 +361,11 @@ def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
                   "(seq_scores: 128)")
     if reason is None and cfg.seq_scores and not cfg.prefetch_stats:
         reason = "seq_scores needs prefetch_stats (the statistics are read mid-block)"
+    if reason is None and cfg.second_dim is not None and (
+            cfg.second_dim == cfg.head_dim or cfg.second_dim % 16
+            or not 64 <= cfg.second_dim <= 512):
+        reason = (f"second_dim={cfg.second_dim} (Dv): None when equal to head_dim, else a "
+                  "multiple of 16 in [64, 512]")
     return reason
 
 
@@ -361,10 +373,12 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
     """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
     second's), then the deepest accumulator-operand rings that fit."""
     _check_head_dim(problem)
+    dv = problem.head_dim_v
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
                 publish_after=-(-problem.head_dim // 64),
-                prefetch_stats=PREFETCH_STATS or seq_scores, seq_scores=seq_scores)
+                prefetch_stats=PREFETCH_STATS or seq_scores, seq_scores=seq_scores,
+                second_dim=None if dv == problem.head_dim else dv)
     for v in (4, 3, 2):
         cfg = cls(**base, k_stages=4, v_stages=v)
         if can_implement_dq(cfg) is None:
@@ -420,19 +434,22 @@ class _TwoScoreProducts:
     second_score = True
 
     def _two_products(self, cfg):
-        self.c_half = cfg.num_k_chunks        # chunks per score product
-        self.num_chunks = 2 * cfg.num_k_chunks
+        self.c_half = cfg.num_k_chunks        # chunks of the first score product (over D)
+        self.c_second = -(-cfg.second_width // cfg.k_chunk)   # of the second (over Dv)
+        self.num_chunks = self.c_half + self.c_second
         self.seq_scores = cfg.seq_scores
 
     fake_inputs = staticmethod(fake_grad_args)  # q, k, v, do, grad; lse, delta
 
     def _chunk(self, c: int):
-        """Chunks 0..C-1: the first product; C..2C-1: the second (its own accumulator)."""
-        cfg, half = self.cfg, self.c_half
-        cc = c % half
-        last = -(-(cfg.head_dim - (half - 1) * cfg.k_chunk) // 16)
+        """Chunks 0..C1-1: the first product (over D); C1..C1+C2-1: the second (over Dv, its
+        own accumulator)."""
+        cfg, second = self.cfg, c >= self.c_half
+        cc, n, width = ((c - self.c_half, self.c_second, cfg.second_width) if second
+                        else (c, self.c_half, cfg.head_dim))
+        last = -(-(width - (n - 1) * cfg.k_chunk) // 16)
         per = cfg.k_chunk // 16
-        return c >= half, cc == 0, last if cc == half - 1 else per, cc * per
+        return second, cc == 0, last if cc == n - 1 else per, cc * per
 
     @cute.jit
     def _launch_two(self, rows, cols, acc_b, out, rows2, cols2, mLSE, mDelta,
@@ -443,7 +460,7 @@ class _TwoScoreProducts:
 
         cfg = self.cfg
         sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
-        t_rows2, t_cols2 = [self._bhnd_to_tma(aligned_bhnd(t, cfg.head_dim, self.dtype))
+        t_rows2, t_cols2 = [self._bhnd_to_tma(aligned_bhnd(t, cfg.second_width, self.dtype))
                             for t in (rows2, cols2)]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_rows2, g_rows2 = cpasync.make_tiled_tma_atom(
@@ -609,10 +626,15 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
 @dataclass(frozen=True)
 class BwdDKConfigSm90(FwdConfigSm90):
     """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed, `prefetch_stats`,
-    `seq_scores`)."""
+    `seq_scores`, `second_dim`)."""
 
     prefetch_stats: bool = False
     seq_scores: bool = False
+    second_dim: int | None = None
+
+    @property
+    def second_width(self) -> int:
+        return self.head_dim if self.second_dim is None else self.second_dim
 
     @property
     def factor_floats(self) -> int:
