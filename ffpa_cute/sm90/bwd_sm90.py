@@ -624,17 +624,9 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
 
 # ==================================================================================== dK kernel
 @dataclass(frozen=True)
-class BwdDKConfigSm90(FwdConfigSm90):
-    """Compile key of the dK kernel (as dQ's: tile_n 64, rows streamed, `prefetch_stats`,
-    `seq_scores`, `second_dim`)."""
-
-    prefetch_stats: bool = False
-    seq_scores: bool = False
-    second_dim: int | None = None
-
-    @property
-    def second_width(self) -> int:
-        return self.head_dim if self.second_dim is None else self.second_dim
+class BwdDKConfigSm90(BwdDQConfigSm90):
+    """Compile key of the dK kernel: dQ's fields (tile_n 64, rows streamed, `prefetch_stats`,
+    `seq_scores`, `second_dim`), a larger staging buffer."""
 
     @property
     def factor_floats(self) -> int:
