@@ -275,14 +275,21 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     cls = plan.kernel_cls
     fn = jit_cache().get(cls, plan.cfg)
     stream = current_stream_handle(q.device)
-    q, qo, lo, offset = _kernel_ready(q), out, lse, p.causal_offset
-    if plan.packed:  # [B, Hq, Nq, .] -> [B, Hkv, G * Nq, .]: views, or a copy of q
-        hkv = k.shape[1]
-        q = _kernel_ready(q.reshape(b, hkv, -1, q.shape[-1]))
-        qo, lo, offset = out.view(b, hkv, -1, out.shape[-1]), lse.view(b, hkv, -1), 0
-    cls.launch(fn, q, _kernel_ready(k), _kernel_ready(v), qo, lo, p.softmax_scale, offset,
-               stream)
+    (q, k, v, qo, lo), offset = kernel_args(plan, _kernel_ready(q), k, v, out, lse)
+    cls.launch(fn, _kernel_ready(q), _kernel_ready(k), _kernel_ready(v), qo, lo,
+               p.softmax_scale, offset, stream)
     return out, lse
+
+
+def kernel_args(plan: Plan, q, k, v, out, lse):
+    """((q, k, v, o, lse) as the kernel sees them, causal offset) for a plan's call. Packed
+    plans see [B, Hkv, G * Nq, .]: views of out / lse, and of q where its strides allow (a copy
+    otherwise, which `_kernel_ready` then keeps), with no causal offset (no row is masked)."""
+    if not plan.packed:
+        return (q, k, v, out, lse), plan.problem.causal_offset
+    b, hkv = out.shape[0], k.shape[1]
+    return ((q.reshape(b, hkv, -1, q.shape[-1]), k, v, out.view(b, hkv, -1, out.shape[-1]),
+             lse.view(b, hkv, -1)), 0)
 
 
 # The per-signature launcher below for repeated no-grad calls: CPU-tested (it hands the kernel
@@ -309,10 +316,9 @@ class FwdCall:
         b, hq, nq, _ = q.shape
         self.plan, self.dtype, self.device = plan, q.dtype, q.device
         self.out_shape, self.lse_shape = (b, hq, nq, p.head_dim_v), (b, hq, nq)
-        self.hkv = k.shape[1]
         ready = all(_kernel_ready(t) is t for t in (q, k, v))
         if plan.packed:
-            packed_q = q.reshape(b, self.hkv, -1, q.shape[-1])
+            packed_q = q.reshape(b, k.shape[1], -1, q.shape[-1])
             ready = ready and packed_q.data_ptr() == q.data_ptr() and (
                 _kernel_ready(packed_q) is packed_q)
         self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
@@ -331,19 +337,10 @@ class FwdCall:
             if not tensors.direct_launch_ok(fn):
                 return None
             direct = tensors.DirectLaunch(fn, 5, [4, 4, 4, 4, 3])
-            direct.set(*self.launch_args(q, k, v, out, lse), 0)
+            tensors_, offset = kernel_args(self.plan, q, k, v, out, lse)
+            direct.set(tensors_, self.plan.problem.softmax_scale, offset, 0)
             self._tls.direct = direct
         return direct
-
-    def launch_args(self, q, k, v, out, lse):
-        """((q, k, v, o, lse) as the kernel sees them, softmax_scale, causal_offset): what
-        `run_fwd` passes to the kernel's launch for this signature."""
-        p = self.plan.problem
-        if not self.plan.packed:
-            return (q, k, v, out, lse), p.softmax_scale, p.causal_offset
-        b, h = out.shape[0], self.hkv
-        return ((q.reshape(b, h, -1, q.shape[-1]), k, v, out.view(b, h, -1, out.shape[-1]),
-                 lse.view(b, h, -1)), p.softmax_scale, 0)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(out, lse), or None: the general path takes this call."""

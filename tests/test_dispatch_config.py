@@ -233,7 +233,19 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     out, lse = dispatch.run_fwd(plan, q, k, v)
     *ts, scale, offset, _ = seen[0]
     fc = dispatch.FwdCall(plan, q, k, v)
-    got, got_scale, got_offset = fc.launch_args(q, k, v, out, lse)
+    set_calls = []  # what the launcher writes into its kept argument storage
+
+    class Storage:
+        def __init__(self, fn, n, ranks):
+            pass
+
+        def set(self, *args):
+            set_calls.append(args)
+
+    monkeypatch.setattr("ffpa_cute.common.tensors.direct_launch_ok", lambda fn: True)
+    monkeypatch.setattr("ffpa_cute.common.tensors.DirectLaunch", Storage)
+    fc._direct(q, k, v, out, lse)
+    got, got_scale, got_offset, _ = set_calls[0]
     assert (got_scale, got_offset) == (scale, offset)
     for a, b in zip(got, ts):
         assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())

@@ -40,8 +40,6 @@ class DeltaConfig:
 class RowDot:
     """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] for one `DeltaConfig`."""
 
-    arch_family = "common"
-
     def __init__(self, cfg: DeltaConfig):
         if cfg.dtype not in CUTLASS_DTYPES or cfg.head_dim % VEC or cfg.head_dim <= 0:
             raise ValueError(f"RowDot: dtype {cfg.dtype!r} (bf16/fp16) and head_dim "
@@ -109,14 +107,14 @@ def run_delta(dout, out):
 
     from ..cache import jit_cache
     from ..dispatch import current_arch
+    from ..problem import dtype_name
     from .tensors import current_stream_handle
 
     b, h, n, d = out.shape
     delta = torch.empty(b, h, n, dtype=torch.float32, device=out.device)
     if delta.numel() == 0:
         return delta
-    cfg = DeltaConfig(current_arch(out.device), {torch.bfloat16: "bf16",
-                                                 torch.float16: "fp16"}[out.dtype], d)
+    cfg = DeltaConfig(current_arch(out.device), dtype_name(out.dtype), d)
     fn = jit_cache().get(RowDot, cfg)
     RowDot.launch(fn, dout, out, delta, current_stream_handle(out.device))
     return delta

@@ -31,8 +31,9 @@ Status (all three kernels): run and tested on the H200 against float64 (commits 
 e1f5101, eec3ee8; tests/test_backward_sm90_gpu.py), with `prefetch_stats`, dK `seq_scores`
 (D <= 512) and D up to 1024 (the gradient split over two CTAs above 512); autograd uses them
 for the sm90 family (`dispatch.BWD_KERNEL_FAMILIES`).
-Constraints: those of `FwdConfigSm90` with head_dim_v == head_dim and no `kv_pair`; the
-planners take D <= `MAX_HEAD_DIM` (1024).
+Constraints: those of `FwdConfigSm90` without `kv_pair`; the planners take D <=
+`MAX_HEAD_DIM` (1024). Dv != D (MLA: dV accumulating Dv columns, dQ / dK's second product over
+Dv, `second_dim`) is compile-verified only; autograd uses it once `dispatch.DV_NOT_D_BWD` is on.
 """
 
 from __future__ import annotations
@@ -201,13 +202,19 @@ class FFPABwdDVSm90(FFPAFwdSm90):
     @cute.jit
     def _block_prefetch(self, m_block, n_block, seqlen_q, mLSE, batch, head, tidx, tScS_mn,
                         extra):
-        """One per-query value of the block per S thread, loaded before the block's WGMMAs:
-        LSE (threads [0, tile_n)) or, with Delta, Delta (threads [tile_n, 2 tile_n)); queries
-        past Nq read as +inf / 0. Consumed by `_stage_columns`. None without
-        `prefetch_stats`: `_stage_columns` then loads them after the WGMMAs."""
+        """The block's per-query values (`_load_columns`) loaded before its WGMMAs, for
+        `_stage_columns`. None without `prefetch_stats`: `_stage_columns` then loads them
+        after the WGMMAs."""
         if cutlass.const_expr(not self.cfg.prefetch_stats):
             return None
-        mDelta = self._column_delta(extra)
+        return self._load_columns(n_block, seqlen_q, mLSE, batch, head, tidx,
+                                  self._column_delta(extra))
+
+    @cute.jit
+    def _load_columns(self, n_block, seqlen_q, mLSE, batch, head, tidx, mDelta):
+        """This S thread's per-query value of the block: LSE (threads [0, tile_n)) or, with
+        Delta, Delta (threads [tile_n, 2 tile_n)); with Delta at tile_n = 128, both values of
+        query tidx (a 2-vector). Queries past Nq read as +inf / 0."""
         if cutlass.const_expr(self._both_per_thread(mDelta)):
             # tile_n = 128 with Delta: one S thread per query, each loads both of its values
             i = n_block * self.tile_n + tidx
@@ -251,35 +258,16 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
-        slot = tidx % self.tile_n
+        if cutlass.const_expr(pre is None):
+            pre = self._load_columns(n_block, seqlen_q, mLSE, batch, head, tidx, mDelta)
         if cutlass.const_expr(self._both_per_thread(mDelta)):
-            i = n_block * self.tile_n + tidx
-            lse, dlt = Float32.inf, Float32(0.0)
-            if cutlass.const_expr(pre is None):
-                if i < seqlen_q:
-                    lse = mLSE[batch, head, i]
-                    dlt = mDelta[batch, head, i]
-            else:
-                lse, dlt = pre[0], pre[1]
-            if lse == -Float32.inf:
+            lse = pre[0]
+            if lse == -Float32.inf:  # a query that sees no key: P = 0
                 lse = Float32.inf
             sCol[tidx] = lse * LOG2_E
-            sCol[self.tile_n + tidx] = dlt
-        elif cutlass.const_expr(pre is None):
-            i = n_block * self.tile_n + slot
-            if tidx < self.tile_n:
-                v = Float32.inf
-                if i < seqlen_q:
-                    v = mLSE[batch, head, i]
-                    if v == -Float32.inf:
-                        v = Float32.inf
-                sCol[slot] = v * LOG2_E
-            elif cutlass.const_expr(mDelta is not None):
-                dlt = Float32(0.0)
-                if i < seqlen_q:
-                    dlt = mDelta[batch, head, i]
-                sCol[self.tile_n + slot] = dlt
+            sCol[self.tile_n + tidx] = pre[1]
         else:
+            slot = tidx % self.tile_n
             if tidx < self.tile_n:
                 v = pre
                 if v == -Float32.inf:
