@@ -78,8 +78,9 @@ def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: boo
         with Progress() as bar:
             task = bar.add_task(f"precompiling for {target}", total=len(plans))
             for cls, cfg in plans:
+                causal = f" causal={cfg.causal}" if hasattr(cfg, "causal") else ""
                 bar.update(task, description=f"{target} {cls.__name__} D={cfg.head_dim} "
-                           f"{cfg.dtype} causal={cfg.causal}")
+                           f"{cfg.dtype}{causal}")
                 cache.get(cls, cfg)
                 bar.advance(task)
     else:

@@ -225,7 +225,8 @@ def _overhead(d: int) -> dict:
 def _one_bench_bwd(spec: str) -> dict:
     """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 4th field: Hkv;
     trailing fields "prefetch" / "seq" (on by default) or "noprefetch" / "noseq" switch the
-    `prefetch_stats` / dK `seq_scores` configs; "narrow" stops the WGMMA backward at D = 512)."""
+    `prefetch_stats` / dK `seq_scores` configs; "narrow" stops the WGMMA backward at D = 512;
+    a last field "fused" / "nofused" computes Delta with the fused kernel / torch)."""
     import torch
 
     from ffpa_cute import dispatch
@@ -236,6 +237,8 @@ def _one_bench_bwd(spec: str) -> dict:
     switches = {"prefetch": ("PREFETCH_STATS", True), "seq": ("SEQ_SCORES", True),
                 "noprefetch": ("PREFETCH_STATS", False), "noseq": ("SEQ_SCORES", False),
                 "wide": ("MAX_HEAD_DIM", 1024), "narrow": ("MAX_HEAD_DIM", 512)}  # variants
+    if parts[-1] in ("fused", "nofused"):  # Delta by the fused kernel (dispatch.FUSED_DELTA)
+        dispatch.FUSED_DELTA = parts.pop() == "fused"
     while parts[-1] in switches:
         setattr(bwd_sm90, *switches[parts.pop()])
     fields = [int(x) for x in parts]
@@ -249,7 +252,7 @@ def _one_bench_bwd(spec: str) -> dict:
     times = {}
     delta = (do.float() * out.float()).sum(-1)
     args = (problem.softmax_scale, bool(causal), 0)
-    jobs = {"delta": lambda: (do.float() * out.float()).sum(-1),
+    jobs = {"delta": lambda: dispatch._delta(do, out),
             "dq": lambda: bwd_sm90.run_dq(q, k, v, do, lse, delta, *args),
             "dk": lambda: bwd_sm90.run_dk(q, k, v, do, lse, delta, *args),
             "dv": lambda: bwd_sm90.run_dv(q, k, do, lse, *args)}
@@ -267,7 +270,7 @@ def main() -> None:
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
     ap.add_argument("--bench-bwd", default="",
-                    help="D:N:causal[:Hkv][:[no]prefetch][:[no]seq],... (sm90 kernels; "
+                    help="D:N:causal[:Hkv][:[no]prefetch][:[no]seq][:[no]fused],... (sm90 kernels; "
                          "defaults: bwd_sm90's switches)")
     ap.add_argument("--decode", default="",
                     help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")

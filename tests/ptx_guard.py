@@ -55,6 +55,9 @@ def kernels() -> dict:
     for kind in ("dq", "dv"):
         out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (bwd_sm80.kernel_class(kind, "sm_90a"),
                                                         plan_bwd(kind, p, "sm_90a"))
+    from ffpa_cute.common.delta import DeltaConfig, RowDot
+
+    out["delta-d512-sm90a"] = (RowDot, DeltaConfig("sm_90a", "bf16", 512))  # dispatch.FUSED_DELTA
     return out
 
 

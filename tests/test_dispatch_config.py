@@ -166,8 +166,9 @@ def test_backward_routing(monkeypatch, d, enabled, target, family):
 
 def test_dv_not_d_routes_to_wgmma_only(monkeypatch):
     """Dv != D (MLA 576 / 512): the WGMMA kernel with head_dim_v on sm_90a; the Split-D
-    families (sm_80, sm_120) fall back with the reason; no backward kernels (SDPA recompute).
-    On by default; switched off, such calls run SDPA with the reason."""
+    families (sm_80, sm_120) fall back with the reason; the sm90 backward kernels serve its
+    backward (`DV_NOT_D_BWD`). Both on by default; switched off, such calls run SDPA (forward) or
+    the SDPA recompute (backward) with the reason."""
     p = prob(d=576, head_dim_v=512, heads_q=128, heads_kv=1)
     monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", False)
     assert "DV_NOT_D_KERNELS" in dispatch.plan_fwd(p, target="sm_90a").reason
@@ -177,6 +178,8 @@ def test_dv_not_d_routes_to_wgmma_only(monkeypatch):
     assert plan.cfg.dv_halves == (256, 256) and plan.cfg.o_split == 1
     for target in ("sm_80", "sm_120a"):
         assert "head_dim_v" in dispatch.plan_fwd(p, target=target).reason
+    assert dispatch.bwd_reason(p, target="sm_90a") is None
+    monkeypatch.setattr(dispatch, "DV_NOT_D_BWD", False)
     assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_90a")
     assert dispatch.plan_fwd(prob(d=512), target="sm_90a").cfg.head_dim_v is None
     bad = prob(d=576, head_dim_v=520)  # not a multiple of 16: no kernel serves it
@@ -256,13 +259,14 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
 
 
 def test_fused_delta_is_a_backward_job(monkeypatch):
-    """With `FUSED_DELTA` the backward's kernel list (what `precompile --backward` compiles)
-    includes the Delta kernel for the problem's arch, dtype and head dim."""
+    """With `FUSED_DELTA` (on by default) the backward's kernel list (what `precompile
+    --backward` compiles) includes the Delta kernel for the problem's arch, dtype and head dim;
+    switched off, it does not."""
     from ffpa_cute.common.delta import DeltaConfig, RowDot
 
     p = prob(d=512)
-    assert all(cls is not RowDot for cls, _ in dispatch.bwd_kernels(p, target="sm_90a"))
-    monkeypatch.setattr(dispatch, "FUSED_DELTA", True)
     for target, n in (("sm_90a", 4), ("sm_80", 4)):
         jobs = dispatch.bwd_kernels(p, target=target)
         assert len(jobs) == n and jobs[-1] == (RowDot, DeltaConfig(target, "bf16", 512))
+    monkeypatch.setattr(dispatch, "FUSED_DELTA", False)
+    assert all(cls is not RowDot for cls, _ in dispatch.bwd_kernels(p, target="sm_90a"))

@@ -226,11 +226,13 @@ def test_sm90_dv_not_d_compiles(monkeypatch):
 @pytest.mark.parametrize("d,causal", [(1024, True), (576, False)])
 def test_sm90_kv_pair_compiles(d, causal, monkeypatch):
     """`kv_pair` (D > 512): a 2-CTA cluster that exchanges row statistics (st.async) and P
-    (a shared::cluster bulk copy), with cluster barriers; wgmma, no spills. Off by default."""
+    (a shared::cluster bulk copy), with cluster barriers; wgmma, no spills. On by default
+    (`config.KV_PAIR`); switched off, the planner does not pair."""
     from ffpa_cute.sm90 import config
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
                     head_dim=d, head_dim_v=d, causal=causal)
+    monkeypatch.setattr(config, "KV_PAIR", False)
     assert not config.plan_fwd(p, "sm_90a").kv_pair
     monkeypatch.setattr(config, "KV_PAIR", True)
     cfg = config.plan_fwd(p, "sm_90a")
@@ -274,13 +276,16 @@ def test_fused_delta_compiles(arch, d):
 
 def test_sm90_backward_dv_not_d_compiles(monkeypatch):
     """MLA 576 / 512 backward (`dispatch.DV_NOT_D_BWD`): dQ / dK with the second score product
-    over Dv (8 chunks after the 9 of D), dV accumulating Dv columns; wgmma, no spills."""
+    over Dv (8 chunks after the 9 of D), dV accumulating Dv columns; wgmma, no spills. On by
+    default; switched off, the SDPA recompute takes it."""
     from ffpa_cute import dispatch
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=128, heads_kv=1, seqlen_q=1, seqlen_kv=1,
                     head_dim=576, head_dim_v=512, causal=True)
+    monkeypatch.setattr(dispatch, "DV_NOT_D_BWD", False)
     assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_90a")
     monkeypatch.setattr(dispatch, "DV_NOT_D_BWD", True)
+    monkeypatch.setattr(dispatch, "FUSED_DELTA", False)  # the three gradient kernels only
     assert dispatch.bwd_reason(p, target="sm_90a") is None
     assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_80")  # Split-D: equal D only
     jobs = dispatch.bwd_kernels(p, target="sm_90a")

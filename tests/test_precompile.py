@@ -17,14 +17,15 @@ def test_precompile_then_load_without_compiling(tmp_path):
 
 
 def test_backward_jobs_are_what_run_bwd_compiles():
-    """--backward adds the dQ / dK / dV kernels `dispatch.bwd_kernels` names: the WGMMA ones on
-    sm_90a (D <= 1024), the Split-D ones on sm_80; none on sm_120 (never run)."""
+    """--backward adds the dQ / dK / dV kernels `dispatch.bwd_kernels` names (and the fused
+    Delta kernel, `dispatch.FUSED_DELTA`): the WGMMA ones on sm_90a (D <= 1024), the Split-D
+    ones on sm_80; none on sm_120 (never run)."""
     names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512, 1024], ["bf16"],
                                                                (True,), backward=True)]
              for t in ("sm_90a", "sm_80", "sm_120a")}
     assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90"] + ["FFPABwdDQSm90", "FFPABwdDKSm90",
-                                                               "FFPABwdDVSm90"] * 2
-    assert names["sm_80"][2:] == ["FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
+                                                               "FFPABwdDVSm90", "RowDot"] * 2
+    assert names["sm_80"][2:] == ["FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80", "RowDot"] * 2
     assert names["sm_120a"] == ["FFPAFwdSm120", "FFPAFwdSm120"]
 
 
@@ -47,24 +48,12 @@ def test_bad_arch():
 
 
 def test_backward_kernels_export_and_load(tmp_path):
-    """The backward kernels go through the same export / load as the forward."""
-    cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,
-                                        progress=False, backward=True)
-    assert len(jobs) == 4 and cache.stats.compiles == 4
-    fresh = JitCache(tmp_path, disk=True)
-    for cls, cfg in jobs:
-        fresh.get(cls, cfg)
-    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 4
-
-
-def test_fused_delta_exports_and_loads(tmp_path, monkeypatch):
-    """With `FUSED_DELTA`, `--backward` also ships the Delta kernel; it loads like the rest."""
-    from ffpa_cute import dispatch
+    """The backward kernels, the fused Delta kernel among them (`dispatch.FUSED_DELTA`), go
+    through the same export / load as the forward (with the progress bar, as the CLI runs)."""
     from ffpa_cute.common.delta import RowDot
 
-    monkeypatch.setattr(dispatch, "FUSED_DELTA", True)
     cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,
-                                        progress=False, backward=True)
+                                        progress=True, backward=True)
     assert [cls for cls, _ in jobs].count(RowDot) == 1 and cache.stats.compiles == 5
     fresh = JitCache(tmp_path, disk=True)
     for cls, cfg in jobs:

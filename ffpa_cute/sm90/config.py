@@ -32,8 +32,9 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2
 TILE_M = 64
 # The planner's `kv_pair` for D > 512 (the pair splits the KV blocks and exchanges P instead of
-# both recomputing S): compile-verified only, so off until its GPU tests pass.
-KV_PAIR = False
+# both recomputing S): GPU-tested at 8dd98be (H200) and on; D=1024 forward 351 -> 453 TFLOPS
+# (perf/NOTES.md, session 5). False restores both CTAs scoring every block.
+KV_PAIR = True
 
 
 @dataclass(frozen=True)
