@@ -3,7 +3,7 @@
 #
 # Here (CPU), first:
 #   bash ../shared/device/stage.sh          # STAGE_PEERS=1 to add the FFPA column to the sweep
-#   python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16 \
+#   python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16 --backward \
 #       --cache-dir .precache               # (.precache is git-ignored via .git/info/exclude)
 # Then the device call: carry [".device", ".precache"], command (the device copy has no .git)
 #   source .device/setup.sh && PERF_COMMIT=<git rev-parse --short HEAD> bash perf/verify_gpu.sh
