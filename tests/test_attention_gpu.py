@@ -12,8 +12,8 @@ in bf16 plus 576 in fp16; causal none / bottom-right / upper-left; (Nq, Nkv, Hq/
 (1, 129, 1), (7, 7, 4), (129, 1000, 16), (1000, 129, 1), plus one 4097 x 4097 case, plus
 D in {264, 328, 712} (not multiples of the 64-wide head-dim chunk: padded last chunk).
 Slow tier (`-m slow`): every D in {264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1024} x
-{bf16, fp16} x the three causal modes, with six (Nq, Nkv) mixes from {1, 7, 129, 1000, 4097}, GQA ratios 1/4/16
-assigned round-robin (not the full product: compiles scale with D x dtype x causal, and the
+{bf16, fp16} x the three causal modes, with six (Nq, Nkv) mixes from {1, 7, 129, 1000, 4097},
+GQA ratios 1/4/16/64 assigned round-robin (not the full product: compiles scale with D x dtype x causal, and the
 shape mixes exercise the same residue/masking code for every config).
 """
 
