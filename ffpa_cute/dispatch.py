@@ -379,7 +379,7 @@ def bwd_family(problem: AttnProblem, device: torch.device | None = None,
     if problem.head_dim_v != problem.head_dim and (plan.family != "sm90"
                                                    or not DV_NOT_D_BWD):
         return None, ("head_dim_v != head_dim: only the sm90 WGMMA backward takes it "
-                      "(dispatch.DV_NOT_D_BWD, off until its GPU tests pass)")
+                      "(dispatch.DV_NOT_D_BWD is off)")
     if plan.target.startswith("sm_12") or plan.family not in ("sm80", "sm90"):
         return None, f"no backward kernels for the {plan.family} family"
     why = []
@@ -431,6 +431,11 @@ def bwd_kernels(problem: AttnProblem, device: torch.device | None = None,
     if family == "sm90":
         from .sm90 import bwd_sm90 as b
 
+        if _dkdv_pair(problem):
+            from .sm90 import bwd_pair_sm90 as bp
+
+            return [(b.FFPABwdDQSm90, b.plan_dq(problem)),
+                    (bp.FFPABwdPairSm90, bp.plan_pair(problem)), *delta]
         return [(b.FFPABwdDQSm90, b.plan_dq(problem)), (b.FFPABwdDKSm90, b.plan_dk(problem)),
                 (b.FFPABwdDVSm90, b.plan_dv(problem)), *delta]
     from .sm80.bwd_sm80 import kernel_class
@@ -438,6 +443,25 @@ def bwd_kernels(problem: AttnProblem, device: torch.device | None = None,
 
     return [(kernel_class(kind, arch), plan_bwd(kind, problem, arch))
             for kind in ("dq", "dk", "dv")] + delta
+
+
+# dK and dV of the sm90 family by one 2-CTA cluster that computes S^T once per block and sends
+# P^T to the dK CTA (ffpa_cute/sm90/bwd_pair_sm90.py: 4 GEMM units where the dK and dV kernels
+# execute 5); D <= 512 with Dv == D. Off until its GPU tests pass (test_dkdv_pair).
+DKDV_PAIR = False
+
+
+def _dkdv_pair(problem: AttnProblem) -> bool:
+    """Whether the dK + dV pair serves `problem` (`DKDV_PAIR` on and its planner takes it)."""
+    if not DKDV_PAIR:
+        return False
+    from .sm90 import bwd_pair_sm90
+
+    try:
+        bwd_pair_sm90.plan_pair(problem)
+    except ValueError:
+        return False
+    return True
 
 
 # Delta = rowsum(dO * O) by one kernel pass (`common/delta.py`) instead of torch's two fp32
@@ -471,6 +495,11 @@ def run_bwd(problem: AttnProblem, q, k, v, out, lse, dout):
 
     args = (problem.softmax_scale, problem.causal, problem.causal_offset)
     dq = bwd_sm90.run_dq(q, k, v, dout, lse, delta, *args)
-    dk = bwd_sm90.run_dk(q, k, v, dout, lse, delta, *args)
-    dv = bwd_sm90.run_dv(q, k, dout, lse, *args)
+    if _dkdv_pair(problem):
+        from .sm90.bwd_pair_sm90 import run_dkdv
+
+        dk, dv = run_dkdv(q, k, v, dout, lse, delta, *args)
+    else:
+        dk = bwd_sm90.run_dk(q, k, v, dout, lse, delta, *args)
+        dv = bwd_sm90.run_dv(q, k, dout, lse, *args)
     return dq, dk, dv

@@ -226,7 +226,8 @@ def _one_bench_bwd(spec: str) -> dict:
     """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 4th field: Hkv;
     trailing fields "prefetch" / "seq" (on by default) or "noprefetch" / "noseq" switch the
     `prefetch_stats` / dK `seq_scores` configs; "narrow" stops the WGMMA backward at D = 512;
-    a last field "fused" / "nofused" computes Delta with the fused kernel / torch)."""
+    a last field "fused" / "nofused" computes Delta with the fused kernel / torch; before it,
+    "pair" / "nopair" times dK and dV by the 2-CTA pair kernel / the two kernels)."""
     import torch
 
     from ffpa_cute import dispatch
@@ -239,6 +240,8 @@ def _one_bench_bwd(spec: str) -> dict:
                 "wide": ("MAX_HEAD_DIM", 1024), "narrow": ("MAX_HEAD_DIM", 512)}  # variants
     if parts[-1] in ("fused", "nofused"):  # Delta by the fused kernel (dispatch.FUSED_DELTA)
         dispatch.FUSED_DELTA = parts.pop() == "fused"
+    if parts[-1] in ("pair", "nopair"):  # dK + dV by the pair kernel (dispatch.DKDV_PAIR)
+        dispatch.DKDV_PAIR = parts.pop() == "pair"
     while parts[-1] in switches:
         setattr(bwd_sm90, *switches[parts.pop()])
     fields = [int(x) for x in parts]
@@ -253,9 +256,14 @@ def _one_bench_bwd(spec: str) -> dict:
     delta = (do.float() * out.float()).sum(-1)
     args = (problem.softmax_scale, bool(causal), 0)
     jobs = {"delta": lambda: dispatch._delta(do, out),
-            "dq": lambda: bwd_sm90.run_dq(q, k, v, do, lse, delta, *args),
-            "dk": lambda: bwd_sm90.run_dk(q, k, v, do, lse, delta, *args),
-            "dv": lambda: bwd_sm90.run_dv(q, k, do, lse, *args)}
+            "dq": lambda: bwd_sm90.run_dq(q, k, v, do, lse, delta, *args)}
+    if dispatch._dkdv_pair(problem):
+        from ffpa_cute.sm90.bwd_pair_sm90 import run_dkdv
+
+        jobs["dkdv"] = lambda: run_dkdv(q, k, v, do, lse, delta, *args)
+    else:
+        jobs["dk"] = lambda: bwd_sm90.run_dk(q, k, v, do, lse, delta, *args)
+        jobs["dv"] = lambda: bwd_sm90.run_dv(q, k, do, lse, *args)
     for name, fn in jobs.items():
         times[name] = _median_ms(fn, 10)
     pairs = n * (n + 1) // 2 if causal else n * n
@@ -270,8 +278,8 @@ def main() -> None:
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
     ap.add_argument("--bench-bwd", default="",
-                    help="D:N:causal[:Hkv][:[no]prefetch][:[no]seq][:[no]fused],... (sm90 kernels; "
-                         "defaults: bwd_sm90's switches)")
+                    help="D:N:causal[:Hkv][:[no]prefetch][:[no]seq][:[no]pair][:[no]fused],... "
+                         "(sm90 kernels; defaults: bwd_sm90's and dispatch's switches)")
     ap.add_argument("--decode", default="",
                     help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")
     ap.add_argument("--first-call", default="")

@@ -64,11 +64,11 @@ fi
 if has 5; then
   step "WGMMA kernel: first-call compile (empty caches) and host overhead of a cached call"
   timeout 200 python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512 --timeout 90
-  step "WGMMA kernel with O split over two CTAs (D > 512, not yet the default route)"
+  step "WGMMA kernel with O split over two CTAs (D > 512)"
   timeout 200 python -m perf.smoke --family sm90 --wgmma-max-d 1024 --timeout 60 \
       --cases "1024:1000:1000:0,768:129:1000:1:4,576:1000:129:1,1024:4097:4097:1:16" \
       --bench "1024:8192:0,1024:8192:1,768:8192:0,576:8192:0"
-  step "kv_pair (D > 512: the CTA pair splits the KV blocks, P exchanged over DSMEM; off by default)"
+  step "kv_pair (D > 512: the CTA pair splits the KV blocks, P exchanged over DSMEM; the default)"
   timeout 200 python -m pytest -m gpu -q tests/test_attention_gpu.py -k kv_pair 2>&1 | tail -2
   timeout 200 python -m perf.smoke --family sm90 --timeout 90 \
       --bench "1024:8192:0,1024:8192:0:kv_pair=1;v_stages=2,1024:8192:1:kv_pair=1;v_stages=2,768:8192:0,768:8192:0:kv_pair=1;v_stages=2"

@@ -145,8 +145,50 @@ def test_above_512(seed, monkeypatch, d, causal, nq, nkv, ratio, want):
                                                       (512, 320, True, 1000, 129, 4)])
 def test_dv_not_d(seed, d, dv, causal, nq, nkv, ratio, want):
     """Dv != D (MLA-absorbed 576 / 512): dQ / dK with the second score product over Dv, dV
-    accumulating Dv columns (`dispatch.DV_NOT_D_BWD` routes autograd here once this passes)."""
+    accumulating Dv columns (`dispatch.DV_NOT_D_BWD` routes autograd here)."""
     if want == "dv":
         _check_dv(d, causal, nq, nkv, ratio, dv=dv)
     else:
         _check_dq_dk(d, causal, nq, nkv, ratio, want, dv=dv)
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", [c + (torch.bfloat16,) for c in CASES] + [
+    (512, True, 129, 1000, 4, torch.float16), (320, False, 1000, 1000, 16, torch.float16)])
+def test_dkdv_pair(seed, d, causal, nq, nkv, ratio, dt):
+    """dK and dV from the 2-CTA pair (bwd_pair_sm90.py: rank 0 forms P^T for dV and sends it,
+    rank 1 forms dS^T from it for dK) against float64, the dK / dV kernels' criterion, and the
+    same bits on a second run."""
+    from ffpa_cute.sm90.bwd_pair_sm90 import run_dkdv
+
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio, dt)
+    off = problem.causal_offset
+    delta = (do.float() * out.float()).sum(-1)
+    dk, dv = run_dkdv(q, k, v, do, lse, delta, problem.softmax_scale, causal, off)
+    torch.cuda.synchronize()
+    ref = attention_grads(q, k, v, do, causal, off, dtype=torch.float64)
+    base = attention_grads(q, k, v, do, causal, off, dtype=dt)
+    for name, got, i in (("dK", dk, 1), ("dV", dv, 2)):
+        err, base_err = rel_err(got, ref[i]), rel_err(base[i], ref[i])
+        assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"
+    # the same bits on a second run (no atomics, fixed order)
+    dk2, dv2 = run_dkdv(q, k, v, do, lse, delta, problem.softmax_scale, causal, off)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autograd_through_the_pair(seed, monkeypatch, causal):
+    """`ffpa_cute.attention`'s backward with `dispatch.DKDV_PAIR` on: dQ from the dQ kernel,
+    dK / dV from the pair, GQA 4, against float64."""
+    import ffpa_cute
+
+    monkeypatch.setattr(dispatch, "DKDV_PAIR", True)
+    q, k, v, do, problem, _, _ = _inputs(512, causal, 1000, 1000, 4)
+    off = problem.causal_offset
+    assert dispatch._dkdv_pair(problem)
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ffpa_cute.attention(qq, kk, vv, is_causal=causal, enable_gqa=True).backward(do)
+    ref = attention_grads(q, k, v, do, causal, off, dtype=torch.float64)
+    base = attention_grads(q, k, v, do, causal, off, dtype=q.dtype)
+    for name, got, i in (("dQ", qq.grad, 0), ("dK", kk.grad, 1), ("dV", vv.grad, 2)):
+        err, base_err = rel_err(got, ref[i]), rel_err(base[i], ref[i])
+        assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"

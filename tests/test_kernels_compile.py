@@ -315,3 +315,21 @@ def test_sm90_backward_above_512_compiles(monkeypatch):
     res = _ptxas_spills(ptx, "sm_90a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0 and res[2] <= 168
+
+
+def test_sm90_dkdv_pair_compiles():
+    """The dK + dV pair (bwd_pair_sm90.py): a 2-CTA cluster (barrier.cluster), P^T sent by one
+    shared::cluster bulk copy and read back by ldmatrix, wgmma + TMA, no spills."""
+    from ffpa_cute.sm90.bwd_pair_sm90 import FFPABwdPairSm90, plan_pair
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=512, head_dim_v=512, causal=True)
+    cfg = plan_pair(p)
+    ptx = FFPABwdPairSm90.compile(cfg, options="--keep-ptx").__ptx__
+    for needle in ("wgmma.mma_async.sync.aligned.m64n128k16", "cp.async.bulk.tensor",
+                   "cp.async.bulk.shared::cluster", "ldmatrix", "stmatrix", "barrier.cluster"):
+        assert needle in ptx, needle
+    assert ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0 and res[2] <= 168

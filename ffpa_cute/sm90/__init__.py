@@ -1,8 +1,9 @@
 """Hopper (sm_90a) kernels: warp-specialised WGMMA + TMA.
 
-The forward (D up to 1024; O split over two CTAs above 512) and the backward kernels
-(bwd_sm90.py: dV, dQ, dK, D up to 1024) are run and tested on the H200 (perf/NOTES.md). The
-forward's `kv_pair` mode (config.KV_PAIR) is compile-verified only and off.
+The forward (D up to 1024; O split over two CTAs above 512, the pair splitting the KV blocks:
+`kv_pair`, config.KV_PAIR) and the backward kernels (bwd_sm90.py: dV, dQ, dK, D up to 1024) are
+run and tested on the H200 (perf/NOTES.md). The dK + dV pair (bwd_pair_sm90.py) is
+compile-verified only and off (`dispatch.DKDV_PAIR`).
 """
 
 from .config import FwdConfigSm90, can_implement, plan_fwd

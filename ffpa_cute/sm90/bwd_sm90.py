@@ -33,7 +33,8 @@ e1f5101, eec3ee8; tests/test_backward_sm90_gpu.py), with `prefetch_stats`, dK `s
 for the sm90 family (`dispatch.BWD_KERNEL_FAMILIES`).
 Constraints: those of `FwdConfigSm90` without `kv_pair`; the planners take D <=
 `MAX_HEAD_DIM` (1024). Dv != D (MLA: dV accumulating Dv columns, dQ / dK's second product over
-Dv, `second_dim`) is compile-verified only; autograd uses it once `dispatch.DV_NOT_D_BWD` is on.
+Dv, `second_dim`): run and tested on the H200 at 8dd98be (test_dv_not_d); autograd uses it
+(`dispatch.DV_NOT_D_BWD`, on).
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre):
+                       extra, pre, i):
         """P^T for this block in rP: rows are keys j, columns queries i."""
         self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
                            causal_offset, sFactor, tidx, mLSE, batch, head, None, pre)
@@ -567,7 +568,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
                        seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre):
+                       extra, pre, i):
         """dS * scale in rP: P = exp2(S * scale * log2(e) - LSE * log2(e)) (masked as the
         forward masks), dS = P (dP - Delta) with dP in the second accumulator; LSE and Delta
         from `_block_prefetch` (rows that see no key, or past Nq: LSE -inf, read as +inf so
@@ -674,7 +675,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
                        seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre):
+                       extra, pre, i):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
             sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))

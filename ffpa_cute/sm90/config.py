@@ -127,9 +127,28 @@ class FwdConfigSm90:
                    *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
                    self.p_slots * TILE_M * self.tile_n * elt]
         header = 8 * (1 + self.k_stages + 2 * self.v_stages + 4) + self.factor_floats * 4
-        if self.kv_pair:  # the exchange barriers and the peer's row statistics (2 x TILE_M)
-            header = _align(header + 4 * 8, 16) + 2 * TILE_M * 4
+        if self.pair_barriers:  # the exchange barriers
+            header = _align(header + 16 * len(self.pair_barriers), 16)
+        if self.kv_pair:  # the peer's row statistics (2 x TILE_M)
+            header += 2 * TILE_M * 4
         return sum(_align(x) for x in [header, *regions])
+
+    @property
+    def ctas_per_tile(self) -> int:
+        """CTAs per row tile on the grid (adjacent): o_split here."""
+        return self.o_split
+
+    @property
+    def cluster_pair(self) -> bool:
+        """Whether the CTAs of a tile form a 2-CTA cluster that writes into each other's
+        shared memory (`kv_pair`)."""
+        return self.kv_pair
+
+    @property
+    def pair_barriers(self) -> tuple[str, ...]:
+        """The exchange mbarriers (2 each) of a cluster pair: `kv_pair` has the peer's row
+        statistics (bar_x) and P tile (bar_pp) landing."""
+        return ("bar_x", "bar_pp") if self.kv_pair else ()
 
     @property
     def p_slots(self) -> int:

@@ -33,10 +33,11 @@ each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor wor
 D=1024), and Q no longer stays resident (64 x 1024 would be 128 KB): it streams through the K
 ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. CTA 0 writes LSE.
 Status: run and tested on the H200 (commit f98b922: slow grid at D 576 / 768 / 1024); the
-default route for D > 512 with D % 16 == 0.
+route for D > 512 with D % 16 == 0 where `kv_pair` is off (Dv != D, or config.KV_PAIR False).
 
-`kv_pair` (config field, D > 512; compile-verified only, off: `config.KV_PAIR`): the two CTAs
-form a cluster and split the KV blocks instead of both computing S. At step i CTA r scores
+`kv_pair` (config field, D > 512; run and tested on the H200 at 8dd98be, the default for
+D > 512 with Dv == D since 0183108: `config.KV_PAIR`): the two CTAs form a cluster and split
+the KV blocks instead of both computing S. At step i CTA r scores
 block 2i + r; the pair joins its row maxima (st.async into the peer's `peer_stat`, counted on
 its `x[b]` mbarrier) so both keep one running max, and each sends its P tile into the same
 slot of the peer's four-slot P buffer (one shared::cluster bulk copy, counted on the peer's
@@ -69,9 +70,12 @@ roles: `_heads` (which head the streamed operands come from, and the head group 
 `_block_range` / `_block` (the sequence of column blocks and each one's head), `_k_src` / `_v_src`
 (TMA sources of a block), `_stats_head` / `_block_prefetch` (whose per-row statistics a block
 reads, loaded before its WGMMAs), `_softmax_block` (scores -> P and row factors),
-`_final_factors`, `rescale_o`, and for two score products per block `second_score` /
-`seq_scores` / `_chunk` / `_first_scores`. The forward's own versions are the code above;
-introducing them left its PTX byte-identical (D <= 512), so its GPU verification carries over.
+`_final_factors`, `rescale_o`, for two score products per block `second_score` /
+`seq_scores` / `_chunk` / `_first_scores`, and for a kernel whose cluster CTAs take different
+operands (bwd_pair_sm90.py) `_operands` / `_warpgroups` (the global operands of a role, and the
+warpgroups run on them) and `_after_p_store`. The forward's own versions are the code above;
+introducing them left its PTX byte-identical (tests/ptx_verified.json), so its GPU
+verification carries over.
 
 Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
 [264, 512] or of 16 in (512, 1024]; last stride 1, 16-byte aligned base, other strides multiples
@@ -154,6 +158,22 @@ class Barriers(NamedTuple):
     pp: object = None  # `kv_pair`: peer's P tile landed (bulk-copy bytes), per buffer
 
 
+class Operands(NamedTuple):
+    """The global operands of one role assignment (TMA tensors and atoms): the resident rows
+    (Q role), the S ring's column chunks (K role), the accumulators' B operand halves (V role),
+    and the output (O role)."""
+
+    mO: cute.Tensor
+    gQ_tma: cute.Tensor
+    gK_tma: cute.Tensor
+    gVlo_tma: cute.Tensor
+    gVhi_tma: cute.Tensor
+    tma_q: cute.CopyAtom
+    tma_k: cute.CopyAtom
+    tma_vlo: cute.CopyAtom
+    tma_vhi: cute.CopyAtom
+
+
 class PairSmem(NamedTuple):
     """`kv_pair`: the smem the two CTAs of a pair write into each other's copy of: the peer's
     row statistics ([2 buffers x TILE_M] fp32) and the P slots' base (slot = 2 buffer + rank)."""
@@ -183,6 +203,8 @@ class FFPAFwdSm90(KernelEntry):
         self.v_chunks = cfg.tile_n // cfg.v_rows  # V stages per O half per KV block
         self.causal = cfg.causal
         self.kv_pair = cfg.kv_pair
+        # the O warpgroups also arrive on the peer CTA's P_empty (the peer writes our P slots)
+        self.peer_arrivals = cfg.cluster_pair
         self.num_threads = 3 * WG_THREADS
         # bytes one TMA load brings in (the full box, zero-filled parts included)
         self.stream_q = cfg.stream_q
@@ -236,11 +258,41 @@ class FFPAFwdSm90(KernelEntry):
         """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel built
         on this skeleton adds (None here; bwd_sm90.py)."""
         cfg = self.cfg
+        ops = self._operands(mQ, mK, mV, mO)
+        dlo, dhi = self.dv
+        sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout = self._smem_layouts()
+        SharedStorage = _shared_storage(cfg, self.dtype, sQ_layout, sK_layout, sVlo_layout,
+                                        sVhi_layout, sP_layout)
+
+        # the planner's budget must be the real one (else a config it accepts fails at launch)
+        assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
+            SharedStorage.size_in_bytes(), cfg.smem_bytes())
+        grid = (cute.ceil_div(mQ.shape[2], TILE_M) * cfg.ctas_per_tile, cute.size(mQ.shape[1]),
+                cute.size(mQ.shape[0]))
+        self.kernel(
+            ops.mO, mLSE, ops.gQ_tma, ops.gK_tma, ops.gVlo_tma, ops.gVhi_tma, ops.tma_q,
+            ops.tma_k, ops.tma_vlo, ops.tma_vhi, mK.shape[2], mK.shape[1],
+            softmax_scale * LOG2_E, causal_offset,
+            sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout,
+            self._mma(self.tile_n, warpgroup.OperandMajorMode.K),
+            self._mma(dlo, warpgroup.OperandMajorMode.MN),
+            self._mma(dhi, warpgroup.OperandMajorMode.MN),
+            SharedStorage, extra,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1],
+                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
+                 **({"cluster": [2, 1, 1]} if cfg.cluster_pair else {}))
+
+    @cute.jit
+    def _operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                  mO: cute.Tensor):
+        """TMA atoms and tensors for (B, H, N, D) tensors in the roles of Q (resident rows or
+        their chunks), K (the S ring's column chunks), V (the accumulators' B halves) and O."""
+        cfg = self.cfg
         mQ, mK = [aligned_bhnd(t, cfg.head_dim, self.dtype) for t in (mQ, mK)]
         mV, mO = [aligned_bhnd(t, cfg.dv, self.dtype) for t in (mV, mO)]
         tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
         dlo, dhi = self.dv
-        sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout = self._smem_layouts()
+        sQ_layout, sK_layout, sVlo_layout, sVhi_layout, _ = self._smem_layouts()
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         q_box = (TILE_M, cfg.k_chunk if self.stream_q else cfg.hdim_q_padded)
@@ -253,26 +305,7 @@ class FFPAFwdSm90(KernelEntry):
             g2s, tV, cute.select(sVlo_layout, mode=[0, 1]), (self.v_rows, dlo))
         tma_vhi, gVhi_tma = cpasync.make_tiled_tma_atom(
             g2s, tV, cute.select(sVhi_layout, mode=[0, 1]), (self.v_rows, dhi))
-
-        SharedStorage = _shared_storage(cfg, self.dtype, sQ_layout, sK_layout, sVlo_layout,
-                                        sVhi_layout, sP_layout)
-
-        # the planner's budget must be the real one (else a config it accepts fails at launch)
-        assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
-            SharedStorage.size_in_bytes(), cfg.smem_bytes())
-        grid = (cute.ceil_div(mQ.shape[2], TILE_M) * cfg.o_split, cute.size(mQ.shape[1]),
-                cute.size(mQ.shape[0]))
-        self.kernel(
-            mO, mLSE, gQ_tma, gK_tma, gVlo_tma, gVhi_tma, tma_q, tma_k, tma_vlo, tma_vhi,
-            mK.shape[2], mK.shape[1], softmax_scale * LOG2_E, causal_offset,
-            sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout,
-            self._mma(self.tile_n, warpgroup.OperandMajorMode.K),
-            self._mma(dlo, warpgroup.OperandMajorMode.MN),
-            self._mma(dhi, warpgroup.OperandMajorMode.MN),
-            SharedStorage, extra,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1],
-                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
-                 **({"cluster": [2, 1, 1]} if cfg.kv_pair else {}))
+        return Operands(mO, gQ_tma, gK_tma, gVlo_tma, gVhi_tma, tma_q, tma_k, tma_vlo, tma_vhi)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -288,8 +321,8 @@ class FFPAFwdSm90(KernelEntry):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         grid_m, _, _ = cute.arch.grid_dim()
-        # longest tiles first under causal (bottom-right); the o_split CTAs of a Q tile adjacent
-        m_block = grid_m // self.cfg.o_split - 1 - bidx // self.cfg.o_split
+        # longest tiles first under causal (bottom-right); the CTAs of a Q tile adjacent
+        m_block = grid_m // self.cfg.ctas_per_tile - 1 - bidx // self.cfg.ctas_per_tile
         o_part = bidx % self.cfg.o_split  # which head_dim / o_split columns of O
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -299,8 +332,10 @@ class FFPAFwdSm90(KernelEntry):
         bars = Barriers(storage.bar_q.data_ptr(), storage.bar_k.data_ptr(),
                         storage.bar_v.data_ptr(), storage.bar_p_full.data_ptr(),
                         storage.bar_p_empty.data_ptr())
-        if const_expr(self.kv_pair):
-            bars = bars._replace(x=storage.bar_x.data_ptr(), pp=storage.bar_pp.data_ptr())
+        if const_expr("bar_x" in self.cfg.pair_barriers):
+            bars = bars._replace(x=storage.bar_x.data_ptr())
+        if const_expr("bar_pp" in self.cfg.pair_barriers):
+            bars = bars._replace(pp=storage.bar_pp.data_ptr())
         if warp_idx == 0:
             for tma in (tma_q, tma_k, tma_vlo, tma_vhi):
                 cpasync.prefetch_descriptor(tma)
@@ -312,14 +347,17 @@ class FFPAFwdSm90(KernelEntry):
                     cute.arch.mbarrier_init(bars.v + s, 1)
                 for b in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(bars.p_full + b, WG_THREADS)  # every S thread
-                    # one per O warp (`kv_pair`: of both CTAs: the peer writes our P slots)
-                    cute.arch.mbarrier_init(bars.p_empty + b, 16 if const_expr(self.kv_pair)
-                                            else 8)
-                    if const_expr(self.kv_pair):
+                    # one per O warp (`peer_arrivals`: of both CTAs: the peer writes our P
+                    # slots)
+                    cute.arch.mbarrier_init(bars.p_empty + b,
+                                            16 if const_expr(self.peer_arrivals) else 8)
+                    if const_expr(bars.x is not None):
                         cute.arch.mbarrier_init(bars.x + b, 1)
+                    if const_expr(bars.pp is not None):
                         cute.arch.mbarrier_init(bars.pp + b, 1)
                 cute.arch.mbarrier_init_fence()
-        if const_expr(self.kv_pair):  # the peer's barriers exist before anything reaches them
+        if const_expr(self.cfg.cluster_pair):  # the peer's barriers exist before anything
+            # reaches them
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
         else:
@@ -341,20 +379,34 @@ class FFPAFwdSm90(KernelEntry):
         if const_expr(self.kv_pair):
             pair = PairSmem(storage.peer_stat.get_tensor(cute.make_layout((TILE_M, 2))),
                             storage.sP.data_ptr())
-        if wg == 0:
-            self._softmax_wg(mma_qk, mLSE, gQ_tma, gK_tma, tma_q, tma_k, sQ, sK, sP, sFactor,
-                             bars, tidx, m_block, o_part, head, head_kv, batch, seq,
-                             seqlen_q, seqlen_k, causal_offset, scale_log2, extra, pair)
-        elif wg == 1:
-            self._o_wg(mma_pv_lo, mO, gVlo_tma, tma_vlo, sP, sVlo, sFactor, bars, 0,
-                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, seq, seqlen_q)
-        else:
-            self._o_wg(mma_pv_hi, mO, gVhi_tma, tma_vhi, sP, sVhi, sFactor, bars, 1,
-                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, seq,
-                       seqlen_q)
-        if const_expr(self.kv_pair):  # the peer may still write our smem until it is done
+        elif const_expr(self.cfg.cluster_pair):
+            pair = PairSmem(None, storage.sP.data_ptr())
+        ops = Operands(mO, gQ_tma, gK_tma, gVlo_tma, gVhi_tma, tma_q, tma_k, tma_vlo, tma_vhi)
+        self._warpgroups(ops, wg, tidx, mma_qk, mma_pv_lo, mma_pv_hi, mLSE, sQ, sK, sVlo, sVhi,
+                         sP, sFactor, bars, m_block, o_part, head, head_kv, batch, seq,
+                         seqlen_q, seqlen_k, causal_offset, scale_log2, extra, pair)
+        if const_expr(self.cfg.cluster_pair):  # the peer may still write our smem until done
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def _warpgroups(self, ops, wg, tidx, mma_qk, mma_pv_lo, mma_pv_hi, mLSE, sQ, sK, sVlo,
+                    sVhi, sP, sFactor, bars, m_block, o_part, head, head_kv, batch, seq,
+                    seqlen_q, seqlen_k, causal_offset, scale_log2, extra, pair,
+                    peer=None):
+        """Each warpgroup's role on the operands `ops` (`peer`: as `_o_wg`'s)."""
+        if wg == 0:
+            self._softmax_wg(mma_qk, mLSE, ops.gQ_tma, ops.gK_tma, ops.tma_q, ops.tma_k, sQ, sK,
+                             sP, sFactor, bars, tidx, m_block, o_part, head, head_kv, batch,
+                             seq, seqlen_q, seqlen_k, causal_offset, scale_log2, extra, pair)
+        elif wg == 1:
+            self._o_wg(mma_pv_lo, ops.mO, ops.gVlo_tma, ops.tma_vlo, sP, sVlo, sFactor, bars, 0,
+                       tidx - WG_THREADS, m_block, o_part, head, head_kv, batch, seq, seqlen_q,
+                       peer)
+        else:
+            self._o_wg(mma_pv_hi, ops.mO, ops.gVhi_tma, ops.tma_vhi, sP, sVhi, sFactor, bars, 1,
+                       tidx - 2 * WG_THREADS, m_block, o_part, head, head_kv, batch, seq,
+                       seqlen_q, peer)
 
     # ---------------------------------------------------------------- hooks (see bwd_sm90.py)
     @cute.jit
@@ -530,7 +582,7 @@ class FFPAFwdSm90(KernelEntry):
             else:
                 self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
                                     n_block, seqlen_k, causal_offset, mLSE, batch, stats_head,
-                                    sFactor, tidx, acc_2, extra, pre)
+                                    sFactor, tidx, acc_2, extra, pre, i)
             b = i % 2
             cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
             if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
@@ -539,9 +591,7 @@ class FFPAFwdSm90(KernelEntry):
                 cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
             self._write_factors(sFactor, factor, tScS_mn, b, lane)
             cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
-            if const_expr(self.kv_pair):
-                if 2 * i + 1 < n_count:  # a pair of blocks: our P tile to the peer too
-                    self._send_p(pair, bars, b, o_part, tidx)
+            self._after_p_store(pair, bars, b, i, n_count, o_part, tidx, extra)
         # ---- last P, then the final row factors (1 / row_sum) the same way; LSE
         if n_iter > 0:
             cute.arch.mbarrier_arrive(bars.p_full + (n_iter - 1) % 2)
@@ -594,6 +644,14 @@ class FFPAFwdSm90(KernelEntry):
         else:
             self._tma_load(loads.tma_k, k_src, loads.tKs[None, s], bars.k + s,
                            self.k_bytes, tidx)
+
+    @cute.jit
+    def _after_p_store(self, pair, bars, b, i, n_count, o_part, tidx, extra):
+        """After P of step i is in its slot of buffer b and fenced: `kv_pair` sends it to the
+        peer when the step has a pair of blocks (nothing else here; a hook)."""
+        if const_expr(self.kv_pair):
+            if 2 * i + 1 < n_count:  # a pair of blocks: our P tile to the peer too
+                self._send_p(pair, bars, b, o_part, tidx)
 
     # ---------------------------------------------------------------- kv_pair (D > 512)
     @cute.jit
@@ -690,8 +748,9 @@ class FFPAFwdSm90(KernelEntry):
     @cute.jit
     def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
                        m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
-                       tidx, acc_2, extra, pre):
-        """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
+                       tidx, acc_2, extra, pre, i):
+        """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP (step i
+        of the tile's blocks)."""
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
@@ -711,7 +770,9 @@ class FFPAFwdSm90(KernelEntry):
     @cute.jit
     def _o_wg(self, mma_pv: cute.TiledMma, mO, gV_tma, tma_v, sP, sV, sFactor, bars,
               half: cutlass.Constexpr, tidx, m_block, o_part, head, head_kv, batch,
-              seq: BlockSeq, seqlen_q):
+              seq: BlockSeq, seqlen_q, peer=None):
+        """One O warpgroup (`half` of the columns). `peer`: the CTA whose P_empty it also
+        arrives on (`peer_arrivals`; None: the other o_part)."""
         cfg = self.cfg
         vs, vj = cfg.v_stages, self.v_chunks
         dv = self.dv[half]
@@ -763,8 +824,9 @@ class FFPAFwdSm90(KernelEntry):
             self._refill_v(v_loads, x - 1, total, seq, half, tidx)
             if lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
-                if const_expr(self.kv_pair):  # the peer writes our P slots too
-                    cute.arch.mbarrier_arrive(bars.p_empty + b, 1 - o_part,
+                if const_expr(self.peer_arrivals):  # the peer writes our P slots too
+                    cute.arch.mbarrier_arrive(bars.p_empty + b,
+                                              1 - o_part if const_expr(peer is None) else peer,
                                               scope=nvvm.MemScopeKind.CLUSTER)
         # ---- 1 / row_sum arrives through the factor buffer; store O (rows < Nq)
         b = n_iter % 2
@@ -864,8 +926,9 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, sQ_layout, sK_layout, sVlo_layout
         "bar_v": mem[i64, 2 * vs],      # [half * vs + stage]
         "bar_p_full": mem[i64, 2],
         "bar_p_empty": mem[i64, 2],
-        **({"bar_x": mem[i64, 2],       # kv_pair: the peer's row statistics landed
-            "bar_pp": mem[i64, 2]} if kv else {}),   # kv_pair: the peer's P tile landed
+        # kv_pair: bar_x (the peer's row statistics landed) and bar_pp (the peer's P tile
+        # landed); the backward's dK + dV pair: bar_pp
+        **{name: mem[i64, 2] for name in cfg.pair_barriers},
         "row_factor": align[mem[Float32, cfg.factor_floats], 16],
         **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if kv else {}),
         "sQ": smem(sQ_layout), "sK": smem(sK_layout), "sVlo": smem(sVlo_layout),
