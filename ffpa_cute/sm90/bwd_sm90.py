@@ -329,15 +329,22 @@ class BwdDQConfigSm90(FwdConfigSm90):
     as the dV kernel's. `seq_scores`: tile_n 128 and one 64 x 128 accumulator that holds S,
     then dP (P waits in the bf16 P fragment in between). `second_dim`: the width of the second
     product's operands (dO and V: Dv) when it differs from D (MLA-absorbed 576 / 512), else
-    None."""
+    None. `publish_after` counts chunks of both products (2 C in all); `publish_hi`: the chunk
+    after which the second accumulator warpgroup gets the block (None: with the first), so
+    that the two halves of the gradient product fill different gaps of the tensor pipe."""
 
     prefetch_stats: bool = False
     seq_scores: bool = False
     second_dim: int | None = None
+    publish_hi: int | None = None
 
     @property
     def second_width(self) -> int:
         return self.head_dim if self.second_dim is None else self.second_dim
+
+    @property
+    def stream_chunks(self) -> int:
+        return self.num_k_chunks + -(-self.second_width // self.k_chunk)
 
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
@@ -358,14 +365,35 @@ def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
     return reason
 
 
+# The two-product kernels hand each block to their two accumulator warpgroups at different
+# points of the S ring (`publish_hi`), so that the gradient product's halves fill the tensor
+# pipe while the S warpgroup forms P and dS; D <= 512 (measured there, perf/NOTES.md session 6:
+# dQ 16.8 -> 15.3 ms, dK 13.1 -> 12.6 ms at D=320). Per kernel, (first half, second half) in
+# chunks: dQ after half of S's chunks and after half of dP's; dK (`seq_scores`) after S^T and
+# after dP^T. False: both halves after the first product (publish_after = C).
+SPLIT_PUBLISH = True
+SPLIT_PUBLISH_MAX_HEAD_DIM = 512
+
+
+def _publish_points(problem: AttnProblem, grad: str) -> tuple[int, int | None]:
+    """(publish_after, publish_hi) of the dQ / dK plan."""
+    c = -(-problem.head_dim // 64)
+    c2 = -(-problem.head_dim_v // 64)
+    if not SPLIT_PUBLISH or problem.head_dim > SPLIT_PUBLISH_MAX_HEAD_DIM:
+        return c, None
+    return (c // 2, c + c2 // 2) if grad == "dq" else (c, c + c2)
+
+
 def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
     """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
     second's), then the deepest accumulator-operand rings that fit."""
     _check_head_dim(problem)
     dv = problem.head_dim_v
+    publish_after, publish_hi = _publish_points(
+        problem, "dq" if cls is BwdDQConfigSm90 else "dk")
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
-                publish_after=-(-problem.head_dim // 64),
+                publish_after=publish_after, publish_hi=publish_hi,
                 prefetch_stats=PREFETCH_STATS or seq_scores, seq_scores=seq_scores,
                 second_dim=None if dv == problem.head_dim else dv)
     for v in (4, 3, 2):

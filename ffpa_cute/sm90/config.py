@@ -126,12 +126,24 @@ class FwdConfigSm90:
                    self.k_stages * self.tile_n * self.k_chunk * elt,
                    *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
                    self.p_slots * TILE_M * self.tile_n * elt]
-        header = 8 * (1 + self.k_stages + 2 * self.v_stages + 4) + self.factor_floats * 4
+        p_full = 2 if self.publish_hi is None else 4  # per buffer, or per buffer and half
+        header = 8 * (1 + self.k_stages + 2 * self.v_stages + 2 + p_full) + self.factor_floats * 4
         if self.pair_barriers:  # the exchange barriers
             header = _align(header + 16 * len(self.pair_barriers), 16)
         if self.kv_pair:  # the peer's row statistics (2 x TILE_M)
             header += 2 * TILE_M * 4
         return sum(_align(x) for x in [header, *regions])
+
+    @property
+    def stream_chunks(self) -> int:
+        """S-ring chunks per block (the bound of `publish_after`): the D chunks of QK here."""
+        return self.num_k_chunks
+
+    @property
+    def publish_hi(self) -> int | None:
+        """S-ring chunk after which the second accumulator warpgroup gets P when it differs
+        from the first's (`publish_after`); None: both at `publish_after` (the forward)."""
+        return None
 
     @property
     def ctas_per_tile(self) -> int:
@@ -189,8 +201,10 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
     if cfg.k_stages < 2 or cfg.v_stages < 2:
         return "k_stages and v_stages must be >= 2"
-    if not 0 <= cfg.publish_after <= cfg.num_k_chunks:
-        return f"publish_after must be in [0, {cfg.num_k_chunks}]"
+    if not 0 <= cfg.publish_after <= cfg.stream_chunks:
+        return f"publish_after must be in [0, {cfg.stream_chunks}]"
+    if cfg.publish_hi is not None and not 0 <= cfg.publish_hi <= cfg.stream_chunks:
+        return f"publish_hi must be None or in [0, {cfg.stream_chunks}]"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return f"needs {cfg.smem_bytes()} B of smem, sm_90a has {SMEM_CAPACITY}"
     return None

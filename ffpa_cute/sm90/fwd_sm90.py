@@ -355,6 +355,9 @@ class FFPAFwdSm90(KernelEntry):
                         cute.arch.mbarrier_init(bars.x + b, 1)
                     if const_expr(bars.pp is not None):
                         cute.arch.mbarrier_init(bars.pp + b, 1)
+                if const_expr(self.cfg.publish_hi is not None):  # the second half's P_full
+                    for b in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_init(bars.p_full + 2 + b, WG_THREADS)
                 cute.arch.mbarrier_init_fence()
         if const_expr(self.cfg.cluster_pair):  # the peer's barriers exist before anything
             # reaches them
@@ -548,6 +551,9 @@ class FFPAFwdSm90(KernelEntry):
                 if const_expr(c == cfg.publish_after):
                     if i > 0:
                         cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+                if const_expr(c == cfg.publish_hi):
+                    if i > 0:
+                        cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
                 if const_expr(self.seq_scores and c == self.c_half):
                     # the first product is complete: consume it (into rP) before the second
                     # product overwrites its accumulator
@@ -572,6 +578,9 @@ class FFPAFwdSm90(KernelEntry):
             if const_expr(cfg.publish_after == C):
                 if i > 0:
                     cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+            if const_expr(cfg.publish_hi == C):
+                if i > 0:
+                    cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
             warpgroup.wait_group(0)
             self._refill_k(loads, bars, x - 1, total, seq, tidx)
             # ---- mask, online softmax, P -> smem with the rows' O factors
@@ -595,6 +604,8 @@ class FFPAFwdSm90(KernelEntry):
         # ---- last P, then the final row factors (1 / row_sum) the same way; LSE
         if n_iter > 0:
             cute.arch.mbarrier_arrive(bars.p_full + (n_iter - 1) % 2)
+            if const_expr(cfg.publish_hi is not None):
+                cute.arch.mbarrier_arrive(bars.p_full + 2 + (n_iter - 1) % 2)
         if const_expr(self.kv_pair):
             lse = self._final_factors_pair(softmax, factor, num_rows, n_iter, o_part, bars,
                                            pair, tidx, tScS_mn, lane)
@@ -604,6 +615,8 @@ class FFPAFwdSm90(KernelEntry):
         cute.arch.mbarrier_wait(bars.p_empty + b, ((n_iter // 2) & 1) ^ 1)
         self._write_factors(sFactor, factor, tScS_mn, b, lane)
         cute.arch.mbarrier_arrive(bars.p_full + b)
+        if const_expr(cfg.publish_hi is not None):
+            cute.arch.mbarrier_arrive(bars.p_full + 2 + b)
         if const_expr(lse is not None):
             if lane % 4 == 0 and o_part == 0:
                 for r in cutlass.range_constexpr(num_rows):
@@ -778,6 +791,9 @@ class FFPAFwdSm90(KernelEntry):
         dv = self.dv[half]
         lane = cute.arch.lane_idx()
         bar_v = bars.v + half * vs
+        bar_full = bars.p_full  # P ready (`publish_hi`: the second half's own barriers)
+        if const_expr(half == 1 and cfg.publish_hi is not None):
+            bar_full = bars.p_full + 2
         col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.dv[0])  # first O column
         # ---- TMA views: V rows of this warpgroup's columns (TMA, v_blocks) / (TMA, v_stages)
         gV = cute.local_tile(cute.domain_offset((0, col0), gV_tma[None, None, head_kv, batch]),
@@ -808,7 +824,7 @@ class FFPAFwdSm90(KernelEntry):
         x = Int32(0)
         for i in cutlass.range(n_iter, unroll=1):
             b = i % 2
-            cute.arch.mbarrier_wait(bars.p_full + b, (i // 2) & 1)
+            cute.arch.mbarrier_wait(bar_full + b, (i // 2) & 1)
             if const_expr(self.rescale_o):
                 self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
             atom = cute.make_mma_atom(mma_pv.op)
@@ -830,7 +846,7 @@ class FFPAFwdSm90(KernelEntry):
                                               scope=nvvm.MemScopeKind.CLUSTER)
         # ---- 1 / row_sum arrives through the factor buffer; store O (rows < Nq)
         b = n_iter % 2
-        cute.arch.mbarrier_wait(bars.p_full + b, (n_iter // 2) & 1)
+        cute.arch.mbarrier_wait(bar_full + b, (n_iter // 2) & 1)
         if const_expr(self.rescale_o):
             self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
         rO = cute.make_fragment_like(acc_O, self.dtype)
@@ -924,7 +940,7 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, sQ_layout, sK_layout, sVlo_layout
         "bar_q": mem[i64, 1],
         "bar_k": mem[i64, ks],
         "bar_v": mem[i64, 2 * vs],      # [half * vs + stage]
-        "bar_p_full": mem[i64, 2],
+        "bar_p_full": mem[i64, 2 if cfg.publish_hi is None else 4],  # [half * 2 + buffer]
         "bar_p_empty": mem[i64, 2],
         # kv_pair: bar_x (the peer's row statistics landed) and bar_pp (the peer's P tile
         # landed); the backward's dK + dV pair: bar_pp

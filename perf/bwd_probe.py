@@ -1,7 +1,10 @@
-"""Timing probes for the dK + dV pair (ffpa_cute/sm90/bwd_pair_sm90.py): what its per-block
-chain costs. GPU only; the variants' gradients are wrong by construction (timing only).
+"""Timing probes for the sm90 backward kernels. GPU only. B=1, H=32, N=8192, non-causal.
 
-    python -m perf.pair_probe 512,320      # D list; B=1, H=32, N=8192, non-causal
+    python -m perf.bwd_probe pair 512,320       # the dK + dV pair and its variants
+    python -m perf.bwd_probe publish 512,320    # dQ / dK with other P hand-over points
+
+`pair`: what the pair's (ffpa_cute/sm90/bwd_pair_sm90.py) per-block chain costs; the variants'
+gradients are wrong by construction (timing only):
 
   pair     the kernel as built
   noexch   rank 0 sends nothing, rank 1 neither waits for P^T nor reads it (dS^T from stale rP)
@@ -73,6 +76,84 @@ class _NoCluster(_Local):
                                     scale_log2, extra, PairSmem(None, None), peer)
 
 
+PUBLISH = {  # (publish_after, publish_hi) in units of C = ceil(D / 64) S-ring chunks
+    "1/-": (1, None), "0.5/1.5": (0.5, 1.5), "1/2": (1, 2), "0.25/1.25": (0.25, 1.25),
+    "0.5/1.25": (0.5, 1.25), "0.5/1.75": (0.5, 1.75), "0.375/1.5": (0.375, 1.5),
+    "0.625/1.5": (0.625, 1.5), "0.5/2": (0.5, 2), "0/1.5": (0, 1.5), "0.75/1.75": (0.75, 1.75),
+    "1/1.5": (1, 1.5), "1/1.75": (1, 1.75), "0.75/1.5": (0.75, 1.5)}
+
+
+def _inputs(d, n=8192):
+    import torch
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.problem import AttnProblem
+
+    q, do = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    problem = AttnProblem.from_tensors(q, k, v, causal=False, causal_offset=0)
+    out, lse = dispatch.run_fwd(dispatch.plan_fwd(problem), q, k, v)
+    delta = (do.float() * out.float()).sum(-1)
+    return q, k, v, do, problem, lse, delta
+
+
+def _publish_cfgs(problem):
+    """{(grad, variant): (kernel class, config)} for the `publish` probe."""
+    from ffpa_cute.sm90 import bwd_sm90
+
+    c = -(-problem.head_dim // 64)
+    out = {}
+    for grad, cls, plan in (("dq", bwd_sm90.FFPABwdDQSm90, bwd_sm90.plan_dq),
+                            ("dk", bwd_sm90.FFPABwdDKSm90, bwd_sm90.plan_dk)):
+        base = plan(problem)
+        for name, (lo, hi) in PUBLISH.items():
+            out[grad, name] = (cls, dataclasses.replace(
+                base, publish_after=int(lo * c), publish_hi=None if hi is None else int(hi * c)))
+    return out
+
+
+def _compile_one(job):
+    from ffpa_cute.cache import jit_cache
+
+    jit_cache().get(*job)
+    return True
+
+
+def publish(ds) -> None:
+    """dQ and dK with P handed to the accumulator warpgroups after other S-ring chunks."""
+    import multiprocessing as mp
+
+    import torch
+
+    from ffpa_cute.cache import jit_cache
+    from perf.smoke import _median_ms
+
+    runs = []
+    for d in ds:
+        q, k, v, do, problem, lse, delta = _inputs(d)
+        runs.append((d, q, k, v, do, problem, lse, delta, _publish_cfgs(problem)))
+    jobs = [job for r in runs for job in r[-1].values()]
+    with mp.get_context("spawn").Pool(min(len(jobs), 12)) as pool:  # compile in parallel
+        pool.map(_compile_one, jobs)
+    for d, q, k, v, do, problem, lse, delta, cfgs in runs:
+        stream, ms = current_stream(), {}
+        for (grad, name), (cls, cfg) in cfgs.items():
+            fn = jit_cache().get(cls, cfg)
+            out = torch.empty_like(q if grad == "dq" else k)
+            ms[f"{grad} {name}"] = round(_median_ms(
+                lambda: cls.launch(fn, q, k, v, do, out, lse, delta, problem.softmax_scale, 0,
+                                   stream), 10), 3)
+        print(f"D={d}: {ms}", flush=True)
+
+
+def current_stream():
+    import torch
+
+    from ffpa_cute.common.tensors import current_stream_handle
+
+    return current_stream_handle(torch.device("cuda", torch.cuda.current_device()))
+
+
 def main() -> None:
     import torch
 
@@ -84,7 +165,12 @@ def main() -> None:
     from ffpa_cute.common.tensors import current_stream_handle
     from perf.smoke import _median_ms
 
-    for d in [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "512").split(",")]:
+    mode = sys.argv[1]
+    ds = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "512").split(",")]
+    if mode == "publish":
+        publish(ds)
+        return
+    for d in ds:
         n = 8192
         q, do = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         k, v = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
