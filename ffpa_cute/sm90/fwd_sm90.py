@@ -223,7 +223,7 @@ class FFPAFwdSm90(KernelEntry):
 
     def _mma(self, n: int, b_major):
         return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, b_major, Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, b_major, Float32,
             (1, 1, 1), (TILE_M, n))
 
     @staticmethod
@@ -274,9 +274,9 @@ class FFPAFwdSm90(KernelEntry):
             ops.tma_k, ops.tma_vlo, ops.tma_vhi, mK.shape[2], mK.shape[1],
             softmax_scale * LOG2_E, causal_offset,
             sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout,
-            self._mma(self.tile_n, warpgroup.OperandMajorMode.K),
-            self._mma(dlo, warpgroup.OperandMajorMode.MN),
-            self._mma(dhi, warpgroup.OperandMajorMode.MN),
+            self._mma(self.tile_n, cute.nvgpu.OperandMajorMode.K),
+            self._mma(dlo, cute.nvgpu.OperandMajorMode.MN),
+            self._mma(dhi, cute.nvgpu.OperandMajorMode.MN),
             SharedStorage, extra,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
@@ -328,7 +328,7 @@ class FFPAFwdSm90(KernelEntry):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         head_kv, group = self._heads(head, cute.size(mO.shape[1]), heads_kv)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         bars = Barriers(storage.bar_q.data_ptr(), storage.bar_k.data_ptr(),
                         storage.bar_v.data_ptr(), storage.bar_p_full.data_ptr(),
                         storage.bar_p_empty.data_ptr())
