@@ -45,7 +45,7 @@ from ..common.tensors import LOG2_E, current_stream_handle, fake_args
 from ..problem import AttnProblem
 from .bwd_sm90 import (PREFETCH_STATS, BwdDVConfigSm90, FFPABwdDVSm90, _check_head_dim,
                        can_implement_dv)
-from .config import MAX_SINGLE_CTA_HEAD_DIM, TILE_M
+from .config import MAX_SINGLE_CTA_HEAD_DIM, TILE_M, deepest_rings
 from .fwd_sm90 import WG_THREADS, FFPAFwdSm90, Operands
 
 
@@ -90,15 +90,8 @@ def plan_pair(problem: AttnProblem, arch: str = "sm_90a") -> BwdPairConfigSm90:
                 head_dim_v=(None if problem.head_dim_v == problem.head_dim
                             else problem.head_dim_v),
                 prefetch_stats=PREFETCH_STATS)
-
-    def fits(k, v):
-        return can_implement_pair(BwdPairConfigSm90(**base, k_stages=k, v_stages=v)) is None
-
-    v = next((v for v in (4, 3, 2) if fits(4, v)), None)
-    if v is None:
-        raise ValueError(can_implement_pair(BwdPairConfigSm90(**base, k_stages=4, v_stages=2)))
-    k = max(k for k in range(4, 9) if fits(k, v))
-    return BwdPairConfigSm90(**base, k_stages=k, v_stages=v)
+    return deepest_rings(lambda k, v: BwdPairConfigSm90(**base, k_stages=k, v_stages=v),
+                         can_implement_pair)
 
 
 def fake_pair_args(cfg) -> tuple:

@@ -226,12 +226,18 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool | None = None) -> Fw
                 head_dim_v=None if dv == problem.head_dim else dv)
     if (KV_PAIR if kv_pair is None else kv_pair) and split and dv == problem.head_dim:
         base["kv_pair"] = True
+    return deepest_rings(lambda k, v: FwdConfigSm90(**base, k_stages=k, v_stages=v),
+                         can_implement)
 
+
+def deepest_rings(make, reason_of):
+    """The ring depths the forward-shaped planners pick: the deepest V ring (4, 3, 2) that fits
+    beside a 4-deep K ring, then the deepest K ring (4..8) beside it. `make(k, v)` builds the
+    config, `reason_of` is its can_implement; raises ValueError with the reason when none fits."""
     def fits(k, v):
-        return can_implement(FwdConfigSm90(**base, k_stages=k, v_stages=v)) is None
+        return reason_of(make(k, v)) is None
 
     v = next((v for v in (4, 3, 2) if fits(4, v)), None)
     if v is None:
-        raise ValueError(can_implement(FwdConfigSm90(**base, k_stages=4, v_stages=2)))
-    k = max(k for k in range(4, 9) if fits(k, v))
-    return FwdConfigSm90(**base, k_stages=k, v_stages=v)
+        raise ValueError(reason_of(make(4, 2)))
+    return make(max(k for k in range(4, 9) if fits(k, v)), v)
