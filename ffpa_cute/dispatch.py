@@ -447,7 +447,8 @@ def bwd_kernels(problem: AttnProblem, device: torch.device | None = None,
 
 # dK and dV of the sm90 family by one 2-CTA cluster that computes S^T once per block and sends
 # P^T to the dK CTA (ffpa_cute/sm90/bwd_pair_sm90.py: 4 GEMM units where the dK and dV kernels
-# execute 5); D <= 512 with Dv == D. Off until its GPU tests pass (test_dkdv_pair).
+# execute 5); D <= 512 with Dv == D. GPU-tested (test_dkdv_pair) but off: measured no faster
+# (D=512 25.5 vs 26.1 ms, D=320 22.9 vs 19.9; perf/NOTES.md session 6).
 DKDV_PAIR = False
 
 

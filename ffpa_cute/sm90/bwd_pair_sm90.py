@@ -23,8 +23,10 @@ kernels execute 5, and the pair's two ranks are balanced. dS^T is formed from th
 the dK `seq_scores` kernel forms it (same precision). 16 KB cross the cluster per block.
 
 Constraints: those of the dV kernel, plus Dv == D <= 512 (O in one CTA) and tile_n 128.
-Status: compile-verified; off (`dispatch.DKDV_PAIR`) until its GPU tests pass
-(tests/test_backward_sm90_gpu.py::test_dkdv_pair).
+Status: run and tested on the H200 at 09dade8 (tests/test_backward_sm90_gpu.py::test_dkdv_pair,
+test_autograd_through_the_pair) but not faster, so off (`dispatch.DKDV_PAIR`): 25.5 ms against
+26.1 for the dK + dV kernels at D=512, 22.9 against 19.9 at D=320 (perf/NOTES.md session 6:
+the cluster launch costs 4-5 ms, and rank 1's dK-type work runs slower per unit than rank 0's).
 """
 
 from __future__ import annotations

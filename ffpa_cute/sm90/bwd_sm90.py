@@ -370,7 +370,8 @@ def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
 # pipe while the S warpgroup forms P and dS; D <= 512 (measured there, perf/NOTES.md session 6:
 # dQ 16.8 -> 15.3 ms, dK 13.1 -> 12.6 ms at D=320). Per kernel, (first half, second half) in
 # chunks: dQ after half of S's chunks and after half of dP's; dK (`seq_scores`) after S^T and
-# after dP^T. False: both halves after the first product (publish_after = C).
+# after dP^T. False: both halves after the first product (publish_after = C). GPU-tested at
+# ddabfa2 (session 7: test_backward_sm90_gpu, 43 passed).
 SPLIT_PUBLISH = True
 SPLIT_PUBLISH_MAX_HEAD_DIM = 512
 
