@@ -18,11 +18,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
 
-from ffpa_cute.common.softmax import mn_view
 from ffpa_cute.sm90.bwd_pair_sm90 import BwdPairConfigSm90, FFPABwdPairSm90
 from ffpa_cute.sm90.fwd_sm90 import PairSmem
 
@@ -39,12 +37,7 @@ class _NoExchange(FFPABwdPairSm90):
         else:
             self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head,
                                 extra.mDelta, pre)
-            sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-            rP_mn = mn_view(rP)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                delta = sCol[self.tile_n + tScS_mn[0, c][1]]
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    acc_S_mn[r, c] = rP_mn[r, c].to(cute.Float32) * (acc_S_mn[r, c] - delta)
+            self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
             rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit

@@ -42,8 +42,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier)
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
-from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, current_stream_handle, fake_args
+from ..common.tensors import current_stream_handle, fake_args
 from ..problem import AttnProblem
 from .bwd_sm90 import (PREFETCH_STATS, BwdDVConfigSm90, FFPABwdDVSm90, _check_head_dim,
                        can_implement_dv)
@@ -207,14 +206,7 @@ class FFPABwdPairSm90(FFPABwdDVSm90):
             thr_ld = cute.make_tiled_copy_C(ld_atom, extra.mma_qk).get_slice(tidx)
             cute.copy(thr_ld, thr_ld.partition_S(extra.sP)[None, None, None, b],
                       thr_ld.retile(rP))
-            sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-            scale = softmax.scale_log2 * (1.0 / LOG2_E)
-            rP_mn = mn_view(rP)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                delta = sCol[self.tile_n + tScS_mn[0, c][1]]
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    acc_S_mn[r, c] = (rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta)
-                                      * scale)
+            self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
             rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit

@@ -306,6 +306,18 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                            causal_offset, sFactor, tidx, mLSE, batch, head, None, pre)
 
     @cute.jit
+    def _ds_from_p(self, acc_S_mn, tScS_mn, rP, sFactor, scale_log2):
+        """dS^T * scale in acc_S: the bf16 P^T in rP times (dP^T in acc_S - Delta of each
+        column's query, staged after the LSE in sFactor)."""
+        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+        scale = scale_log2 * (1.0 / LOG2_E)
+        rP_mn = mn_view(rP)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            delta = sCol[self.tile_n + tScS_mn[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                acc_S_mn[r, c] = rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta) * scale
+
+    @cute.jit
     def _p_transposed(self, acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
                       causal_offset, sFactor, tidx, mLSE, batch, head, mDelta, pre):
         """Stage the block's column statistics, mask, and P^T = exp2(S^T * scale * log2(e) -
@@ -707,14 +719,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
                        extra, pre, i):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
-            sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-            scale = softmax.scale_log2 * (1.0 / LOG2_E)
-            rP_mn = mn_view(rP)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                delta = sCol[self.tile_n + tScS_mn[0, c][1]]
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    acc_S_mn[r, c] = (rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta)
-                                      * scale)
+            self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
         else:
             self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head,
                                 extra.mDelta, pre)
