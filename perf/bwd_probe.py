@@ -150,12 +150,9 @@ def current_stream():
 def main() -> None:
     import torch
 
-    from ffpa_cute import dispatch
     from ffpa_cute.cache import jit_cache
-    from ffpa_cute.problem import AttnProblem
     from ffpa_cute.sm90 import bwd_sm90
     from ffpa_cute.sm90.bwd_pair_sm90 import plan_pair
-    from ffpa_cute.common.tensors import current_stream_handle
     from perf.smoke import _median_ms
 
     mode = sys.argv[1]
@@ -164,15 +161,10 @@ def main() -> None:
         publish(ds)
         return
     for d in ds:
-        n = 8192
-        q, do = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        problem = AttnProblem.from_tensors(q, k, v, causal=False, causal_offset=0)
-        out, lse = dispatch.run_fwd(dispatch.plan_fwd(problem), q, k, v)
-        delta = (do.float() * out.float()).sum(-1)
+        q, k, v, do, problem, lse, delta = _inputs(d)
         args = (problem.softmax_scale, False, 0)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        stream = current_stream_handle(q.device)
+        stream = current_stream()
 
         def pair_job(cls):
             cfg = plan_pair(problem)
