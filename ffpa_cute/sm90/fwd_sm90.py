@@ -50,9 +50,15 @@ Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V ri
 [32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
 
 Hand-off of P (double-buffered, mbarriers): P_full[b] (128 S-thread arrivals after a proxy fence,
-so WGMMA's async proxy sees the stores) and P_empty[b] (one arrival per O warp once its PV
-WGMMAs on buffer b completed). After the last block the S warpgroup publishes 1 / row_sum through
-the same buffers (no P), so the O warpgroups normalise with the protocol they already follow.
+so WGMMA's async proxy sees the stores) and P_empty[b] (an arrival by every O thread once its
+PV WGMMAs on buffer b completed). Every thread, not one per warp: each lane reads its rows'
+factors from sFactor[:, b] with a plain ld.shared, and only its own arrival (release) orders that
+read before the S warpgroup's next write of sFactor[:, b] (acquire by its P_empty wait); one
+arrival per warp left the other 31 lanes' reads unordered, which compute-sanitizer's racecheck
+reports as write-after-read hazards on the factor buffer. Kernels whose accumulator warpgroups
+read no factors (`rescale_o` False: the backward) keep one arrival per warp. After the last block
+the S warpgroup publishes 1 / row_sum through the same buffers (no P), so the O warpgroups
+normalise with the protocol they already follow.
 
 Tensor-core order: the S warpgroup writes P[n], issues `publish_after` chunks of QK[n+1], then
 arrives on P_full[n]; WGMMAs from different warpgroups run in issue order on the H200
@@ -205,6 +211,13 @@ class FFPAFwdSm90(KernelEntry):
         self.kv_pair = cfg.kv_pair
         # the O warpgroups also arrive on the peer CTA's P_empty (the peer writes our P slots)
         self.peer_arrivals = cfg.cluster_pair
+        # P_empty[b] arrivals per use: every O thread when the O warpgroups read the row
+        # factors (`rescale_o`: plain ld.shared by each lane, so each lane must release its own
+        # reads before the S warpgroup rewrites sFactor[:, b]); else one per O warp (its only
+        # reads of buffer b are its WGMMAs', complete for the whole warp after wait_group);
+        # plus one per peer O warp under `peer_arrivals` (the peer reads our P tile by WGMMA)
+        self.empty_arrivals = ((2 * WG_THREADS if self.rescale_o else 8)
+                               + (8 if self.peer_arrivals else 0))
         self.num_threads = 3 * WG_THREADS
         # bytes one TMA load brings in (the full box, zero-filled parts included)
         self.stream_q = cfg.stream_q
@@ -347,10 +360,7 @@ class FFPAFwdSm90(KernelEntry):
                     cute.arch.mbarrier_init(bars.v + s, 1)
                 for b in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(bars.p_full + b, WG_THREADS)  # every S thread
-                    # one per O warp (`peer_arrivals`: of both CTAs: the peer writes our P
-                    # slots)
-                    cute.arch.mbarrier_init(bars.p_empty + b,
-                                            16 if const_expr(self.peer_arrivals) else 8)
+                    cute.arch.mbarrier_init(bars.p_empty + b, self.empty_arrivals)
                     if const_expr(bars.x is not None):
                         cute.arch.mbarrier_init(bars.x + b, 1)
                     if const_expr(bars.pp is not None):
@@ -838,8 +848,11 @@ class FFPAFwdSm90(KernelEntry):
                                        seq, half, tidx)
             warpgroup.wait_group(0)
             self._refill_v(v_loads, x - 1, total, seq, half, tidx)
-            if lane == 0:
+            if const_expr(self.rescale_o):  # every lane read sFactor[:, b]: each releases
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
+            if lane == 0:
+                if const_expr(not self.rescale_o):  # the warp's WGMMAs were its only reads
+                    cute.arch.mbarrier_arrive(bars.p_empty + b)
                 if const_expr(self.peer_arrivals):  # the peer writes our P slots too
                     cute.arch.mbarrier_arrive(bars.p_empty + b,
                                               1 - o_part if const_expr(peer is None) else peer,

@@ -1,0 +1,203 @@
+"""compute-sanitizer sweep: every kernel the package launches on this GPU, on small odd shapes,
+under memcheck, racecheck, synccheck and initcheck. Any error or hazard fails it.
+
+    python -m tests.sanitize                    # the four tools, in parallel; exit 1 on any finding
+    python -m tests.sanitize --tools racecheck  # one tool
+    python -m tests.sanitize --workload         # the workload alone (what each tool runs)
+    python -m tests.sanitize --precompile DIR   # (CPU) compile the workload's kernels into DIR
+
+What the workload runs (`CASES`): `ffpa_cute.attention` forward and backward through the public
+API, strict (a fallback would raise), for each kernel family that runs on the device, covering
+every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, the
+`kv_pair` CTA pair above 512, Dv != D, GQA rows packed for decode), the sm90 dQ / dK / dV
+kernels (dK with sequential score products and with two accumulators, the gradient split over
+two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
+family, and the sm90 family's route for D % 16 != 0 above 512) in their M8N1 / M4N2 / M2N4
+warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16.
+
+racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would
+only slow it down); the other tools check every kernel of the process (initcheck must see
+torch's writes of the inputs, or it would report them as uninitialized).
+
+On the device machine: precompile on the CPU box first (`--precompile .precache`, carried with
+the call) so the sanitized processes compile nothing; `FFPA_CUTE_CACHE_DIR=.precache` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+# (label, family, B, Hq, Hkv, Nq, Nkv, D, Dv, causal mode, dtype, backward)
+CASES = [
+    ("sm90 D512 GQA causal bottom-right", "sm90", 1, 4, 2, 129, 333, 512, 512, "bottom_right",
+     "bf16", True),
+    ("sm90 D320", "sm90", 2, 2, 2, 77, 77, 320, 320, "none", "bf16", True),
+    ("sm90 D1024 kv_pair causal", "sm90", 1, 2, 1, 65, 130, 1024, 1024, "bottom_right",
+     "bf16", True),
+    ("sm90 D768 MQA upper-left Nq>Nkv fp16", "sm90", 1, 4, 1, 200, 77, 768, 768, "upper_left",
+     "fp16", True),
+    ("sm90 D264 causal bottom-right", "sm90", 1, 2, 2, 7, 129, 264, 264, "bottom_right",
+     "bf16", True),
+    ("sm90 MLA 576/512 causal", "sm90", 1, 4, 1, 65, 130, 576, 512, "bottom_right", "bf16", True),
+    ("sm90 decode GQA rows packed", "sm90", 2, 8, 2, 1, 300, 512, 512, "none", "bf16", False),
+    ("sm90 D520 (Split-D on sm_90a)", "sm90", 1, 2, 1, 65, 130, 520, 520, "bottom_right",
+     "bf16", True),
+    ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),
+    ("sm80 D512 M4N2 GQA", "sm80", 1, 4, 2, 129, 333, 512, 512, "none", "fp16", True),
+    ("sm80 D1024 M2N4 upper-left", "sm80", 1, 2, 1, 65, 130, 1024, 1024, "upper_left", "bf16",
+     True),
+]
+
+
+def _problem(case):
+    from ffpa_cute.problem import AttnProblem
+
+    _, _, b, hq, hkv, nq, nkv, d, dv, mode, dtype, _ = case
+    causal = mode != "none"
+    offset = {"none": 0, "bottom_right": nkv - nq, "upper_left": 0}[mode]
+    return AttnProblem(dtype=dtype, batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                       seqlen_kv=nkv, head_dim=d, head_dim_v=dv, causal=causal,
+                       causal_offset=offset)
+
+
+def jobs(target: str = "sm_90a") -> list:
+    """(kernel class, config) of every kernel the workload launches on `target`."""
+    from ffpa_cute import dispatch
+
+    out = []
+    saved = os.environ.get("FFPA_CUTE_ARCH")
+    try:
+        for case in CASES:
+            os.environ["FFPA_CUTE_ARCH"] = case[1]
+            p = _problem(case)
+            plan = dispatch.plan_fwd(p, target=target)
+            assert plan.reason is None, (case[0], plan.reason)
+            todo = [(plan.kernel_cls, plan.cfg)]
+            if case[-1]:
+                todo += dispatch.bwd_kernels(p, target=target)
+            out += [j for j in todo if j not in out]
+    finally:
+        if saved is None:
+            os.environ.pop("FFPA_CUTE_ARCH", None)
+        else:
+            os.environ["FFPA_CUTE_ARCH"] = saved
+    return out
+
+
+def workload() -> int:
+    """Run every case forward (+ backward) once; prints the route of each."""
+    import torch
+    from torch.nn.attention.bias import causal_upper_left
+
+    import ffpa_cute
+    from ffpa_cute import interface
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    torch.manual_seed(0)
+    for case in CASES:
+        label, family, b, hq, hkv, nq, nkv, d, dv, mode, dtype, backward = case
+        os.environ["FFPA_CUTE_ARCH"] = family
+        interface._clear_caches()
+        dt = dtypes[dtype]
+        q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt, requires_grad=backward)
+        k = torch.randn(b, hkv, nkv, d, device="cuda", dtype=dt, requires_grad=backward)
+        v = torch.randn(b, hkv, nkv, dv, device="cuda", dtype=dt, requires_grad=backward)
+        kw = dict(enable_gqa=hq != hkv)
+        if mode == "upper_left":
+            kw["attn_mask"] = causal_upper_left(nq, nkv)
+        else:
+            kw["is_causal"] = mode == "bottom_right"
+        route = ffpa_cute.explain(q, k, v, **kw)
+        out = ffpa_cute.attention(q, k, v, strict=True, **kw)
+        if backward:
+            assert "SDPA recompute" not in route, (label, route)
+            out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {route[:160]}", flush=True)
+    return 0
+
+
+def _summary(tool: str, text: str) -> tuple[int, str]:
+    """(findings, summary line) from one tool's output: racecheck's hazards (errors and
+    warnings), the others' error count; -1 when the tool printed no summary."""
+    if tool == "racecheck":
+        m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, "
+                      r"(\d+) warnings?\)", text)
+        if m:
+            return int(m.group(1)), m.group(0)
+        if re.search(r"ERROR SUMMARY: 0 errors", text):
+            return 0, "RACECHECK SUMMARY: 0 hazards"
+    m = re.search(r"ERROR SUMMARY: (\d+) errors?", text)
+    return (int(m.group(1)), m.group(0)) if m else (-1, "no summary (crashed or timed out?)")
+
+
+def _command(tool: str) -> list[str]:
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    cmd = [exe, "--tool", tool, "--print-limit", "20"]
+    if tool == "racecheck":
+        cmd += ["--kernel-name", "kns=ffpa_cute", "--racecheck-report", "all"]
+    return cmd + [sys.executable, "-m", "tests.sanitize", "--workload"]
+
+
+def sweep(tools, out_dir: str, timeout: float) -> int:
+    """Run the workload under each tool (in parallel processes); print one line per tool and
+    return 1 if any tool found anything or printed no summary."""
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.time()
+    procs = {}
+    for tool in tools:
+        log = open(os.path.join(out_dir, f"sanitize-{tool}.log"), "w")
+        procs[tool] = (subprocess.Popen(_command(tool), stdout=log, stderr=subprocess.STDOUT),
+                       log)
+    bad = 0
+    for tool, (proc, log) in procs.items():
+        try:
+            proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        text = open(log.name).read()
+        n, line = _summary(tool, text)
+        routes = text.count("[workload]")
+        ok = n == 0 and routes == len(CASES)
+        bad |= not ok
+        print(f"{tool:10s} {'ok  ' if ok else 'FAIL'} {line}; cases run {routes}/{len(CASES)}; "
+              f"log {log.name} ({time.time() - t0:.0f} s)", flush=True)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.sanitize", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", action="store_true", help="run the workload (no sanitizer)")
+    ap.add_argument("--precompile", metavar="DIR", help="compile the workload's kernels into DIR")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "sanitize-logs"))
+    ap.add_argument("--timeout", type=float, default=480.0, help="seconds for the whole sweep")
+    a = ap.parse_args(argv)
+    if a.workload:
+        return workload()
+    if a.precompile:
+        from ffpa_cute.cache import JitCache
+
+        cache = JitCache(a.precompile, disk=True)
+        todo = jobs()
+        for cls, cfg in todo:
+            cache.get(cls, cfg)
+        print(f"{len(todo)} kernels in {cache.entry_dir('sm_90a')}: {cache.stats.compiles} "
+              f"compiled")
+        return 0
+    return sweep([t for t in a.tools.split(",") if t], a.out, a.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
