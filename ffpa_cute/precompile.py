@@ -4,7 +4,8 @@
         --cache-dir /opt/ffpa-cache
 
 Each (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch
-(with --backward also the dQ / dK / dV kernels `dispatch.bwd_kernels` names for training), compiled
+under the options in force (`ffpa_cute.options`; e.g. FFPA_CUTE_ARCH=sm80 for the Split-D family)
+(with --backward also the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`), compiled
 from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
 an object file into `<cache-dir>/<fingerprint>/`. A process on the GPU machine that sets
 `FFPA_CUTE_CACHE_DIR` to the same directory (same package sources and cutlass-dsl version) loads
@@ -60,7 +61,8 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False) ->
                 for causal in causals:
                     p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
                                     seqlen_kv=1, head_dim=d, head_dim_v=d, causal=causal)
-                    jobs += [j for j in dispatch.bwd_kernels(p, target=target) if j not in jobs]
+                    jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
+                             if j not in jobs]
     return jobs
 
 
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--backward", action="store_true",
-                    help="also the backward kernels (training); on sm_90 3 more per config")
+                    help="also the backward kernels (training): Delta, dQ, dK, dV per config")
     args = ap.parse_args(argv)
     target = normalize_arch(args.arch)
     dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, int)

@@ -1,6 +1,6 @@
 """Exact FLOP counts for attention, from the number of visible (query, key) pairs.
 
-Convention (shared with perf/NOTES.md and the anchor tables):
+Convention (shared with docs/perf-log.md and the anchor tables):
 
 * forward = 4 * B * Hq * pairs * D  (two matmuls, QK^T and PV, 2 FLOPs per multiply-add);
   with a value head dim Dv != D it is 2 * B * Hq * pairs * (D + Dv);

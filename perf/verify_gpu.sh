@@ -13,7 +13,7 @@
 # backward; 3 / 4 slow grids (sm90 / sm80); 5 first-call compile, host overhead, kv_pair, benches,
 # decode; 6 forward sweep vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA if staged with
 # STAGE_PEERS=1). Each call must stay under the 10-minute limit: "1 2", "bwd", "bwd2", "5" are
-# one call each (perf/NOTES.md, "Next device session").
+# one call each (docs/perf-log.md, "Next device session").
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"

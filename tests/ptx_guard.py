@@ -19,12 +19,13 @@ import json
 import pathlib
 import re
 
+from ffpa_cute.options import Options
+from ffpa_cute.problem import AttnProblem
+
 RECORD = pathlib.Path(__file__).with_name("ptx_verified.json")
 
 
 def _problem(d, causal):
-    from ffpa_cute.problem import AttnProblem
-
     return AttnProblem(dtype="bf16", batch=1, heads_q=2, heads_kv=1, seqlen_q=4096, seqlen_kv=4096,
                        head_dim=d, head_dim_v=d, causal=causal)
 
@@ -32,33 +33,29 @@ def _problem(d, causal):
 def kernels() -> dict:
     """name -> (kernel class, config): the default configs of every GPU-run kernel."""
     from ffpa_cute import dispatch
-    from ffpa_cute.sm80 import bwd_sm80
-    from ffpa_cute.sm80.config import plan_bwd
-    from ffpa_cute.sm90 import bwd_sm90
+    from ffpa_cute.common.config import DeltaConfig
+    from ffpa_cute.sm80 import config as sm80_config
+    from ffpa_cute.sm90 import config as sm90_config
 
     out = {}
     for d, causal in ((320, False), (512, True), (1024, False)):
-        plan = dispatch.plan_fwd(_problem(d, causal), target="sm_90a")
+        plan = dispatch.plan_fwd(_problem(d, causal), target="sm_90a", opts=Options())
         out[f"sm90-fwd-d{d}-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
-    from ffpa_cute import sm80
-
-    cfg = sm80.plan_fwd(_problem(512, True), "sm_90a")  # the Split-D forward (FFPA_CUTE_ARCH=sm80)
-    out["splitd-fwd-d512-causal-sm90a"] = (dispatch.kernel_of_config(cfg), cfg)
-    p = _problem(512, True)
-    for name, cls, plan in (("dq", bwd_sm90.FFPABwdDQSm90, bwd_sm90.plan_dq),
-                            ("dk", bwd_sm90.FFPABwdDKSm90, bwd_sm90.plan_dk),
-                            ("dv", bwd_sm90.FFPABwdDVSm90, bwd_sm90.plan_dv)):
-        out[f"sm90-bwd-{name}-d512-causal"] = (cls, plan(p))
-    p = _problem(1024, True)  # the gradient split over two CTAs
-    out["sm90-bwd-dq-d1024-causal"] = (bwd_sm90.FFPABwdDQSm90, bwd_sm90.plan_dq(p))
-    out["sm90-bwd-dk-d1024-causal"] = (bwd_sm90.FFPABwdDKSm90, bwd_sm90.plan_dk(p))
-    p = _problem(1024, True)
+    cfg = sm80_config.plan_fwd(_problem(512, True), "sm_90a")  # the Split-D forward on sm_90a
+    out["splitd-fwd-d512-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
+    for d in (512, 1024):
+        p = _problem(d, True)  # at 1024 the gradient is split over two CTAs
+        for name, plan in (("dq", sm90_config.plan_dq), ("dk", sm90_config.plan_dk),
+                           ("dv", sm90_config.plan_dv)):
+            if d == 1024 and name == "dv":
+                continue
+            cfg = plan(p)
+            out[f"sm90-bwd-{name}-d{d}-causal"] = (dispatch.kernel_class(cfg), cfg)
     for kind in ("dq", "dv"):
-        out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (bwd_sm80.kernel_class(kind, "sm_90a"),
-                                                        plan_bwd(kind, p, "sm_90a"))
-    from ffpa_cute.common.delta import DeltaConfig, RowDot
-
-    out["delta-d512-sm90a"] = (RowDot, DeltaConfig("sm_90a", "bf16", 512))  # dispatch.FUSED_DELTA
+        cfg = sm80_config.plan_bwd(kind, _problem(1024, True), "sm_90a")
+        out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
+    cfg = DeltaConfig("sm_90a", "bf16", 512)
+    out["delta-d512-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     return out
 
 

@@ -117,7 +117,7 @@ def test_can_implement_mirrors_the_docstring_constraints(bad, needle):
 
 
 def test_warp_layout_crossover():
-    # measured on the H200 (perf/NOTES.md): M8N1 wins at D=320, M4N2 at 512, M2N4 above 512
+    # measured on the H200 (docs/perf-log.md): M8N1 wins at D=320, M4N2 at 512, M2N4 above 512
     assert plan_fwd(prob(320), "sm_90a").warp_layout == "m8n1"
     assert plan_fwd(prob(512), "sm_90a").warp_layout == "m4n2"
     assert plan_fwd(prob(1024), "sm_90a").warp_layout == "m2n4"

@@ -7,13 +7,11 @@ once and keeps nothing but Delta: one warp per row, 16-byte loads (8 elements) s
 lanes, products accumulated in fp32, a butterfly reduction across the warp.
 
 Any arch (plain global loads and warp shuffles): compiled for the device's target like the
-kernels it feeds. Status: run and tested on the H200 (commit 8dd98be, test_fused_delta) and
-used by the backward (`dispatch.FUSED_DELTA`, on).
+kernels it feeds (config: common/config.py `DeltaConfig`). Status: run and tested on the H200
+(tests/test_attention_gpu.py::test_fused_delta); every backward plan runs it first.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -21,24 +19,18 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from .compat import compile_target
+from .config import DeltaConfig
 from .tensors import CUTLASS_DTYPES, aligned_bhnd, fake_args, launch_args
 
 WARPS = 8   # rows per CTA
 VEC = 8     # elements per 16-byte load
 
 
-@dataclass(frozen=True)
-class DeltaConfig:
-    """Compile key: target arch ("sm_80", "sm_90a", "sm_120a", ...), dtype, head dim (a
-    multiple of 8)."""
-
-    arch: str
-    dtype: str
-    head_dim: int
-
-
 class RowDot:
     """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] for one `DeltaConfig`."""
+
+    OPERANDS = ("do", "o", "delta")  # `launch`'s tensors, then the stream
+    SCALARS = ()
 
     def __init__(self, cfg: DeltaConfig):
         if cfg.dtype not in CUTLASS_DTYPES or cfg.head_dim % VEC or cfg.head_dim <= 0:
@@ -100,24 +92,4 @@ class RowDot:
             mDelta[batch, head, row] = acc
 
 
-def run_delta(dout, out):
-    """Delta [B, H, N] fp32 for torch tensors dout, out [B, H, N, D] (bf16/fp16, unit stride on
-    D, 16-byte aligned rows: what `dispatch._kernel_ready` gives)."""
-    import torch
-
-    from ..cache import jit_cache
-    from ..dispatch import current_arch
-    from ..problem import dtype_name
-    from .tensors import current_stream_handle
-
-    b, h, n, d = out.shape
-    delta = torch.empty(b, h, n, dtype=torch.float32, device=out.device)
-    if delta.numel() == 0:
-        return delta
-    cfg = DeltaConfig(current_arch(out.device), dtype_name(out.dtype), d)
-    fn = jit_cache().get(RowDot, cfg)
-    RowDot.launch(fn, dout, out, delta, current_stream_handle(out.device))
-    return delta
-
-
-__all__ = ["DeltaConfig", "RowDot", "run_delta"]
+__all__ = ["DeltaConfig", "RowDot"]

@@ -99,7 +99,7 @@ class DirectLaunch:
     """One compiled function's launch with its argument storage kept between calls.
 
     cutlass-dsl's executor rebuilds the argument pointer list on every call (~25-60 us on the
-    H200's host, perf/NOTES.md); the compiled host function only reads one pointer per argument.
+    H200's host, docs/perf-log.md); the compiled host function only reads one pointer per argument.
     This keeps one `RawTensorArg` per tensor and one `_ScalarArg` per scalar, re-pointed in place,
     and calls the executor's entry with the fixed pointer list. `matches` checks once per
     function, byte for byte, that the executor's own argument generation gives the same bytes;
@@ -266,9 +266,16 @@ def aligned_bhnd(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
 
 
 class KernelEntry:
-    """Compile and launch, shared by the kernel classes whose `__call__` takes
-    (q, k, v, o, lse, softmax_scale, causal_offset, stream); a class instance is built from its
-    config, the compile key."""
+    """Compile and launch, shared by the attention kernel classes; a class instance is built
+    from its config, the compile key.
+
+    `__call__` takes the tensors named by `OPERANDS` (in that order: "q", "k", "v", "o", "do",
+    "dq", "dk", "dv" are [B, H, N, D], "lse" and "delta" [B, Hq, Nq] fp32), then the `SCALARS`
+    (softmax scale, causal offset) and the CUDA stream; `launch.run_job` feeds it by these
+    names, so the host side needs no per-kernel code."""
+
+    OPERANDS = ("q", "k", "v", "o", "lse")
+    SCALARS = ("softmax_scale", "causal_offset")
 
     @staticmethod
     def arch_of(cfg) -> str:

@@ -1,6 +1,9 @@
-"""mma.sync Split-D kernels for sm_80/86/89 (verified on the H200, which also runs them)."""
+"""mma.sync Split-D kernels (sm_80 / 86 / 89; also compiled for sm_90a and sm_120a).
 
-from .config import FwdConfigSm80, can_implement, plan_fwd
-from .fwd_sm80 import FFPAFwdSm80
+config.py     compile keys and planners (imports no cutlass)
+fwd_sm80.py   the forward, D 264-1024, M8N1 / M4N2 / M2N4 warp layouts
+bwd_sm80.py   the dV, dQ and dK kernels on the forward's skeleton
 
-__all__ = ["FFPAFwdSm80", "FwdConfigSm80", "can_implement", "plan_fwd"]
+Run and tested on the H200 (compiled for sm_90a). Importing this package loads no kernel
+module: configs name their kernel classes (`cfg.KERNEL`), which load on first use.
+"""

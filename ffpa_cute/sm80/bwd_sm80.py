@@ -5,7 +5,7 @@ What it computes, for the forward O = softmax(scale * Q K^T [+ causal mask]) V w
 
     P   = exp(scale * Q K^T - LSE)               (LSE from the forward: no running max)
     dV  = P^T dO                                  dP = dO V^T
-    dS  = P * (dP - Delta),  Delta = rowsum(dO * O)   (fp32, computed in torch by the caller)
+    dS  = P * (dP - Delta),  Delta = rowsum(dO * O)   (fp32, common/delta.py, by the caller)
     dQ  = scale * dS K                            dK = scale * dS^T Q
 
 Each kernel is `FFPAFwdSm80`'s main loop with other tensors in its roles:
@@ -52,9 +52,10 @@ Budget (bf16, tile_n 64, tile_hdim 64, 8 warps; `config.BWD_WARP_LAYOUTS`):
 ptxas register counts and spills per kernel: tests/test_backward_sm80_compile.py.
 
 Status: compile-verified for sm_80, sm_90a, sm_120a (tests/test_backward_sm80_compile.py);
-run and tested on the H200 as sm_90a (tests/test_backward_sm80_gpu.py, commit f98b922), where
-autograd uses it for the Split-D family and for sm90 problems above the WGMMA backward's D range
-(`dispatch.bwd_family`). The sm120 subclasses have never run.
+run and tested on the H200 as sm_90a (tests/test_backward_sm80_gpu.py), where autograd uses it
+for the sm80 family and for the sm90 family's D % 16 != 0 above 512. Compiled for sm_120a it is
+**compile-verified only, never run** (no sm_120 GPU here), and the sm120 family does not route
+its backward to it.
 
 Constraints (mirrored by `config.can_implement`): those of `FwdConfigSm80` (dtype bf16 / fp16;
 D a multiple of 8 in [264, 1024]; unit stride on D, other strides multiples of 8 elements;
@@ -72,10 +73,8 @@ from cutlass import Float32
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, current_stream_handle, fake_grad_args
-from ..problem import AttnProblem
-from .config import (BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement,
-                     plan_bwd)
+from ..common.tensors import LOG2_E, fake_grad_args
+from .config import BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement
 from .fwd_sm80 import BlockSeq, FFPAFwdSm80
 
 
@@ -298,6 +297,7 @@ class FFPABwdDVSm80(_TransposedSm80):
     """dV = P^T dO, summed over each KV head's query heads (one config: `BwdDVConfigSm80`)."""
 
     num_scores = 1
+    OPERANDS = ("q", "k", "do", "dv", "lse")
 
     def __init__(self, cfg: BwdDVConfigSm80):
         super().__init__(cfg)
@@ -348,6 +348,8 @@ class FFPABwdDKSm80(_TwoScoresSm80, _TransposedSm80):
     """dK = scale * dS^T Q, dS^T = P^T (dP^T - Delta[i]), summed over each KV head's query heads
     (one config: `BwdDKConfigSm80`)."""
 
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
+
     def __init__(self, cfg: BwdDKConfigSm80):
         super().__init__(cfg)
 
@@ -370,6 +372,8 @@ class FFPABwdDKSm80(_TwoScoresSm80, _TransposedSm80):
 class FFPABwdDQSm80(_TwoScoresSm80):
     """dQ = scale * dS K, dS = P (dP - Delta): the forward's KV blocks, heads and causal rule
     (one config: `BwdDQConfigSm80`)."""
+
+    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
 
     def __init__(self, cfg: BwdDQConfigSm80):
         super().__init__(cfg)
@@ -403,94 +407,4 @@ class FFPABwdDQSm80(_TwoScoresSm80):
         self._ds(ctx, lambda r, c: st.lse[r], lambda r, c: st.delta[r])
 
 
-# ==================================================================================== host side
-KERNELS = {"dv": FFPABwdDVSm80, "dq": FFPABwdDQSm80, "dk": FFPABwdDKSm80}
-
-
-def kernel_class(kind: str, arch: str):
-    """The kernel class for `kind` on `arch`: the sm120 subclasses on sm_12x."""
-    if arch.startswith("sm_12"):
-        from ..sm120 import bwd_sm120
-
-        return bwd_sm120.KERNELS[kind]
-    return KERNELS[kind]
-
-
-def _prepare(kind, q, k, v, causal, causal_offset, arch):
-    from ..cache import jit_cache
-    from ..dispatch import current_arch
-
-    arch = arch or current_arch(q.device)
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
-    cfg = plan_bwd(kind, problem, arch)
-    cls = kernel_class(kind, arch)
-    stream = current_stream_handle(q.device)
-    return cls, jit_cache().get(cls, cfg), stream
-
-
-def run_dv(q, k, do, lse, softmax_scale: float, causal: bool, causal_offset: int,
-           arch: str | None = None):
-    """dV [B, Hkv, Nkv, D] (summed over each KV head's query heads) for q, do [B, Hq, Nq, D],
-    k [B, Hkv, Nkv, D] (bf16 / fp16; copied only where `dispatch._kernel_ready` must) and the
-    forward's lse [B, Hq, Nq] fp32."""
-    import torch
-
-    from ..dispatch import _kernel_ready
-
-    q, k, do = (_kernel_ready(t) for t in (q, k, do))
-    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if dv.numel() == 0 or q.shape[2] == 0:
-        return dv.zero_()
-    cls, fn, stream = _prepare("dv", q, k, k, causal, causal_offset, arch)
-    cls.launch(fn, q, k, do, dv, lse.contiguous(), softmax_scale, causal_offset, stream)
-    return dv
-
-
-def _run_two(kind, q, k, v, do, lse, delta, softmax_scale, causal, causal_offset, arch):
-    import torch
-
-    from ..dispatch import _kernel_ready
-
-    q, k, v, do = (_kernel_ready(t) for t in (q, k, v, do))
-    like = q if kind == "dq" else k
-    grad = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    if grad.numel() == 0 or q.shape[2] == 0 or k.shape[2] == 0:
-        return grad.zero_()
-    cls, fn, stream = _prepare(kind, q, k, v, causal, causal_offset, arch)
-    cls.launch(fn, q, k, v, do, grad, lse.contiguous(), delta.contiguous(), softmax_scale,
-               causal_offset, stream)
-    return grad
-
-
-def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int,
-           arch: str | None = None):
-    """dQ [B, Hq, Nq, D] for q, k, v, do (as `run_dv`), the forward's lse and
-    delta = rowsum(dO * O) [B, Hq, Nq] fp32."""
-    return _run_two("dq", q, k, v, do, lse, delta, softmax_scale, causal, causal_offset, arch)
-
-
-def run_dk(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int,
-           arch: str | None = None):
-    """dK [B, Hkv, Nkv, D] (summed over each KV head's query heads), inputs as `run_dq`."""
-    return _run_two("dk", q, k, v, do, lse, delta, softmax_scale, causal, causal_offset, arch)
-
-
-def run_bwd_sm80(problem: AttnProblem, q, k, v, out, lse, dout, delta=None,
-                 arch: str | None = None):
-    """(dq, dk, dv) from the three kernels, as `dispatch.run_bwd` calls the sm90 ones: q, k, v,
-    dout made kernel-ready once, delta = rowsum(dout * out) in fp32 unless given; `arch`
-    defaults to q's device's compile target."""
-    from ..dispatch import _kernel_ready
-
-    q, k, v, dout = (_kernel_ready(t) for t in (q, k, v, dout))
-    if delta is None:
-        delta = (dout.float() * out.float()).sum(-1)
-    args = (problem.softmax_scale, problem.causal, problem.causal_offset, arch)
-    dq = run_dq(q, k, v, dout, lse, delta, *args)
-    dk = run_dk(q, k, v, dout, lse, delta, *args)
-    dv = run_dv(q, k, dout, lse, *args)
-    return dq, dk, dv
-
-
-__all__ = ["FFPABwdDKSm80", "FFPABwdDQSm80", "FFPABwdDVSm80", "KERNELS", "kernel_class",
-           "run_bwd_sm80", "run_dk", "run_dq", "run_dv"]
+__all__ = ["FFPABwdDKSm80", "FFPABwdDQSm80", "FFPABwdDVSm80"]

@@ -1,8 +1,11 @@
 """Compile key and planner for the mma.sync Split-D forward (`FFPAFwdSm80`).
 
 `FwdConfigSm80` is frozen and holds Python scalars only, so it pickles, hashes and reads well in
-logs; `(qualname, cfg)` is the compile-cache key. `plan_fwd(problem, arch)` never returns a config
-that `can_implement` rejects.
+logs; `(qualname, cfg)` is the compile-cache key and `cfg.KERNEL` names the kernel class.
+`plan_fwd(problem, arch)` never returns a config that `can_implement` rejects. The same kernels
+serve sm_80/86/89, sm_90a (the sm90 family's D % 16 != 0 above 512, and `Options.family="sm80"`)
+and sm_120a/121a (the sm120 family: the same configs under a 99 KB shared-memory budget, picked
+by the compile target). This module imports no cutlass.
 
 # === TUNING TABLE ===================================================================
 # Warp layout (warp_m x warp_n warps; tile_m = 16 * warp_m rows of Q per CTA).
@@ -11,7 +14,7 @@ that `can_implement` rejects.
 #   - M8N1 (FA-2 style, 8 warps, tile_m 128, tile_n 32): no cross-warp softmax exchange, P stays
 #     in registers; O = D/2 registers, so only for D <= 320 (160 registers). tile_n 32 halves S,
 #     P and K fragments so that 160 O registers fit without spills.
-#     H200, D=320: 259 TFLOPS vs M4N2 201 (perf/NOTES.md).
+#     H200, D=320: 259 TFLOPS vs M4N2 201 (docs/perf-log.md).
 #   - M4N2 (8 warps, tile_m 64): O split in two along D; row max/sum exchanged through smem.
 #   - M2N4 (8 warps, tile_m 32): D > 512 (O = D/8 <= 128 registers at D = 1024).
 # tile_n 64 (M4N2, M2N4), tile_hdim 64 (one 128-byte swizzled row per chunk), stages: as many
@@ -22,6 +25,7 @@ that `can_implement` rejects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..problem import AttnProblem
 
@@ -55,6 +59,8 @@ class FwdConfigSm80:
     tile_n: int = 64
     tile_hdim: int = 64
     num_stages: int = 3
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm80.fwd_sm80:FFPAFwdSm80"
 
     @property
     def warp_m(self) -> int:
@@ -118,7 +124,7 @@ def can_implement(cfg: FwdConfigSm80) -> str | None:
 
 
 def pick_warp_layout(head_dim: int) -> str:
-    """Measured crossover (perf/NOTES.md): see the tuning table above."""
+    """Measured crossover (docs/perf-log.md): see the tuning table above."""
     if head_dim <= 320:
         return "m8n1"
     if head_dim <= 512:
@@ -172,11 +178,15 @@ class BwdDVConfigSm80(FwdConfigSm80):
     """Compile key of the dV kernel: the forward's fields, read with a tile_m-row K tile as
     the resident rows and tile_n-query blocks (Q chunks, then dO chunks) through the ring."""
 
+    KERNEL: ClassVar[str] = "ffpa_cute.sm80.bwd_sm80:FFPABwdDVSm80"
+
 
 @dataclass(frozen=True)
 class BwdDQConfigSm80(FwdConfigSm80):
     """Compile key of the dQ kernel: Q resident; per KV block the ring carries K chunks (S),
     V chunks with dO chunks in the row ring beside them (dP), then K chunks again (dS K)."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm80.bwd_sm80:FFPABwdDQSm80"
 
     def smem_bytes(self) -> int:
         """The forward's budget plus the row ring (num_stages x tile_m x tile_hdim)."""
@@ -187,6 +197,8 @@ class BwdDQConfigSm80(FwdConfigSm80):
 class BwdDKConfigSm80(BwdDQConfigSm80):
     """Compile key of the dK kernel: a K tile resident; per query block the ring carries Q
     chunks (S^T), dO chunks with V chunks in the row ring (dP^T), then Q chunks again (dS^T Q)."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm80.bwd_sm80:FFPABwdDKSm80"
 
 
 BWD_CONFIGS = {"dv": BwdDVConfigSm80, "dq": BwdDQConfigSm80, "dk": BwdDKConfigSm80}

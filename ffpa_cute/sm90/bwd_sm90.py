@@ -1,4 +1,4 @@
-"""Hopper backward on the forward's skeleton: dV, then dQ and dK below (plan: perf/NOTES.md).
+"""Hopper backward on the forward's skeleton: dV, then dQ and dK below (docs/design.md).
 
     dV[j, :] = sum_i P[i, j] dO[i, :],   P = exp(scale * Q K^T - LSE)   (LSE from the forward)
 
@@ -27,20 +27,17 @@ and the skeleton's hooks replaced:
 Queries whose LSE is -inf (they see no key) contribute nothing: their LSE is read as +inf, so
 P = exp2(finite - inf) = 0.
 
-Status (all three kernels): run and tested on the H200 against float64 (commits f98b922,
-e1f5101, eec3ee8; tests/test_backward_sm90_gpu.py), with `prefetch_stats`, dK `seq_scores`
-(D <= 512) and D up to 1024 (the gradient split over two CTAs above 512); autograd uses them
-for the sm90 family (`dispatch.BWD_KERNEL_FAMILIES`).
-Constraints: those of `FwdConfigSm90` without `kv_pair`; the planners take D <=
-`MAX_HEAD_DIM` (1024). Dv != D (MLA: dV accumulating Dv columns, dQ / dK's second product over
-Dv, `second_dim`): run and tested on the H200 at 8dd98be (test_dv_not_d); autograd uses it
-(`dispatch.DV_NOT_D_BWD`, on).
+Every kernel loads the per-row / per-column statistics (LSE, Delta) a block's score step reads
+before the block's WGMMAs (`_block_prefetch`), so their latency hides behind them.
+
+Status (all three kernels, D up to 1024 with the gradient split over two CTAs above 512, dK's
+sequential score products at D <= 512, Dv != D): run and tested on the H200 against float64
+(tests/test_backward_sm90_gpu.py; docs/verification.md). Constraints: those of `FwdConfigSm90`
+without `kv_pair`; configs and planners in config.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -52,89 +49,19 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, current_stream_handle, fake_grad_args
-from ..problem import AttnProblem
-from .config import TILE_M, FwdConfigSm90
-from .config import can_implement as _can_implement_fwd
-from .config import plan_fwd as _plan_fwd
+from ..common.tensors import LOG2_E, fake_grad_args
+from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
+                     can_implement_dq, can_implement_dv)
 from .fwd_sm90 import WG_THREADS, FFPAFwdSm90
-
-
-@dataclass(frozen=True)
-class BwdDVConfigSm90(FwdConfigSm90):
-    """Compile key of the dV kernel: the forward's fields, read with K as the resident rows;
-    `prefetch_stats`: load each block's LSE (and Delta) before its WGMMAs, not after them."""
-
-    prefetch_stats: bool = False
-
-
-# The planners' `prefetch_stats` (all three kernels): passed the GPU grid at e1f5101 and measured
-# 206 -> 215 TFLOPS at D=512 (perf/NOTES.md, session 4), so on.
-PREFETCH_STATS = True
-# The dK planner's `seq_scores` (tile_n 128, the two score products one after the other in one
-# accumulator, P^T kept in rP between them; with `prefetch_stats`): passed the GPU grid at
-# eec3ee8; dK 23.3 -> 17.6 ms at D=512, the backward 215 -> 242 TFLOPS (perf/NOTES.md), so on.
-# dQ compiles it too but spills (88-300 B at D = 320-512), so its planner keeps tile_n 64.
-SEQ_SCORES = True
-# The largest D the dK planner gives `seq_scores` (the GPU grid ran D <= 512): above, with the
-# gradient split over two CTAs, ptxas spills 148 B at D = 1024, so dK keeps tile_n 64 there.
-SEQ_SCORES_MAX_HEAD_DIM = 512
-
-
-# Head dims the planners take. Above 512 the gradient is split over two CTAs, as the forward
-# splits O (each recomputes the scores): passed test_above_512 at e1f5101 and ran 130 TFLOPS at
-# D=1024 against the Split-D backward's 110 (perf/NOTES.md, session 4).
-MAX_HEAD_DIM = 1024
-
-
-def _check_head_dim(problem: AttnProblem):
-    if problem.head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim={problem.head_dim} > {MAX_HEAD_DIM} (bwd_sm90.MAX_HEAD_DIM)")
-
-
-def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
-    reason = _can_implement_fwd(cfg)
-    if reason is None and cfg.kv_pair:
-        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
-    return reason
-
-
-def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
-    """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
-    _check_head_dim(problem)
-    cfg = BwdDVConfigSm90(**dataclasses.asdict(_plan_fwd(problem, arch, kv_pair=False)),
-                          prefetch_stats=PREFETCH_STATS)
-    reason = can_implement_dv(cfg)
-    if reason:
-        raise ValueError(reason)
-    return cfg
-
-
-def run_dv(q, k, do, lse, softmax_scale: float, causal: bool, causal_offset: int):
-    """dV [B, Hkv, Nkv, Dv] for torch tensors q, k [B, H, N, D], do [B, Hq, Nq, Dv] (bf16/fp16)
-    and the forward's lse [B, Hq, Nq] fp32."""
-    import torch
-
-    from ..cache import jit_cache
-    from ..dispatch import _kernel_ready
-
-    problem = dataclasses.replace(
-        AttnProblem.from_tensors(q, k, k, causal=causal, causal_offset=causal_offset),
-        head_dim_v=do.shape[-1])
-    cfg = plan_dv(problem)
-    dv = torch.empty(*k.shape[:-1], do.shape[-1], dtype=k.dtype, device=k.device)
-    fn = jit_cache().get(FFPABwdDVSm90, cfg)
-    stream = current_stream_handle(q.device)
-    # the skeleton's roles: K the resident rows, Q the streamed columns, dO the accumulator's B
-    FFPABwdDVSm90.launch(fn, _kernel_ready(k), _kernel_ready(q), _kernel_ready(do), dv,
-                         lse.contiguous(), softmax_scale, causal_offset, stream)
-    return dv
 
 
 class FFPABwdDVSm90(FFPAFwdSm90):
     """dV = P^T dO on the forward's warp-specialised skeleton."""
 
     rescale_o = False
+    # `__call__`'s tensors in the skeleton's roles: K the resident rows, Q the streamed
+    # columns, dO the accumulators' B operand, dV the output
+    OPERANDS = ("k", "q", "do", "dv", "lse")
 
     def __init__(self, cfg: BwdDVConfigSm90):
         reason = can_implement_dv(cfg)
@@ -204,10 +131,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
     def _block_prefetch(self, m_block, n_block, seqlen_q, mLSE, batch, head, tidx, tScS_mn,
                         extra):
         """The block's per-query values (`_load_columns`) loaded before its WGMMAs, for
-        `_stage_columns`. None without `prefetch_stats`: `_stage_columns` then loads them
-        after the WGMMAs."""
-        if cutlass.const_expr(not self.cfg.prefetch_stats):
-            return None
+        `_stage_columns`."""
         return self._load_columns(n_block, seqlen_q, mLSE, batch, head, tidx,
                                   self._column_delta(extra))
 
@@ -248,19 +172,17 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         return None
 
     @cute.jit
-    def _stage_columns(self, sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, mDelta, pre):
-        """Stage the block's per-query values in the (otherwise unused) row-factor buffer:
-        LSE in log2 units at [0, tile_n) (+inf for queries past Nq or that see no key, so their
-        P is 0), and with mDelta also Delta at [tile_n, 2 tile_n) (0 past Nq). One value per S
-        thread, or both of one query's when tile_n = 128 (`pre` from `_block_prefetch`, else
-        loaded here); two S-warpgroup barriers fence the buffer's reuse."""
+    def _stage_columns(self, sFactor, tidx, mDelta, pre):
+        """Stage the block's per-query values `pre` (from `_block_prefetch`) in the (otherwise
+        unused) row-factor buffer: LSE in log2 units at [0, tile_n) (+inf for queries past Nq
+        or that see no key, so their P is 0), and with mDelta also Delta at [tile_n, 2 tile_n)
+        (0 past Nq). One value per S thread, or both of one query's when tile_n = 128; two
+        S-warpgroup barriers fence the buffer's reuse."""
         n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
         assert n_vals <= self.cfg.factor_floats, "the row-factor buffer is too small"
         sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
-        if cutlass.const_expr(pre is None):
-            pre = self._load_columns(n_block, seqlen_q, mLSE, batch, head, tidx, mDelta)
         if cutlass.const_expr(self._both_per_thread(mDelta)):
             lse = pre[0]
             if lse == -Float32.inf:  # a query that sees no key: P = 0
@@ -303,7 +225,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                        extra, pre, i):
         """P^T for this block in rP: rows are keys j, columns queries i."""
         self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
-                           causal_offset, sFactor, tidx, mLSE, batch, head, None, pre)
+                           causal_offset, sFactor, tidx, None, pre)
 
     @cute.jit
     def _ds_from_p(self, acc_S_mn, tScS_mn, rP, sFactor, scale_log2):
@@ -319,10 +241,10 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 
     @cute.jit
     def _p_transposed(self, acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
-                      causal_offset, sFactor, tidx, mLSE, batch, head, mDelta, pre):
+                      causal_offset, sFactor, tidx, mDelta, pre):
         """Stage the block's column statistics, mask, and P^T = exp2(S^T * scale * log2(e) -
         LSE * log2(e)) into rP (dV's whole score step; dK's first product)."""
-        self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head, mDelta, pre)
+        self._stage_columns(sFactor, tidx, mDelta, pre)
         self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
         sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -331,117 +253,6 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                 acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
                                                 fastmath=True)
         rP.store(acc_S.load().to(self.dtype))
-
-
-# ==================================================================================== dQ kernel
-@dataclass(frozen=True)
-class BwdDQConfigSm90(FwdConfigSm90):
-    """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
-    warpgroup's registers), Q and dO streamed through the S ring (stream_q); `prefetch_stats`
-    as the dV kernel's. `seq_scores`: tile_n 128 and one 64 x 128 accumulator that holds S,
-    then dP (P waits in the bf16 P fragment in between). `second_dim`: the width of the second
-    product's operands (dO and V: Dv) when it differs from D (MLA-absorbed 576 / 512), else
-    None. `publish_after` counts chunks of both products (2 C in all); `publish_hi`: the chunk
-    after which the second accumulator warpgroup gets the block (None: with the first), so
-    that the two halves of the gradient product fill different gaps of the tensor pipe."""
-
-    prefetch_stats: bool = False
-    seq_scores: bool = False
-    second_dim: int | None = None
-    publish_hi: int | None = None
-
-    @property
-    def second_width(self) -> int:
-        return self.head_dim if self.second_dim is None else self.second_dim
-
-    @property
-    def stream_chunks(self) -> int:
-        return self.num_k_chunks + -(-self.second_width // self.k_chunk)
-
-
-def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
-    reason = _can_implement_fwd(cfg)
-    if reason is None and cfg.kv_pair:
-        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
-    if reason is None and (not cfg.stream_q or cfg.head_dim_v is not None
-                           or cfg.tile_n != (128 if cfg.seq_scores else 64)):
-        reason = ("the dQ / dK kernels need head_dim_v == head_dim, stream_q and tile_n 64 "
-                  "(seq_scores: 128)")
-    if reason is None and cfg.seq_scores and not cfg.prefetch_stats:
-        reason = "seq_scores needs prefetch_stats (the statistics are read mid-block)"
-    if reason is None and cfg.second_dim is not None and (
-            cfg.second_dim == cfg.head_dim or cfg.second_dim % 16
-            or not 64 <= cfg.second_dim <= 512):
-        reason = (f"second_dim={cfg.second_dim} (Dv): None when equal to head_dim, else a "
-                  "multiple of 16 in [64, 512]")
-    return reason
-
-
-# The two-product kernels hand each block to their two accumulator warpgroups at different
-# points of the S ring (`publish_hi`), so that the gradient product's halves fill the tensor
-# pipe while the S warpgroup forms P and dS; D <= 512 (measured there, perf/NOTES.md session 6:
-# dQ 16.8 -> 15.3 ms, dK 13.1 -> 12.6 ms at D=320). Per kernel, (first half, second half) in
-# chunks: dQ after half of S's chunks and after half of dP's; dK (`seq_scores`) after S^T and
-# after dP^T. False: both halves after the first product (publish_after = C). GPU-tested at
-# ddabfa2 (session 7: test_backward_sm90_gpu, 43 passed).
-SPLIT_PUBLISH = True
-SPLIT_PUBLISH_MAX_HEAD_DIM = 512
-
-
-def _publish_points(problem: AttnProblem, grad: str) -> tuple[int, int | None]:
-    """(publish_after, publish_hi) of the dQ / dK plan."""
-    c = -(-problem.head_dim // 64)
-    c2 = -(-problem.head_dim_v // 64)
-    if not SPLIT_PUBLISH or problem.head_dim > SPLIT_PUBLISH_MAX_HEAD_DIM:
-        return c, None
-    return (c // 2, c + c2 // 2) if grad == "dq" else (c, c + c2)
-
-
-def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
-    """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
-    second's), then the deepest accumulator-operand rings that fit."""
-    _check_head_dim(problem)
-    dv = problem.head_dim_v
-    publish_after, publish_hi = _publish_points(
-        problem, "dq" if cls is BwdDQConfigSm90 else "dk")
-    base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
-                publish_after=publish_after, publish_hi=publish_hi,
-                prefetch_stats=PREFETCH_STATS or seq_scores, seq_scores=seq_scores,
-                second_dim=None if dv == problem.head_dim else dv)
-    for v in (4, 3, 2):
-        cfg = cls(**base, k_stages=4, v_stages=v)
-        if can_implement_dq(cfg) is None:
-            return cfg
-    raise ValueError(can_implement_dq(cls(**base, k_stages=4, v_stages=2)))
-
-
-def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
-    return _plan_two(BwdDQConfigSm90, problem, arch, False)
-
-
-def _run_two(cls, plan, grad_like, q, k, v, do, lse, delta, softmax_scale, causal,
-             causal_offset):
-    """The dQ or dK kernel on torch tensors: a gradient shaped like `grad_like`."""
-    import torch
-
-    from ..cache import jit_cache
-    from ..dispatch import _kernel_ready
-
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset)
-    grad = torch.empty(grad_like.shape, dtype=grad_like.dtype, device=grad_like.device)
-    fn = jit_cache().get(cls, plan(problem))
-    stream = current_stream_handle(q.device)
-    cls.launch(fn, *(_kernel_ready(t) for t in (q, k, v, do)), grad, lse.contiguous(),
-               delta.contiguous(), softmax_scale, causal_offset, stream)
-    return grad
-
-
-def run_dq(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
-    """dQ for torch tensors q, k, v, do [B, H, N, D], the forward's lse and
-    delta = rowsum(dO * O) [B, Hq, Nq] fp32."""
-    return _run_two(FFPABwdDQSm90, plan_dq, q, q, k, v, do, lse, delta, softmax_scale, causal,
-                    causal_offset)
 
 
 class TwoProductExtra(NamedTuple):
@@ -540,6 +351,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     """
 
     rescale_o = False
+    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
 
     def __init__(self, cfg: BwdDQConfigSm90):
         reason = can_implement_dq(cfg)
@@ -589,10 +401,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
                         extra):
         """The thread's rows' LSE and Delta (rows past Nq: -inf / 0), loaded before the
-        block's WGMMAs (L1 hits after the first block; their latency hides behind them). None
-        without `prefetch_stats`: `_softmax_block` then loads them after the WGMMAs."""
-        if cutlass.const_expr(not self.cfg.prefetch_stats):
-            return None
+        block's WGMMAs (L1 hits after the first block; their latency hides behind them)."""
         rows = cute.size(tScS_mn, mode=[0])
         stats = cute.make_rmem_tensor((rows, 2), Float32)
         seqlen_q = extra.mDelta.shape[2]
@@ -628,22 +437,12 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
                 apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                            TILE_M, self.tile_n, self.causal)
             acc_dP_mn = mn_view(acc_2)
-            seqlen_q = extra.mDelta.shape[2]
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
-                delta = Float32(0.0)
-                if cutlass.const_expr(pre is None):
-                    row = m_block * TILE_M + tScS_mn[r, 0][0]
-                    if row < seqlen_q:
-                        v = mLSE[batch, head, row]
-                        if v != -Float32.inf:
-                            lse2 = v * LOG2_E
-                        delta = extra.mDelta[batch, head, row]
-                else:
-                    if pre[r, 0] != -Float32.inf:
-                        lse2 = pre[r, 0] * LOG2_E
-                    delta = pre[r, 1]
+                if pre[r, 0] != -Float32.inf:
+                    lse2 = pre[r, 0] * LOG2_E
+                delta = pre[r, 1]
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
                                        fastmath=True)
@@ -653,31 +452,6 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
 
 
 # ==================================================================================== dK kernel
-@dataclass(frozen=True)
-class BwdDKConfigSm90(BwdDQConfigSm90):
-    """Compile key of the dK kernel: dQ's fields (tile_n 64, rows streamed, `prefetch_stats`,
-    `seq_scores`, `second_dim`), a larger staging buffer."""
-
-    @property
-    def factor_floats(self) -> int:
-        """The columns' LSE and Delta: 2 * tile_n floats."""
-        return 2 * max(TILE_M, self.tile_n)
-
-
-def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
-    """As dQ's (with `SEQ_SCORES`, up to `SEQ_SCORES_MAX_HEAD_DIM`: tile_n 128, one score
-    accumulator)."""
-    return _plan_two(BwdDKConfigSm90, problem, arch,
-                     SEQ_SCORES and problem.head_dim <= SEQ_SCORES_MAX_HEAD_DIM)
-
-
-def run_dk(q, k, v, do, lse, delta, softmax_scale: float, causal: bool, causal_offset: int):
-    """dK [B, Hkv, Nkv, D] (summed over each KV head's query heads) for torch tensors, the
-    forward's lse and delta = rowsum(dO * O)."""
-    return _run_two(FFPABwdDKSm90, plan_dk, k, q, k, v, do, lse, delta, softmax_scale, causal,
-                    causal_offset)
-
-
 class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     """dK = scale * dS^T Q, dS^T = P^T (dP^T - Delta[i]), on the skeleton.
 
@@ -686,6 +460,8 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     one S ring: chunks 0..C-1 hold K (rows) and Q (columns) for S^T = K Q^T, chunks C..2C-1 V and
     dO for dP^T = V dO^T. The accumulator warpgroups' B operand is Q (rows of the query block).
     """
+
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
 
     def __init__(self, cfg: BwdDKConfigSm90):
         reason = can_implement_dq(cfg)
@@ -703,7 +479,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         """`seq_scores`: S^T is complete in acc_S; the block's column LSE / Delta are staged and
         P^T (transposed mask) goes to rP, freeing acc_S for dP^T."""
         self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
-                           causal_offset, sFactor, tidx, None, None, None, extra.mDelta, pre)
+                           causal_offset, sFactor, tidx, extra.mDelta, pre)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -721,8 +497,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
             self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
         else:
-            self._stage_columns(sFactor, tidx, n_block, seqlen_q, mLSE, batch, head,
-                                extra.mDelta, pre)
+            self._stage_columns(sFactor, tidx, extra.mDelta, pre)
             self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
             sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
             acc_dP_mn = mn_view(acc_2)
@@ -736,7 +511,5 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
                     acc_S_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
         rP.store(acc_S.load().to(self.dtype))
 
-__all__ = ["BwdDKConfigSm90", "BwdDQConfigSm90", "BwdDVConfigSm90", "FFPABwdDKSm90",
-           "TwoProductExtra",
-           "FFPABwdDQSm90", "FFPABwdDVSm90", "can_implement_dq", "can_implement_dv", "plan_dk",
-           "plan_dq", "plan_dv", "run_dk", "run_dq", "run_dv"]
+
+__all__ = ["FFPABwdDKSm90", "FFPABwdDQSm90", "FFPABwdDVSm90", "TwoProductExtra"]

@@ -1,7 +1,10 @@
-"""Compile key and planner for the Hopper WGMMA forward (`FFPAFwdSm90`).
+"""Compile keys and planners of the Hopper WGMMA kernels: the forward (`FFPAFwdSm90`) and the
+backward's dV, dQ and dK kernels (bwd_sm90.py), which run on the forward's warp-specialised ring
+with the operands in other roles.
 
-`FwdConfigSm90` is frozen and holds Python scalars only; `(qualname, cfg)` is the compile-cache
-key. `plan_fwd(problem, arch)` never returns a config that `can_implement` rejects.
+Each config is frozen and holds Python scalars only; `(kernel qualname, cfg)` is the
+compile-cache key and `cfg.KERNEL` names the kernel class ("module:Class"). The planners never
+return a config that its `can_implement` rejects; this module imports no cutlass.
 
 # === TUNING TABLE ===================================================================
 # tile_m 64 (one m64 WGMMA row block: O[64 x D] fp32 is 128 KB at D = 512, half the register
@@ -22,7 +25,9 @@ key. `plan_fwd(problem, arch)` never returns a config that `can_implement` rejec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..problem import AttnProblem
 
@@ -31,10 +36,6 @@ DTYPES = ("bf16", "fp16")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2
 TILE_M = 64
-# The planner's `kv_pair` for D > 512 (the pair splits the KV blocks and exchanges P instead of
-# both recomputing S): GPU-tested at 8dd98be (H200) and on; D=1024 forward 351 -> 453 TFLOPS
-# (perf/NOTES.md, session 5). False restores both CTAs scoring every block.
-KV_PAIR = True
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class FwdConfigSm90:
     v_stages:      depth of each of the two V rings ([v_rows x D/2] chunks)
     publish_after: QK WGMMA chunks of block n+1 the S warpgroup issues before it hands P[n] to
                    the O warpgroups (0: hand over first). Orders the tensor-core queue so that
-                   PV[n] runs while softmax[n+1] does (perf/NOTES.md, "WGMMA order").
+                   PV[n] runs while softmax[n+1] does (docs/perf-log.md, "WGMMA order").
     stream_q:      Q streams through the K ring (a [64 x 64] Q chunk beside each K chunk)
                    instead of staying resident: required when O is split over two CTAs (D > 512);
                    at D <= 512 it trades L2 reads of Q for smem given to the V rings.
@@ -73,6 +74,8 @@ class FwdConfigSm90:
     stream_q: bool = False
     head_dim_v: int | None = None
     kv_pair: bool = False
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
     @property
     def tile_m(self) -> int:
@@ -210,13 +213,13 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     return None
 
 
-def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool | None = None) -> FwdConfigSm90:
+def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
-    `kv_pair`: whether D > 512 pairs the CTAs (None: the `KV_PAIR` switch).
+    `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`).
 
-    Measured on the H200 (perf/NOTES.md, 2026-12-02 session 2): a K ring under 4 stages
-    starves QK (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4
-    stages 507 vs 7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
+    Measured on the H200 (docs/perf-log.md, 2026-12-02): a K ring under 4 stages starves QK
+    (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
+    7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
     """
     dv = problem.head_dim_v
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
@@ -224,7 +227,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool | None = None) -> Fw
                 causal=problem.causal, publish_after=-(-problem.head_dim // 64),
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
                 head_dim_v=None if dv == problem.head_dim else dv)
-    if (KV_PAIR if kv_pair is None else kv_pair) and split and dv == problem.head_dim:
+    if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
     return deepest_rings(lambda k, v: FwdConfigSm90(**base, k_stages=k, v_stages=v),
                          can_implement)
@@ -241,3 +244,151 @@ def deepest_rings(make, reason_of):
     if v is None:
         raise ValueError(reason_of(make(4, 2)))
     return make(max(k for k in range(4, 9) if fits(k, v)), v)
+
+
+# ==================================================================================== backward
+# The backward kernels (bwd_sm90.py) reuse the forward's ring with other operands in its roles.
+# Each loads the per-row / per-column statistics (LSE, Delta) of a block before the block's
+# WGMMAs, so their latency hides behind them (D=512: 206 -> 215 TFLOPS, docs/perf-log.md).
+# Above 512 the gradient is split over two CTAs as the forward splits O, each recomputing the
+# scores (never `kv_pair`).
+BWD_MAX_HEAD_DIM = 1024
+# dK forms its two score products one after the other in one accumulator (`seq_scores`, tile_n
+# 128) up to this D; above it ptxas spills (148 B at D=1024), so dK keeps tile_n 64 there. dQ
+# never does: it spills 88-300 B at D = 320-512.
+SEQ_SCORES_MAX_HEAD_DIM = 512
+# Up to this D the two-product kernels hand each block to their two accumulator warpgroups at
+# different S-ring chunks (`publish_hi`), so the gradient product's halves fill different gaps
+# of the tensor pipe (dQ 16.8 -> 15.3 ms at D=512).
+SPLIT_PUBLISH_MAX_HEAD_DIM = 512
+
+
+@dataclass(frozen=True)
+class BwdDVConfigSm90(FwdConfigSm90):
+    """Compile key of the dV kernel: the forward's fields, read with a 64-row K tile as the
+    resident rows, 128-query blocks of Q through the S ring and dO as the accumulator's B."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_sm90:FFPABwdDVSm90"
+
+
+@dataclass(frozen=True)
+class BwdDQConfigSm90(FwdConfigSm90):
+    """Compile key of the dQ kernel: tile_n 64 (two 64 x 64 score accumulators fit the S
+    warpgroup's registers), Q and dO streamed through the S ring (stream_q). `seq_scores`:
+    tile_n 128 and one 64 x 128 accumulator that holds S, then dP (P waits in the bf16 P
+    fragment in between). `second_dim`: the width of the second product's operands (dO and V:
+    Dv) when it differs from D (MLA-absorbed 576 / 512), else None. `publish_after` counts
+    chunks of both products (2 C in all); `publish_hi`: the chunk after which the second
+    accumulator warpgroup gets the block (None: with the first)."""
+
+    seq_scores: bool = False
+    second_dim: int | None = None
+    publish_hi: int | None = None
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_sm90:FFPABwdDQSm90"
+
+    @property
+    def second_width(self) -> int:
+        return self.head_dim if self.second_dim is None else self.second_dim
+
+    @property
+    def stream_chunks(self) -> int:
+        return self.num_k_chunks + -(-self.second_width // self.k_chunk)
+
+
+@dataclass(frozen=True)
+class BwdDKConfigSm90(BwdDQConfigSm90):
+    """Compile key of the dK kernel: dQ's fields (tile_n 64 or, with `seq_scores`, 128; rows
+    streamed; `second_dim`), a larger staging buffer."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_sm90:FFPABwdDKSm90"
+
+    @property
+    def factor_floats(self) -> int:
+        """The columns' LSE and Delta: 2 * tile_n floats."""
+        return 2 * max(TILE_M, self.tile_n)
+
+
+def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
+    reason = can_implement(cfg)
+    if reason is None and cfg.kv_pair:
+        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
+    return reason
+
+
+def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
+    """The dQ and dK kernels' constraints (both two-product kernels)."""
+    reason = can_implement(cfg)
+    if reason is None and cfg.kv_pair:
+        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
+    if reason is None and (not cfg.stream_q or cfg.head_dim_v is not None
+                           or cfg.tile_n != (128 if cfg.seq_scores else 64)):
+        reason = ("the dQ / dK kernels need head_dim_v == head_dim, stream_q and tile_n 64 "
+                  "(seq_scores: 128)")
+    if reason is None and cfg.second_dim is not None and (
+            cfg.second_dim == cfg.head_dim or cfg.second_dim % 16
+            or not 64 <= cfg.second_dim <= 512):
+        reason = (f"second_dim={cfg.second_dim} (Dv): None when equal to head_dim, else a "
+                  "multiple of 16 in [64, 512]")
+    return reason
+
+
+def _check_bwd_head_dim(problem: AttnProblem):
+    if problem.head_dim > BWD_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={problem.head_dim} > {BWD_MAX_HEAD_DIM} (the sm90 backward)")
+
+
+def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
+    """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
+    _check_bwd_head_dim(problem)
+    cfg = BwdDVConfigSm90(**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)))
+    reason = can_implement_dv(cfg)
+    if reason:
+        raise ValueError(reason)
+    return cfg
+
+
+def _publish_points(problem: AttnProblem, grad: str) -> tuple[int, int | None]:
+    """(publish_after, publish_hi) of the dQ / dK plan: dQ's halves after half of S's chunks and
+    after half of dP's; dK's (`seq_scores`) after S^T and after dP^T; above
+    SPLIT_PUBLISH_MAX_HEAD_DIM both halves after the first product."""
+    c = -(-problem.head_dim // 64)
+    c2 = -(-problem.head_dim_v // 64)
+    if problem.head_dim > SPLIT_PUBLISH_MAX_HEAD_DIM:
+        return c, None
+    return (c // 2, c + c2 // 2) if grad == "dq" else (c, c + c2)
+
+
+def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
+    """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
+    second's), then the deepest accumulator-operand rings that fit."""
+    _check_bwd_head_dim(problem)
+    dv = problem.head_dim_v
+    publish_after, publish_hi = _publish_points(
+        problem, "dq" if cls is BwdDQConfigSm90 else "dk")
+    base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
+                publish_after=publish_after, publish_hi=publish_hi, seq_scores=seq_scores,
+                second_dim=None if dv == problem.head_dim else dv)
+    for v in (4, 3, 2):
+        cfg = cls(**base, k_stages=4, v_stages=v)
+        if can_implement_dq(cfg) is None:
+            return cfg
+    raise ValueError(can_implement_dq(cls(**base, k_stages=4, v_stages=2)))
+
+
+def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
+    return _plan_two(BwdDQConfigSm90, problem, arch, False)
+
+
+def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
+    """As dQ's, with `seq_scores` (tile_n 128, one score accumulator) up to
+    SEQ_SCORES_MAX_HEAD_DIM."""
+    return _plan_two(BwdDKConfigSm90, problem, arch,
+                     problem.head_dim <= SEQ_SCORES_MAX_HEAD_DIM)
+
+
+def plan_bwd(problem: AttnProblem, arch: str = "sm_90a") -> list:
+    """The dQ, dK and dV configs for `problem` (in that order); raises ValueError with the
+    reason when the WGMMA backward cannot run it."""
+    return [plan_dq(problem, arch), plan_dk(problem, arch), plan_dv(problem, arch)]

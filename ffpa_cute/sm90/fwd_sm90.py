@@ -6,7 +6,7 @@ bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8, and from 528 t
 of 16 with O split over two CTAs (`o_split`, below).
 
 One CTA = one 64-row Q tile of one (batch, head), three warpgroups with separate roles
-(kernel-design.md §2, design F1 without the producer warpgroup; perf/NOTES.md has the
+(kernel-design.md §2, design F1 without the producer warpgroup; docs/perf-log.md has the
 microbenchmarks that chose it):
 
   WG0 "S"     S = Q K^T over D in 64-column chunks (m64n128k16 SS WGMMA), mask, online softmax
@@ -32,12 +32,12 @@ adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O war
 each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor work is counted at
 D=1024), and Q no longer stays resident (64 x 1024 would be 128 KB): it streams through the K
 ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. CTA 0 writes LSE.
-Status: run and tested on the H200 (commit f98b922: slow grid at D 576 / 768 / 1024); the
-route for D > 512 with D % 16 == 0 where `kv_pair` is off (Dv != D, or config.KV_PAIR False).
+Run and tested on the H200; the forward's route for D > 512 only with `Options.kv_pair` off (the
+backward kernels split their gradient this way above 512).
 
-`kv_pair` (config field, D > 512; run and tested on the H200 at 8dd98be, the default for
-D > 512 with Dv == D since 0183108: `config.KV_PAIR`): the two CTAs form a cluster and split
-the KV blocks instead of both computing S. At step i CTA r scores
+`kv_pair` (config field, D > 512 with Dv == D; run and tested on the H200, the planner's default:
+`Options.kv_pair`): the two CTAs form a cluster and split the KV blocks instead of both
+computing S. At step i CTA r scores
 block 2i + r; the pair joins its row maxima (st.async into the peer's `peer_stat`, counted on
 its `x[b]` mbarrier) so both keep one running max, and each sends its P tile into the same
 slot of the peer's four-slot P buffer (one shared::cluster bulk copy, counted on the peer's
@@ -62,7 +62,7 @@ normalise with the protocol they already follow.
 
 Tensor-core order: the S warpgroup writes P[n], issues `publish_after` chunks of QK[n+1], then
 arrives on P_full[n]; WGMMAs from different warpgroups run in issue order on the H200
-(perf/NOTES.md), so PV[n] queues behind the start of QK[n+1] and runs while softmax[n+1] does.
+(docs/perf-log.md), so PV[n] queues behind the start of QK[n+1] and runs while softmax[n+1] does.
 
 Masking: only blocks that cross Nkv or the causal diagonal (one runtime check per block). TMA
 zero-fills rows past Nq / Nkv and columns past D, so no load carries a predicate; O and LSE
@@ -77,11 +77,9 @@ roles: `_heads` (which head the streamed operands come from, and the head group 
 (TMA sources of a block), `_stats_head` / `_block_prefetch` (whose per-row statistics a block
 reads, loaded before its WGMMAs), `_softmax_block` (scores -> P and row factors),
 `_final_factors`, `rescale_o`, for two score products per block `second_score` /
-`seq_scores` / `_chunk` / `_first_scores`, and for a kernel whose cluster CTAs take different
-operands (bwd_pair_sm90.py) `_operands` / `_warpgroups` (the global operands of a role, and the
-warpgroups run on them) and `_after_p_store`. The forward's own versions are the code above;
-introducing them left its PTX byte-identical (tests/ptx_verified.json), so its GPU
-verification carries over.
+`seq_scores` / `_chunk` / `_first_scores`, and `_operands` / `_warpgroups` (the global
+operands of each role, and the warpgroups run on them) and `_after_p_store` (`kv_pair`'s P
+exchange). The forward's own versions are the code above.
 
 Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
 [264, 512] or of 16 in (512, 1024]; last stride 1, 16-byte aligned base, other strides multiples

@@ -1,0 +1,152 @@
+"""Running planned kernels on torch tensors: the forward, the backward's kernel list, and the
+per-signature launcher of repeated calls.
+
+Every kernel class names its tensor arguments (`OPERANDS`: "q", "k", "v", "o", "do", "dq", "dk",
+"dv", "lse", "delta") and scalars (`SCALARS`), so one `run_job` launches any of them from a dict
+of tensors: the host side needs no per-kernel code, and a kernel module never imports this one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .cache import jit_cache
+from .dispatch import BwdPlan, Plan
+
+
+def kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernels need unit stride on D and 16-byte aligned rows: copy only when that fails.
+
+    A clone, not `.contiguous()`: a contiguous view at a misaligned offset would come back as is.
+    """
+    elems = 16 // t.element_size()
+    if (t.stride(-1) != 1 or t.data_ptr() % 16
+            or any(s % elems for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _stream(device) -> int:
+    from .common.tensors import current_stream_handle
+
+    return current_stream_handle(device)
+
+
+def run_job(cls, cfg, tensors: dict, scalars: dict, stream: int) -> None:
+    """Compile (or load) `cfg`'s kernel and launch it on `tensors[name]` for each name in
+    `cls.OPERANDS`, then `scalars[name]` for `cls.SCALARS`, on `stream`."""
+    fn = jit_cache().get(cls, cfg)
+    cls.launch(fn, *(tensors[n] for n in cls.OPERANDS), *(scalars[n] for n in cls.SCALARS),
+               stream)
+
+
+def kernel_args(plan: Plan, q, k, v, out, lse):
+    """((q, k, v, o, lse) as the kernel sees them, causal offset) for a plan's call. Packed
+    plans see [B, Hkv, G * Nq, .]: views of out / lse, and of q where its strides allow (a copy
+    otherwise, which `kernel_ready` then keeps), with no causal offset (no row is masked)."""
+    if not plan.packed:
+        return (q, k, v, out, lse), plan.problem.causal_offset
+    b, hkv = out.shape[0], k.shape[1]
+    return ((q.reshape(b, hkv, -1, q.shape[-1]), k, v, out.view(b, hkv, -1, out.shape[-1]),
+             lse.view(b, hkv, -1)), 0)
+
+
+def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Run a forward plan: (out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32)."""
+    if plan.reason is not None:
+        raise NotImplementedError(plan.reason)
+    p = plan.problem
+    b, hq, nq, _ = q.shape
+    out = torch.empty(b, hq, nq, p.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[2] == 0:  # no keys at all: every row is empty
+        return out.zero_(), lse.fill_(float("-inf"))
+    (q, k, v, qo, lo), offset = kernel_args(plan, kernel_ready(q), k, v, out, lse)
+    tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo)
+    run_job(plan.kernel_cls, plan.cfg, tensors,
+            dict(softmax_scale=p.softmax_scale, causal_offset=offset), _stream(q.device))
+    return out, lse
+
+
+def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout):
+    """(dq, dk, dv) from a backward plan's kernels: Delta = rowsum(dout * out) first, then the
+    gradient kernels, each writing its own output (atomic-free: the same bits every run)."""
+    if plan.reason is not None:
+        raise NotImplementedError(plan.reason)
+    p = plan.problem
+    q, k, v, dout, out = (kernel_ready(t) for t in (q, k, v, dout, out))
+    t = dict(q=q, k=k, v=v, do=dout, o=out, lse=lse.contiguous())
+    t["delta"] = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    t["dq"] = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    t["dk"] = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    t["dv"] = torch.empty(*k.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
+    scalars = dict(softmax_scale=p.softmax_scale, causal_offset=p.causal_offset)
+    stream = _stream(q.device)
+    for cls, cfg in plan.jobs:
+        run_job(cls, cfg, t, scalars, stream)
+    return t["dq"], t["dk"], t["dv"]
+
+
+class FwdCall:
+    """`run_fwd` for one call signature (plan, shapes, strides, dtype, device): what does not
+    depend on the data pointers is decided once, so a repeated call allocates out / lse, writes
+    five pointers and the stream, and launches (the per-signature fast path of `attention()`).
+
+    `__call__` returns None whenever the general `run_fwd` must take the call: a misaligned
+    data pointer, a layout that `kernel_ready` would copy, an empty problem, the first calls
+    of a kernel (before its `DirectLaunch` check passed), or another device being current.
+    Per thread (the argument storage is written before each launch).
+    """
+
+    def __init__(self, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        p = plan.problem
+        b, hq, nq, _ = q.shape
+        self.plan, self.dtype, self.device = plan, q.dtype, q.device
+        self.out_shape, self.lse_shape = (b, hq, nq, p.head_dim_v), (b, hq, nq)
+        ready = all(kernel_ready(t) is t for t in (q, k, v))
+        if plan.packed:
+            packed_q = q.reshape(b, k.shape[1], -1, q.shape[-1])
+            ready = ready and packed_q.data_ptr() == q.data_ptr() and (
+                kernel_ready(packed_q) is packed_q)
+        self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
+                       and q.device.type == "cuda")
+        self._tls = threading.local()
+
+    def _direct(self, q, k, v, out, lse):
+        """This thread's `DirectLaunch` with the signature's shapes and strides, once the
+        kernel's argument layout has been checked; else None."""
+        from .common import tensors
+
+        direct = getattr(self._tls, "direct", None)
+        if direct is None:
+            fn = jit_cache().get(self.plan.kernel_cls, self.plan.cfg)
+            if not tensors.direct_launch_ok(fn):
+                return None
+            direct = tensors.DirectLaunch(fn, 5, [4, 4, 4, 4, 3])
+            tensors_, offset = kernel_args(self.plan, q, k, v, out, lse)
+            direct.set(tensors_, self.plan.problem.softmax_scale, offset, 0)
+            self._tls.direct = direct
+        return direct
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """(out, lse), or None: the general path takes this call."""
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if (not self.usable or (ptrs[0] | ptrs[1] | ptrs[2]) % 16
+                or torch.cuda.current_device() != self.device.index):
+            return None
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        direct = self._direct(q, k, v, out, lse)
+        if direct is None:
+            return None
+        direct.launch_pointers((*ptrs, out.data_ptr(), lse.data_ptr()), _stream(self.device))
+        return out, lse
+
+
+__all__ = ["FwdCall", "kernel_args", "kernel_ready", "run_bwd", "run_fwd", "run_job"]

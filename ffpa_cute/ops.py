@@ -1,0 +1,134 @@
+"""The kernel path as torch operators: the custom ops `ffpa_cute::attention_fwd` and
+`ffpa_cute::attention_bwd` (opaque to torch.compile, with fake implementations), their autograd
+formula, and `EagerAttention`, the same forward and backward without the custom-op dispatcher
+for eager calls (that dispatcher costs ~35 us per call on a small CPU).
+
+The backward runs the backward kernels where `dispatch.plan_bwd` has them for the problem, else
+recomputes through SDPA (`fallback.sdpa_recompute_backward`).
+"""
+
+import contextlib
+
+import torch
+
+from . import dispatch, launch
+from .fallback import sdpa_recompute_backward
+from .problem import AttnProblem
+
+
+def on(device: torch.device):
+    """Make `device` current (launches go to its current stream and context)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float, plan=None):
+    """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32).
+
+    The body of the custom op, and of the eager path (`EagerAttention`), which passes the plan
+    `attention()` already made.
+    """
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if plan is None:
+        problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                           scale=scale)
+        plan = dispatch.plan_fwd(problem, q.device)
+    if plan.reason is not None:  # attention() routed here, so the planner changed its mind
+        raise RuntimeError(f"ffpa_cute::attention_fwd called for an unsupported problem: "
+                           f"{plan.reason}")
+    with on(q.device):
+        out, lse = launch.run_fwd(plan, q, k, v)
+    # The fake impl below promises contiguous outputs (Inductor indexes by the fake's strides);
+    # these are no-ops for the layout run_fwd writes.
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("ffpa_cute::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  causal_offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32)."""
+    return kernel_forward(q, k, v, causal, causal_offset, scale)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, causal_offset, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, causal_offset, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.attn_args = (causal, causal_offset, scale)
+    ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
+
+
+def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float):
+    """The backward kernels' plan when they serve the problem, else None. Symbolic shapes
+    (dynamic torch.compile graphs) take the SDPA recompute."""
+    if not all(type(n) is int for t in (q, k, v) for n in t.shape):
+        return None
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                       scale=scale)
+    plan = dispatch.plan_bwd(problem, q.device)
+    return plan if plan.reason is None else None
+
+
+def _kernel_backward(plan, q, k, v, out, lse, dout):
+    with on(q.device):
+        return launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous())
+
+
+@torch.library.custom_op("ffpa_cute::attention_bwd", mutates_args=())
+def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dout: torch.Tensor, causal: bool, causal_offset: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention_fwd` from the backward kernels, contiguous: what
+    torch.compile graphs call for problems the kernels serve (an opaque node, never traced)."""
+    plan = bwd_plan(q, k, v, causal, causal_offset, scale)
+    if plan is None:  # the graph was built when the kernels served it
+        raise RuntimeError("ffpa_cute::attention_bwd called for a problem the backward kernels "
+                           "do not serve")
+    return tuple(g.contiguous() for g in _kernel_backward(plan, q, k, v, out, lse, dout))
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, out, lse, dout, causal, causal_offset, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _backward(ctx, dout, _dlse, eager=False):
+    """dq, dk, dv (None where not needed): the backward kernels where they serve the problem
+    (eager: called directly; torch.compile: through `ffpa_cute::attention_bwd`), else the SDPA
+    recompute (traced into the graph when compiling)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad[:3])
+    plan = bwd_plan(q, k, v, *ctx.attn_args)
+    if plan is None:
+        grads = sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args, needs=needs)
+    else:
+        grads = (_kernel_backward(plan, q, k, v, out, lse, dout) if eager else
+                 attention_bwd(q, k, v, out, lse, dout, *ctx.attn_args))
+        grads = tuple(g if n else None for g, n in zip(grads, needs))
+    return (*grads, None, None, None)
+
+
+torch.library.register_autograd("ffpa_cute::attention_fwd", _backward,
+                                setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """Eager path: the op's forward and backward without the custom-op dispatcher.
+    torch.compile still sees the custom op (`interface` picks it while compiling), so graphs
+    keep an opaque node with a fake implementation."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, causal_offset, scale, plan):
+        out, lse = kernel_forward(q, k, v, causal, causal_offset, scale, plan)
+        _setup_context(ctx, (q, k, v, causal, causal_offset, scale), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return (*_backward(ctx, dout, dlse, eager=True), None)
+
+
+__all__ = ["EagerAttention", "attention_bwd", "attention_fwd", "bwd_plan", "kernel_forward"]

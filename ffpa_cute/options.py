@@ -1,0 +1,128 @@
+"""One frozen `Options` value: every choice a caller may switch, passed to the planners and part
+of every plan-cache key.
+
+The defaults are the verified configuration (what the GPU tests and sanitizers ran). An
+environment variable per field overrides a default for the whole process, read once at first
+use; `use(...)` overrides fields for a block of code (per thread / task: a context variable), and
+`set_default(...)` for the rest of the process. Planning reads `current()`, and the plan caches
+key on the `Options` value itself, so a field changed after a first call gives the new plan on the
+next one.
+
+    import ffpa_cute
+    with ffpa_cute.options.use(family="sm80"):      # the Split-D kernels on any GPU
+        out = ffpa_cute.attention(q, k, v)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from dataclasses import dataclass
+
+FAMILIES = ("sm80", "sm90", "sm100", "sm120")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a caller may switch (environment variable in brackets).
+
+    family:      force a kernel family ("sm80", "sm90", "sm100", "sm120") instead of the
+                 device's own; the compile target stays the device's (FFPA_CUTE_ARCH). E.g.
+                 "sm80" runs the mma.sync Split-D kernels on an H200.
+    strict:      raise NotImplementedError(reason) where a call would fall back to torch's SDPA
+                 (FFPA_CUTE_STRICT).
+    pack_gqa:    for GQA / MQA calls with few query rows and no masked row, put the query heads of
+                 each KV head into the rows of one tile (fewer, fuller tiles; same bits)
+                 (FFPA_CUTE_PACK_GQA).
+    kv_pair:     D > 512 forward: the two CTAs that split O's columns form a cluster and split the
+                 KV blocks, exchanging P over distributed shared memory, instead of both
+                 computing every score block (FFPA_CUTE_KV_PAIR).
+    fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
+                 that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
+    """
+
+    family: str | None = None
+    strict: bool = False
+    pack_gqa: bool = True
+    kv_pair: bool = True
+    fast_launch: bool = True
+
+    def __post_init__(self):
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"Options.family={self.family!r}: accepted values are None, "
+                             f"{', '.join(FAMILIES)}")
+        for f in dataclasses.fields(self):
+            if f.name != "family" and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"Options.{f.name} must be a bool, got "
+                                f"{type(getattr(self, f.name)).__name__}")
+
+
+ENV = {"family": "FFPA_CUTE_ARCH", "strict": "FFPA_CUTE_STRICT", "pack_gqa": "FFPA_CUTE_PACK_GQA",
+       "kv_pair": "FFPA_CUTE_KV_PAIR", "fast_launch": "FFPA_CUTE_FAST_LAUNCH"}
+
+
+def from_env(environ=None) -> Options:
+    """The defaults with the environment's overrides; raises ValueError naming the variable and
+    the accepted values for a value it cannot read."""
+    environ = os.environ if environ is None else environ
+    kw = {}
+    for field, var in ENV.items():
+        raw = environ.get(var, "").strip().lower()
+        if not raw:
+            continue
+        if field == "family":
+            value = raw.replace("_", "")
+            if value not in FAMILIES:
+                raise ValueError(f"{var}={raw!r}: accepted values are {', '.join(FAMILIES)}")
+            kw[field] = value
+        elif raw in _TRUE or raw in _FALSE:
+            kw[field] = raw in _TRUE
+        else:
+            raise ValueError(f"{var}={raw!r}: accepted values are {_TRUE + _FALSE}")
+    return Options(**kw)
+
+
+_DEFAULT: Options | None = None
+_CURRENT: contextvars.ContextVar[Options | None] = contextvars.ContextVar("ffpa_cute_options",
+                                                                          default=None)
+
+
+def default() -> Options:
+    """The process-wide options: `from_env()` at first use, or what `set_default` set."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = from_env()
+    return _DEFAULT
+
+
+def current() -> Options:
+    """The options in force here: the innermost `use(...)`, else the process default."""
+    return _CURRENT.get() or default()
+
+
+def set_default(options: Options | None = None, **changes) -> Options:
+    """Replace the process default (`options`, or the current default with `changes`); None and
+    no changes re-read the environment. Returns the previous default."""
+    global _DEFAULT
+    previous = default()
+    if options is None and not changes:
+        _DEFAULT = from_env()
+    else:
+        _DEFAULT = dataclasses.replace(options or previous, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def use(options: Options | None = None, **changes):
+    """Options for the block: `options`, or the current ones with `changes`."""
+    token = _CURRENT.set(dataclasses.replace(options or current(), **changes))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+__all__ = ["ENV", "FAMILIES", "Options", "current", "default", "from_env", "set_default", "use"]
