@@ -85,17 +85,18 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def _decide(device_str: str, strict: bool, level: int, *fields):
-    """Route one call: returns None (kernel) or the fallback reason, logging/raising as asked.
+def _decide(device_str: str, strict, level: int, *fields):
+    """Route one call: returns None (kernel) or the fallback reason, logging/raising as asked
+    (`strict` None: `Options.strict`).
 
     Runs as ordinary Python even under torch.compile (its arguments are constants), so planning,
-    logging and caches never have to be traceable by Dynamo.
+    the options, logging and caches never have to be traceable by Dynamo.
     """
     problem = AttnProblem(*fields)
     reason = _reason(problem, torch.device(device_str))
     if reason is None or reason == _EMPTY:
         return reason
-    if strict:
+    if _options.current().strict if strict is None else strict:
         raise NotImplementedError(reason)
     if (level, reason) not in _LOGGED:
         _LOGGED.add((level, reason))
@@ -188,10 +189,6 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
 
 
-def _strict(strict) -> bool:
-    return _options.current().strict if strict is None else bool(strict)
-
-
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False, *, strict=None):
     """Exact attention with SDPA's signature on [..., H, N, D] tensors; returns [..., Hq, Nq, Dv].
@@ -215,7 +212,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if err is not None:
         raise err
     return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left=False,
-                      strict=_strict(strict), level=logging.WARNING, fast_key=key)
+                      strict=None if strict is None else bool(strict), level=logging.WARNING,
+                      fast_key=key)
 
 
 def _fallback_details(q, v, problem: AttnProblem, mask) -> str:

@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from . import dispatch, launch
+from . import options as _options
 from .fallback import sdpa_recompute_backward
 from .problem import AttnProblem
 
@@ -58,17 +59,20 @@ def _setup_context(ctx, inputs, output):
     q, k, v, causal, causal_offset, scale = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.attn_args = (causal, causal_offset, scale)
+    # the forward's options: the backward may run on autograd's device thread, which does not
+    # see the forward's `options.use(...)` (a compiled graph's backward op plans where it runs)
+    ctx.options = None if torch.compiler.is_compiling() else _options.current()
     ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
 
 
-def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float):
+def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float, opts=None):
     """The backward kernels' plan when they serve the problem, else None. Symbolic shapes
     (dynamic torch.compile graphs) take the SDPA recompute."""
     if not all(type(n) is int for t in (q, k, v) for n in t.shape):
         return None
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
                                        scale=scale)
-    plan = dispatch.plan_bwd(problem, q.device)
+    plan = dispatch.plan_bwd(problem, q.device, opts=opts)
     return plan if plan.reason is None else None
 
 
@@ -101,7 +105,7 @@ def _backward(ctx, dout, _dlse, eager=False):
     recompute (traced into the graph when compiling)."""
     q, k, v, out, lse = ctx.saved_tensors
     needs = tuple(ctx.needs_input_grad[:3])
-    plan = bwd_plan(q, k, v, *ctx.attn_args)
+    plan = bwd_plan(q, k, v, *ctx.attn_args, opts=ctx.options)
     if plan is None:
         grads = sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args, needs=needs)
     else:

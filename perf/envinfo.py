@@ -17,6 +17,16 @@ from .baselines import dist_version
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _family():
+    """The kernel family `Options` force (None: the device's own)."""
+    try:
+        import ffpa_cute
+
+        return ffpa_cute.options.current().family
+    except Exception:  # noqa: BLE001  (an unreadable FFPA_CUTE_ARCH: report it as set)
+        return os.environ.get("FFPA_CUTE_ARCH")
+
+
 def _run(cmd: list[str], timeout: float = 10.0) -> str | None:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
@@ -73,7 +83,7 @@ def collect_env(device: torch.device, impl_versions: dict | None = None,
         "cutlass_dsl": dist_version("nvidia-cutlass-dsl"),
         "triton": dist_version("triton"),
         "commit": commit or git_commit(),
-        "ffpa_cute_arch": os.environ.get("FFPA_CUTE_ARCH"),
+        "ffpa_cute_arch": _family(),
         "device": str(device),
         "gpu": None, "cc": None, "sm_count": None, "gpu_mem_gib": None, "driver": None,
         "sm_clock_mhz": None, "sm_clock_max_mhz": None, "mem_clock_mhz": None,

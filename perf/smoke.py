@@ -6,7 +6,7 @@ a float64 reference, and forward TFLOPS for the larger shapes.
     python -m perf.smoke --family sm90 --bench "512:8192:0,512:8192:1,320:8192:0"
     python -m perf.smoke --family sm90 --first-call 512,320 --overhead 512
     python -m perf.smoke --family sm90 --bench-bwd "512:8192:0,512:8192:1,512:8192:0:8"
-    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:noprefetch:noseq"  # variants
+    python -m perf.smoke --family sm90 --bench-bwd "512:8192:0:32:noseq"  # dK variant
     python -m perf.smoke --family sm90 --decode "512:8192:32:8:8,576:4096:128:1:4:512"
 
 --first-call D,...: wall time of the first `attention()` call per head dim in a fresh process with
@@ -14,8 +14,8 @@ an empty ffpa_cute cache and the DSL's file cache off (what a user's first call 
 asks for <= 10 s). --overhead D: a cached call's wall time on a tiny shape (B=1, H=1, N=1) minus
 the kernel time of the same call (CUDA events), i.e. the host overhead (issue 4: < 20 µs).
 
---wgmma-max-d 1024 routes D up to 1024 to the sm90 WGMMA kernel (O split over two CTAs above
-512) before that is the default (`dispatch.SM90_WGMMA_MAX_HEAD_DIM`).
+--family picks the kernel family (`Options.family`, through FFPA_CUTE_ARCH in each job's
+subprocess).
 
 A case is D:Nq:Nkv:causal[:ratio[:fp16]][:overrides] (causal 1 = bottom-right); a bench is
 D:N:causal[:field=value;field=value], timed at B=1, H=32 with CUDA events (no L2 flush: compare
@@ -30,14 +30,6 @@ import json
 import os
 import subprocess
 import sys
-
-
-def _route():
-    """Apply --wgmma-max-d (passed to the per-case subprocess through the environment)."""
-    from ffpa_cute import dispatch
-
-    if os.environ.get("PERF_SMOKE_WGMMA_MAX_D"):
-        dispatch.SM90_WGMMA_MAX_HEAD_DIM = int(os.environ["PERF_SMOKE_WGMMA_MAX_D"])
 
 
 def _override(plan, text: str):
@@ -76,11 +68,10 @@ def _median_ms(fn, reps: int) -> float:
 def _one_case(spec: str) -> dict:
     import torch
 
-    from ffpa_cute import dispatch
+    from ffpa_cute import dispatch, launch
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 
-    _route()
     fields = spec.split(":")
     over = fields.pop() if "=" in fields[-1] else ""
     parts = [int(x) for x in fields]
@@ -95,7 +86,7 @@ def _one_case(spec: str) -> dict:
     off = nkv - nq
     plan = _override(dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
                                                                 causal_offset=off)), over)
-    out, lse = dispatch.run_fwd(plan, q, k, v)
+    out, lse = launch.run_fwd(plan, q, k, v)
     torch.cuda.synchronize()
     ref, ref_lse = attention_ref(q, k, v, causal=bool(causal), causal_offset=off)
     base, _ = attention_same_dtype(q, k, v, causal=bool(causal), causal_offset=off)
@@ -110,17 +101,16 @@ def _one_case(spec: str) -> dict:
 def _one_bench(spec: str) -> dict:
     import torch
 
-    from ffpa_cute import dispatch
+    from ffpa_cute import dispatch, launch
     from ffpa_cute.problem import AttnProblem
 
-    _route()
     fields = spec.split(":")
     d, n, causal = [int(x) for x in fields[:3]]
     q, k, v = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     plan = _override(dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v, causal=bool(causal),
                                                                 causal_offset=0)),
                      fields[3] if len(fields) > 3 else "")
-    ms = _median_ms(lambda: dispatch.run_fwd(plan, q, k, v), 30)
+    ms = _median_ms(lambda: launch.run_fwd(plan, q, k, v), 30)
     pairs = n * (n + 1) // 2 if causal else n * n
     return {"bench": spec, "kernel": plan.kernel_cls.__name__, "ms": ms,
             "tflops": 4 * 32 * pairs * d / ms / 1e9, "cfg": str(plan.cfg)}
@@ -128,29 +118,27 @@ def _one_bench(spec: str) -> dict:
 
 def _one_decode(spec: str) -> dict:
     """Forward at Nq = Nq_: D:Nkv:Hq:Hkv:B[:Dv[:Nq]], bf16, as one head per tile and with GQA rows
-    packed (`dispatch.PACK_GQA_ROWS`); a Dv other than D turns on `DV_NOT_D_KERNELS`. Both
-    variants' outputs are compared bit for bit."""
+    packed (`Options.pack_gqa`). Both variants' outputs are compared bit for bit."""
     import torch
 
-    from ffpa_cute import dispatch
+    import ffpa_cute
+    from ffpa_cute import dispatch, launch
     from ffpa_cute.problem import AttnProblem
 
     f = [int(x) for x in spec.split(":")]
     d, nkv, hq, hkv, b = f[:5]
     dv = f[5] if len(f) > 5 else d
     nq = f[6] if len(f) > 6 else 1
-    dispatch.DV_NOT_D_KERNELS = dv != d
     q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, nkv, dv, device="cuda", dtype=torch.bfloat16)
     res, outs = {"decode": spec}, []
     for pack in (False, True):
-        dispatch.PACK_GQA_ROWS = pack
-        dispatch._plan_cached.cache_clear()
-        plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v))
+        with ffpa_cute.options.use(pack_gqa=pack):
+            plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v))
         assert plan.reason is None, plan.reason
-        ms = _median_ms(lambda: dispatch.run_fwd(plan, q, k, v), 30)
-        outs.append(dispatch.run_fwd(plan, q, k, v))
+        ms = _median_ms(lambda: launch.run_fwd(plan, q, k, v), 30)
+        outs.append(launch.run_fwd(plan, q, k, v))
         key = "packed" if plan.packed else "per_head"
         res[key] = {"us": round(ms * 1e3, 1),
                     "tflops": round(2 * b * hq * nq * nkv * (d + dv) / ms / 1e9, 1)}
@@ -191,20 +179,24 @@ def us_per_call(call, n: int = 2000) -> float:
 
 
 def _overhead(d: int) -> dict:
-    """Host overhead of a cached call, the default path and with `dispatch.FAST_LAUNCH` (the
-    per-signature launcher) on; the kernel time from a CUDA-graph replay of the same call."""
+    """Host overhead of a cached call, without and with the per-signature launcher
+    (`Options.fast_launch`), and of a call with gradients (the autograd path); the kernel time
+    from a CUDA-graph replay of the same call."""
 
     import torch
 
-    from ffpa_cute import attention, dispatch, interface
+    import ffpa_cute
+    from ffpa_cute import attention, interface
 
     q, k, v = (torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     n = 2000
     walls = {}
     for fast in (False, True):
-        dispatch.FAST_LAUNCH = fast
-        interface._clear_caches()
-        walls[fast] = us_per_call(lambda: attention(q, k, v, strict=True), n)
+        with ffpa_cute.options.use(fast_launch=fast):
+            interface._clear_caches()
+            walls[fast] = us_per_call(lambda: attention(q, k, v, strict=True), n)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    walls["grad"] = us_per_call(lambda: attention(qg, kg, vg, strict=True), n)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph = torch.cuda.CUDAGraph()  # the kernel alone: the same call replayed from a graph
     with torch.cuda.graph(graph):
@@ -219,56 +211,49 @@ def _overhead(d: int) -> dict:
     gpu_us = start.elapsed_time(end) / n * 1e3
     return {"overhead_d": d, "call_us": round(walls[False], 1), "graph_replay_us": round(gpu_us, 1),
             "host_overhead_us": round(walls[False] - gpu_us, 1),
-            "host_overhead_fast_launch_us": round(walls[True] - gpu_us, 1)}
+            "host_overhead_fast_launch_us": round(walls[True] - gpu_us, 1),
+            "host_overhead_grad_us": round(walls["grad"] - gpu_us, 1)}
 
 
 def _one_bench_bwd(spec: str) -> dict:
-    """sm90 backward kernels (dQ, dK, dV and Delta) at B=1, H=32 (GQA via a 4th field: Hkv;
-    trailing fields "prefetch" / "seq" (on by default) or "noprefetch" / "noseq" switch the
-    `prefetch_stats` / dK `seq_scores` configs; "narrow" stops the WGMMA backward at D = 512;
-    a last field "fused" / "nofused" computes Delta with the fused kernel / torch; before it,
-    "pair" / "nopair" times dK and dV by the 2-CTA pair kernel / the two kernels)."""
+    """The backward's kernels (Delta, dQ, dK, dV, each timed alone) at B=1, H=32: D:N:causal
+    [:Hkv][:noseq] ("noseq": dK without `seq_scores`, the two-accumulator variant)."""
+    import dataclasses
+
     import torch
 
-    from ffpa_cute import dispatch
+    from ffpa_cute import dispatch, launch
+    from ffpa_cute.common.tensors import current_stream_handle
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90 import bwd_sm90
+    from ffpa_cute.sm90 import config as sm90_config
 
     parts = spec.split(":")
-    switches = {"prefetch": ("PREFETCH_STATS", True), "seq": ("SEQ_SCORES", True),
-                "noprefetch": ("PREFETCH_STATS", False), "noseq": ("SEQ_SCORES", False),
-                "wide": ("MAX_HEAD_DIM", 1024), "narrow": ("MAX_HEAD_DIM", 512)}  # variants
-    if parts[-1] in ("fused", "nofused"):  # Delta by the fused kernel (dispatch.FUSED_DELTA)
-        dispatch.FUSED_DELTA = parts.pop() == "fused"
-    if parts[-1] in ("pair", "nopair"):  # dK + dV by the pair kernel (dispatch.DKDV_PAIR)
-        dispatch.DKDV_PAIR = parts.pop() == "pair"
-    while parts[-1] in switches:
-        setattr(bwd_sm90, *switches[parts.pop()])
+    noseq = parts[-1] == "noseq"
+    if noseq:
+        parts.pop()
     fields = [int(x) for x in parts]
     d, n, causal = fields[:3]
     hkv = fields[3] if len(fields) > 3 else 32
     q, do = (torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     problem = AttnProblem.from_tensors(q, k, v, causal=bool(causal), causal_offset=0)
-    plan = dispatch.plan_fwd(problem)
-    out, lse = dispatch.run_fwd(plan, q, k, v)
+    out, lse = launch.run_fwd(dispatch.plan_fwd(problem), q, k, v)
+    plan = dispatch.plan_bwd(problem)
+    assert plan.reason is None, plan.reason
+    if noseq:
+        cfgs = [sm90_config.plan_dk(problem, seq_scores=False)
+                if isinstance(c, sm90_config.BwdDKConfigSm90) else c for c in plan.cfgs]
+        plan = dataclasses.replace(plan, cfgs=tuple(cfgs))
+    t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.empty_like(lse),
+             dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    scalars = dict(softmax_scale=problem.softmax_scale, causal_offset=0)
+    stream = current_stream_handle(q.device)
     times = {}
-    delta = (do.float() * out.float()).sum(-1)
-    args = (problem.softmax_scale, bool(causal), 0)
-    jobs = {"delta": lambda: dispatch._delta(do, out),
-            "dq": lambda: bwd_sm90.run_dq(q, k, v, do, lse, delta, *args)}
-    if dispatch._dkdv_pair(problem):
-        from ffpa_cute.sm90.bwd_pair_sm90 import run_dkdv
-
-        jobs["dkdv"] = lambda: run_dkdv(q, k, v, do, lse, delta, *args)
-    else:
-        jobs["dk"] = lambda: bwd_sm90.run_dk(q, k, v, do, lse, delta, *args)
-        jobs["dv"] = lambda: bwd_sm90.run_dv(q, k, do, lse, *args)
-    for name, fn in jobs.items():
-        times[name] = _median_ms(fn, 10)
+    for cls, cfg in plan.jobs:
+        times[cls.__name__] = _median_ms(lambda: launch.run_job(cls, cfg, t, scalars, stream), 10)
     pairs = n * (n + 1) // 2 if causal else n * n
     total = sum(times.values())
-    return {"bench_bwd": spec, "ms": {k_: round(t, 3) for k_, t in times.items()},
+    return {"bench_bwd": spec, "ms": {k_: round(t_, 3) for k_, t_ in times.items()},
             "tflops": 2.5 * 4 * 32 * pairs * d / total / 1e9}
 
 
@@ -278,14 +263,12 @@ def main() -> None:
     ap.add_argument("--cases", default="")
     ap.add_argument("--bench", default="")
     ap.add_argument("--bench-bwd", default="",
-                    help="D:N:causal[:Hkv][:[no]prefetch][:[no]seq][:[no]pair][:[no]fused],... "
-                         "(sm90 kernels; defaults: bwd_sm90's and dispatch's switches)")
+                    help="D:N:causal[:Hkv][:noseq],... the backward's kernels, each timed")
     ap.add_argument("--decode", default="",
                     help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")
     ap.add_argument("--first-call", default="")
     ap.add_argument("--overhead", default="")
     ap.add_argument("--timeout", type=int, default=90)
-    ap.add_argument("--wgmma-max-d", type=int, default=0)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-bench", help=argparse.SUPPRESS)
     ap.add_argument("--one-first", help=argparse.SUPPRESS)
@@ -304,8 +287,6 @@ def main() -> None:
     import tempfile
 
     env = dict(os.environ, FFPA_CUTE_ARCH=a.family)
-    if a.wgmma_max_d:
-        env["PERF_SMOKE_WGMMA_MAX_D"] = str(a.wgmma_max_d)
     jobs = [("--one", c) for c in a.cases.split(",") if c]
     jobs += [("--one-bench", b) for b in a.bench.split(",") if b]
     jobs += [("--one-overhead", d) for d in a.overhead.split(",") if d]

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--list", action="store_true", help="print the selected cases and exit")
     imp = p.add_argument_group("implementations")
     imp.add_argument("--backend", metavar="ARCH",
-                     help="force our kernel family: sets FFPA_CUTE_ARCH (e.g. sm80, sm90) "
+                     help="force our kernel family: Options.family (e.g. sm80, sm90) "
                           "before the first call")
     imp.add_argument("--baselines", metavar="LIST",
                      help=f"from {','.join(BASELINES)}, or none "
@@ -185,8 +185,10 @@ def summary_line(row: dict, impls) -> str:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.backend:  # before anything imports ffpa_cute
-        os.environ["FFPA_CUTE_ARCH"] = args.backend
+    if args.backend:
+        import ffpa_cute
+
+        ffpa_cute.options.set_default(family=args.backend)
     if args.cold_cache:
         os.environ["FFPA_CUTE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ffpa_cute_cold_")
     cases = cases_from_args(args)

@@ -71,24 +71,20 @@ def _problem(case):
 def jobs(target: str = "sm_90a") -> list:
     """(kernel class, config) of every kernel the workload launches on `target`."""
     from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
 
     out = []
-    saved = os.environ.get("FFPA_CUTE_ARCH")
-    try:
-        for case in CASES:
-            os.environ["FFPA_CUTE_ARCH"] = case[1]
-            p = _problem(case)
-            plan = dispatch.plan_fwd(p, target=target)
-            assert plan.reason is None, (case[0], plan.reason)
-            todo = [(plan.kernel_cls, plan.cfg)]
-            if case[-1]:
-                todo += dispatch.bwd_kernels(p, target=target)
-            out += [j for j in todo if j not in out]
-    finally:
-        if saved is None:
-            os.environ.pop("FFPA_CUTE_ARCH", None)
-        else:
-            os.environ["FFPA_CUTE_ARCH"] = saved
+    for case in CASES:
+        opts = Options(family=case[1])
+        p = _problem(case)
+        plan = dispatch.plan_fwd(p, target=target, opts=opts)
+        assert plan.reason is None, (case[0], plan.reason)
+        todo = [(plan.kernel_cls, plan.cfg)]
+        if case[-1]:
+            bwd = dispatch.plan_bwd(p, target=target, opts=opts)
+            assert bwd.reason is None, (case[0], bwd.reason)
+            todo += bwd.jobs
+        out += [j for j in todo if j not in out]
     return out
 
 
@@ -98,14 +94,11 @@ def workload() -> int:
     from torch.nn.attention.bias import causal_upper_left
 
     import ffpa_cute
-    from ffpa_cute import interface
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     torch.manual_seed(0)
     for case in CASES:
         label, family, b, hq, hkv, nq, nkv, d, dv, mode, dtype, backward = case
-        os.environ["FFPA_CUTE_ARCH"] = family
-        interface._clear_caches()
         dt = dtypes[dtype]
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt, requires_grad=backward)
         k = torch.randn(b, hkv, nkv, d, device="cuda", dtype=dt, requires_grad=backward)
@@ -115,11 +108,12 @@ def workload() -> int:
             kw["attn_mask"] = causal_upper_left(nq, nkv)
         else:
             kw["is_causal"] = mode == "bottom_right"
-        route = ffpa_cute.explain(q, k, v, **kw)
-        out = ffpa_cute.attention(q, k, v, strict=True, **kw)
-        if backward:
-            assert "SDPA recompute" not in route, (label, route)
-            out.backward(torch.randn_like(out))
+        with ffpa_cute.options.use(family=family):
+            route = ffpa_cute.explain(q, k, v, **kw)
+            out = ffpa_cute.attention(q, k, v, strict=True, **kw)
+            if backward:
+                assert "SDPA recompute" not in route, (label, route)
+                out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
     return 0

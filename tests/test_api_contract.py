@@ -9,7 +9,6 @@ Inputs are random (never zeros) with odd lengths so masking and residues show up
 """
 
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import ffpa_cute
-from ffpa_cute import attention, dispatch, explain, interface, patch_sdpa, unpatch_sdpa
+from ffpa_cute import attention, dispatch, explain, interface, launch, ops, patch_sdpa, unpatch_sdpa
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_grads, attention_ref, rel_err
 
@@ -176,10 +175,10 @@ def test_strict_mode(seed, monkeypatch):
     q, k, v = qkv()
     with pytest.raises(NotImplementedError, match="cpu"):
         attention(q, k, v, strict=True)
-    monkeypatch.setenv("FFPA_CUTE_STRICT", "1")
-    with pytest.raises(NotImplementedError, match="cpu"):
-        attention(q, k, v)
-    close(attention(q, k, v, strict=False), NATIVE(q, k, v))  # explicit argument wins
+    with ffpa_cute.options.use(strict=True):
+        with pytest.raises(NotImplementedError, match="cpu"):
+            attention(q, k, v)
+        close(attention(q, k, v, strict=False), NATIVE(q, k, v))  # explicit argument wins
 
 
 def test_explain_names_fallback_reason(seed):
@@ -237,31 +236,28 @@ def test_patch_keeps_sdpa_semantics(seed, caplog):
     q3, k3, v3 = rand(4, 7, 32), rand(4, 129, 32), rand(4, 129, 32)
     close(F.scaled_dot_product_attention(q3, k3, v3, scale=0.2), NATIVE(q3, k3, v3, scale=0.2))
     # calls our validation rejects go to native SDPA untouched: SDPA decides what they mean
-    close(F.scaled_dot_product_attention(q, k, v, bias_mask, is_causal=True, enable_gqa=True),
-          NATIVE(q, k, v, bias_mask, is_causal=True, enable_gqa=True))
+    # (a mask with is_causal=True: torch <= 2.13 computes something, 2.14 raises)
+    same_as_native(lambda f: f(q, k, v, bias_mask, is_causal=True, enable_gqa=True))
     # SDPA accepts broadcastable batch dims; we hand those to it untouched
     kb, vb = rand(1, 4, 129, 32), rand(1, 4, 129, 32)
     close(F.scaled_dot_product_attention(q.repeat(1, 1, 1, 1), kb, vb), NATIVE(q, kb, vb))
-    with monkeypatch_env("FFPA_CUTE_STRICT", "1"):  # the patch is never strict
+    with ffpa_cute.options.use(strict=True):  # the patch is never strict
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     unpatch_sdpa()
     recs = [r for r in caplog.records if r.name == "ffpa_cute"]
     assert len(recs) == 1 and recs[0].levelno == logging.INFO
 
 
-class monkeypatch_env:
-    def __init__(self, name, value):
-        self.name, self.value = name, value
-
-    def __enter__(self):
-        self.old = os.environ.get(self.name)
-        os.environ[self.name] = self.value
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.old
+def same_as_native(call):
+    """`call(F.scaled_dot_product_attention)` (patched) does what `call(NATIVE)` does: the same
+    result, or the same exception, whichever this torch version gives."""
+    try:
+        expected = call(NATIVE)
+    except Exception as e:  # noqa: BLE001  (whatever native SDPA raises, we must raise too)
+        with pytest.raises(type(e), match=None):
+            call(F.scaled_dot_product_attention)
+        return
+    close(call(F.scaled_dot_product_attention), expected)
 
 
 # ------------------------------------------------------- kernel op path with a fake dispatcher
@@ -272,6 +268,8 @@ class FakePlan:
     problem: AttnProblem
     reason: str | None = None
     family: str | None = "fake"
+    cfg: object = None  # no compiled kernel: no per-signature launcher either
+    packed: bool = False
 
     def describe(self):
         return f"fake kernel D={self.problem.head_dim} causal={self.problem.causal}"
@@ -300,10 +298,18 @@ class FakeKernel:
 def fake_kernel(monkeypatch):
     fake = FakeKernel()
     monkeypatch.setattr(dispatch, "plan_fwd", fake.plan_fwd)
-    monkeypatch.setattr(dispatch, "run_fwd", fake.run_fwd)
-    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset())  # no backward kernels
+    monkeypatch.setattr(launch, "run_fwd", fake.run_fwd)
+    monkeypatch.setattr(dispatch, "plan_bwd", no_bwd_kernels)
     interface._clear_caches()
     return fake
+
+
+def no_bwd_kernels(problem, device=None, target=None, opts=None):
+    return dispatch.BwdPlan(problem, family="fake", reason="no backward kernels (fake)")
+
+
+def fake_bwd_plan(problem, device=None, target=None, opts=None):
+    return dispatch.BwdPlan(problem, family="fake")
 
 
 @pytest.mark.parametrize("nq,nkv", [(1, 129), (7, 7), (129, 7)])
@@ -363,15 +369,15 @@ def fake_bwd_kernels(monkeypatch, fake_kernel):
     """Backward "kernels" on CPU: autograd through the float64 reference, calls recorded."""
     calls = []
 
-    def run_bwd(problem, q, k, v, out, lse, dout):  # written out: no autograd inside ops
+    def run_bwd(plan, q, k, v, out, lse, dout):  # written out: no autograd inside ops
+        problem = plan.problem
         calls.append(problem)
         grads = attention_grads(q, k, v, dout, problem.causal, problem.causal_offset,
                                 problem.softmax_scale)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
-    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({"fake"}))
-    monkeypatch.setattr(dispatch, "bwd_reason", lambda problem, device=None: None)
-    monkeypatch.setattr(dispatch, "run_bwd", run_bwd)
+    monkeypatch.setattr(dispatch, "plan_bwd", fake_bwd_plan)
+    monkeypatch.setattr(launch, "run_bwd", run_bwd)
     return calls
 
 
@@ -395,7 +401,7 @@ def test_backward_kernels_eager_and_compiled(seed, fake_bwd_kernels, compiled):
 
 def test_backward_opcheck(seed, fake_bwd_kernels):
     q, k, v = qkv(hkv=2, nq=7, nkv=9)
-    out, lse = interface._attention_fwd(q, k, v, True, 2, 0.25)
+    out, lse = ops.attention_fwd(q, k, v, True, 2, 0.25)
     torch.library.opcheck(torch.ops.ffpa_cute.attention_bwd.default,
                           (q, k, v, out, lse, torch.randn_like(out), True, 2, 0.25),
                           test_utils=("test_schema", "test_faketensor"))
@@ -454,15 +460,15 @@ def test_import_is_light():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0.1.0", "False", "False"], out.stdout
-    assert ffpa_cute.__all__ == ["attention", "explain", "patch_sdpa", "unpatch_sdpa",
-                                 "__version__"]
+    assert ffpa_cute.__all__ == ["Options", "attention", "explain", "options", "patch_sdpa",
+                                 "unpatch_sdpa", "__version__"]
 
 
 def test_eager_calls_skip_the_custom_op_dispatcher(seed, fake_kernel, monkeypatch):
     """Eager: autograd.Function around the same forward (no ~35 us op dispatch per call)."""
     calls = []
-    real = interface._attention_fwd
-    monkeypatch.setattr(interface, "_attention_fwd", lambda *a: calls.append(a) or real(*a))
+    real = ops.attention_fwd
+    monkeypatch.setattr(ops, "attention_fwd", lambda *a: calls.append(a) or real(*a))
     q, k, v = qkv(grad=True)
     out = attention(q, k, v)
     out.sum().backward()
@@ -509,19 +515,18 @@ def test_explain_names_the_backward(seed, fake_kernel, monkeypatch):
     recompute with the reason."""
     q, k, v = qkv(hkv=2, nq=7, nkv=129)
     text = explain(q, k, v, is_causal=True, enable_gqa=True)
-    assert "backward: SDPA recompute (backward kernels not enabled" in text
-    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({"fake"}))
-    monkeypatch.setattr(dispatch, "bwd_reason", lambda problem, device=None: None)
-    monkeypatch.setattr(dispatch, "bwd_family", lambda problem, device=None: ("fake", ""))
+    assert "backward: SDPA recompute (no backward kernels (fake))" in text
+    monkeypatch.setattr(dispatch, "plan_bwd", fake_bwd_plan)
     assert "backward: fake backward kernels (dQ, dK, dV)" in explain(q, k, v, is_causal=True,
                                                                     enable_gqa=True)
 
 
-def test_plan_memory_is_bounded(seed, fake_kernel, monkeypatch):
-    """Plans and call signatures are remembered up to a bound (decode grows Nkv every step):
-    past it the memory starts over, and calls still run."""
-    monkeypatch.setattr(interface, "_PLANS_MAX", 8)
-    for nkv in range(1, 30):
+def test_call_memory_is_bounded(seed, fake_kernel):
+    """Call signatures are remembered up to a bound (decode grows Nkv every step): past it the
+    memory starts over, and calls still run."""
+    for i in range(interface._FAST_CALLS_MAX + 5):
+        interface._remember(("signature", i), None)
+        assert len(interface._FAST_CALLS) <= interface._FAST_CALLS_MAX
+    for nkv in range(1, 6):
         q, k, v = qkv(nq=1, nkv=nkv)
         close(attention(q, k, v), attention_ref(q, k, v)[0])
-        assert len(interface._PLANS) <= 8

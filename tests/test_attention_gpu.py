@@ -1,8 +1,9 @@
 """Kernel numerics and integration on a CUDA device (every test is @gpu).
 
-FFPA_CUTE_ARCH defaults to "sm80" here, so an H200 runs the mma.sync Split-D family (set it to
-test another family). Every case asserts the kernel route (plan.reason is None, strict=True), so
-a silent fallback to SDPA can never pass.
+The family under test is the device's own (an H100 / H200 runs the sm90 family, as its users
+get); `FFPA_CUTE_ARCH=sm80 pytest -m gpu` runs the same tests on the mma.sync Split-D family
+(docs/verification.md runs both). Every case asserts the kernel route (plan.reason is None,
+strict=True), so a silent fallback to SDPA can never pass.
 
 Accuracy criterion (FlashAttention's ratio test): with `ref` the float64 reference on the same
 bf16/fp16 inputs, rel_err(kernel, ref) <= 2 * rel_err(same-dtype torch math, ref) + 1e-3.
@@ -19,14 +20,15 @@ shape mixes exercise the same residue/masking code for every config).
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_upper_left
 
-from ffpa_cute import attention, dispatch, explain, patch_sdpa, unpatch_sdpa
+import ffpa_cute
+import kernels  # tests/ is on sys.path
+from ffpa_cute import attention, dispatch, explain, interface, launch, patch_sdpa, unpatch_sdpa
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 
@@ -34,11 +36,6 @@ pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 MODES = ("none", "bottom_right", "upper_left")
-
-
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("FFPA_CUTE_ARCH", os.environ.get("FFPA_CUTE_ARCH") or "sm80")
 
 
 def make_qkv(b, hq, hkv, nq, nkv, d, dtype, grad=False):
@@ -127,18 +124,14 @@ MLA = [(576, BF16, "none", 1, 4097, 128, 512), (576, BF16, "bottom_right", 129, 
 
 
 @pytest.mark.parametrize("case", MLA, ids=lambda c: case_id(c[:6]) + f"-dv{c[6]}")
-def test_forward_dv_not_d(seed, monkeypatch, case):
+def test_forward_dv_not_d(seed, case):
     """Dv != D (MLA-absorbed 576 / 512, MQA 128:1 decode among them): the WGMMA kernel on sm_90
     (the Split-D family falls back to SDPA, tests/test_dispatch_config.py)."""
-    if dispatch.current_arch() != "sm_90a" or dispatch.forced_family() not in (None, "sm90"):
+    if dispatch.current_arch() != "sm_90a" or ffpa_cute.options.current().family not in (
+            None, "sm90"):
         pytest.skip("Dv != D runs on the sm90 family only")
     d, dt, mode, nq, nkv, ratio, dv = case
-    monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", True)
-    _forget_plans()
-    try:
-        check_forward(d, dt, mode, nq, nkv, ratio, dv=dv)
-    finally:
-        _forget_plans()
+    check_forward(d, dt, mode, nq, nkv, ratio, dv=dv)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -146,13 +139,13 @@ def test_every_element_written(seed, mode):
     """run_fwd on NaN-poisoned memory: the caching allocator hands the poisoned blocks back."""
     q, k, v = make_qkv(2, 8, 2, 1000, 129, 512, BF16)
     plan = kernel_plan(q, k, v, mode)
-    dispatch.run_fwd(plan, q, k, v)  # compile first, so nothing else allocates in between
+    launch.run_fwd(plan, q, k, v)  # compile first, so nothing else allocates in between
     torch.cuda.synchronize()
     poison = [torch.full((2, 8, 1000, 512), float("nan"), device="cuda", dtype=BF16),
               torch.full((2, 8, 1000), float("nan"), device="cuda")]
     ptrs = [t.data_ptr() for t in poison]
     del poison
-    out, lse = dispatch.run_fwd(plan, q, k, v)
+    out, lse = launch.run_fwd(plan, q, k, v)
     assert [out.data_ptr(), lse.data_ptr()] == ptrs, "allocator did not reuse the poisoned blocks"
     assert not out.isnan().any() and not lse.isnan().any()
     if mode == "bottom_right":  # Nq > Nkv: the first 871 rows see no key
@@ -246,27 +239,19 @@ def test_torch_compile_backward(seed):
 @pytest.mark.parametrize("hq,hkv,nq,nkv,mode,d", [(128, 1, 1, 4097, "bottom_right", 512),
                                                  (32, 8, 7, 129, "none", 320),
                                                  (16, 2, 1, 1000, "none", 1024)])
-def test_gqa_row_packing_is_exact(seed, monkeypatch, hq, hkv, nq, nkv, mode, d):
-    """Query heads packed into a KV head's rows give the same bits as one head per tile (each
-    row's arithmetic is the same), and pass the reference check."""
+def test_gqa_row_packing_is_exact(seed, hq, hkv, nq, nkv, mode, d):
+    """Query heads packed into a KV head's rows (`Options.pack_gqa`, the default) give the same
+    bits as one head per tile (each row's arithmetic is the same), and pass the reference
+    check."""
     q, k, v = make_qkv(2, hq, hkv, nq, nkv, d, BF16)
     off, scale = offset_of(mode, nq, nkv), d ** -0.5
-    real_packed = dispatch.packed_problem
-    monkeypatch.setattr(dispatch, "PACK_GQA_ROWS", True)
-    try:
-        _forget_plans()
-        assert kernel_plan(q, k, v, mode).packed
-        packed = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, scale)
-        monkeypatch.setattr(dispatch, "packed_problem", lambda p: None)
-        _forget_plans()
+    assert kernel_plan(q, k, v, mode).packed
+    packed = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, scale)
+    with ffpa_cute.options.use(pack_gqa=False):
         assert not kernel_plan(q, k, v, mode).packed
         plain = torch.ops.ffpa_cute.attention_fwd(q, k, v, mode != "none", off, scale)
-        assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
-        monkeypatch.setattr(dispatch, "packed_problem", real_packed)
-        _forget_plans()
-        check_forward(d, BF16, mode, nq, nkv, hq // hkv)  # (2 KV heads below ratio 16)
-    finally:
-        _forget_plans()  # no packed plan outlives the flag
+    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
+    check_forward(d, BF16, mode, nq, nkv, hq // hkv)  # (2 KV heads below ratio 16)
 
 
 def test_cuda_graph_capture(seed):
@@ -299,39 +284,33 @@ def test_backward(seed, mode, nq, nkv, ratio):
     ("sm90", 512, "upper_left", 129, 129, 16), ("sm90", 512, "none", 7, 129, 1),
     ("sm90", 512, "none", 1000, 1000, 1), ("sm80", 512, "bottom_right", 129, 1000, 4),
     ("sm80", 1024, "upper_left", 129, 129, 16), ("sm80", 320, "none", 1000, 1000, 1)])
-def test_backward_kernels(seed, monkeypatch, family, d, mode, nq, nkv, ratio):
-    """Autograd through one family's backward kernels (BWD_KERNEL_FAMILIES forced to it): the
-    route is the kernels', and the gradients pass the same criterion."""
+def test_backward_kernels(seed, family, d, mode, nq, nkv, ratio):
+    """Autograd through one family's backward kernels (`Options.family`): the route is the
+    kernels', and the gradients pass the same criterion."""
     if family == "sm90" and dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
-    monkeypatch.setenv("FFPA_CUTE_ARCH", family)
-    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset({family}))
-    _forget_plans()
-    try:
-        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=d)
-    finally:
-        _forget_plans()
+    with ffpa_cute.options.use(family=family):
+        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=d, family=family)
 
 
 @pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 4),
                                                ("none", 1000, 1000, 1)])
-@pytest.mark.parametrize("bwd_max,family", [(1024, "sm90"), (512, "sm80")])
-def test_backward_above_512(seed, monkeypatch, mode, nq, nkv, ratio, bwd_max, family):
-    """sm90 family at D = 1024: the WGMMA forward (O split) and its LSE feed the WGMMA
-    backward (gradient split over two CTAs, the default) or, with `bwd_sm90.MAX_HEAD_DIM`
-    lowered to 512, the Split-D backward kernels (compiled for sm_90a)."""
-    from ffpa_cute.sm90 import bwd_sm90
-
-    with sm90_with(monkeypatch, bwd_sm90, "MAX_HEAD_DIM", bwd_max):
+@pytest.mark.parametrize("d,fwd,bwd", [(1024, "FFPAFwdSm90", "FFPABwdDQSm90"),
+                                       (1016, "FFPAFwdSm80", "FFPABwdDQSm80")])
+def test_backward_above_512(seed, mode, nq, nkv, ratio, d, fwd, bwd):
+    """sm90 family above 512: at D = 1024 the WGMMA forward (O split over a CTA pair) feeds
+    the WGMMA backward (gradient split over two CTAs); at D = 1016 (not a multiple of 16) both
+    directions run the Split-D kernels compiled for sm_90a."""
+    with sm90_only():
         p = AttnProblem(dtype="bf16", batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
-                        seqlen_kv=nkv, head_dim=1024, head_dim_v=1024, causal=mode != "none",
+                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=mode != "none",
                         causal_offset=offset_of(mode, nq, nkv))
-        assert dispatch.plan_fwd(p).kernel_cls.__name__ == "FFPAFwdSm90"
-        assert dispatch.bwd_family(p) == (family, "")
-        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=1024)
+        assert dispatch.plan_fwd(p).kernel_cls.__name__ == fwd
+        assert [c.__name__ for c, _ in dispatch.plan_bwd(p).jobs][1] == bwd
+        _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=d, family="sm90")
 
 
-def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512, dv=None):
+def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512, dv=None, family=None):
     hkv = 2 if ratio < 16 else 1
     q, k, v = make_qkv(1, hkv * ratio, hkv, nq, nkv, d, BF16, grad=True)
     if dv is not None:  # Dv != D (MLA-absorbed 576 / 512)
@@ -340,7 +319,8 @@ def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512, dv=None):
     causal, off = mode != "none", offset_of(mode, nq, nkv)
     if expect_kernels:
         problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=off)
-        assert dispatch.bwd_reason(problem) is None
+        plan = dispatch.plan_bwd(problem)
+        assert plan.reason is None and family in (None, plan.family), plan
     dout = torch.randn(1, hkv * ratio, nq, dv or d, device="cuda", dtype=BF16)
     call(q, k, v, mode).backward(dout)
     got = [t.grad for t in (q, k, v)]
@@ -361,13 +341,14 @@ SPLIT_O_CASES = [(576, "none", 129, 1000, 1), (640, "bottom_right", 1000, 129, 4
 
 
 @pytest.mark.parametrize("d,mode,nq,nkv,ratio", SPLIT_O_CASES)
-def test_forward_sm90_split_o(seed, monkeypatch, d, mode, nq, nkv, ratio):
-    """The WGMMA kernel with O split over two CTAs (D > 512), before it is the default route
-    (dispatch.SM90_WGMMA_MAX_HEAD_DIM): numerics, and the plan really is FFPAFwdSm90."""
-    with sm90_with(monkeypatch, dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 1024):
+def test_forward_sm90_split_o(seed, d, mode, nq, nkv, ratio):
+    """The WGMMA kernel with O split over two CTAs that both score every block
+    (`Options.kv_pair` off): numerics, and the plan really is FFPAFwdSm90."""
+    with sm90_only(kv_pair=False):
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
         plan = kernel_plan(q, k, v, mode)
         assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
+        assert not plan.cfg.kv_pair
         check_forward(d, BF16, mode, nq, nkv, ratio)
 
 
@@ -378,13 +359,11 @@ KV_PAIR_CASES = [(1024, "none", 1000, 1000, 1), (1024, "bottom_right", 129, 1000
 
 
 @pytest.mark.parametrize("d,mode,nq,nkv,ratio", KV_PAIR_CASES)
-def test_kv_pair_forward(seed, monkeypatch, d, mode, nq, nkv, ratio):
+def test_kv_pair_forward(seed, d, mode, nq, nkv, ratio):
     """D > 512 with `kv_pair` (the CTA pair splits the KV blocks and exchanges row maxima, P
     and row sums through distributed shared memory): numerics and LSE as every forward, odd and
     even block counts (a last block both CTAs score), both causal alignments, GQA."""
-    from ffpa_cute.sm90 import config
-
-    with sm90_with(monkeypatch, config, "KV_PAIR", True):
+    with sm90_only():
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
         plan = kernel_plan(q, k, v, mode)
         assert plan.cfg.kv_pair and plan.cfg.o_split == 2
@@ -392,38 +371,22 @@ def test_kv_pair_forward(seed, monkeypatch, d, mode, nq, nkv, ratio):
 
 
 @contextlib.contextmanager
-def sm90_with(monkeypatch, module, name, value):
-    """The sm90 family (sm_90 only) with module.name = value, plans made fresh and forgotten
-    after."""
+def sm90_only(**changes):
+    """The sm90 family (sm_90 only) with these `Options` changes for the block."""
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("WGMMA kernels: sm_90 only")
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm90")
-    monkeypatch.setattr(module, name, value)
-    _forget_plans()
-    try:
+    with ffpa_cute.options.use(family="sm90", **changes):
         yield
-    finally:
-        _forget_plans()
-
-
-def _forget_plans():
-    from ffpa_cute import interface
-
-    dispatch._plan_cached.cache_clear()
-    interface._PLANS.clear()
 
 
 @pytest.mark.parametrize("hq,hkv,nq,nkv,mode", [(32, 8, 1, 4097, "none"),
                                                 (8, 8, 129, 1000, "bottom_right"),
                                                 (128, 1, 1, 300, "bottom_right")])
-def test_repeated_calls_take_the_fast_path(seed, monkeypatch, hq, hkv, nq, nkv, mode):
+def test_repeated_calls_take_the_fast_path(seed, hq, hkv, nq, nkv, mode):
     """Same-signature calls without grad, fresh data each time: from the third on the
-    per-signature launcher (`dispatch.FwdCall`, pointers written into kept argument storage)
+    per-signature launcher (`launch.FwdCall`, pointers written into kept argument storage)
     launches; every result passes the reference check, and a misaligned view of the same
     signature falls back to the general path and is still right."""
-    from ffpa_cute import interface
-
-    monkeypatch.setattr(dispatch, "FAST_LAUNCH", True)
     interface._clear_caches()
     causal, off = mode != "none", offset_of(mode, nq, nkv)
 
@@ -436,7 +399,7 @@ def test_repeated_calls_take_the_fast_path(seed, monkeypatch, hq, hkv, nq, nkv, 
 
     for _ in range(4):
         check(*make_qkv(1, hq, hkv, nq, nkv, 512, BF16))
-    entries = [e for key, e in interface._PLANS.items() if key[0] == interface._FAST]
+    entries = list(interface._FAST_CALLS.values())
     assert len(entries) == 1 and entries[0][-1] is not None
     assert getattr(entries[0][-1]._tls, "direct", None) is not None  # the launcher ran
     q, k, v = make_qkv(1, hq, hkv, nq, nkv, 512, BF16)
@@ -447,10 +410,9 @@ def test_repeated_calls_take_the_fast_path(seed, monkeypatch, hq, hkv, nq, nkv, 
 @pytest.mark.parametrize("d,n,dt", [(512, 1000, BF16), (264, 7, FP16), (1024, 1, BF16),
                                     (576, 4097, BF16)])
 def test_fused_delta(seed, d, n, dt):
-    """`common/delta.run_delta` (Delta = rowsum(dO * O), one warp per row) against float64,
-    contiguous and with a strided head layout; then the backward through it
-    (`dispatch.FUSED_DELTA`) against the float64 gradients."""
-    from ffpa_cute.common.delta import run_delta
+    """The Delta kernel (`common/delta.py`: Delta = rowsum(dO * O), one warp per row) against
+    float64, contiguous and with a strided head layout."""
+    run_delta = kernels.delta
 
     base = torch.randn(2, n, 3, d, device="cuda", dtype=dt)  # [B, N, H, D] storage
     for dout, out in ((torch.randn(2, 3, n, d, device="cuda", dtype=dt),
@@ -463,20 +425,17 @@ def test_fused_delta(seed, d, n, dt):
 
 
 @pytest.mark.parametrize("family", ["sm90", "sm80"])
-def test_backward_with_fused_delta(seed, monkeypatch, family):
-    monkeypatch.setenv("FFPA_CUTE_ARCH", family)
-    monkeypatch.setattr(dispatch, "FUSED_DELTA", True)
-    _forget_plans()
-    try:
-        _check_backward("bottom_right", 129, 1000, 4, expect_kernels=True)
-    finally:
-        _forget_plans()
+def test_backward_with_fused_delta(seed, family):
+    if family == "sm90" and dispatch.current_arch() != "sm_90a":
+        pytest.skip("WGMMA kernels: sm_90 only")
+    with ffpa_cute.options.use(family=family):
+        _check_backward("bottom_right", 129, 1000, 4, expect_kernels=True, family=family)
 
 
 @pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 16),
                                                ("none", 1000, 1000, 1)])
-def test_backward_dv_not_d(seed, monkeypatch, mode, nq, nkv, ratio):
-    """MLA 576 / 512 through autograd: the WGMMA forward and, with `DV_NOT_D_BWD`, the WGMMA
-    backward kernels (no SDPA recompute)."""
-    with sm90_with(monkeypatch, dispatch, "DV_NOT_D_BWD", True):
+def test_backward_dv_not_d(seed, mode, nq, nkv, ratio):
+    """MLA 576 / 512 through autograd: the WGMMA forward and backward kernels (no SDPA
+    recompute)."""
+    with sm90_only():
         _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=576, dv=512)

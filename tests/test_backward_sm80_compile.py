@@ -1,6 +1,6 @@
 """Compile-only tests (no GPU) of the Split-D mma.sync backward kernels (ffpa_cute/sm80/bwd_sm80.py)
 and their planners: every kernel at D in {320, 512, 1024}, causal and not, for sm_80 and sm_90a
-(sm_120a through the compile-verified sm120 subclasses), with mma.sync in the PTX, no local
+(sm_120a: the sm120 family's plan, compile-verified only), with mma.sync in the PTX, no local
 memory and no ptxas spills.
 
 The grid is a documented subset (CI has 2 cores): each kernel (dV, dQ, dK) meets each D and
@@ -10,9 +10,9 @@ last head-dim chunk zero-filled) and fp16 once each. 17 compiles, about 1.5 minu
 
 import pytest
 
+from ffpa_cute.dispatch import kernel_class
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.sm80 import config
-from ffpa_cute.sm80.bwd_sm80 import KERNELS, kernel_class
 from test_kernels_compile import _ptxas_spills
 
 ARCHES = ("sm_80", "sm_90a", "sm_120a")
@@ -40,7 +40,7 @@ CASES = [
 
 def _compile_checked(kind, target, d, causal, dtype="bf16"):
     cfg = config.plan_bwd(kind, _problem(d, causal, dtype), target)
-    cls = kernel_class(kind, target)
+    cls = kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     assert f".target {target}" in ptx
     assert "mma.sync.aligned.m16n8k16" in ptx
@@ -96,15 +96,13 @@ def test_bwd_configs_are_distinct_compile_keys():
     cfgs = {k: config.plan_bwd(k, p, "sm_90a") for k in ("dv", "dq", "dk")}
     assert len(set(cfgs.values())) == 3
     assert cfgs["dq"].smem_bytes() > cfgs["dv"].smem_bytes()  # the row ring
-    assert len({cls.__qualname__ for cls in KERNELS.values()}) == 3
+    assert len({kernel_class(c).__qualname__ for c in cfgs.values()}) == 3
 
 
-def test_sm120_kernel_classes_are_subclasses():
-    from ffpa_cute.sm120 import bwd_sm120
+def test_sm120_plans_the_sm80_kernels_for_sm12x_only():
+    from ffpa_cute.sm120 import config as sm120_config
 
-    for kind, cls in KERNELS.items():
-        sub = kernel_class(kind, "sm_120a")
-        assert sub is bwd_sm120.KERNELS[kind] and issubclass(sub, cls) and sub is not cls
-        assert kernel_class(kind, "sm_90a") is cls
+    cfg = sm120_config.plan_bwd("dv", _problem(512), "sm_120a")
+    assert kernel_class(cfg) is kernel_class(config.plan_bwd("dv", _problem(512), "sm_90a"))
     with pytest.raises(ValueError):
-        bwd_sm120.plan_bwd("dv", _problem(512), "sm_90a")
+        sm120_config.plan_bwd("dv", _problem(512), "sm_90a")

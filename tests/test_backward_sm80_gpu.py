@@ -11,14 +11,14 @@ Default tier: D in {320, 512, 1024}, bf16 and fp16, Nq / Nkv from {1, 7, 129, 10
 upper-left. Slow tier (`-m slow`): D 576 and 768 and a 4097 x 4097 case.
 
 Run on a GPU machine (from the repository root):
-    python -m pytest -m gpu -q tests/test_backward_sm80_gpu.py
-    python -m pytest -m "gpu and slow" -q tests/test_backward_sm80_gpu.py
+    pytest -m gpu -q tests/test_backward_sm80_gpu.py
+    pytest -m "gpu and slow" -q tests/test_backward_sm80_gpu.py
 """
 
 import pytest
 import torch
 
-from ffpa_cute import dispatch
+import kernels  # tests/ is on sys.path
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_grads, rel_err
 
@@ -49,24 +49,18 @@ SLOW = [
 def _inputs(d, mode, nq, nkv, ratio, dt):
     """q, k, v, dO (2 KV heads, `ratio` query heads each), the problem, and our Split-D
     forward's out and lse."""
-    from ffpa_cute import sm80
-
     hkv = 2
     q, k, v, do = (torch.randn(1, h, n, d, device="cuda", dtype=dt)
                    for h, n in ((hkv * ratio, nq), (hkv, nkv), (hkv, nkv), (hkv * ratio, nq)))
     off = {None: 0, BR: nkv - nq, UL: 0}[mode]
     problem = AttnProblem.from_tensors(q, k, v, causal=mode is not None, causal_offset=off)
-    target = dispatch.current_arch(q.device)
-    plan = dispatch.Plan(problem, target, "sm80", cfg=sm80.plan_fwd(problem, target))
-    out, lse = dispatch.run_fwd(plan, q, k, v)
+    out, lse = kernels.forward(problem, q, k, v, "sm80")
     return q, k, v, do, problem, out, lse
 
 
 def _check(d, mode, nq, nkv, ratio, dt):
-    from ffpa_cute.sm80.bwd_sm80 import run_bwd_sm80
-
     q, k, v, do, problem, out, lse = _inputs(d, mode, nq, nkv, ratio, dt)
-    got = run_bwd_sm80(problem, q, k, v, out, lse, do)
+    got = kernels.backward(problem, q, k, v, out, lse, do, "sm80")
     torch.cuda.synchronize()
     off, causal = problem.causal_offset, problem.causal
     ref = attention_grads(q, k, v, do, causal, off, dtype=torch.float64)
@@ -98,29 +92,21 @@ def test_bwd_matches_reference_slow(seed, case):
 
 def test_bwd_is_deterministic(seed):
     """GQA sums run in registers (no atomics): two runs are bitwise equal."""
-    from ffpa_cute.sm80.bwd_sm80 import run_bwd_sm80
-
     q, k, v, do, problem, out, lse = _inputs(512, BR, 129, 1000, 4, BF16)
-    a = run_bwd_sm80(problem, q, k, v, out, lse, do)
-    b = run_bwd_sm80(problem, q, k, v, out, lse, do)
+    a = kernels.backward(problem, q, k, v, out, lse, do, "sm80")
+    b = kernels.backward(problem, q, k, v, out, lse, do, "sm80")
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
 def test_bwd_strided_inputs(seed):
     """[B, N, H, D] storage seen as [B, H, N, D] (unit stride on D, other strides permuted)."""
-    from ffpa_cute.sm80.bwd_sm80 import run_bwd_sm80
-
     d, nq, nkv = 320, 129, 300
     q, do = (torch.randn(1, nq, 4, d, device="cuda", dtype=BF16).transpose(1, 2) for _ in "ab")
     k, v = (torch.randn(1, nkv, 2, d, device="cuda", dtype=BF16).transpose(1, 2) for _ in "ab")
     problem = AttnProblem.from_tensors(q, k, v, causal=True)
-    from ffpa_cute import sm80
-
-    target = dispatch.current_arch(q.device)
-    plan = dispatch.Plan(problem, target, "sm80", cfg=sm80.plan_fwd(problem, target))
-    out, lse = dispatch.run_fwd(plan, q, k, v)
-    got = run_bwd_sm80(problem, q, k, v, out, lse, do)
+    out, lse = kernels.forward(problem, q, k, v, "sm80")
+    got = kernels.backward(problem, q, k, v, out, lse, do, "sm80")
     ref = attention_grads(q, k, v, do, True, problem.causal_offset, dtype=torch.float64)
     base = attention_grads(q, k, v, do, True, problem.causal_offset, dtype=BF16)
     for x, r, b in zip(got, ref, base):

@@ -6,7 +6,9 @@ import pickle
 import pytest
 import torch
 
-from ffpa_cute import dispatch
+import ffpa_cute
+from ffpa_cute import dispatch, launch
+from ffpa_cute.options import Options
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.sm80.config import SMEM_CAPACITY, FwdConfigSm80, can_implement, plan_fwd
 
@@ -37,6 +39,16 @@ def test_sm100_has_no_kernels_yet_and_falls_back():
     assert plan.reason and "sm100" in plan.reason
 
 
+def test_the_table_is_data():
+    """Every target has a family, every family a row with both directions and the dtype
+    classes it will serve (None: no kernel yet), and a verification status."""
+    assert set(dispatch.FAMILY_OF_TARGET) == set(dispatch.TARGETS.values())
+    for name, fam in dispatch.FAMILIES.items():
+        assert fam.name == name and fam.verified and "16bit" in fam.fwd and "16bit" in fam.bwd
+    assert dispatch.FAMILIES["sm120"].verified == "compile-verified only, never run"
+    assert dispatch.FAMILIES["sm100"].fwd["16bit"] is None
+
+
 @pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
                                       (520, "FFPAFwdSm80"), (1024, "FFPAFwdSm90")])
 def test_sm90_family_kernels(d, kernel):
@@ -47,30 +59,38 @@ def test_sm90_family_kernels(d, kernel):
     assert plan.kernel_cls.__name__ == kernel and plan.cfg.arch == "sm_90a"
 
 
-def test_sm90_wgmma_range_and_o_split(monkeypatch):
-    """D > 512 goes to the WGMMA kernel with O split over two CTAs, except D % 16 != 0
-    (Split-D); lowering SM90_WGMMA_MAX_HEAD_DIM sends the D above it to Split-D."""
-    dispatch._plan_cached.cache_clear()
-    try:
-        plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
-        assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
-        plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
-        assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
-        monkeypatch.setattr(dispatch, "SM90_WGMMA_MAX_HEAD_DIM", 512)
-        dispatch._plan_cached.cache_clear()
-        plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
-        assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
-    finally:
-        dispatch._plan_cached.cache_clear()
+def test_sm90_wgmma_range_and_o_split():
+    """D > 512 goes to the WGMMA kernel with O split over a CTA pair that splits the KV blocks
+    (`Options.kv_pair`; off: both CTAs score every block), except D % 16 != 0 (Split-D)."""
+    plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
+    assert plan.cfg.kv_pair
+    plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a", opts=Options(kv_pair=False))
+    assert plan.cfg.o_split == 2 and not plan.cfg.kv_pair
+    plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
 
 
-def test_forced_family(monkeypatch):
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm80")
-    plan = dispatch.plan_fwd(prob(), target="sm_90a")
+def test_forced_family():
+    plan = dispatch.plan_fwd(prob(), target="sm_90a", opts=Options(family="sm80"))
     assert plan.family == "sm80" and plan.cfg.arch == "sm_90a"
-    monkeypatch.setenv("FFPA_CUTE_ARCH", "sm70")
-    with pytest.raises(ValueError, match="FFPA_CUTE_ARCH"):
-        dispatch.plan_fwd(prob(), target="sm_90a")
+    plan = dispatch.plan_fwd(prob(), target="sm_120a", opts=Options(family="sm80"))
+    assert plan.family == "sm120"  # the Split-D kernels on sm_12x are the sm120 family
+    with pytest.raises(ValueError, match="family"):
+        Options(family="sm70")
+
+
+def test_an_option_changed_after_a_first_call_gives_the_new_plan():
+    """Plans are cached per (problem, target, options): flipping a field after a first call
+    must not return the old plan (it did with module-level switches)."""
+    p = prob(heads_q=32, heads_kv=8, seqlen_q=1, seqlen_kv=4097)
+    with ffpa_cute.options.use(pack_gqa=True):
+        assert dispatch.plan_fwd(p, target="sm_90a").packed
+        with ffpa_cute.options.use(pack_gqa=False):
+            assert not dispatch.plan_fwd(p, target="sm_90a").packed
+            with ffpa_cute.options.use(family="sm80"):
+                assert dispatch.plan_fwd(p, target="sm_90a").family == "sm80"
+        assert dispatch.plan_fwd(p, target="sm_90a").packed
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -126,7 +146,7 @@ def test_warp_layout_crossover():
 def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
     import torch
 
-    from ffpa_cute.dispatch import _kernel_ready
+    _kernel_ready = launch.kernel_ready
 
     base = torch.randn(1, 2, 9, 512, dtype=torch.bfloat16)
     assert _kernel_ready(base) is base
@@ -144,43 +164,34 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
     assert _kernel_ready(t).stride(-1) == 1
 
 
-@pytest.mark.parametrize("d,enabled,target,family", [
-    (512, {"sm90", "sm80"}, "sm_90a", "sm90"), (1024, {"sm90", "sm80"}, "sm_90a", "sm90"),
-    (512, {"sm80"}, "sm_90a", "sm80"), (512, {"sm90"}, "sm_90a", "sm90"),
-    (1024, {"sm80"}, "sm_90a", "sm80"), (512, {"sm80"}, "sm_80", "sm80"),
-    (512, {"sm90", "sm80"}, "sm_120a", None), (512, set(), "sm_90a", None)])
-def test_backward_routing(monkeypatch, d, enabled, target, family):
-    """Backward kernels serve only families in BWD_KERNEL_FAMILIES (those that passed the GPU
-    grid); the sm90 family's WGMMA backward serves D <= 1024 (`bwd_sm90.MAX_HEAD_DIM`) and the
-    Split-D backward takes what it does not; sm_12x (compile-verified only) never runs them."""
-    monkeypatch.setattr(dispatch, "BWD_KERNEL_FAMILIES", frozenset(enabled))
-    got, why = dispatch.bwd_family(prob(d=d), target=target) if enabled else (None, "")
-    assert got == family
-    reason = dispatch.bwd_reason(prob(d=d), target=target)
-    assert (reason is None) == (family is not None)
-    if family is None and enabled:
-        assert why and why == reason
-    if not enabled:
-        assert "not enabled" in reason
+@pytest.mark.parametrize("d,target,family,grads", [
+    (512, "sm_90a", "sm90", "FFPABwdDQSm90"), (1024, "sm_90a", "sm90", "FFPABwdDQSm90"),
+    (520, "sm_90a", "sm90", "FFPABwdDQSm80"), (512, "sm_80", "sm80", "FFPABwdDQSm80"),
+    (512, "sm_120a", None, None), (512, "sm_100a", None, None)])
+def test_backward_routing(d, target, family, grads):
+    """The backward's kernels come from the same table as the forward: on sm_90a the WGMMA dQ /
+    dK / dV up to D = 1024 and the Split-D backward where they do not build (D % 16 != 0 above
+    512); sm_12x (compile-verified only) and sm_100 (no kernels) recompute through SDPA. Delta
+    runs first."""
+    plan = dispatch.plan_bwd(prob(d=d), target=target)
+    if family is None:
+        assert plan.reason and not plan.cfgs
+        return
+    assert plan.reason is None and plan.family == family
+    names = [cls.__name__ for cls, _ in plan.jobs]
+    assert names[0] == "RowDot" and names[1] == grads and len(names) == 4
 
 
-def test_dv_not_d_routes_to_wgmma_only(monkeypatch):
-    """Dv != D (MLA 576 / 512): the WGMMA kernel with head_dim_v on sm_90a; the Split-D
-    families (sm_80, sm_120) fall back with the reason; the sm90 backward kernels serve its
-    backward (`DV_NOT_D_BWD`). Both on by default; switched off, such calls run SDPA (forward) or
-    the SDPA recompute (backward) with the reason."""
+def test_dv_not_d_routes_to_wgmma_only():
+    """Dv != D (MLA 576 / 512): the WGMMA kernel with head_dim_v on sm_90a and the sm90
+    backward kernels; the Split-D families (sm_80, sm_120) fall back with the reason."""
     p = prob(d=576, head_dim_v=512, heads_q=128, heads_kv=1)
-    monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", False)
-    assert "DV_NOT_D_KERNELS" in dispatch.plan_fwd(p, target="sm_90a").reason
-    monkeypatch.setattr(dispatch, "DV_NOT_D_KERNELS", True)
     plan = dispatch.plan_fwd(p, target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.head_dim_v == 512
     assert plan.cfg.dv_halves == (256, 256) and plan.cfg.o_split == 1
     for target in ("sm_80", "sm_120a"):
         assert "head_dim_v" in dispatch.plan_fwd(p, target=target).reason
-    assert dispatch.bwd_reason(p, target="sm_90a") is None
-    monkeypatch.setattr(dispatch, "DV_NOT_D_BWD", False)
-    assert "head_dim_v" in dispatch.bwd_reason(p, target="sm_90a")
+    assert dispatch.plan_bwd(p, target="sm_90a").reason is None
     assert dispatch.plan_fwd(prob(d=512), target="sm_90a").cfg.head_dim_v is None
     bad = prob(d=576, head_dim_v=520)  # not a multiple of 16: no kernel serves it
     assert dispatch.plan_fwd(bad, target="sm_90a").reason
@@ -194,16 +205,14 @@ def test_dv_not_d_routes_to_wgmma_only(monkeypatch):
     (32, 8, 8192, 8192, False, 0, False),   # prefill: no fewer tiles
     (32, 32, 1, 129, False, 0, False),      # MHA: nothing to pack
     (32, 8, 100, 129, True, 29, False)])    # causal prefill rows are masked
-def test_gqa_rows_packing(monkeypatch, hq, hkv, nq, nkv, causal, offset, packed):
+def test_gqa_rows_packing(hq, hkv, nq, nkv, causal, offset, packed):
     """GQA / MQA query heads go into the rows of one KV head's tiles when that needs fewer
     tiles and no row is masked; the plan's config is the packed (non-causal) problem's.
-    On by default; switched off, nothing is packed."""
+    On by default (`Options.pack_gqa`); switched off, nothing is packed."""
     p = prob(heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv, causal=causal,
              causal_offset=offset)
-    monkeypatch.setattr(dispatch, "PACK_GQA_ROWS", False)
-    assert dispatch.packed_problem(p) is None
-    monkeypatch.setattr(dispatch, "PACK_GQA_ROWS", True)
-    pp = dispatch.packed_problem(p)
+    assert dispatch.packed_problem(p, Options(pack_gqa=False)) is None
+    pp = dispatch.packed_problem(p, Options())
     assert (pp is not None) == packed
     plan = dispatch.plan_fwd(p, target="sm_90a")
     assert plan.packed == packed and plan.problem == p
@@ -221,7 +230,7 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     """The per-signature launcher hands the kernel the same tensors (pointers, shapes,
     strides), scale and causal offset as `run_fwd` does for the same call."""
     from ffpa_cute import cache
-    from ffpa_cute.sm90 import FFPAFwdSm90
+    from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
 
     q = torch.randn(2, hq, nq, 512, dtype=torch.bfloat16)
     k, v = (torch.randn(2, hkv, nkv, 512, dtype=torch.bfloat16) for _ in range(2))
@@ -233,9 +242,9 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
     monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(lambda fn, *a: seen.append(a)))
     monkeypatch.setattr("ffpa_cute.common.tensors.current_stream_handle", lambda dev: 0)
-    out, lse = dispatch.run_fwd(plan, q, k, v)
+    out, lse = launch.run_fwd(plan, q, k, v)
     *ts, scale, offset, _ = seen[0]
-    fc = dispatch.FwdCall(plan, q, k, v)
+    fc = launch.FwdCall(plan, q, k, v)
     set_calls = []  # what the launcher writes into its kept argument storage
 
     class Storage:
@@ -255,18 +264,41 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     assert fc.out_shape == tuple(out.shape) and fc.lse_shape == tuple(lse.shape)
     assert not fc.usable  # CPU tensors: the general path (which raises on a CPU device)
     strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(D) != 1: copied
-    assert not dispatch.FwdCall(plan, strided, k, v).usable
+    assert not launch.FwdCall(plan, strided, k, v).usable
 
 
-def test_fused_delta_is_a_backward_job(monkeypatch):
-    """With `FUSED_DELTA` (on by default) the backward's kernel list (what `precompile
-    --backward` compiles) includes the Delta kernel for the problem's arch, dtype and head dim;
-    switched off, it does not."""
-    from ffpa_cute.common.delta import DeltaConfig, RowDot
+def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch):
+    """`launch.run_bwd` runs Delta, then dQ, dK, dV, each with the tensors its `OPERANDS` name
+    (dV's roles: K resident, Q streamed, dO the accumulator's B) and the problem's scalars."""
+    from ffpa_cute import cache
+
+    q = torch.randn(1, 4, 7, 512, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 129, 512, dtype=torch.bfloat16) for _ in range(2))
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(1, 4, 7)
+    p = dataclasses.replace(AttnProblem.from_tensors(q, k, v, causal=True), device_type="cuda")
+    plan = dispatch.plan_bwd(p, target="sm_90a")
+    runs = []
+    monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: cls)
+    monkeypatch.setattr("ffpa_cute.common.tensors.current_stream_handle", lambda dev: 0)
+    for cls, _ in plan.jobs:
+        monkeypatch.setattr(cls, "launch", staticmethod(lambda fn, *a: runs.append((fn, a))))
+    dq, dk, dv = launch.run_bwd(plan, q, k, v, out, lse, dout)
+    assert [fn.__name__ for fn, _ in runs] == ["RowDot", "FFPABwdDQSm90", "FFPABwdDKSm90",
+                                              "FFPABwdDVSm90"]
+    delta_args, dq_args, dk_args, dv_args = (a for _, a in runs)
+    assert delta_args[0] is dout and delta_args[1] is out and delta_args[3] == 0
+    assert dq_args[:4] == (q, k, v, dout) and dq_args[4] is dq and dq_args[6] is delta_args[2]
+    assert dk_args[4] is dk and dv_args[:3] == (k, q, dout) and dv_args[3] is dv
+    assert dq_args[-3:] == (p.softmax_scale, 129 - 7, 0) and dv_args[-3:] == dq_args[-3:]
+
+
+def test_fused_delta_is_a_backward_job():
+    """The backward's kernel list (what `precompile --backward` compiles) starts with the
+    Delta kernel for the problem's arch, dtype and Dv."""
+    from ffpa_cute.common.config import DeltaConfig
 
     p = prob(d=512)
-    for target, n in (("sm_90a", 4), ("sm_80", 4)):
-        jobs = dispatch.bwd_kernels(p, target=target)
-        assert len(jobs) == n and jobs[-1] == (RowDot, DeltaConfig(target, "bf16", 512))
-    monkeypatch.setattr(dispatch, "FUSED_DELTA", False)
-    assert all(cls is not RowDot for cls, _ in dispatch.bwd_kernels(p, target="sm_90a"))
+    for target in ("sm_90a", "sm_80"):
+        jobs = dispatch.plan_bwd(p, target=target).jobs
+        assert len(jobs) == 4 and jobs[0][1] == DeltaConfig(target, "bf16", 512)

@@ -48,7 +48,8 @@ def wgmma_fwd():
     import os
 
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90 import FFPAFwdSm90, plan_fwd
+    from ffpa_cute.sm90.config import plan_fwd
+    from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
 
     before = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"

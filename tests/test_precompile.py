@@ -17,16 +17,15 @@ def test_precompile_then_load_without_compiling(tmp_path):
 
 
 def test_backward_jobs_are_what_run_bwd_compiles():
-    """--backward adds the dQ / dK / dV kernels `dispatch.bwd_kernels` names (and the fused
-    Delta kernel, `dispatch.FUSED_DELTA`): the WGMMA ones on sm_90a (D <= 1024), the Split-D
-    ones on sm_80; none on sm_120 (never run)."""
+    """--backward adds the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`: the WGMMA ones
+    on sm_90a (D <= 1024), the Split-D ones on sm_80; none on sm_120 (never run)."""
     names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512, 1024], ["bf16"],
                                                                (True,), backward=True)]
              for t in ("sm_90a", "sm_80", "sm_120a")}
-    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90"] + ["FFPABwdDQSm90", "FFPABwdDKSm90",
-                                                               "FFPABwdDVSm90", "RowDot"] * 2
-    assert names["sm_80"][2:] == ["FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80", "RowDot"] * 2
-    assert names["sm_120a"] == ["FFPAFwdSm120", "FFPAFwdSm120"]
+    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90"] + ["RowDot", "FFPABwdDQSm90",
+                                                               "FFPABwdDKSm90", "FFPABwdDVSm90"] * 2
+    assert names["sm_80"][2:] == ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
+    assert names["sm_120a"] == ["FFPAFwdSm80", "FFPAFwdSm80"]
 
 
 def test_cli(tmp_path, capsys):
@@ -48,8 +47,8 @@ def test_bad_arch():
 
 
 def test_backward_kernels_export_and_load(tmp_path):
-    """The backward kernels, the fused Delta kernel among them (`dispatch.FUSED_DELTA`), go
-    through the same export / load as the forward (with the progress bar, as the CLI runs)."""
+    """The backward kernels, the Delta kernel among them, go through the same export / load as
+    the forward (with the progress bar, as the CLI runs)."""
     from ffpa_cute.common.delta import RowDot
 
     cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,

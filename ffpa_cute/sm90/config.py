@@ -381,11 +381,13 @@ def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
     return _plan_two(BwdDQConfigSm90, problem, arch, False)
 
 
-def plan_dk(problem: AttnProblem, arch: str = "sm_90a") -> BwdDKConfigSm90:
-    """As dQ's, with `seq_scores` (tile_n 128, one score accumulator) up to
-    SEQ_SCORES_MAX_HEAD_DIM."""
-    return _plan_two(BwdDKConfigSm90, problem, arch,
-                     problem.head_dim <= SEQ_SCORES_MAX_HEAD_DIM)
+def plan_dk(problem: AttnProblem, arch: str = "sm_90a",
+            seq_scores: bool | None = None) -> BwdDKConfigSm90:
+    """As dQ's, with `seq_scores` (tile_n 128, one score accumulator; None: up to
+    SEQ_SCORES_MAX_HEAD_DIM)."""
+    if seq_scores is None:
+        seq_scores = problem.head_dim <= SEQ_SCORES_MAX_HEAD_DIM
+    return _plan_two(BwdDKConfigSm90, problem, arch, seq_scores)
 
 
 def plan_bwd(problem: AttnProblem, arch: str = "sm_90a") -> list:
