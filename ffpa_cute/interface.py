@@ -150,16 +150,12 @@ def _remember(key, value) -> None:
 
 
 def _fast_call(q, k, v, causal, offset, softmax_scale, plan, fwd_call):
-    """A call whose signature already ran the kernel: straight to it (the autograd Function
-    only when a gradient will be asked for; without one, `fwd_call` launches directly when it
-    can)."""
+    """A call whose signature already ran the kernel: straight to it (through the autograd
+    Function only when a gradient will be asked for); `fwd_call` launches when it can."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ops.EagerAttention.apply(q, k, v, causal, offset, softmax_scale, plan)[0]
-    if fwd_call is not None:
-        res = fwd_call(q, k, v)
-        if res is not None:
-            return res[0]
-    return ops.kernel_forward(q, k, v, causal, offset, softmax_scale, plan)[0]
+        return ops.EagerAttention.apply(q, k, v, causal, offset, softmax_scale, plan,
+                                        fwd_call)[0]
+    return ops.kernel_forward(q, k, v, causal, offset, softmax_scale, plan, fwd_call)[0]
 
 
 # ------------------------------------------------------------------------------- public API

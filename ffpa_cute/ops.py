@@ -22,12 +22,17 @@ def on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float, plan=None):
+def kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float, plan=None,
+                   fwd_call=None):
     """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32).
 
     The body of the custom op, and of the eager path (`EagerAttention`), which passes the plan
-    `attention()` already made.
+    `attention()` already made and, for a repeated call signature, its `launch.FwdCall`.
     """
+    if fwd_call is not None:
+        res = fwd_call(q, k, v)
+        if res is not None:
+            return res
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if plan is None:
         problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
@@ -125,14 +130,14 @@ class EagerAttention(torch.autograd.Function):
     keep an opaque node with a fake implementation."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, causal_offset, scale, plan):
-        out, lse = kernel_forward(q, k, v, causal, causal_offset, scale, plan)
+    def forward(ctx, q, k, v, causal, causal_offset, scale, plan, fwd_call=None):
+        out, lse = kernel_forward(q, k, v, causal, causal_offset, scale, plan, fwd_call)
         _setup_context(ctx, (q, k, v, causal, causal_offset, scale), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return (*_backward(ctx, dout, dlse, eager=True), None)
+        return (*_backward(ctx, dout, dlse, eager=True), None, None)
 
 
 __all__ = ["EagerAttention", "attention_bwd", "attention_fwd", "bwd_plan", "kernel_forward"]

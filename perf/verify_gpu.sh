@@ -3,17 +3,16 @@
 #
 # Here (CPU), first:
 #   bash ../shared/device/stage.sh                      # STAGE_PEERS=1 adds FFPA to the sweep
-#   python -m tests.sanitize --precompile .precache     # the sanitizer workload's kernels
-#   python -m ffpa_cute.precompile --arch sm_90 --head-dims 264,320,328,512,576,712,768,1024 \
-#       --dtypes bf16,fp16 --backward --cache-dir .precache
+#   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2
+#   CUTE_DSL_ARCH=sm_90a python -m tests.sanitize --precompile .precache
 #   mkdir -p .pc && tar cf - .precache | xz -9 > .pc/precache.tar.xz   # (.pc: .git/info/exclude)
 # Then one device call per section group, carrying [".device", ".pc"]:
 #   source .device/setup.sh && bash perf/verify_gpu.sh
 # SECTIONS (default "san gpu"):
 #   san   compute-sanitizer memcheck / racecheck / synccheck / initcheck over every kernel the
 #         device runs (tests/sanitize.py; ~1 min)
-#   gpu   `pytest -m gpu` on the device's own family (sm90 on an H100 / H200), then the Split-D
-#         family (FFPA_CUTE_ARCH=sm80) on the forward and its backward
+#   gpu   `pytest -m gpu` on the device's own family (sm90 on an H100 / H200)
+#   gpu80 the forward tests and the Split-D backward on the sm80 family (FFPA_CUTE_ARCH=sm80)
 #   slow  the slow grids (`-m "gpu and slow"`), device family then sm80
 #   perf  perf.smoke: first-call compile, host overhead, backward kernel times
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
@@ -33,8 +32,10 @@ if has san; then
 fi
 if has gpu; then
   step "pytest -m gpu, the device's own family"
-  timeout 420 pytest -m "gpu and not slow" -q -p no:cacheprovider 2>&1 | tee "$out/gpu.log" \
+  timeout 480 pytest -m "gpu and not slow" -q -p no:cacheprovider 2>&1 | tee "$out/gpu.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -25
+fi
+if has gpu80; then
   step "pytest -m gpu, the Split-D family (FFPA_CUTE_ARCH=sm80)"
   FFPA_CUTE_ARCH=sm80 timeout 300 pytest -m "gpu and not slow" -q -p no:cacheprovider \
       tests/test_attention_gpu.py tests/test_backward_sm80_gpu.py 2>&1 \

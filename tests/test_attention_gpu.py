@@ -405,6 +405,15 @@ def test_repeated_calls_take_the_fast_path(seed, hq, hkv, nq, nkv, mode):
     q, k, v = make_qkv(1, hq, hkv, nq, nkv, 512, BF16)
     buf = torch.randn(q.numel() + 1, device="cuda", dtype=BF16)
     check(buf[1:].view(q.shape), k, v)  # 2-byte offset: same signature, general path
+    # with gradients: the autograd Function around the same launcher, same bits forward
+    with torch.no_grad():
+        want = call(q, k, v, mode)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    for _ in range(3):
+        out = call(qg, kg, vg, mode)
+        assert out.grad_fn is not None and torch.equal(out, want)
+    out.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (qg, kg, vg))
 
 
 @pytest.mark.parametrize("d,n,dt", [(512, 1000, BF16), (264, 7, FP16), (1024, 1, BF16),

@@ -1,0 +1,97 @@
+"""The kernels the GPU tests compile on an sm_90a device, to precompile on a CPU box so the
+lent GPU's minutes go to running, not compiling:
+
+    CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache [--workers 2]
+
+A superset by construction: every head dim the GPU tests use, both dtypes and causal modes, under
+both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
+and backward, plus the Dv != D pairs and the non-default variants the tests select (the CTA pair
+off above 512, dK without sequential score products). A kernel the tests need that is missing
+here is compiled on the device on first use, as for any user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
+DV_PAIRS = ((576, 512), (512, 320), (320, 256), (1024, 512), (768, 128))
+TARGET = "sm_90a"
+
+
+def jobs() -> list:
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.sm90 import config as sm90_config
+
+    out = []
+
+    def add(items):
+        out.extend(j for j in items if j not in out)
+
+    def problem(d, dv, dtype, causal):
+        return AttnProblem(dtype=dtype, batch=1, heads_q=2, heads_kv=2, seqlen_q=4096,
+                           seqlen_kv=4096, head_dim=d, head_dim_v=dv, causal=causal)
+
+    for family in ("sm90", "sm80"):
+        opts = Options(family=family)
+        for d in HEAD_DIMS:
+            for dtype in ("bf16", "fp16"):
+                for causal in (False, True):
+                    p = problem(d, d, dtype, causal)
+                    plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
+                    if plan.reason is None:
+                        add([(plan.kernel_cls, plan.cfg)])
+                    add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
+                    if family == "sm90" and d > 512 and d % 16 == 0:  # the CTA pair off
+                        plan = dispatch.plan_fwd(p, target=TARGET,
+                                                 opts=Options(family="sm90", kv_pair=False))
+                        add([(plan.kernel_cls, plan.cfg)])
+                    if family == "sm90" and d <= 512:  # dK without sequential score products
+                        cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
+                        add([(dispatch.kernel_class(cfg), cfg)])
+    for d, dv in DV_PAIRS:
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                p = problem(d, dv, dtype, causal)
+                plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
+                add([(plan.kernel_cls, plan.cfg)])
+                if dtype == "bf16":
+                    add(dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs)
+    return out
+
+
+def _compile_part(args):
+    directory, part, parts = args
+    from ffpa_cute.cache import JitCache
+
+    cache = JitCache(directory, disk=True)
+    for i, (cls, cfg) in enumerate(jobs()):
+        if i % parts == part:
+            cache.get(cls, cfg)
+    return cache.stats.compiles
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.gpu_jobs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precompile", metavar="DIR", required=True)
+    ap.add_argument("--workers", type=int, default=1)
+    a = ap.parse_args(argv)
+    n = len(jobs())
+    if a.workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(a.workers) as pool:
+            compiled = sum(pool.map(_compile_part, [(a.precompile, i, a.workers)
+                                                    for i in range(a.workers)]))
+    else:
+        compiled = _compile_part((a.precompile, 0, 1))
+    print(f"{n} kernels for {TARGET} in {a.precompile}: {compiled} compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
