@@ -3,7 +3,7 @@
 Key: `(kernel class qualname, cfg)` where cfg is a frozen dataclass of Python scalars (shape
 *classes*, never tensors or sizes), so the key is stable across processes and pickles cleanly.
 
-Disk layout: `$FFPA_CUTE_CACHE_DIR/<fingerprint>/<key hash>.o` (+ `.h`), where the fingerprint
+Disk layout: `$FFPA_CUTE_CACHE_DIR/<fingerprint>/<key hash>.o`, where the fingerprint
 hashes the kernel sources (`common/`, `sm*/`), the cutlass-dsl version and the target arch, so a change
 to any of them starts a fresh directory. Each entry is written under a per-key `flock` (racing
 processes compile a key once), through a temporary name and `os.replace` (readers never see a
@@ -13,6 +13,8 @@ partial file); an entry that fails to load is deleted and recompiled. Directorie
 
 The compiled `.o` files are what `python -m ffpa_cute.precompile` ships: compiled on a machine
 without a GPU (CUTE_DSL_ARCH + fake tensors) and loaded on the GPU machine without compiling.
+Kernels use cutlass-dsl's TVM-FFI calling convention, so an entry is exported with its TVM-FFI
+wrapper and loaded with `cute.runtime.load_module(path, enable_tvm_ffi=True)`.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ class JitCache:
         import cutlass.cute as cute
 
         try:
-            fn = getattr(cute.runtime.load_module(str(obj)), name)
+            fn = getattr(cute.runtime.load_module(str(obj), enable_tvm_ffi=True), name)
         except Exception as e:  # noqa: BLE001  (corrupt or foreign entry: recompile)
             log.warning("ffpa_cute: cache entry %s unusable (%s); recompiling", obj, e)
             if delete_bad:
@@ -202,9 +204,8 @@ class JitCache:
     def _store(self, fn, d: pathlib.Path, name: str, kernel_cls, cfg) -> None:
         try:
             with tempfile.TemporaryDirectory(dir=d, prefix=".tmp-") as tmp:
-                fn.export_to_c(tmp, name)
-                for ext in (".h", ".o"):  # the .o last: its presence marks a complete entry
-                    os.replace(os.path.join(tmp, name + ext), d / (name + ext))
+                fn.export_to_c(os.path.join(tmp, name + ".o"), name)
+                os.replace(os.path.join(tmp, name + ".o"), d / (name + ".o"))  # atomic
             rec = {"file": name + ".o", "kernel": kernel_cls.__qualname__,
                    "config": dataclasses.asdict(cfg), "time": time.time()}
             with open(d / "manifest.jsonl", "a") as f:

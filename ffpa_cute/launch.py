@@ -4,11 +4,11 @@ per-signature launcher of repeated calls.
 Every kernel class names its tensor arguments (`OPERANDS`: "q", "k", "v", "o", "do", "dq", "dk",
 "dv", "lse", "delta") and scalars (`SCALARS`), so one `run_job` launches any of them from a dict
 of tensors: the host side needs no per-kernel code, and a kernel module never imports this one.
+Compiled kernels take torch tensors directly (cutlass-dsl's TVM-FFI convention) and launch on
+torch's current stream of the current device, which the caller makes the tensors' device.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 
@@ -28,18 +28,11 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _stream(device) -> int:
-    from .common.tensors import current_stream_handle
-
-    return current_stream_handle(device)
-
-
-def run_job(cls, cfg, tensors: dict, scalars: dict, stream: int) -> None:
+def run_job(cls, cfg, tensors: dict, scalars: dict) -> None:
     """Compile (or load) `cfg`'s kernel and launch it on `tensors[name]` for each name in
-    `cls.OPERANDS`, then `scalars[name]` for `cls.SCALARS`, on `stream`."""
+    `cls.OPERANDS`, then `scalars[name]` for `cls.SCALARS` (torch's current stream)."""
     fn = jit_cache().get(cls, cfg)
-    cls.launch(fn, *(tensors[n] for n in cls.OPERANDS), *(scalars[n] for n in cls.SCALARS),
-               stream)
+    cls.launch(fn, *(tensors[n] for n in cls.OPERANDS), *(scalars[n] for n in cls.SCALARS))
 
 
 def kernel_args(plan: Plan, q, k, v, out, lse):
@@ -68,7 +61,7 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     (q, k, v, qo, lo), offset = kernel_args(plan, kernel_ready(q), k, v, out, lse)
     tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo)
     run_job(plan.kernel_cls, plan.cfg, tensors,
-            dict(softmax_scale=p.softmax_scale, causal_offset=offset), _stream(q.device))
+            dict(softmax_scale=p.softmax_scale, causal_offset=offset))
     return out, lse
 
 
@@ -87,21 +80,19 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout):
     if q.numel() == 0 or k.numel() == 0:
         return t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
     scalars = dict(softmax_scale=p.softmax_scale, causal_offset=p.causal_offset)
-    stream = _stream(q.device)
     for cls, cfg in plan.jobs:
-        run_job(cls, cfg, t, scalars, stream)
+        run_job(cls, cfg, t, scalars)
     return t["dq"], t["dk"], t["dv"]
 
 
 class FwdCall:
     """`run_fwd` for one call signature (plan, shapes, strides, dtype, device): what does not
-    depend on the data pointers is decided once, so a repeated call allocates out / lse, writes
-    five pointers and the stream, and launches (the per-signature fast path of `attention()`).
+    depend on the data is decided once, so a repeated call allocates out / lse and calls the
+    compiled kernel (the per-signature fast path of `attention()`).
 
     `__call__` returns None whenever the general `run_fwd` must take the call: a misaligned
-    data pointer, a layout that `kernel_ready` would copy, an empty problem, the first calls
-    of a kernel (before its `DirectLaunch` check passed), or another device being current.
-    Per thread (the argument storage is written before each launch).
+    data pointer, a layout that `kernel_ready` would copy, an empty problem, or another device
+    being current.
     """
 
     def __init__(self, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -116,37 +107,27 @@ class FwdCall:
                 kernel_ready(packed_q) is packed_q)
         self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
                        and q.device.type == "cuda")
-        self._tls = threading.local()
-
-    def _direct(self, q, k, v, out, lse):
-        """This thread's `DirectLaunch` with the signature's shapes and strides, once the
-        kernel's argument layout has been checked; else None."""
-        from .common import tensors
-
-        direct = getattr(self._tls, "direct", None)
-        if direct is None:
-            fn = jit_cache().get(self.plan.kernel_cls, self.plan.cfg)
-            if not tensors.direct_launch_ok(fn):
-                return None
-            direct = tensors.DirectLaunch(fn, 5, [4, 4, 4, 4, 3])
-            tensors_, offset = kernel_args(self.plan, q, k, v, out, lse)
-            direct.set(tensors_, self.plan.problem.softmax_scale, offset, 0)
-            self._tls.direct = direct
-        return direct
+        self.scalars = (p.softmax_scale, 0 if plan.packed else p.causal_offset)
+        self.fn = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(out, lse), or None: the general path takes this call."""
-        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        if (not self.usable or (ptrs[0] | ptrs[1] | ptrs[2]) % 16
+        if (not self.usable or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
                 or torch.cuda.current_device() != self.device.index):
             return None
+        if self.fn is None:
+            self.fn = jit_cache().get(self.plan.kernel_cls, self.plan.cfg)
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        direct = self._direct(q, k, v, out, lse)
-        if direct is None:
-            return None
-        direct.launch_pointers((*ptrs, out.data_ptr(), lse.data_ptr()), _stream(self.device))
+        self.plan.kernel_cls.launch(self.fn, *self.args(q, k, v, out, lse))
         return out, lse
+
+    def args(self, q, k, v, out, lse) -> tuple:
+        """The kernel's arguments for this call: (q, k, v, o, lse) as it sees them, the softmax
+        scale and the causal offset (what `run_fwd` passes for the same call)."""
+        if self.plan.packed:
+            (q, k, v, out, lse), _ = kernel_args(self.plan, q, k, v, out, lse)
+        return (q, k, v, out, lse, *self.scalars)
 
 
 __all__ = ["FwdCall", "kernel_args", "kernel_ready", "run_bwd", "run_fwd", "run_job"]

@@ -218,45 +218,15 @@ def _overhead(d: int) -> dict:
 
 
 def _launch_paths(q, k, v, n: int) -> dict:
-    """The launch alone (outputs allocated, kernel launched; no routing), two ways: our kept
-    argument storage (`launch.FwdCall` over `common.tensors.DirectLaunch`) and cutlass-dsl's
-    supported TVM-FFI calling convention (the same kernel compiled with `--enable-tvm-ffi`,
-    called with torch tensors; torch's current stream taken from the environment)."""
-    import torch
-
+    """The launch alone: the per-signature launcher (`launch.FwdCall`: outputs allocated, the
+    kernel called through cutlass-dsl's TVM-FFI convention), no routing."""
     from ffpa_cute import dispatch, launch
-    from ffpa_cute.common.compat import compile_target
-    from ffpa_cute.common.tensors import fake_args
     from ffpa_cute.problem import AttnProblem
 
     plan = dispatch.plan_fwd(AttnProblem.from_tensors(q, k, v))
     fwd = launch.FwdCall(plan, q, k, v)
-    for _ in range(3):  # the first calls take the general path (argument layout check)
-        launch.run_fwd(plan, q, k, v)
-        fwd(q, k, v)
-    out = {"direct_launch_us": round(us_per_call(lambda: fwd(q, k, v), n), 1)}
-    try:
-        import cutlass.cute as cute
-
-        cfg, scale = plan.cfg, plan.problem.softmax_scale
-        with compile_target(cfg.arch):
-            fn = cute.compile(plan.kernel_cls(cfg), *fake_args(cfg), 1.0, 0,
-                              cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                              options="--enable-tvm-ffi")
-        shape = (*q.shape[:-1], v.shape[-1])
-
-        def call():
-            o = torch.empty(shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-            fn(q, k, v, o, lse, scale, 0)
-            return o
-
-        ref = launch.run_fwd(plan, q, k, v)[0]
-        same = torch.equal(call(), ref)
-        out.update(tvm_ffi_launch_us=round(us_per_call(call, n), 1), tvm_ffi_same_bits=same)
-    except Exception as e:  # noqa: BLE001  (report why the supported path did not run)
-        out["tvm_ffi_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return out
+    assert fwd(q, k, v) is not None
+    return {"launch_us": round(us_per_call(lambda: fwd(q, k, v), n), 1)}
 
 
 def _one_bench_bwd(spec: str) -> dict:
@@ -267,7 +237,6 @@ def _one_bench_bwd(spec: str) -> dict:
     import torch
 
     from ffpa_cute import dispatch, launch
-    from ffpa_cute.common.tensors import current_stream_handle
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.sm90 import config as sm90_config
 
@@ -291,10 +260,9 @@ def _one_bench_bwd(spec: str) -> dict:
     t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.empty_like(lse),
              dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
     scalars = dict(softmax_scale=problem.softmax_scale, causal_offset=0)
-    stream = current_stream_handle(q.device)
     times = {}
     for cls, cfg in plan.jobs:
-        times[cls.__name__] = _median_ms(lambda: launch.run_job(cls, cfg, t, scalars, stream), 10)
+        times[cls.__name__] = _median_ms(lambda: launch.run_job(cls, cfg, t, scalars), 10)
     pairs = n * (n + 1) // 2 if causal else n * n
     total = sum(times.values())
     return {"bench_bwd": spec, "ms": {k_: round(t_, 3) for k_, t_ in times.items()},

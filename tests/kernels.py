@@ -34,9 +34,6 @@ def delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Delta = rowsum(dout * out) [B, H, N] fp32 by the Delta kernel alone."""
     cfg = DeltaConfig(dispatch.current_arch(out.device), dtype_name(out.dtype), out.shape[-1])
     d = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
-    from ffpa_cute.common.tensors import current_stream_handle
-
     launch.run_job(dispatch.kernel_class(cfg), cfg,
-                   dict(do=launch.kernel_ready(dout), o=launch.kernel_ready(out), delta=d), {},
-                   current_stream_handle(out.device))
+                   dict(do=launch.kernel_ready(dout), o=launch.kernel_ready(out), delta=d), {})
     return d

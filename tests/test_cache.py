@@ -18,7 +18,8 @@ class TinyCfg:
 
 
 class TinyKernel:
-    """A real (tiny) CuTe function: compiles in well under a second, exports like a kernel."""
+    """A real (tiny) CuTe function: compiles in well under a second, exports like a kernel (the
+    TVM-FFI convention)."""
 
     compiles = 0
 
@@ -32,6 +33,7 @@ class TinyKernel:
         import cutlass.cute as cute
 
         from ffpa_cute.common.compat import compile_target
+        from ffpa_cute.common.tensors import compile_options
 
         @cute.jit
         def scale(x: cute.Tensor, s: cutlass.Float32):
@@ -41,7 +43,7 @@ class TinyKernel:
         cls.compiles += 1
         fake = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cfg.n,))
         with compile_target(cfg.arch):
-            return cute.compile(scale, fake, 1.0)
+            return cute.compile(scale, fake, 1.0, options=compile_options())  # as kernels
 
 
 def test_key_hash_is_stable_across_processes():

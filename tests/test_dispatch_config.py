@@ -241,23 +241,10 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     seen = []
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
     monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(lambda fn, *a: seen.append(a)))
-    monkeypatch.setattr("ffpa_cute.common.tensors.current_stream_handle", lambda dev: 0)
     out, lse = launch.run_fwd(plan, q, k, v)
-    *ts, scale, offset, _ = seen[0]
+    *ts, scale, offset = seen[0]
     fc = launch.FwdCall(plan, q, k, v)
-    set_calls = []  # what the launcher writes into its kept argument storage
-
-    class Storage:
-        def __init__(self, fn, n, ranks):
-            pass
-
-        def set(self, *args):
-            set_calls.append(args)
-
-    monkeypatch.setattr("ffpa_cute.common.tensors.direct_launch_ok", lambda fn: True)
-    monkeypatch.setattr("ffpa_cute.common.tensors.DirectLaunch", Storage)
-    fc._direct(q, k, v, out, lse)
-    got, got_scale, got_offset, _ = set_calls[0]
+    *got, got_scale, got_offset = fc.args(q, k, v, out, lse)
     assert (got_scale, got_offset) == (scale, offset)
     for a, b in zip(got, ts):
         assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
@@ -280,17 +267,16 @@ def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch):
     plan = dispatch.plan_bwd(p, target="sm_90a")
     runs = []
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: cls)
-    monkeypatch.setattr("ffpa_cute.common.tensors.current_stream_handle", lambda dev: 0)
     for cls, _ in plan.jobs:
         monkeypatch.setattr(cls, "launch", staticmethod(lambda fn, *a: runs.append((fn, a))))
     dq, dk, dv = launch.run_bwd(plan, q, k, v, out, lse, dout)
     assert [fn.__name__ for fn, _ in runs] == ["RowDot", "FFPABwdDQSm90", "FFPABwdDKSm90",
                                               "FFPABwdDVSm90"]
     delta_args, dq_args, dk_args, dv_args = (a for _, a in runs)
-    assert delta_args[0] is dout and delta_args[1] is out and delta_args[3] == 0
+    assert delta_args[0] is dout and delta_args[1] is out and len(delta_args) == 3
     assert dq_args[:4] == (q, k, v, dout) and dq_args[4] is dq and dq_args[6] is delta_args[2]
     assert dk_args[4] is dk and dv_args[:3] == (k, q, dout) and dv_args[3] is dv
-    assert dq_args[-3:] == (p.softmax_scale, 129 - 7, 0) and dv_args[-3:] == dq_args[-3:]
+    assert dq_args[-2:] == (p.softmax_scale, 129 - 7) and dv_args[-2:] == dq_args[-2:]
 
 
 def test_fused_delta_is_a_backward_job():

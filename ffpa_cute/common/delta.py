@@ -20,7 +20,7 @@ from cutlass import Float32
 
 from .compat import compile_target
 from .config import DeltaConfig
-from .tensors import CUTLASS_DTYPES, aligned_bhnd, fake_args, launch_args
+from .tensors import CUTLASS_DTYPES, aligned_bhnd, compile_options, env_stream, fake_args
 
 WARPS = 8   # rows per CTA
 VEC = 8     # elements per 16-byte load
@@ -29,7 +29,7 @@ VEC = 8     # elements per 16-byte load
 class RowDot:
     """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] for one `DeltaConfig`."""
 
-    OPERANDS = ("do", "o", "delta")  # `launch`'s tensors, then the stream
+    OPERANDS = ("do", "o", "delta")  # `launch`'s tensors (no scalars)
     SCALARS = ()
 
     def __init__(self, cfg: DeltaConfig):
@@ -50,13 +50,14 @@ class RowDot:
         """Compile for cfg.arch from fake tensors (dO, O [B, H, N, D]; Delta [B, H, N] fp32)."""
         _q, _k, _v, o, lse = fake_args(cfg)
         with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), o, o, lse, cuda.CUstream(0), options=options)
+            return cute.compile(cls(cfg), o, o, lse, env_stream(),
+                                options=compile_options(options))
 
     @staticmethod
-    def launch(fn, dout, out, delta, stream: int) -> None:
+    def launch(fn, dout, out, delta) -> None:
         """dout, out: [B, H, N, D] (last stride 1, 16-byte aligned rows); delta: [B, H, N] fp32
-        contiguous; stream: a CUDA stream handle."""
-        fn(*launch_args(dout, out, delta), cuda.CUstream(stream))
+        contiguous; on torch's current stream of the current device."""
+        fn(dout, out, delta)
 
     @cute.jit
     def __call__(self, mdO: cute.Tensor, mO: cute.Tensor, mDelta: cute.Tensor,
