@@ -47,10 +47,12 @@ class RowDot:
 
     @classmethod
     def compile(cls, cfg: DeltaConfig, options: str = ""):
-        """Compile for cfg.arch from fake tensors (dO, O [B, H, N, D]; Delta [B, H, N] fp32)."""
-        _q, _k, _v, o, lse = fake_args(cfg)
+        """Compile for cfg.arch from fake tensors (dO, O [B, H, N, D]; Delta [B, H, N] fp32),
+        dO's and O's shapes and strides independent symbols (the TVM-FFI wrapper checks each
+        argument against its own)."""
+        do, _k, _v, o, lse = fake_args(cfg)
         with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), o, o, lse, env_stream(),
+            return cute.compile(cls(cfg), do, o, lse, env_stream(),
                                 options=compile_options(options))
 
     @staticmethod
