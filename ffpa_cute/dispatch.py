@@ -80,6 +80,11 @@ def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
         return _sm80_bwd(p, target, opts)
 
 
+def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
+    """The WGMMA forward with e4m3 operands (no Split-D route: its mma.sync path is 16-bit)."""
+    return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair)
+
+
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
     return sm120_config.plan_fwd(p, target)
 
@@ -102,7 +107,7 @@ FAMILIES = {
                    fwd={"16bit": _sm80_fwd, "fp8": None}, bwd={"16bit": _sm80_bwd}),
     "sm90": Family("sm90", "ffpa_cute/sm90: warp-specialised WGMMA + TMA",
                    "run and tested on an H200",
-                   fwd={"16bit": _sm90_fwd, "fp8": None}, bwd={"16bit": _sm90_bwd}),
+                   fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd}),
     "sm100": Family("sm100", "none yet", "no kernels",
                     fwd={"16bit": None, "fp8": None, "fp4": None}, bwd={"16bit": None}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
@@ -190,7 +195,7 @@ def problem_reason(p: AttnProblem) -> str | None:
     if p.device_type != "cuda":
         return f"tensors on {p.device_type}: the kernels run on CUDA devices only"
     if p.dtype not in DTYPE_CLASS:
-        return f"dtype {p.dtype} has no kernel (bf16 and fp16 only)"
+        return f"dtype {p.dtype} has no kernel (bf16, fp16; e4m3 forward)"
     if p.has_mask:
         return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
     if p.dropout_p > 0.0:

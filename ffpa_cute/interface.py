@@ -23,7 +23,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, launch, ops
+from . import dispatch, fp8, launch, ops
 from . import options as _options
 from .fallback import causal_split, gqa_in_native, native_attention, native_sdpa
 from .problem import AttnProblem
@@ -186,7 +186,8 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, strict=None):
+              enable_gqa=False, *, strict=None, q_descale=None, k_descale=None, v_descale=None,
+              out_dtype=None):
     """Exact attention with SDPA's signature on [..., H, N, D] tensors; returns [..., Hq, Nq, Dv].
 
     Differences from `F.scaled_dot_product_attention`, all deliberate:
@@ -198,18 +199,47 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     and log the reason once; `strict=True` (or `Options.strict`, env `FFPA_CUTE_STRICT=1`)
     raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
     `ffpa_cute.options` holds what else can be switched.
+
+    FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
+    (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
+    the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
     """
+    fp8_args = (q_descale, k_descale, v_descale, out_dtype)
     key = _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
-    if key is not None:
+    if key is not None and fp8_args == (None,) * 4:
         hit = _FAST_CALLS.get(key)
         if hit is not None:
             return _fast_call(q, k, v, *hit)
     err = check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if err is not None:
         raise err
+    if fp8.is_fp8(q) or fp8_args != (None,) * 4:
+        return _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, *fp8_args)
     return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left=False,
                       strict=None if strict is None else bool(strict), level=logging.WARNING,
                       fast_key=key)
+
+
+def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, q_descale,
+                   k_descale, v_descale, out_dtype):
+    """`attention` for FP8 inputs: the FP8 kernel, else the 16-bit route on dequantised
+    inputs (fp8.attention_fp8)."""
+    if not fp8.is_fp8(q):
+        raise TypeError("q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
+                        f"(torch.float8_e4m3fn / float8_e5m2); q is {q.dtype}")
+    causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], False)
+    shape = q.shape
+    q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+
+    def dense(qb, kb, vb):
+        return _attention(qb, kb, vb, attn_mask, dropout_p, is_causal, scale, upper_left=False,
+                          strict=strict, level=logging.WARNING)
+
+    out = fp8.attention_fp8(q4, k4, v4, causal=causal, offset=offset if causal else 0,
+                            has_mask=mask is not None, dropout_p=dropout_p, scale=scale,
+                            strict=strict, dense=dense, q_descale=q_descale,
+                            k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+    return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
 
 
 def _fallback_details(q, v, problem: AttnProblem, mask) -> str:

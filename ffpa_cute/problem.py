@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+               torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -43,6 +44,7 @@ class AttnProblem:
     has_mask: bool = False
     dropout_p: float = 0.0
     requires_grad: bool = False
+    out_dtype: str | None = None  # the output's dtype when it differs from the inputs' (FP8)
 
     @property
     def qhead_per_kvhead(self) -> int:

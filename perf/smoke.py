@@ -116,6 +116,41 @@ def _one_bench(spec: str) -> dict:
             "tflops": 4 * 32 * pairs * d / ms / 1e9, "cfg": str(plan.cfg)}
 
 
+def _one_bench_fp8(spec: str) -> dict:
+    """The FP8 forward at B=1, Hq=32 (D:N:causal[:Hkv]), e4m3 in, bf16 out: the kernel alone
+    (V already transposed) and the whole `attention()` call (with the transpose of V), TFLOPS
+    on the 16-bit FLOP count (4 B Hq pairs D)."""
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import dispatch, fp8, launch
+    from ffpa_cute.problem import AttnProblem
+
+    f = [int(x) for x in spec.split(":")]
+    d, n, causal = f[:3]
+    hkv = f[3] if len(f) > 3 else 32
+    q8, k8, v8 = (torch.randn(1, h, n, d, device="cuda").to(torch.float8_e4m3fn)
+                  for h in (32, hkv, hkv))
+    ones = torch.ones(1, hkv, device="cuda")
+    p = AttnProblem.from_tensors(q8, k8, v8, causal=bool(causal))
+    plan = dispatch.plan_fwd(p)
+    assert plan.reason is None, plan.reason
+    vt = fp8._transposed_v(v8)
+    out = torch.empty(1, 32, n, d, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(1, 32, n, device="cuda")
+    (qk, kk, _, o, lo), off = launch.kernel_args(plan, q8, k8, v8, out, lse)
+    t = dict(q=qk, k=kk, vt=vt, o=o, lse=lo, q_descale=ones, k_descale=ones, v_descale=ones)
+    sc = dict(softmax_scale=p.softmax_scale, causal_offset=off)
+    kernel_ms = _median_ms(lambda: launch.run_job(plan.kernel_cls, plan.cfg, t, sc), 20)
+    call_ms = _median_ms(lambda: ffpa_cute.attention(q8, k8, v8, is_causal=bool(causal),
+                                                     enable_gqa=hkv != 32), 20)
+    pairs = n * (n + 1) // 2 if causal else n * n
+    flop = 4 * 32 * pairs * d
+    return {"bench_fp8": spec, "cfg": str(plan.cfg), "kernel_ms": round(kernel_ms, 3),
+            "kernel_tflops": round(flop / kernel_ms / 1e9, 1),
+            "call_tflops": round(flop / call_ms / 1e9, 1)}
+
+
 def _one_decode(spec: str) -> dict:
     """Forward at Nq = Nq_: D:Nkv:Hq:Hkv:B[:Dv[:Nq]], bf16, as one head per tile and with GQA rows
     packed (`Options.pack_gqa`). Both variants' outputs are compared bit for bit."""
@@ -276,6 +311,8 @@ def main() -> None:
     ap.add_argument("--bench", default="")
     ap.add_argument("--bench-bwd", default="",
                     help="D:N:causal[:Hkv][:noseq],... the backward's kernels, each timed")
+    ap.add_argument("--bench-fp8", default="",
+                    help="D:N:causal[:Hkv],... the FP8 forward (kernel alone, whole call)")
     ap.add_argument("--decode", default="",
                     help="D:Nkv:Hq:Hkv:B[:Dv[:Nq]],... one head per tile vs GQA rows packed")
     ap.add_argument("--first-call", default="")
@@ -287,11 +324,12 @@ def main() -> None:
     ap.add_argument("--one-bench-bwd", help=argparse.SUPPRESS)
     ap.add_argument("--one-overhead", help=argparse.SUPPRESS)
     ap.add_argument("--one-decode", help=argparse.SUPPRESS)
+    ap.add_argument("--one-bench-fp8", help=argparse.SUPPRESS)
     a = ap.parse_args()
     # inside a per-job subprocess: run that one job and print its JSON line
     one = {"one_first": lambda x: _first_call(int(x)), "one_bench_bwd": _one_bench_bwd,
            "one_decode": _one_decode, "one_overhead": lambda x: _overhead(int(x)),
-           "one": _one_case, "one_bench": _one_bench}
+           "one": _one_case, "one_bench": _one_bench, "one_bench_fp8": _one_bench_fp8}
     for name, job in one.items():
         if getattr(a, name):
             print(json.dumps(job(getattr(a, name))))
@@ -304,6 +342,7 @@ def main() -> None:
     jobs += [("--one-overhead", d) for d in a.overhead.split(",") if d]
     jobs += [("--one-bench-bwd", b) for b in a.bench_bwd.split(",") if b]
     jobs += [("--one-decode", b) for b in a.decode.split(",") if b]
+    jobs += [("--one-bench-fp8", b) for b in a.bench_fp8.split(",") if b]
     for d in [d for d in a.first_call.split(",") if d]:
         fresh = tempfile.mkdtemp(prefix="ffpa_cute_cold_")
         cold = dict(env, FFPA_CUTE_CACHE_DIR=fresh, CUTE_DSL_DISABLE_FILE_CACHING="1")

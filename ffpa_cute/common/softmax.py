@@ -11,6 +11,16 @@ Note [exp2 scaling]: scores are kept unscaled; p = exp2(s * scale_log2 - m * sca
 scale_log2 = scale * log2(e), and LSE = (m * scale_log2 + log2(sum)) * ln(2). A row with no
 visible key keeps m = -inf; its "safe" max is 0 so that exp2 gives exactly 0 (never NaN), its sum
 stays 0, its output is 0 and its LSE is -inf.
+
+Note [FP8 P: the block's own frame]: when P is rounded to e4m3 for the P V product (448 at most,
+subnormals down to 2^-9), each block's P is taken relative to that block's own row max, scaled
+by 2^bias: p = exp2(s * scale_log2 - frame + bias) <= 2^bias (bias 8: 256 < 448, so P never
+saturates, whatever the scores). O and the row sum are kept in the current frame (the factor
+exp2(frame_old - frame_new) may exceed 1), so a block never loses its small probabilities to a
+large score elsewhere in the row (an attention sink): underflow is only relative to its own
+max. The frame never drops more than 2^floor below the row's running max, so O stays far
+inside fp32 (a block whose scores all lie below that floor contributes exactly what it would
+against the running max).
 """
 
 from __future__ import annotations
@@ -59,13 +69,25 @@ class OnlineSoftmax:
     `exchange`).
     """
 
-    def __init__(self, num_rows: int, scale_log2: cutlass.Float32):
+    def __init__(self, num_rows: int, scale_log2: cutlass.Float32,
+                 p_bias_log2: float | None = None, frame_floor_log2: float = 64.0,
+                 out_scale: cutlass.Float32 | None = None):
+        """p_bias_log2 (not None): P in each block's own frame, scaled by 2^bias (Note [FP8 P:
+        the block's own frame]); then row_max holds the frame (scaled units) and run_max the
+        row's raw running max. out_scale multiplies the final 1 / row_sum (FP8's V descale)."""
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
+        self.framed = p_bias_log2 is not None
+        self.p_bias_log2 = p_bias_log2
+        self.frame_floor_log2 = frame_floor_log2
+        self.out_scale = out_scale
         self.row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         self.row_max.fill(-cutlass.Float32.inf)
         self.row_sum.fill(0.0)
+        if self.framed:
+            self.run_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+            self.run_max.fill(-cutlass.Float32.inf)
 
     @cute.jit
     def block_max(self, acc_S_mn: cute.Tensor) -> cute.Tensor:
@@ -106,6 +128,9 @@ class OnlineSoftmax:
         alpha_out (optional, num_rows fp32) receives each row's O rescale factor, for kernels
         whose O lives in other threads (sm90: the O warpgroups rescale from shared memory).
         """
+        if cutlass.const_expr(self.framed):
+            self._update_framed(acc_S_mn, blk_max, acc_O_mns, alpha_out)
+            return
         for r in cutlass.range_constexpr(self.num_rows):
             prev = self.row_max[r]
             cur = cute.arch.fmax(prev, blk_max[r])
@@ -117,6 +142,27 @@ class OnlineSoftmax:
             acc_S_mn[r, None] = p
             self.row_sum[r] = self.row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             self.row_max[r] = cur
+            if cutlass.const_expr(alpha_out is not None):
+                alpha_out[r] = alpha
+            for c in cutlass.range_constexpr(len(acc_O_mns)):
+                acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * alpha
+
+    @cute.jit
+    def _update_framed(self, acc_S_mn: cute.Tensor, blk_max: cute.Tensor, acc_O_mns: list,
+                       alpha_out: cute.Tensor | None):
+        """`update` with P in the block's own frame (Note [FP8 P: the block's own frame])."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            run = cute.arch.fmax(self.run_max[r], blk_max[r])
+            frame = cute.arch.fmax(blk_max[r] * self.scale_log2,
+                                   run * self.scale_log2 - self.frame_floor_log2)
+            safe = cutlass.Float32(0.0) if frame == -cutlass.Float32.inf else frame
+            alpha = cute.math.exp2(self.row_max[r] - safe, fastmath=True)
+            p = cute.math.exp2(acc_S_mn[r, None].load() * self.scale_log2
+                               - (safe - self.p_bias_log2), fastmath=True)
+            acc_S_mn[r, None] = p
+            self.row_sum[r] = self.row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            self.row_max[r] = frame
+            self.run_max[r] = run
             if cutlass.const_expr(alpha_out is not None):
                 alpha_out[r] = alpha
             for c in cutlass.range_constexpr(len(acc_O_mns)):
@@ -140,7 +186,14 @@ class OnlineSoftmax:
             lse[r] = -cutlass.Float32.inf
             if s > 0.0:
                 inv = cute.arch.rcp_approx(s)
-                lse[r] = (self.row_max[r] * self.scale_log2 + cute.math.log2(s, fastmath=True)) * LN2
+                if cutlass.const_expr(self.framed):  # the frame is in scaled units; P had 2^bias
+                    lse[r] = (self.row_max[r] + cute.math.log2(s, fastmath=True)
+                              - self.p_bias_log2) * LN2
+                else:
+                    lse[r] = (self.row_max[r] * self.scale_log2
+                              + cute.math.log2(s, fastmath=True)) * LN2
+                if cutlass.const_expr(self.out_scale is not None):
+                    inv = inv * self.out_scale
             if cutlass.const_expr(inv_out is not None):
                 inv_out[r] = inv
             for c in cutlass.range_constexpr(len(acc_O_mns)):

@@ -16,7 +16,8 @@ import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor, make_fake_stream)
 
 from .compat import compile_target
 
-CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16,
+                  "e4m3": cutlass.Float8E4M3FN}
 LOG2_E = 1.4426950408889634
 # what `KernelEntry.compile` always passes to cute.compile: the TVM-FFI calling convention
 TVM_FFI = "--enable-tvm-ffi"
@@ -64,6 +65,16 @@ def aligned_bhnd(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
     """
     elems = 128 // dtype.width
     shape = (t.shape[0], t.shape[1], t.shape[2], head_dim)
+    stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def aligned_bhdn(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
+    """`aligned_bhnd` for a transposed (B, H, D, N) tensor (V for 8-bit kernels, whose WGMMA
+    needs the keys contiguous): D static, N dynamic with unit stride, the other strides
+    16-byte divisible."""
+    elems = 128 // dtype.width
+    shape = (t.shape[0], t.shape[1], head_dim, t.shape[3])
     stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 

@@ -33,6 +33,8 @@ from ..problem import AttnProblem
 
 SMEM_CAPACITY = 232448  # bytes per CTA on sm_90a
 DTYPES = ("bf16", "fp16")
+FP8_DTYPES = ("e4m3",)
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2
 TILE_M = 64
@@ -82,8 +84,20 @@ class FwdConfigSm90:
         return TILE_M
 
     @property
+    def elem_bytes(self) -> int:
+        """Bytes per element of Q, K, V and P."""
+        return ELEM_BYTES[self.dtype]
+
+    @property
     def k_chunk(self) -> int:
-        return 64
+        """Head-dim columns per S-ring chunk: one 128-byte swizzle atom (64 at 16 bits, 128 at
+        8 bits)."""
+        return 128 // self.elem_bytes
+
+    @property
+    def mma_k(self) -> int:
+        """K of one WGMMA instruction: 16 at 16 bits, 32 at 8 bits (32 bytes either way)."""
+        return 32 // self.elem_bytes
 
     @property
     def num_k_chunks(self) -> int:
@@ -101,7 +115,7 @@ class FwdConfigSm90:
 
     @property
     def hdim_q_padded(self) -> int:
-        """sQ width: whole 64-column swizzle atoms (TMA zero-fills the columns past D)."""
+        """sQ width: whole 128-byte swizzle atoms (TMA zero-fills the columns past D)."""
         return self.num_k_chunks * self.k_chunk
 
     @property
@@ -117,12 +131,16 @@ class FwdConfigSm90:
 
     @property
     def v_rows(self) -> int:
+        """KV rows per V-ring stage: 16 KB stages at 16 bits ([32 x 256] or [64 x 128]); at 8
+        bits a stage is Vt's [D/2 x 64] (a 64-byte swizzled K of the PV WGMMA)."""
+        if self.elem_bytes == 1:
+            return 64
         return 32 if self.dv_halves[0] > 128 else 64
 
     def smem_bytes(self) -> int:
         """Shared memory of one CTA, laid out as `FFPAFwdSm90`'s storage struct: barriers and
         row factors first, then Q, the K ring, the two V rings and P, each 1 KB aligned."""
-        elt = 2
+        elt = self.elem_bytes
         q = (self.k_stages * TILE_M * self.k_chunk if self.stream_q
              else TILE_M * self.hdim_q_padded) * elt
         regions = [q,
@@ -181,11 +199,31 @@ def _align(nbytes: int, to: int = 1024) -> int:
     return -(-nbytes // to) * to
 
 
+@dataclass(frozen=True)
+class FwdFP8ConfigSm90(FwdConfigSm90):
+    """Compile key of the FP8 forward (`FFPAFwdSm90FP8`): the forward's fields with dtype "e4m3"
+    (Q, K, V and P in e4m3, K = 32 WGMMAs, fp32 accumulation) and the output's dtype.
+
+    out_dtype: "bf16" | "fp16", the dtype of O (LSE stays fp32).
+    """
+
+    out_dtype: str = "bf16"
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90FP8"
+
+
 def can_implement(cfg: FwdConfigSm90) -> str | None:
     """None when the kernel can be built for cfg, else the reason."""
     if cfg.arch != "sm_90a":
         return f"arch {cfg.arch!r}: WGMMA and TMA need sm_90a"
-    if cfg.dtype not in DTYPES:
+    if isinstance(cfg, FwdFP8ConfigSm90):
+        if cfg.dtype not in FP8_DTYPES or cfg.out_dtype not in DTYPES:
+            return (f"dtype {cfg.dtype!r} / out_dtype {cfg.out_dtype!r}: the FP8 forward takes "
+                    f"{FP8_DTYPES} in and gives {DTYPES}")
+        if cfg.head_dim % 16 or cfg.head_dim_v is not None:
+            return (f"head_dim={cfg.head_dim}: the FP8 forward needs a multiple of 16 (16-byte "
+                    "rows for TMA) and head_dim_v == head_dim")
+    elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
@@ -223,14 +261,17 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True) -> FwdConfig
     """
     dv = problem.head_dim_v
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
+    fp8 = problem.dtype in FP8_DTYPES
+    cls, extra = ((FwdFP8ConfigSm90, dict(out_dtype=problem.out_dtype or "bf16")) if fp8
+                  else (FwdConfigSm90, {}))
+    k_chunk = 128 // ELEM_BYTES.get(problem.dtype, 2)
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.causal, publish_after=-(-problem.head_dim // 64),
+                causal=problem.causal, publish_after=-(-problem.head_dim // k_chunk),
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
-                head_dim_v=None if dv == problem.head_dim else dv)
+                head_dim_v=None if dv == problem.head_dim else dv, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
-    return deepest_rings(lambda k, v: FwdConfigSm90(**base, k_stages=k, v_stages=v),
-                         can_implement)
+    return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)
 
 
 def deepest_rings(make, reason_of):

@@ -102,7 +102,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, FwdConfigSm90, can_implement
 
 WG_THREADS = 128
@@ -200,6 +200,11 @@ class FFPAFwdSm90(KernelEntry):
             raise ValueError(f"{type(self).__name__}: {reason}")
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        # 8-bit Q / K / V / P (`FwdFP8ConfigSm90`): both WGMMA operands K-major, so V arrives
+        # transposed (Vt, [B, H, Dv, N]); O is written in the config's out_dtype
+        self.fp8 = cfg.elem_bytes == 1
+        self.out_dtype = CUTLASS_DTYPES[cfg.out_dtype] if self.fp8 else self.dtype
+        self.mma_k = cfg.mma_k
         self.tile_n = cfg.tile_n
         self.num_chunks = cfg.num_k_chunks
         self.dv = cfg.dv_halves
@@ -219,9 +224,10 @@ class FFPAFwdSm90(KernelEntry):
         self.num_threads = 3 * WG_THREADS
         # bytes one TMA load brings in (the full box, zero-filled parts included)
         self.stream_q = cfg.stream_q
-        self.q_bytes = TILE_M * (cfg.k_chunk if cfg.stream_q else cfg.hdim_q_padded) * 2
-        self.k_bytes = cfg.tile_n * cfg.k_chunk * 2
-        self.v_bytes = [cfg.v_rows * d * 2 for d in self.dv]
+        eb = cfg.elem_bytes
+        self.q_bytes = TILE_M * (cfg.k_chunk if cfg.stream_q else cfg.hdim_q_padded) * eb
+        self.k_bytes = cfg.tile_n * cfg.k_chunk * eb
+        self.v_bytes = [cfg.v_rows * d * eb for d in self.dv]
 
     # ---------------------------------------------------------------- layouts and MMAs
     def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
@@ -236,6 +242,12 @@ class FFPAFwdSm90(KernelEntry):
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, b_major, Float32,
             (1, 1, 1), (TILE_M, n))
+
+    def _pv_b_major(self):
+        """Major mode of P V's B operand: V's rows (MN-major) at 16 bits; at 8 bits WGMMA takes
+        K-major operands only, so Vt's keys (K-major)."""
+        return (cute.nvgpu.OperandMajorMode.K if self.fp8
+                else cute.nvgpu.OperandMajorMode.MN)
 
     @staticmethod
     def _bhnd_to_tma(t: cute.Tensor) -> cute.Tensor:
@@ -257,8 +269,12 @@ class FFPAFwdSm90(KernelEntry):
         sQ_layout = (self._smem_layout(TILE_M, cfg.k_chunk, cfg.k_stages) if self.stream_q
                      else self._smem_layout(TILE_M, cfg.hdim_q_padded))
         sK_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
-        sVlo_layout = self._smem_layout(self.v_rows, dlo, cfg.v_stages)
-        sVhi_layout = self._smem_layout(self.v_rows, dhi, cfg.v_stages)
+        if const_expr(self.fp8):  # Vt stages [D/2 x v_rows], K (= the keys) contiguous
+            sVlo_layout = self._smem_layout(dlo, self.v_rows, cfg.v_stages)
+            sVhi_layout = self._smem_layout(dhi, self.v_rows, cfg.v_stages)
+        else:  # V stages [v_rows x D/2], read as the MN-major B of P V
+            sVlo_layout = self._smem_layout(self.v_rows, dlo, cfg.v_stages)
+            sVhi_layout = self._smem_layout(self.v_rows, dhi, cfg.v_stages)
         sP_layout = self._smem_layout(TILE_M, self.tile_n, cfg.p_slots)
         return sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout
 
@@ -286,8 +302,8 @@ class FFPAFwdSm90(KernelEntry):
             softmax_scale * LOG2_E, causal_offset,
             sQ_layout, sK_layout, sVlo_layout, sVhi_layout, sP_layout,
             self._mma(self.tile_n, cute.nvgpu.OperandMajorMode.K),
-            self._mma(dlo, cute.nvgpu.OperandMajorMode.MN),
-            self._mma(dhi, cute.nvgpu.OperandMajorMode.MN),
+            self._mma(dlo, self._pv_b_major()),
+            self._mma(dhi, self._pv_b_major()),
             SharedStorage, extra,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
@@ -300,7 +316,11 @@ class FFPAFwdSm90(KernelEntry):
         their chunks), K (the S ring's column chunks), V (the accumulators' B halves) and O."""
         cfg = self.cfg
         mQ, mK = [aligned_bhnd(t, cfg.head_dim, self.dtype) for t in (mQ, mK)]
-        mV, mO = [aligned_bhnd(t, cfg.dv, self.dtype) for t in (mV, mO)]
+        mO = aligned_bhnd(mO, cfg.dv, self.out_dtype)
+        if const_expr(self.fp8):  # Vt (B, H, Dv, N): its (Dv, N) modes first for TMA
+            mV = aligned_bhdn(mV, cfg.dv, self.dtype)
+        else:
+            mV = aligned_bhnd(mV, cfg.dv, self.dtype)
         tQ, tK, tV = [self._bhnd_to_tma(t) for t in (mQ, mK, mV)]
         dlo, dhi = self.dv
         sQ_layout, sK_layout, sVlo_layout, sVhi_layout, _ = self._smem_layouts()
@@ -311,11 +331,13 @@ class FFPAFwdSm90(KernelEntry):
             g2s, tQ, cute.select(sQ_layout, mode=[0, 1]), q_box)
         tma_k, gK_tma = cpasync.make_tiled_tma_atom(
             g2s, tK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
-        # V boxes are one O warpgroup wide; the kernel offsets them to its columns
+        # V boxes are one O warpgroup wide; the kernel offsets them to its columns (Vt: rows)
+        vlo_box, vhi_box = (((dlo, self.v_rows), (dhi, self.v_rows)) if const_expr(self.fp8)
+                            else ((self.v_rows, dlo), (self.v_rows, dhi)))
         tma_vlo, gVlo_tma = cpasync.make_tiled_tma_atom(
-            g2s, tV, cute.select(sVlo_layout, mode=[0, 1]), (self.v_rows, dlo))
+            g2s, tV, cute.select(sVlo_layout, mode=[0, 1]), vlo_box)
         tma_vhi, gVhi_tma = cpasync.make_tiled_tma_atom(
-            g2s, tV, cute.select(sVhi_layout, mode=[0, 1]), (self.v_rows, dhi))
+            g2s, tV, cute.select(sVhi_layout, mode=[0, 1]), vhi_box)
         return Operands(mO, gQ_tma, gK_tma, gVlo_tma, gVhi_tma, tma_q, tma_k, tma_vlo, tma_vhi)
 
     # ---------------------------------------------------------------- device side
@@ -437,11 +459,11 @@ class FFPAFwdSm90(KernelEntry):
         return seq.head_kv, seq.n_top - 1 - i
 
     def _chunk(self, c: int):
-        """(second accumulator?, first chunk of its accumulator?, k16 steps, first k16 step of Q)
-        for S-ring chunk c (compile time): one product over the D chunks here."""
+        """(second accumulator?, first chunk of its accumulator?, WGMMA k steps, first k step of
+        Q) for S-ring chunk c (compile time): one product over the D chunks here."""
         cfg = self.cfg
-        last = -(-(cfg.head_dim - (self.num_chunks - 1) * cfg.k_chunk) // 16)
-        per = cfg.k_chunk // 16
+        last = -(-(cfg.head_dim - (self.num_chunks - 1) * cfg.k_chunk) // self.mma_k)
+        per = cfg.k_chunk // self.mma_k
         return False, c == 0, last if c == self.num_chunks - 1 else per, c * per
 
     def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
@@ -449,6 +471,11 @@ class FFPAFwdSm90(KernelEntry):
         """Statistics the score step of block n_block reads from global memory, loaded at the
         block's start (None: the forward reads none)."""
         return None
+
+    @cute.jit
+    def _make_softmax(self, num_rows: cutlass.Constexpr, scale_log2, extra, batch, head_kv):
+        """The S warpgroup's online-softmax state (the FP8 forward folds its descales in)."""
+        return OnlineSoftmax(num_rows, scale_log2)
 
     def _stats_head(self, head, blk_head):
         """Head whose per-row statistics (LSE, Delta) the score step reads: the tile's query
@@ -511,12 +538,17 @@ class FFPAFwdSm90(KernelEntry):
         acc_S_mn = mn_view(acc_S)
         tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         num_rows = cute.size(acc_S_mn, mode=[0])
-        softmax = OnlineSoftmax(num_rows, scale_log2)
+        softmax = self._make_softmax(num_rows, scale_log2, extra, batch, head_kv)
         factor = cute.make_rmem_tensor(num_rows, Float32)
         rP = cute.make_fragment_like(acc_S, self.dtype)
-        # P -> sP through stmatrix, in the accumulator's thread layout
-        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                      self.dtype)
+        # P -> sP in the accumulator's thread layout: stmatrix at 16 bits; at 8 bits each
+        # thread's column pairs (2 bytes) by plain stores (stmatrix moves 16-bit elements)
+        if const_expr(self.fp8):
+            st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                          num_bits_per_copy=16)
+        else:
+            st_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
         tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
         tPrP = thr_st.retile(rP)
@@ -739,7 +771,7 @@ class FFPAFwdSm90(KernelEntry):
 
         cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
         if tidx == 0:
-            nbytes = TILE_M * self.tile_n * 2
+            nbytes = TILE_M * self.tile_n * self.cfg.elem_bytes
             cute.arch.mbarrier_arrive_and_expect_tx(bars.pp + b, nbytes)
             src = pair.p_base + (2 * b + rank) * (TILE_M * self.tile_n)
             cp_async_bulk_shared_cluster_shared_cta(
@@ -804,14 +836,25 @@ class FFPAFwdSm90(KernelEntry):
             bar_full = bars.p_full + 2
         col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.dv[0])  # first O column
         # ---- TMA views: V rows of this warpgroup's columns (TMA, v_blocks) / (TMA, v_stages)
-        gV = cute.local_tile(cute.domain_offset((0, col0), gV_tma[None, None, head_kv, batch]),
-                             (self.v_rows, dv), (None, 0))
+        #      (8 bits: Vt's rows col0..col0+dv, its key columns in blocks of v_rows)
+        if const_expr(self.fp8):
+            gV = cute.local_tile(
+                cute.domain_offset((col0, 0), gV_tma[None, None, head_kv, batch]),
+                (dv, self.v_rows), (0, None))
+        else:
+            gV = cute.local_tile(
+                cute.domain_offset((0, col0), gV_tma[None, None, head_kv, batch]),
+                (self.v_rows, dv), (None, 0))
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
                                          cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         # ---- MMA fragments: V stage (v_rows, dv) seen as (dv, v_rows), the MN-major B of P V
+        #      (8 bits: the Vt stage (dv, v_rows) is the K-major B as it is)
         thr_mma = mma_pv.get_slice(tidx)
-        sVt = cute.composition(sV, cute.make_ordered_layout((dv, self.v_rows, vs),
-                                                            order=(1, 0, 2)))
+        if const_expr(self.fp8):
+            sVt = sV
+        else:
+            sVt = cute.composition(sV, cute.make_ordered_layout((dv, self.v_rows, vs),
+                                                                order=(1, 0, 2)))
         tOrP = mma_pv.make_fragment_A(thr_mma.partition_A(sP))    # (MMA, 1, tile_n/16, 2)
         tOrV = mma_pv.make_fragment_B(thr_mma.partition_B(sVt))   # (MMA, 1, v_rows/16, stages)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
@@ -860,8 +903,8 @@ class FFPAFwdSm90(KernelEntry):
         cute.arch.mbarrier_wait(bar_full + b, (n_iter // 2) & 1)
         if const_expr(self.rescale_o):
             self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        rO = cute.make_fragment_like(acc_O, self.out_dtype)
+        rO.store(acc_O.load().to(self.out_dtype))
         gO = cute.local_tile(cute.domain_offset((0, col0), mO[batch, head, None, None]),
                              (TILE_M, dv), (m_block, 0))
         tOgO_mn = mn_view(thr_mma.partition_C(gO))
@@ -899,7 +942,7 @@ class FFPAFwdSm90(KernelEntry):
         """O += P[:, rows of V stage j] (P slot `slot`) times the V stage at ring position x;
         with `refill`, once the previous stage has been read, load its successor. Returns
         x + 1."""
-        vs, k_per_v = self.cfg.v_stages, self.v_rows // 16
+        vs, k_per_v = self.cfg.v_stages, self.v_rows // self.mma_k
         s = x % vs
         cute.arch.mbarrier_wait(v_loads.bar_v + s, (x // vs) & 1)
         warpgroup.fence()
@@ -936,6 +979,78 @@ class FFPAFwdSm90(KernelEntry):
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
 
 
+# P of the FP8 forward: each block's probabilities in its own frame, scaled by 2^8 (at most 256,
+# under e4m3's 448); the frame at most 2^64 below the row's running max (common/softmax.py,
+# Note [FP8 P: the block's own frame])
+P_BIAS_LOG2 = 8.0
+FRAME_FLOOR_LOG2 = 64.0
+
+
+class Descales(NamedTuple):
+    """The FP8 forward's dequantisation factors, [B, Hkv] fp32 each: x = x_fp8 * descale."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+
+
+def fake_fp8_args(cfg) -> tuple:
+    """Stand-ins for the FP8 forward's (q, k, vt, o, lse, q_descale, k_descale, v_descale):
+    q, k [B, H, N, D] and vt [B, H, D, N] e4m3 (16-byte aligned, unit last stride, outer
+    strides multiples of 16 elements), o [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32, the
+    descales [B, Hkv] fp32."""
+    import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor)
+
+    def fake(dt, rank, div):
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int(64, divisibility=div) for _ in range(rank - 1)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    f8, out = CUTLASS_DTYPES[cfg.dtype], CUTLASS_DTYPES[cfg.out_dtype]
+    q, k, vt = (fake(f8, 4, 16) for _ in range(3))
+    return (q, k, vt, fake(out, 4, 8), fake(Float32, 3, 1),
+            *(fake(Float32, 2, 1) for _ in range(3)))
+
+
+class FFPAFwdSm90FP8(FFPAFwdSm90):
+    """The forward for e4m3 Q, K, V (`FwdFP8ConfigSm90`): the same warp-specialised skeleton
+    with 8-bit operands throughout.
+
+    Steps, as the 16-bit forward's, with these differences:
+      * S = Q K^T by m64n128k32 e4m3 WGMMAs over 128-column (128-byte) chunks of D;
+        softmax_scale * q_descale * k_descale scales the scores (descales per (batch, KV head));
+      * P = exp2(s * scale_log2 - frame + 8) in each block's own frame (<= 256: no e4m3
+        saturation), rounded to e4m3 and stored to smem by 2-byte stores (stmatrix is 16-bit
+        only);
+      * O += P Vt^T by m64nNk32 e4m3 WGMMAs: both operands K-major, so V arrives transposed,
+        Vt [B, Hkv, D, N] (the host writes it; its rows 16-byte aligned), streamed in
+        [D/2 x 64] stages;
+      * O = O / row_sum * v_descale, written in out_dtype; LSE in fp32 (natural log).
+    Constraints (`config.can_implement`): sm_90a; e4m3 in, bf16 / fp16 out; D a multiple of 16
+    in [272, 1024] (264 is not a multiple of 16); Dv == D.
+    """
+
+    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale")
+    fake_inputs = staticmethod(fake_fp8_args)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        """q, k: (B, H, N, D) e4m3; vt: (B, Hkv, D, Nkv) e4m3; o: (B, Hq, Nq, D) out_dtype;
+        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32."""
+        self._launch(mQ, mK, mVt, mO, mLSE, softmax_scale, causal_offset, stream,
+                     Descales(mQd, mKd, mVd))
+
+    @cute.jit
+    def _make_softmax(self, num_rows: cutlass.Constexpr, scale_log2, extra, batch, head_kv):
+        """Scores dequantised through the scale; P in each block's frame; 1 / row_sum carries
+        V's descale."""
+        qk = extra.q[batch, head_kv] * extra.k[batch, head_kv]
+        return OnlineSoftmax(num_rows, scale_log2 * qk, p_bias_log2=P_BIAS_LOG2,
+                             frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv])
+
+
 def _shared_storage(cfg: FwdConfigSm90, dtype, sQ_layout, sK_layout, sVlo_layout, sVhi_layout,
                     sP_layout):
     """The kernel's shared-memory struct, fields in order (`kv_pair` adds its exchange
@@ -964,4 +1079,4 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, sQ_layout, sK_layout, sVlo_layout
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-__all__ = ["FFPAFwdSm90"]
+__all__ = ["Descales", "FFPAFwdSm90", "FFPAFwdSm90FP8", "fake_fp8_args"]

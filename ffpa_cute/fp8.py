@@ -1,0 +1,150 @@
+"""FP8 attention: e4m3 Q, K, V with fp32 descales, out in bf16 / fp16; and the quantizer.
+
+    q8, qd = ffpa_cute.quantize_fp8(q)                 # per tensor; granularity="head": [B, H]
+    out = ffpa_cute.attention(q8, k8, v8, is_causal=True, q_descale=qd, k_descale=kd,
+                              v_descale=vd)            # bf16 by default (out_dtype=)
+
+Semantics: the attention of the dequantised inputs x = x_fp8 * descale, with `attention`'s
+causal alignment, GQA and masks. Descales are fp32: a number, a 0-d / 1-element tensor, or a
+tensor of shape [B, Hkv] (per batch and KV head, FlashAttention-3's convention; for q too).
+
+Where the sm90 FP8 kernel serves the call (`dispatch` plans dtype "e4m3": e4m3 inputs, D a
+multiple of 16 in [272, 1024], Dv == D, no dense mask or dropout) it runs that kernel: V is
+written transposed first (Vt [B, Hkv, D, N], one pass over V, because the 8-bit WGMMA takes
+only K-major operands). Anything else dequantises to bf16 and runs the bf16 route (a logged
+fallback; `strict` raises instead). Forward only: inputs that require grad are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import dispatch, launch
+from . import options as _options
+from .problem import AttnProblem
+
+log = logging.getLogger("ffpa_cute")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_DTYPES = {None: torch.bfloat16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
+_LOGGED: set = set()
+
+
+def is_fp8(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
+
+
+def quantize_fp8(x: torch.Tensor, granularity: str = "tensor",
+                 dtype: torch.dtype = torch.float8_e4m3fn):
+    """(x_fp8, descale): x scaled so its largest magnitude maps to the format's largest value,
+    rounded to `dtype`; descale (fp32) undoes the scale: x ~= x_fp8.float() * descale.
+
+    granularity: "tensor" (one factor, a 0-d tensor) or "head" (one per [B, H] of a
+    [B, H, N, D] tensor, over N and D: shape [B, H])."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype in FP8_DTYPES:
+        raise TypeError("x must be a bf16 / fp16 / fp32 tensor")
+    if granularity == "tensor":
+        amax = x.abs().amax().float()
+    elif granularity == "head":
+        if x.dim() != 4:
+            raise ValueError(f"granularity='head' needs x [B, H, N, D], got shape {tuple(x.shape)}")
+        amax = x.abs().amax(dim=(-2, -1)).float()
+    else:
+        raise ValueError(f"granularity must be 'tensor' or 'head', got {granularity!r}")
+    amax = amax.clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.finfo(dtype).max / amax
+    shape = scale.shape + (1,) * (x.dim() - scale.dim())
+    x8 = (x.float() * scale.reshape(shape)).to(dtype)
+    return x8, (1.0 / scale)
+
+
+def _descale(d, name: str, b: int, hkv: int, device) -> torch.Tensor:
+    """A descale as the kernel reads it: [B, Hkv] fp32, contiguous, on `device`."""
+    if d is None:
+        return torch.ones(b, hkv, dtype=torch.float32, device=device)
+    t = torch.as_tensor(d, dtype=torch.float32, device=device)
+    if t.numel() == 1:
+        return t.reshape(1, 1).expand(b, hkv).contiguous()
+    if t.shape != (b, hkv):
+        raise ValueError(f"{name} must be a number, a 1-element tensor or [B, Hkv] = "
+                         f"[{b}, {hkv}], got shape {tuple(t.shape)}")
+    return t.contiguous()
+
+
+def _check(q, k, v, descales, out_dtype):
+    if not (is_fp8(q) and q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"FP8 attention needs q, k, v in one FP8 dtype (float8_e4m3fn or "
+                        f"float8_e5m2), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        raise NotImplementedError("FP8 attention is forward-only: the inputs must not require "
+                                  "grad")
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is not None and isinstance(d, torch.Tensor) and d.requires_grad:
+            raise NotImplementedError(f"{name} must not require grad (FP8 is forward-only)")
+
+
+def _transposed_v(v: torch.Tensor) -> torch.Tensor:
+    """Vt [B, Hkv, Dv, N] with rows 16-byte aligned (N padded to 16 in the allocation), what the
+    8-bit P V WGMMA reads as its K-major operand."""
+    b, h, n, dv = v.shape
+    buf = torch.empty(b, h, dv, -(-n // 16) * 16, dtype=v.dtype, device=v.device)
+    vt = buf[..., :n]
+    vt.copy_(v.transpose(-1, -2))
+    return vt
+
+
+def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):
+    """(out [B, Hq, Nq, Dv] out_dtype, lse [B, Hq, Nq] fp32) from the FP8 kernel's plan."""
+    p = plan.problem
+    b, hq, nq, _ = q.shape
+    out = torch.empty(b, hq, nq, p.head_dim_v, dtype=out_dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    q, k = launch.kernel_ready(q), launch.kernel_ready(k)
+    (q, k, _, o, lse_k), offset = launch.kernel_args(plan, q, k, v, out, lse)
+    tensors = dict(q=launch.kernel_ready(q), k=k, vt=_transposed_v(v), o=o, lse=lse_k,
+                   q_descale=qd, k_descale=kd, v_descale=vd)
+    launch.run_job(plan.kernel_cls, plan.cfg, tensors,
+                   dict(softmax_scale=p.softmax_scale, causal_offset=offset))
+    return out, lse
+
+
+def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout_p: float,
+                  scale, strict, dense, q_descale=None, k_descale=None, v_descale=None,
+                  out_dtype=None):
+    """FP8 attention on [B, H, N, D] tensors (4-D; `interface` reshapes other ranks): the
+    kernel where one serves the problem, else `dense(q, k, v)` (the 16-bit route with the
+    call's mask arguments) on the inputs dequantised to bf16. Returns out in out_dtype (bf16
+    by default)."""
+    descales = (q_descale, k_descale, v_descale)
+    _check(q, k, v, descales, out_dtype)
+    want = OUT_DTYPES[out_dtype]
+    b, hkv = q.shape[0], k.shape[1]
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset,
+                                       scale=scale, has_mask=has_mask, dropout_p=dropout_p)
+    problem = AttnProblem(**{**problem.__dict__, "out_dtype": {torch.bfloat16: "bf16",
+                                                               torch.float16: "fp16"}[want]})
+    empty = q.numel() == 0 or k.shape[2] == 0
+    plan = None if empty else dispatch.plan_fwd(problem, q.device)
+    qd, kd, vd = (_descale(d, n, b, hkv, q.device)
+                  for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
+    if plan is not None and plan.reason is None:
+        with torch.cuda.device(q.device):
+            return run_kernel(plan, q, k, v, qd, kd, vd, want)[0]
+    if plan is not None:
+        if _options.current().strict if strict is None else strict:
+            raise NotImplementedError(plan.reason)
+        if plan.reason not in _LOGGED:
+            _LOGGED.add(plan.reason)
+            log.warning("FP8 attention dequantised to bf16: %s", plan.reason)
+    g = q.shape[1] // hkv
+    deq = [(t.float() * d.repeat_interleave(r, dim=1)[..., None, None]).to(torch.bfloat16)
+           for t, d, r in ((q, qd, g), (k, kd, 1), (v, vd, 1))]
+    return dense(*deq).to(want)
+
+
+__all__ = ["attention_fp8", "is_fp8", "quantize_fp8"]

@@ -1,0 +1,115 @@
+"""FP8 on the CPU: the quantizer, the API's contract (through its dequantising fallback: CPU
+tensors have no kernel), the planner, and the sm90 FP8 kernels' compile (e4m3 WGMMA in the PTX,
+no spills) at several head dims."""
+
+import pytest
+import torch
+
+import ffpa_cute
+from ffpa_cute import dispatch
+from ffpa_cute.options import Options
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.reference import attention_ref, rel_err
+from test_kernels_compile import _no_spills
+
+E4M3 = torch.float8_e4m3fn
+
+
+def deq(x8, d, g=1):
+    """x8 * descale, the descale per tensor or [B, Hkv] (expanded to g query heads each)."""
+    d = torch.as_tensor(d, dtype=torch.float32)
+    if d.dim() == 2:
+        d = d.repeat_interleave(g, dim=1)[..., None, None]
+    return x8.float() * d
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_quantize_round_trip(seed, granularity):
+    x = torch.randn(2, 3, 77, 48) * torch.linspace(0.1, 10, 3)[None, :, None, None]
+    x8, d = ffpa_cute.quantize_fp8(x, granularity)
+    assert x8.dtype == E4M3 and d.dtype == torch.float32
+    assert d.shape == (() if granularity == "tensor" else (2, 3))
+    back = deq(x8, d)
+    assert rel_err(back, x) < 0.04  # 3 mantissa bits: ~2^-4 relative per element, averaged
+    assert x8.float().abs().max() <= torch.finfo(E4M3).max
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="granularity"):
+        ffpa_cute.quantize_fp8(torch.randn(4, 4), "row")
+    with pytest.raises(ValueError, match="granularity='head'"):
+        ffpa_cute.quantize_fp8(torch.randn(4, 4), "head")
+    with pytest.raises(TypeError, match="x must be"):
+        ffpa_cute.quantize_fp8(torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,nq,nkv", [(4, 4, 7, 129), (8, 2, 33, 17)])
+def test_fp8_attention_is_the_attention_of_the_dequantised_inputs(seed, causal, hq, hkv, nq,
+                                                                  nkv):
+    """On CPU (no kernel) the call dequantises and runs the bf16 route: the result is the
+    attention of x_fp8 * descale (bf16 precision), in out_dtype."""
+    q, k, v = (torch.randn(2, h, n, 64) for h, n in ((hq, nq), (hkv, nkv), (hkv, nkv)))
+    (q8, qd), (k8, kd), (v8, vd) = (ffpa_cute.quantize_fp8(t, "head") for t in (q, k, v))
+    qd = qd.reshape(2, hkv, hq // hkv).amax(-1)  # q descale per (batch, KV head), requantised
+    q8 = (q / qd.repeat_interleave(hq // hkv, 1)[..., None, None]).to(E4M3)
+    out = ffpa_cute.attention(q8, k8, v8, is_causal=causal, enable_gqa=hq != hkv,
+                              q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float16)
+    assert out.dtype == torch.float16 and out.shape == (2, hq, nq, 64)
+    ref, _ = attention_ref(deq(q8, qd, hq // hkv), deq(k8, kd), deq(v8, vd), causal=causal)
+    assert rel_err(out, ref) < 2e-2  # the bf16 route on bf16-rounded dequantised inputs
+
+
+def test_fp8_contract_errors(seed):
+    q8 = torch.randn(1, 2, 5, 64).to(E4M3)
+    with pytest.raises(TypeError, match="FP8 inputs"):
+        ffpa_cute.attention(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64),
+                            torch.randn(1, 2, 5, 64), q_descale=1.0)
+    with pytest.raises(ValueError, match=r"q_descale must be .* \[B, Hkv\]"):
+        ffpa_cute.attention(q8, q8, q8, q_descale=torch.ones(3))
+    with pytest.raises(ValueError, match="out_dtype"):
+        ffpa_cute.attention(q8, q8, q8, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="one dtype"):
+        ffpa_cute.attention(q8, q8, q8.float())
+    with pytest.raises(NotImplementedError, match="cpu"):
+        ffpa_cute.attention(q8, q8, q8, strict=True)
+
+
+@pytest.mark.parametrize("d,kind", [(512, "FFPAFwdSm90FP8"), (1024, "FFPAFwdSm90FP8"),
+                                    (264, None), (520, None), (528, "FFPAFwdSm90FP8")])
+def test_fp8_planner(d, kind):
+    """e4m3 plans the sm90 FP8 kernel (the CTA pair above 512); D must be a multiple of 16
+    (16-byte rows): D=264 has no FP8 kernel and dequantises; e5m2 has none either."""
+    p = AttnProblem(dtype="e4m3", batch=1, heads_q=4, heads_kv=4, seqlen_q=7, seqlen_kv=7,
+                    head_dim=d, head_dim_v=d)
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    if kind is None:
+        assert plan.reason and "multiple of 16" in plan.reason
+        return
+    assert plan.reason is None and plan.kernel_cls.__name__ == kind
+    assert plan.cfg.out_dtype == "bf16" and plan.cfg.kv_pair == (d > 512)
+    e5 = AttnProblem(**{**p.__dict__, "dtype": "e5m2"})
+    assert dispatch.plan_fwd(e5, target="sm_90a", opts=Options()).reason
+    assert "e4m3" in dispatch.plan_fwd(p, target="sm_80", opts=Options()).reason
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx next to the working directory
+
+
+@pytest.mark.parametrize("d,causal", [(320, True), (512, False), (1024, True)])
+def test_fp8_kernel_compiles_with_e4m3_wgmma(in_tmp, d, causal):
+    """The FP8 forward: m64n128k32 e4m3 QK and m64nNk32 e4m3 PV WGMMAs, TMA, P rounded to e4m3
+    (cvt ... e4m3x2) and stored by 2-byte stores, no local memory, no ptxas spills."""
+    p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    dlo, _ = plan.cfg.dv_halves
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{dlo}k32.f32.e4m3.e4m3" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "bf16" not in " ".join(ln for ln in ptx.splitlines() if "wgmma" in ln)
+    assert ".local" not in ptx
+    _no_spills(ptx)
