@@ -90,12 +90,20 @@ def _check(q, k, v, descales, out_dtype):
 
 def _transposed_v(v: torch.Tensor) -> torch.Tensor:
     """Vt [B, Hkv, Dv, N] with rows 16-byte aligned (N padded to 16 in the allocation), what the
-    8-bit P V WGMMA reads as its K-major operand."""
+    8-bit P V WGMMA reads as its K-major operand: one pass of the byte-transpose kernel
+    (common/transpose.py) on CUDA, a torch copy elsewhere."""
+    from .common.config import TransposeConfig
+
     b, h, n, dv = v.shape
     buf = torch.empty(b, h, dv, -(-n // 16) * 16, dtype=v.dtype, device=v.device)
-    vt = buf[..., :n]
-    vt.copy_(v.transpose(-1, -2))
-    return vt
+    if v.is_cuda and v.numel():
+        cfg = TransposeConfig(dispatch.current_arch(v.device), dv)
+        launch.run_job(dispatch.kernel_class(cfg), cfg,
+                       dict(v=launch.kernel_ready(v).view(torch.uint8),
+                            vt=buf.view(torch.uint8)), {})
+    else:
+        buf[..., :n].copy_(v.transpose(-1, -2))
+    return buf[..., :n]
 
 
 def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):

@@ -113,3 +113,14 @@ def test_fp8_kernel_compiles_with_e4m3_wgmma(in_tmp, d, causal):
     assert "bf16" not in " ".join(ln for ln in ptx.splitlines() if "wgmma" in ln)
     assert ".local" not in ptx
     _no_spills(ptx)
+
+
+def test_transpose_kernel_compiles(in_tmp):
+    """The byte transpose that gives the FP8 kernel Vt: 16-byte global loads and stores, the
+    tile through shared memory, no local memory."""
+    from ffpa_cute.common.config import TransposeConfig
+
+    cfg = TransposeConfig("sm_90a", 320)
+    ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx and "ld.shared" in ptx
+    assert ".local" not in ptx

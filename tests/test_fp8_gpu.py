@@ -17,6 +17,9 @@ from ffpa_cute.reference import attention_ref, rel_err
 
 pytestmark = pytest.mark.gpu
 E4M3 = torch.float8_e4m3fn
+# P rounded to e4m3 (3 mantissa bits: up to 2^-4 relative per probability, ~3.6% RMS) is the
+# kernel's dominant error; averaged over the keys it leaves ~2% relative error in O
+TOL = 3e-2
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +82,7 @@ def test_fp8_forward_matches_float64(seed, d, mode, nq, nkv, ratio):
     ref, _ = attention_ref(qr, kr, vr, causal=mode != "none", causal_offset=off)
     err, rmse = errors(out, ref)
     print(f"fp8 d{d} {mode} {nq}x{nkv} g{ratio}: rel err {err:.3g}, RMSE {rmse:.3g}")
-    assert err <= 2e-2, (err, rmse)
+    assert err <= TOL, (err, rmse)
     if mode == "bottom_right" and nq > nkv:  # rows that see no key are exactly 0
         assert (out[:, :, : nq - nkv] == 0).all()
 
@@ -92,7 +95,7 @@ def test_fp8_fp16_out_and_lse(seed):
     q8, k8, v8, ds, (qr, kr, vr) = quantized(2, 4, 2, 333, 777, 512)
     out = run(q8, k8, v8, ds, "bottom_right", out_dtype=torch.float16)
     ref, ref_lse = attention_ref(qr, kr, vr, causal=True)
-    assert out.dtype == torch.float16 and rel_err(out, ref) <= 2e-2
+    assert out.dtype == torch.float16 and rel_err(out, ref) <= TOL
     p = AttnProblem.from_tensors(q8, k8, v8, causal=True)
     plan = dispatch.plan_fwd(AttnProblem(**{**p.__dict__, "out_dtype": "fp16"}), q8.device)
     _, lse = fp8.run_kernel(plan, q8, k8, v8, *(d.contiguous() for d in ds), torch.float16)
@@ -132,7 +135,7 @@ def test_fp8_sink_columns(seed, gap):
     ref, _ = attention_ref(qr, kr, vr)
     err, rmse = errors(out, ref)
     print(f"fp8 sinks gap {gap}: rel err {err:.3g}, RMSE {rmse:.3g}")
-    assert torch.isfinite(out).all() and err <= 2e-2
+    assert torch.isfinite(out).all() and err <= TOL
 
 
 def test_fp8_long_sequence(seed):
@@ -143,7 +146,7 @@ def test_fp8_long_sequence(seed):
     rows = torch.randperm(n, device="cuda")[:256].sort().values
     err, rmse = errors(out[:, :, rows], _causal_rows(qr, kr, vr, rows))
     print(f"fp8 N=64K causal, 256 rows: rel err {err:.3g}, RMSE {rmse:.3g}")
-    assert torch.isfinite(out).all() and err <= 2e-2
+    assert torch.isfinite(out).all() and err <= TOL
 
 
 def _causal_rows(q, k, v, rows):
@@ -154,10 +157,23 @@ def _causal_rows(q, k, v, rows):
     return torch.softmax(s, dim=-1) @ v
 
 
+def test_fp8_transpose_kernel(seed):
+    """Vt by the byte-transpose kernel equals torch's transpose, N not a multiple of 16 or 64,
+    a strided V."""
+    from ffpa_cute.fp8 import _transposed_v
+
+    for n, d in ((1, 512), (77, 320), (4097, 1024)):
+        base = torch.randn(2, n, 3, d, device="cuda").to(E4M3)  # [B, N, H, D] storage
+        v = base.transpose(1, 2)
+        vt = _transposed_v(v)
+        assert vt.shape == (2, 3, d, n) and vt.stride(-2) % 16 == 0
+        assert torch.equal(vt.view(torch.uint8), v.transpose(-1, -2).view(torch.uint8))
+
+
 def test_fp8_strided_and_packed_decode(seed):
     """Decode with MQA (query heads packed into rows) and a non-contiguous q."""
     q8, k8, v8, ds, (qr, kr, vr) = quantized(2, 32, 1, 1, 4097, 512)
     qs = q8.transpose(1, 2).contiguous().transpose(1, 2)  # [B, N, H, D] storage
     out = run(qs, k8, v8, ds, "bottom_right")
     ref, _ = attention_ref(qr, kr, vr, causal=True)
-    assert rel_err(out, ref) <= 2e-2
+    assert rel_err(out, ref) <= TOL

@@ -18,4 +18,17 @@ class DeltaConfig:
     KERNEL: ClassVar[str] = "ffpa_cute.common.delta:RowDot"
 
 
-__all__ = ["DeltaConfig"]
+
+
+@dataclass(frozen=True)
+class TransposeConfig:
+    """Compile key of the 8-bit transpose kernel ([B, H, N, D] -> [B, H, D, N] bytes, what the
+    FP8 forward's P V WGMMA reads V as): target arch and D (a multiple of 16)."""
+
+    arch: str
+    head_dim: int
+
+    KERNEL: ClassVar[str] = "ffpa_cute.common.transpose:Transpose8"
+
+
+__all__ = ["DeltaConfig", "TransposeConfig"]
