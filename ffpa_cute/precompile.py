@@ -27,6 +27,7 @@ ARCH_ALIASES = {"sm_80": "sm_80", "sm80": "sm_80", "sm_86": "sm_86", "sm_89": "s
                 "sm_100": "sm_100a", "sm_100a": "sm_100a", "sm_120": "sm_120a",
                 "sm_120a": "sm_120a", "sm120": "sm_120a", "sm_121a": "sm_121a"}
 ALL_HEAD_DIMS = tuple(range(dispatch.MIN_HEAD_DIM, dispatch.MAX_HEAD_DIM + 1, 8))
+DTYPE_ALIASES = {"fp8": "e4m3"}
 
 
 def normalize_arch(arch: str) -> str:
@@ -52,9 +53,18 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
 
 
 def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False) -> list:
-    """(kernel class, config) pairs to compile: the forward plans, and with `backward` the
-    backward kernels of the same problems (deduplicated, uncovered combinations skipped)."""
-    jobs = [(plan.kernel_cls, plan.cfg) for plan in plans_for(target, head_dims, dtypes, causals)]
+    """(kernel class, config) pairs to compile: the forward plans (FP8 ones with the transpose
+    kernel that gives them Vt), and with `backward` the backward kernels of the same problems
+    (deduplicated, uncovered combinations skipped)."""
+    from .common.config import TransposeConfig
+
+    jobs = []
+    for plan in plans_for(target, head_dims, dtypes, causals):
+        jobs.append((plan.kernel_cls, plan.cfg))
+        if plan.problem.dtype == "e4m3":
+            t = TransposeConfig(target, plan.problem.head_dim_v)
+            if (dispatch.kernel_class(t), t) not in jobs:
+                jobs.append((dispatch.kernel_class(t), t))
     if backward:
         for d in head_dims:
             for dt in dtypes:
@@ -101,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", required=True, help="sm_80, sm_86, sm_89, sm_90, sm_120 ...")
     ap.add_argument("--head-dims", default="320,384,448,512,576,640,768,1024",
                     help="comma list, or 'all' for every multiple of 8 in [264, 1024]")
-    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--dtypes", default="bf16,fp16",
+                    help="bf16, fp16, fp8 (e4m3 in, bf16 out: the FP8 forward)")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--backward", action="store_true",
@@ -111,7 +122,8 @@ def main(argv=None) -> int:
     dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, int)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     t0 = time.time()
-    cache, plans = precompile(target, dims, _csv(args.dtypes), causals, args.cache_dir,
+    dtypes = [DTYPE_ALIASES.get(d, d) for d in _csv(args.dtypes)]
+    cache, plans = precompile(target, dims, dtypes, causals, args.cache_dir,
                               backward=args.backward)
     st = cache.stats
     print(f"{len(plans)} kernels for {target} in {cache.entry_dir(target)}: {st.compiles} "

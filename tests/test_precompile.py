@@ -58,3 +58,12 @@ def test_backward_kernels_export_and_load(tmp_path):
     for cls, cfg in jobs:
         fresh.get(cls, cfg)
     assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 5
+
+
+def test_fp8_jobs_include_the_transpose_kernel():
+    """--dtypes fp8 plans the FP8 forward (e4m3 in) and the byte transpose that feeds it Vt;
+    D not a multiple of 16 has no FP8 kernel and is skipped."""
+    names = [cls.__name__ for cls, _ in precompile.jobs_for("sm_90a", [512, 264], ["e4m3"],
+                                                            (False,))]
+    assert names == ["FFPAFwdSm90FP8", "Transpose8"]
+    assert precompile.DTYPE_ALIASES["fp8"] == "e4m3"
