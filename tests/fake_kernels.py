@@ -3,11 +3,12 @@ test_api_contract's `fake_kernel` fixture): dispatch plans a "kernel" for every 
 forward "kernel" is the float64 reference, the backward "kernels" are `fallback.block_grads`,
 which, like the real ones, use the out and lse they are given. Calls are recorded.
 
-`install(monkeypatch)` for pytest; `install_plain()` in spawned processes (no monkeypatch).
+`install(monkeypatch)` for pytest; `installed()` (a context manager) in spawned processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -71,10 +72,18 @@ def install(monkeypatch) -> FakeKernels:
     return fake
 
 
-def install_plain() -> FakeKernels:
-    """The same patches for a process of its own (a spawned test worker)."""
+@contextlib.contextmanager
+def installed():
+    """The same patches for a block, without pytest (a spawned test worker); yields the
+    FakeKernels and restores the real functions after."""
     fake = FakeKernels()
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in fake.patches()]
     for obj, name, fn in fake.patches():
         setattr(obj, name, fn)
     interface._clear_caches()
-    return fake
+    try:
+        yield fake
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        interface._clear_caches()
