@@ -76,11 +76,13 @@ def merge_into(out, lse, part_out, part_lse) -> None:
     """out, lse <- merge_attention([out, part_out], [lse, part_lse]), in place.
 
     `out` / `lse` are the running accumulators (float32 or float64, possibly views of rows of
-    a larger buffer); the part may be in any floating dtype. Two parts need no stacking.
+    a larger buffer); the part may be in any floating dtype. Two passes over `out` (a scale,
+    then a fused multiply-add reading the part in its own dtype), no temporary of its size:
+    this runs once per ring step, where it is memory-bound.
     """
     part_lse = part_lse.to(lse.dtype)
     new = torch.logaddexp(lse, part_lse)  # -inf where both are -inf
     shift = new.masked_fill(torch.isneginf(new), 0.0)
     out.mul_(torch.exp(lse - shift).unsqueeze(-1))
-    out.add_(torch.exp(part_lse - shift).unsqueeze(-1) * part_out.to(out.dtype))
+    out.addcmul_(part_out, torch.exp(part_lse - shift).unsqueeze(-1))
     lse.copy_(new)

@@ -85,9 +85,10 @@ def ring_causal_mqa_odd_chunks(rank, world):
 
 
 def ring_full(rank, world):
-    """Not causal, Nq != Nkv (cross attention), contiguous shards."""
-    check_parallel(ring_attention, rank, world, hq=3, hkv=3, nq=7 * world, nkv=5 * world,
-                   causal=False, layout="contiguous")
+    """Not causal, Nq != Nkv both ways (cross attention), contiguous shards."""
+    for nq, nkv in ((7, 5), (3, 8)):
+        check_parallel(ring_attention, rank, world, hq=3, hkv=3, nq=nq * world,
+                       nkv=nkv * world, causal=False, layout="contiguous")
 
 
 def ring_full_gqa_zigzag(rank, world):

@@ -97,14 +97,14 @@ class LocalComm:
 # ------------------------------------------------------------------------------------ schedule
 
 
-def schedule(rank: int, src: int, world: int, n: int, causal: bool):
+def schedule(rank: int, src: int, world: int, n: int, m: int, causal: bool):
     """The blocks rank `rank` computes with rank `src`'s K/V shard: a list of
-    (query rows, key rows, causal, offset), rows as slices of the local shards of length n
-    (causal: zig-zag shards, n even). Hidden blocks are left out."""
-    every = slice(0, n)
+    (query rows, key rows, causal, offset), rows as slices of the local shards (n query rows,
+    m key rows; causal: zig-zag shards, n == m even). Hidden blocks are left out; the own shard
+    (src == rank, step 0) is one block over every row."""
     if not causal:
-        return [(every, every, False, 0)]
-    half = n // 2
+        return [(slice(0, n), slice(0, m), False, 0)]
+    every, half = slice(0, n), n // 2
     if src == rank:
         return [(every, every, True, 0)]
     if src < rank:
@@ -124,17 +124,19 @@ def ring_forward(q, k, v, comm, *, causal: bool, scale, strict=None):
     the local queries against every rank's K/V shard; `comm` is a RingComm (or LocalComm)."""
     rank, world, n = comm.rank, comm.world, q.shape[-2]
     acc_dtype = compute_dtype(q.dtype)
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc_dtype, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
+    out = lse = None
     buffers = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2 if world > 1 else 0)]
     kv = (k, v)
     for step in range(world):
         pending = comm.shift(kv, buffers[step % 2], tag=0) if step + 1 < world else None
         for rows, cols, blk_causal, offset in schedule(rank, (rank - step) % world, world, n,
-                                                       causal):
+                                                       k.shape[-2], causal):
             o, s = block_forward(_rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols),
                                  causal=blk_causal, offset=offset, scale=scale, strict=strict)
-            merge_into(_rows(out, rows), _rows(lse, rows), o, s)
+            if out is None:  # step 0's block covers every row: it starts the accumulators
+                out, lse = o.to(acc_dtype), s.to(acc_dtype, copy=True)
+            else:
+                merge_into(_rows(out, rows), _rows(lse, rows), o, s)
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype), lse
@@ -159,7 +161,7 @@ def ring_backward(q, k, v, out, lse, dout, comm, *, causal: bool, scale):
         pending = comm.shift(kv, kv_bufs[step % 2], tag=0) if step + 1 < world else None
         blocks = []
         for rows, cols, blk_causal, offset in schedule(rank, (rank - step) % world, world, n,
-                                                       causal):
+                                                       k.shape[-2], causal):
             g = block_backward(_rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols),
                                _rows(out, rows), _rows(lse, rows), _rows(dout, rows),
                                causal=blk_causal, offset=offset, scale=scale)
