@@ -153,6 +153,8 @@ def errors(rank, world):
     _raises(TypeError, "share one dtype", ring_attention, q, k.float(), v, enable_gqa=True)
     _raises(ValueError, r"4-D", ring_attention, q[0], k[0], v[0], enable_gqa=True)
     _raises(TypeError, "group must be None", ring_attention, q, k, v, "world", enable_gqa=True)
+    _raises(TypeError, "return_lse must be a bool", ring_attention, q, k, v, enable_gqa=True,
+            return_lse=1)
     _raises(ValueError, rf"q heads \({world + 1}\) divisible by the world size \({world}\)",
             ulysses_attention, *full_inputs(world + 1, 1, 6, 6)[:3], enable_gqa=True)
     _raises(ValueError, "layout='ring'", ulysses_attention, q, k, v, enable_gqa=True,

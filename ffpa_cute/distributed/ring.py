@@ -40,7 +40,7 @@ from .. import options as _options
 from ..blockwise import block_backward, block_forward
 from ..fallback import compute_dtype
 from ..merge import merge_into
-from ..validate import check_args
+from ..validate import check_args, check_return_lse
 from .layout import check_shards
 
 __all__ = ["LocalComm", "RingComm", "ring_attention", "ring_backward", "ring_forward",
@@ -224,7 +224,8 @@ def ring_attention(q, k, v, group=None, *, is_causal=False, scale=None, enable_g
     and `strict` as in `ffpa_cute.attention`; every block routes like it (kernel or fallback).
     Gradients: the ring backward (dk / dv return to their owner around the ring).
     """
-    err = check_args(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
+    err = (check_args(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
+           or check_return_lse(return_lse, 0.0))
     if err is not None:
         raise err
     _check_common("ring_attention", q, k, v, group)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..interface import attention
-from ..validate import check_args
+from ..validate import check_args, check_return_lse
 from .layout import LAYOUTS, check_shards, shard_sequence, unshard_sequence
 from .ring import _check_common
 
@@ -88,7 +88,8 @@ def ulysses_attention(q, k, v, group=None, *, is_causal=False, scale=None, enabl
     `strict` as in `ffpa_cute.attention`; gradients through autograd (the all-to-alls'
     backward is the reverse all-to-all).
     """
-    err = check_args(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
+    err = (check_args(q, k, v, None, 0.0, is_causal, scale, enable_gqa)
+           or check_return_lse(return_lse, 0.0))
     if err is not None:
         raise err
     _check_common("ulysses_attention", q, k, v, group)
