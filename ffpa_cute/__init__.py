@@ -1,15 +1,19 @@
 """ffpa_cute: exact attention for large head dims (D > 256), CuTe-DSL kernels behind SDPA's API.
 
 Importing is cheap on purpose: cutlass and the kernel families load on the first kernel call.
-`ffpa_cute.options` holds what a caller may switch (`Options`, `options.use(...)`).
+`ffpa_cute.options` holds what a caller may switch (`Options`, `options.use(...)`);
+`merge_attention` combines (out, lse) pairs over disjoint key sets; context parallelism
+(ring and Ulysses attention over torch.distributed) is `ffpa_cute.distributed`, imported on
+its own.
 """
 
 from . import options
 from .fp8 import quantize_fp8
 from .interface import attention, explain, patch_sdpa, unpatch_sdpa
+from .merge import merge_attention
 from .options import Options
 
 __version__ = "0.1.0"
 
-__all__ = ["Options", "attention", "explain", "options", "patch_sdpa", "quantize_fp8",
-           "unpatch_sdpa", "__version__"]
+__all__ = ["Options", "attention", "explain", "merge_attention", "options", "patch_sdpa",
+           "quantize_fp8", "unpatch_sdpa", "__version__"]

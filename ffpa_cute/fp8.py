@@ -126,8 +126,8 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
                   out_dtype=None):
     """FP8 attention on [B, H, N, D] tensors (4-D; `interface` reshapes other ranks): the
     kernel where one serves the problem, else `dense(q, k, v)` (the 16-bit route with the
-    call's mask arguments) on the inputs dequantised to bf16. Returns out in out_dtype (bf16
-    by default)."""
+    call's mask arguments, returning (out, lse)) on the inputs dequantised to bf16. Returns
+    (out in out_dtype (bf16 by default), lse fp32)."""
     descales = (q_descale, k_descale, v_descale)
     _check(q, k, v, descales, out_dtype)
     want = OUT_DTYPES[out_dtype]
@@ -142,7 +142,7 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
                   for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
     if plan is not None and plan.reason is None:
         with torch.cuda.device(q.device):
-            return run_kernel(plan, q, k, v, qd, kd, vd, want)[0]
+            return run_kernel(plan, q, k, v, qd, kd, vd, want)
     if plan is not None:
         if _options.current().strict if strict is None else strict:
             raise NotImplementedError(plan.reason)
@@ -152,7 +152,8 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
     g = q.shape[1] // hkv
     deq = [(t.float() * d.repeat_interleave(r, dim=1)[..., None, None]).to(torch.bfloat16)
            for t, d, r in ((q, qd, g), (k, kd, 1), (v, vd, 1))]
-    return dense(*deq).to(want)
+    out, lse = dense(*deq)
+    return out.to(want), lse.float()
 
 
 __all__ = ["attention_fp8", "is_fp8", "quantize_fp8"]

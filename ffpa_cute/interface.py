@@ -15,6 +15,10 @@ skips the checks and the routing: its first call left the decision in `_FAST_CAL
 Causal alignment: `attention(is_causal=True)` is bottom-right (FlashAttention's convention, the same
 as SDPA when Nq == Nkv); the SDPA patch keeps SDPA's upper-left meaning. Both accept torch's
 `causal_lower_right` / `causal_upper_left` bias objects. Rows that see no key output 0.
+
+`return_lse=True` also returns the log-sum-exp of each row's scaled, masked scores (float32;
+-inf for rows that see no key), which `merge.merge_attention` combines across key splits: the
+kernels compute it anyway; the fallback adds it with torch math (`fallback.native_lse`).
 """
 
 import logging
@@ -25,9 +29,10 @@ import torch.nn.functional as F
 
 from . import dispatch, fp8, launch, ops
 from . import options as _options
-from .fallback import causal_split, gqa_in_native, native_attention, native_sdpa
+from .fallback import (causal_split, gqa_in_native, native_attention, native_attention_lse,
+                       native_sdpa)
 from .problem import AttnProblem
-from .validate import check_args, resolve_mask
+from .validate import check_args, check_return_lse, resolve_mask
 
 __all__ = ["attention", "explain", "patch_sdpa", "unpatch_sdpa"]
 
@@ -122,23 +127,25 @@ def _route(problem: AttnProblem, device, strict, level):
 # ----------------------------------------------------------------------- the fast path
 
 
-def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper_left):
+def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper_left,
+              return_lse=False):
     """The signature of an eager call that can take the per-signature fast path, else None.
 
     Everything `check_args`, routing and planning read is in it (types, dtypes, devices,
     shapes, strides, flags, the options in force), so a call with an equal key is checked,
     routed and planned exactly as the first one was; only data pointers differ (`run_fwd` still
-    checks their alignment). 4-D tensors, no mask, no dropout.
+    checks their alignment). 4-D tensors, no mask, no dropout. `return_lse` is in the key, so
+    calls that return (out, lse) and calls that return out never share an entry.
     """
     if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
             or attn_mask is not None or type(dropout_p) not in (float, int) or dropout_p != 0
-            or type(is_causal) is not bool
+            or type(is_causal) is not bool or type(return_lse) is not bool
             or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
             or q.dim() != 4 or torch.compiler.is_compiling()):
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
             k.dtype, v.dtype, q.device, k.device, v.device, is_causal, scale, enable_gqa,
-            upper_left, _options.current())
+            upper_left, return_lse, _options.current())
 
 
 def _remember(key, value) -> None:
@@ -151,29 +158,33 @@ def _remember(key, value) -> None:
 
 def _fast_call(q, k, v, causal, offset, softmax_scale, plan, fwd_call):
     """A call whose signature already ran the kernel: straight to it (through the autograd
-    Function only when a gradient will be asked for); `fwd_call` launches when it can."""
+    Function only when a gradient will be asked for); `fwd_call` launches when it can.
+    Returns (out, lse)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ops.EagerAttention.apply(q, k, v, causal, offset, softmax_scale, plan,
-                                        fwd_call)[0]
-    return ops.kernel_forward(q, k, v, causal, offset, softmax_scale, plan, fwd_call)[0]
+        return ops.EagerAttention.apply(q, k, v, causal, offset, softmax_scale, plan, fwd_call)
+    return ops.kernel_forward(q, k, v, causal, offset, softmax_scale, plan, fwd_call)
 
 
 # ------------------------------------------------------------------------------- public API
 
 
 def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, strict, level,
-               fast_key=None):
+               fast_key=None, return_lse=False):
+    """out, or (out, lse) with `return_lse`, of a validated call."""
     causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2],
                                         upper_left)
     problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p)
     if _route(problem, q.device, strict, level) is not None:
+        if return_lse:
+            return native_attention_lse(q, k, v, causal=causal, offset=offset, mask=mask,
+                                        scale=scale)
         return native_attention(q, k, v, causal=causal, offset=offset, mask=mask,
                                 dropout_p=dropout_p, scale=scale)
     shape = q.shape
     q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
     args = (q4, k4, v4, causal, offset if causal else 0, problem.softmax_scale)
     if torch.compiler.is_compiling():
-        out, _ = ops.attention_fwd(*args)
+        out, lse = ops.attention_fwd(*args)
     else:
         plan = dispatch.plan_fwd(problem, q.device)
         if fast_key is not None:  # the next same-signature call skips to here
@@ -181,14 +192,17 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
             if _options.current().fast_launch and plan.cfg is not None:
                 fwd_call = launch.FwdCall(plan, q4, k4, v4)
             _remember(fast_key, (*args[3:], plan, fwd_call))
-        out, _ = ops.EagerAttention.apply(*args, plan)
-    return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
+        out, lse = ops.EagerAttention.apply(*args, plan)
+    if q.dim() != 4:
+        out, lse = out.reshape(*shape[:-1], out.shape[-1]), lse.reshape(shape[:-1])
+    return (out, lse) if return_lse else out
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, strict=None, q_descale=None, k_descale=None, v_descale=None,
-              out_dtype=None):
-    """Exact attention with SDPA's signature on [..., H, N, D] tensors; returns [..., Hq, Nq, Dv].
+              enable_gqa=False, *, strict=None, return_lse=False, q_descale=None,
+              k_descale=None, v_descale=None, out_dtype=None):
+    """Exact attention with SDPA's signature on [..., H, N, D] tensors; returns [..., Hq, Nq, Dv],
+    or with `return_lse=True` (out, lse).
 
     Differences from `F.scaled_dot_product_attention`, all deliberate:
       * `is_causal=True` is bottom-right aligned (query i sees key j iff j <= i + Nkv - Nq), as
@@ -200,28 +214,39 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
     `ffpa_cute.options` holds what else can be switched.
 
+    return_lse: also return lse [..., Hq, Nq], float32 (float64 for float64 inputs on the
+    fallback), the natural-log log-sum-exp of each row's scaled, masked scores; -inf for rows
+    that see no key (their out is 0). `merge_attention` combines (out, lse) pairs computed over
+    disjoint key sets. Gradients flow through out as usual; lse carries none (it is returned
+    detached from autograd), so a loss through `merge_attention` of these pairs misses the lse
+    term (`ffpa_cute.distributed.ring_attention` has its own exact backward). Not with
+    dropout_p > 0 (ValueError).
+
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
     """
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
-    key = _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+    key = _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
+                    return_lse)
     if key is not None and fp8_args == (None,) * 4:
         hit = _FAST_CALLS.get(key)
         if hit is not None:
-            return _fast_call(q, k, v, *hit)
-    err = check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            return _fast_call(q, k, v, *hit) if return_lse else _fast_call(q, k, v, *hit)[0]
+    err = (check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+           or check_return_lse(return_lse, dropout_p))
     if err is not None:
         raise err
     if fp8.is_fp8(q) or fp8_args != (None,) * 4:
-        return _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, *fp8_args)
+        return _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, return_lse,
+                              *fp8_args)
     return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left=False,
                       strict=None if strict is None else bool(strict), level=logging.WARNING,
-                      fast_key=key)
+                      fast_key=key, return_lse=return_lse)
 
 
-def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, q_descale,
-                   k_descale, v_descale, out_dtype):
+def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, return_lse,
+                   q_descale, k_descale, v_descale, out_dtype):
     """`attention` for FP8 inputs: the FP8 kernel, else the 16-bit route on dequantised
     inputs (fp8.attention_fp8)."""
     if not fp8.is_fp8(q):
@@ -233,13 +258,15 @@ def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, q_de
 
     def dense(qb, kb, vb):
         return _attention(qb, kb, vb, attn_mask, dropout_p, is_causal, scale, upper_left=False,
-                          strict=strict, level=logging.WARNING)
+                          strict=strict, level=logging.WARNING, return_lse=True)
 
-    out = fp8.attention_fp8(q4, k4, v4, causal=causal, offset=offset if causal else 0,
-                            has_mask=mask is not None, dropout_p=dropout_p, scale=scale,
-                            strict=strict, dense=dense, q_descale=q_descale,
-                            k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
-    return out if q.dim() == 4 else out.reshape(*shape[:-1], out.shape[-1])
+    out, lse = fp8.attention_fp8(q4, k4, v4, causal=causal, offset=offset if causal else 0,
+                                 has_mask=mask is not None, dropout_p=dropout_p, scale=scale,
+                                 strict=strict, dense=dense, q_descale=q_descale,
+                                 k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+    if q.dim() != 4:
+        out, lse = out.reshape(*shape[:-1], out.shape[-1]), lse.reshape(shape[:-1])
+    return (out, lse) if return_lse else out
 
 
 def _fallback_details(q, v, problem: AttnProblem, mask) -> str:
@@ -301,7 +328,7 @@ def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     if fast is not None:
         hit = _FAST_CALLS.get(fast)
         if hit is not None:
-            return _fast_call(query, key, value, *hit)
+            return _fast_call(query, key, value, *hit)[0]
     if check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return native_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -86,6 +86,18 @@ def check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     return None
 
 
+def check_return_lse(return_lse, dropout_p):
+    """The error of a `return_lse` argument (or None): a bool, and not with dropout, whose
+    dropped-out softmax has no log-sum-exp that `merge_attention` could combine exactly."""
+    if not isinstance(return_lse, bool):
+        return TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_lse and dropout_p != 0:
+        return ValueError(f"return_lse=True cannot be combined with dropout_p={dropout_p}: "
+                          "the log-sum-exp of a dropped-out softmax is not defined; pass "
+                          "dropout_p=0.0 (or return_lse=False)")
+    return None
+
+
 def resolve_mask(attn_mask, is_causal, nq, nkv, upper_left):
     """Map (attn_mask, is_causal) to (causal, causal_offset, tensor_mask).
 
@@ -102,4 +114,4 @@ def resolve_mask(attn_mask, is_causal, nq, nkv, upper_left):
     return False, 0, attn_mask
 
 
-__all__ = ["causal_bias", "check_args", "resolve_mask"]
+__all__ = ["causal_bias", "check_args", "check_return_lse", "resolve_mask"]

@@ -2,7 +2,9 @@
 # GPU verification of the kernels, in sections that each fit one device call (docs/verification.md).
 #
 # Here (CPU), first:
-#   bash ../shared/device/stage.sh                      # STAGE_PEERS=1 adds FFPA to the sweep
+#   STAGE_PEERS=1 bash ../shared/device/stage.sh        # STAGE_PEERS=1: apache-tvm-ffi and
+#                                                       # torch-c-dlpack-ext (dependencies of the
+#                                                       # package) and the FFPA peer for the sweep
 #   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2
 #   CUTE_DSL_ARCH=sm_90a python -m tests.sanitize --precompile .precache
 #   mkdir -p .pc && tar cf - .precache | xz -9 > .pc/precache.tar.xz   # (.pc: .git/info/exclude)

@@ -5,8 +5,9 @@ lent GPU's minutes go to running, not compiling:
 
 A superset by construction: every head dim the GPU tests use, both dtypes and causal modes, under
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
-and backward, plus the Dv != D pairs and the non-default variants the tests select (the CTA pair
-off above 512, dK without sequential score products). A kernel the tests need that is missing
+and backward, plus the Dv != D pairs, the FP8 forward with its transpose kernel, and the
+non-default variants the tests select (the CTA pair off above 512, dK without sequential score
+products). A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -17,6 +18,7 @@ import sys
 
 HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
 DV_PAIRS = ((576, 512), (512, 320), (320, 256), (1024, 512), (768, 128))
+FP8_HEAD_DIMS = (320, 512, 768, 1024)
 TARGET = "sm_90a"
 
 
@@ -52,6 +54,18 @@ def jobs() -> list:
                     if family == "sm90" and d <= 512:  # dK without sequential score products
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
                         add([(dispatch.kernel_class(cfg), cfg)])
+    from ffpa_cute.common.config import TransposeConfig
+
+    for d in FP8_HEAD_DIMS:  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt
+        t = TransposeConfig(TARGET, d)
+        add([(dispatch.kernel_class(t), t)])
+        for causal in (False, True):
+            for out_dtype in ("bf16", "fp16") if d == 512 else ("bf16",):
+                p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=4096,
+                                seqlen_kv=4096, head_dim=d, head_dim_v=d, causal=causal,
+                                out_dtype=out_dtype)
+                plan = dispatch.plan_fwd(p, target=TARGET, opts=Options())
+                add([(plan.kernel_cls, plan.cfg)])
     for d, dv in DV_PAIRS:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):

@@ -448,3 +448,57 @@ def test_backward_dv_not_d(seed, mode, nq, nkv, ratio):
     recompute)."""
     with sm90_only():
         _check_backward(mode, nq, nkv, ratio, expect_kernels=True, d=576, dv=512)
+
+
+@pytest.mark.parametrize("d,mode,nq,nkv,ratio", [(512, "bottom_right", 1000, 1000, 4),
+                                                 (512, "upper_left", 129, 1000, 8),
+                                                 (1024, "none", 129, 1000, 1),
+                                                 (1024, "bottom_right", 1000, 129, 1)])
+def test_return_lse(seed, d, mode, nq, nkv, ratio):
+    """attention(return_lse=True) on the kernel path: out as without it, lse (float32, -inf
+    exactly on rows without keys) against float64, the fast path keeps both kinds of call apart,
+    and gradients flow through out."""
+    interface._clear_caches()
+    q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16, grad=True)
+    kernel_plan(q, k, v, mode)
+    causal, off = mode != "none", offset_of(mode, nq, nkv)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, causal_offset=off)
+    base, _ = attention_same_dtype(q, k, v, causal=causal, causal_offset=off)
+    for _ in range(2):  # the second round takes the per-signature fast path
+        out, lse = call(q, k, v, mode, return_lse=True)
+        assert torch.equal(out, call(q, k, v, mode))
+        assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+        assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+        assert not lse.requires_grad and out.requires_grad
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        finite = torch.isfinite(ref_lse)
+        assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-3
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    grads = {}
+    for name, fn, cast in (("ref", attention_ref, torch.float64),
+                           ("base", attention_same_dtype, BF16)):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        fn(*leaves, causal=causal, causal_offset=off)[0].backward(dout.to(cast))
+        grads[name] = [t.grad for t in leaves]
+    for g, r, b in zip((q.grad, k.grad, v.grad), grads["ref"], grads["base"]):
+        assert rel_err(g, r) <= 2 * rel_err(b, r) + 1e-3
+
+
+def test_merge_of_kernel_blocks(seed):
+    """Key splits through the kernels with explicit causal offsets (`blockwise.block_forward`,
+    the ring's unit), merged: attention over all keys within the bf16 criterion."""
+    from ffpa_cute.blockwise import block_forward
+
+    q, k, v = make_qkv(1, 8, 2, 1000, 1000, 512, BF16)
+    outs, lses = [], []
+    for a, b in ((0, 384), (384, 640), (640, 1000)):
+        o, s = block_forward(q, k[:, :, a:b], v[:, :, a:b], causal=True, offset=-a, scale=None,
+                             strict=True)
+        outs.append(o)
+        lses.append(s)
+    out, lse = ffpa_cute.merge_attention(outs, lses)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, causal_offset=0)
+    base, _ = attention_same_dtype(q, k, v, causal=True, causal_offset=0)
+    assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+    assert (lse.double() - ref_lse).abs().max().item() <= 2e-3

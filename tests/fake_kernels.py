@@ -1,0 +1,89 @@
+"""A fake kernel route for CPU tests of the code around the kernels (the pattern of
+test_api_contract's `fake_kernel` fixture): dispatch plans a "kernel" for every problem, the
+forward "kernel" is the float64 reference, the backward "kernels" are `fallback.block_grads`,
+which, like the real ones, use the out and lse they are given. Calls are recorded.
+
+`install(monkeypatch)` for pytest; `installed()` (a context manager) in spawned processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ffpa_cute import dispatch, interface, launch
+from ffpa_cute.fallback import block_grads
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.reference import attention_ref
+
+
+@dataclass(frozen=True)
+class FakePlan:
+    problem: AttnProblem
+    reason: str | None = None
+    family: str | None = "fake"
+    cfg: object = None  # no compiled kernel: no per-signature launcher either
+    packed: bool = False
+
+    def describe(self):
+        return f"fake kernel D={self.problem.head_dim} causal={self.problem.causal}"
+
+
+class FakeKernels:
+    """Forward and backward "kernels" for every problem; `fwd_calls` / `bwd_calls` record the
+    problems they ran."""
+
+    def __init__(self):
+        self.fwd_calls, self.bwd_calls = [], []
+
+    def plan_fwd(self, problem, *args, **kwargs):
+        return FakePlan(problem)
+
+    def plan_bwd(self, problem, device=None, target=None, opts=None):
+        return dispatch.BwdPlan(problem, family="fake")
+
+    def run_fwd(self, plan, q, k, v):
+        assert q.dim() == k.dim() == v.dim() == 4
+        p = plan.problem
+        self.fwd_calls.append(p)
+        out, lse = attention_ref(q, k, v, causal=p.causal, causal_offset=p.causal_offset,
+                                 scale=p.softmax_scale)
+        return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
+
+    def run_bwd(self, plan, q, k, v, out, lse, dout):
+        p = plan.problem
+        self.bwd_calls.append(p)
+        grads = block_grads(q, k, v, out, lse, dout, causal=p.causal, offset=p.causal_offset,
+                            scale=p.softmax_scale)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    def patches(self):
+        return [(dispatch, "plan_fwd", self.plan_fwd), (dispatch, "plan_bwd", self.plan_bwd),
+                (launch, "run_fwd", self.run_fwd), (launch, "run_bwd", self.run_bwd)]
+
+
+def install(monkeypatch) -> FakeKernels:
+    fake = FakeKernels()
+    for obj, name, fn in fake.patches():
+        monkeypatch.setattr(obj, name, fn)
+    interface._clear_caches()
+    return fake
+
+
+@contextlib.contextmanager
+def installed():
+    """The same patches for a block, without pytest (a spawned test worker); yields the
+    FakeKernels and restores the real functions after."""
+    fake = FakeKernels()
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in fake.patches()]
+    for obj, name, fn in fake.patches():
+        setattr(obj, name, fn)
+    interface._clear_caches()
+    try:
+        yield fake
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        interface._clear_caches()
