@@ -54,6 +54,10 @@ CASES = [
     ("sm80 D512 M4N2 GQA", "sm80", 1, 4, 2, 129, 333, 512, 512, "none", "fp16", True),
     ("sm80 D1024 M2N4 upper-left", "sm80", 1, 2, 1, 65, 130, 1024, 1024, "upper_left", "bf16",
      True),
+    # the FP8 forward (e4m3 in, bf16 out; forward only) and the transpose that writes its Vt
+    ("sm90 FP8 D512 GQA causal", "sm90", 1, 4, 2, 129, 333, 512, 512, "bottom_right", "e4m3",
+     False),
+    ("sm90 FP8 D1024 CTA pair", "sm90", 1, 2, 1, 65, 130, 1024, 1024, "none", "e4m3", False),
 ]
 
 
@@ -80,6 +84,11 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_fwd(p, target=target, opts=opts)
         assert plan.reason is None, (case[0], plan.reason)
         todo = [(plan.kernel_cls, plan.cfg)]
+        if case[-2] == "e4m3":
+            from ffpa_cute.common.config import TransposeConfig
+
+            t = TransposeConfig(target, case[8])
+            todo.append((dispatch.kernel_class(t), t))
         if case[-1]:
             bwd = dispatch.plan_bwd(p, target=target, opts=opts)
             assert bwd.reason is None, (case[0], bwd.reason)
@@ -95,7 +104,7 @@ def workload() -> int:
 
     import ffpa_cute
 
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}
     torch.manual_seed(0)
     for case in CASES:
         label, family, b, hq, hkv, nq, nkv, d, dv, mode, dtype, backward = case
@@ -104,6 +113,9 @@ def workload() -> int:
         k = torch.randn(b, hkv, nkv, d, device="cuda", dtype=dt, requires_grad=backward)
         v = torch.randn(b, hkv, nkv, dv, device="cuda", dtype=dt, requires_grad=backward)
         kw = dict(enable_gqa=hq != hkv)
+        if dtype == "e4m3":  # per-tensor quantised inputs, their descales
+            (q, qd), (k, kd), (v, vd) = (ffpa_cute.quantize_fp8(t) for t in (q, k, v))
+            kw.update(q_descale=qd, k_descale=kd, v_descale=vd)
         if mode == "upper_left":
             kw["attn_mask"] = causal_upper_left(nq, nkv)
         else:
