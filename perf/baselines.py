@@ -134,6 +134,8 @@ class Ours(Impl):
             return f"? (explain failed: {_short(e)})"
 
     def prepare(self, case, q, k, v, direction, ctx):
+        if case.dtype == "fp8":
+            return self._prepare_fp8(case, q, k, v, direction)
         gqa = case.hq != case.hkv
         path = self.explain(q, k, v, case.causal, gqa, direction)
         fallback = "fallback" in path.lower()
@@ -151,6 +153,31 @@ class Ours(Impl):
             return attention(q, k, v, is_causal=case.causal, enable_gqa=gqa)
 
         return Prepared(call, "bhnd", backend=path, fallback=fallback, note=note)
+
+    def _prepare_fp8(self, case, q, k, v, direction):
+        """FP8 rows: q, k, v quantised per (batch, head) to e4m3 here (not timed), q's descale
+        taken per KV head; the timed call is `attention()` on them (its V transpose included),
+        bf16 out. The error column compares with the bf16 inputs' reference, so it includes the
+        inputs' quantisation."""
+        if direction != "fwd":
+            raise Unsupported("FP8 is forward-only")
+        quantize = getattr(self.mod, "quantize_fp8", None)
+        if quantize is None:
+            raise Unsupported("no ffpa_cute.quantize_fp8")
+        g = case.hq // case.hkv
+        qd = q.abs().amax((-2, -1)).float().reshape(q.shape[0], case.hkv, g).amax(-1) / 448.0
+        q8 = (q.float() / qd.repeat_interleave(g, 1)[..., None, None]).to(torch.float8_e4m3fn)
+        (k8, kd), (v8, vd) = quantize(k, "head"), quantize(v, "head")
+        kw = dict(is_causal=case.causal, enable_gqa=g > 1, q_descale=qd, k_descale=kd,
+                  v_descale=vd)
+        path = str(self.mod.explain(q8, k8, v8, is_causal=case.causal, enable_gqa=g > 1))
+        attention = self.mod.attention
+
+        def call(q_, k_, v_):  # the pre-quantised inputs: the same data every call
+            return attention(q8, k8, v8, **kw)
+
+        return Prepared(call, "bhnd", backend=path, fallback="fallback" in path.lower(),
+                        note="fp8: e4m3 inputs quantised per head; err includes quantisation")
 
 
 # --------------------------------------------------------------------------------------- SDPA
@@ -219,6 +246,8 @@ class Sdpa(Impl):
         return f"{name} (K/V expanded)" if gqa_mode == "expand" else name
 
     def prepare(self, case, q, k, v, direction, ctx):
+        if case.dtype == "fp8":
+            raise Unsupported("torch SDPA has no FP8 attention")
         tried = []
         for backend, mode in self.candidates(case):
             if backend == "math" and math_bytes(case, direction) > ctx.mem_limit_bytes:
@@ -325,6 +354,8 @@ class Ffpa(Impl):
             return False
 
     def prepare(self, case, q, k, v, direction, ctx):
+        if case.dtype == "fp8":
+            raise Unsupported("no FP8 path compared here (FP8 rows time ffpa_cute alone)")
         layout, fn, bkw = self.api["layout"], self.fn, self.api["backend_kw"]
         kw = self._kwargs(case, with_backend=True)
         fallback = self._routes_to_sdpa(q, k) if layout == "bhnd" else False
@@ -379,6 +410,8 @@ class FlashAttn(Impl):
         return f"{getattr(self, 'flavor', '?')} {v}" if v else getattr(self, "flavor", None)
 
     def prepare(self, case, q, k, v, direction, ctx):
+        if case.dtype == "fp8":
+            raise Unsupported("no FP8 path compared here (FP8 rows time ffpa_cute alone)")
         fn = self.fn
 
         def call(q, k, v):

@@ -29,7 +29,7 @@ FFPA_SEQLENS = (8192, 16384)
 FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
 USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
                 "vae": (16384, 32768, 65536)}
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: e4m3 inputs (quantised per head), bf16 out
 DEFAULT_DTYPE = "bf16"
 CROSS_NQ = 1024
 
@@ -170,13 +170,9 @@ def quick_cases(families=ALL_FAMILIES, head_dims=None, seqlens=None, dtypes=None
     Selection flags filter this list (they never grow it).
     """
     n = 8192
-    base = [
-        _ffpa_case("self", n, 512, DEFAULT_DTYPE),
-        _ffpa_case("self", n, 320, DEFAULT_DTYPE),
-        _ffpa_case("self", n, 1024, DEFAULT_DTYPE),
-        _ffpa_case("causal", n, 512, DEFAULT_DTYPE),
-        _ffpa_case("gqa", n, 512, DEFAULT_DTYPE),
-    ]
+    base = [_ffpa_case(fam, n, d, dt) for dt in (dtypes or (DEFAULT_DTYPE,))
+            for fam, d in (("self", 512), ("self", 320), ("self", 1024), ("causal", 512),
+                           ("gqa", 512))]
     out = []
     for c in base:
         if c.name not in families:

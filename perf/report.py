@@ -93,8 +93,10 @@ def render_header(env: dict, ceilings: dict | None = None, impls: list[dict] | N
     clk_s = BLANK if clk is None else f"{clk} MHz (max {_na(env.get('sm_clock_max_mhz'))}), " \
         "read after the matmul ceiling"
     mm, cp = ceilings.get("matmul_bf16_8192_tflops"), ceilings.get("copy_gbps")
-    ceil_s = f"bf16 matmul 8192³: {fmt_tflops(mm)} TFLOPS · device copy: " \
-             f"{BLANK if not _ok(cp) else f'{cp:.0f}'} GB/s (read + write)"
+    f8 = ceilings.get("matmul_fp8_8192_tflops")
+    ceil_s = f"bf16 matmul 8192³: {fmt_tflops(mm)} TFLOPS · " \
+             + (f"e4m3 matmul 8192³: {fmt_tflops(f8)} TFLOPS · " if _ok(f8) else "") \
+             + f"device copy: {BLANK if not _ok(cp) else f'{cp:.0f}'} GB/s (read + write)"
     if not ceilings:
         ceil_s = "not measured"
     lines = [f"# {title or 'ffpa_cute attention sweep'}", "", "| | |", "|---|---|",

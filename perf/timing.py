@@ -123,6 +123,17 @@ def matmul_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16, rep
     return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 
+def matmul_fp8_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """e4m3 n^3 matmul TFLOP/s (torch._scaled_mm, bf16 out): the FP8 rows' compute ceiling."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major B
+    one = torch.ones((), device=device)
+    fn = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    fn()
+    t = bench(fn, device, warmup_ms=50, rep_ms=200, min_reps=reps, max_reps=reps)
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
+
+
 def copy_gbps(device: torch.device, mb: int = 2048, reps: int = 20) -> float:
     """Device-to-device copy GB/s, counting bytes read + written (the memory ceiling)."""
     src = torch.empty(mb * 2**20, dtype=torch.uint8, device=device).random_(0, 255)
@@ -134,9 +145,11 @@ def copy_gbps(device: torch.device, mb: int = 2048, reps: int = 20) -> float:
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """{'matmul_bf16_8192_tflops', 'copy_gbps'} for the header; errors become notes."""
+    """{'matmul_bf16_8192_tflops', 'matmul_fp8_8192_tflops', 'copy_gbps'} for the header;
+    errors become notes."""
     out: dict = {}
     for key, f in (("matmul_bf16_8192_tflops", lambda: matmul_tflops(device)),
+                   ("matmul_fp8_8192_tflops", lambda: matmul_fp8_tflops(device)),
                    ("copy_gbps", lambda: copy_gbps(device))):
         try:
             out[key] = round(f(), 1)

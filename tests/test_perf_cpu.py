@@ -373,3 +373,22 @@ def test_ours_backward_credit_follows_explain(monkeypatch, path, fallback):
     q = torch.zeros(1)
     prepared = impl.prepare(case, q, q, q, "bwd", None)
     assert prepared.fallback == fallback and prepared.backend == path
+
+
+def test_fp8_rows_on_cpu(tmp_path):
+    """--dtypes fp8: ffpa_cute alone (quantised per head before timing), SDPA blank with the
+    reason, forward only; on CPU the FP8 call dequantises (a fallback row)."""
+    out = tmp_path / "res"
+    rc = main(["--device", "cpu", "--cases", "self,gqa", "--head-dims", "320", "--seqlens", "32",
+               "--dtypes", "fp8", "--baselines", "sdpa", "--rep-ms", "1", "--warmup-ms", "1",
+               "--no-progress", "--no-charts", "--err-heads", "2", "--out", str(out)])
+    assert rc == 0
+    raw = json.loads((out / "raw.json").read_text())
+    fwd = [r for r in raw["rows"] if r["direction"] == "fwd"]
+    assert len(fwd) == 2 and all(r["dtype"] == "fp8" for r in fwd)
+    for row in fwd:
+        ours = row["results"]["ours"]
+        assert ours["ms"] > 0 and ours["err"] < 0.1 and ours["fallback"]
+        assert row["results"]["sdpa"]["ms"] is None
+    quick = quick_cases(dtypes=("fp8",))
+    assert quick and all(c.dtype == "fp8" for c in quick)
