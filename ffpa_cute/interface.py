@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, fp8, launch, ops
+from . import dispatch, fp8, launch, ops, selfcheck
 from . import options as _options
 from .fallback import (causal_split, gqa_in_native, native_attention, native_attention_lse,
                        native_sdpa)
@@ -49,6 +49,7 @@ def _clear_caches() -> None:
     _FAST_CALLS.clear()
     _LOGGED.clear()
     dispatch.clear_plans()
+    selfcheck.clear()
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -67,16 +68,20 @@ def _concrete(x):
     return operator.index(x)
 
 
-def _reason(problem: AttnProblem, device: torch.device):
+def _reason(problem: AttnProblem, device: torch.device, check: bool = True):
     """None when the kernel path serves `problem`, else why not (local checks back up
-    dispatch: the op takes no mask or dropout, whatever a planner says)."""
+    dispatch: the op takes no mask or dropout, whatever a planner says). `check`: run the
+    first-use self-check of a configuration never run on this target (selfcheck.py)."""
     if problem.batch * problem.heads_q * problem.seqlen_q == 0 or problem.seqlen_kv == 0:
         return _EMPTY
-    reason = dispatch.plan_fwd(problem, device).reason
+    plan = dispatch.plan_fwd(problem, device)
+    reason = plan.reason
     if reason is None and problem.has_mask:
         return "attn_mask has no kernel yet (only causal and CausalBias masks do)"
     if reason is None and problem.dropout_p > 0.0:
         return "dropout has no kernel yet"
+    if reason is None and check:
+        reason = selfcheck.reason(plan, device)
     return reason
 
 
@@ -295,9 +300,11 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
         raise err
     causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], False)
     problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p)
-    reason = _reason(problem, q.device)
+    reason = _reason(problem, q.device, check=False)
     if reason is None:
-        return (f"ffpa_cute kernel: {dispatch.plan_fwd(problem, q.device).describe()}; "
+        plan = dispatch.plan_fwd(problem, q.device)
+        check = selfcheck.status(plan, q.device)
+        return (f"ffpa_cute kernel: {plan.describe()}{check}; "
                 f"backward: {_backward_route(problem, q.device)}")
     details = _fallback_details(q, v, problem, mask)
     return f"native SDPA fallback: {reason}" + (f" [{details}]" if details else "")
