@@ -52,10 +52,10 @@ from ..common.softmax import mn_view
 from ..common.tensors import LOG2_E, fake_grad_args
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
                      can_implement_dq, can_implement_dv)
-from .fwd_sm90 import WG_THREADS, FFPAFwdSm90
+from .skeleton_sm90 import WG_THREADS, RingSkeletonSm90
 
 
-class FFPABwdDVSm90(FFPAFwdSm90):
+class FFPABwdDVSm90(RingSkeletonSm90):
     """dV = P^T dO on the forward's warp-specialised skeleton."""
 
     rescale_o = False
@@ -68,6 +68,13 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason}")
         super().__init__(cfg)
+
+    @cute.jit
+    def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 stream: cuda.CUstream):
+        # rows K, columns Q, accumulator B = dO rows, output dV
+        self._launch(mK, mQ, mdO, mdV, mLSE, softmax_scale, causal_offset, stream, None)
 
     # ---------------------------------------------------------------- hooks
     @cute.jit
@@ -118,7 +125,8 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         return tg[None, row_block]
 
     @cute.jit
-    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):
+    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr, n_iter, o_part,
+                       bars, pair, tidx, tScS_mn, lane):
         """No normalisation and no LSE output: dV is the sum itself."""
         return None
 
@@ -220,9 +228,9 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                         acc_S_mn[r, c] = -Float32.inf
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre, i):
+    def _score_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
+                     seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2, extra,
+                     pre, i, n_count, o_part, bars, pair, lane):
         """P^T for this block in rP: rows are keys j, columns queries i."""
         self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
                            causal_offset, sFactor, tidx, None, pre)
@@ -341,7 +349,7 @@ class _TwoScoreProducts:
             cute.copy(ex.tma_rows2, tg[None, cc], ts[None, s], tma_bar_ptr=bars.k + s)
 
 
-class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
+class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
     """dQ = scale * dS K, dS = P (dP - Delta), on the forward's skeleton.
 
     Roles: resident rows = the Q tile (streamed in 64-column chunks), S ring = K chunks then V
@@ -375,7 +383,8 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         pass
 
     @cute.jit
-    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):
+    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr, n_iter, o_part,
+                       bars, pair, tidx, tScS_mn, lane):
         """No normalisation and no LSE output: dQ is the sum itself."""
         return None
 
@@ -416,9 +425,9 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         return stats
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre, i):
+    def _score_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
+                     seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2, extra,
+                     pre, i, n_count, o_part, bars, pair, lane):
         """dS * scale in rP: P = exp2(S * scale * log2(e) - LSE * log2(e)) (masked as the
         forward masks), dS = P (dP - Delta) with dP in the second accumulator; LSE and Delta
         from `_block_prefetch` (rows that see no key, or past Nq: LSE -inf, read as +inf so
@@ -467,7 +476,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         reason = can_implement_dq(cfg)
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason.replace('dQ', 'dK')}")
-        FFPAFwdSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
+        RingSkeletonSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
         self._two_products(cfg)
 
     def _column_delta(self, extra):
@@ -490,9 +499,9 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
                          stream)
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre, i):
+    def _score_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
+                     seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2, extra,
+                     pre, i, n_count, o_part, bars, pair, lane):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
             self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
