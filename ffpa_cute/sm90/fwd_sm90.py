@@ -1,31 +1,32 @@
-"""Hopper attention forward for large head dims: warp-specialised WGMMA + TMA ("F1").
+"""Hopper attention forward for large head dims on the warp-specialised ring ("F1").
 
 What it computes: O = softmax(scale * Q K^T [+ causal mask]) V and LSE, for q [B, Hq, Nq, D],
 k/v [B, Hkv, Nkv, D] (any strides, unit stride on D), Hq a multiple of Hkv (GQA/MQA), any Nq, Nkv,
 bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8, and from 528 to 1024 in steps
 of 16 with O split over two CTAs (`o_split`, below).
 
-One CTA = one 64-row Q tile of one (batch, head), three warpgroups with separate roles
-(kernel-design.md §2, design F1 without the producer warpgroup; docs/perf-log.md has the
-microbenchmarks that chose it):
+`FFPAFwdSm90` runs on `RingSkeletonSm90` (skeleton_sm90.py: the warpgroups, rings, P hand-over
+and tensor-core order) with Q as the resident rows, K as the streamed columns, V as the
+accumulators' B operand and O as the output (kernel-design.md §2, design F1 without the producer
+warpgroup; docs/perf-log.md has the microbenchmarks that chose it). One CTA = one 64-row Q tile
+of one (batch, head):
 
   WG0 "S"     S = Q K^T over D in 64-column chunks (m64n128k16 SS WGMMA), mask, online softmax
               (common/softmax.py), P -> smem (stmatrix) with each row's O rescale factor, LSE.
   WG1 "O-lo"  O[:, :D_lo] += P V[:, :D_lo] (SS WGMMA, A = P from smem);
   WG2 "O-hi"  O[:, D_lo:] likewise. Each first rescales its O rows by the factor the S
-              warpgroup published with P.
+              warpgroup published with P; after the last block the S warpgroup publishes
+              1 / row_sum through the same buffers, so the O warpgroups normalise with the
+              protocol they already follow.
 
-O[64 x 512] fp32 is 128 KB, half the register file: it is split along D between the two O
-warpgroups (D_lo = D_hi = D/2 when D % 16 == 0, else D_lo = D_hi + 8: WGMMA N is a multiple of
-8). 384 threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every instruction
-against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128 registers each)
-could not hold an m64n256 accumulator (ptxas asks for 154).
+This module holds what is the forward's own: the score step (mask, online softmax, P), the
+final factors and LSE, and `kv_pair`'s exchange between the two CTAs of a pair.
 
-Loads: TMA only, and every ring feeds exactly one warpgroup, which also refills it: the S
-warpgroup owns Q and the K ring ([128 x 64] chunks), each O warpgroup its V ring ([v_rows x D_half]
-stages). As soon as a stage's WGMMAs are done (wait_group(1) after the next stage's are issued)
-the owner issues the TMA for the stage `stages` positions ahead; a stage only has a "full"
-mbarrier (TMA transaction bytes), and since its only reader is its only writer, no "empty" one.
+Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
+[32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
+
+Masking: only blocks that cross Nkv or the causal diagonal (one runtime check per block). O and
+LSE stores skip rows past Nq.
 
 D > 512 (config `o_split` = 2): O[64 x D] does not fit two warpgroups' registers, so two
 adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O warpgroups D/4
@@ -37,49 +38,19 @@ backward kernels split their gradient this way above 512).
 
 `kv_pair` (config field, D > 512 with Dv == D; run and tested on the H200, the planner's default:
 `Options.kv_pair`): the two CTAs form a cluster and split the KV blocks instead of both
-computing S. At step i CTA r scores
-block 2i + r; the pair joins its row maxima (st.async into the peer's `peer_stat`, counted on
-its `x[b]` mbarrier) so both keep one running max, and each sends its P tile into the same
-slot of the peer's four-slot P buffer (one shared::cluster bulk copy, counted on the peer's
-`pp[b]`). Each O warpgroup then runs P[2i] V[2i] + P[2i+1] V[2i+1] on its columns; its warps
-arrive on both CTAs' `p_empty[b]` (the peer writes our slots). Row sums stay per CTA and are
-joined at the end. With an odd block count both score the last block (no exchange; rank 1
-leaves it out of its row sum). Per pair of blocks each CTA executes 2 GEMM units for 2 counted.
-
-Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
-[32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
-
-Hand-off of P (double-buffered, mbarriers): P_full[b] (128 S-thread arrivals after a proxy fence,
-so WGMMA's async proxy sees the stores) and P_empty[b] (an arrival by every O thread once its
-PV WGMMAs on buffer b completed). Every thread, not one per warp: each lane reads its rows'
-factors from sFactor[:, b] with a plain ld.shared, and only its own arrival (release) orders that
-read before the S warpgroup's next write of sFactor[:, b] (acquire by its P_empty wait); one
-arrival per warp left the other 31 lanes' reads unordered, which compute-sanitizer's racecheck
-reports as write-after-read hazards on the factor buffer. Kernels whose accumulator warpgroups
-read no factors (`rescale_o` False: the backward) keep one arrival per warp. After the last block
-the S warpgroup publishes 1 / row_sum through the same buffers (no P), so the O warpgroups
-normalise with the protocol they already follow.
-
-Tensor-core order: the S warpgroup writes P[n], issues `publish_after` chunks of QK[n+1], then
-arrives on P_full[n]; WGMMAs from different warpgroups run in issue order on the H200
-(docs/perf-log.md), so PV[n] queues behind the start of QK[n+1] and runs while softmax[n+1] does.
-
-Masking: only blocks that cross Nkv or the causal diagonal (one runtime check per block). TMA
-zero-fills rows past Nq / Nkv and columns past D, so no load carries a predicate; O and LSE
-stores skip rows past Nq.
+computing S. At step i CTA r scores block 2i + r; the pair joins its row maxima (st.async into
+the peer's `peer_stat`, counted on its `x[b]` mbarrier) so both keep one running max, and each
+sends its P tile into the same slot of the peer's four-slot P buffer (one shared::cluster bulk
+copy, counted on the peer's `pp[b]`). Each O warpgroup then runs P[2i] V[2i] + P[2i+1] V[2i+1]
+on its columns; its warps arrive on both CTAs' `p_empty[b]` (the peer writes our slots). Row
+sums stay per CTA and are joined at the end. With an odd block count both score the last block
+(no exchange; rank 1 leaves it out of its row sum). Per pair of blocks each CTA executes 2 GEMM
+units for 2 counted.
 
 `stream_q` is also a config field at D <= 512 (a tuning variant: the 64 KB of resident Q go to
 deeper V rings, for L2 re-reads of Q); the planner leaves it off there until it is measured.
 
-Hooks, for the backward kernels (bwd_sm90.py) that reuse this skeleton with the operands in other
-roles: `_heads` (which head the streamed operands come from, and the head group a tile walks),
-`_block_range` / `_block` (the sequence of column blocks and each one's head), `_k_src` / `_v_src`
-(TMA sources of a block), `_stats_head` / `_block_prefetch` (whose per-row statistics a block
-reads, loaded before its WGMMAs), `_softmax_block` (scores -> P and row factors),
-`_final_factors`, `rescale_o`, for two score products per block `second_score` /
-`seq_scores` / `_chunk` / `_first_scores`, and `_operands` / `_warpgroups` (the global
-operands of each role, and the warpgroups run on them) and `_after_p_store` (`kv_pair`'s P
-exchange). The forward's own versions are the code above.
+`FFPAFwdSm90FP8` (below) is the same kernel with e4m3 operands (docs/design.md section 10).
 
 Constraints (mirrored by `config.can_implement`): sm_90a; bf16/fp16; D a multiple of 8 in
 [264, 512] or of 16 in (512, 1024]; last stride 1, 16-byte aligned base, other strides multiples
@@ -100,11 +71,32 @@ from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import OnlineSoftmax
 from ..common.tensors import CUTLASS_DTYPES
 from .config import TILE_M, FwdConfigSm90, can_implement
-from .skeleton_sm90 import WG_THREADS, RingSkeletonSm90
+from .skeleton_sm90 import (WG_THREADS, RingSkeletonSm90, Roles, ScoreFrags, ScoreIO,
+                            ScoreStep, Tile)
 
 
 class FFPAFwdSm90(RingSkeletonSm90):
-    """F1 forward; one instance per `FwdConfigSm90` (the compile key)."""
+    """F1 forward; one instance per `FwdConfigSm90` (the compile key).
+
+    Algorithm, per CTA (64-row Q tile m_block of query head `head`; `o_part` of O's columns):
+      1. Skeleton entry (`RingSkeletonSm90.kernel`): K/V head = head // (Hq / Hkv); KV blocks
+         n_max-1 down to 0, n_max the causal / Nkv bound of the tile (the masked ones first).
+      2. S warpgroup, per block n: S = Q K[n]^T (the skeleton's C ring), then `_score_step`:
+         mask if the block crosses Nkv or the diagonal, row max -> running max, factor =
+         exp2((m_old - m_new) * scale_log2), P = exp2(S * scale_log2 - m_new * scale_log2)
+         (bf16) -> smem, the factors beside it.
+      3. O warpgroups (skeleton): O = O * factor + P V[n] on their halves of O's columns.
+      4. `_final_factors`: row sums joined over the quad, factor = 1 / row_sum (0 for a row
+         with no visible key), LSE = (m * scale_log2 + log2(row_sum)) * ln 2 (-inf for such a
+         row); O = O * factor stored in the input dtype, LSE by CTA 0 (rows < Nq).
+      `kv_pair` (O split, Dv == D): steps 2-4 over pairs of blocks, CTA r scoring block
+      2 i + r; the row maxima and P tiles cross to the peer (`_pair_softmax`, `_send_p`), the
+      row sums join at the end (`_final_factors_pair`).
+
+    Constraints (`config.can_implement`): sm_90a; bf16 / fp16; D a multiple of 8 in [264, 512]
+    or of 16 in (512, 1024] (O split over two CTAs); Dv == D, or a multiple of 16 in [64, 512]
+    (then no `kv_pair`); Hq a multiple of Hkv.
+    """
 
     rescale_o = True  # O warpgroups multiply O's rows by the published factors
 
@@ -119,28 +111,25 @@ class FFPAFwdSm90(RingSkeletonSm90):
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
                  stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid = (m_blocks * o_split, Hq, B)."""
-        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, causal_offset, stream, None)
+        self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale,
+                     causal_offset, stream, None)
 
+    # ---------------------------------------------------------------- the score step
     @cute.jit
-    def _score_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                     seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2, extra,
-                     pre, i, n_count, o_part, bars, pair, lane):
+    def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                    n_count):
         """Mask, online softmax, P in rP (`kv_pair`: with the peer's row maxima)."""
         if const_expr(self.kv_pair):
-            self._pair_softmax(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                               n_block, seqlen_k, causal_offset, i, 2 * i + 1 >= n_count,
-                               o_part, bars, pair, tidx, lane)
+            self._pair_softmax(tile, io, frags, step, 2 * step.i + 1 >= n_count)
         else:
-            self._softmax_block(acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block,
-                                n_block, seqlen_k, causal_offset, mLSE, batch, head,
-                                sFactor, tidx, acc_2, extra, pre, i)
+            self._softmax_block(tile, frags, step.n_block)
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
-                       m_block, n_block, seqlen_k, causal_offset, mLSE, batch, head, sFactor,
-                       tidx, acc_2, extra, pre, i):
-        """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP (step i
-        of the tile's blocks)."""
+    def _softmax_block(self, tile: Tile, frags: ScoreFrags, n_block):
+        """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
+        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        softmax, factor = frags.softmax, frags.factor
+        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
@@ -150,39 +139,40 @@ class FFPAFwdSm90(RingSkeletonSm90):
         rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit
-    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr, n_iter, o_part,
-                       bars, pair, tidx, tScS_mn, lane):
+    def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
         """After the last block: factor = 1 / row_sum (0 for empty rows); returns the LSE."""
         if const_expr(self.kv_pair):
-            lse = self._final_factors_pair(softmax, factor, num_rows, n_iter, o_part, bars,
-                                           pair, tidx, tScS_mn, lane)
+            lse = self._final_factors_pair(tile, io, frags, n_iter)
         else:
-            lse = self._final_factors_one(softmax, factor, num_rows)
+            lse = self._final_factors_one(frags)
         return lse
 
     @cute.jit
-    def _final_factors_one(self, softmax: OnlineSoftmax, factor, num_rows: cutlass.Constexpr):
-        """After the last block: factor = 1 / row_sum (0 for empty rows); returns the LSE."""
+    def _final_factors_one(self, frags: ScoreFrags):
+        """One CTA's row sums: factor = 1 / row_sum, and the LSE."""
+        softmax, factor = frags.softmax, frags.factor
+        num_rows = cute.size(factor)
         softmax.finalize_sum()
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.normalize([], lse, factor)
         return lse
 
     @cute.jit
-    def _after_p_store(self, pair, bars, b, i, n_count, o_part, tidx, extra):
+    def _after_p_store(self, tile: Tile, io: ScoreIO, b, i, n_count):
         """After P of step i is in its slot of buffer b and fenced: `kv_pair` sends it to the
-        peer when the step has a pair of blocks (nothing else here; a hook)."""
+        peer when the step has a pair of blocks."""
         if const_expr(self.kv_pair):
             if 2 * i + 1 < n_count:  # a pair of blocks: our P tile to the peer too
-                self._send_p(pair, bars, b, o_part, tidx)
+                self._send_p(io, b, tile.o_part)
 
     # ---------------------------------------------------------------- kv_pair (D > 512)
     @cute.jit
-    def _exchange_rows(self, vals, pair, bars, b, phase, rank, tidx, tScS_mn, lane,
+    def _exchange_rows(self, vals, tile: Tile, io: ScoreIO, tScS_mn, b, phase,
                        is_max: cutlass.Constexpr):
         """Combine per-row values with the peer's: each quad's first lane stores its rows'
         values into the peer's `pair.stat[:, b]` (st.async, counted on the peer's x[b]);
         after x[b] completes, vals = max (or sum) of both."""
+        rank, pair, bars, tidx, lane = tile.o_part, io.pair, io.bars, io.tidx, io.lane
         peer = 1 - rank
         if lane % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(vals)):
@@ -201,20 +191,22 @@ class FFPAFwdSm90(RingSkeletonSm90):
                 vals[r] = vals[r] + other
 
     @cute.jit
-    def _pair_softmax(self, acc_S, acc_S_mn, tScS_mn, softmax: OnlineSoftmax, factor, rP,
-                      m_block, n_block, seqlen_k, causal_offset, i, solo, rank, bars, pair,
-                      tidx, lane):
+    def _pair_softmax(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                      solo):
         """`kv_pair` step i: mask, the block max joined with the peer's (both CTAs then keep
         the same running max, so one O factor serves both tiles), P in rP. The row sums stay
         per CTA (joined at the end); a block both CTAs scored (`solo`) counts once (rank 0)."""
+        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        softmax, factor = frags.softmax, frags.factor
+        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
+        rank, i, n_block = tile.o_part, step.i, step.n_block
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                        TILE_M, self.tile_n, self.causal)
         blk_max = softmax.block_max(acc_S_mn)
         if not solo:
-            self._exchange_rows(blk_max, pair, bars, i % 2, (i // 2) & 1, rank, tidx, tScS_mn,
-                                lane, True)
+            self._exchange_rows(blk_max, tile, io, tScS_mn, i % 2, (i // 2) & 1, True)
         row_sum = softmax.row_sum
         prev = cute.make_rmem_tensor(cute.size(blk_max), Float32)
         for r in cutlass.range_constexpr(cute.size(blk_max)):
@@ -226,13 +218,14 @@ class FFPAFwdSm90(RingSkeletonSm90):
         rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit
-    def _send_p(self, pair, bars, b, rank, tidx):
+    def _send_p(self, io: ScoreIO, b, rank):
         """Our P tile (slot 2 b + rank, written and fenced by all S threads) into the same
         slot of the peer's smem by one bulk copy, counted on the peer's pp[b]; we expect the
         peer's tile on ours."""
         from cutlass.experimental.primitives.nvvm_wrapper import (
             cp_async_bulk_shared_cluster_shared_cta)
 
+        pair, bars, tidx = io.pair, io.bars, io.tidx
         cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
         if tidx == 0:
             nbytes = TILE_M * self.tile_n * self.cfg.elem_bytes
@@ -243,17 +236,17 @@ class FFPAFwdSm90(RingSkeletonSm90):
                 cute.arch.map_dsmem_ptr(bars.pp + b, 1 - rank), nbytes)
 
     @cute.jit
-    def _final_factors_pair(self, softmax: OnlineSoftmax, factor, num_rows: cutlass.Constexpr,
-                            n_iter, rank, bars, pair, tidx, tScS_mn, lane):
+    def _final_factors_pair(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
         """`kv_pair`: the row sums of both CTAs joined (same running max on both), then
-        factor = 1 / row_sum and the LSE as `_final_factors`."""
+        factor = 1 / row_sum and the LSE as `_final_factors_one`."""
+        softmax, factor, tScS_mn = frags.softmax, frags.factor, frags.tScS_mn
+        num_rows = cute.size(factor)
         softmax.finalize_sum()
-        self._exchange_rows(softmax.row_sum, pair, bars, n_iter % 2, (n_iter // 2) & 1, rank,
-                            tidx, tScS_mn, lane, False)
+        self._exchange_rows(softmax.row_sum, tile, io, tScS_mn, n_iter % 2, (n_iter // 2) & 1,
+                            False)
         lse = cute.make_rmem_tensor(num_rows, Float32)
         softmax.normalize([], lse, factor)
         return lse
-
 
 
 # P of the FP8 forward: each block's probabilities in its own frame, scaled by 2^8 (at most 256,
@@ -316,15 +309,16 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
         """q, k: (B, H, N, D) e4m3; vt: (B, Hkv, D, Nkv) e4m3; o: (B, Hq, Nq, D) out_dtype;
         lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32."""
-        self._launch(mQ, mK, mVt, mO, mLSE, softmax_scale, causal_offset, stream,
-                     Descales(mQd, mKd, mVd))
+        self._launch(Roles(rows=mQ, cols=mK, acc_b=mVt, out=mO), mLSE, softmax_scale,
+                     causal_offset, stream, Descales(mQd, mKd, mVd))
 
     @cute.jit
-    def _make_softmax(self, num_rows: cutlass.Constexpr, scale_log2, extra, batch, head_kv):
+    def _make_softmax(self, num_rows: cutlass.Constexpr, tile: Tile, extra: Descales):
         """Scores dequantised through the scale; P in each block's frame; 1 / row_sum carries
         V's descale."""
+        batch, head_kv = tile.batch, tile.head_c
         qk = extra.q[batch, head_kv] * extra.k[batch, head_kv]
-        return OnlineSoftmax(num_rows, scale_log2 * qk, p_bias_log2=P_BIAS_LOG2,
+        return OnlineSoftmax(num_rows, tile.scale_log2 * qk, p_bias_log2=P_BIAS_LOG2,
                              frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv])
 
 
