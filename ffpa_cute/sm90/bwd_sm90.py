@@ -127,8 +127,10 @@ class FFPABwdDVSm90(RingSkeletonSm90):
     @cute.jit
     def _col_src(self, loads: ColLoads, head, n_block, c):
         """Q chunk c of query block n_block of query `head` (C's TMA, re-tiled per head)."""
+        # (tile_n, k_chunk, n_blocks, C)
         g = cute.local_tile(loads.gC_tma[None, None, head, loads.seq.batch],
                             (self.tile_n, self.cfg.k_chunk), (None, None))
+        # (TMA, n_blocks, C)
         _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
                                       cute.group_modes(loads.sC, 0, 2), cute.group_modes(g, 0, 2))
         return tg[None, n_block, c]
@@ -137,8 +139,10 @@ class FFPABwdDVSm90(RingSkeletonSm90):
     def _b_src(self, loads: BLoads, head, row_block):
         """dO rows block row_block of query `head`, this warpgroup's columns."""
         rows = loads.gB_tma[None, None, head, loads.seq.batch]
+        # (b_rows, dv, b_blocks)
         g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
                             (self.b_rows, self.halves[loads.half]), (None, 0))
+        # (TMA, b_blocks)
         _, tg = cpasync.tma_partition(loads.tma, 0, cute.make_layout(1),
                                       cute.group_modes(loads.sB, 0, 2),
                                       cute.group_modes(g, 0, 2))
@@ -170,7 +174,7 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         if cutlass.const_expr(self._both_per_thread(mDelta)):
             # tile_n = 128 with Delta: one S thread per query, each loads both of its values
             i = n_block * self.tile_n + tidx
-            both = cute.make_rmem_tensor((2,), Float32)
+            both = cute.make_rmem_tensor((2,), Float32)   # (LSE, Delta)
             both[0] = Float32.inf
             both[1] = Float32(0.0)
             if i < seqlen_q:
@@ -256,9 +260,10 @@ class FFPABwdDVSm90(RingSkeletonSm90):
     def _ds_from_p(self, acc_S_mn, tScS_mn, rP, sFactor, scale_log2):
         """dS^T * scale in acc_S: the bf16 P^T in rP times (dP^T in acc_S - Delta of each
         column's query, staged after the LSE in sFactor)."""
+        # (2 tile_n,): the columns' LSE (log2 units), then their Delta
         sColStat = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
         scale = scale_log2 * (1.0 / LOG2_E)
-        rP_mn = mn_view(rP)
+        rP_mn = mn_view(rP)   # (rows, cols) of this thread
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             delta = sColStat[self.tile_n + tScS_mn[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
@@ -329,6 +334,7 @@ class _TwoScoreProducts:
         t_rows2, t_cols2 = [self._bhnd_to_tma(aligned_bhnd(t, cfg.second_width, self.dtype))
                             for t in (rows2, cols2)]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
+        # TMA coordinate tensors (N, Dv, H, B); boxes (TILE_M, k_chunk) and (tile_n, k_chunk)
         tma_rows2, g_rows2 = cpasync.make_tiled_tma_atom(
             g2s, t_rows2, cute.select(layouts.r, mode=[0, 1]), (TILE_M, cfg.k_chunk))
         tma_cols2, g_cols2 = cpasync.make_tiled_tma_atom(
@@ -471,7 +477,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
         m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP, rP holds P (0 where masked)
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
-            rP_mn = mn_view(rP)
+            rP_mn = mn_view(rP)   # (rows, cols) of this thread
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 delta = pre[r, 1]
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -482,7 +488,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
                                 self.causal):
                 apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                            TILE_M, self.tile_n, self.causal)
-            acc_dP_mn = mn_view(acc_2)
+            acc_dP_mn = mn_view(acc_2)   # (rows, cols) of this thread
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
@@ -561,7 +567,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
             self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
             # (2 tile_n,): the columns' LSE (log2 units), then their Delta
             sColStat = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-            acc_dP_mn = mn_view(acc_2)
+            acc_dP_mn = mn_view(acc_2)   # (rows, cols) of this thread
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = tScS_mn[0, c][1]

@@ -153,7 +153,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
         softmax, factor = frags.softmax, frags.factor
         num_rows = cute.size(factor)
         softmax.finalize_sum()
-        lse = cute.make_rmem_tensor(num_rows, Float32)
+        lse = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
         softmax.normalize([], lse, factor)
         return lse
 
@@ -208,7 +208,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
         if not solo:
             self._exchange_rows(blk_max, tile, io, tScS_mn, i % 2, (i // 2) & 1, True)
         row_sum = softmax.row_sum
-        prev = cute.make_rmem_tensor(cute.size(blk_max), Float32)
+        prev = cute.make_rmem_tensor(cute.size(blk_max), Float32)   # (rows,)
         for r in cutlass.range_constexpr(cute.size(blk_max)):
             prev[r] = row_sum[r]
         softmax.update(acc_S_mn, blk_max, [], factor)
@@ -244,7 +244,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
         softmax.finalize_sum()
         self._exchange_rows(softmax.row_sum, tile, io, tScS_mn, n_iter % 2, (n_iter // 2) & 1,
                             False)
-        lse = cute.make_rmem_tensor(num_rows, Float32)
+        lse = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
         softmax.normalize([], lse, factor)
         return lse
 

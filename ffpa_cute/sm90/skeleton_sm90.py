@@ -475,17 +475,18 @@ class RingSkeletonSm90(KernelEntry):
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         r_box = (TILE_M, cfg.k_chunk if self.stream_r else cfg.hdim_q_padded)
-        tma_r, gR_tma = cpasync.make_tiled_tma_atom(
+        # TMA coordinate tensors, (N, D, H, B) each (8-bit B: (Dv, N, H, B))
+        tma_r, gR_tma = cpasync.make_tiled_tma_atom(   # box (TILE_M, Dr padded | k_chunk)
             g2s, tR, cute.select(layouts.r, mode=[0, 1]), r_box)
-        tma_c, gC_tma = cpasync.make_tiled_tma_atom(
+        tma_c, gC_tma = cpasync.make_tiled_tma_atom(   # box (tile_n, k_chunk)
             g2s, tC, cute.select(layouts.c, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
         # B boxes are one accumulator warpgroup wide; the kernel offsets them to its columns
         # (8 bits: to its rows of the transposed B)
         blo_box, bhi_box = (((dlo, self.b_rows), (dhi, self.b_rows)) if const_expr(self.fp8)
                             else ((self.b_rows, dlo), (self.b_rows, dhi)))
-        tma_blo, gBlo_tma = cpasync.make_tiled_tma_atom(
+        tma_blo, gBlo_tma = cpasync.make_tiled_tma_atom(   # box (b_rows, lo) | (lo, b_rows)
             g2s, tB, cute.select(layouts.blo, mode=[0, 1]), blo_box)
-        tma_bhi, gBhi_tma = cpasync.make_tiled_tma_atom(
+        tma_bhi, gBhi_tma = cpasync.make_tiled_tma_atom(   # box (b_rows, hi) | (hi, b_rows)
             g2s, tB, cute.select(layouts.bhi, mode=[0, 1]), bhi_box)
         return Operands(mOut, mLSE, gR_tma, gC_tma, gBlo_tma, gBhi_tma, tma_r, tma_c, tma_blo,
                         tma_bhi)
@@ -540,11 +541,16 @@ class RingSkeletonSm90(KernelEntry):
         else:
             cute.arch.sync_threads()
 
+        # (TILE_M, Dr padded), or (TILE_M, k_chunk, k_stages) when R streams
         sR = storage.sR.get_tensor(layouts.r.outer, swizzle=layouts.r.inner)
+        # (tile_n, k_chunk, k_stages)
         sC = storage.sC.get_tensor(layouts.c.outer, swizzle=layouts.c.inner)
+        # (b_rows, lo | hi, v_stages); 8 bits: (lo | hi, b_rows, v_stages)
         sBlo = storage.sBlo.get_tensor(layouts.blo.outer, swizzle=layouts.blo.inner)
         sBhi = storage.sBhi.get_tensor(layouts.bhi.outer, swizzle=layouts.bhi.inner)
+        # (TILE_M, tile_n, p_slots)
         sP = storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner)
+        # (TILE_M, 2): the rows' factors of each P buffer
         sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
 
         seqlen_r = ops.mOut.shape[2]
@@ -555,6 +561,7 @@ class RingSkeletonSm90(KernelEntry):
 
         pair = None
         if const_expr(self.kv_pair):
+            # the peer's row statistics (TILE_M, 2), and the P slots' base
             pair = PairSmem(storage.peer_stat.get_tensor(cute.make_layout((TILE_M, 2))),
                             storage.sP.data_ptr())
         elif const_expr(cfg.cluster_pair):
@@ -671,36 +678,40 @@ class RingSkeletonSm90(KernelEntry):
         seqlen_r = tile.seqlen_r
         mLSE = ops.mLSE
         lane = cute.arch.lane_idx()
-        # ---- TMA views: R tile (TMA), or R chunks (TMA, C) / (TMA, k_stages) when R streams
-        #      with C; C chunks (TMA, n_blocks, C) / (TMA, k_stages)
+        # ---- TMA views of R (the tile's rows) and C (every block's chunks)
         one = cute.make_layout(1)
-        if const_expr(self.stream_r):
+        if const_expr(self.stream_r):  # (TILE_M, k_chunk, C)
             gR = cute.local_tile(ops.gR_tma[None, None, head, batch], (TILE_M, cfg.k_chunk),
                                  (m_block, None))
-        else:
+        else:  # (TILE_M, Dr padded)
             gR = cute.local_tile(ops.gR_tma[None, None, head, batch],
                                  (TILE_M, cfg.hdim_q_padded), (m_block, 0))
+        # (TMA) / (TMA); when R streams (TMA, k_stages) / (TMA, C)
         tRs, tRg = cpasync.tma_partition(ops.tma_r, 0, one, cute.group_modes(sR, 0, 2),
                                          cute.group_modes(gR, 0, 2))
+        # (tile_n, k_chunk, n_blocks, C)
         gC = cute.local_tile(ops.gC_tma[None, None, head_c, batch], (self.tile_n, cfg.k_chunk),
                              (None, None))
+        # (TMA, k_stages) / (TMA, n_blocks, C)
         tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, one, cute.group_modes(sC, 0, 2),
                                          cute.group_modes(gC, 0, 2))
-        # ---- MMA fragments
+        # ---- MMA fragments (MMA_K: k_chunk / mma_k WGMMA k steps per chunk)
         thr_mma = mma_s.get_slice(tidx)
-        # (MMA, 1, Dr/16), or (MMA, 1, 4, k_stages) when R streams
+        # (MMA, MMA_M, Dr padded / mma_k), or (MMA, MMA_M, MMA_K, k_stages) when R streams
         tSrR = mma_s.make_fragment_A(thr_mma.partition_A(sR))
-        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(sC))   # (MMA, 1, 4, k_stages)
+        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(sC))   # (MMA, MMA_N, MMA_K, k_stages)
+        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, tile_n / 8), 1, 1)
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
         # a second score accumulator for skeletons with two score products (bwd dQ / dK)
         acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
                  if const_expr(self.second_score and not self.seq_scores) else None)
-        acc_S_mn = mn_view(acc_S)
+        acc_S_mn = mn_view(acc_S)   # (rows, cols) of this thread: (2, tile_n / 4)
+        # (rows, cols) -> (row, col) of the TILE_M x tile_n tile
         tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         num_rows = cute.size(acc_S_mn, mode=[0])
         softmax = self._make_softmax(num_rows, tile, extra)
-        factor = cute.make_rmem_tensor(num_rows, Float32)
-        rP = cute.make_fragment_like(acc_S, self.dtype)
+        factor = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
+        rP = cute.make_fragment_like(acc_S, self.dtype)   # (MMA, MMA_M, MMA_N), operand dtype
         # P -> sP in the accumulator's thread layout: stmatrix at 16 bits; at 8 bits each
         # thread's column pairs (2 bytes) by plain stores (stmatrix moves 16-bit elements)
         if const_expr(self.fp8):
@@ -709,9 +720,10 @@ class RingSkeletonSm90(KernelEntry):
         else:
             st_atom = cute.make_copy_atom(
                 warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        # the copy atom tiled over the score MMA's C layout (TILE_M x tile_n)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
         tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
-        tPrP = thr_st.retile(rP)
+        tPrP = thr_st.retile(rP)        # (CPY, CPY_M, CPY_N)
         frags = ScoreFrags(acc_S, acc_S_mn, tScS_mn, rP, acc_2, softmax, factor)
         io = ScoreIO(sFactor, mLSE, extra, bars, pair, tidx, lane)
         n_count = seq.n_count
@@ -880,31 +892,36 @@ class RingSkeletonSm90(KernelEntry):
         if const_expr(half == 1 and cfg.publish_hi is not None):
             bar_full = bars.p_full + 2
         col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.halves[0])
-        # ---- TMA views: B rows of this warpgroup's columns (TMA, b_blocks) / (TMA, v_stages)
+        # ---- TMA views: B rows of this warpgroup's columns
         #      (8 bits: the transposed B's rows col0..col0+dv, its columns in blocks of b_rows)
-        if const_expr(self.fp8):
+        if const_expr(self.fp8):  # (dv, b_rows, b_blocks)
             gB = cute.local_tile(
                 cute.domain_offset((col0, 0), gB_tma[None, None, head_c, batch]),
                 (dv, self.b_rows), (0, None))
-        else:
+        else:  # (b_rows, dv, b_blocks)
             gB = cute.local_tile(
                 cute.domain_offset((0, col0), gB_tma[None, None, head_c, batch]),
                 (self.b_rows, dv), (None, 0))
+        # (TMA, v_stages) / (TMA, b_blocks)
         tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                          cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         # ---- MMA fragments: B stage (b_rows, dv) seen as (dv, b_rows), the MN-major B of P B
         #      (8 bits: the transposed stage (dv, b_rows) is the K-major B as it is)
         thr_mma = mma_o.get_slice(tidx)
         if const_expr(self.fp8):
-            sBt = sB
-        else:
+            sBt = sB   # (dv, b_rows, v_stages)
+        else:   # (dv, b_rows, v_stages): the (b_rows, dv) stage read N-major (dv contiguous)
             sBt = cute.composition(sB, cute.make_ordered_layout((dv, self.b_rows, vs),
                                                                 order=(1, 0, 2)))
-        tOrP = mma_o.make_fragment_A(thr_mma.partition_A(sP))    # (MMA, 1, tile_n/16, 2)
-        tOrB = mma_o.make_fragment_B(thr_mma.partition_B(sBt))   # (MMA, 1, b_rows/16, stages)
+        # (MMA, MMA_M, tile_n / mma_k, p_slots)
+        tOrP = mma_o.make_fragment_A(thr_mma.partition_A(sP))
+        # (MMA, MMA_N, b_rows / mma_k, v_stages)
+        tOrB = mma_o.make_fragment_B(thr_mma.partition_B(sBt))
+        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, dv / 8), 1, 1)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
         acc_O.fill(0.0)
-        acc_O_mn = mn_view(acc_O)
+        acc_O_mn = mn_view(acc_O)   # (rows, cols) of this thread: (2, dv / 4)
+        # (rows, cols) -> (row, col) of the TILE_M x dv tile
         tOcO_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, dv))))
         num_rows = cute.size(acc_O_mn, mode=[0])
         n_count = seq.n_count
@@ -947,12 +964,13 @@ class RingSkeletonSm90(KernelEntry):
         cute.arch.mbarrier_wait(bar_full + b, (n_iter // 2) & 1)
         if const_expr(self.rescale_o):
             self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
-        rO = cute.make_fragment_like(acc_O, self.out_dtype)
+        rO = cute.make_fragment_like(acc_O, self.out_dtype)   # (MMA, MMA_M, MMA_N)
         rO.store(acc_O.load().to(self.out_dtype))
+        # (TILE_M, dv): this warpgroup's columns of the tile's rows of O
         gO = cute.local_tile(cute.domain_offset((0, col0), ops.mOut[batch, head, None, None]),
                              (TILE_M, dv), (m_block, 0))
-        tOgO_mn = mn_view(thr_mma.partition_C(gO))
-        rO_mn = mn_view(rO)
+        tOgO_mn = mn_view(thr_mma.partition_C(gO))   # (rows, cols) of this thread
+        rO_mn = mn_view(rO)                          # (rows, cols) of this thread
         rows_left = tile.seqlen_r - m_block * TILE_M
         for r in cutlass.range_constexpr(num_rows):
             if tOcO_mn[r, 0][0] < rows_left:
