@@ -31,7 +31,7 @@ LSE stores skip rows past Nq.
 D > 512 (config `o_split` = 2): O[64 x D] does not fit two warpgroups' registers, so two
 adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O warpgroups D/4
 each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor work is counted at
-D=1024), and Q no longer stays resident (64 x 1024 would be 128 KB): it streams through the K
+D=1024), and Q does not stay resident (64 x 1024 would be 128 KB): it streams through the K
 ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. CTA 0 writes LSE.
 Run and tested on the H200; the forward's route for D > 512 only with `Options.kv_pair` off (the
 backward kernels split their gradient this way above 512).
@@ -283,19 +283,23 @@ def fake_fp8_args(cfg) -> tuple:
 
 
 class FFPAFwdSm90FP8(FFPAFwdSm90):
-    """The forward for e4m3 Q, K, V (`FwdFP8ConfigSm90`): the same warp-specialised skeleton
-    with 8-bit operands throughout.
+    """The forward for e4m3 Q, K, V (`FwdFP8ConfigSm90`): `FFPAFwdSm90` with 8-bit operands
+    throughout (the skeleton's `fp8` paths) and its descales folded into the score state.
 
-    Steps, as the 16-bit forward's, with these differences:
-      * S = Q K^T by m64n128k32 e4m3 WGMMAs over 128-column (128-byte) chunks of D;
-        softmax_scale * q_descale * k_descale scales the scores (descales per (batch, KV head));
-      * P = exp2(s * scale_log2 - frame + 8) in each block's own frame (<= 256: no e4m3
-        saturation), rounded to e4m3 and stored to smem by 2-byte stores (stmatrix is 16-bit
-        only);
-      * O += P Vt^T by m64nNk32 e4m3 WGMMAs: both operands K-major, so V arrives transposed,
-        Vt [B, Hkv, D, N] (the host writes it; its rows 16-byte aligned), streamed in
-        [D/2 x 64] stages;
-      * O = O / row_sum * v_descale, written in out_dtype; LSE in fp32 (natural log).
+    Algorithm, per CTA (as the 16-bit forward's, with these differences):
+      1. Skeleton entry with Q (resident rows), K (streamed columns), Vt (B operand, transposed
+         by the host: [B, Hkv, D, N], rows 16-byte aligned), O (output, in out_dtype).
+      2. S warpgroup, per KV block: S = Q K^T by m64n128k32 e4m3 WGMMAs over 128-column
+         (128-byte) chunks of D; the score state (`_make_softmax`) scales by softmax_scale *
+         q_descale * k_descale (per (batch, KV head)); P = exp2(s * scale_log2 - frame + 8) in
+         each block's own frame (<= 256: no e4m3 saturation; common/softmax.py, Note [FP8 P:
+         the block's own frame]), rounded to e4m3 and stored by 2-byte stores (stmatrix is
+         16-bit only).
+      3. O warpgroups: O += P Vt^T by m64nNk32 e4m3 WGMMAs, both operands K-major, Vt streamed
+         in [D/2 x 64] stages.
+      4. O = O / row_sum * v_descale (the final factors carry V's descale), written in
+         out_dtype; LSE in fp32 (natural log).
+
     Constraints (`config.can_implement`): sm_90a; e4m3 in, bf16 / fp16 out; D a multiple of 16
     in [272, 1024] (264 is not a multiple of 16); Dv == D.
     """

@@ -149,7 +149,7 @@ class Tile(NamedTuple):
     batch: Int32
     seqlen_r: Int32       # rows of R and O
     seqlen_c: Int32       # rows of C
-    causal_offset: Int32  # row i sees column j iff j <= i + offset (forward orientation)
+    causal_offset: Int32  # query i sees key j iff j <= i + offset
     scale_log2: Float32   # softmax_scale * log2(e)
 
 
@@ -343,8 +343,10 @@ class RingSkeletonSm90(KernelEntry):
           [nothing]; F (`kv_pair`: P to the peer).
       `_final_factors(tile, io, frags, n_iter)` -> LSE fragment or None, leaving the last
           factors in frags.factor [none]; F (1 / row_sum, LSE), V, Q, K (None).
-      `_col_src(loads, head, n_block, c)` / `_b_src(loads, head, row_block)`: the TMA source of
-          a C chunk / B stage [the tile's head]; V, K (re-tiled per head), Q, K (chunk mod C).
+      `_col_src(loads, head, n_block, c)`: the TMA source of a C chunk [the tile's head]; V
+          (re-tiled per head), Q and K (the first product's chunk c mod C).
+      `_b_src(loads, head, row_block)`: the TMA source of a B stage [the tile's head]; V and K
+          (re-tiled per head).
       `_copy_stream_chunk(loads, s, src, head, n_block, c)`: the copies of one C-ring stage
           with R streamed [C chunk + R chunk c]; Q, K (the second product's operands).
       `rescale_o` (class attribute) [False]: F True.
