@@ -84,7 +84,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
       2. S warpgroup, per block n: S = Q K[n]^T (the skeleton's C ring), then `_score_step`:
          mask if the block crosses Nkv or the diagonal, row max -> running max, factor =
          exp2((m_old - m_new) * scale_log2), P = exp2(S * scale_log2 - m_new * scale_log2)
-         (bf16) -> smem, the factors beside it.
+         (bf16 / fp16) -> smem, the factors beside it.
       3. O warpgroups (skeleton): O = O * factor + P V[n] on their halves of O's columns.
       4. `_final_factors`: row sums joined over the quad, factor = 1 / row_sum (0 for a row
          with no visible key), LSE = (m * scale_log2 + log2(row_sum)) * ln 2 (-inf for such a
