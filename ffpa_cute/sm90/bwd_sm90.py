@@ -1,34 +1,35 @@
-"""Hopper backward on the forward's skeleton: dV, then dQ and dK below (docs/design.md).
+"""Hopper backward on the warp-specialised ring: dV, then dQ and dK below (docs/design.md).
 
-    dV[j, :] = sum_i P[i, j] dO[i, :],   P = exp(scale * Q K^T - LSE)   (LSE from the forward)
+    P = exp(scale * Q K^T - LSE)   (LSE from the forward: no running max)
+    dV = P^T dO;   dP = dO V^T;   dS = P (dP - Delta), Delta = rowsum(dO * O)
+    dQ = scale * dS K;   dK = scale * dS^T Q
 
-`FFPABwdDVSm90` is `FFPAFwdSm90` (fwd_sm90.py: S warpgroup + two accumulator warpgroups,
-self-fed TMA rings, P handed over through smem) with the operands in other roles:
+Each kernel is a sibling of the forward on `RingSkeletonSm90` (skeleton_sm90.py: S warpgroup +
+two accumulator warpgroups, self-fed TMA rings, P handed over through smem) with its tensors in
+the skeleton's roles:
 
-    forward role             dV kernel
-    resident rows (Q)        a 64-row tile of K
-    S-ring chunks (K)        Q, 128 query rows per block
-    accumulator B (V)        dO
-    accumulator (O)          dV (fp32 in registers, split along D between two warpgroups)
+    role                         dV              dQ                        dK
+    resident rows (R)            64-row K tile   64-row Q tile (streamed)  64-row K tile (streamed)
+    streamed columns (C)         Q, 128 queries  K chunks, then V chunks   Q chunks, then dO chunks
+    second product's rows        -               dO (beside V)             V (beside dO)
+    score step                   P^T             S, dP -> dS               S^T, dP^T -> dS^T
+    accumulator B operand (B)    dO              K                         Q
+    output (O, fp32 registers)   dV              dQ                        dK
 
-and the skeleton's hooks replaced:
-  * `_heads`, `_block_range`, `_block`: a KV tile walks the query blocks of all G = Hq / Hkv
-    query heads of its KV head (heads outer; per head, the blocks that see some key of the
-    tile: under causal those with i >= j - offset, highest first), so dV is summed over the
-    group in registers: GQA / MQA without atomics, deterministic;
-  * `_k_src`, `_v_src`: Q chunks and dO rows of the block's query head (TMA re-tiled per head);
-  * `_softmax_block`: P^T = exp2(S^T * scale * log2(e) - LSE[i] * log2(e)) with the transposed
-    mask (i < Nq, and j <= i + offset under causal); no running max: the forward's LSE already
-    normalises, so there are no row factors and the accumulator warpgroups skip the rescale
-    (`rescale_o = False`; `_write_factors` does nothing, and the factor buffer stages each
-    block's 128 LSE values instead);
-  * `_final_factors`: none (dV needs no normalisation) and no LSE output.
+The accumulators read no factors (`rescale_o` False: one P_empty arrival per warp), the S
+warpgroup publishes none (`_write_factors` does nothing; the factor buffer stages each block's
+column statistics instead) and there is no LSE output (`_final_factors` is None).
+
+Block walk: dQ walks the forward's (the skeleton's default: the KV blocks of its own KV head,
+causal bound of the row tile). dV and dK own a KV tile and walk the query blocks of all G =
+Hq / Hkv query heads of its KV head (heads outer; per head, the blocks that see some key of the
+tile: under causal those with i >= j - offset, highest first), so the gradient is summed over
+the group in registers: GQA / MQA without atomics, deterministic.
 
 Queries whose LSE is -inf (they see no key) contribute nothing: their LSE is read as +inf, so
-P = exp2(finite - inf) = 0.
-
-Every kernel loads the per-row / per-column statistics (LSE, Delta) a block's score step reads
-before the block's WGMMAs (`_block_prefetch`), so their latency hides behind them.
+P = exp2(finite - inf) = 0. Every kernel loads the per-row / per-column statistics (LSE, Delta) a
+block's score step reads before the block's WGMMAs (`_block_prefetch`), so their latency hides
+behind them.
 
 Status (all three kernels, D up to 1024 with the gradient split over two CTAs above 512, dK's
 sequential score products at D <= 512, Dv != D): run and tested on the H200 against float64
@@ -49,14 +50,31 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, fake_grad_args
+from ..common.tensors import LOG2_E, aligned_bhnd, fake_grad_args
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
                      can_implement_dq, can_implement_dv)
-from .fwd_sm90 import WG_THREADS, FFPAFwdSm90
+from .skeleton_sm90 import (WG_THREADS, BLoads, ColLoads, RingSkeletonSm90, Roles, ScoreFrags,
+                            ScoreIO, ScoreStep, Tile)
 
 
-class FFPABwdDVSm90(FFPAFwdSm90):
-    """dV = P^T dO on the forward's warp-specialised skeleton."""
+class FFPABwdDVSm90(RingSkeletonSm90):
+    """dV = P^T dO on the warp-specialised ring.
+
+    Algorithm, per CTA (64-row tile m_block of K of KV head `head`; `o_part` of dV's columns):
+      1. Skeleton entry with the roles K (resident rows), Q (streamed columns), dO (B operand),
+         dV (output); `_heads` / `_block_range` / `_block`: the query blocks of the G query
+         heads of this KV head (heads outer), under causal only those with a query that sees
+         a key of the tile.
+      2. S warpgroup, per query block n of head g: `_block_prefetch` loads the block's LSE (one
+         query per S thread); S^T = K Q[n]^T over D (the C ring); `_score_step`: the LSE
+         staged in the factor buffer (log2 units), the transposed mask (query past Nq, or key j
+         > i + offset under causal), P^T = exp2(S^T * scale_log2 - LSE_i * log2(e)) (bf16) ->
+         the P slot.
+      3. Accumulator warpgroups (skeleton, no rescale): dV += P^T dO[n] on their halves.
+      4. dV stored (keys < Nkv); no LSE, no normalisation.
+
+    Constraints (`config.can_implement_dv`): those of the forward, tile_n 128, no `kv_pair`.
+    """
 
     rescale_o = False
     # `__call__`'s tensors in the skeleton's roles: K the resident rows, Q the streamed
@@ -69,19 +87,28 @@ class FFPABwdDVSm90(FFPAFwdSm90):
             raise ValueError(f"{type(self).__name__}: {reason}")
         super().__init__(cfg)
 
-    # ---------------------------------------------------------------- hooks
     @cute.jit
-    def _heads(self, head, heads_rows, heads_cols):
+    def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 stream: cuda.CUstream):
+        """k: (B, Hkv, Nkv, D); q: (B, Hq, Nq, D); do: (B, Hq, Nq, Dv); dv: (B, Hkv, Nkv, Dv);
+        lse: (B, Hq, Nq) fp32. Grid = (Nkv tiles * o_split, Hkv, B)."""
+        self._launch(Roles(rows=mK, cols=mQ, acc_b=mdO, out=mdV), mLSE, softmax_scale,
+                     causal_offset, stream, None)
+
+    # ---------------------------------------------------------------- hooks: the block walk
+    @cute.jit
+    def _heads(self, head, heads_r, heads_c):
         """This KV head's query heads are head*G .. head*G+G-1 (G = Hq / Hkv): the blocks walk
         all of them, so dV sums over the group in registers (no atomics)."""
-        group = heads_cols // heads_rows
+        group = heads_c // heads_r
         return head * group, group
 
     @cute.jit
-    def _block_range(self, m_block, seqlen_q, causal_offset, group):
+    def _block_range(self, m_block, seqlen_c, causal_offset, group):
         """Per query head, the blocks n_top-1 .. n_top-n_per: all of them, or under causal those
         holding a query i >= (first key of the tile) - offset; n_count = group * n_per."""
-        n_top = (seqlen_q + self.tile_n - 1) // self.tile_n
+        n_top = (seqlen_c + self.tile_n - 1) // self.tile_n
         n_low = 0
         if cutlass.const_expr(self.causal):
             n_low = cutlass.max(m_block * TILE_M - causal_offset, 0) // self.tile_n
@@ -98,42 +125,46 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         return blk_head
 
     @cute.jit
-    def _k_src(self, loads, seq, head, n_block, c):
-        """Q chunk c of query block n_block of query `head` (the K role's TMA, re-tiled per head)."""
-        g = cute.local_tile(loads.gK_tma[None, None, head, seq.batch],
+    def _col_src(self, loads: ColLoads, head, n_block, c):
+        """Q chunk c of query block n_block of query `head` (C's TMA, re-tiled per head)."""
+        # (tile_n, k_chunk, n_blocks, C)
+        g = cute.local_tile(loads.gC_tma[None, None, head, loads.seq.batch],
                             (self.tile_n, self.cfg.k_chunk), (None, None))
-        _, tg = cpasync.tma_partition(loads.tma_k, 0, cute.make_layout(1),
-                                      cute.group_modes(loads.sK, 0, 2), cute.group_modes(g, 0, 2))
+        # (TMA, n_blocks, C)
+        _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sC, 0, 2), cute.group_modes(g, 0, 2))
         return tg[None, n_block, c]
 
     @cute.jit
-    def _v_src(self, v_loads, seq, head, row_block, half: cutlass.Constexpr):
+    def _b_src(self, loads: BLoads, head, row_block):
         """dO rows block row_block of query `head`, this warpgroup's columns."""
-        rows = v_loads.gV_tma[None, None, head, seq.batch]
-        g = cute.local_tile(cute.domain_offset((0, v_loads.col0), rows),
-                            (self.v_rows, self.dv[half]), (None, 0))
-        _, tg = cpasync.tma_partition(v_loads.tma_v, 0, cute.make_layout(1),
-                                      cute.group_modes(v_loads.sV, 0, 2),
+        rows = loads.gB_tma[None, None, head, loads.seq.batch]
+        # (b_rows, dv, b_blocks)
+        g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
+                            (self.b_rows, self.halves[loads.half]), (None, 0))
+        # (TMA, b_blocks)
+        _, tg = cpasync.tma_partition(loads.tma, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sB, 0, 2),
                                       cute.group_modes(g, 0, 2))
         return tg[None, row_block]
 
+    # ---------------------------------------------------------------- hooks: the score step
     @cute.jit
-    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):
+    def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
         """No normalisation and no LSE output: dV is the sum itself."""
         return None
 
     @cute.jit
-    def _write_factors(self, sFactor, factor, tScS_mn, b, lane):
+    def _write_factors(self, io: ScoreIO, frags: ScoreFrags, b):
         """No row factors here (rescale_o is False): the buffer holds the block's LSE instead."""
         pass
 
     @cute.jit
-    def _block_prefetch(self, m_block, n_block, seqlen_q, mLSE, batch, head, tidx, tScS_mn,
-                        extra):
+    def _block_prefetch(self, tile: Tile, io: ScoreIO, n_block, head, tScS_mn):
         """The block's per-query values (`_load_columns`) loaded before its WGMMAs, for
         `_stage_columns`."""
-        return self._load_columns(n_block, seqlen_q, mLSE, batch, head, tidx,
-                                  self._column_delta(extra))
+        return self._load_columns(n_block, tile.seqlen_c, io.mLSE, tile.batch, head, io.tidx,
+                                  self._column_delta(io.extra))
 
     @cute.jit
     def _load_columns(self, n_block, seqlen_q, mLSE, batch, head, tidx, mDelta):
@@ -143,7 +174,7 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         if cutlass.const_expr(self._both_per_thread(mDelta)):
             # tile_n = 128 with Delta: one S thread per query, each loads both of its values
             i = n_block * self.tile_n + tidx
-            both = cute.make_rmem_tensor((2,), Float32)
+            both = cute.make_rmem_tensor((2,), Float32)   # (LSE, Delta)
             both[0] = Float32.inf
             both[1] = Float32(0.0)
             if i < seqlen_q:
@@ -180,24 +211,24 @@ class FFPABwdDVSm90(FFPAFwdSm90):
         S-warpgroup barriers fence the buffer's reuse."""
         n_vals = self.tile_n * (1 if cutlass.const_expr(mDelta is None) else 2)
         assert n_vals <= self.cfg.factor_floats, "the row-factor buffer is too small"
-        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))
+        sColStat = cute.make_tensor(sFactor.iterator, cute.make_layout(n_vals))  # (n_vals,)
         s_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         s_sync.arrive_and_wait()  # every S thread is done with the previous block's values
         if cutlass.const_expr(self._both_per_thread(mDelta)):
             lse = pre[0]
             if lse == -Float32.inf:  # a query that sees no key: P = 0
                 lse = Float32.inf
-            sCol[tidx] = lse * LOG2_E
-            sCol[self.tile_n + tidx] = pre[1]
+            sColStat[tidx] = lse * LOG2_E
+            sColStat[self.tile_n + tidx] = pre[1]
         else:
             slot = tidx % self.tile_n
             if tidx < self.tile_n:
                 v = pre
                 if v == -Float32.inf:
                     v = Float32.inf
-                sCol[slot] = v * LOG2_E
+                sColStat[slot] = v * LOG2_E
             elif cutlass.const_expr(mDelta is not None):
-                sCol[self.tile_n + slot] = pre
+                sColStat[self.tile_n + slot] = pre
         s_sync.arrive_and_wait()
 
     @cute.jit
@@ -220,33 +251,35 @@ class FFPABwdDVSm90(FFPAFwdSm90):
                         acc_S_mn[r, c] = -Float32.inf
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre, i):
+    def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                    n_count):
         """P^T for this block in rP: rows are keys j, columns queries i."""
-        self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
-                           causal_offset, sFactor, tidx, None, pre)
+        self._p_transposed(tile, io, frags, step, None)
 
     @cute.jit
     def _ds_from_p(self, acc_S_mn, tScS_mn, rP, sFactor, scale_log2):
         """dS^T * scale in acc_S: the bf16 P^T in rP times (dP^T in acc_S - Delta of each
         column's query, staged after the LSE in sFactor)."""
-        sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+        # (2 tile_n,): the columns' LSE (log2 units), then their Delta
+        sColStat = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
         scale = scale_log2 * (1.0 / LOG2_E)
-        rP_mn = mn_view(rP)
+        rP_mn = mn_view(rP)   # (rows, cols) of this thread
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            delta = sCol[self.tile_n + tScS_mn[0, c][1]]
+            delta = sColStat[self.tile_n + tScS_mn[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, c] = rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta) * scale
 
     @cute.jit
-    def _p_transposed(self, acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
-                      causal_offset, sFactor, tidx, mDelta, pre):
+    def _p_transposed(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                      mDelta):
         """Stage the block's column statistics, mask, and P^T = exp2(S^T * scale * log2(e) -
         LSE * log2(e)) into rP (dV's whole score step; dK's first product)."""
-        self._stage_columns(sFactor, tidx, mDelta, pre)
-        self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
-        sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))
+        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        softmax, sFactor = frags.softmax, io.sFactor
+        self._stage_columns(sFactor, io.tidx, mDelta, step.pre)
+        self._mask_transposed(acc_S_mn, tScS_mn, tile.m_block, step.n_block, tile.seqlen_c,
+                              tile.causal_offset)
+        sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))  # (tile_n,)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             lse2 = sLSE[tScS_mn[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
@@ -257,8 +290,8 @@ class FFPABwdDVSm90(FFPAFwdSm90):
 
 class TwoProductExtra(NamedTuple):
     """What the two-product kernels add to the skeleton: the second product's row chunks
-    (beside the first's in the Q role's ring) and column chunks (beside the K role's), and
-    Delta = rowsum(dO * O) [B, Hq, Nq]."""
+    (beside the first's in R's ring) and column chunks (beside C's), and Delta =
+    rowsum(dO * O) [B, Hq, Nq]."""
 
     tma_rows2: cute.CopyAtom
     g_rows2: cute.Tensor
@@ -293,61 +326,74 @@ class _TwoScoreProducts:
         return second, cc == 0, last if cc == n - 1 else per, cc * per
 
     @cute.jit
-    def _launch_two(self, rows, cols, acc_b, out, rows2, cols2, mLSE, mDelta,
-                    softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
-        """The skeleton's roles: rows (resident role, streamed), cols (K role), acc_b (V role),
-        out (O role); rows2 / cols2 the second product's operands, same boxes."""
-        from ..common.tensors import aligned_bhnd
-
+    def _launch_two(self, roles: Roles, rows2, cols2, mLSE, mDelta, softmax_scale: Float32,
+                    causal_offset: Int32, stream: cuda.CUstream):
+        """The skeleton's roles; rows2 / cols2 the second product's operands, same boxes."""
         cfg = self.cfg
-        sQ_layout, sK_layout, _, _, _ = self._smem_layouts()
+        layouts = self._smem_layouts()
         t_rows2, t_cols2 = [self._bhnd_to_tma(aligned_bhnd(t, cfg.second_width, self.dtype))
                             for t in (rows2, cols2)]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
+        # TMA coordinate tensors (N, Dv, H, B); boxes (TILE_M, k_chunk) and (tile_n, k_chunk)
         tma_rows2, g_rows2 = cpasync.make_tiled_tma_atom(
-            g2s, t_rows2, cute.select(sQ_layout, mode=[0, 1]), (TILE_M, cfg.k_chunk))
+            g2s, t_rows2, cute.select(layouts.r, mode=[0, 1]), (TILE_M, cfg.k_chunk))
         tma_cols2, g_cols2 = cpasync.make_tiled_tma_atom(
-            g2s, t_cols2, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
-        self._launch(rows, cols, acc_b, out, mLSE, softmax_scale, causal_offset, stream,
+            g2s, t_cols2, cute.select(layouts.c, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        self._launch(roles, mLSE, softmax_scale, causal_offset, stream,
                      TwoProductExtra(tma_rows2, g_rows2, tma_cols2, g_cols2, mDelta))
 
     @cute.jit
-    def _k_src(self, loads, seq, head, n_block, c):
+    def _col_src(self, loads: ColLoads, head, n_block, c):
         """The first product's column chunk c (mod C): the base kernel's source."""
-        return super(_TwoScoreProducts, self)._k_src(loads, seq, head, n_block,
-                                                     c % self.c_half)
+        return super(_TwoScoreProducts, self)._col_src(loads, head, n_block, c % self.c_half)
 
     @cute.jit
-    def _copy_stream_chunk(self, loads, bars, s, k_src, seq, head, n_block, c):
-        """Chunk c < C: the first product's column chunk (k_src) and row chunk c; c >= C: the
+    def _copy_stream_chunk(self, loads: ColLoads, s, src, head, n_block, c):
+        """Chunk c < C: the first product's column chunk (src) and row chunk c; c >= C: the
         second's, columns of the block's `head`, rows of the tile's head."""
         if c < self.c_half:
-            cute.copy(loads.tma_k, k_src, loads.tKs[None, s], tma_bar_ptr=bars.k + s)
-            cute.copy(loads.tma_q, loads.tQg[None, c], loads.tQs[None, s],
-                      tma_bar_ptr=bars.k + s)
+            cute.copy(loads.tma_c, src, loads.tCs[None, s], tma_bar_ptr=loads.bar + s)
+            cute.copy(loads.tma_r, loads.tRg[None, c], loads.tRs[None, s],
+                      tma_bar_ptr=loads.bar + s)
         else:
             ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
-            g_cols = cute.local_tile(ex.g_cols2[None, None, head, seq.batch],
+            # (tile_n, k_chunk, n_blocks, C2): the second product's column chunks
+            g_cols = cute.local_tile(ex.g_cols2[None, None, head, loads.seq.batch],
                                      (self.tile_n, self.cfg.k_chunk), (None, None))
+            # (TMA, k_stages) / (TMA, n_blocks, C2)
             ts, tg = cpasync.tma_partition(ex.tma_cols2, 0, one,
-                                           cute.group_modes(loads.sK, 0, 2),
+                                           cute.group_modes(loads.sC, 0, 2),
                                            cute.group_modes(g_cols, 0, 2))
-            cute.copy(ex.tma_cols2, tg[None, n_block, cc], ts[None, s], tma_bar_ptr=bars.k + s)
-            g_rows = cute.local_tile(ex.g_rows2[None, None, loads.head, seq.batch],
+            cute.copy(ex.tma_cols2, tg[None, n_block, cc], ts[None, s], tma_bar_ptr=loads.bar + s)
+            # (TILE_M, k_chunk, C2): the second product's row chunks of the tile
+            g_rows = cute.local_tile(ex.g_rows2[None, None, loads.head, loads.seq.batch],
                                      (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
+            # (TMA, k_stages) / (TMA, C2)
             ts, tg = cpasync.tma_partition(ex.tma_rows2, 0, one,
-                                           cute.group_modes(loads.sQ, 0, 2),
+                                           cute.group_modes(loads.sR, 0, 2),
                                            cute.group_modes(g_rows, 0, 2))
-            cute.copy(ex.tma_rows2, tg[None, cc], ts[None, s], tma_bar_ptr=bars.k + s)
+            cute.copy(ex.tma_rows2, tg[None, cc], ts[None, s], tma_bar_ptr=loads.bar + s)
 
 
-class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
-    """dQ = scale * dS K, dS = P (dP - Delta), on the forward's skeleton.
+class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
+    """dQ = scale * dS K, dS = P (dP - Delta), on the warp-specialised ring.
 
-    Roles: resident rows = the Q tile (streamed in 64-column chunks), S ring = K chunks then V
-    chunks (2 x ceil(D/64) chunks per block: S = Q K^T into the first accumulator, dP = dO V^T
-    into the second; dO chunks ride with V's), accumulator B operand = K rows, output = dQ.
-    Same KV blocks, heads and causal rule as the forward (its `_heads` / `_block_range`).
+    Algorithm, per CTA (64-row Q tile m_block of query head `head`; `o_part` of dQ's columns):
+      1. Skeleton entry with the roles Q then dO (resident rows, streamed in 64-column chunks),
+         K then V (streamed columns), K (B operand), dQ (output); the forward's block walk
+         (KV blocks of the tile's KV head under the causal bound).
+      2. S warpgroup, per KV block n: `_block_prefetch` loads the thread's rows' LSE and Delta;
+         chunks 0..C-1 (K with Q) accumulate S = Q K[n]^T, chunks C..2C-1 (V with dO) dP =
+         dO V[n]^T into a second accumulator; `_score_step`: the forward's mask on S, P =
+         exp2(S * scale_log2 - LSE * log2(e)), dS * scale = P (dP - Delta) * scale (bf16) ->
+         the P slot. (`seq_scores`: one accumulator; `_first_scores` turns S into P in the
+         bf16 fragment at chunk C, before dP overwrites it.)
+      3. Accumulator warpgroups (skeleton, no rescale): dQ += dS K[n] on their halves,
+         `publish_hi`: the second half gets each block at another chunk.
+      4. dQ stored (rows < Nq).
+
+    Constraints (`config.can_implement_dq`): those of the forward, stream_q, tile_n 64 (128
+    with `seq_scores`), Dv == D or `second_dim` (a multiple of 16 in [64, 512]), no `kv_pair`.
     """
 
     rescale_o = False
@@ -364,26 +410,30 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        """q, do, dq: (B, Hq, Nq, D / Dv / D); k, v: (B, Hkv, Nkv, D / Dv); lse, delta:
+        (B, Hq, Nq) fp32."""
         # rows Q (then dO), columns K (then V), accumulator B = K rows, output dQ
-        self._launch_two(mQ, mK, mK, mdQ, mdO, mV, mLSE, mDelta, softmax_scale, causal_offset,
-                         stream)
+        self._launch_two(Roles(rows=mQ, cols=mK, acc_b=mK, out=mdQ), mdO, mV, mLSE, mDelta,
+                         softmax_scale, causal_offset, stream)
 
     # ---------------------------------------------------------------- hooks
     @cute.jit
-    def _write_factors(self, sFactor, factor, tScS_mn, b, lane):
+    def _write_factors(self, io: ScoreIO, frags: ScoreFrags, b):
         """No row factors (rescale_o is False)."""
         pass
 
     @cute.jit
-    def _final_factors(self, softmax, factor, num_rows: cutlass.Constexpr):
+    def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
         """No normalisation and no LSE output: dQ is the sum itself."""
         return None
 
     @cute.jit
-    def _first_scores(self, acc_S, acc_S_mn, tScS_mn, rP, m_block, n_block, seqlen_k,
-                      causal_offset, sFactor, tidx, softmax, extra, pre):
+    def _first_scores(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep):
         """`seq_scores`: S is complete in acc_S; P = exp2(S * scale * log2(e) - LSE * log2(e))
         (masked as the forward masks) goes to rP, freeing acc_S for dP."""
+        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        softmax, pre, n_block = frags.softmax, step.pre, step.n_block
+        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
                             self.causal):
             apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
@@ -398,12 +448,12 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         rP.store(acc_S.load().to(self.dtype))
 
     @cute.jit
-    def _block_prefetch(self, m_block, n_block, seqlen_k, mLSE, batch, head, tidx, tScS_mn,
-                        extra):
+    def _block_prefetch(self, tile: Tile, io: ScoreIO, n_block, head, tScS_mn):
         """The thread's rows' LSE and Delta (rows past Nq: -inf / 0), loaded before the
         block's WGMMAs (L1 hits after the first block; their latency hides behind them)."""
+        m_block, batch, mLSE, extra = tile.m_block, tile.batch, io.mLSE, io.extra
         rows = cute.size(tScS_mn, mode=[0])
-        stats = cute.make_rmem_tensor((rows, 2), Float32)
+        stats = cute.make_rmem_tensor((rows, 2), Float32)   # (rows, LSE / Delta)
         seqlen_q = extra.mDelta.shape[2]
         for r in cutlass.range_constexpr(rows):
             row = m_block * TILE_M + tScS_mn[r, 0][0]
@@ -416,16 +466,18 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         return stats
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_k, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre, i):
+    def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                    n_count):
         """dS * scale in rP: P = exp2(S * scale * log2(e) - LSE * log2(e)) (masked as the
         forward masks), dS = P (dP - Delta) with dP in the second accumulator; LSE and Delta
         from `_block_prefetch` (rows that see no key, or past Nq: LSE -inf, read as +inf so
         P = 0)."""
+        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        softmax, acc_2, pre, n_block = frags.softmax, frags.acc_2, step.pre, step.n_block
+        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP, rP holds P (0 where masked)
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
-            rP_mn = mn_view(rP)
+            rP_mn = mn_view(rP)   # (rows, cols) of this thread
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 delta = pre[r, 1]
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
@@ -436,7 +488,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
                                 self.causal):
                 apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
                            TILE_M, self.tile_n, self.causal)
-            acc_dP_mn = mn_view(acc_2)
+            acc_dP_mn = mn_view(acc_2)   # (rows, cols) of this thread
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
@@ -450,15 +502,26 @@ class FFPABwdDQSm90(_TwoScoreProducts, FFPAFwdSm90):
         rP.store(acc_S.load().to(self.dtype))
 
 
-
 # ==================================================================================== dK kernel
 class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
-    """dK = scale * dS^T Q, dS^T = P^T (dP^T - Delta[i]), on the skeleton.
+    """dK = scale * dS^T Q, dS^T = P^T (dP^T - Delta[i]), on the warp-specialised ring.
 
-    The dV kernel's tile and block sequence (K rows resident-by-chunk, the query blocks of every
-    query head of the KV head, transposed mask, per-column LSE) plus dQ's two score products on
-    one S ring: chunks 0..C-1 hold K (rows) and Q (columns) for S^T = K Q^T, chunks C..2C-1 V and
-    dO for dP^T = V dO^T. The accumulator warpgroups' B operand is Q (rows of the query block).
+    Algorithm, per CTA (64-row K tile m_block of KV head `head`; `o_part` of dK's columns):
+      1. Skeleton entry with the roles K then V (resident rows, streamed in chunks), Q then dO
+         (streamed columns), Q (B operand), dK (output); the dV kernel's block walk (the query
+         blocks of the G query heads of this KV head).
+      2. S warpgroup, per query block n of head g: `_block_prefetch` loads the block's LSE and
+         Delta (one value per S thread, both of one query at tile_n 128); chunks 0..C-1 (Q with
+         K) accumulate S^T = K Q[n]^T, chunks C..2C-1 (dO with V) dP^T = V dO[n]^T;
+         `_score_step`: LSE and Delta staged in the factor buffer, the transposed mask, P^T =
+         exp2(S^T * scale_log2 - LSE_i * log2(e)), dS^T * scale = P^T (dP^T - Delta_i) * scale
+         (bf16) -> the P slot. (`seq_scores`, D <= 512: tile_n 128 and one accumulator;
+         `_first_scores` stages the statistics and turns S^T into P^T in the bf16 fragment at
+         chunk C, before dP^T overwrites it.)
+      3. Accumulator warpgroups (skeleton, no rescale): dK += dS^T Q[n] on their halves.
+      4. dK stored (keys < Nkv).
+
+    Constraints (`config.can_implement_dq`): as dQ's.
     """
 
     OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
@@ -467,44 +530,48 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         reason = can_implement_dq(cfg)
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason.replace('dQ', 'dK')}")
-        FFPAFwdSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
+        RingSkeletonSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
         self._two_products(cfg)
 
     def _column_delta(self, extra):
         return extra.mDelta
 
     @cute.jit
-    def _first_scores(self, acc_S, acc_S_mn, tScS_mn, rP, m_block, n_block, seqlen_q,
-                      causal_offset, sFactor, tidx, softmax, extra, pre):
+    def _first_scores(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep):
         """`seq_scores`: S^T is complete in acc_S; the block's column LSE / Delta are staged and
         P^T (transposed mask) goes to rP, freeing acc_S for dP^T."""
-        self._p_transposed(acc_S, acc_S_mn, tScS_mn, rP, softmax, m_block, n_block, seqlen_q,
-                           causal_offset, sFactor, tidx, extra.mDelta, pre)
+        self._p_transposed(tile, io, frags, step, io.extra.mDelta)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        """q, do: (B, Hq, Nq, D / Dv); k, v, dk: (B, Hkv, Nkv, D / Dv / D); lse, delta:
+        (B, Hq, Nq) fp32."""
         # rows K (then V), columns Q (then dO), accumulator B = Q rows, output dK
-        self._launch_two(mK, mQ, mQ, mdK, mV, mdO, mLSE, mDelta, softmax_scale, causal_offset,
-                         stream)
+        self._launch_two(Roles(rows=mK, cols=mQ, acc_b=mQ, out=mdK), mV, mdO, mLSE, mDelta,
+                         softmax_scale, causal_offset, stream)
 
     @cute.jit
-    def _softmax_block(self, acc_S, acc_S_mn, tScS_mn, softmax, factor, rP, m_block, n_block,
-                       seqlen_q, causal_offset, mLSE, batch, head, sFactor, tidx, acc_2,
-                       extra, pre, i):
+    def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                    n_count):
         """dS^T * scale in rP: P^T as the dV kernel computes it, times (dP^T - Delta[i])."""
+        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        softmax, acc_2, sFactor, tidx = frags.softmax, frags.acc_2, io.sFactor, io.tidx
+        extra, pre, n_block = io.extra, step.pre, step.n_block
+        m_block, seqlen_q, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
             self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
         else:
             self._stage_columns(sFactor, tidx, extra.mDelta, pre)
             self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
-            sCol = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
-            acc_dP_mn = mn_view(acc_2)
+            # (2 tile_n,): the columns' LSE (log2 units), then their Delta
+            sColStat = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
+            acc_dP_mn = mn_view(acc_2)   # (rows, cols) of this thread
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = tScS_mn[0, c][1]
-                lse2, delta = sCol[col], sCol[self.tile_n + col]
+                lse2, delta = sColStat[col], sColStat[self.tile_n + col]
                 for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                     p = cute.math.exp2(acc_S_mn[r, c] * softmax.scale_log2 - lse2,
                                        fastmath=True)

@@ -1,6 +1,6 @@
 """Compile keys and planners of the Hopper WGMMA kernels: the forward (`FFPAFwdSm90`) and the
-backward's dV, dQ and dK kernels (bwd_sm90.py), which run on the forward's warp-specialised ring
-with the operands in other roles.
+backward's dV, dQ and dK kernels (bwd_sm90.py), siblings on one warp-specialised ring
+(`RingSkeletonSm90`, skeleton_sm90.py) with their operands in its roles.
 
 Each config is frozen and holds Python scalars only; `(kernel qualname, cfg)` is the
 compile-cache key and `cfg.KERNEL` names the kernel class ("module:Class"). The planners never
@@ -138,7 +138,7 @@ class FwdConfigSm90:
         return 32 if self.dv_halves[0] > 128 else 64
 
     def smem_bytes(self) -> int:
-        """Shared memory of one CTA, laid out as `FFPAFwdSm90`'s storage struct: barriers and
+        """Shared memory of one CTA, laid out as `RingSkeletonSm90`'s storage struct: barriers and
         row factors first, then Q, the K ring, the two V rings and P, each 1 KB aligned."""
         elt = self.elem_bytes
         q = (self.k_stages * TILE_M * self.k_chunk if self.stream_q
@@ -288,7 +288,7 @@ def deepest_rings(make, reason_of):
 
 
 # ==================================================================================== backward
-# The backward kernels (bwd_sm90.py) reuse the forward's ring with other operands in its roles.
+# The backward kernels (bwd_sm90.py) run on the forward's ring with other operands in its roles.
 # Each loads the per-row / per-column statistics (LSE, Delta) of a block before the block's
 # WGMMAs, so their latency hides behind them (D=512: 206 -> 215 TFLOPS, docs/perf-log.md).
 # Above 512 the gradient is split over two CTAs as the forward splits O, each recomputing the

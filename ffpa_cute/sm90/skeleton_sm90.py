@@ -1,0 +1,1075 @@
+"""The warp-specialised WGMMA + TMA skeleton every sm90 kernel runs on (`RingSkeletonSm90`).
+
+One CTA owns a 64-row tile of a "resident" operand and walks a sequence of column blocks. Three
+warpgroups with separate roles, each feeding itself through its own TMA ring:
+
+  WG0 "S"       the score warpgroup: S = R C^T for each block, over R's width in 64-column
+                (128-byte) chunks streamed through the C ring (m64n{tile_n}k16 SS WGMMA); the
+                kernel's score step turns S into P (bf16, smem) plus per-row factors;
+  WG1 "O-lo"    the accumulator warpgroups: O[:, lo] += P B[:, lo] (SS WGMMA, A = P from smem,
+  WG2 "O-hi"    B streamed through the warpgroup's own ring), each on its half of O's columns;
+                then O (rows < the tile's valid rows) is written to global memory.
+
+The kernels put their tensors in these roles (forward in fwd_sm90.py, gradients in bwd_sm90.py):
+
+    role                     letter  forward   dV          dQ                  dK
+    resident rows            R       Q tile    K tile      Q tile (+ dO)       K tile (+ V)
+    streamed columns         C       K         Q           K (then V)          Q (then dO)
+    accumulator B operand    B       V         dO          K                   Q
+    output (fp32 registers)  O       O         dV          dQ                  dK
+
+so in this module sR / sC / sBlo / sBhi name the shared-memory homes of those roles, gR_tma /
+gC_tma / gBlo_tma / gBhi_tma their TMA views, mOut the output tensor, and tRs / tRg (tCs / tCg,
+tBs / tBg) the TMA partitions of a role's smem / gmem (CuTe's tXsX / tXgX). The config fields
+keep the forward's names (`k_stages`: C-ring depth; `v_stages`, `v_rows`: B rings; `stream_q`:
+R streamed through the C ring; `hdim_q_padded`: R's resident width).
+
+O[64 x 512] fp32 is 128 KB, half the register file: it is split along its columns between the two
+accumulator warpgroups (lo = hi when the CTA's width % 16 == 0, else lo = hi + 8: WGMMA N is a
+multiple of 8). 384 threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every
+instruction against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128
+registers each) could not hold an m64n256 accumulator (ptxas asks for 154).
+
+Loads: TMA only, and every ring feeds exactly one warpgroup, which also refills it: the S
+warpgroup owns R and the C ring ([tile_n x 64] chunks), each accumulator warpgroup its B ring
+([v_rows x O-half] stages). As soon as a stage's WGMMAs are done (wait_group(1) after the next
+stage's are issued) the owner issues the TMA for the stage `stages` positions ahead; a stage only
+has a "full" mbarrier (TMA transaction bytes), and since its only reader is its only writer, no
+"empty" one. TMA zero-fills rows and columns past the tensors' ends, so no load carries a
+predicate. With `stream_q`, R does not stay resident: a [64 x 64] R chunk rides beside each C
+chunk on the same barrier (O split over two CTAs, and the gradient kernels).
+
+Hand-off of P (double-buffered, mbarriers): P_full[b] (128 S-thread arrivals after a proxy fence,
+so WGMMA's async proxy sees the stores) and P_empty[b] (an arrival by every O thread once its
+PV WGMMAs on buffer b completed). Every thread, not one per warp: each lane reads its rows'
+factors from sFactor[:, b] with a plain ld.shared, and only its own arrival (release) orders that
+read before the S warpgroup's next write of sFactor[:, b] (acquire by its P_empty wait); one
+arrival per warp left the other 31 lanes' reads unordered, which compute-sanitizer's racecheck
+reports as write-after-read hazards on the factor buffer. Kernels whose accumulator warpgroups
+read no factors (`rescale_o` False: the backward) keep one arrival per warp. After the last block
+the S warpgroup publishes its final factors through the same buffers (no P), so the accumulator
+warpgroups finish with the protocol they already follow.
+
+Tensor-core order: the S warpgroup writes P[n], issues `publish_after` chunks of block n+1's
+scores, then arrives on P_full[n]; WGMMAs from different warpgroups run in issue order on the
+H200 (docs/perf-log.md), so PV[n] queues behind them and runs while the score step of n+1 does.
+`publish_hi`: the second accumulator warpgroup gets P at another chunk (its own P_full pair).
+
+Output split (`o_split` = 2, O wider than 512): two adjacent CTAs take the same row tile and each
+computes half of O's columns. `kv_pair` (the forward's mode): the pair is a 2-CTA cluster that
+splits the column blocks (CTA r scores block 2 i + r of step i, P tiles in a four-slot buffer, each
+accumulator warpgroup runs both tiles of a step and also arrives on the peer's P_empty); the
+skeleton runs the steps, the forward exchanges the row statistics and P (fwd_sm90.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common.mask import n_block_max
+from ..common.softmax import OnlineSoftmax, mn_view
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
+from .config import TILE_M, FwdConfigSm90
+
+WG_THREADS = 128
+
+
+# ---------------------------------------------------------------------------- host-side contexts
+class Roles(NamedTuple):
+    """The (B, H, N, D) tensors a kernel puts in the skeleton's roles."""
+
+    rows: cute.Tensor   # R: the resident rows (a TILE_M tile of them per CTA)
+    cols: cute.Tensor   # C: the streamed columns (tile_n per block)
+    acc_b: cute.Tensor  # B: the accumulators' B operand (8 bits: transposed, (B, H, D, N))
+    out: cute.Tensor    # O: the output
+
+
+class SmemLayouts(NamedTuple):
+    """Swizzled smem layouts: R (resident, or a ring with `stream_q`), the C ring, the two B
+    rings, the P slots."""
+
+    r: cute.ComposedLayout
+    c: cute.ComposedLayout
+    blo: cute.ComposedLayout
+    bhi: cute.ComposedLayout
+    p: cute.ComposedLayout
+
+
+class Mmas(NamedTuple):
+    """The tiled MMAs: scores (TILE_M x tile_n) and the two output halves (TILE_M x half)."""
+
+    s: cute.TiledMma
+    o_lo: cute.TiledMma
+    o_hi: cute.TiledMma
+
+
+class Operands(NamedTuple):
+    """The kernel's global operands: the output and LSE tensors, then each role's TMA tensor
+    and atom (B: one per accumulator half)."""
+
+    mOut: cute.Tensor
+    mLSE: cute.Tensor
+    gR_tma: cute.Tensor
+    gC_tma: cute.Tensor
+    gBlo_tma: cute.Tensor
+    gBhi_tma: cute.Tensor
+    tma_r: cute.CopyAtom
+    tma_c: cute.CopyAtom
+    tma_blo: cute.CopyAtom
+    tma_bhi: cute.CopyAtom
+
+
+class Scalars(NamedTuple):
+    """Runtime scalars of the kernel entry: the streamed sequence's length and head count,
+    softmax_scale * log2(e), the causal offset."""
+
+    seqlen_c: Int32
+    heads_c: Int32
+    scale_log2: Float32
+    causal_offset: Int32
+
+
+# ---------------------------------------------------------------------------- device contexts
+class Tile(NamedTuple):
+    """One CTA's tile and the problem sizes its hooks read."""
+
+    m_block: Int32        # rows m_block * TILE_M .. + TILE_M of R (and of O)
+    o_part: Int32         # which 1 / o_split of O's columns (`kv_pair`: the CTA's rank)
+    head: Int32           # head of R and O
+    head_c: Int32         # head of C and B (the first of the group when blocks change head)
+    batch: Int32
+    seqlen_r: Int32       # rows of R and O
+    seqlen_c: Int32       # rows of C
+    causal_offset: Int32  # query i sees key j iff j <= i + offset
+    scale_log2: Float32   # softmax_scale * log2(e)
+
+
+class BlockSeq(NamedTuple):
+    """The tile's sequence of column blocks: n_count of them, block i at `_block(seq, i)`."""
+
+    n_top: Int32
+    n_count: Int32
+    head_kv: Int32
+    group: Int32
+    batch: Int32
+
+
+class Barriers(NamedTuple):
+    """mbarrier pointers: R loaded; C / B ring stages loaded (TMA transaction bytes); P[b]
+    written (128 S threads); P[b] consumed (`empty_arrivals` per use)."""
+
+    rows: cute.Pointer
+    cols: cute.Pointer
+    accb: cute.Pointer    # [half * v_stages + stage]
+    p_full: cute.Pointer  # [buffer], then (`publish_hi`) [2 + buffer] for the second half
+    p_empty: cute.Pointer
+    x: object = None   # `kv_pair`: peer's row statistics landed (st.async bytes), per buffer
+    pp: object = None  # `kv_pair`: peer's P tile landed (bulk-copy bytes), per buffer
+
+
+class PairSmem(NamedTuple):
+    """`kv_pair`: the smem the two CTAs of a pair write into each other's copy of: the peer's
+    row statistics ([2 buffers x TILE_M] fp32) and the P slots' base (slot = 2 buffer + rank)."""
+
+    stat: cute.Tensor
+    p_base: cute.Pointer
+
+
+class Smem(NamedTuple):
+    """The CTA's shared memory: each role's tensor, the P slots, the row-factor buffer
+    (TILE_M, 2), the barriers and (cluster pair) the peer-written parts."""
+
+    r: cute.Tensor
+    c: cute.Tensor
+    blo: cute.Tensor
+    bhi: cute.Tensor
+    p: cute.Tensor
+    factor: cute.Tensor
+    bars: Barriers
+    pair: object
+
+
+class ScoreFrags(NamedTuple):
+    """The S warpgroup's registers: the score accumulator and its (rows, cols) view, each
+    element's (row, col) in the tile, the P fragment, the second score accumulator (two
+    products, not `seq_scores`; else None), the score state (`_make_softmax`) and the rows'
+    factors."""
+
+    acc_S: cute.Tensor      # (MMA, MMA_M, MMA_N) fp32
+    acc_S_mn: cute.Tensor   # (rows, cols) of this thread
+    tScS_mn: cute.Tensor    # (rows, cols) -> (row, col) in the TILE_M x tile_n tile
+    rP: cute.Tensor         # acc_S's layout, the operand dtype
+    acc_2: object
+    softmax: OnlineSoftmax
+    factor: cute.Tensor     # (rows,) fp32
+
+
+class ScoreIO(NamedTuple):
+    """What the S warpgroup's hooks reach beyond their registers: the row-factor buffer, the
+    LSE tensor, the kernel's `extra`, barriers, the pair's smem, thread and lane index."""
+
+    sFactor: cute.Tensor
+    mLSE: cute.Tensor
+    extra: object
+    bars: Barriers
+    pair: object
+    tidx: Int32
+    lane: Int32
+
+
+class ScoreStep(NamedTuple):
+    """Step i of the S warpgroup: its column block, the head whose statistics it reads, and
+    what `_block_prefetch` loaded for it."""
+
+    i: Int32
+    n_block: Int32
+    head: Int32
+    pre: object
+
+
+class ColLoads(NamedTuple):
+    """What the S warpgroup's loads need: TMA atoms and partitioned sources / stages of C and
+    R, the whole TMA tensors and smem rings (for hooks that re-tile per head), the C ring's
+    barriers, the block sequence and the number of chunks the tile reads."""
+
+    tma_c: cute.CopyAtom
+    tCg: cute.Tensor
+    tCs: cute.Tensor
+    tma_r: cute.CopyAtom
+    tRg: cute.Tensor
+    tRs: cute.Tensor
+    gC_tma: cute.Tensor
+    sC: cute.Tensor
+    sR: cute.Tensor
+    bar: cute.Pointer
+    seq: BlockSeq
+    total: Int32
+    m_block: Int32
+    head: Int32
+    extra: object
+    rank: Int32   # `kv_pair`: this CTA's rank in the pair (its own blocks: 2 i + rank)
+    tidx: Int32
+
+
+class BLoads(NamedTuple):
+    """What an accumulator warpgroup's loads need (as ColLoads): its B ring, the barrier base
+    of its stages, its first O column, which half it is (compile time), the B stages the tile
+    reads, and for `kv_pair` the barriers and the CTA's rank."""
+
+    tma: cute.CopyAtom
+    tBg: cute.Tensor
+    tBs: cute.Tensor
+    bar: cute.Pointer
+    gB_tma: cute.Tensor
+    col0: Int32
+    sB: cute.Tensor
+    seq: BlockSeq
+    half: int
+    total: Int32
+    bars: Barriers
+    rank: Int32
+    tidx: Int32
+
+
+class OutFrags(NamedTuple):
+    """An accumulator warpgroup's MMA operands: O, the P slots (A) and the B stages."""
+
+    acc_O: cute.Tensor   # (MMA, MMA_M, MMA_N) fp32
+    tOrP: cute.Tensor    # (MMA, MMA_M, MMA_K, p_slots)
+    tOrB: cute.Tensor    # (MMA, MMA_N, MMA_K, v_stages)
+
+
+class RingSkeletonSm90(KernelEntry):
+    """The warp-specialised ring (module docstring): layouts, TMA, kernel entry, the S
+    warpgroup's loop, the accumulator warpgroups' loop; one instance per config.
+
+    Algorithm, per CTA (row tile m_block of head `head`; `o_part` of O's columns):
+      1. Kernel entry: barriers initialised by warp 0 (TMA descriptors prefetched), the storage
+         struct carved into R, the C ring, two B rings, the P slots and the factor buffer; the
+         block sequence from `_heads` / `_block_range`; each warpgroup takes its role.
+      2. S warpgroup: load R (or stream it with C), prime the C ring; for each step i (block
+         `_block(seq, i)`; under `kv_pair` the CTA's own block of the pair):
+           a. `_block_prefetch`: the block's statistics from global memory, before its WGMMAs;
+           b. S = R C^T chunk by chunk (`_chunk` says which accumulator, which k steps), each
+              stage refilled `k_stages` ahead once its WGMMAs retire; P[i-1] is published after
+              `publish_after` chunks (`publish_hi`: the second half's);
+           c. `_score_step`: scores -> P in the rP fragment (and the rows' factors);
+           d. wait P_empty[i % 2], P -> smem slot (stmatrix; 8 bits: 2-byte stores),
+              `_write_factors`, proxy fence, `_after_p_store`.
+         Then the last P_full, `_final_factors` published through the factor buffer with no P,
+         and the LSE they return (rows < seqlen_r, `o_part` 0).
+      3. Accumulator warpgroup `half`: prime its B ring; for each hand-over (one per step; a
+         pair of blocks under `kv_pair`): wait P_full, rescale O's rows by the published
+         factors (`rescale_o`), O += P B stage by stage (each stage refilled `v_stages` ahead),
+         arrive on P_empty; finally scale by the last factors (`rescale_o`), convert to the
+         output dtype and store rows < seqlen_r.
+      4. Cluster pair: a cluster barrier before the peer's barriers are used, and one at the
+         end (the peer may write our smem until then).
+
+    Constraints: sm_90a; 16-bit or 8-bit (e4m3) operands; TILE_M 64; tile_n 64 or 128; the
+    widths and stage counts of `FwdConfigSm90` (its `smem_bytes` must equal the storage
+    struct's size: asserted at compile time).
+
+    Hook protocol (the skeleton's default in brackets; F forward, F8 FP8 forward, V dV, Q dQ,
+    K dK: who overrides):
+      `_heads(head, heads_r, heads_c)` -> (head_c, group): C's head and how many heads the
+          blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV head.
+      `_block_range(m_block, seqlen_c, causal_offset, group)` -> (n_top, n_count): blocks
+          n_top-1 downwards [the causal / length bound of the row tile]; V, K.
+      `_block(seq, i)` -> (head, n_block) of step i [one head, highest first]; V, K.
+      `_chunk(c)` (compile time) -> (second accumulator?, first chunk of it?, k steps, first
+          k step of R) [one product over R's width]; Q, K (two products).
+      `_stats_head(head, blk_head)` -> the head whose statistics a block reads [head]; V, K.
+      `_block_prefetch(tile, io, n_block, head, tScS_mn)` -> what `_score_step` reads from
+          global memory [None]; V, Q, K.
+      `_make_softmax(num_rows, tile, extra)` -> the score state [OnlineSoftmax at
+          tile.scale_log2; the gradients read only its scale_log2]; F8 (descales).
+      `_first_scores(tile, io, frags, step)`: `seq_scores`, the first product complete in
+          acc_S, consumed into rP before the second overwrites it [none]; Q, K.
+      `_score_step(tile, io, frags, step, n_count)`: scores -> rP (and factor) [none]; F, V,
+          Q, K.
+      `_write_factors(io, frags, b)`: factor -> sFactor[:, b] [one lane per quad]; V, Q, K
+          (nothing: no factors).
+      `_after_p_store(tile, io, b, i, n_count)`: after P of step i is in buffer b and fenced
+          [nothing]; F (`kv_pair`: P to the peer).
+      `_final_factors(tile, io, frags, n_iter)` -> LSE fragment or None, leaving the last
+          factors in frags.factor [none]; F (1 / row_sum, LSE), V, Q, K (None).
+      `_col_src(loads, head, n_block, c)`: the TMA source of a C chunk [the tile's head]; V
+          (re-tiled per head), Q and K (the first product's chunk c mod C).
+      `_b_src(loads, head, row_block)`: the TMA source of a B stage [the tile's head]; V and K
+          (re-tiled per head).
+      `_copy_stream_chunk(loads, s, src, head, n_block, c)`: the copies of one C-ring stage
+          with R streamed [C chunk + R chunk c]; Q, K (the second product's operands).
+      `rescale_o` (class attribute) [False]: F True.
+    """
+
+    arch_family = "sm90"
+    rescale_o = False     # accumulator warpgroups multiply O's rows by the published factors
+    second_score = False  # the S warpgroup accumulates one score product (see `_chunk`)
+    seq_scores = False    # with two: one accumulator, the first product consumed mid-block
+
+    def __init__(self, cfg: FwdConfigSm90):
+        self.cfg = cfg
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        # 8-bit R / C / B / P (`FwdFP8ConfigSm90`): both WGMMA operands K-major, so B arrives
+        # transposed ([B, H, Dv, N]); O is written in the config's out_dtype
+        self.fp8 = cfg.elem_bytes == 1
+        self.out_dtype = CUTLASS_DTYPES[cfg.out_dtype] if self.fp8 else self.dtype
+        self.mma_k = cfg.mma_k
+        self.tile_n = cfg.tile_n
+        self.num_chunks = cfg.num_k_chunks
+        self.halves = cfg.dv_halves  # O columns of the two accumulator warpgroups
+        self.b_rows = cfg.v_rows
+        self.b_chunks = cfg.tile_n // cfg.v_rows  # B stages per O half per column block
+        self.causal = cfg.causal
+        self.kv_pair = cfg.kv_pair
+        # the O warpgroups also arrive on the peer CTA's P_empty (the peer writes our P slots)
+        self.peer_arrivals = cfg.cluster_pair
+        # P_empty[b] arrivals per use: every O thread when the O warpgroups read the row
+        # factors (`rescale_o`: plain ld.shared by each lane, so each lane must release its own
+        # reads before the S warpgroup rewrites sFactor[:, b]); else one per O warp (its only
+        # reads of buffer b are its WGMMAs', complete for the whole warp after wait_group);
+        # plus one per peer O warp under `peer_arrivals` (the peer reads our P tile by WGMMA)
+        self.empty_arrivals = ((2 * WG_THREADS if self.rescale_o else 8)
+                               + (8 if self.peer_arrivals else 0))
+        self.num_threads = 3 * WG_THREADS
+        # bytes one TMA load brings in (the full box, zero-filled parts included)
+        self.stream_r = cfg.stream_q
+        eb = cfg.elem_bytes
+        self.r_bytes = TILE_M * (cfg.k_chunk if cfg.stream_q else cfg.hdim_q_padded) * eb
+        self.c_bytes = cfg.tile_n * cfg.k_chunk * eb
+        self.b_bytes = [cfg.v_rows * d * eb for d in self.halves]
+
+    # ---------------------------------------------------------------- layouts and MMAs
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        """Row-major (cols contiguous) WGMMA-compatible layout with the widest swizzle."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _mma(self, n: int, b_major):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, b_major, Float32,
+            (1, 1, 1), (TILE_M, n))
+
+    def _b_major(self):
+        """Major mode of P B's B operand: B's rows (MN-major) at 16 bits; at 8 bits WGMMA takes
+        K-major operands only, so the transposed B's rows (K-major)."""
+        return (cute.nvgpu.OperandMajorMode.K if self.fp8
+                else cute.nvgpu.OperandMajorMode.MN)
+
+    @staticmethod
+    def _bhnd_to_tma(t: cute.Tensor) -> cute.Tensor:
+        """(B, H, N, D) -> (N, D, H, B): the row/column modes first, as TMA tiles them."""
+        return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+    # ---------------------------------------------------------------- host side
+    def _smem_layouts(self) -> SmemLayouts:
+        """R resident (or a ring with `stream_q`), the C ring, the B rings, the P slots."""
+        cfg = self.cfg
+        dlo, dhi = self.halves
+        sR_layout = (self._smem_layout(TILE_M, cfg.k_chunk, cfg.k_stages) if self.stream_r
+                     else self._smem_layout(TILE_M, cfg.hdim_q_padded))
+        sC_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
+        if const_expr(self.fp8):  # transposed B stages [half x b_rows], K (= C's rows) contiguous
+            sBlo_layout = self._smem_layout(dlo, self.b_rows, cfg.v_stages)
+            sBhi_layout = self._smem_layout(dhi, self.b_rows, cfg.v_stages)
+        else:  # B stages [b_rows x half], read as the MN-major B of P B
+            sBlo_layout = self._smem_layout(self.b_rows, dlo, cfg.v_stages)
+            sBhi_layout = self._smem_layout(self.b_rows, dhi, cfg.v_stages)
+        sP_layout = self._smem_layout(TILE_M, self.tile_n, cfg.p_slots)
+        return SmemLayouts(sR_layout, sC_layout, sBlo_layout, sBhi_layout, sP_layout)
+
+    @cute.jit
+    def _launch(self, roles: Roles, mLSE: cute.Tensor, softmax_scale: Float32,
+                causal_offset: Int32, stream: cuda.CUstream, extra):
+        """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel adds
+        (FP8 descales, the two-product operands; None)."""
+        cfg = self.cfg
+        ops = self._operands(roles, mLSE)
+        dlo, dhi = self.halves
+        layouts = self._smem_layouts()
+        SharedStorage = _shared_storage(cfg, self.dtype, layouts)
+
+        # the planner's budget must be the real one (else a config it accepts fails at launch)
+        assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
+            SharedStorage.size_in_bytes(), cfg.smem_bytes())
+        grid = (cute.ceil_div(roles.rows.shape[2], TILE_M) * cfg.ctas_per_tile,
+                cute.size(roles.rows.shape[1]), cute.size(roles.rows.shape[0]))
+        self.kernel(
+            ops,
+            Scalars(roles.cols.shape[2], roles.cols.shape[1], softmax_scale * LOG2_E,
+                    causal_offset),
+            layouts,
+            Mmas(self._mma(self.tile_n, cute.nvgpu.OperandMajorMode.K),
+                 self._mma(dlo, self._b_major()),
+                 self._mma(dhi, self._b_major())),
+            SharedStorage, extra,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1],
+                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1,
+                 **({"cluster": [2, 1, 1]} if cfg.cluster_pair else {}))
+
+    @cute.jit
+    def _operands(self, roles: Roles, mLSE: cute.Tensor) -> Operands:
+        """TMA atoms and tensors of the roles' (B, H, N, D) tensors: R (resident rows or their
+        chunks), C (the S ring's column chunks), B (the accumulators' halves), and O."""
+        cfg = self.cfg
+        mR, mC = [aligned_bhnd(t, cfg.head_dim, self.dtype) for t in (roles.rows, roles.cols)]
+        mOut = aligned_bhnd(roles.out, cfg.dv, self.out_dtype)
+        if const_expr(self.fp8):  # transposed B (B, H, Dv, N): its (Dv, N) modes first for TMA
+            mB = aligned_bhdn(roles.acc_b, cfg.dv, self.dtype)
+        else:
+            mB = aligned_bhnd(roles.acc_b, cfg.dv, self.dtype)
+        tR, tC, tB = [self._bhnd_to_tma(t) for t in (mR, mC, mB)]
+        dlo, dhi = self.halves
+        layouts = self._smem_layouts()
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        r_box = (TILE_M, cfg.k_chunk if self.stream_r else cfg.hdim_q_padded)
+        # TMA coordinate tensors, (N, D, H, B) each (8-bit B: (Dv, N, H, B))
+        tma_r, gR_tma = cpasync.make_tiled_tma_atom(   # box (TILE_M, Dr padded | k_chunk)
+            g2s, tR, cute.select(layouts.r, mode=[0, 1]), r_box)
+        tma_c, gC_tma = cpasync.make_tiled_tma_atom(   # box (tile_n, k_chunk)
+            g2s, tC, cute.select(layouts.c, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        # B boxes are one accumulator warpgroup wide; the kernel offsets them to its columns
+        # (8 bits: to its rows of the transposed B)
+        blo_box, bhi_box = (((dlo, self.b_rows), (dhi, self.b_rows)) if const_expr(self.fp8)
+                            else ((self.b_rows, dlo), (self.b_rows, dhi)))
+        tma_blo, gBlo_tma = cpasync.make_tiled_tma_atom(   # box (b_rows, lo) | (lo, b_rows)
+            g2s, tB, cute.select(layouts.blo, mode=[0, 1]), blo_box)
+        tma_bhi, gBhi_tma = cpasync.make_tiled_tma_atom(   # box (b_rows, hi) | (hi, b_rows)
+            g2s, tB, cute.select(layouts.bhi, mode=[0, 1]), bhi_box)
+        return Operands(mOut, mLSE, gR_tma, gC_tma, gBlo_tma, gBhi_tma, tma_r, tma_c, tma_blo,
+                        tma_bhi)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, ops: Operands, scalars: Scalars, layouts: SmemLayouts, mmas: Mmas,
+               SharedStorage: cutlass.Constexpr, extra):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        grid_m, _, _ = cute.arch.grid_dim()
+        # longest tiles first under causal (bottom-right); the CTAs of a row tile adjacent
+        m_block = grid_m // cfg.ctas_per_tile - 1 - bidx // cfg.ctas_per_tile
+        o_part = bidx % cfg.o_split  # which 1 / o_split of O's columns
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]), scalars.heads_c)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        bars = Barriers(storage.bar_r.data_ptr(), storage.bar_c.data_ptr(),
+                        storage.bar_b.data_ptr(), storage.bar_p_full.data_ptr(),
+                        storage.bar_p_empty.data_ptr())
+        if const_expr("bar_x" in cfg.pair_barriers):
+            bars = bars._replace(x=storage.bar_x.data_ptr())
+        if const_expr("bar_pp" in cfg.pair_barriers):
+            bars = bars._replace(pp=storage.bar_pp.data_ptr())
+        if warp_idx == 0:
+            for tma in (ops.tma_r, ops.tma_c, ops.tma_blo, ops.tma_bhi):
+                cpasync.prefetch_descriptor(tma)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bars.rows, 1)
+                for s in cutlass.range_constexpr(cfg.k_stages):
+                    cute.arch.mbarrier_init(bars.cols + s, 1)
+                for s in cutlass.range_constexpr(2 * cfg.v_stages):
+                    cute.arch.mbarrier_init(bars.accb + s, 1)
+                for b in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(bars.p_full + b, WG_THREADS)  # every S thread
+                    cute.arch.mbarrier_init(bars.p_empty + b, self.empty_arrivals)
+                    if const_expr(bars.x is not None):
+                        cute.arch.mbarrier_init(bars.x + b, 1)
+                    if const_expr(bars.pp is not None):
+                        cute.arch.mbarrier_init(bars.pp + b, 1)
+                if const_expr(cfg.publish_hi is not None):  # the second half's P_full
+                    for b in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_init(bars.p_full + 2 + b, WG_THREADS)
+                cute.arch.mbarrier_init_fence()
+        if const_expr(cfg.cluster_pair):  # the peer's barriers exist before anything
+            # reaches them
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+        # (TILE_M, Dr padded), or (TILE_M, k_chunk, k_stages) when R streams
+        sR = storage.sR.get_tensor(layouts.r.outer, swizzle=layouts.r.inner)
+        # (tile_n, k_chunk, k_stages)
+        sC = storage.sC.get_tensor(layouts.c.outer, swizzle=layouts.c.inner)
+        # (b_rows, lo | hi, v_stages); 8 bits: (lo | hi, b_rows, v_stages)
+        sBlo = storage.sBlo.get_tensor(layouts.blo.outer, swizzle=layouts.blo.inner)
+        sBhi = storage.sBhi.get_tensor(layouts.bhi.outer, swizzle=layouts.bhi.inner)
+        # (TILE_M, tile_n, p_slots)
+        sP = storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner)
+        # (TILE_M, 2): the rows' factors of each P buffer
+        sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
+
+        seqlen_r = ops.mOut.shape[2]
+        # column blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
+        n_top, n_count = self._block_range(m_block, scalars.seqlen_c, scalars.causal_offset,
+                                           group)
+        seq = BlockSeq(n_top, n_count, head_c, group, batch)
+
+        pair = None
+        if const_expr(self.kv_pair):
+            # the peer's row statistics (TILE_M, 2), and the P slots' base
+            pair = PairSmem(storage.peer_stat.get_tensor(cute.make_layout((TILE_M, 2))),
+                            storage.sP.data_ptr())
+        elif const_expr(cfg.cluster_pair):
+            pair = PairSmem(None, storage.sP.data_ptr())
+        smem = Smem(sR, sC, sBlo, sBhi, sP, sFactor, bars, pair)
+        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, scalars.seqlen_c,
+                    scalars.causal_offset, scalars.scale_log2)
+        self._warpgroups(ops, mmas, smem, tile, seq, extra, wg, tidx)
+        if const_expr(cfg.cluster_pair):  # the peer may still write our smem until done
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _warpgroups(self, ops: Operands, mmas: Mmas, smem: Smem, tile: Tile, seq: BlockSeq,
+                    extra, wg, tidx):
+        """Each warpgroup's role: WG0 scores, WG1 / WG2 the two halves of O."""
+        if wg == 0:
+            self._score_wg(mmas.s, ops, smem, tile, seq, extra, tidx)
+        elif wg == 1:
+            self._acc_wg(mmas.o_lo, ops, smem, 0, tile, seq, tidx - WG_THREADS)
+        else:
+            self._acc_wg(mmas.o_hi, ops, smem, 1, tile, seq, tidx - 2 * WG_THREADS)
+
+    # ---------------------------------------------------------------- hooks: the block walk
+    @cute.jit
+    def _heads(self, head, heads_r, heads_c):
+        """(head of C and B, blocks' head group): the C head of this R head (GQA / MQA)."""
+        return head // (heads_r // heads_c), 1
+
+    @cute.jit
+    def _block_range(self, m_block, seqlen_c, causal_offset, group):
+        """(n_top, n_count): the blocks this row tile visits are n_top-1 down to n_top-n_count
+        (the last one any row may see under causal, down to 0)."""
+        n_max = n_block_max(m_block, seqlen_c, causal_offset, TILE_M, self.tile_n, self.causal)
+        return n_max, n_max
+
+    @cute.jit
+    def _block(self, seq, i):
+        """(head, column block) of the tile's i-th block: one head, blocks highest first."""
+        return seq.head_kv, seq.n_top - 1 - i
+
+    def _chunk(self, c: int):
+        """(second accumulator?, first chunk of its accumulator?, WGMMA k steps, first k step of
+        R) for S-ring chunk c (compile time): one product over R's width here."""
+        cfg = self.cfg
+        last = -(-(cfg.head_dim - (self.num_chunks - 1) * cfg.k_chunk) // self.mma_k)
+        per = cfg.k_chunk // self.mma_k
+        return False, c == 0, last if c == self.num_chunks - 1 else per, c * per
+
+    def _stats_head(self, head, blk_head):
+        """Head whose per-row statistics (LSE, Delta) the score step reads: the tile's head
+        (the rows are queries; the forward reads none)."""
+        return head
+
+    @cute.jit
+    def _col_src(self, loads: ColLoads, head, n_block, c):
+        """Source of C chunk c of block n_block (of `head`: one head here, tCg covers it)."""
+        return loads.tCg[None, n_block, c]
+
+    @cute.jit
+    def _b_src(self, loads: BLoads, head, row_block):
+        """Source of B rows block row_block (of `head`: one head here, tBg covers it)."""
+        return loads.tBg[None, row_block]
+
+    # ---------------------------------------------------------------- hooks: the score step
+    def _block_prefetch(self, tile: Tile, io: ScoreIO, n_block, head, tScS_mn):
+        """Statistics the score step of block n_block reads from global memory, loaded at the
+        block's start (None: the forward reads none)."""
+        return None
+
+    @cute.jit
+    def _make_softmax(self, num_rows: cutlass.Constexpr, tile: Tile, extra):
+        """The S warpgroup's score state: an online softmax at the tile's scale (the FP8
+        forward folds its descales in; the gradient kernels read only its scale_log2)."""
+        return OnlineSoftmax(num_rows, tile.scale_log2)
+
+    def _first_scores(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep):
+        """`seq_scores`: consume the first score product mid-block (two-product kernels)."""
+        raise NotImplementedError
+
+    def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
+                    n_count):
+        """Scores of step `step.i` -> P in frags.rP (and the rows' factors): each kernel's."""
+        raise NotImplementedError
+
+    @cute.jit
+    def _write_factors(self, io: ScoreIO, frags: ScoreFrags, b):
+        """Each quad shares its rows: one lane per quad writes their factors to sFactor[:, b]."""
+        sFactor, factor, tScS_mn, lane = io.sFactor, frags.factor, frags.tScS_mn, io.lane
+        if lane % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(factor)):
+                sFactor[tScS_mn[r, 0][0], b] = factor[r]
+
+    def _after_p_store(self, tile: Tile, io: ScoreIO, b, i, n_count):
+        """After P of step i is in its slot of buffer b and fenced (nothing here; a hook)."""
+        pass
+
+    def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
+        """After the last block: the factors published with no P (in frags.factor), and the
+        LSE fragment to store (or None)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- S warpgroup
+    @cute.jit
+    def _score_wg(self, mma_s: cute.TiledMma, ops: Operands, smem: Smem, tile: Tile,
+                  seq: BlockSeq, extra, tidx):
+        """WG0: scores of every block into P, handed to the accumulator warpgroups."""
+        cfg = self.cfg
+        C = self.num_chunks
+        ks = cfg.k_stages
+        sR, sC, sP, sFactor, bars, pair = smem.r, smem.c, smem.p, smem.factor, smem.bars, smem.pair
+        m_block, o_part, head, head_c, batch = (tile.m_block, tile.o_part, tile.head,
+                                                tile.head_c, tile.batch)
+        seqlen_r = tile.seqlen_r
+        mLSE = ops.mLSE
+        lane = cute.arch.lane_idx()
+        # ---- TMA views of R (the tile's rows) and C (every block's chunks)
+        one = cute.make_layout(1)
+        if const_expr(self.stream_r):  # (TILE_M, k_chunk, C)
+            gR = cute.local_tile(ops.gR_tma[None, None, head, batch], (TILE_M, cfg.k_chunk),
+                                 (m_block, None))
+        else:  # (TILE_M, Dr padded)
+            gR = cute.local_tile(ops.gR_tma[None, None, head, batch],
+                                 (TILE_M, cfg.hdim_q_padded), (m_block, 0))
+        # (TMA) / (TMA); when R streams (TMA, k_stages) / (TMA, C)
+        tRs, tRg = cpasync.tma_partition(ops.tma_r, 0, one, cute.group_modes(sR, 0, 2),
+                                         cute.group_modes(gR, 0, 2))
+        # (tile_n, k_chunk, n_blocks, C)
+        gC = cute.local_tile(ops.gC_tma[None, None, head_c, batch], (self.tile_n, cfg.k_chunk),
+                             (None, None))
+        # (TMA, k_stages) / (TMA, n_blocks, C)
+        tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, one, cute.group_modes(sC, 0, 2),
+                                         cute.group_modes(gC, 0, 2))
+        # ---- MMA fragments (MMA_K: k_chunk / mma_k WGMMA k steps per chunk)
+        thr_mma = mma_s.get_slice(tidx)
+        # (MMA, MMA_M, Dr padded / mma_k), or (MMA, MMA_M, MMA_K, k_stages) when R streams
+        tSrR = mma_s.make_fragment_A(thr_mma.partition_A(sR))
+        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(sC))   # (MMA, MMA_N, MMA_K, k_stages)
+        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, tile_n / 8), 1, 1)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+        # a second score accumulator for skeletons with two score products (bwd dQ / dK)
+        acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+                 if const_expr(self.second_score and not self.seq_scores) else None)
+        acc_S_mn = mn_view(acc_S)   # (rows, cols) of this thread: (2, tile_n / 4)
+        # (rows, cols) -> (row, col) of the TILE_M x tile_n tile
+        tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        softmax = self._make_softmax(num_rows, tile, extra)
+        factor = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
+        rP = cute.make_fragment_like(acc_S, self.dtype)   # (MMA, MMA_M, MMA_N), operand dtype
+        # P -> sP in the accumulator's thread layout: stmatrix at 16 bits; at 8 bits each
+        # thread's column pairs (2 bytes) by plain stores (stmatrix moves 16-bit elements)
+        if const_expr(self.fp8):
+            st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                          num_bits_per_copy=16)
+        else:
+            st_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        # the copy atom tiled over the score MMA's C layout (TILE_M x tile_n)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
+        tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
+        tPrP = thr_st.retile(rP)        # (CPY, CPY_M, CPY_N)
+        frags = ScoreFrags(acc_S, acc_S_mn, tScS_mn, rP, acc_2, softmax, factor)
+        io = ScoreIO(sFactor, mLSE, extra, bars, pair, tidx, lane)
+        n_count = seq.n_count
+        n_iter = n_count  # score blocks this warpgroup computes (`kv_pair`: every other one)
+        if const_expr(self.kv_pair):
+            n_iter = (n_count + 1) // 2
+        total = n_iter * C  # C chunks this tile reads, in ring order
+
+        # ---- R (unless it streams with C), then the first k_stages C chunks
+        loads = ColLoads(ops.tma_c, tCg, tCs, ops.tma_r, tRg, tRs, ops.gC_tma, sC, sR, bars.cols,
+                         seq, total, m_block, head, extra, o_part, tidx)
+        if const_expr(not self.stream_r):
+            self._tma_load(ops.tma_r, tRg, tRs, bars.rows, self.r_bytes, tidx)
+        for x in cutlass.range_constexpr(ks):
+            if x < total:
+                self._load_c_chunk(loads, x, x)
+        if const_expr(not self.stream_r):
+            cute.arch.mbarrier_wait(bars.rows, 0)
+        x = Int32(0)  # ring position of the next C chunk
+        for i in cutlass.range(n_iter, unroll=1):
+            blk = i
+            if const_expr(self.kv_pair):
+                blk = self._own_block(seq, i, o_part)
+            blk_head, n_block = self._block(seq, blk)
+            stats_head = self._stats_head(head, blk_head)
+            # per-row / per-column statistics of the block, loaded before its WGMMAs so that
+            # their latency hides behind them (the forward has none)
+            pre = self._block_prefetch(tile, io, n_block, stats_head, tScS_mn)
+            step = ScoreStep(i, n_block, stats_head, pre)
+            # ---- S = R C[n]^T, streamed over the C ring; each chunk's stage is refilled
+            #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
+            #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
+            atom = cute.make_mma_atom(mma_s.op)  # a fresh atom: ACCUMULATE changes below
+            for c in cutlass.range_constexpr(C):
+                if const_expr(c == cfg.publish_after):
+                    if i > 0:
+                        cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+                if const_expr(c == cfg.publish_hi):
+                    if i > 0:
+                        cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
+                if const_expr(self.seq_scores and c == self.c_half):
+                    # the first product is complete: consume it (into rP) before the second
+                    # product overwrites its accumulator
+                    warpgroup.wait_group(0)
+                    self._first_scores(tile, io, frags, step)
+                s = x % ks
+                cute.arch.mbarrier_wait(bars.cols + s, (x // ks) & 1)
+                warpgroup.fence()
+                second, first, n_k, r_k0 = self._chunk(c)
+                acc = acc_2 if const_expr(second and not self.seq_scores) else acc_S
+                for k in cutlass.range_constexpr(n_k):
+                    atom.set(warpgroup.Field.ACCUMULATE, not (first and k == 0))
+                    rR = (tSrR[None, None, k, s] if const_expr(self.stream_r)
+                          else tSrR[None, None, r_k0 + k])
+                    cute.gemm(atom, acc, rR, tSrC[None, None, k, s], acc)
+                warpgroup.commit_group()
+                if const_expr(c > 0):
+                    warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
+                    self._refill_c(loads, x - 1)
+                x += 1
+            if const_expr(cfg.publish_after == C):
+                if i > 0:
+                    cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+            if const_expr(cfg.publish_hi == C):
+                if i > 0:
+                    cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
+            warpgroup.wait_group(0)
+            self._refill_c(loads, x - 1)
+            # ---- the kernel's score step: P (and the rows' factors) in registers, then smem
+            self._score_step(tile, io, frags, step, n_count)
+            b = i % 2
+            cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
+            if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
+                cute.copy(thr_st, tPrP, tPsP[None, None, None, 2 * b + o_part])
+            else:
+                cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
+            self._write_factors(io, frags, b)
+            cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
+            self._after_p_store(tile, io, b, i, n_count)
+        # ---- last P, then the final row factors the same way; LSE
+        if n_iter > 0:
+            cute.arch.mbarrier_arrive(bars.p_full + (n_iter - 1) % 2)
+            if const_expr(cfg.publish_hi is not None):
+                cute.arch.mbarrier_arrive(bars.p_full + 2 + (n_iter - 1) % 2)
+        lse = self._final_factors(tile, io, frags, n_iter)
+        b = n_iter % 2
+        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_iter // 2) & 1) ^ 1)
+        self._write_factors(io, frags, b)
+        cute.arch.mbarrier_arrive(bars.p_full + b)
+        if const_expr(cfg.publish_hi is not None):
+            cute.arch.mbarrier_arrive(bars.p_full + 2 + b)
+        if const_expr(lse is not None):
+            if lane % 4 == 0 and o_part == 0:
+                for r in cutlass.range_constexpr(num_rows):
+                    row = m_block * TILE_M + tScS_mn[r, 0][0]
+                    if row < seqlen_r:
+                        mLSE[batch, head, row] = lse[r]
+
+    @cute.jit
+    def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
+                  nbytes: cutlass.Constexpr, tidx):
+        """One TMA load by warp 0 of the calling warpgroup, completing on `bar`."""
+        if tidx // 32 == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+            cute.copy(tma, src, dst, tma_bar_ptr=bar)
+
+    @cute.jit
+    def _copy_stream_chunk(self, loads: ColLoads, s, src, head, n_block, c):
+        """Stage s of the S ring when R streams: the C chunk and R[:, c], on one barrier."""
+        cute.copy(loads.tma_c, src, loads.tCs[None, s], tma_bar_ptr=loads.bar + s)
+        cute.copy(loads.tma_r, loads.tRg[None, c], loads.tRs[None, s], tma_bar_ptr=loads.bar + s)
+
+    @cute.jit
+    def _refill_c(self, loads: ColLoads, done: Int32):
+        """C chunk `done` was consumed: load chunk done + k_stages into its stage."""
+        nxt = done + self.cfg.k_stages
+        if nxt < loads.total:
+            self._load_c_chunk(loads, nxt, done % self.cfg.k_stages)
+
+    @cute.jit
+    def _load_c_chunk(self, loads: ColLoads, pos, s):
+        """Ring position pos = (block i, chunk c) into stage s: chunk c of block i's C and, when
+        R streams, R[:, c] with it on the same barrier."""
+        C = self.num_chunks
+        if const_expr(self.kv_pair):
+            head, n_block = self._block(loads.seq, self._own_block(loads.seq, pos // C,
+                                                                   loads.rank))
+        else:
+            head, n_block = self._block(loads.seq, pos // C)
+        c = pos % C
+        src = self._col_src(loads, head, n_block, c)
+        if const_expr(self.stream_r):
+            if loads.tidx // 32 == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(loads.bar + s,
+                                                            self.c_bytes + self.r_bytes)
+                self._copy_stream_chunk(loads, s, src, head, n_block, c)
+        else:
+            self._tma_load(loads.tma_c, src, loads.tCs[None, s], loads.bar + s,
+                           self.c_bytes, loads.tidx)
+
+    @cute.jit
+    def _own_block(self, seq, i, rank):
+        """`kv_pair`: the block this CTA scores at step i: 2 i + rank; when the count is odd
+        the last block is scored by both (each needs its own P; no exchange then)."""
+        return cutlass.min(2 * i + rank, seq.n_count - 1)
+
+    # ---------------------------------------------------------------- accumulator warpgroups
+    @cute.jit
+    def _acc_wg(self, mma_o: cute.TiledMma, ops: Operands, smem: Smem,
+                half: cutlass.Constexpr, tile: Tile, seq: BlockSeq, tidx):
+        """WG1 / WG2: O[:, this half's columns] += P B over the tile's blocks, then stored."""
+        cfg = self.cfg
+        vs, vj = cfg.v_stages, self.b_chunks
+        dv = self.halves[half]
+        sP, sFactor, bars = smem.p, smem.factor, smem.bars
+        sB = smem.blo if const_expr(half == 0) else smem.bhi
+        gB_tma = ops.gBlo_tma if const_expr(half == 0) else ops.gBhi_tma
+        tma_b = ops.tma_blo if const_expr(half == 0) else ops.tma_bhi
+        m_block, o_part, head, head_c, batch = (tile.m_block, tile.o_part, tile.head,
+                                                tile.head_c, tile.batch)
+        lane = cute.arch.lane_idx()
+        bar_b = bars.accb + half * vs
+        bar_full = bars.p_full  # P ready (`publish_hi`: the second half's own barriers)
+        if const_expr(half == 1 and cfg.publish_hi is not None):
+            bar_full = bars.p_full + 2
+        col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.halves[0])
+        # ---- TMA views: B rows of this warpgroup's columns
+        #      (8 bits: the transposed B's rows col0..col0+dv, its columns in blocks of b_rows)
+        if const_expr(self.fp8):  # (dv, b_rows, b_blocks)
+            gB = cute.local_tile(
+                cute.domain_offset((col0, 0), gB_tma[None, None, head_c, batch]),
+                (dv, self.b_rows), (0, None))
+        else:  # (b_rows, dv, b_blocks)
+            gB = cute.local_tile(
+                cute.domain_offset((0, col0), gB_tma[None, None, head_c, batch]),
+                (self.b_rows, dv), (None, 0))
+        # (TMA, v_stages) / (TMA, b_blocks)
+        tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                         cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        # ---- MMA fragments: B stage (b_rows, dv) seen as (dv, b_rows), the MN-major B of P B
+        #      (8 bits: the transposed stage (dv, b_rows) is the K-major B as it is)
+        thr_mma = mma_o.get_slice(tidx)
+        if const_expr(self.fp8):
+            sBt = sB   # (dv, b_rows, v_stages)
+        else:   # (dv, b_rows, v_stages): the (b_rows, dv) stage read N-major (dv contiguous)
+            sBt = cute.composition(sB, cute.make_ordered_layout((dv, self.b_rows, vs),
+                                                                order=(1, 0, 2)))
+        # (MMA, MMA_M, tile_n / mma_k, p_slots)
+        tOrP = mma_o.make_fragment_A(thr_mma.partition_A(sP))
+        # (MMA, MMA_N, b_rows / mma_k, v_stages)
+        tOrB = mma_o.make_fragment_B(thr_mma.partition_B(sBt))
+        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, dv / 8), 1, 1)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
+        acc_O.fill(0.0)
+        acc_O_mn = mn_view(acc_O)   # (rows, cols) of this thread: (2, dv / 4)
+        # (rows, cols) -> (row, col) of the TILE_M x dv tile
+        tOcO_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, dv))))
+        num_rows = cute.size(acc_O_mn, mode=[0])
+        n_count = seq.n_count
+        total = n_count * vj  # B stages of this half the tile reads, in ring order
+        loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB, seq, half, total, bars,
+                       o_part, tidx)
+        frags = OutFrags(acc_O, tOrP, tOrB)
+
+        for x in cutlass.range_constexpr(vs):
+            if x < total:
+                self._load_b(loads, x, x)
+        n_iter = n_count  # P hand-overs (`kv_pair`: one per pair of blocks)
+        if const_expr(self.kv_pair):
+            n_iter = (n_count + 1) // 2
+        x = Int32(0)
+        for i in cutlass.range(n_iter, unroll=1):
+            b = i % 2
+            cute.arch.mbarrier_wait(bar_full + b, (i // 2) & 1)
+            if const_expr(self.rescale_o):
+                self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+            atom = cute.make_mma_atom(mma_o.op)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+            if const_expr(self.kv_pair):
+                x = self._pair_pv(atom, frags, loads, x, i, b, n_count)
+            else:
+                for j in cutlass.range_constexpr(vj):
+                    x = self._pv_stage(atom, frags, loads, x, j, b, j > 0)
+            warpgroup.wait_group(0)
+            self._refill_b(loads, x - 1)
+            if const_expr(self.rescale_o):  # every lane read sFactor[:, b]: each releases
+                cute.arch.mbarrier_arrive(bars.p_empty + b)
+            if lane == 0:
+                if const_expr(not self.rescale_o):  # the warp's WGMMAs were its only reads
+                    cute.arch.mbarrier_arrive(bars.p_empty + b)
+                if const_expr(self.peer_arrivals):  # the peer writes our P slots too
+                    cute.arch.mbarrier_arrive(bars.p_empty + b, 1 - o_part,
+                                              scope=nvvm.MemScopeKind.CLUSTER)
+        # ---- the final factors arrive through the factor buffer; store O (rows < seqlen_r)
+        b = n_iter % 2
+        cute.arch.mbarrier_wait(bar_full + b, (n_iter // 2) & 1)
+        if const_expr(self.rescale_o):
+            self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+        rO = cute.make_fragment_like(acc_O, self.out_dtype)   # (MMA, MMA_M, MMA_N)
+        rO.store(acc_O.load().to(self.out_dtype))
+        # (TILE_M, dv): this warpgroup's columns of the tile's rows of O
+        gO = cute.local_tile(cute.domain_offset((0, col0), ops.mOut[batch, head, None, None]),
+                             (TILE_M, dv), (m_block, 0))
+        tOgO_mn = mn_view(thr_mma.partition_C(gO))   # (rows, cols) of this thread
+        rO_mn = mn_view(rO)                          # (rows, cols) of this thread
+        rows_left = tile.seqlen_r - m_block * TILE_M
+        for r in cutlass.range_constexpr(num_rows):
+            if tOcO_mn[r, 0][0] < rows_left:
+                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
+                    tOgO_mn[r, c] = rO_mn[r, c]
+
+    @cute.jit
+    def _pair_pv(self, atom, frags: OutFrags, loads: BLoads, x, i, b, n_count):
+        """`kv_pair` step i: O += P[2i] B[2i] + P[2i+1] B[2i+1] (P tile t in slot 2 b + t, the
+        peer's after pp[b]); when the count is odd the last step has one block, scored by both
+        CTAs: our own tile (slot 2 b + rank). Returns the B ring position after it."""
+        vj = self.b_chunks
+        bars, rank = loads.bars, loads.rank
+        solo = 2 * i + 1 >= n_count
+        first = 2 * b
+        if solo:
+            first = 2 * b + rank
+        else:
+            cute.arch.mbarrier_wait(bars.pp + b, (i // 2) & 1)
+        for jj in cutlass.range_constexpr(2 * vj):
+            t, j = jj // vj, jj % vj
+            if t == 0 or not solo:
+                slot = first if const_expr(t == 0) else 2 * b + 1
+                x = self._pv_stage(atom, frags, loads, x, j, slot, jj > 0)
+        return x
+
+    @cute.jit
+    def _pv_stage(self, atom, frags: OutFrags, loads: BLoads, x, j: cutlass.Constexpr, slot,
+                  refill: cutlass.Constexpr):
+        """O += P[:, rows of B stage j] (P slot `slot`) times the B stage at ring position x;
+        with `refill`, once the previous stage has been read, load its successor. Returns
+        x + 1."""
+        acc_O, tOrP, tOrB = frags
+        vs, k_per_b = self.cfg.v_stages, self.b_rows // self.mma_k
+        s = x % vs
+        cute.arch.mbarrier_wait(loads.bar + s, (x // vs) & 1)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(k_per_b):
+            cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_b + k, slot],
+                      tOrB[None, None, k, s], acc_O)
+        warpgroup.commit_group()
+        if const_expr(refill):
+            warpgroup.wait_group(1)  # stage x-1 has been read: refill it
+            self._refill_b(loads, x - 1)
+        return x + 1
+
+    @cute.jit
+    def _refill_b(self, loads: BLoads, done: Int32):
+        """B stage `done` was consumed: load stage done + v_stages into its slot."""
+        nxt = done + self.cfg.v_stages
+        if nxt < loads.total:
+            self._load_b(loads, nxt, done % self.cfg.v_stages)
+
+    @cute.jit
+    def _load_b(self, loads: BLoads, pos, s):
+        """B ring position pos = (block i, row chunk j) into stage s."""
+        vj = self.b_chunks
+        head, n_block = self._block(loads.seq, pos // vj)
+        src = self._b_src(loads, head, n_block * vj + pos % vj)
+        self._tma_load(loads.tma, src, loads.tBs[None, s], loads.bar + s,
+                       self.b_bytes[loads.half], loads.tidx)
+
+    @cute.jit
+    def _scale_rows(self, acc_O_mn, tOcO_mn, sFactor, b, num_rows: cutlass.Constexpr):
+        """O's rows times the factors published in sFactor[:, b]."""
+        for r in cutlass.range_constexpr(num_rows):
+            f = sFactor[tOcO_mn[r, 0][0], b]
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
+
+
+def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts):
+    """The kernel's shared-memory struct, fields in order (`kv_pair` adds its exchange
+    barriers and the peer's row statistics). Built from an annotations dict: the module's
+    postponed annotations would reach `cute.struct` as strings."""
+    ks, vs, kv = cfg.k_stages, cfg.v_stages, cfg.kv_pair
+    mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
+
+    def smem(layout):
+        return align[mem[dtype, cute.cosize(layout)], 1024]
+
+    fields = {
+        "bar_r": mem[i64, 1],
+        "bar_c": mem[i64, ks],
+        "bar_b": mem[i64, 2 * vs],      # [half * vs + stage]
+        "bar_p_full": mem[i64, 2 if cfg.publish_hi is None else 4],  # [half * 2 + buffer]
+        "bar_p_empty": mem[i64, 2],
+        # kv_pair: bar_x (the peer's row statistics landed) and bar_pp (the peer's P tile
+        # landed)
+        **{name: mem[i64, 2] for name in cfg.pair_barriers},
+        "row_factor": align[mem[Float32, cfg.factor_floats], 16],
+        **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if kv else {}),
+        "sR": smem(layouts.r), "sC": smem(layouts.c), "sBlo": smem(layouts.blo),
+        "sBhi": smem(layouts.bhi), "sP": smem(layouts.p),
+    }
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+__all__ = ["BLoads", "Barriers", "BlockSeq", "ColLoads", "Mmas", "Operands", "OutFrags",
+           "PairSmem", "RingSkeletonSm90", "Roles", "Scalars", "ScoreFrags", "ScoreIO",
+           "ScoreStep", "Smem", "SmemLayouts", "Tile", "WG_THREADS"]
