@@ -2,9 +2,9 @@
 
 Importing is cheap on purpose: cutlass and the kernel families load on the first kernel call.
 `ffpa_cute.options` holds what a caller may switch (`Options`, `options.use(...)`);
-`merge_attention` combines (out, lse) pairs over disjoint key sets; context parallelism
-(ring and Ulysses attention over torch.distributed) is `ffpa_cute.distributed`, imported on
-its own.
+`merge_attention` combines (out, lse) pairs over disjoint key sets; `varlen_attention` (packed
+sequences) takes FlashAttention's convention; context parallelism (ring and Ulysses attention over
+torch.distributed) is `ffpa_cute.distributed`, imported on its own.
 """
 
 from . import options
@@ -12,8 +12,9 @@ from .fp8 import quantize_fp8
 from .interface import attention, explain, patch_sdpa, unpatch_sdpa
 from .merge import merge_attention
 from .options import Options
+from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["Options", "attention", "explain", "merge_attention", "options", "patch_sdpa",
-           "quantize_fp8", "unpatch_sdpa", "__version__"]
+__all__ = ["Options", "attention", "explain", "merge_attention", "options", "patch_sdpa", "quantize_fp8", "unpatch_sdpa", "varlen_attention",
+           "__version__"]
