@@ -460,7 +460,7 @@ def test_import_is_light():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0.1.0", "False", "False"], out.stdout
-    assert ffpa_cute.__all__ == ["Options", "attention", "explain",
+    assert ffpa_cute.__all__ == ["Options", "attention", "attention_with_kvcache", "explain",
                                  "merge_attention", "options", "patch_sdpa", "quantize_fp8",
                                  "unpatch_sdpa", "varlen_attention", "__version__"]
 
