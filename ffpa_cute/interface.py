@@ -22,12 +22,13 @@ kernels compute it anyway; the fallback adds it with torch math (`fallback.nativ
 """
 
 import logging
+import math
 import operator
 
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, fp8, launch, ops
+from . import dispatch, fp8, launch, nested, ops
 from . import options as _options
 from .fallback import (causal_split, gqa_in_native, native_attention, native_attention_lse,
                        native_sdpa)
@@ -109,7 +110,8 @@ def _decide(device_str: str, strict, level: int, *fields):
 
 def _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds=None,
              sinks=None) -> AttnProblem:
-    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) if t.dim() != 4 else t for t in (q, k, v))
+    q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) if t.dim() != 4 else t
+                  for t in (q, k, v))
     return AttnProblem.from_tensors(q4, k4, v4, causal=causal, causal_offset=offset, scale=scale,
                                     has_mask=mask is not None, dropout_p=dropout_p,
                                     bounds=bounds, has_sinks=sinks is not None)
@@ -236,11 +238,18 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     sink). No kernel serves either yet: they run the exact torch math of
     `ffpa_cute.math_attention` (logged; strict raises). Not with dropout or FP8 inputs.
 
+    q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout): one call
+    per sequence, out (and lse) on q's offsets (`ffpa_cute.nested`).
+
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
     """
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
+    if nested.is_nested(q) or nested.is_nested(k) or nested.is_nested(v):
+        return nested.per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, dict(
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            strict=strict, window=window, sinks=sinks))
     key = None if window is not None or sinks is not None else _fast_key(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, return_lse)
     if key is not None and fp8_args == (None,) * 4:

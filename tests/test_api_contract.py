@@ -129,6 +129,8 @@ def test_empty_shapes(seed):
     q, k, v = qkv(nq=7, nkv=0)
     out = attention(q, k, v, is_causal=True, strict=True)  # nothing to compute: never strict
     assert out.shape == (2, 4, 7, 32) and (out == 0).all()
+    q, k = rand(4, 0, 32), rand(4, 9, 32)  # 3-D with no queries
+    assert attention(q, k, k).shape == (4, 0, 32)
 
 
 # -------------------------------------------------------------------------------- validation

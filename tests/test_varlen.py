@@ -169,3 +169,52 @@ CQ, CK = cu([4, 5]), cu([5, 7])
 def test_errors_name_the_argument(args, kw, exc, pattern):
     with pytest.raises(exc, match=pattern):
         varlen_attention(*args, **kw)
+
+
+# ------------------------------------------------------------- jagged NestedTensor input
+
+
+def jagged(values, lengths):
+    """[B, H, j, D] NestedTensor (SDPA's NJT layout) on packed [total, H, D] values."""
+    return torch.nested.nested_tensor_from_jagged(values, cu(lengths, torch.int64)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal,window,with_sinks", [(False, None, False), (True, (3, 1), True)])
+def test_nested_tensor_input(seed, causal, window, with_sinks):
+    """attention() on jagged NestedTensors equals varlen on the same values (odd and empty
+    sequences, GQA): out and lse share q's ragged dim, and gradients reach the values."""
+    from ffpa_cute import attention
+
+    lq, lk = [5, 0, 13, 2], [7, 4, 13, 0]
+    q, k, v = packed(lq, lk, dv=16, grad=True)
+    sinks = torch.randn(6, dtype=F64, requires_grad=True) if with_sinks else None
+    qn, kn, vn = jagged(q, lq), jagged(k, lk), jagged(v, lk)
+    out, lse = attention(qn, kn, vn, is_causal=causal, enable_gqa=True, window=window,
+                         sinks=sinks, return_lse=True)
+    assert out.is_nested and out.shape[2] is qn.shape[2] and (out + qn).shape == qn.shape
+    assert lse.is_nested and lse.dim() == 3 and lse.shape[1] == 6
+    kw = dict(causal=causal, window=window, sinks=sinks)
+    ref, ref_lse = ref_varlen(q, k, v, lq, lk, **kw)
+    assert rel_err(out.transpose(1, 2).values(), ref) <= 1e-12
+    assert rel_err(lse.transpose(1, 2).values().transpose(0, 1), ref_lse) <= 1e-12
+    dout = torch.randn(sum(lq), 6, 16, dtype=F64)
+    leaves = (q, k, v) + ((sinks,) if with_sinks else ())
+    got = torch.autograd.grad(out.transpose(1, 2).values(), leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-12
+
+
+def test_nested_tensor_errors(seed):
+    from ffpa_cute import attention
+
+    q, k, v = packed([3, 4], [5, 2], hq=2, hkv=2)
+    qn, kn, vn = jagged(q, [3, 4]), jagged(k, [5, 2]), jagged(v, [5, 2])
+    with pytest.raises(TypeError, match=r"^q, k, v must all be jagged NestedTensors .* k has"):
+        attention(qn, torch.randn(2, 2, 5, 16, dtype=F64), vn)
+    with pytest.raises(TypeError, match=r"q has"):
+        attention(qn.transpose(1, 2), kn, vn)  # [B, j, H, D]: the ragged dim in the wrong place
+    with pytest.raises(ValueError, match=r"^attn_mask is not supported with NestedTensor"):
+        attention(qn, kn, vn, attn_mask=torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"same number of sequences, got 2, 1, 2"):
+        attention(qn, jagged(k[:5], [5]), vn)
