@@ -144,17 +144,20 @@ def test_split_kv_is_exact(seed, num_splits):
 @pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
 def test_decode_gqa_mqa(seed, hq, hkv, dtype):
     """Decode (one new token per row) with up to 128 query heads per KV head, page 16 against
-    lengths it does not divide; bf16 within 2x torch's same-dtype error + 1e-3."""
+    lengths it does not divide, a window, sinks, two splits; bf16 within 2x torch's same-dtype
+    error + 1e-3."""
     cache = Cache([33, 0, 70], 1, hkv=hkv, d=32, dv=32, page_size=16, dtype=dtype)
     q, k, v = inputs(cache, 1, 1, hq=hq, dtype=dtype)
     sinks = torch.randn(hq)
     out, lse = attention_with_kvcache(q, cache.k, cache.v, seqlens(cache), cache.table, k=k,
-                                      v=v, sinks=sinks, num_splits=2, return_lse=True)
-    truth, truth_lse = reference(q, cache, k, v, causal=True, sinks=sinks)
+                                      v=v, window=(40, 0), sinks=sinks, num_splits=2,
+                                      return_lse=True)
+    kw = dict(causal=True, window=(40, 0), sinks=sinks)
+    truth, truth_lse = reference(q, cache, k, v, **kw)
     if dtype == F64:
         assert rel_err(out, truth) <= 1e-12 and rel_err(lse, truth_lse) <= 1e-12
         return
-    same, same_lse = reference(q, cache, k, v, dtype=dtype, causal=True, sinks=sinks)
+    same, same_lse = reference(q, cache, k, v, dtype=dtype, **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert rel_err(out, truth) <= bound(rel_err(same, truth))
     assert rel_err(lse, truth_lse) <= bound(rel_err(same_lse, truth_lse))
