@@ -8,6 +8,7 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
   2. fallback: torch's *native* SDPA, `torch._C._nn.scaled_dot_product_attention`. We never call
      `F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
+     A sliding window or sinks (no kernel has them yet) take exact torch math (`math_attention`).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.

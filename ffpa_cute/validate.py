@@ -2,7 +2,9 @@
 
 `check_args` returns the first argument error instead of raising, so the SDPA patch can hand
 invalid calls to native SDPA unchanged while `attention` raises our clearer message.
-`resolve_mask` maps (attn_mask, is_causal) to the causal alignment the kernels take.
+`resolve_mask` maps (attn_mask, is_causal) to the causal alignment the kernels take;
+`check_window_sinks` and `window_bounds` serve `attention`, `varlen_attention` and
+`attention_with_kvcache` alike.
 """
 
 import numbers
