@@ -91,23 +91,27 @@ def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
 
 @dataclass(frozen=True)
 class Family:
-    """One kernel family: its planners per direction and dtype class (None: no kernel yet) and
-    what has been verified of it (shown by `explain()` and the README)."""
+    """One kernel family: its planners per direction and dtype class (None: no kernel yet),
+    what has been verified of it (shown by `explain()` and the README), and the compile targets
+    its kernels have run on (elsewhere each configuration passes a canary first: selfcheck.py)."""
 
     name: str
     kernels: str
     verified: str
     fwd: dict[str, Callable | None]
     bwd: dict[str, Callable | None]
+    verified_targets: tuple[str, ...] = ()
 
 
 FAMILIES = {
     "sm80": Family("sm80", "ffpa_cute/sm80: mma.sync Split-D",
                    "run and tested on an H200 (compiled for sm_90a)",
-                   fwd={"16bit": _sm80_fwd, "fp8": None}, bwd={"16bit": _sm80_bwd}),
+                   fwd={"16bit": _sm80_fwd, "fp8": None}, bwd={"16bit": _sm80_bwd},
+                   verified_targets=("sm_90a",)),
     "sm90": Family("sm90", "ffpa_cute/sm90: warp-specialised WGMMA + TMA",
                    "run and tested on an H200",
-                   fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd}),
+                   fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd},
+                   verified_targets=("sm_90a",)),
     "sm100": Family("sm100", "none yet", "no kernels",
                     fwd={"16bit": None, "fp8": None, "fp4": None}, bwd={"16bit": None}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",

@@ -29,7 +29,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, fp8, launch, nested, ops
+from . import dispatch, fp8, launch, nested, ops, selfcheck
 from . import options as _options
 from .fallback import (causal_split, gqa_in_native, native_attention, native_attention_lse,
                        native_sdpa)
@@ -52,6 +52,7 @@ def _clear_caches() -> None:
     _FAST_CALLS.clear()
     _LOGGED.clear()
     dispatch.clear_plans()
+    selfcheck.clear()
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -70,13 +71,15 @@ def _concrete(x):
     return operator.index(x)
 
 
-def _reason(problem: AttnProblem, device: torch.device):
+def _reason(problem: AttnProblem, device: torch.device, check: bool = True):
     """None when the kernel path serves `problem`, else why not (`dispatch.feature_reason`
-    backs up the planners: the op takes no mask, dropout, window or sinks, whatever a planner
-    says)."""
+    backs up the planners: no mask, dropout, window or sinks reaches the op). `check`: run the
+    first-use self-check of a configuration never run on this target (selfcheck.py)."""
     if problem.batch * problem.heads_q * problem.seqlen_q == 0 or problem.seqlen_kv == 0:
         return _EMPTY
-    return dispatch.plan_fwd(problem, device).reason or dispatch.feature_reason(problem)
+    plan = dispatch.plan_fwd(problem, device)
+    reason = plan.reason or dispatch.feature_reason(problem)
+    return selfcheck.reason(plan, device) if reason is None and check else reason
 
 
 def _assume_constant_result(fn):
@@ -172,8 +175,8 @@ def _fast_call(q, k, v, causal, offset, softmax_scale, plan, fwd_call):
 
 def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, strict, level,
                fast_key=None, return_lse=False, window=None, sinks=None):
-    """out, or (out, lse) with `return_lse`, of a validated call. The window's frame is the
-    causal alignment (non-causal: bottom-right, upper-left for the SDPA patch)."""
+    """out, or (out, lse) with `return_lse`, of a validated call (the window in the causal
+    frame; non-causal: bottom-right, upper-left for the SDPA patch)."""
     nq, nkv = q.shape[-2], k.shape[-2]
     causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, upper_left)
     bounds = window_bounds(window, offset if causal else 0 if upper_left else nkv - nq)
@@ -326,9 +329,11 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, False)
     bounds = window_bounds(window, offset if causal else nkv - nq)
     problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds, sinks)
-    reason = _reason(problem, q.device)
+    reason = _reason(problem, q.device, check=False)
     if reason is None:
-        return (f"ffpa_cute kernel: {dispatch.plan_fwd(problem, q.device).describe()}; "
+        plan = dispatch.plan_fwd(problem, q.device)
+        check = selfcheck.status(plan, q.device)
+        return (f"ffpa_cute kernel: {plan.describe()}{check}; "
                 f"backward: {_backward_route(problem, q.device)}")
     if bounds is not None or sinks is not None:
         return f"torch-math fallback (window / sinks, forward and backward): {reason}"

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 FAMILIES = ("sm80", "sm90", "sm100", "sm120")
+SELF_CHECK = ("unverified", "always", "off")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -42,6 +43,10 @@ class Options:
                  computing every score block (FFPA_CUTE_KV_PAIR).
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
+    self_check:  "unverified" (default): the first call of each kernel configuration of a family
+                 never run on the device's target first passes a canary problem against a float32
+                 reference, else it falls back (ffpa_cute/selfcheck.py); "always": every family;
+                 "off": no canary (FFPA_CUTE_SELF_CHECK).
     """
 
     family: str | None = None
@@ -49,19 +54,25 @@ class Options:
     pack_gqa: bool = True
     kv_pair: bool = True
     fast_launch: bool = True
+    self_check: str = "unverified"
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
             raise ValueError(f"Options.family={self.family!r}: accepted values are None, "
                              f"{', '.join(FAMILIES)}")
+        if self.self_check not in SELF_CHECK:
+            raise ValueError(f"Options.self_check={self.self_check!r}: accepted values are "
+                             f"{', '.join(SELF_CHECK)}")
         for f in dataclasses.fields(self):
-            if f.name != "family" and not isinstance(getattr(self, f.name), bool):
+            if f.name not in ("family", "self_check") and not isinstance(getattr(self, f.name),
+                                                                         bool):
                 raise TypeError(f"Options.{f.name} must be a bool, got "
                                 f"{type(getattr(self, f.name)).__name__}")
 
 
 ENV = {"family": "FFPA_CUTE_ARCH", "strict": "FFPA_CUTE_STRICT", "pack_gqa": "FFPA_CUTE_PACK_GQA",
-       "kv_pair": "FFPA_CUTE_KV_PAIR", "fast_launch": "FFPA_CUTE_FAST_LAUNCH"}
+       "kv_pair": "FFPA_CUTE_KV_PAIR", "fast_launch": "FFPA_CUTE_FAST_LAUNCH",
+       "self_check": "FFPA_CUTE_SELF_CHECK"}
 
 
 def from_env(environ=None) -> Options:
@@ -78,6 +89,10 @@ def from_env(environ=None) -> Options:
             if value not in FAMILIES:
                 raise ValueError(f"{var}={raw!r}: accepted values are {', '.join(FAMILIES)}")
             kw[field] = value
+        elif field == "self_check":
+            if raw not in SELF_CHECK:
+                raise ValueError(f"{var}={raw!r}: accepted values are {', '.join(SELF_CHECK)}")
+            kw[field] = raw
         elif raw in _TRUE or raw in _FALSE:
             kw[field] = raw in _TRUE
         else:

@@ -25,6 +25,7 @@ class FakePlan:
     reason: str | None = None
     family: str | None = "fake"
     cfg: object = None  # no compiled kernel: no per-signature launcher either
+    target: str | None = None
     packed: bool = False
 
     def describe(self):

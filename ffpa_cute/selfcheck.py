@@ -1,0 +1,119 @@
+"""First-use self-check: a kernel configuration never run on this kind of GPU proves itself on a
+canary problem before it serves a call.
+
+Kernels are verified by running them on real hardware (docs/verification.md); a family whose
+kernels have never run on the device's compile target (sm120 and sm100 today; the sm80 kernels
+on an actual sm_80 / 86 / 89, which ran only as sm_90a code) could return a wrong answer that
+no test has seen. So, on such a target, the first call of each kernel configuration first runs a
+small canary problem of the same configuration (same kernel, dtype, head dims, causal mode, GQA
+packing) and compares it with a float32 reference on the same device, with the GPU tests'
+criterion: rel_err <= 2 * rel_err(torch in the same dtype) + 1e-3. On a mismatch the
+configuration is disabled for the process: that call and every later one fall back to SDPA (or
+raise, in strict mode), and the reason is logged once. The cost is one canary per configuration
+per process (a few ms after the kernel's compile); `Options.self_check="off"` skips it,
+`"always"` checks every family (what the H200 tests use to prove the mechanism).
+
+The canary runs the forward kernel only: a backward configuration on an unverified target is not
+canaried (the backward kernels share the forward's family and tile code, but a backward-only fault
+would not be caught here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from . import dispatch, launch
+from . import options as _options
+from .problem import DTYPE_NAMES, AttnProblem
+
+CANARY_SEQLEN_Q, CANARY_SEQLEN_KV = 67, 200  # odd, several KV blocks, a partial last block
+_FP8 = ("e4m3", "e5m2")  # the canary draws 16-bit inputs; FP8 has kernels only on sm_90a
+_RESULTS: dict = {}  # (kernel class, cfg, device) -> None (passed) or the failure reason
+
+
+def needed(plan, opts=None) -> bool:
+    """Whether `plan`'s kernel must pass the canary before serving a call."""
+    opts = opts or _options.current()
+    if plan.reason is not None or opts.self_check == "off" or plan.problem.dtype in _FP8:
+        return False
+    family = dispatch.FAMILIES.get(plan.family)
+    if family is None:  # not a kernel family of ours (the tests' stand-ins): only when asked
+        return opts.self_check == "always"
+    return opts.self_check == "always" or plan.target not in family.verified_targets
+
+
+def canary_problem(plan) -> AttnProblem:
+    """A small problem that plans the same kernel configuration as `plan`: the same dtype,
+    head dims, causal mode and GQA ratio (at most 8 query heads per KV head), packed rows when
+    `plan` packs them (one query row: decode), else 67 query rows against 200 keys."""
+    p = plan.problem
+    g = min(p.qhead_per_kvhead, 8)
+    nq = 1 if plan.packed else CANARY_SEQLEN_Q
+    return dataclasses.replace(p, batch=1, heads_q=g, heads_kv=1, seqlen_q=nq,
+                               seqlen_kv=CANARY_SEQLEN_KV,
+                               causal_offset=CANARY_SEQLEN_KV - nq if p.causal else 0,
+                               requires_grad=False)
+
+
+def _canary(plan, device) -> str | None:
+    """Run the canary of `plan`'s configuration; None when it passes, else the reason."""
+    from .reference import attention_ref, attention_same_dtype, rel_err
+
+    cp = canary_problem(plan)
+    cplan = dispatch.plan_fwd(cp, device)
+    if cplan.reason is not None or cplan.cfg != plan.cfg:
+        return None if cplan.cfg == plan.cfg else (
+            f"self-check could not build a canary for {plan.cfg}: it planned {cplan.cfg}")
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[cp.dtype]
+    gen = torch.Generator(device=device).manual_seed(1234)
+
+    def rnd(h, n, d):
+        return torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
+
+    q, k = rnd(cp.heads_q, cp.seqlen_q, cp.head_dim), rnd(1, cp.seqlen_kv, cp.head_dim)
+    v = rnd(1, cp.seqlen_kv, cp.head_dim_v)
+    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on:
+        out, _ = launch.run_fwd(cplan, q, k, v)
+    args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale)
+    ref, _ = attention_ref(q, k, v, upcast=torch.float32, **args)
+    base, _ = attention_same_dtype(q, k, v, **args)
+    err, bound = rel_err(out, ref), 2 * rel_err(base, ref) + 1e-3
+    if not err <= bound:  # NaN fails too
+        return (f"self-check failed for the {plan.family} kernel on {plan.target} "
+                f"({type(plan.cfg).__name__}): canary error {err:.3g} > {bound:.3g}; this "
+                "configuration falls back to SDPA in this process")
+    return None
+
+
+def reason(plan, device: torch.device) -> str | None:
+    """None when `plan` may serve calls on `device` (checked, or no check needed), else why
+    not; runs the canary on the first call of each configuration."""
+    if not needed(plan):
+        return None
+    key = (plan.family, plan.cfg, str(device))
+    if key not in _RESULTS:
+        _RESULTS[key] = _canary(plan, device)  # a failure is logged once, as the fallback reason
+    return _RESULTS[key]
+
+
+def status(plan, device: torch.device) -> str:
+    """For explain(): "" when no canary is needed, else whether it passed, failed or is pending
+    (explain runs nothing)."""
+    if not needed(plan):
+        return ""
+    result = _RESULTS.get((plan.family, plan.cfg, str(device)), "pending")
+    if result == "pending":
+        return " (self-check pending: its first call runs a canary)"
+    return " (self-check passed)" if result is None else f" ({result})"
+
+
+def clear() -> None:
+    """Forget the results (tests)."""
+    _RESULTS.clear()
+
+
+__all__ = ["canary_problem", "clear", "needed", "reason", "status"]

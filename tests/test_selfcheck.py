@@ -1,0 +1,133 @@
+"""The first-use self-check (ffpa_cute/selfcheck.py) on the CPU: which plans need it, that the
+canary plans the same configuration, and, through the fake-kernel route with
+`Options(self_check="always")`, that a wrong kernel is caught on its first call (the call falls
+back, the reason is logged once, strict raises) while a right one serves every call."""
+
+import logging
+
+import pytest
+import torch
+
+import fake_kernels  # tests/ is on sys.path
+import ffpa_cute
+from ffpa_cute import dispatch, explain, launch, selfcheck
+from ffpa_cute.options import Options
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.reference import attention_ref, rel_err
+
+
+def prob(d=512, hq=4, hkv=4, nq=7, nkv=7, causal=False, dv=None, **kw):
+    return AttnProblem(dtype="bf16", batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                       seqlen_kv=nkv, head_dim=d, head_dim_v=dv or d, causal=causal,
+                       causal_offset=nkv - nq if causal else 0, **kw)
+
+
+@pytest.mark.parametrize("target,family,needed", [
+    ("sm_90a", None, False), ("sm_90a", "sm80", False), ("sm_120a", None, True),
+    ("sm_86", None, True), ("sm_80", "sm80", True)])
+def test_which_plans_need_the_canary(target, family, needed):
+    """Only configurations of a family never run on the plan's compile target (the sm80 kernels
+    ran as sm_90a code only; sm120 never ran); `self_check` "off" / "always" override."""
+    plan = dispatch.plan_fwd(prob(), target=target, opts=Options(family=family))
+    assert plan.reason is None
+    assert selfcheck.needed(plan, Options(family=family)) == needed
+    assert not selfcheck.needed(plan, Options(family=family, self_check="off"))
+    assert selfcheck.needed(plan, Options(family=family, self_check="always"))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, nq=129, nkv=1000),
+                                dict(hq=128, hkv=1, nq=1, nkv=4097),  # packed MQA decode
+                                dict(d=1024, causal=True), dict(d=576, dv=512),
+                                dict(d=520)])
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+def test_the_canary_plans_the_same_configuration(kw, target):
+    plan = dispatch.plan_fwd(prob(**kw), target=target, opts=Options())
+    if plan.reason is not None:  # (Dv != D has no sm120 kernel)
+        return
+    canary = dispatch.plan_fwd(selfcheck.canary_problem(plan), target=target, opts=Options())
+    assert canary.cfg == plan.cfg and canary.packed == plan.packed
+    cp = selfcheck.canary_problem(plan)
+    assert cp.batch == 1 and cp.seqlen_kv == selfcheck.CANARY_SEQLEN_KV
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    fake = fake_kernels.install(monkeypatch)
+    with ffpa_cute.options.use(self_check="always"):
+        yield fake
+
+
+def qkv(nq=7, nkv=129):
+    return (torch.randn(2, 4, nq, 64), torch.randn(2, 2, nkv, 64), torch.randn(2, 2, nkv, 64))
+
+
+def test_a_right_kernel_passes_once_and_serves(seed, fakes):
+    q, k, v = qkv()
+    assert "self-check pending" in explain(q, k, v, is_causal=True, enable_gqa=True)
+    for _ in range(3):
+        out = ffpa_cute.attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert rel_err(out, attention_ref(q, k, v, causal=True)[0]) < 1e-5
+    # the canary once (its own shape), then the three calls
+    assert len(fakes.fwd_calls) == 4 and fakes.fwd_calls[0].seqlen_kv == 200
+    assert "self-check passed" in explain(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_a_wrong_kernel_is_caught_and_falls_back(seed, fakes, monkeypatch, caplog):
+    real = launch.run_fwd
+
+    def wrong(plan, q, k, v):  # an injected fault: a wrong softmax scale's worth of error
+        out, lse = real(plan, q, k, v)
+        return out * 1.05, lse
+
+    monkeypatch.setattr(launch, "run_fwd", wrong)
+    q, k, v = qkv()
+    caplog.set_level(logging.WARNING, logger="ffpa_cute")
+    for _ in range(2):
+        out = ffpa_cute.attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert rel_err(out, attention_ref(q, k, v, causal=True)[0]) < 1e-5  # SDPA's result
+    fails = [r for r in caplog.records if "self-check failed" in r.getMessage()]
+    assert len(fails) == 1 and len(fakes.fwd_calls) == 1  # the canary only
+    with pytest.raises(NotImplementedError, match="self-check failed"):
+        ffpa_cute.attention(q, k, v, is_causal=True, enable_gqa=True, strict=True)
+    assert "self-check failed" in explain(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_off_runs_no_canary(seed, fakes):
+    with ffpa_cute.options.use(self_check="off"):
+        ffpa_cute.attention(*qkv(), enable_gqa=True)
+    assert len(fakes.fwd_calls) == 1
+
+
+def test_the_option_is_validated():
+    with pytest.raises(ValueError, match="self_check"):
+        Options(self_check="sometimes")
+    from ffpa_cute.options import from_env
+
+    assert from_env({"FFPA_CUTE_SELF_CHECK": "off"}).self_check == "off"
+    with pytest.raises(ValueError, match="FFPA_CUTE_SELF_CHECK"):
+        from_env({"FFPA_CUTE_SELF_CHECK": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+def test_the_canary_on_the_device(seed, family, monkeypatch, caplog):
+    """On the H200, with `self_check="always"`: the real kernel passes its canary and serves;
+    an injected fault (the output scaled by 1.05 after the launch) is caught on the first call,
+    which then returns SDPA's result."""
+    q, k, v = (torch.randn(1, 4, n, 512, device="cuda", dtype=torch.bfloat16)
+               for n in (129, 1000, 1000))
+    ref = attention_ref(q, k, v, causal=True)[0]
+    with ffpa_cute.options.use(self_check="always", family=family):
+        ffpa_cute.interface._clear_caches()
+        out = ffpa_cute.attention(q, k, v, is_causal=True)
+        assert "self-check passed" in explain(q, k, v, is_causal=True)
+        assert rel_err(out, ref) < 1e-2
+        ffpa_cute.interface._clear_caches()
+        real = launch.run_fwd
+        monkeypatch.setattr(launch, "run_fwd",
+                            lambda plan, *a: (lambda o, lse: (o * 1.05, lse))(*real(plan, *a)))
+        caplog.set_level(logging.WARNING, logger="ffpa_cute")
+        out = ffpa_cute.attention(q, k, v, is_causal=True)
+        assert any("self-check failed" in r.getMessage() for r in caplog.records)
+        assert rel_err(out, ref) < 1e-2  # SDPA's answer, not the faulty kernel's
+    ffpa_cute.interface._clear_caches()
