@@ -2,18 +2,22 @@
 
 Importing is cheap on purpose: cutlass and the kernel families load on the first kernel call.
 `ffpa_cute.options` holds what a caller may switch (`Options`, `options.use(...)`);
-`merge_attention` combines (out, lse) pairs over disjoint key sets; context parallelism
-(ring and Ulysses attention over torch.distributed) is `ffpa_cute.distributed`, imported on
-its own.
+`merge_attention` combines (out, lse) pairs over disjoint key sets; `varlen_attention` (packed
+sequences) and `attention_with_kvcache` (contiguous or paged cache, decode and chunked prefill)
+take FlashAttention's conventions; context parallelism (ring and Ulysses attention over
+torch.distributed) is `ffpa_cute.distributed`, imported on its own.
 """
 
 from . import options
 from .fp8 import quantize_fp8
 from .interface import attention, explain, patch_sdpa, unpatch_sdpa
+from .kvcache import attention_with_kvcache
 from .merge import merge_attention
 from .options import Options
+from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["Options", "attention", "explain", "merge_attention", "options", "patch_sdpa",
-           "quantize_fp8", "unpatch_sdpa", "__version__"]
+__all__ = ["Options", "attention", "attention_with_kvcache", "explain", "merge_attention",
+           "options", "patch_sdpa", "quantize_fp8", "unpatch_sdpa", "varlen_attention",
+           "__version__"]

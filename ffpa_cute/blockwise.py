@@ -11,7 +11,8 @@ q, k, v, out, lse, dout and applies P = exp(S * scale - lse) with the lse it is 
 of the ordinary backward cannot serve a block: it would renormalise over the block's keys only.
 
 Causal offset as everywhere in the package: query i sees key j iff j <= i + offset, in the
-block's own indices. Tensors are [B, H, N, D].
+block's own indices; a window's `bounds` = (lo, hi) likewise (i + lo <= j <= i + hi), which
+runs `math_attention` (no kernel has a window yet). Tensors are [B, H, N, D].
 """
 
 from __future__ import annotations
@@ -21,24 +22,30 @@ import logging
 from . import dispatch, launch, ops
 from .fallback import block_grads, native_attention_lse
 from .interface import _route
+from .math_attention import math_attention
 from .problem import AttnProblem
 
 __all__ = ["block_backward", "block_forward"]
 
 
-def block_forward(q, k, v, *, causal: bool, offset: int, scale: float | None, strict=None):
+def block_forward(q, k, v, *, causal: bool, offset: int, scale: float | None, strict=None,
+                  bounds=None):
     """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq]) of q against this key block.
 
     lse is float32 from a kernel, `fallback.compute_dtype(q.dtype)` from the fallback; rows
     that see no key of the block give out 0 and lse -inf. No autograd (callers that need
-    gradients use `block_backward`).
+    gradients use `block_backward`). bounds: a sliding window's (lo, hi) in the block's
+    indices, or None.
     """
     offset = int(offset) if causal else 0
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset,
-                                       scale=scale)
+                                       scale=scale, bounds=bounds)
     if _route(problem, q.device, strict, logging.WARNING) is None:
         plan = dispatch.plan_fwd(problem, q.device)
         return ops.kernel_forward(q, k, v, causal, offset, problem.softmax_scale, plan)
+    if bounds is not None:
+        return math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds, sinks=None,
+                              mask=None, scale=scale)
     return native_attention_lse(q, k, v, causal=causal, offset=offset, mask=None, scale=scale)
 
 

@@ -194,16 +194,30 @@ class BwdPlan:
         return [(kernel_class(c), c) for c in self.cfgs]
 
 
+def feature_reason(p: AttnProblem) -> str | None:
+    """The first semantic of `p` that no kernel implements yet (a dense mask, dropout, a
+    sliding window, sinks), else None. `interface` checks it again after planning, so these
+    never reach a kernel whatever a planner says."""
+    if p.has_mask:
+        return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
+    if p.dropout_p > 0.0:
+        return "dropout_p > 0 has no kernel yet"
+    if p.has_window:
+        return "sliding window has no kernel yet"
+    if p.has_sinks:
+        return "attention sinks have no kernel yet"
+    return None
+
+
 def problem_reason(p: AttnProblem) -> str | None:
     """Reasons no kernel family covers a problem, whatever the GPU."""
     if p.device_type != "cuda":
         return f"tensors on {p.device_type}: the kernels run on CUDA devices only"
     if p.dtype not in DTYPE_CLASS:
         return f"dtype {p.dtype} has no kernel (bf16, fp16; e4m3 forward)"
-    if p.has_mask:
-        return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
-    if p.dropout_p > 0.0:
-        return "dropout_p > 0 has no kernel yet"
+    reason = feature_reason(p)
+    if reason is not None:
+        return reason
     if p.head_dim <= 256:
         return (f"head_dim={p.head_dim} <= 256: FlashAttention-class kernels (torch SDPA's "
                 "flash/cuDNN backends) already cover it")
@@ -304,5 +318,5 @@ def clear_plans() -> None:
 
 __all__ = ["BwdPlan", "DTYPE_CLASS", "FAMILIES", "FAMILY_OF_TARGET", "Family", "MAX_HEAD_DIM",
            "MIN_HEAD_DIM", "Plan", "TARGETS", "clear_plans", "current_arch", "family_of_target",
-           "kernel_class", "packed_problem", "plan_bwd", "plan_fwd", "problem_reason",
-           "target_of"]
+           "feature_reason", "kernel_class", "packed_problem", "plan_bwd", "plan_fwd",
+           "problem_reason", "target_of"]

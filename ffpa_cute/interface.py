@@ -8,6 +8,7 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
   2. fallback: torch's *native* SDPA, `torch._C._nn.scaled_dot_product_attention`. We never call
      `F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
+     A sliding window or sinks (no kernel has them yet) take exact torch math (`math_attention`).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -22,17 +23,19 @@ kernels compute it anyway; the fallback adds it with torch math (`fallback.nativ
 """
 
 import logging
+import math
 import operator
 
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, fp8, launch, ops, selfcheck
+from . import dispatch, fp8, launch, nested, ops, selfcheck
 from . import options as _options
 from .fallback import (causal_split, gqa_in_native, native_attention, native_attention_lse,
                        native_sdpa)
+from .math_attention import math_attention
 from .problem import AttnProblem
-from .validate import check_args, check_return_lse, resolve_mask
+from .validate import check_args, check_return_lse, check_window_sinks, resolve_mask, window_bounds
 
 __all__ = ["attention", "explain", "patch_sdpa", "unpatch_sdpa"]
 
@@ -69,20 +72,14 @@ def _concrete(x):
 
 
 def _reason(problem: AttnProblem, device: torch.device, check: bool = True):
-    """None when the kernel path serves `problem`, else why not (local checks back up
-    dispatch: the op takes no mask or dropout, whatever a planner says). `check`: run the
+    """None when the kernel path serves `problem`, else why not (`dispatch.feature_reason`
+    backs up the planners: no mask, dropout, window or sinks reaches the op). `check`: run the
     first-use self-check of a configuration never run on this target (selfcheck.py)."""
     if problem.batch * problem.heads_q * problem.seqlen_q == 0 or problem.seqlen_kv == 0:
         return _EMPTY
     plan = dispatch.plan_fwd(problem, device)
-    reason = plan.reason
-    if reason is None and problem.has_mask:
-        return "attn_mask has no kernel yet (only causal and CausalBias masks do)"
-    if reason is None and problem.dropout_p > 0.0:
-        return "dropout has no kernel yet"
-    if reason is None and check:
-        reason = selfcheck.reason(plan, device)
-    return reason
+    reason = plan.reason or dispatch.feature_reason(problem)
+    return selfcheck.reason(plan, device) if reason is None and check else reason
 
 
 def _assume_constant_result(fn):
@@ -110,15 +107,18 @@ def _decide(device_str: str, strict, level: int, *fields):
         raise NotImplementedError(reason)
     if (level, reason) not in _LOGGED:
         _LOGGED.add((level, reason))
-        log.log(level, "using native SDPA: %s (ffpa_cute.explain() shows the route; "
-                "FFPA_CUTE_STRICT=1 raises instead)", reason)
+        log.log(level, "using the native torch fallback: %s (ffpa_cute.explain() shows the "
+                "route; FFPA_CUTE_STRICT=1 raises instead)", reason)
     return reason
 
 
-def _problem(q, k, v, causal, offset, scale, mask, dropout_p) -> AttnProblem:
-    q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) if t.dim() != 4 else t for t in (q, k, v))
+def _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds=None,
+             sinks=None) -> AttnProblem:
+    q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) if t.dim() != 4 else t
+                  for t in (q, k, v))
     return AttnProblem.from_tensors(q4, k4, v4, causal=causal, causal_offset=offset, scale=scale,
-                                    has_mask=mask is not None, dropout_p=dropout_p)
+                                    has_mask=mask is not None, dropout_p=dropout_p,
+                                    bounds=bounds, has_sinks=sinks is not None)
 
 
 def _route(problem: AttnProblem, device, strict, level):
@@ -174,12 +174,18 @@ def _fast_call(q, k, v, causal, offset, softmax_scale, plan, fwd_call):
 
 
 def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, strict, level,
-               fast_key=None, return_lse=False):
-    """out, or (out, lse) with `return_lse`, of a validated call."""
-    causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2],
-                                        upper_left)
-    problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p)
+               fast_key=None, return_lse=False, window=None, sinks=None):
+    """out, or (out, lse) with `return_lse`, of a validated call (the window in the causal
+    frame; non-causal: bottom-right, upper-left for the SDPA patch)."""
+    nq, nkv = q.shape[-2], k.shape[-2]
+    causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, upper_left)
+    bounds = window_bounds(window, offset if causal else 0 if upper_left else nkv - nq)
+    problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds, sinks)
     if _route(problem, q.device, strict, level) is not None:
+        if bounds is not None or sinks is not None:  # no kernel serves these (feature_reason)
+            out, lse = math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds,
+                                      sinks=sinks, mask=mask, scale=scale)
+            return (out, lse) if return_lse else out
         if return_lse:
             return native_attention_lse(q, k, v, causal=causal, offset=offset, mask=mask,
                                         scale=scale)
@@ -204,8 +210,8 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, strict=None, return_lse=False, q_descale=None,
-              k_descale=None, v_descale=None, out_dtype=None):
+              enable_gqa=False, *, strict=None, return_lse=False, window=None, sinks=None,
+              q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Exact attention with SDPA's signature on [..., H, N, D] tensors; returns [..., Hq, Nq, Dv],
     or with `return_lse=True` (out, lse).
 
@@ -227,27 +233,47 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     term (`ffpa_cute.distributed.ring_attention` has its own exact backward). Not with
     dropout_p > 0 (ValueError).
 
+    window=(left, right): a sliding window; each side an int >= 0 or None (unbounded). Query
+    i, placed at key i + Nkv - Nq (bottom-right; a causal_upper_left mask places it at key i),
+    sees key j iff i + Nkv - Nq - left <= j <= i + Nkv - Nq + right, and with causal also
+    j <= i + Nkv - Nq. sinks: a float tensor [Hq] of learned logits (GPT-OSS), compared with
+    the *scaled* scores: row i's softmax denominator becomes sum_j exp(s_ij) + exp(sinks[h]);
+    gradients flow to sinks; lse includes the sink term (a row with no key: out 0, lse =
+    sink). No kernel serves either yet: they run the exact torch math of
+    `ffpa_cute.math_attention` (logged; strict raises). Not with dropout or FP8 inputs.
+
+    q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout): one call
+    per sequence, out (and lse) on q's offsets (`ffpa_cute.nested`).
+
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
     """
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
-    key = _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False,
-                    return_lse)
+    if nested.is_nested(q) or nested.is_nested(k) or nested.is_nested(v):
+        return nested.per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, dict(
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            strict=strict, window=window, sinks=sinks))
+    key = None if window is not None or sinks is not None else _fast_key(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, return_lse)
     if key is not None and fp8_args == (None,) * 4:
         hit = _FAST_CALLS.get(key)
         if hit is not None:
             return _fast_call(q, k, v, *hit) if return_lse else _fast_call(q, k, v, *hit)[0]
     err = (check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-           or check_return_lse(return_lse, dropout_p))
+           or check_return_lse(return_lse, dropout_p)
+           or check_window_sinks(window, sinks, q, dropout_p))
     if err is not None:
         raise err
     if fp8.is_fp8(q) or fp8_args != (None,) * 4:
+        if window is not None or sinks is not None:
+            raise NotImplementedError("window and sinks are not available with FP8 inputs yet; "
+                                      "dequantise (x_fp8.float() * descale) and pass 16-bit")
         return _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, return_lse,
                               *fp8_args)
     return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left=False,
                       strict=None if strict is None else bool(strict), level=logging.WARNING,
-                      fast_key=key, return_lse=return_lse)
+                      fast_key=key, return_lse=return_lse, window=window, sinks=sinks)
 
 
 def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, return_lse,
@@ -289,23 +315,28 @@ def _fallback_details(q, v, problem: AttnProblem, mask) -> str:
 
 
 def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-            enable_gqa=False) -> str:
+            enable_gqa=False, *, window=None, sinks=None) -> str:
     """One line saying which path `attention(...)` with these arguments takes, and why; on the
     kernel path also which backward serves it (kernels, or the SDPA recompute and why).
 
     Runs nothing and logs nothing; validates like `attention` (same errors).
     """
-    err = check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    err = (check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+           or check_window_sinks(window, sinks, q, dropout_p))
     if err is not None:
         raise err
-    causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], False)
-    problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p)
+    nq, nkv = q.shape[-2], k.shape[-2]
+    causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, False)
+    bounds = window_bounds(window, offset if causal else nkv - nq)
+    problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds, sinks)
     reason = _reason(problem, q.device, check=False)
     if reason is None:
         plan = dispatch.plan_fwd(problem, q.device)
         check = selfcheck.status(plan, q.device)
         return (f"ffpa_cute kernel: {plan.describe()}{check}; "
                 f"backward: {_backward_route(problem, q.device)}")
+    if bounds is not None or sinks is not None:
+        return f"torch-math fallback (window / sinks, forward and backward): {reason}"
     details = _fallback_details(q, v, problem, mask)
     return f"native SDPA fallback: {reason}" + (f" [{details}]" if details else "")
 

@@ -27,6 +27,10 @@ class AttnProblem:
     causal_offset: query row i may see key j iff j <= i + causal_offset (only when `causal`).
     Bottom-right alignment (FlashAttention / our `attention(is_causal=True)`) is
     offset = seqlen_kv - seqlen_q; upper-left (SDPA's `is_causal`) is offset = 0.
+    window_lo / window_hi: a sliding window, query row i may see key j iff
+    i + window_lo <= j <= i + window_hi (None: that side unbounded), intersected with causal;
+    the public (left, right) window becomes lo = frame - left, hi = frame + right.
+    has_sinks: a per-head sink logit joins every row's softmax denominator.
     """
 
     dtype: str  # "bf16" | "fp16" | "fp32" | ...
@@ -45,10 +49,17 @@ class AttnProblem:
     dropout_p: float = 0.0
     requires_grad: bool = False
     out_dtype: str | None = None  # the output's dtype when it differs from the inputs' (FP8)
+    window_lo: int | None = None
+    window_hi: int | None = None
+    has_sinks: bool = False
 
     @property
     def qhead_per_kvhead(self) -> int:
         return self.heads_q // self.heads_kv
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_lo is not None or self.window_hi is not None
 
     @property
     def softmax_scale(self) -> float:
@@ -57,11 +68,14 @@ class AttnProblem:
     @staticmethod
     def from_tensors(q, k, v, *, causal: bool = False, causal_offset: int | None = None,
                      scale: float | None = None, has_mask: bool = False,
-                     dropout_p: float = 0.0) -> "AttnProblem":
+                     dropout_p: float = 0.0, bounds: tuple | None = None,
+                     has_sinks: bool = False) -> "AttnProblem":
         """Describe q [B, Hq, Nq, D], k [B, Hkv, Nkv, D], v [B, Hkv, Nkv, Dv].
 
-        causal_offset defaults to bottom-right alignment (Nkv - Nq).
+        causal_offset defaults to bottom-right alignment (Nkv - Nq); bounds is the window's
+        (window_lo, window_hi), None for no window.
         """
+        lo, hi = bounds if bounds is not None else (None, None)
         b, hq, nq, d = q.shape
         _, hkv, nkv, _ = k.shape
         if causal_offset is None:
@@ -73,4 +87,6 @@ class AttnProblem:
             scale=float(scale) if scale is not None else None, device_type=q.device.type,
             has_mask=has_mask, dropout_p=float(dropout_p),
             requires_grad=bool(q.requires_grad or k.requires_grad or v.requires_grad),
+            window_lo=None if lo is None else int(lo), window_hi=None if hi is None else int(hi),
+            has_sinks=bool(has_sinks),
         )

@@ -2,12 +2,16 @@
 
 `check_args` returns the first argument error instead of raising, so the SDPA patch can hand
 invalid calls to native SDPA unchanged while `attention` raises our clearer message.
-`resolve_mask` maps (attn_mask, is_causal) to the causal alignment the kernels take.
+`resolve_mask` maps (attn_mask, is_causal) to the causal alignment the kernels take;
+`check_window_sinks` and `window_bounds` serve `attention`, `varlen_attention` and
+`attention_with_kvcache` alike.
 """
 
 import numbers
 
 import torch
+
+SINK_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def causal_bias(mask):
@@ -98,6 +102,49 @@ def check_return_lse(return_lse, dropout_p):
     return None
 
 
+def check_window_sinks(window, sinks, q, dropout_p=0.0):
+    """The error of the `window` / `sinks` arguments (or None).
+
+    window: None, or (left, right) with each side an int >= 0 or None (unbounded on that
+    side). sinks: None, or a floating tensor [Hq] on q's device (one logit per query head).
+    Neither combines with dropout (their math path has none)."""
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            return TypeError("window must be None or a pair (left, right), each an int >= 0 "
+                             f"or None (unbounded), got {window!r}")
+        for side, w in zip(("left", "right"), window):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral)):
+                return TypeError(f"window {side} must be an int >= 0 or None (unbounded), got "
+                                 f"{type(w).__name__}")
+            if w is not None and w < 0:
+                return ValueError(f"window {side}={w}: must be an int >= 0, or None for an "
+                                  "unbounded side (not -1)")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dtype not in SINK_DTYPES:
+            return TypeError("sinks must be None or a float tensor [Hq] (float32, float64, "
+                             f"bfloat16 or float16), got {getattr(sinks, 'dtype', type(sinks))}")
+        if tuple(sinks.shape) != (q.shape[-3],):
+            return ValueError(f"sinks must have shape [Hq] = [{q.shape[-3]}] (one logit per "
+                              f"query head), got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            return ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    if dropout_p != 0 and (window is not None or sinks is not None):
+        return ValueError(f"dropout_p={dropout_p} cannot be combined with window or sinks (their "
+                          "exact math path has no dropout); pass dropout_p=0.0")
+    return None
+
+
+def window_bounds(window, frame):
+    """(lo, hi) of a checked (left, right) window whose query row i sits at key i + frame:
+    row i may see key j iff i + lo <= j <= i + hi (None: unbounded). None when there is no
+    window or both sides are unbounded."""
+    if window is None or (window[0] is None and window[1] is None):
+        return None
+    left, right = window
+    return (None if left is None else frame - int(left),
+            None if right is None else frame + int(right))
+
+
 def resolve_mask(attn_mask, is_causal, nq, nkv, upper_left):
     """Map (attn_mask, is_causal) to (causal, causal_offset, tensor_mask).
 
@@ -114,4 +161,5 @@ def resolve_mask(attn_mask, is_causal, nq, nkv, upper_left):
     return False, 0, attn_mask
 
 
-__all__ = ["causal_bias", "check_args", "check_return_lse", "resolve_mask"]
+__all__ = ["causal_bias", "check_args", "check_return_lse", "check_window_sinks", "resolve_mask",
+           "window_bounds"]

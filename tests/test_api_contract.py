@@ -129,6 +129,8 @@ def test_empty_shapes(seed):
     q, k, v = qkv(nq=7, nkv=0)
     out = attention(q, k, v, is_causal=True, strict=True)  # nothing to compute: never strict
     assert out.shape == (2, 4, 7, 32) and (out == 0).all()
+    q, k = rand(4, 0, 32), rand(4, 9, 32)  # 3-D with no queries
+    assert attention(q, k, k).shape == (4, 0, 32)
 
 
 # -------------------------------------------------------------------------------- validation
@@ -460,8 +462,9 @@ def test_import_is_light():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0.1.0", "False", "False"], out.stdout
-    assert ffpa_cute.__all__ == ["Options", "attention", "explain", "merge_attention", "options",
-                                 "patch_sdpa", "quantize_fp8", "unpatch_sdpa", "__version__"]
+    assert ffpa_cute.__all__ == ["Options", "attention", "attention_with_kvcache", "explain",
+                                 "merge_attention", "options", "patch_sdpa", "quantize_fp8",
+                                 "unpatch_sdpa", "varlen_attention", "__version__"]
 
 
 def test_eager_calls_skip_the_custom_op_dispatcher(seed, fake_kernel, monkeypatch):

@@ -1,0 +1,234 @@
+"""Attention against a key/value cache, contiguous or paged, for decode and chunked prefill:
+`attention_with_kvcache`, FlashAttention's `flash_attn_with_kvcache` convention. Forward only.
+
+Layouts (FlashAttention's kvcache layout: batch, sequence, heads, head dim):
+  q [B, Nq, Hq, D] -> out [B, Nq, Hq, Dv], lse [B, Hq, Nq].
+  contiguous cache: k_cache [B, Ncache, Hkv, D], v_cache [B, Ncache, Hkv, Dv]; row b's key t is
+    k_cache[b, t].
+  paged cache (block_table [B, max_pages] given): k_cache [num_pages, page_size, Hkv, D],
+    v_cache [num_pages, page_size, Hkv, Dv]; row b's key t is
+    k_cache[block_table[b, t // page_size], t % page_size]. Any page size (the issue asks for
+    16-256); it need not divide the lengths.
+  cache_seqlens [B] (or one int): keys already valid in row b. New keys k / v
+    [B, Nnew, Hkv, D(v)] are written into the cache in place at positions cache_seqlens[b] ..
+    cache_seqlens[b] + Nnew - 1 (as FlashAttention does; cache_seqlens itself is not changed),
+    and row b attends over its first n_b = cache_seqlens[b] + Nnew keys.
+Causal is bottom-right over those n_b keys: the Nq queries are the last Nq positions (decode
+with Nq = 1 sees every key; chunked prefill: query i sees keys j <= i + n_b - Nq); a window
+is in the same frame. GQA / MQA: Hq any multiple of Hkv (128:1 included).
+
+Today this is a loop on the host (cache_seqlens and block_table are read there: one device sync
+on CUDA). Row b's n_b keys are gathered from its pages into a contiguous tensor (a copy), cut
+into `num_splits` parts, each part routed like `attention()` (`blockwise.block_forward`: a kernel
+where one serves it, else the native fallback; a window takes the torch-math path), the parts
+combined exactly with `merge_attention` (split-KV), and the sinks added once to the merged
+result (`math_attention.apply_sinks`). A paged, split-KV kernel would read the pages in place in
+one launch; none exists yet.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .blockwise import block_forward
+from .fallback import compute_dtype
+from .merge import merge_attention
+from .math_attention import apply_sinks
+from .validate import check_return_lse, check_window_sinks, window_bounds
+
+__all__ = ["attention_with_kvcache"]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tensors(q, k_cache, v_cache, k, v, paged):
+    """Shape / dtype / device errors of the tensor arguments (raises)."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    named += [("k", k), ("v", v)] if k is not None else []
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES or t.dtype != q.dtype:
+            raise TypeError(f"q, k_cache, v_cache (and k, v) must share one dtype among "
+                            f"bfloat16, float16, float32, float64 (no FP8 cache yet); {name} is "
+                            f"{t.dtype}, q {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    b, _, hq, d = q.shape
+    layout = ("[num_pages, page_size, Hkv, D] (paged: block_table given)" if paged
+              else "[B, Ncache, Hkv, D] (contiguous: no block_table)")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != d or (
+            not paged and k_cache.shape[0] != b):
+        raise ValueError(f"k_cache / v_cache must be {layout} with q's B = {b} and D = {d}, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of the cache's heads ({hkv}) "
+                         "(GQA / MQA)")
+    if k is not None and (k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]
+                          or v.shape[:3] != k.shape[:3] or v.shape[3] != v_cache.shape[3]):
+        raise ValueError(f"k / v must be [B, Nnew, Hkv, D] / [B, Nnew, Hkv, Dv] = [{b}, Nnew, "
+                         f"{hkv}, {d} / {v_cache.shape[3]}], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+
+
+def _lengths(cache_seqlens, b, device):
+    """cache_seqlens as a host list of B ints >= 0 (raises naming it)."""
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lens = [int(cache_seqlens)] * b
+    elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype in INDEX_DTYPES:
+        if tuple(cache_seqlens.shape) != (b,):
+            raise ValueError(f"cache_seqlens must have shape [B] = [{b}], got "
+                             f"{tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device.type != "cpu" and cache_seqlens.device != device:
+            raise ValueError(f"cache_seqlens must be on the CPU or q's device ({device})")
+        lens = cache_seqlens.tolist()
+    else:
+        raise TypeError(f"cache_seqlens must be an int32 / int64 tensor [B] or an int, got "
+                        f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
+    if any(n < 0 for n in lens):
+        raise ValueError(f"cache_seqlens must be >= 0, got {min(lens)}")
+    return lens
+
+
+def _pages(block_table, lens, page_size, num_pages, b, device):
+    """Each row's page indices as a host list (the pages its n_b keys use), or raise."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in INDEX_DTYPES:
+        raise TypeError(f"block_table must be an int32 / int64 tensor [B, max_pages], got "
+                        f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be [B, max_pages] with B = {b}, got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.device.type != "cpu" and block_table.device != device:
+        raise ValueError(f"block_table must be on the CPU or q's device ({device})")
+    capacity = block_table.shape[1] * page_size
+    table = block_table.cpu()
+    pages = []
+    for row, n in enumerate(lens):
+        if n > capacity:
+            raise ValueError(f"row {row} needs {n} keys (cache_seqlens + new) but block_table "
+                             f"holds {block_table.shape[1]} pages of {page_size} = {capacity}")
+        used = table[row, :-(-n // page_size)].tolist()
+        if any(p < 0 or p >= num_pages for p in used):
+            raise ValueError(f"block_table[{row}] refers to pages {used}; k_cache has "
+                             f"{num_pages} (0 .. {num_pages - 1})")
+        pages.append(used)
+    return pages
+
+
+def _append(k_cache, v_cache, k, v, lens_before, pages, page_size):
+    """Write the new keys / values into the cache in place at each row's positions
+    cache_seqlens[b] .. + Nnew - 1."""
+    b, nnew = k.shape[:2]
+    dev = k_cache.device
+    pos = (torch.tensor(lens_before, device=dev).unsqueeze(1)
+           + torch.arange(nnew, device=dev))  # [B, Nnew]
+    if pages is None:
+        rows = torch.arange(b, device=dev).unsqueeze(1).expand(b, nnew)
+        k_cache[rows, pos], v_cache[rows, pos] = k, v
+        return
+    width = max(1, max(len(p) for p in pages))
+    table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=dev)
+    page = table.gather(1, torch.div(pos, page_size, rounding_mode="floor"))
+    k_cache[page, pos % page_size], v_cache[page, pos % page_size] = k, v
+
+
+def _parts(n, num_splits):
+    """Key ranges cutting [0, n) into at most `num_splits` equal parts (one empty part if n
+    is 0)."""
+    size = max(1, -(-n // num_splits))
+    return [(a, min(n, a + size)) for a in range(0, n, size)] or [(0, 0)]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, *, k=None,
+                           v=None, is_causal=True, scale=None, window=None, sinks=None,
+                           return_lse=False, num_splits=None, strict=None):
+    """Attention of q [B, Nq, Hq, D] against each row's cached keys (plus new ones appended in
+    place); returns out [B, Nq, Hq, Dv] in q's dtype, or with `return_lse=True` (out, lse
+    [B, Hq, Nq] float32, float64 for float64 inputs). Layouts and the in-place append: the
+    module docstring.
+
+    is_causal (default True): bottom-right over each row's keys. window=(left, right), sinks
+    [Hq] (scaled-score units, in every row's denominator and in lse): as in `attention()`.
+    num_splits: cut each row's keys into that many parts and combine them exactly through
+    their lse (split-KV); None picks automatically (1 today). Forward only (serving): inputs
+    that require grad are refused while grad mode is on; run it under torch.no_grad() or
+    torch.inference_mode(). Routing, logging and `strict` as in `attention()`, per part.
+    """
+    paged = block_table is not None
+    _check_tensors(q, k_cache, v_cache, k, v, paged)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be None or a float, got {type(scale).__name__}")
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, numbers.Integral)):
+        raise TypeError(f"num_splits must be None (automatic) or an int >= 1, got "
+                        f"{type(num_splits).__name__}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be None (automatic) or an int >= 1, got {num_splits}")
+    err = check_return_lse(return_lse, 0.0) or check_window_sinks(window, sinks,
+                                                                  q.transpose(1, 2))
+    if err is not None:
+        raise err
+    grads = [n for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
+                            ("v", v), ("sinks", sinks)) if t is not None and t.requires_grad]
+    if grads and torch.is_grad_enabled():
+        raise NotImplementedError(f"attention_with_kvcache is forward-only (serving); "
+                                  f"{', '.join(grads)} require grad: call it under "
+                                  "torch.no_grad() or torch.inference_mode(), or detach them")
+    b, nq = q.shape[:2]
+    strict = None if strict is None else bool(strict)
+    nnew = 0 if k is None else k.shape[1]
+    before = _lengths(cache_seqlens, b, q.device)
+    lens = [n + nnew for n in before]
+    if paged:
+        page_size = k_cache.shape[1]
+        pages = _pages(block_table, lens, page_size, k_cache.shape[0], b, q.device)
+    else:
+        pages, page_size = None, None
+        if max(lens, default=0) > k_cache.shape[1]:
+            raise ValueError(f"a row needs {max(lens)} keys (cache_seqlens + new) but the cache "
+                             f"holds Ncache = {k_cache.shape[1]}")
+    with torch.no_grad():
+        if nnew:
+            _append(k_cache, v_cache, k, v, before, pages, page_size)
+        rows = [_row(q[r], k_cache, v_cache, lens[r], None if pages is None else pages[r], r,
+                     is_causal, scale, window, sinks, num_splits or 1, strict)
+                for r in range(b)]
+    if b == 0:
+        out = q.new_zeros(0, nq, q.shape[2], v_cache.shape[3])
+        lse = torch.zeros(0, q.shape[2], nq, dtype=compute_dtype(q.dtype), device=q.device)
+    else:
+        out, lse = torch.stack([o for o, _ in rows]), torch.stack([s for _, s in rows])
+    return (out, lse) if return_lse else out
+
+
+def _row(q, k_cache, v_cache, n, pages, row, causal, scale, window, sinks, num_splits, strict):
+    """(out [Nq, Hq, Dv], lse [Hq, Nq]) of batch row `row` over its first n keys."""
+    if pages is None:
+        k, v = k_cache[row, :n], v_cache[row, :n]
+    else:
+        idx = torch.tensor(pages, dtype=torch.long, device=k_cache.device)
+        k, v = k_cache[idx].flatten(0, 1)[:n], v_cache[idx].flatten(0, 1)[:n]
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
+    offset = n - q.shape[2]
+    bounds = window_bounds(window, offset)
+    outs, lses = [], []
+    for a, e in _parts(n, num_splits):
+        part = None if bounds is None else tuple(None if x is None else x - a for x in bounds)
+        o, s = block_forward(q, k[..., a:e, :], v[..., a:e, :], causal=causal, offset=offset - a,
+                             scale=scale, strict=strict, bounds=part)
+        outs.append(o)
+        lses.append(s)
+    out, lse = merge_attention(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return out[0].transpose(0, 1), lse[0]

@@ -1,0 +1,220 @@
+"""`varlen_attention` on the CPU: packed [total, H, D] sequences with cu_seqlens, against the
+float64 reference of `masked_ref` applied sequence by sequence (causal bottom-right per
+sequence, window, sinks); forward, lse [Hq, total_q] and gradients (sinks included), empty
+sequences, odd lengths, GQA; the fake kernel route (one "kernel" call per sequence; a window
+never reaches it); the argument errors.
+"""
+
+import pytest
+import torch
+
+import fake_kernels  # tests/ is on sys.path
+from ffpa_cute import varlen_attention
+from masked_ref import bound, ref_attention, rel_err
+
+F64 = torch.float64
+# (query lengths, key lengths) per sequence: odd, empty on either side or both, Nq > Nkv
+LENGTHS = [([5, 0, 13, 1, 0, 9], [7, 4, 13, 17, 0, 3]), ([1, 1, 1], [19, 0, 6]), ([11], [11])]
+
+
+def cu(lengths, dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+
+
+def packed(lq, lk, hq=6, hkv=2, d=16, dv=24, dtype=F64, grad=False):
+    def r(*s):
+        return torch.randn(*s, dtype=dtype).requires_grad_(grad)
+    return r(sum(lq), hq, d), r(sum(lk), hkv, d), r(sum(lk), hkv, dv)
+
+
+def ref_varlen(q, k, v, lq, lk, dtype=F64, **kw):
+    """(out [total_q, Hq, Dv], lse [Hq, total_q]): the reference per sequence."""
+    outs, lses = [], []
+    cq, ck = cu(lq).tolist(), cu(lk).tolist()
+    for b in range(len(lq)):
+        qs, ks, vs = (t[a:e].transpose(0, 1) for t, a, e in (
+            (q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]), (v, ck[b], ck[b + 1])))
+        o, s = ref_attention(qs, ks, vs, dtype=dtype, **kw)
+        outs.append(o.transpose(0, 1))
+        lses.append(s)
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def run(q, k, v, lq, lk, cu_dtype=torch.int32, **kw):
+    return varlen_attention(q, k, v, cu(lq, cu_dtype), cu(lk, cu_dtype), max(lq), max(lk),
+                            enable_gqa=q.shape[1] != k.shape[1], **kw)
+
+
+@pytest.mark.parametrize("lq,lk", LENGTHS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (3, 0), (2, None), (4, 5)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_matches_reference(seed, lq, lk, causal, window, with_sinks):
+    q, k, v = packed(lq, lk)
+    sinks = torch.randn(6, dtype=F64) if with_sinks else None
+    out, lse = run(q, k, v, lq, lk, is_causal=causal, window=window, sinks=sinks,
+                   return_lse=True)
+    ref, ref_lse = ref_varlen(q, k, v, lq, lk, causal=causal, window=window, sinks=sinks)
+    assert out.shape == (sum(lq), 6, 24) and lse.shape == (6, sum(lq)) and lse.dtype == F64
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    assert torch.equal(out, run(q, k, v, lq, lk, is_causal=causal, window=window, sinks=sinks))
+
+
+def test_empty_sequences(seed):
+    """Sequences without keys: out rows 0, lse -inf (the sink with sinks); sequences without
+    queries contribute no rows; int64 cu_seqlens and a generous max_seqlen work too."""
+    lq, lk = [3, 0, 4], [0, 5, 6]
+    q, k, v = packed(lq, lk, hq=4, hkv=4)
+    out, lse = varlen_attention(q, k, v, cu(lq, torch.int64), cu(lk, torch.int64), 100, 100,
+                                return_lse=True)
+    assert (out[:3] == 0).all() and torch.isneginf(lse[:, :3]).all()
+    assert torch.isfinite(lse[:, 3:]).all()
+    sinks = torch.randn(4, dtype=F64)
+    out, lse = run(q, k, v, lq, lk, sinks=sinks, return_lse=True)
+    assert (out[:3] == 0).all() and torch.equal(lse[:, :3], sinks[:, None].expand(4, 3))
+    out, lse = run(q[:0], k, v, [0, 0, 0], lk, return_lse=True)
+    assert out.shape == (0, 4, 24) and lse.shape == (4, 0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1)])
+def test_gradients_float64(seed, hq, hkv):
+    """varlen + causal + GQA + window + sinks: dq, dk, dv, d sinks against float64 autograd of
+    the per-sequence reference."""
+    lq, lk = LENGTHS[0]
+    q, k, v = packed(lq, lk, hq=hq, hkv=hkv, grad=True)
+    sinks = torch.randn(hq, dtype=F64, requires_grad=True)
+    dout = torch.randn(sum(lq), hq, 24, dtype=F64)
+    kw = dict(causal=True, window=(4, 1), sinks=sinks)
+    out = run(q, k, v, lq, lk, is_causal=True, window=(4, 1), sinks=sinks)
+    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    want = torch.autograd.grad(ref_varlen(q, k, v, lq, lk, **kw)[0], (q, k, v, sinks), dout)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-12
+
+
+@pytest.mark.parametrize("with_window", [False, True])
+def test_bf16_within_the_bound(seed, with_window):
+    """bf16 out, lse and gradients within 2x torch's same-dtype error + 1e-3 of float64 (the
+    plain causal case runs native SDPA per sequence, the window case the torch math)."""
+    lq, lk = [17, 0, 29], [31, 5, 23]
+    q, k, v = packed(lq, lk, hq=8, hkv=2, d=32, dv=32, dtype=torch.bfloat16, grad=True)
+    sinks = torch.randn(8, requires_grad=True) if with_window else None
+    window = (9, 0) if with_window else None
+    leaves = (q, k, v) + ((sinks,) if with_window else ())
+    dout = torch.randn(sum(lq), 8, 32, dtype=torch.bfloat16)
+    kw = dict(causal=True, window=window, sinks=sinks)
+    out, lse = run(q, k, v, lq, lk, is_causal=True, window=window, sinks=sinks,
+                   return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    got = torch.autograd.grad(out, leaves, dout)
+    truth, truth_lse = ref_varlen(q, k, v, lq, lk, **kw)
+    want = torch.autograd.grad(truth, leaves, dout.double())
+    same, same_lse = ref_varlen(q, k, v, lq, lk, dtype=torch.bfloat16, **kw)
+    base = torch.autograd.grad(same, leaves, dout)
+    assert rel_err(out, truth) <= bound(rel_err(same, truth))
+    assert rel_err(lse, truth_lse) <= bound(rel_err(same_lse, truth_lse))
+    for g, w, b in zip(got, want, base):
+        assert rel_err(g, w) <= bound(rel_err(b, w))
+
+
+def test_fake_kernel_route(seed, monkeypatch):
+    """Each sequence routes like attention(): with a planner that serves everything, one
+    kernel call per sequence that has queries and keys (bottom-right offset each); a window
+    never reaches it, and strict mode raises with the reason."""
+    fake = fake_kernels.install(monkeypatch)
+    lq, lk = LENGTHS[0]
+    q, k, v = packed(lq, lk, grad=True)
+    out = run(q, k, v, lq, lk, is_causal=True)
+    assert [(p.seqlen_q, p.seqlen_kv, p.causal_offset) for p in fake.fwd_calls] == [
+        (a, b, b - a) for a, b in zip(lq, lk) if a and b]
+    assert rel_err(out, ref_varlen(q, k, v, lq, lk, causal=True)[0]) <= 1e-12
+    out.sum().backward()  # through the fake backward kernels
+    assert len(fake.bwd_calls) == len(fake.fwd_calls)
+    calls = len(fake.fwd_calls)
+    run(q, k, v, lq, lk, is_causal=True, window=(3, 0))
+    assert len(fake.fwd_calls) == calls
+    with pytest.raises(NotImplementedError, match="sliding window has no kernel yet"):
+        run(q, k, v, lq, lk, is_causal=True, window=(3, 0), strict=True)
+
+
+Q, K = torch.randn(9, 4, 16), torch.randn(12, 4, 16)
+CQ, CK = cu([4, 5]), cu([5, 7])
+
+
+@pytest.mark.parametrize("args,kw,exc,pattern", [
+    ((Q[None], K, K, CQ, CK, 5, 7), {}, ValueError, r"^q must be packed \[total_tokens"),
+    ((Q, K, K[:, :2], CQ, CK, 5, 7), {}, ValueError, r"^k and v must agree on total_k"),
+    ((Q, K[:, :2], K[:, :2], CQ, CK, 5, 7), {}, ValueError, r"enable_gqa=True"),
+    ((Q, K.double(), K, CQ, CK, 5, 7), {}, TypeError, r"share one dtype"),
+    ((Q, K, K, CQ.float(), CK, 5, 7), {}, TypeError, r"^cu_seqlens_q must be an int32 or int64"),
+    ((Q, K, K, [0, 4, 9], CK, 5, 7), {}, TypeError, r"^cu_seqlens_q must be an int32"),
+    ((Q, K, K, CQ[None], CK, 5, 7), {}, ValueError, r"^cu_seqlens_q must be 1-D"),
+    ((Q, K, K, CQ + 1, CK, 5, 7), {}, ValueError, r"^cu_seqlens_q\[0\] must be 0"),
+    ((Q, K, K, torch.tensor([0, 6, 4, 9], dtype=torch.int32), cu([5, 7, 0]), 6, 7), {},
+     ValueError, r"^cu_seqlens_q must be non-decreasing: cu_seqlens_q\[2\] = 4 < "),
+    ((Q, K, K, cu([4, 4]), CK, 5, 7), {}, ValueError,
+     r"^cu_seqlens_q\[-1\] = 8 must equal the packed length 9"),
+    ((Q, K, K, CQ, cu([5]), 5, 7), {}, ValueError, r"^cu_seqlens_k\[-1\] = 5 must equal"),
+    ((Q, K, K, CQ, cu([5, 7, 0]), 5, 7), {}, ValueError, r"same number of sequences, got 2 and 3"),
+    ((Q, K, K, CQ, CK, 4, 7), {}, ValueError, r"^max_seqlen_q=4 is below the longest"),
+    ((Q, K, K, CQ, CK, 5, 6), {}, ValueError, r"^max_seqlen_k=6 is below the longest"),
+    ((Q, K, K, CQ, CK, 5.0, 7), {}, TypeError, r"^max_seqlen_q must be a Python int"),
+    ((Q, K, K, CQ, CK, True, 7), {}, TypeError, r"^max_seqlen_q must be a Python int"),
+    ((Q, K, K, CQ.to("meta"), CK, 5, 7), {}, ValueError, r"^cu_seqlens_q must be on the CPU"),
+    ((Q, K, K, CQ, CK, 5, 7), {"is_causal": 1}, TypeError, r"^is_causal must be a bool"),
+    ((Q, K, K, CQ, CK, 5, 7), {"window": (1, -2)}, ValueError, r"^window right=-2"),
+    ((Q, K, K, CQ, CK, 5, 7), {"sinks": torch.ones(3)}, ValueError, r"^sinks must have shape"),
+    ((Q, K, K, CQ, CK, 5, 7), {"return_lse": 1}, TypeError, r"^return_lse must be a bool"),
+])
+def test_errors_name_the_argument(args, kw, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        varlen_attention(*args, **kw)
+
+
+# ------------------------------------------------------------- jagged NestedTensor input
+
+
+def jagged(values, lengths):
+    """[B, H, j, D] NestedTensor (SDPA's NJT layout) on packed [total, H, D] values."""
+    return torch.nested.nested_tensor_from_jagged(values, cu(lengths, torch.int64)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal,window,with_sinks", [(False, None, False), (True, (3, 1), True)])
+def test_nested_tensor_input(seed, causal, window, with_sinks):
+    """attention() on jagged NestedTensors equals varlen on the same values (odd and empty
+    sequences, GQA): out and lse share q's ragged dim, and gradients reach the values."""
+    from ffpa_cute import attention
+
+    lq, lk = [5, 0, 13, 2], [7, 4, 13, 0]
+    q, k, v = packed(lq, lk, dv=16, grad=True)
+    sinks = torch.randn(6, dtype=F64, requires_grad=True) if with_sinks else None
+    qn, kn, vn = jagged(q, lq), jagged(k, lk), jagged(v, lk)
+    out, lse = attention(qn, kn, vn, is_causal=causal, enable_gqa=True, window=window,
+                         sinks=sinks, return_lse=True)
+    assert out.is_nested and out.shape[2] is qn.shape[2] and (out + qn).shape == qn.shape
+    assert lse.is_nested and lse.dim() == 3 and lse.shape[1] == 6
+    kw = dict(causal=causal, window=window, sinks=sinks)
+    ref, ref_lse = ref_varlen(q, k, v, lq, lk, **kw)
+    assert rel_err(out.transpose(1, 2).values(), ref) <= 1e-12
+    assert rel_err(lse.transpose(1, 2).values().transpose(0, 1), ref_lse) <= 1e-12
+    dout = torch.randn(sum(lq), 6, 16, dtype=F64)
+    leaves = (q, k, v) + ((sinks,) if with_sinks else ())
+    got = torch.autograd.grad(out.transpose(1, 2).values(), leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-12
+
+
+def test_nested_tensor_errors(seed):
+    from ffpa_cute import attention
+
+    q, k, v = packed([3, 4], [5, 2], hq=2, hkv=2)
+    qn, kn, vn = jagged(q, [3, 4]), jagged(k, [5, 2]), jagged(v, [5, 2])
+    with pytest.raises(TypeError, match=r"^q, k, v must all be jagged NestedTensors .* k has"):
+        attention(qn, torch.randn(2, 2, 5, 16, dtype=F64), vn)
+    with pytest.raises(TypeError, match=r"q has"):
+        attention(qn.transpose(1, 2), kn, vn)  # [B, j, H, D]: the ragged dim in the wrong place
+    with pytest.raises(ValueError, match=r"^attn_mask is not supported with NestedTensor"):
+        attention(qn, kn, vn, attn_mask=torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"same number of sequences, got 2, 1, 2"):
+        attention(qn, jagged(k[:5], [5]), vn)
