@@ -32,7 +32,7 @@ def block_forward(q, k, v, *, causal: bool, offset: int, scale: float | None, st
                   bounds=None):
     """(out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq]) of q against this key block.
 
-    lse is float32 from a kernel, `fallback.compute_dtype(q.dtype)` from the fallback; rows
+    lse is float32 from a kernel, `math_attention.compute_dtype(q.dtype)` from the fallback; rows
     that see no key of the block give out 0 and lse -inf. No autograd (callers that need
     gradients use `block_backward`). bounds: a sliding window's (lo, hi) in the block's
     indices, or None.
@@ -55,7 +55,7 @@ def block_backward(q, k, v, out, lse, dout, *, causal: bool, offset: int,
     ([B, Hq, Nq, Dv]) and `lse` ([B, Hq, Nq]) and the gradient `dout` of out.
 
     dk and dv are summed over each KV head's query heads. Dtypes: the inputs' from the backward
-    kernels, `fallback.compute_dtype` from the math; accumulate them in float32 or wider.
+    kernels, `math_attention.compute_dtype` from the math; accumulate them in float32 or wider.
     """
     offset = int(offset) if causal else 0
     softmax_scale = AttnProblem.from_tensors(q, k, v, scale=scale).softmax_scale

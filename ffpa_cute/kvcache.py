@@ -33,7 +33,7 @@ import numbers
 import torch
 
 from .blockwise import block_forward
-from .fallback import compute_dtype
+from .math_attention import compute_dtype
 from .merge import merge_attention
 from .math_attention import apply_sinks
 from .validate import check_return_lse, check_window_sinks, window_bounds

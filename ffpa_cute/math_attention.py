@@ -13,12 +13,16 @@ s_ij = scale * q_i . k_j. It joins every row's softmax denominator and carries n
 
 A row that sees no key gives out 0 and lse = sink_h (-inf without sinks).
 
-The math runs in `fallback.compute_dtype` (float32 for 16-bit and float32 inputs, float64 for
-float64) over chunks of query rows of at most `fallback.CHUNK_ELEMS` score elements, and each
+The math runs in `compute_dtype` (float32 for 16-bit and float32 inputs, float64 for
+float64) over chunks of query rows of at most `CHUNK_ELEMS` score elements, and each
 chunk scores only the keys some of its rows can see: keys outside the window are skipped, not
 masked. The backward recomputes the scores chunk by chunk from the saved lse (the
 FlashAttention backward: dS = P (dP - Delta), Delta = rowsum(dO * O)); the sink is a key with
 value 0, so d sink_h = -sum_i exp(sink_h - lse_i) Delta_i over the rows of head h.
+
+`math_lse` and `math_grads` are the same chunked math without autograd: the fallback's
+log-sum-exp (`fallback.native_lse`) and one block's gradients given its rows' global out and lse
+(`fallback.block_grads`, the ring backward's unit).
 """
 
 from __future__ import annotations
@@ -27,19 +31,30 @@ import math
 
 import torch
 
-from . import fallback
-from .fallback import compute_dtype
-
-__all__ = ["apply_sinks", "math_attention"]
+__all__ = ["CHUNK_ELEMS", "apply_sinks", "compute_dtype", "math_attention", "math_grads",
+           "math_lse"]
 
 _INF = float("inf")
+# Score elements (rows x keys, over batch and heads) per chunk: 2^24 float32 values are 64 MiB,
+# so the math never holds a full Nq x Nkv score matrix.
+CHUNK_ELEMS = 1 << 24
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit and float32 inputs, float64 for float64: what the math runs in and
+    what its lse comes back as."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _softmax_scale(q, scale) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def _chunks(q, nkv, lo, hi):
     """(row start, row end, key start, key end) for each chunk of query rows: the keys
-    [ks, ke) that some row of the chunk may see, at most `fallback.CHUNK_ELEMS` scores."""
+    [ks, ke) that some row of the chunk may see, at most `CHUNK_ELEMS` scores."""
     nq, per_row = q.shape[-2], max(1, math.prod(q.shape[:-2]))
-    budget = fallback.CHUNK_ELEMS
+    budget = CHUNK_ELEMS
     width = nkv if lo is None or hi is None else min(nkv, max(0, hi - lo + 1))
     step = max(1, budget // (per_row * max(1, width)))
     while step > 1 and per_row * step * min(nkv, step + width - 1) > budget:
@@ -108,7 +123,7 @@ def _backward(q, k, v, out, lse, dout, lo, hi, sinks, mask, scale):
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    safe_lse = lse.masked_fill(torch.isneginf(lse), _INF)
+    safe_lse = lse.to(dtype).masked_fill(torch.isneginf(lse), _INF)
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [..., Hq, Nq]
     for i, j, ks, ke in _chunks(q, nkv, lo, hi):
         if ke == ks:
@@ -161,13 +176,39 @@ def math_attention(q, k, v, *, causal: bool, offset: int, bounds, sinks, mask, s
     lo, hi = bounds if bounds is not None else (None, None)
     if causal:
         hi = offset if hi is None else min(hi, offset)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _softmax_scale(q, scale)
     if mask is not None:
         if mask.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError("attn_mask: a float mask that requires grad gets no "
                                       "gradient with window / sinks; detach it")
         mask = torch.broadcast_to(mask, (*q.shape[:-1], k.shape[-2]))  # a view, sliced per chunk
     return _MathAttention.apply(q, k, v, sinks, lo, hi, mask, scale)
+
+
+def math_lse(q, k, *, lo=None, hi=None, mask=None, scale=None):
+    """lse [..., Hq, Nq] in `compute_dtype(q.dtype)` of the scaled scores row i sees (keys j
+    with i + lo <= j <= i + hi; a mask broadcast to [..., Hq, Nq, Nkv]); -inf for rows that
+    see no key. No autograd."""
+    scale, nkv = _softmax_scale(q, scale), k.shape[-2]
+    dtype = compute_dtype(q.dtype)
+    lse = torch.full(q.shape[:-1], -_INF, dtype=dtype, device=q.device)
+    with torch.no_grad():
+        for i, j, ks, ke in _chunks(q, nkv, lo, hi):
+            if ke > ks:
+                s = _scores(q, k, (i, j), (ks, ke), lo, hi, mask, scale, dtype)
+                lse[..., i:j] = torch.logsumexp(s, dim=-1)
+    return lse
+
+
+def math_grads(q, k, v, out, lse, dout, *, lo=None, hi=None, scale=None):
+    """(dq, dk, dv) in `compute_dtype(q.dtype)` of the attention of rows over the keys they see
+    (i + lo <= j <= i + hi), given the rows' `out` and `lse` over a possibly larger key set
+    (exp(S * scale - lse) is then this key set's share of their softmax); dk, dv summed over
+    each KV head's query heads. No autograd."""
+    with torch.no_grad():
+        dq, dk, dv, _ = _backward(q, k, v, out, lse, dout, lo, hi, None, None,
+                                  _softmax_scale(q, scale))
+    return dq, dk, dv
 
 
 def apply_sinks(out, lse, sinks):

@@ -20,7 +20,7 @@ import numbers
 
 import torch
 
-from .fallback import compute_dtype
+from .math_attention import compute_dtype
 from .interface import _attention
 from .validate import check_args, check_return_lse, check_window_sinks
 

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.bias import causal_upper_left
 
 import fake_kernels  # tests/ is on sys.path
-from ffpa_cute import attention, dispatch, explain, fallback, math_attention, quantize_fp8
+from ffpa_cute import attention, dispatch, explain, math_attention, quantize_fp8
 from ffpa_cute.problem import AttnProblem
 from masked_ref import bound, ref_attention, rel_err
 
@@ -164,7 +164,7 @@ def test_chunks_skip_keys_outside_the_window(seed, monkeypatch):
         return out, lse, torch.autograd.grad(out, (q, k, v, sinks), dout)
 
     whole = run()
-    monkeypatch.setattr(fallback, "CHUNK_ELEMS", 4 * 8 * 16)  # 8 rows x 16 keys per chunk
+    monkeypatch.setattr(math_attention, "CHUNK_ELEMS", 4 * 8 * 16)  # 8 rows x 16 keys per chunk
     seen = []
     real = math_attention._chunks
     monkeypatch.setattr(math_attention, "_chunks", lambda *a: seen.append(real(*a)) or seen[-1])

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import options as _options
 from ..blockwise import block_backward, block_forward
-from ..fallback import compute_dtype
+from ..math_attention import compute_dtype
 from ..merge import merge_into
 from ..validate import check_args, check_return_lse
 from .layout import check_shards

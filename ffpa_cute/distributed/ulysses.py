@@ -40,26 +40,20 @@ def _heads_to_seq(y, group, world):
     return recv.transpose(0, 1).reshape(b, world * hl, big_n // world, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One of the two exchanges (`to_heads`: sequence shard -> head shard, else back); its
+    gradient is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group, world):
-        ctx.comm = (group, world)
-        return _seq_to_heads(x, group, world)
+    def forward(ctx, x, group, world, to_heads: bool):
+        ctx.comm = (group, world, to_heads)
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, world)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), *ctx.comm), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, world):
-        ctx.comm = (group, world)
-        return _heads_to_seq(y, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), *ctx.comm), None, None
+        group, world, to_heads = ctx.comm
+        back = _heads_to_seq if to_heads else _seq_to_heads
+        return back(grad.contiguous(), group, world), None, None, None
 
 
 def _to_global_order(y, world, layout):
@@ -109,13 +103,13 @@ def ulysses_attention(q, k, v, group=None, *, is_causal=False, scale=None, enabl
     check_shards("ulysses_attention", q, k, v, group, flags=(is_causal,))
     if hkv % world:  # fewer K/V heads than ranks: repeat each so every rank gets its own
         k, v = (t.repeat_interleave(world // hkv, dim=1) for t in (k, v))
-    heads = [_to_global_order(_SeqToHeads.apply(t, group, world), world, layout)
+    heads = [_to_global_order(_AllToAll.apply(t, group, world, True), world, layout)
              for t in (q, k, v)]
     res = attention(*heads, is_causal=is_causal, scale=scale,
                     enable_gqa=heads[0].shape[1] != heads[1].shape[1], strict=strict,
                     return_lse=return_lse)
     out, lse = res if return_lse else (res, None)
-    out = _HeadsToSeq.apply(_to_shard_order(out, world, layout), group, world)
+    out = _AllToAll.apply(_to_shard_order(out, world, layout), group, world, False)
     if not return_lse:
         return out
     lse = _heads_to_seq(_to_shard_order(lse.unsqueeze(-1), world, layout), group, world)
