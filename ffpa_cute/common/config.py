@@ -18,8 +18,6 @@ class DeltaConfig:
     KERNEL: ClassVar[str] = "ffpa_cute.common.delta:RowDot"
 
 
-
-
 @dataclass(frozen=True)
 class TransposeConfig:
     """Compile key of the 8-bit transpose kernel ([B, H, N, D] -> [B, H, D, N] bytes, what the

@@ -23,20 +23,22 @@ LOG2_E = 1.4426950408889634
 TVM_FFI = "--enable-tvm-ffi"
 
 
+def fake_tensor(dtype, rank: int, div: int):
+    """A compile-time stand-in: every size and stride symbolic, unit stride on the last mode,
+    the other strides multiples of `div` elements, 16-byte aligned. Each call is a new tensor
+    with its own symbols (the TVM-FFI wrapper checks each argument against its own)."""
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    stride = tuple(cute.sym_int(64, divisibility=div) for _ in range(rank - 1)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
 def fake_args(cfg) -> tuple:
-    """Compile-time stand-ins for (q, k, v, o, lse): every size and stride symbolic, unit stride
-    on the last mode, 16-byte aligned, the outer strides multiples of 16 bytes (what
-    `launch.kernel_ready` guarantees), so one compiled function serves every shape and stride.
-    """
+    """Compile-time stand-ins for (q, k, v, o, lse): the outer strides multiples of 16 bytes
+    (what `launch.kernel_ready` guarantees), so one compiled function serves every shape and
+    stride."""
     dtype = CUTLASS_DTYPES[cfg.dtype]
-
-    def fake(dt, rank, div):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int(64, divisibility=div) for _ in range(rank - 1)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
-
-    qkvo = [fake(dtype, 4, 128 // dtype.width) for _ in range(4)]
-    return (*qkvo, fake(cutlass.Float32, 3, 1))
+    qkvo = [fake_tensor(dtype, 4, 128 // dtype.width) for _ in range(4)]
+    return (*qkvo, fake_tensor(cutlass.Float32, 3, 1))
 
 
 def fake_grad_args(cfg) -> tuple:
@@ -60,21 +62,20 @@ def aligned_bhnd(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
     """Re-state a (B, H, N, D) tensor with D static and 16-byte-divisible strides.
 
     Runtime tensors arrive with fully dynamic layouts; this tells the compiler what the
-    dispatcher guarantees (stride(D) == 1, every other stride a multiple of 8 elements), which
+    dispatcher guarantees (stride(D) == 1, every other stride a multiple of 16 bytes), which
     gmem copies need to be 128-bit and TMA descriptors need for their 16-byte strides.
     """
-    elems = 128 // dtype.width
-    shape = (t.shape[0], t.shape[1], t.shape[2], head_dim)
-    stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
-    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+    return _aligned(t, (t.shape[0], t.shape[1], t.shape[2], head_dim), dtype)
 
 
 def aligned_bhdn(t: cute.Tensor, head_dim: int, dtype) -> cute.Tensor:
     """`aligned_bhnd` for a transposed (B, H, D, N) tensor (V for 8-bit kernels, whose WGMMA
-    needs the keys contiguous): D static, N dynamic with unit stride, the other strides
-    16-byte divisible."""
+    needs the keys contiguous): D static, N dynamic with unit stride."""
+    return _aligned(t, (t.shape[0], t.shape[1], head_dim, t.shape[3]), dtype)
+
+
+def _aligned(t: cute.Tensor, shape, dtype) -> cute.Tensor:
     elems = 128 // dtype.width
-    shape = (t.shape[0], t.shape[1], head_dim, t.shape[3])
     stride = tuple(cute.assume(s, divby=elems) for s in t.stride[:3]) + (1,)
     return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 

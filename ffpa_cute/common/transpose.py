@@ -21,20 +21,12 @@ from cutlass import Int32, Uint8
 
 from .compat import compile_target
 from .config import TransposeConfig
-from .tensors import compile_options, env_stream
+from .tensors import aligned_bhdn, aligned_bhnd, compile_options, env_stream, fake_tensor
 
 TILE = 64          # rows and columns of a tile (bytes)
 ROW_PITCH = 68     # bytes between the tile's rows in shared memory (bank-conflict free columns)
 VEC = 16           # bytes per thread per load / store
 THREADS = TILE * TILE // VEC
-
-
-def _fake(rank_last_dynamic: bool):
-    """A (B, H, R, C) uint8 stand-in: sizes symbolic (C static D for V; dynamic N for Vt),
-    unit last stride, the other strides multiples of 16 bytes, 16-byte aligned."""
-    shape = tuple(cute.sym_int() for _ in range(4))
-    stride = tuple(cute.sym_int(64, divisibility=VEC) for _ in range(3)) + (1,)
-    return cute.runtime.make_fake_tensor(Uint8, shape, stride=stride, assumed_align=16)
 
 
 class Transpose8:
@@ -58,7 +50,8 @@ class Transpose8:
     def compile(cls, cfg: TransposeConfig, options: str = ""):
         """Compile for cfg.arch from fake tensors: V (B, H, N, D) and Vt (B, H, D, N') uint8."""
         with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), _fake(False), _fake(True), env_stream(),
+            return cute.compile(cls(cfg), fake_tensor(Uint8, 4, VEC), fake_tensor(Uint8, 4, VEC),
+                                env_stream(),
                                 options=compile_options(options))
 
     @staticmethod
@@ -70,12 +63,7 @@ class Transpose8:
     @cute.jit
     def __call__(self, mV: cute.Tensor, mVt: cute.Tensor, stream: cuda.CUstream):
         d = self.cfg.head_dim
-        mV = cute.make_tensor(mV.iterator, cute.make_layout(
-            (mV.shape[0], mV.shape[1], mV.shape[2], d),
-            stride=(*(cute.assume(s, divby=VEC) for s in mV.stride[:3]), 1)))
-        mVt = cute.make_tensor(mVt.iterator, cute.make_layout(
-            (mVt.shape[0], mVt.shape[1], d, mVt.shape[3]),
-            stride=(*(cute.assume(s, divby=VEC) for s in mVt.stride[:3]), 1)))
+        mV, mVt = aligned_bhnd(mV, d, Uint8), aligned_bhdn(mVt, d, Uint8)  # (B,H,N,D), (B,H,D,N)
         n_tiles = cute.ceil_div(mV.shape[2], TILE)
         grid = (n_tiles * self.d_tiles, cute.size(mV.shape[1]), cute.size(mV.shape[0]))
         self.kernel(mV, mVt, n_tiles).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,

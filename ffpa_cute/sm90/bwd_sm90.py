@@ -48,7 +48,6 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier)
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
 from ..common.tensors import LOG2_E, aligned_bhnd, fake_grad_args
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
@@ -431,13 +430,9 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
     def _first_scores(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep):
         """`seq_scores`: S is complete in acc_S; P = exp2(S * scale * log2(e) - LSE * log2(e))
         (masked as the forward masks) goes to rP, freeing acc_S for dP."""
-        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        acc_S, acc_S_mn, rP = frags.acc_S, frags.acc_S_mn, frags.rP
         softmax, pre, n_block = frags.softmax, step.pre, step.n_block
-        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
-        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
-                            self.causal):
-            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
-                       TILE_M, self.tile_n, self.causal)
+        self._mask_block(tile, frags, n_block)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             lse2 = Float32.inf  # rows past Nq, or that see no key: P = 0
             if pre[r, 0] != -Float32.inf:
@@ -472,9 +467,8 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
         forward masks), dS = P (dP - Delta) with dP in the second accumulator; LSE and Delta
         from `_block_prefetch` (rows that see no key, or past Nq: LSE -inf, read as +inf so
         P = 0)."""
-        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        acc_S, acc_S_mn, rP = frags.acc_S, frags.acc_S_mn, frags.rP
         softmax, acc_2, pre, n_block = frags.softmax, frags.acc_2, step.pre, step.n_block
-        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP, rP holds P (0 where masked)
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             rP_mn = mn_view(rP)   # (rows, cols) of this thread
@@ -484,10 +478,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
                     acc_S_mn[r, c] = (rP_mn[r, c].to(Float32) * (acc_S_mn[r, c] - delta)
                                       * scale)
         else:
-            if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
-                                self.causal):
-                apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
-                           TILE_M, self.tile_n, self.causal)
+            self._mask_block(tile, frags, n_block)
             acc_dP_mn = mn_view(acc_2)   # (rows, cols) of this thread
             scale = softmax.scale_log2 * (1.0 / LOG2_E)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):

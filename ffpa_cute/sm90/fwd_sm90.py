@@ -67,7 +67,6 @@ import cutlass.cute as cute
 import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 from cutlass import Float32, Int32, const_expr
 
-from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import OnlineSoftmax
 from ..common.tensors import CUTLASS_DTYPES
 from .config import TILE_M, FwdConfigSm90, can_implement
@@ -127,13 +126,9 @@ class FFPAFwdSm90(RingSkeletonSm90):
     @cute.jit
     def _softmax_block(self, tile: Tile, frags: ScoreFrags, n_block):
         """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
-        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        acc_S, acc_S_mn, rP = frags.acc_S, frags.acc_S_mn, frags.rP
         softmax, factor = frags.softmax, frags.factor
-        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
-        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
-                            self.causal):
-            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
-                       TILE_M, self.tile_n, self.causal)
+        self._mask_block(tile, frags, n_block)
         blk_max = softmax.block_max(acc_S_mn)
         softmax.update(acc_S_mn, blk_max, [], factor)
         rP.store(acc_S.load().to(self.dtype))
@@ -198,12 +193,8 @@ class FFPAFwdSm90(RingSkeletonSm90):
         per CTA (joined at the end); a block both CTAs scored (`solo`) counts once (rank 0)."""
         acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
         softmax, factor = frags.softmax, frags.factor
-        m_block, seqlen_k, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         rank, i, n_block = tile.o_part, step.i, step.n_block
-        if block_needs_mask(m_block, n_block, seqlen_k, causal_offset, TILE_M, self.tile_n,
-                            self.causal):
-            apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_k, causal_offset,
-                       TILE_M, self.tile_n, self.causal)
+        self._mask_block(tile, frags, n_block)
         blk_max = softmax.block_max(acc_S_mn)
         if not solo:
             self._exchange_rows(blk_max, tile, io, tScS_mn, i % 2, (i // 2) & 1, True)

@@ -75,7 +75,7 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.mask import n_block_max
+from ..common.mask import apply_mask, block_needs_mask, n_block_max
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, FwdConfigSm90
@@ -629,6 +629,15 @@ class RingSkeletonSm90(KernelEntry):
         return loads.tBg[None, row_block]
 
     # ---------------------------------------------------------------- hooks: the score step
+    @cute.jit
+    def _mask_block(self, tile: Tile, frags: ScoreFrags, n_block):
+        """Mask block n_block's scores (acc_S) where it crosses Nkv or the causal diagonal; the
+        other blocks need none. Shared by every kernel's score step."""
+        if block_needs_mask(tile.m_block, n_block, tile.seqlen_c, tile.causal_offset, TILE_M,
+                            self.tile_n, self.causal):
+            apply_mask(frags.acc_S_mn, frags.tScS_mn, tile.m_block, n_block, tile.seqlen_c,
+                       tile.causal_offset, TILE_M, self.tile_n, self.causal)
+
     def _block_prefetch(self, tile: Tile, io: ScoreIO, n_block, head, tScS_mn):
         """Statistics the score step of block n_block reads from global memory, loaded at the
         block's start (None: the forward reads none)."""
