@@ -17,13 +17,14 @@ fallback; `strict` raises instead). Forward only: inputs that require grad are r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from . import dispatch, launch
 from . import options as _options
-from .problem import AttnProblem
+from .problem import AttnProblem, dtype_name
 
 log = logging.getLogger("ffpa_cute")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -132,10 +133,10 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
     _check(q, k, v, descales, out_dtype)
     want = OUT_DTYPES[out_dtype]
     b, hkv = q.shape[0], k.shape[1]
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset,
-                                       scale=scale, has_mask=has_mask, dropout_p=dropout_p)
-    problem = AttnProblem(**{**problem.__dict__, "out_dtype": {torch.bfloat16: "bf16",
-                                                               torch.float16: "fp16"}[want]})
+    problem = dataclasses.replace(
+        AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset, scale=scale,
+                                 has_mask=has_mask, dropout_p=dropout_p),
+        out_dtype=dtype_name(want))
     empty = q.numel() == 0 or k.shape[2] == 0
     plan = None if empty else dispatch.plan_fwd(problem, q.device)
     qd, kd, vd = (_descale(d, n, b, hkv, q.device)

@@ -112,13 +112,23 @@ def _decide(device_str: str, strict, level: int, *fields):
     return reason
 
 
-def _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds=None,
-             sinks=None) -> AttnProblem:
-    q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) if t.dim() != 4 else t
-                  for t in (q, k, v))
-    return AttnProblem.from_tensors(q4, k4, v4, causal=causal, causal_offset=offset, scale=scale,
-                                    has_mask=mask is not None, dropout_p=dropout_p,
-                                    bounds=bounds, has_sinks=sinks is not None)
+def _as4d(t):
+    """[..., H, N, D] as [B', H, N, D] (B' the product of the leading dims, 0 allowed)."""
+    return t if t.dim() == 4 else t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
+
+
+def _problem(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left, window=None,
+             sinks=None):
+    """(causal, offset, mask, window bounds, problem) of a validated call; the window's frame
+    is causal's, else bottom-right (upper-left for the SDPA patch)."""
+    nq, nkv = q.shape[-2], k.shape[-2]
+    causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, upper_left)
+    bounds = window_bounds(window, offset if causal else 0 if upper_left else nkv - nq)
+    problem = AttnProblem.from_tensors(
+        _as4d(q), _as4d(k), _as4d(v), causal=causal, causal_offset=offset, scale=scale,
+        has_mask=mask is not None, dropout_p=dropout_p, bounds=bounds,
+        has_sinks=sinks is not None)
+    return causal, offset, mask, bounds, problem
 
 
 def _route(problem: AttnProblem, device, strict, level):
@@ -175,12 +185,9 @@ def _fast_call(q, k, v, causal, offset, softmax_scale, plan, fwd_call):
 
 def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, strict, level,
                fast_key=None, return_lse=False, window=None, sinks=None):
-    """out, or (out, lse) with `return_lse`, of a validated call (the window in the causal
-    frame; non-causal: bottom-right, upper-left for the SDPA patch)."""
-    nq, nkv = q.shape[-2], k.shape[-2]
-    causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, upper_left)
-    bounds = window_bounds(window, offset if causal else 0 if upper_left else nkv - nq)
-    problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds, sinks)
+    """out, or (out, lse) with `return_lse`, of a validated call."""
+    causal, offset, mask, bounds, problem = _problem(q, k, v, attn_mask, dropout_p, is_causal,
+                                                     scale, upper_left, window, sinks)
     if _route(problem, q.device, strict, level) is not None:
         if bounds is not None or sinks is not None:  # no kernel serves these (feature_reason)
             out, lse = math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds,
@@ -192,8 +199,7 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
         return native_attention(q, k, v, causal=causal, offset=offset, mask=mask,
                                 dropout_p=dropout_p, scale=scale)
     shape = q.shape
-    q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
-    args = (q4, k4, v4, causal, offset if causal else 0, problem.softmax_scale)
+    args = (_as4d(q), _as4d(k), _as4d(v), causal, offset if causal else 0, problem.softmax_scale)
     if torch.compiler.is_compiling():
         out, lse = ops.attention_fwd(*args)
     else:
@@ -201,7 +207,7 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
         if fast_key is not None:  # the next same-signature call skips to here
             fwd_call = None
             if _options.current().fast_launch and plan.cfg is not None:
-                fwd_call = launch.FwdCall(plan, q4, k4, v4)
+                fwd_call = launch.FwdCall(plan, *args[:3])
             _remember(fast_key, (*args[3:], plan, fwd_call))
         out, lse = ops.EagerAttention.apply(*args, plan)
     if q.dim() != 4:
@@ -256,10 +262,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             strict=strict, window=window, sinks=sinks))
     key = None if window is not None or sinks is not None else _fast_key(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, return_lse)
-    if key is not None and fp8_args == (None,) * 4:
-        hit = _FAST_CALLS.get(key)
-        if hit is not None:
-            return _fast_call(q, k, v, *hit) if return_lse else _fast_call(q, k, v, *hit)[0]
+    if key is not None and fp8_args == (None,) * 4 and (hit := _FAST_CALLS.get(key)):
+        return _fast_call(q, k, v, *hit) if return_lse else _fast_call(q, k, v, *hit)[0]
     err = (check_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
            or check_return_lse(return_lse, dropout_p)
            or check_window_sinks(window, sinks, q, dropout_p))
@@ -285,13 +289,12 @@ def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, retu
                         f"(torch.float8_e4m3fn / float8_e5m2); q is {q.dtype}")
     causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], False)
     shape = q.shape
-    q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
 
     def dense(qb, kb, vb):
         return _attention(qb, kb, vb, attn_mask, dropout_p, is_causal, scale, upper_left=False,
                           strict=strict, level=logging.WARNING, return_lse=True)
 
-    out, lse = fp8.attention_fp8(q4, k4, v4, causal=causal, offset=offset if causal else 0,
+    out, lse = fp8.attention_fp8(_as4d(q), _as4d(k), _as4d(v), causal=causal, offset=offset if causal else 0,
                                  has_mask=mask is not None, dropout_p=dropout_p, scale=scale,
                                  strict=strict, dense=dense, q_descale=q_descale,
                                  k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
@@ -325,10 +328,8 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
            or check_window_sinks(window, sinks, q, dropout_p))
     if err is not None:
         raise err
-    nq, nkv = q.shape[-2], k.shape[-2]
-    causal, offset, mask = resolve_mask(attn_mask, is_causal, nq, nkv, False)
-    bounds = window_bounds(window, offset if causal else nkv - nq)
-    problem = _problem(q, k, v, causal, offset, scale, mask, dropout_p, bounds, sinks)
+    _, _, mask, bounds, problem = _problem(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                           False, window, sinks)
     reason = _reason(problem, q.device, check=False)
     if reason is None:
         plan = dispatch.plan_fwd(problem, q.device)

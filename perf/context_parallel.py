@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
         stats["pairs"] = sum(valid_pairs(r.stop - r.start, c.stop - c.start, blk_causal, off)
                              for s in range(world)
                              for r, c, blk_causal, off in schedule(rank, (rank - s) % world,
-                                                                   world, n, n, args.causal))
+                                                                   n, n, args.causal))
         for d in ("fwd", "bwd"):
             if d in times and world > 1:
                 comm = times[f"{d}_comm"]

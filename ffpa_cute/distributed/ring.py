@@ -97,7 +97,7 @@ class LocalComm:
 # ------------------------------------------------------------------------------------ schedule
 
 
-def schedule(rank: int, src: int, world: int, n: int, m: int, causal: bool):
+def schedule(rank: int, src: int, n: int, m: int, causal: bool):
     """The blocks rank `rank` computes with rank `src`'s K/V shard: a list of
     (query rows, key rows, causal, offset), rows as slices of the local shards (n query rows,
     m key rows; causal: zig-zag shards, n == m even). Hidden blocks are left out; the own shard
@@ -129,7 +129,7 @@ def ring_forward(q, k, v, comm, *, causal: bool, scale, strict=None):
     kv = (k, v)
     for step in range(world):
         pending = comm.shift(kv, buffers[step % 2], tag=0) if step + 1 < world else None
-        for rows, cols, blk_causal, offset in schedule(rank, (rank - step) % world, world, n,
+        for rows, cols, blk_causal, offset in schedule(rank, (rank - step) % world, n,
                                                        k.shape[-2], causal):
             o, s = block_forward(_rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols),
                                  causal=blk_causal, offset=offset, scale=scale, strict=strict)
@@ -160,7 +160,7 @@ def ring_backward(q, k, v, out, lse, dout, comm, *, causal: bool, scale):
     for step in range(world):
         pending = comm.shift(kv, kv_bufs[step % 2], tag=0) if step + 1 < world else None
         blocks = []
-        for rows, cols, blk_causal, offset in schedule(rank, (rank - step) % world, world, n,
+        for rows, cols, blk_causal, offset in schedule(rank, (rank - step) % world, n,
                                                        k.shape[-2], causal):
             g = block_backward(_rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols),
                                _rows(out, rows), _rows(lse, rows), _rows(dout, rows),
@@ -228,7 +228,7 @@ def ring_attention(q, k, v, group=None, *, is_causal=False, scale=None, enable_g
            or check_return_lse(return_lse, 0.0))
     if err is not None:
         raise err
-    _check_common("ring_attention", q, k, v, group)
+    _check_common("ring_attention", q, group)
     n, m = q.shape[-2], k.shape[-2]
     if is_causal and (n != m or n % 2):
         raise ValueError(f"ring_attention(is_causal=True) needs zig-zag self-attention shards: "
@@ -239,7 +239,7 @@ def ring_attention(q, k, v, group=None, *, is_causal=False, scale=None, enable_g
     return (out, lse) if return_lse else out
 
 
-def _check_common(fn, q, k, v, group):
+def _check_common(fn, q, group):
     """What ring and Ulysses attention both require beyond `check_args`."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{fn} needs an initialized torch.distributed process group "

@@ -86,7 +86,7 @@ def ulysses_attention(q, k, v, group=None, *, is_causal=False, scale=None, enabl
            or check_return_lse(return_lse, 0.0))
     if err is not None:
         raise err
-    _check_common("ulysses_attention", q, k, v, group)
+    _check_common("ulysses_attention", q, group)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: accepted values are {', '.join(LAYOUTS)}")
     world = dist.get_world_size(group)
