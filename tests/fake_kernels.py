@@ -47,6 +47,7 @@ class FakeKernels:
 
     def run_fwd(self, plan, q, k, v):
         assert q.dim() == k.dim() == v.dim() == 4
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         p = plan.problem
         self.fwd_calls.append(p)
         out, lse = attention_ref(q, k, v, causal=p.causal, causal_offset=p.causal_offset,

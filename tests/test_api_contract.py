@@ -11,7 +11,6 @@ Inputs are random (never zeros) with odd lengths so masking and residues show up
 import logging
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import ffpa_cute
 from ffpa_cute import attention, dispatch, explain, interface, launch, ops, patch_sdpa, unpatch_sdpa
-from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_grads, attention_ref, rel_err
+from fake_kernels import FakeKernels, FakePlan  # tests/ is on sys.path
 
 NATIVE = torch._C._nn.scaled_dot_product_attention
 
@@ -265,40 +264,11 @@ def same_as_native(call):
 # ------------------------------------------------------- kernel op path with a fake dispatcher
 
 
-@dataclass(frozen=True)
-class FakePlan:
-    problem: AttnProblem
-    reason: str | None = None
-    family: str | None = "fake"
-    cfg: object = None  # no compiled kernel: no per-signature launcher either
-    packed: bool = False
-
-    def describe(self):
-        return f"fake kernel D={self.problem.head_dim} causal={self.problem.causal}"
-
-
-class FakeKernel:
-    """Covers every problem (masks/dropout too, to prove interface never sends those) on CPU."""
-
-    def __init__(self):
-        self.calls = []
-
-    def plan_fwd(self, problem, *args, **kwargs):
-        return FakePlan(problem)
-
-    def run_fwd(self, plan, q, k, v):
-        assert q.dim() == k.dim() == v.dim() == 4
-        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        p = plan.problem
-        self.calls.append(p)
-        out, lse = attention_ref(q, k, v, causal=p.causal, causal_offset=p.causal_offset,
-                                 scale=p.softmax_scale, upcast=torch.float32)
-        return out.to(q.dtype), lse.float()
-
-
 @pytest.fixture
 def fake_kernel(monkeypatch):
-    fake = FakeKernel()
+    """Forward "kernels" for every problem (masks / dropout too, to prove interface never sends
+    those) on CPU, and no backward kernels (the SDPA recompute)."""
+    fake = FakeKernels()
     monkeypatch.setattr(dispatch, "plan_fwd", fake.plan_fwd)
     monkeypatch.setattr(launch, "run_fwd", fake.run_fwd)
     monkeypatch.setattr(dispatch, "plan_bwd", no_bwd_kernels)
@@ -319,7 +289,7 @@ def fake_bwd_plan(problem, device=None, target=None, opts=None):
 def test_op_path_forward_and_lse(seed, fake_kernel, nq, nkv, causal):
     q, k, v = qkv(hkv=2, nq=nq, nkv=nkv, dv=48)
     out = attention(q, k, v, is_causal=causal, enable_gqa=True)
-    assert len(fake_kernel.calls) == 1 and fake_kernel.calls[0].causal == causal
+    assert len(fake_kernel.fwd_calls) == 1 and fake_kernel.fwd_calls[0].causal == causal
     assert "fake kernel" in explain(q, k, v, is_causal=causal, enable_gqa=True)
     ref, ref_lse = attention_ref(q, k, v, causal=causal)
     close(out, ref)
@@ -333,9 +303,9 @@ def test_op_path_never_gets_masks_or_dropout(seed, fake_kernel):
     q, k, v = qkv()
     attention(q, k, v, attn_mask=torch.rand(7, 7) > 0.5)
     attention(q, k, v, dropout_p=0.5)
-    assert fake_kernel.calls == []
+    assert fake_kernel.fwd_calls == []
     attention(q, k, v, attn_mask=causal_upper_left(7, 7))
-    assert fake_kernel.calls[-1].causal and fake_kernel.calls[-1].causal_offset == 0
+    assert fake_kernel.fwd_calls[-1].causal and fake_kernel.fwd_calls[-1].causal_offset == 0
 
 
 def test_op_path_strides_and_ranks(seed, fake_kernel):
@@ -351,7 +321,7 @@ def test_op_path_strides_and_ranks(seed, fake_kernel):
     patch_sdpa()  # the patch routes covered calls to the op with upper-left causal
     close(F.scaled_dot_product_attention(q3, k3, v3, is_causal=True),
           attention_ref(q3, k3, v3, causal=True, causal_offset=0)[0])
-    assert fake_kernel.calls[-1].causal_offset == 0
+    assert fake_kernel.fwd_calls[-1].causal_offset == 0
 
 
 @pytest.mark.parametrize("nq,nkv,hkv", [(7, 129, 4), (129, 7, 2), (7, 7, 1)])
@@ -363,7 +333,7 @@ def test_op_path_backward(seed, fake_kernel, nq, nkv, hkv):
     attention_ref(qr, kr, vr, causal=True)[0].backward(dout.double())
     for g, r in zip((q.grad, k.grad, v.grad), (qr.grad, kr.grad, vr.grad)):
         close(g, r)
-    assert len(fake_kernel.calls) == 1
+    assert len(fake_kernel.fwd_calls) == 1
 
 
 @pytest.fixture
@@ -475,7 +445,7 @@ def test_eager_calls_skip_the_custom_op_dispatcher(seed, fake_kernel, monkeypatc
     q, k, v = qkv(grad=True)
     out = attention(q, k, v)
     out.sum().backward()
-    assert calls == [] and len(fake_kernel.calls) == 1 and q.grad is not None
+    assert calls == [] and len(fake_kernel.fwd_calls) == 1 and q.grad is not None
 
 
 def test_same_signature_calls_skip_checks_and_routing(seed, fake_kernel, monkeypatch):
@@ -488,7 +458,7 @@ def test_same_signature_calls_skip_checks_and_routing(seed, fake_kernel, monkeyp
     for _ in range(3):
         close(attention(q, k, v, is_causal=True, enable_gqa=True),
               attention_ref(q, k, v, causal=True)[0])
-    assert len(routed) == 1 and len(fake_kernel.calls) == 3
+    assert len(routed) == 1 and len(fake_kernel.fwd_calls) == 3
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = attention(q2, k2, v2, is_causal=True, enable_gqa=True)  # same signature, with grad
     assert len(routed) == 1 and out.grad_fn is not None
