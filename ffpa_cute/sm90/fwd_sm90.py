@@ -68,7 +68,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 from cutlass import Float32, Int32, const_expr
 
 from ..common.softmax import OnlineSoftmax
-from ..common.tensors import CUTLASS_DTYPES
+from ..common.tensors import CUTLASS_DTYPES, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
 from .skeleton_sm90 import (WG_THREADS, RingSkeletonSm90, Roles, ScoreFrags, ScoreIO,
                             ScoreStep, Tile)
@@ -260,17 +260,10 @@ def fake_fp8_args(cfg) -> tuple:
     q, k [B, H, N, D] and vt [B, H, D, N] e4m3 (16-byte aligned, unit last stride, outer
     strides multiples of 16 elements), o [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32, the
     descales [B, Hkv] fp32."""
-    import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor)
-
-    def fake(dt, rank, div):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int(64, divisibility=div) for _ in range(rank - 1)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
-
     f8, out = CUTLASS_DTYPES[cfg.dtype], CUTLASS_DTYPES[cfg.out_dtype]
-    q, k, vt = (fake(f8, 4, 16) for _ in range(3))
-    return (q, k, vt, fake(out, 4, 8), fake(Float32, 3, 1),
-            *(fake(Float32, 2, 1) for _ in range(3)))
+    q, k, vt = (fake_tensor(f8, 4, 16) for _ in range(3))
+    return (q, k, vt, fake_tensor(out, 4, 8), fake_tensor(Float32, 3, 1),
+            *(fake_tensor(Float32, 2, 1) for _ in range(3)))
 
 
 class FFPAFwdSm90FP8(FFPAFwdSm90):
