@@ -50,11 +50,20 @@ DTYPE_CLASS = {"bf16": "16bit", "fp16": "16bit", "e4m3": "fp8", "e5m2": "fp8", "
 
 
 # ------------------------------------------------------------------------------ planners
+def _no_window_sinks(p: AttnProblem, family: str):
+    """Raise (the planners' "cannot run it") for a window or sinks in a family without them."""
+    if p.has_window or p.has_sinks:
+        raise ValueError(f"the {family} kernels have no sliding window or sinks yet")
+
+
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
+    _no_window_sinks(p, "Split-D")
     return sm80_config.plan_fwd(p, target)
 
 
 def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
+    if p.has_window:  # sinks reach the gradient kernels through the LSE
+        raise ValueError("the Split-D backward has no sliding window yet")
     if target.startswith("sm_12"):
         raise ValueError("the Split-D backward is compile-verified only on sm_12x (never run)")
     return [sm80_config.plan_bwd(kind, p, target) for kind in ("dq", "dk", "dv")]
@@ -82,10 +91,12 @@ def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
 
 def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
     """The WGMMA forward with e4m3 operands (no Split-D route: its mma.sync path is 16-bit)."""
+    _no_window_sinks(p, "FP8")
     return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair)
 
 
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
+    _no_window_sinks(p, "sm120")
     return sm120_config.plan_fwd(p, target)
 
 
@@ -195,17 +206,14 @@ class BwdPlan:
 
 
 def feature_reason(p: AttnProblem) -> str | None:
-    """The first semantic of `p` that no kernel implements yet (a dense mask, dropout, a
-    sliding window, sinks), else None. `interface` checks it again after planning, so these
-    never reach a kernel whatever a planner says."""
+    """The first semantic of `p` that no kernel implements yet (a dense mask, dropout), else
+    None. `interface` checks it again after planning, so these never reach a kernel whatever a
+    planner says. (A sliding window and sinks: the sm90 16-bit kernels have them; the other
+    planners refuse them.)"""
     if p.has_mask:
         return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
     if p.dropout_p > 0.0:
         return "dropout_p > 0 has no kernel yet"
-    if p.has_window:
-        return "sliding window has no kernel yet"
-    if p.has_sinks:
-        return "attention sinks have no kernel yet"
     return None
 
 
@@ -234,8 +242,9 @@ def packed_problem(p: AttnProblem, opts: Options) -> AttnProblem | None:
     """The same attention with each KV head's G = Hq / Hkv query heads stacked along the query
     rows ([B, Hkv, G * Nq, D], one head per KV head), when that needs fewer row tiles (GQA / MQA
     decode and short queries) and no query row is masked (not causal, or every query sees every
-    key); else None. A reshape on the host: the kernels see plain attention."""
-    if not opts.pack_gqa:
+    key; no window) and no row has its head's sink; else None. A reshape on the host: the
+    kernels see plain attention."""
+    if not opts.pack_gqa or p.has_window or p.has_sinks:
         return None
     g, nq = p.qhead_per_kvhead, p.seqlen_q
     mask_free = not p.causal or p.causal_offset >= p.seqlen_kv - 1

@@ -123,3 +123,17 @@ def block_grads(q, k, v, out, lse, dout, *, causal, offset, scale):
     P = 0.
     """
     return math_grads(q, k, v, out, lse, dout, hi=offset if causal else None, scale=scale)
+
+
+def fallback_details(q, v, problem, mask) -> str:
+    """What `native_attention` will do, for `explain()`; mirrors its decisions."""
+    p = problem
+    skip, _, explicit = causal_split(p.seqlen_q, p.seqlen_kv, p.causal, p.causal_offset)
+    notes = [f"first {skip} rows see no key -> 0"] if skip else []
+    if explicit:
+        notes.append(f"causal offset {p.causal_offset} as an explicit bool mask")
+    if p.heads_q != p.heads_kv:
+        native = gqa_in_native(q, v, True if explicit else mask)
+        notes.append("GQA natively (flash)" if native else
+                     f"GQA by expanding K/V heads {p.qhead_per_kvhead}x")
+    return "; ".join(notes)

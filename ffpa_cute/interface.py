@@ -8,7 +8,8 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
   2. fallback: torch's *native* SDPA, `torch._C._nn.scaled_dot_product_attention`. We never call
      `F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
-     A sliding window or sinks (no kernel has them yet) take exact torch math (`math_attention`).
+     A sliding window or sinks run the sm90 kernels (`ops.FeatureAttention`, eager), else exact
+     torch math (`math_attention`; also under torch.compile).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -31,8 +32,7 @@ import torch.nn.functional as F
 
 from . import dispatch, fp8, launch, nested, ops, selfcheck
 from . import options as _options
-from .fallback import (causal_split, gqa_in_native, native_attention, native_attention_lse,
-                       native_sdpa)
+from .fallback import fallback_details, native_attention, native_attention_lse, native_sdpa
 from .math_attention import math_attention
 from .problem import AttnProblem
 from .validate import check_args, check_return_lse, check_window_sinks, resolve_mask, window_bounds
@@ -188,8 +188,10 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     """out, or (out, lse) with `return_lse`, of a validated call."""
     causal, offset, mask, bounds, problem = _problem(q, k, v, attn_mask, dropout_p, is_causal,
                                                      scale, upper_left, window, sinks)
-    if _route(problem, q.device, strict, level) is not None:
-        if bounds is not None or sinks is not None:  # no kernel serves these (feature_reason)
+    features = bounds is not None or sinks is not None  # no custom op: graphs take torch math
+    if (_route(problem, q.device, strict, level) is not None
+            or features and torch.compiler.is_compiling()):
+        if features:
             out, lse = math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds,
                                       sinks=sinks, mask=mask, scale=scale)
             return (out, lse) if return_lse else out
@@ -200,7 +202,10 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
                                 dropout_p=dropout_p, scale=scale)
     shape = q.shape
     args = (_as4d(q), _as4d(k), _as4d(v), causal, offset if causal else 0, problem.softmax_scale)
-    if torch.compiler.is_compiling():
+    if features:
+        plan = dispatch.plan_fwd(problem, q.device)
+        out, lse = ops.FeatureAttention.apply(*args[:3], sinks, problem, plan)
+    elif torch.compiler.is_compiling():
         out, lse = ops.attention_fwd(*args)
     else:
         plan = dispatch.plan_fwd(problem, q.device)
@@ -245,8 +250,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     j <= i + Nkv - Nq. sinks: a float tensor [Hq] of learned logits (GPT-OSS), compared with
     the *scaled* scores: row i's softmax denominator becomes sum_j exp(s_ij) + exp(sinks[h]);
     gradients flow to sinks; lse includes the sink term (a row with no key: out 0, lse =
-    sink). No kernel serves either yet: they run the exact torch math of
-    `ffpa_cute.math_attention` (logged; strict raises). Not with dropout or FP8 inputs.
+    sink). The sm90 16-bit kernels serve both (eager calls), blocks outside the window
+    skipped; elsewhere exact torch math (logged; strict raises). Not with dropout or FP8.
 
     q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout): one call
     per sequence, out (and lse) on q's offsets (`ffpa_cute.nested`).
@@ -303,20 +308,6 @@ def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, retu
     return (out, lse) if return_lse else out
 
 
-def _fallback_details(q, v, problem: AttnProblem, mask) -> str:
-    """What `native_attention` will do, for explain(); mirrors its decisions."""
-    p = problem
-    skip, _, explicit = causal_split(p.seqlen_q, p.seqlen_kv, p.causal, p.causal_offset)
-    notes = [f"first {skip} rows see no key -> 0"] if skip else []
-    if explicit:
-        notes.append(f"causal offset {p.causal_offset} as an explicit bool mask")
-    if p.heads_q != p.heads_kv:
-        native = gqa_in_native(q, v, True if explicit else mask)
-        notes.append("GQA natively (flash)" if native else
-                     f"GQA by expanding K/V heads {p.qhead_per_kvhead}x")
-    return "; ".join(notes)
-
-
 def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False, *, window=None, sinks=None) -> str:
     """One line saying which path `attention(...)` with these arguments takes, and why; on the
@@ -338,7 +329,7 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 f"backward: {_backward_route(problem, q.device)}")
     if bounds is not None or sinks is not None:
         return f"torch-math fallback (window / sinks, forward and backward): {reason}"
-    details = _fallback_details(q, v, problem, mask)
+    details = fallback_details(q, v, problem, mask)
     return f"native SDPA fallback: {reason}" + (f" [{details}]" if details else "")
 
 
@@ -347,7 +338,8 @@ def _backward_route(problem: AttnProblem, device) -> str:
     plan = dispatch.plan_bwd(problem, device)
     if plan.reason is None:
         return f"{plan.family} backward kernels (dQ, dK, dV)"
-    return f"SDPA recompute ({plan.reason})"
+    math = problem.has_window or problem.has_sinks
+    return f"{'torch math' if math else 'SDPA recompute'} ({plan.reason})"
 
 
 # ------------------------------------------------------------------------------- SDPA patch

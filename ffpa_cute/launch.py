@@ -32,7 +32,7 @@ def run_job(cls, cfg, tensors: dict, scalars: dict) -> None:
     """Compile (or load) `cfg`'s kernel and launch it on `tensors[name]` for each name in
     `cls.OPERANDS`, then `scalars[name]` for `cls.SCALARS` (torch's current stream)."""
     fn = jit_cache().get(cls, cfg)
-    cls.launch(fn, *(tensors[n] for n in cls.OPERANDS), *(scalars[n] for n in cls.SCALARS))
+    cls.launch(fn, *(tensors.get(n) for n in cls.OPERANDS), *(scalars[n] for n in cls.SCALARS))
 
 
 def kernel_args(plan: Plan, q, k, v, out, lse):
@@ -40,14 +40,15 @@ def kernel_args(plan: Plan, q, k, v, out, lse):
     plans see [B, Hkv, G * Nq, .]: views of out / lse, and of q where its strides allow (a copy
     otherwise, which `kernel_ready` then keeps), with no causal offset (no row is masked)."""
     if not plan.packed:
-        return (q, k, v, out, lse), plan.problem.causal_offset
+        return (q, k, v, out, lse), plan.problem.right_edge
     b, hkv = out.shape[0], k.shape[1]
     return ((q.reshape(b, hkv, -1, q.shape[-1]), k, v, out.view(b, hkv, -1, out.shape[-1]),
              lse.view(b, hkv, -1)), 0)
 
 
-def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Run a forward plan: (out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32)."""
+def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks=None):
+    """Run a forward plan: (out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32). sinks: the
+    [Hq] logits of a plan with sinks (its lse then includes them)."""
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
@@ -56,18 +57,28 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if k.shape[2] == 0:  # no keys at all: every row is empty
-        return out.zero_(), lse.fill_(float("-inf"))
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+    if k.shape[2] == 0:  # no keys at all: every row is empty (its lse: the sink, if any)
+        return out.zero_(), lse.copy_(sinks[:, None] if sinks is not None else float("-inf"))
     (q, k, v, qo, lo), offset = kernel_args(plan, kernel_ready(q), k, v, out, lse)
-    tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo)
-    run_job(plan.kernel_cls, plan.cfg, tensors,
-            dict(softmax_scale=p.softmax_scale, causal_offset=offset))
+    tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo,
+                   sinks=sinks)
+    run_job(plan.kernel_cls, plan.cfg, tensors, _scalars(p, offset))
     return out, lse
 
 
-def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout):
+def _scalars(p, causal_offset: int) -> dict:
+    """The kernels' runtime scalars (`SCALARS`) for problem p: the window's left edge is
+    read only by configs with a window (0 otherwise)."""
+    return dict(softmax_scale=p.softmax_scale, causal_offset=causal_offset,
+                window_lo=p.window_lo if p.window_lo is not None else 0)
+
+
+def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
     """(dq, dk, dv) from a backward plan's kernels: Delta = rowsum(dout * out) first, then the
-    gradient kernels, each writing its own output (atomic-free: the same bits every run)."""
+    gradient kernels, each writing its own output (atomic-free: the same bits every run).
+    `with_delta`: (dq, dk, dv, Delta [B, Hq, Nq] fp32), for a sink's gradient."""
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
@@ -78,11 +89,13 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout):
     t["dk"] = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     t["dv"] = torch.empty(*k.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
-        return t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
-    scalars = dict(softmax_scale=p.softmax_scale, causal_offset=p.causal_offset)
+        grads = t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
+        return (*grads, t["delta"].zero_()) if with_delta else grads
+    scalars = _scalars(p, p.right_edge)
     for cls, cfg in plan.jobs:
         run_job(cls, cfg, t, scalars)
-    return t["dq"], t["dk"], t["dv"]
+    grads = t["dq"], t["dk"], t["dv"]
+    return (*grads, t["delta"]) if with_delta else grads
 
 
 class FwdCall:
@@ -107,7 +120,8 @@ class FwdCall:
                 kernel_ready(packed_q) is packed_q)
         self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
                        and q.device.type == "cuda")
-        self.scalars = (p.softmax_scale, 0 if plan.packed else p.causal_offset)
+        self.scalars = tuple(_scalars(p, 0 if plan.packed else p.right_edge)[n]
+                             for n in plan.kernel_cls.SCALARS) if plan.reason is None else ()
         self.fn = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -123,11 +137,13 @@ class FwdCall:
         return out, lse
 
     def args(self, q, k, v, out, lse) -> tuple:
-        """The kernel's arguments for this call: (q, k, v, o, lse) as it sees them, the softmax
-        scale and the causal offset (what `run_fwd` passes for the same call)."""
+        """The kernel's arguments for this call: (q, k, v, o, lse) as it sees them, no sinks
+        (calls with sinks never take this path), then its `SCALARS` (what `run_fwd` passes for
+        the same call)."""
         if self.plan.packed:
             (q, k, v, out, lse), _ = kernel_args(self.plan, q, k, v, out, lse)
-        return (q, k, v, out, lse, *self.scalars)
+        tensors = dict(q=q, k=k, v=v, o=out, lse=lse)
+        return (*(tensors.get(n) for n in self.plan.kernel_cls.OPERANDS), *self.scalars)
 
 
 __all__ = ["FwdCall", "kernel_args", "kernel_ready", "run_bwd", "run_fwd", "run_job"]

@@ -14,6 +14,7 @@ import torch
 from . import dispatch, launch
 from . import options as _options
 from .fallback import sdpa_recompute_backward
+from .math_attention import math_grads
 from .problem import AttnProblem
 
 
@@ -140,4 +141,47 @@ class EagerAttention(torch.autograd.Function):
         return (*_backward(ctx, dout, dlse, eager=True), None, None)
 
 
-__all__ = ["EagerAttention", "attention_bwd", "attention_fwd", "bwd_plan", "kernel_forward"]
+class FeatureAttention(torch.autograd.Function):
+    """The eager kernel path of a sliding window and / or sinks (`problem` has them; `plan` is
+    its forward plan): the forward kernel with the window's edges and the sinks (lse includes
+    them); the backward kernels with the window where `dispatch.plan_bwd` has them (sinks reach
+    them through the lse), else exact torch math (`math_attention.math_grads`). The sinks'
+    gradient is -sum_i exp(sink - lse_i) Delta_i, Delta_i = rowsum(dout * out) (Note [Sinks] in
+    common/softmax.py). torch.compile graphs take the torch math route instead (no custom op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, problem: AttnProblem, plan):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        with on(q.device):
+            out, lse = launch.run_fwd(plan, q, k, v, sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.problem, ctx.options = problem, _options.current()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        p = ctx.problem
+        plan = dispatch.plan_bwd(p, q.device, opts=ctx.options)
+        if plan.reason is None:
+            with on(q.device):
+                dq, dk, dv, delta = launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(),
+                                                   with_delta=True)
+        else:
+            grads = math_grads(q, k, v, out, lse, dout, lo=p.window_lo,
+                               hi=p.right_edge if p.right_bounded else None,
+                               scale=p.softmax_scale)
+            dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse)   # [B, Hq, Nq]
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+                dsinks, None, None)
+
+
+__all__ = ["EagerAttention", "FeatureAttention", "attention_bwd", "attention_fwd", "bwd_plan",
+           "kernel_forward"]

@@ -62,6 +62,20 @@ class AttnProblem:
         return self.window_lo is not None or self.window_hi is not None
 
     @property
+    def right_bounded(self) -> bool:
+        """Whether keys right of some bound are hidden (causal, or a window's right side): the
+        kernels' `causal` rule, j <= i + `right_edge`."""
+        return self.causal or self.window_hi is not None
+
+    @property
+    def right_edge(self) -> int:
+        """The kernels' causal offset: min(causal offset, window_hi) over the bounds present
+        (0 when `right_bounded` is False)."""
+        edges = [e for e, on in ((self.causal_offset, self.causal),
+                                 (self.window_hi, self.window_hi is not None)) if on]
+        return min(edges) if edges else 0
+
+    @property
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 

@@ -48,14 +48,25 @@ def needed(plan, opts=None) -> bool:
 def canary_problem(plan) -> AttnProblem:
     """A small problem that plans the same kernel configuration as `plan`: the same dtype,
     head dims, causal mode and GQA ratio (at most 8 query heads per KV head), packed rows when
-    `plan` packs them (one query row: decode), else 67 query rows against 200 keys."""
+    `plan` packs them (one query row: decode), else 67 query rows against 200 keys; without a
+    window or sinks (the canary's reference has neither: it checks the configuration's code
+    without them, `_base_cfg`)."""
     p = plan.problem
     g = min(p.qhead_per_kvhead, 8)
     nq = 1 if plan.packed else CANARY_SEQLEN_Q
     return dataclasses.replace(p, batch=1, heads_q=g, heads_kv=1, seqlen_q=nq,
                                seqlen_kv=CANARY_SEQLEN_KV,
-                               causal_offset=CANARY_SEQLEN_KV - nq if p.causal else 0,
-                               requires_grad=False)
+                               causal=p.right_bounded,
+                               causal_offset=CANARY_SEQLEN_KV - nq if p.right_bounded else 0,
+                               requires_grad=False, window_lo=None, window_hi=None,
+                               has_sinks=False)
+
+
+def _base_cfg(cfg):
+    """cfg without a window's left edge or sinks: what the canary problem plans (a window's
+    right edge is the causal rule, which the canary keeps)."""
+    fields = {f: False for f in ("window", "sinks") if getattr(cfg, f, False)}
+    return dataclasses.replace(cfg, **fields) if fields else cfg
 
 
 def _canary(plan, device) -> str | None:
@@ -64,8 +75,9 @@ def _canary(plan, device) -> str | None:
 
     cp = canary_problem(plan)
     cplan = dispatch.plan_fwd(cp, device)
-    if cplan.reason is not None or cplan.cfg != plan.cfg:
-        return None if cplan.cfg == plan.cfg else (
+    base = _base_cfg(plan.cfg)
+    if cplan.reason is not None or cplan.cfg != base:
+        return None if cplan.cfg == base else (
             f"self-check could not build a canary for {plan.cfg}: it planned {cplan.cfg}")
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[cp.dtype]
     gen = torch.Generator(device=device).manual_seed(1234)

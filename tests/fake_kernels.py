@@ -1,7 +1,8 @@
 """A fake kernel route for CPU tests of the code around the kernels (the pattern of
 test_api_contract's `fake_kernel` fixture): dispatch plans a "kernel" for every problem, the
 forward "kernel" is the float64 reference, the backward "kernels" are `fallback.block_grads`,
-which, like the real ones, use the out and lse they are given. Calls are recorded.
+which, like the real ones, use the out and lse they are given (with a window or sinks: the
+exact torch math of `math_attention` on the problem's edges). Calls are recorded.
 
 `install(monkeypatch)` for pytest; `installed()` (a context manager) in spawned processes.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ffpa_cute import dispatch, interface, launch
+from ffpa_cute import math_attention as ma
 from ffpa_cute.fallback import block_grads
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_ref
@@ -45,25 +47,42 @@ class FakeKernels:
     def plan_bwd(self, problem, device=None, target=None, opts=None):
         return dispatch.BwdPlan(problem, family="fake")
 
-    def run_fwd(self, plan, q, k, v):
+    def run_fwd(self, plan, q, k, v, sinks=None):
         assert q.dim() == k.dim() == v.dim() == 4
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         p = plan.problem
+        assert (sinks is not None) == p.has_sinks
         self.fwd_calls.append(p)
-        out, lse = attention_ref(q, k, v, causal=p.causal, causal_offset=p.causal_offset,
-                                 scale=p.softmax_scale)
+        if p.has_window or p.has_sinks:  # the kernels' edges: lo, and hi = the right edge
+            with torch.no_grad():
+                out, lse = ma._forward(q, k, v, p.window_lo, _hi(p), sinks, None,
+                                       p.softmax_scale)
+        else:
+            out, lse = attention_ref(q, k, v, causal=p.causal, causal_offset=p.causal_offset,
+                                     scale=p.softmax_scale)
         return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
 
-    def run_bwd(self, plan, q, k, v, out, lse, dout):
+    def run_bwd(self, plan, q, k, v, out, lse, dout, with_delta=False):
         p = plan.problem
         self.bwd_calls.append(p)
-        grads = block_grads(q, k, v, out, lse, dout, causal=p.causal, offset=p.causal_offset,
-                            scale=p.softmax_scale)
-        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        if p.has_window:
+            grads = ma.math_grads(q, k, v, out, lse, dout, lo=p.window_lo, hi=_hi(p),
+                                  scale=p.softmax_scale)
+        else:
+            grads = block_grads(q, k, v, out, lse, dout, causal=p.causal,
+                                offset=p.causal_offset, scale=p.softmax_scale)
+        grads = tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        return (*grads, delta) if with_delta else grads
 
     def patches(self):
         return [(dispatch, "plan_fwd", self.plan_fwd), (dispatch, "plan_bwd", self.plan_bwd),
                 (launch, "run_fwd", self.run_fwd), (launch, "run_bwd", self.run_bwd)]
+
+
+def _hi(p: AttnProblem):
+    """The right edge the kernels apply (None: unbounded)."""
+    return p.right_edge if p.right_bounded else None
 
 
 def install(monkeypatch) -> FakeKernels:

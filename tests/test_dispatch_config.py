@@ -242,10 +242,11 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
     monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(lambda fn, *a: seen.append(a)))
     out, lse = launch.run_fwd(plan, q, k, v)
-    *ts, scale, offset = seen[0]
+    *ts, sinks, scale, offset, window_lo = seen[0]
+    assert sinks is None and window_lo == 0  # no sinks; the edge is unread without a window
     fc = launch.FwdCall(plan, q, k, v)
-    *got, got_scale, got_offset = fc.args(q, k, v, out, lse)
-    assert (got_scale, got_offset) == (scale, offset)
+    *got, got_sinks, got_scale, got_offset, got_lo = fc.args(q, k, v, out, lse)
+    assert (got_sinks, got_scale, got_offset, got_lo) == (None, scale, offset, 0)
     for a, b in zip(got, ts):
         assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
     assert fc.out_shape == tuple(out.shape) and fc.lse_shape == tuple(lse.shape)
@@ -276,7 +277,7 @@ def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch):
     assert delta_args[0] is dout and delta_args[1] is out and len(delta_args) == 3
     assert dq_args[:4] == (q, k, v, dout) and dq_args[4] is dq and dq_args[6] is delta_args[2]
     assert dk_args[4] is dk and dv_args[:3] == (k, q, dout) and dv_args[3] is dv
-    assert dq_args[-2:] == (p.softmax_scale, 129 - 7) and dv_args[-2:] == dq_args[-2:]
+    assert dq_args[-3:] == (p.softmax_scale, 129 - 7, 0) and dv_args[-3:] == dq_args[-3:]
 
 
 def test_fused_delta_is_a_backward_job():

@@ -198,8 +198,8 @@ def test_forward_only(seed):
 
 def test_fake_kernel_route(seed, monkeypatch):
     """Every part of every row routes like attention(): with a planner that serves everything,
-    B x num_splits "kernel" calls (sinks applied after the merge); a window never reaches a
-    kernel, and strict mode raises with the reason."""
+    B x num_splits "kernel" calls (sinks applied after the merge); with a window too (the sm90
+    kernels have it): strict mode runs it."""
     fake = fake_kernels.install(monkeypatch)
     cache = Cache([37, 10, 100], 1, page_size=16)
     q, k, v = inputs(cache, 1, 1, hq=4)
@@ -208,11 +208,10 @@ def test_fake_kernel_route(seed, monkeypatch):
                                  sinks=sinks, num_splits=3)
     assert len(fake.fwd_calls) == 9 and sum(p.seqlen_kv for p in fake.fwd_calls) == 150
     assert rel_err(out, reference(q, cache, k, v, causal=True, sinks=sinks)[0]) <= 1e-12
-    attention_with_kvcache(q, cache.k, cache.v, seqlens(cache), cache.table, window=(3, 0))
-    assert len(fake.fwd_calls) == 9
-    with pytest.raises(NotImplementedError, match="sliding window has no kernel yet"):
-        attention_with_kvcache(q, cache.k, cache.v, seqlens(cache), cache.table,
-                               window=(3, 0), strict=True)
+    out = attention_with_kvcache(q, cache.k, cache.v, seqlens(cache), cache.table,
+                                 window=(3, 0), strict=True)
+    assert len(fake.fwd_calls) > 9 and fake.fwd_calls[-1].window_lo is not None
+    assert rel_err(out, reference(q, cache, None, None, causal=True, window=(3, 0))[0]) <= 1e-12
 
 
 # -------------------------------------------------------------------------------- errors

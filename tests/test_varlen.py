@@ -119,8 +119,8 @@ def test_bf16_within_the_bound(seed, with_window):
 
 def test_fake_kernel_route(seed, monkeypatch):
     """Each sequence routes like attention(): with a planner that serves everything, one
-    kernel call per sequence that has queries and keys (bottom-right offset each); a window
-    never reaches it, and strict mode raises with the reason."""
+    kernel call per sequence that has queries and keys (bottom-right offset each), with a
+    window too (the sm90 kernels have it): strict mode runs it."""
     fake = fake_kernels.install(monkeypatch)
     lq, lk = LENGTHS[0]
     q, k, v = packed(lq, lk, grad=True)
@@ -131,10 +131,9 @@ def test_fake_kernel_route(seed, monkeypatch):
     out.sum().backward()  # through the fake backward kernels
     assert len(fake.bwd_calls) == len(fake.fwd_calls)
     calls = len(fake.fwd_calls)
-    run(q, k, v, lq, lk, is_causal=True, window=(3, 0))
-    assert len(fake.fwd_calls) == calls
-    with pytest.raises(NotImplementedError, match="sliding window has no kernel yet"):
-        run(q, k, v, lq, lk, is_causal=True, window=(3, 0), strict=True)
+    out = run(q, k, v, lq, lk, is_causal=True, window=(3, 0), strict=True)
+    assert len(fake.fwd_calls) == 2 * calls and fake.fwd_calls[-1].window_lo is not None
+    assert rel_err(out, ref_varlen(q, k, v, lq, lk, causal=True, window=(3, 0))[0]) <= 1e-12
 
 
 Q, K = torch.randn(9, 4, 16), torch.randn(12, 4, 16)

@@ -185,36 +185,65 @@ def prob(**kw):
     return AttnProblem(**{**base, **kw})
 
 
-@pytest.mark.parametrize("fields,reason", [
-    (dict(window_lo=-3), "sliding window has no kernel yet"),
-    (dict(window_hi=0), "sliding window has no kernel yet"),
-    (dict(has_sinks=True), "attention sinks have no kernel yet")])
-def test_dispatch_gives_the_reason(fields, reason):
-    """A CUDA problem that every family would plan gets no plan once it has a window / sinks."""
-    assert dispatch.plan_fwd(prob(), target="sm_90a").reason is None
-    assert dispatch.problem_reason(prob(**fields)) == reason
-    assert dispatch.plan_fwd(prob(**fields), target="sm_90a").reason == reason
-    assert dispatch.plan_bwd(prob(**fields), target="sm_90a").reason == reason
+@pytest.mark.parametrize("fields,cfg", [
+    (dict(window_lo=-3), dict(window=True, causal=False, sinks=False)),
+    (dict(window_hi=0), dict(window=False, causal=True, sinks=False)),
+    (dict(window_lo=-3, window_hi=2, causal=True, causal_offset=0),
+     dict(window=True, causal=True, sinks=False)),
+    (dict(has_sinks=True), dict(window=False, causal=False, sinks=True))])
+def test_sm90_plans_window_and_sinks(fields, cfg):
+    """The sm90 16-bit forward takes a window (left edge: `window`; right edge: the causal
+    rule) and sinks; its backward the window (sinks reach it through the lse); the problem's
+    right edge is min(causal offset, window_hi); GQA rows are never packed with them."""
+    p = prob(**fields)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.reason is None and not plan.packed
+    assert {f: getattr(plan.cfg, f) for f in cfg} == cfg
+    bwd = dispatch.plan_bwd(p, target="sm_90a")
+    assert bwd.reason is None
+    assert all(c.window == cfg["window"] and not c.sinks for c in bwd.cfgs[1:])
+    assert prob(window_hi=5, causal=True, causal_offset=2).right_edge == 2
+    assert prob(window_hi=1, causal=True, causal_offset=2).right_edge == 1
+    assert dispatch.plan_fwd(prob(heads_kv=1, seqlen_q=1, **fields), target="sm_90a").packed \
+        is False
 
 
-@pytest.mark.parametrize("feature,reason", [("window", "sliding window has no kernel yet"),
-                                            ("sinks", "attention sinks have no kernel yet")])
-def test_never_reaches_a_kernel(seed, monkeypatch, feature, reason):
-    """Even where the planner serves every problem (fake kernels), a window / sinks call runs
-    the math path, and strict mode raises with the reason."""
+@pytest.mark.parametrize("fields", [dict(window_lo=-3), dict(window_hi=0), dict(has_sinks=True)])
+def test_other_families_refuse_window_and_sinks(fields):
+    """The Split-D (sm80), sm120 and FP8 planners have neither: a reason, never a config."""
+    from ffpa_cute.options import Options
+    p = prob(**fields)
+    assert "no sliding window or sinks" in dispatch.plan_fwd(
+        p, target="sm_90a", opts=Options(family="sm80")).reason
+    assert "no sliding window or sinks" in dispatch.plan_fwd(p, target="sm_120a").reason
+    import dataclasses
+    fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3"), target="sm_90a")
+    assert "no sliding window or sinks" in fp8.reason
+
+
+@pytest.mark.parametrize("kw", [dict(window=(4, 0)), dict(window=(3, 5)),
+                                dict(sinks=True), dict(window=(6, 1), sinks=True)])
+def test_kernel_route_with_fake_kernels(seed, monkeypatch, kw):
+    """Where a planner serves the problem (fake kernels standing in), a window / sinks call
+    runs the kernel route (`ops.FeatureAttention`): its forward gets the sinks, its backward
+    the window, and the sinks' gradient comes from lse and Delta; all against float64."""
     fake = fake_kernels.install(monkeypatch)
-    q, k, v = qkv(nq=7, nkv=29)
-    kw = dict(window=(4, 0)) if feature == "window" else dict(sinks=sink_logits(6))
-    out = attention(q, k, v, is_causal=True, enable_gqa=True, **kw)
-    assert fake.fwd_calls == []
-    ref, _ = ref_attention(q, k, v, causal=True, **kw)
-    assert rel_err(out, ref) <= 1e-12
-    with pytest.raises(NotImplementedError, match=reason):
-        attention(q, k, v, is_causal=True, enable_gqa=True, strict=True, **kw)
-    assert explain(q, k, v, is_causal=True, enable_gqa=True, **kw) == (
-        f"torch-math fallback (window / sinks, forward and backward): {reason}")
-    attention(q, k, v, is_causal=True, enable_gqa=True)  # without them: the kernel
+    q, k, v = qkv(nq=7, nkv=29, grad=True)
+    sinks = sink_logits(6, grad=True) if kw.pop("sinks", False) else None
+    out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks,
+                         return_lse=True, **kw)
     assert len(fake.fwd_calls) == 1
+    ref, ref_lse = ref_attention(q, k, v, causal=True, sinks=sinks, **kw)
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    dout = torch.randn_like(out)
+    ins = [t for t in (q, k, v, sinks) if t is not None]
+    got = torch.autograd.grad(out, ins, dout)
+    want = torch.autograd.grad(ref, ins, dout)
+    assert len(fake.bwd_calls) == 1
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-10
+    assert explain(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks, **kw).startswith(
+        "ffpa_cute kernel: fake kernel")
 
 
 def test_strict_and_logging_on_cpu(seed, caplog):

@@ -21,6 +21,11 @@ large score elsewhere in the row (an attention sink): underflow is only relative
 max. The frame never drops more than 2^floor below the row's running max, so O stays far
 inside fp32 (a block whose scores all lie below that floor contributes exactly what it would
 against the running max).
+
+Note [Sinks]: a learned per-head logit (GPT-OSS) joins each row's softmax denominator as one more
+"key" with no value: O = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)), and the LSE includes
+it, so the backward's P = exp(s - LSE) is already the sink-aware softmax and its kernels need no
+change (the sink's own gradient, -sum_i exp(sink - LSE_i) Delta_i, is a host-side reduction).
 """
 
 from __future__ import annotations
@@ -175,11 +180,16 @@ class OnlineSoftmax:
             self.row_sum[r] = quad_allreduce_sum(self.row_sum[r])
 
     @cute.jit
-    def normalize(self, acc_O_mns: list, lse: cute.Tensor, inv_out: cute.Tensor | None = None):
+    def normalize(self, acc_O_mns: list, lse: cute.Tensor, inv_out: cute.Tensor | None = None,
+                  sink_log2: cutlass.Float32 | None = None):
         """O /= row_sum (0 for empty rows); lse[r] = natural-log logsumexp of scaled scores.
 
-        inv_out (optional) receives each row's 1 / row_sum (0 for empty rows).
+        inv_out (optional) receives each row's 1 / row_sum (0 for empty rows). sink_log2 (not
+        None): the row's sink logit in log2 units joins its denominator (Note [Sinks]).
         """
+        if cutlass.const_expr(sink_log2 is not None):
+            self._normalize_sink(acc_O_mns, lse, inv_out, sink_log2)
+            return
         for r in cutlass.range_constexpr(self.num_rows):
             s = self.row_sum[r]
             inv = cutlass.Float32(0.0)
@@ -192,6 +202,30 @@ class OnlineSoftmax:
                 else:
                     lse[r] = (self.row_max[r] * self.scale_log2
                               + cute.math.log2(s, fastmath=True)) * LN2
+                if cutlass.const_expr(self.out_scale is not None):
+                    inv = inv * self.out_scale
+            if cutlass.const_expr(inv_out is not None):
+                inv_out[r] = inv
+            for c in cutlass.range_constexpr(len(acc_O_mns)):
+                acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * inv
+
+    @cute.jit
+    def _normalize_sink(self, acc_O_mns: list, lse: cute.Tensor, inv_out, sink_log2):
+        """`normalize` with a sink term exp2(sink_log2) in each row's denominator, taken in the
+        frame top = max(row max, sink) so that neither a sink far above the scores nor a row
+        with no key overflows: sum' = sum * 2^(m - top) + 2^(sink - top) (>= 1 unless both are
+        -inf), O *= 2^(m - top) / sum', LSE = (top + log2(sum')) ln 2. A row with no key: O 0,
+        LSE = the sink."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            m = self.row_max[r] * self.scale_log2
+            top = cute.arch.fmax(m, sink_log2)
+            inv = cutlass.Float32(0.0)
+            lse[r] = -cutlass.Float32.inf
+            if top != -cutlass.Float32.inf:
+                a = cute.math.exp2(m - top, fastmath=True)
+                s = self.row_sum[r] * a + cute.math.exp2(sink_log2 - top, fastmath=True)
+                inv = a * cute.arch.rcp_approx(s)
+                lse[r] = (top + cute.math.log2(s, fastmath=True)) * LN2
                 if cutlass.const_expr(self.out_scale is not None):
                     inv = inv * self.out_scale
             if cutlass.const_expr(inv_out is not None):

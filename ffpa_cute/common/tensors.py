@@ -21,6 +21,8 @@ CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16,
 LOG2_E = 1.4426950408889634
 # what `KernelEntry.compile` always passes to cute.compile: the TVM-FFI calling convention
 TVM_FFI = "--enable-tvm-ffi"
+# compile-time values of the runtime scalars (`KernelEntry.SCALARS`): only their types matter
+FAKE_SCALARS = {"softmax_scale": 1.0, "causal_offset": 0, "window_lo": 0}
 
 
 def fake_tensor(dtype, rank: int, div: int):
@@ -85,10 +87,10 @@ class KernelEntry:
     from its config, the compile key.
 
     `__call__` takes the tensors named by `OPERANDS` (in that order: "q", "k", "v", "o", "do",
-    "dq", "dk", "dv" are [B, H, N, D], "lse" and "delta" [B, Hq, Nq] fp32), then the `SCALARS`
-    (softmax scale, causal offset) and the stream (compiled as the environment's stream, so
-    not passed at run time); `launch.run_job` feeds it by these names, so the host side needs
-    no per-kernel code."""
+    "dq", "dk", "dv" are [B, H, N, D], "lse" and "delta" [B, Hq, Nq] fp32, "sinks" [Hq] fp32
+    or None), then the `SCALARS` (softmax scale, causal offset[, the window's left edge]) and
+    the stream (compiled as the environment's stream, so not passed at run time);
+    `launch.run_job` feeds it by these names, so the host side needs no per-kernel code."""
 
     OPERANDS = ("q", "k", "v", "o", "lse")
     SCALARS = ("softmax_scale", "causal_offset")
@@ -105,13 +107,13 @@ class KernelEntry:
     def compile(cls, cfg, options: str = ""):
         """Compile for cfg.arch from fake tensors: no GPU needed, one compile per config."""
         with compile_target(cfg.arch):
-            return cute.compile(cls(cfg), *cls.fake_inputs(cfg), 1.0, 0, env_stream(),
+            return cute.compile(cls(cfg), *cls.fake_inputs(cfg),
+                                *(FAKE_SCALARS[n] for n in cls.SCALARS), env_stream(),
                                 options=compile_options(options))
 
     @staticmethod
     def launch(fn, *args) -> None:
         """Run a compiled kernel: its torch tensors in `__call__` order ([B, H, N, D], last
         stride 1, 16-byte aligned, other strides multiples of 8 elements; [B, Hq, Nq] fp32
-        contiguous), then softmax_scale and causal_offset; on torch's current stream of the
-        current device."""
+        contiguous), then the `SCALARS`; on torch's current stream of the current device."""
         fn(*args)

@@ -48,6 +48,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier)
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
+from ..common.mask import apply_mask_transposed, transposed_needs_mask
 from ..common.softmax import mn_view
 from ..common.tensors import LOG2_E, aligned_bhnd, fake_grad_args
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
@@ -66,8 +67,8 @@ class FFPABwdDVSm90(RingSkeletonSm90):
          a key of the tile.
       2. S warpgroup, per query block n of head g: `_block_prefetch` loads the block's LSE (one
          query per S thread); S^T = K Q[n]^T over D (the C ring); `_score_step`: the LSE
-         staged in the factor buffer (log2 units), the transposed mask (query past Nq, or key j
-         > i + offset under causal), P^T = exp2(S^T * scale_log2 - LSE_i * log2(e)) (bf16) ->
+         staged in the factor buffer (log2 units), the transposed mask (query past Nq, key j
+         > i + offset under causal, j < i + window_lo under a window), P^T = exp2(S^T * scale_log2 - LSE_i * log2(e)) (bf16) ->
          the P slot.
       3. Accumulator warpgroups (skeleton, no rescale): dV += P^T dO[n] on their halves.
       4. dV stored (keys < Nkv); no LSE, no normalisation.
@@ -89,11 +90,12 @@ class FFPABwdDVSm90(RingSkeletonSm90):
     @cute.jit
     def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 stream: cuda.CUstream):
+                 window_lo: Int32, stream: cuda.CUstream):
         """k: (B, Hkv, Nkv, D); q: (B, Hq, Nq, D); do: (B, Hq, Nq, Dv); dv: (B, Hkv, Nkv, Dv);
-        lse: (B, Hq, Nq) fp32. Grid = (Nkv tiles * o_split, Hkv, B)."""
+        lse: (B, Hq, Nq) fp32; window_lo read with `window`. Grid = (Nkv tiles * o_split, Hkv,
+        B)."""
         self._launch(Roles(rows=mK, cols=mQ, acc_b=mdO, out=mdV), mLSE, softmax_scale,
-                     causal_offset, stream, None)
+                     causal_offset, stream, None, window_lo)
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
@@ -104,13 +106,18 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         return head * group, group
 
     @cute.jit
-    def _block_range(self, m_block, seqlen_c, causal_offset, group):
-        """Per query head, the blocks n_top-1 .. n_top-n_per: all of them, or under causal those
-        holding a query i >= (first key of the tile) - offset; n_count = group * n_per."""
+    def _block_range(self, tile: Tile, group):
+        """Per query head, the blocks n_top-1 .. n_top-n_per: all of them, under causal those
+        holding a query i >= (first key of the tile) - offset, under a window's left edge those
+        holding a query i <= (last key of the tile) - window_lo; n_count = group * n_per."""
+        m_block, seqlen_c = tile.m_block, tile.seqlen_c
         n_top = (seqlen_c + self.tile_n - 1) // self.tile_n
+        if cutlass.const_expr(tile.window_lo is not None):
+            seen = cutlass.max((m_block + 1) * TILE_M - tile.window_lo, 0)  # queries <= last
+            n_top = cutlass.min(n_top, (seen + self.tile_n - 1) // self.tile_n)
         n_low = 0
         if cutlass.const_expr(self.causal):
-            n_low = cutlass.max(m_block * TILE_M - causal_offset, 0) // self.tile_n
+            n_low = cutlass.max(m_block * TILE_M - tile.causal_offset, 0) // self.tile_n
         return n_top, cutlass.max(n_top - n_low, 0) * group
 
     @cute.jit
@@ -231,23 +238,15 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         s_sync.arrive_and_wait()
 
     @cute.jit
-    def _mask_transposed(self, acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset):
-        """-inf where query i (column) is past Nq or, under causal, cannot see key j (row):
-        j > i + offset. Only blocks that cross Nq or the diagonal pay for it."""
-        col0 = n_block * self.tile_n
-        need = col0 + self.tile_n > seqlen_q
-        if cutlass.const_expr(self.causal):
-            need = need | (m_block * TILE_M + TILE_M - 1 > col0 + causal_offset)
-        if need:
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                j = m_block * TILE_M + tScS_mn[r, 0][0]
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    q = col0 + tScS_mn[0, c][1]
-                    bad = q >= seqlen_q
-                    if cutlass.const_expr(self.causal):
-                        bad = bad | (j > q + causal_offset)
-                    if bad:
-                        acc_S_mn[r, c] = -Float32.inf
+    def _mask_transposed(self, tile: Tile, frags: ScoreFrags, n_block):
+        """-inf where query i (column) is past Nq or cannot see key j (row): j > i + offset
+        under causal, j < i + window_lo under a window's left edge. Only blocks that cross Nq,
+        the diagonal or the edge pay for it (common/mask.py)."""
+        if transposed_needs_mask(tile.m_block, n_block, tile.seqlen_c, tile.causal_offset,
+                                 TILE_M, self.tile_n, self.causal, tile.window_lo):
+            apply_mask_transposed(frags.acc_S_mn, frags.tScS_mn, tile.m_block, n_block,
+                                  tile.seqlen_c, tile.causal_offset, TILE_M, self.tile_n,
+                                  self.causal, tile.window_lo)
 
     @cute.jit
     def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
@@ -276,8 +275,7 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
         softmax, sFactor = frags.softmax, io.sFactor
         self._stage_columns(sFactor, io.tidx, mDelta, step.pre)
-        self._mask_transposed(acc_S_mn, tScS_mn, tile.m_block, step.n_block, tile.seqlen_c,
-                              tile.causal_offset)
+        self._mask_transposed(tile, frags, step.n_block)
         sLSE = cute.make_tensor(sFactor.iterator, cute.make_layout(self.tile_n))  # (tile_n,)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             lse2 = sLSE[tScS_mn[0, c][1]]
@@ -326,7 +324,7 @@ class _TwoScoreProducts:
 
     @cute.jit
     def _launch_two(self, roles: Roles, rows2, cols2, mLSE, mDelta, softmax_scale: Float32,
-                    causal_offset: Int32, stream: cuda.CUstream):
+                    causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream):
         """The skeleton's roles; rows2 / cols2 the second product's operands, same boxes."""
         cfg = self.cfg
         layouts = self._smem_layouts()
@@ -339,7 +337,7 @@ class _TwoScoreProducts:
         tma_cols2, g_cols2 = cpasync.make_tiled_tma_atom(
             g2s, t_cols2, cute.select(layouts.c, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
         self._launch(roles, mLSE, softmax_scale, causal_offset, stream,
-                     TwoProductExtra(tma_rows2, g_rows2, tma_cols2, g_cols2, mDelta))
+                     TwoProductExtra(tma_rows2, g_rows2, tma_cols2, g_cols2, mDelta), window_lo)
 
     @cute.jit
     def _col_src(self, loads: ColLoads, head, n_block, c):
@@ -408,12 +406,13 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+                 softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
         """q, do, dq: (B, Hq, Nq, D / Dv / D); k, v: (B, Hkv, Nkv, D / Dv); lse, delta:
         (B, Hq, Nq) fp32."""
         # rows Q (then dO), columns K (then V), accumulator B = K rows, output dQ
         self._launch_two(Roles(rows=mQ, cols=mK, acc_b=mK, out=mdQ), mdO, mV, mLSE, mDelta,
-                         softmax_scale, causal_offset, stream)
+                         softmax_scale, causal_offset, window_lo, stream)
 
     # ---------------------------------------------------------------- hooks
     @cute.jit
@@ -536,12 +535,13 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+                 softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D / Dv); k, v, dk: (B, Hkv, Nkv, D / Dv / D); lse, delta:
         (B, Hq, Nq) fp32."""
         # rows K (then V), columns Q (then dO), accumulator B = Q rows, output dK
         self._launch_two(Roles(rows=mK, cols=mQ, acc_b=mQ, out=mdK), mV, mdO, mLSE, mDelta,
-                         softmax_scale, causal_offset, stream)
+                         softmax_scale, causal_offset, window_lo, stream)
 
     @cute.jit
     def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
@@ -550,12 +550,11 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
         softmax, acc_2, sFactor, tidx = frags.softmax, frags.acc_2, io.sFactor, io.tidx
         extra, pre, n_block = io.extra, step.pre, step.n_block
-        m_block, seqlen_q, causal_offset = tile.m_block, tile.seqlen_c, tile.causal_offset
         if cutlass.const_expr(self.seq_scores):  # acc_S holds dP^T, rP holds P^T
             self._ds_from_p(acc_S_mn, tScS_mn, rP, sFactor, softmax.scale_log2)
         else:
             self._stage_columns(sFactor, tidx, extra.mDelta, pre)
-            self._mask_transposed(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, causal_offset)
+            self._mask_transposed(tile, frags, n_block)
             # (2 tile_n,): the columns' LSE (log2 units), then their Delta
             sColStat = cute.make_tensor(sFactor.iterator, cute.make_layout(2 * self.tile_n))
             acc_dP_mn = mn_view(acc_2)   # (rows, cols) of this thread

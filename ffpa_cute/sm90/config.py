@@ -63,6 +63,12 @@ class FwdConfigSm90:
                    blocks instead of both computing every S (each computes S for every other
                    block, the pair exchanges row maxima and P through distributed shared
                    memory, and each still accumulates its half of O over all blocks)
+    window:        a sliding window's left edge: query i sees key j only if j >= i + window_lo
+                   (a runtime argument); the blocks left of it are skipped, the ones crossing
+                   it masked. The right edge is `causal` with offset min(causal, window right).
+    sinks:         a per-query-head sink logit joins each row's softmax denominator and LSE
+                   (a runtime [Hq] fp32 tensor; the forward's only: the gradient kernels read
+                   the sink through the LSE)
     """
 
     arch: str
@@ -76,6 +82,8 @@ class FwdConfigSm90:
     stream_q: bool = False
     head_dim_v: int | None = None
     kv_pair: bool = False
+    window: bool = False
+    sinks: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -223,6 +231,8 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         if cfg.head_dim % 16 or cfg.head_dim_v is not None:
             return (f"head_dim={cfg.head_dim}: the FP8 forward needs a multiple of 16 (16-byte "
                     "rows for TMA) and head_dim_v == head_dim")
+        if cfg.window or cfg.sinks:
+            return "the FP8 forward has no sliding window or sinks yet"
     elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
@@ -266,9 +276,10 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True) -> FwdConfig
                   else (FwdConfigSm90, {}))
     k_chunk = 128 // ELEM_BYTES.get(problem.dtype, 2)
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.causal, publish_after=-(-problem.head_dim // k_chunk),
+                causal=problem.right_bounded, publish_after=-(-problem.head_dim // k_chunk),
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
-                head_dim_v=None if dv == problem.head_dim else dv, **extra)
+                head_dim_v=None if dv == problem.head_dim else dv,
+                window=problem.window_lo is not None, sinks=problem.has_sinks, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)
@@ -354,14 +365,14 @@ def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = can_implement(cfg)
     if reason is None and cfg.kv_pair:
         reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
+    if reason is None and cfg.sinks:
+        reason = "sinks is the forward's field (the gradient kernels read it through the LSE)"
     return reason
 
 
 def can_implement_dq(cfg: BwdDQConfigSm90) -> str | None:
     """The dQ and dK kernels' constraints (both two-product kernels)."""
-    reason = can_implement(cfg)
-    if reason is None and cfg.kv_pair:
-        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
+    reason = can_implement_dv(cfg)
     if reason is None and (not cfg.stream_q or cfg.head_dim_v is not None
                            or cfg.tile_n != (128 if cfg.seq_scores else 64)):
         reason = ("the dQ / dK kernels need head_dim_v == head_dim, stream_q and tile_n 64 "
@@ -382,7 +393,8 @@ def _check_bwd_head_dim(problem: AttnProblem):
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
     _check_bwd_head_dim(problem)
-    cfg = BwdDVConfigSm90(**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)))
+    fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=False), sinks=False)
+    cfg = BwdDVConfigSm90(**dataclasses.asdict(fwd))
     reason = can_implement_dv(cfg)
     if reason:
         raise ValueError(reason)
@@ -408,7 +420,8 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
     publish_after, publish_hi = _publish_points(
         problem, "dq" if cls is BwdDQConfigSm90 else "dk")
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.causal, tile_n=128 if seq_scores else 64, stream_q=True,
+                causal=problem.right_bounded, window=problem.window_lo is not None,
+                tile_n=128 if seq_scores else 64, stream_q=True,
                 publish_after=publish_after, publish_hi=publish_hi, seq_scores=seq_scores,
                 second_dim=None if dv == problem.head_dim else dv)
     for v in (4, 3, 2):

@@ -25,8 +25,11 @@ final factors and LSE, and `kv_pair`'s exchange between the two CTAs of a pair.
 Shared memory (D = 512): Q [64 x 512] resident 64 KB; K ring 4 x 16 KB; two V rings 2 x 2 x
 [32 x 256] = 64 KB; P 2 x [64 x 128] 32 KB; row factors 512 B (`config.smem_bytes`).
 
-Masking: only blocks that cross Nkv or the causal diagonal (one runtime check per block). O and
-LSE stores skip rows past Nq.
+Masking: only blocks that cross Nkv, the causal diagonal or a sliding window's left edge (one
+runtime check per block); blocks left of the window are not visited (common/mask.py; a window's
+right edge is the causal rule at offset min(causal, right)). O and LSE stores skip rows past Nq.
+Sinks (config `sinks`): the head's sink logit joins each row's denominator and LSE in the final
+factors (common/softmax.py, Note [Sinks]).
 
 D > 512 (config `o_split` = 2): O[64 x D] does not fit two warpgroups' registers, so two
 adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O warpgroups D/4
@@ -68,7 +71,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 from cutlass import Float32, Int32, const_expr
 
 from ..common.softmax import OnlineSoftmax
-from ..common.tensors import CUTLASS_DTYPES, fake_tensor
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
 from .skeleton_sm90 import (WG_THREADS, RingSkeletonSm90, Roles, ScoreFrags, ScoreIO,
                             ScoreStep, Tile)
@@ -98,6 +101,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
     """
 
     rescale_o = True  # O warpgroups multiply O's rows by the published factors
+    OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
 
     def __init__(self, cfg: FwdConfigSm90):
         reason = can_implement(cfg)
@@ -105,13 +109,21 @@ class FFPAFwdSm90(RingSkeletonSm90):
             raise ValueError(f"{type(self).__name__}: {reason}")
         super().__init__(cfg)
 
+    @staticmethod
+    def fake_inputs(cfg):
+        """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, else
+        None (the compiled function then takes None there)."""
+        return (*fake_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None)
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 stream: cuda.CUstream):
-        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid = (m_blocks * o_split, Hq, B)."""
+                 mLSE: cute.Tensor, mSinks, softmax_scale: Float32, causal_offset: Int32,
+                 window_lo: Int32, stream: cuda.CUstream):
+        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32; sinks: (Hq,) fp32 with `sinks`, else
+        None; window_lo: read with `window`. Grid = (m_blocks * o_split, Hq, B)."""
         self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale,
-                     causal_offset, stream, None)
+                     causal_offset, stream, mSinks if const_expr(self.cfg.sinks) else None,
+                     window_lo)
 
     # ---------------------------------------------------------------- the score step
     @cute.jit
@@ -135,21 +147,25 @@ class FFPAFwdSm90(RingSkeletonSm90):
 
     @cute.jit
     def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
-        """After the last block: factor = 1 / row_sum (0 for empty rows); returns the LSE."""
+        """After the last block: factor = 1 / row_sum (0 for empty rows; with `sinks` the
+        head's sink joins the sum, Note [Sinks] in common/softmax.py); returns the LSE."""
+        sink_log2 = None
+        if const_expr(self.cfg.sinks):  # extra: the [Hq] sink logits
+            sink_log2 = io.extra[tile.head] * LOG2_E
         if const_expr(self.kv_pair):
-            lse = self._final_factors_pair(tile, io, frags, n_iter)
+            lse = self._final_factors_pair(tile, io, frags, n_iter, sink_log2)
         else:
-            lse = self._final_factors_one(frags)
+            lse = self._final_factors_one(frags, sink_log2)
         return lse
 
     @cute.jit
-    def _final_factors_one(self, frags: ScoreFrags):
+    def _final_factors_one(self, frags: ScoreFrags, sink_log2):
         """One CTA's row sums: factor = 1 / row_sum, and the LSE."""
         softmax, factor = frags.softmax, frags.factor
         num_rows = cute.size(factor)
         softmax.finalize_sum()
         lse = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
-        softmax.normalize([], lse, factor)
+        softmax.normalize([], lse, factor, sink_log2)
         return lse
 
     @cute.jit
@@ -227,7 +243,8 @@ class FFPAFwdSm90(RingSkeletonSm90):
                 cute.arch.map_dsmem_ptr(bars.pp + b, 1 - rank), nbytes)
 
     @cute.jit
-    def _final_factors_pair(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
+    def _final_factors_pair(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter,
+                            sink_log2):
         """`kv_pair`: the row sums of both CTAs joined (same running max on both), then
         factor = 1 / row_sum and the LSE as `_final_factors_one`."""
         softmax, factor, tScS_mn = frags.softmax, frags.factor, frags.tScS_mn
@@ -236,7 +253,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
         self._exchange_rows(softmax.row_sum, tile, io, tScS_mn, n_iter % 2, (n_iter // 2) & 1,
                             False)
         lse = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
-        softmax.normalize([], lse, factor)
+        softmax.normalize([], lse, factor, sink_log2)
         return lse
 
 
@@ -289,6 +306,7 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
     """
 
     OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale")
+    SCALARS = ("softmax_scale", "causal_offset")
     fake_inputs = staticmethod(fake_fp8_args)
 
     @cute.jit

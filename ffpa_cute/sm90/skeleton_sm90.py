@@ -75,7 +75,7 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.mask import apply_mask, block_needs_mask, n_block_max
+from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, FwdConfigSm90
@@ -130,12 +130,14 @@ class Operands(NamedTuple):
 
 class Scalars(NamedTuple):
     """Runtime scalars of the kernel entry: the streamed sequence's length and head count,
-    softmax_scale * log2(e), the causal offset."""
+    softmax_scale * log2(e), the causal offset, and the window's left edge (None: compiled
+    without one, cfg.window False)."""
 
     seqlen_c: Int32
     heads_c: Int32
     scale_log2: Float32
     causal_offset: Int32
+    window_lo: object = None
 
 
 # ---------------------------------------------------------------------------- device contexts
@@ -151,6 +153,7 @@ class Tile(NamedTuple):
     seqlen_c: Int32       # rows of C
     causal_offset: Int32  # query i sees key j iff j <= i + offset
     scale_log2: Float32   # softmax_scale * log2(e)
+    window_lo: object     # query i sees key j only if j >= i + window_lo (None: no left edge)
 
 
 class BlockSeq(NamedTuple):
@@ -323,8 +326,8 @@ class RingSkeletonSm90(KernelEntry):
     K dK: who overrides):
       `_heads(head, heads_r, heads_c)` -> (head_c, group): C's head and how many heads the
           blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV head.
-      `_block_range(m_block, seqlen_c, causal_offset, group)` -> (n_top, n_count): blocks
-          n_top-1 downwards [the causal / length bound of the row tile]; V, K.
+      `_block_range(tile, group)` -> (n_top, n_count): blocks n_top-1 downwards [the causal /
+          length bound of the row tile, down to the window's left edge]; V, K.
       `_block(seq, i)` -> (head, n_block) of step i [one head, highest first]; V, K.
       `_chunk(c)` (compile time) -> (second accumulator?, first chunk of it?, k steps, first
           k step of R) [one product over R's width]; Q, K (two products).
@@ -353,6 +356,9 @@ class RingSkeletonSm90(KernelEntry):
     """
 
     arch_family = "sm90"
+    # runtime scalars after the tensors: the window's left edge is read only by configs with
+    # `window` (the others compile no code for it)
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
     rescale_o = False     # accumulator warpgroups multiply O's rows by the published factors
     second_score = False  # the S warpgroup accumulates one score product (see `_chunk`)
     seq_scores = False    # with two: one accumulator, the first product consumed mid-block
@@ -433,9 +439,10 @@ class RingSkeletonSm90(KernelEntry):
 
     @cute.jit
     def _launch(self, roles: Roles, mLSE: cute.Tensor, softmax_scale: Float32,
-                causal_offset: Int32, stream: cuda.CUstream, extra):
+                causal_offset: Int32, stream: cuda.CUstream, extra, window_lo: Int32 = None):
         """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel adds
-        (FP8 descales, the two-product operands; None)."""
+        (FP8 descales, the two-product operands, the forward's sinks; None). `window_lo`: the
+        window's left edge, passed to the device only when the config has one (`window`)."""
         cfg = self.cfg
         ops = self._operands(roles, mLSE)
         dlo, dhi = self.halves
@@ -450,7 +457,7 @@ class RingSkeletonSm90(KernelEntry):
         self.kernel(
             ops,
             Scalars(roles.cols.shape[2], roles.cols.shape[1], softmax_scale * LOG2_E,
-                    causal_offset),
+                    causal_offset, window_lo if const_expr(cfg.window) else None),
             layouts,
             Mmas(self._mma(self.tile_n, cute.nvgpu.OperandMajorMode.K),
                  self._mma(dlo, self._b_major()),
@@ -556,9 +563,10 @@ class RingSkeletonSm90(KernelEntry):
         sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
 
         seqlen_r = ops.mOut.shape[2]
+        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, scalars.seqlen_c,
+                    scalars.causal_offset, scalars.scale_log2, scalars.window_lo)
         # column blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
-        n_top, n_count = self._block_range(m_block, scalars.seqlen_c, scalars.causal_offset,
-                                           group)
+        n_top, n_count = self._block_range(tile, group)
         seq = BlockSeq(n_top, n_count, head_c, group, batch)
 
         pair = None
@@ -569,8 +577,6 @@ class RingSkeletonSm90(KernelEntry):
         elif const_expr(cfg.cluster_pair):
             pair = PairSmem(None, storage.sP.data_ptr())
         smem = Smem(sR, sC, sBlo, sBhi, sP, sFactor, bars, pair)
-        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, scalars.seqlen_c,
-                    scalars.causal_offset, scalars.scale_log2)
         self._warpgroups(ops, mmas, smem, tile, seq, extra, wg, tidx)
         if const_expr(cfg.cluster_pair):  # the peer may still write our smem until done
             cute.arch.cluster_arrive()
@@ -594,11 +600,16 @@ class RingSkeletonSm90(KernelEntry):
         return head // (heads_r // heads_c), 1
 
     @cute.jit
-    def _block_range(self, m_block, seqlen_c, causal_offset, group):
+    def _block_range(self, tile: Tile, group):
         """(n_top, n_count): the blocks this row tile visits are n_top-1 down to n_top-n_count
-        (the last one any row may see under causal, down to 0)."""
-        n_max = n_block_max(m_block, seqlen_c, causal_offset, TILE_M, self.tile_n, self.causal)
-        return n_max, n_max
+        (the last one any row may see under causal, down to 0, or to the first one its first
+        row sees under a window's left edge)."""
+        n_max = n_block_max(tile.m_block, tile.seqlen_c, tile.causal_offset, TILE_M,
+                            self.tile_n, self.causal)
+        if const_expr(tile.window_lo is None):
+            return n_max, n_max
+        n_min = n_block_min(tile.m_block, tile.window_lo, TILE_M, self.tile_n)
+        return n_max, cutlass.max(n_max - n_min, 0)
 
     @cute.jit
     def _block(self, seq, i):
@@ -631,12 +642,12 @@ class RingSkeletonSm90(KernelEntry):
     # ---------------------------------------------------------------- hooks: the score step
     @cute.jit
     def _mask_block(self, tile: Tile, frags: ScoreFrags, n_block):
-        """Mask block n_block's scores (acc_S) where it crosses Nkv or the causal diagonal; the
-        other blocks need none. Shared by every kernel's score step."""
+        """Mask block n_block's scores (acc_S) where it crosses Nkv, the causal diagonal or the
+        window's left edge; the other blocks need none. Shared by every kernel's score step."""
         if block_needs_mask(tile.m_block, n_block, tile.seqlen_c, tile.causal_offset, TILE_M,
-                            self.tile_n, self.causal):
+                            self.tile_n, self.causal, tile.window_lo):
             apply_mask(frags.acc_S_mn, frags.tScS_mn, tile.m_block, n_block, tile.seqlen_c,
-                       tile.causal_offset, TILE_M, self.tile_n, self.causal)
+                       tile.causal_offset, TILE_M, self.tile_n, self.causal, tile.window_lo)
 
     def _block_prefetch(self, tile: Tile, io: ScoreIO, n_block, head, tScS_mn):
         """Statistics the score step of block n_block reads from global memory, loaded at the
