@@ -295,6 +295,27 @@ def _plan_fwd(p: AttnProblem, target: str, family: str, opts: Options) -> Plan:
     return Plan(p, target, family, cfg=cfg, packed=packed is not None)
 
 
+def plan_decode(problem: AttnProblem, page_rows: int | None,
+                device: torch.device | None = None, target: str | None = None,
+                opts: Options | None = None) -> Plan:
+    """The split-KV decode kernel's plan for a packed, mask-free cache problem ([B, Hkv, G * Nq]
+    rows against each row's cached keys; `page_rows` the page size, None for a contiguous
+    cache), or the reason there is none: the sm90 16-bit family on a target it was run on."""
+    opts = opts or _options.current()
+    target, family, reason = _route(problem, device, target, opts)
+    if reason is None and (family != "sm90" or DTYPE_CLASS[problem.dtype] != "16bit"
+                           or target not in FAMILIES[family].verified_targets):
+        reason = (f"no decode kernel for {problem.dtype} on the {family} family ({target}): "
+                  "the split-KV decode is sm90 (bf16 / fp16) only")
+    if reason is None:
+        try:
+            return Plan(problem, target, family, cfg=sm90_config.plan_decode(
+                problem, target, page_rows))
+        except ValueError as e:
+            reason = f"the decode kernel cannot run it: {e}"
+    return Plan(problem, target, family, reason=reason)
+
+
 def plan_bwd(problem: AttnProblem, device: torch.device | None = None,
              target: str | None = None, opts: Options | None = None) -> BwdPlan:
     """The backward's kernels for a problem whose forward runs a kernel (the same routing), or
@@ -327,5 +348,5 @@ def clear_plans() -> None:
 
 __all__ = ["BwdPlan", "DTYPE_CLASS", "FAMILIES", "FAMILY_OF_TARGET", "Family", "MAX_HEAD_DIM",
            "MIN_HEAD_DIM", "Plan", "TARGETS", "clear_plans", "current_arch", "family_of_target",
-           "feature_reason", "kernel_class", "packed_problem", "plan_bwd", "plan_fwd",
+           "feature_reason", "kernel_class", "packed_problem", "plan_bwd", "plan_decode", "plan_fwd",
            "problem_reason", "target_of"]

@@ -17,13 +17,17 @@ Causal is bottom-right over those n_b keys: the Nq queries are the last Nq posit
 with Nq = 1 sees every key; chunked prefill: query i sees keys j <= i + n_b - Nq); a window
 is in the same frame. GQA / MQA: Hq any multiple of Hkv (128:1 included).
 
-Today this is a loop on the host (cache_seqlens and block_table are read there: one device sync
-on CUDA). Row b's n_b keys are gathered from its pages into a contiguous tensor (a copy), cut
-into `num_splits` parts, each part routed like `attention()` (`blockwise.block_forward`: a kernel
-where one serves it, else the native fallback; a window takes the torch-math path), the parts
-combined exactly with `merge_attention` (split-KV), and the sinks added once to the merged
-result (`math_attention.apply_sinks`). A paged, split-KV kernel would read the pages in place in
-one launch; none exists yet.
+cache_seqlens and block_table are checked on the host (one device sync on CUDA). Where every
+row sees every key of its batch row (decode Nq = 1, or is_causal=False), without a window, with
+a contiguous cache or pages of a multiple of 64 rows, on the sm90 family: one launch of the
+split-KV decode kernel reads the cache in place (`decode.split_kv_decode`: query heads packed
+into rows, each row's keys split over several CTAs, the fp32 partials merged exactly). Anything
+else is a loop on the host: row b's n_b keys gathered from its pages into a contiguous tensor (a
+copy), cut into `num_splits` parts, each part routed like `attention()`
+(`blockwise.block_forward`: a kernel where one serves it, else the native fallback; a window
+takes the kernels or torch math as attention() does), the parts combined exactly with
+`merge_attention`. Either way the sinks are added once to the merged result
+(`math_attention.apply_sinks`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numbers
 import torch
 
 from .blockwise import block_forward
+from .decode import decode_plan, split_kv_decode
 from .math_attention import compute_dtype
 from .merge import merge_attention
 from .math_attention import apply_sinks
@@ -158,7 +163,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     is_causal (default True): bottom-right over each row's keys. window=(left, right), sinks
     [Hq] (scaled-score units, in every row's denominator and in lse): as in `attention()`.
     num_splits: cut each row's keys into that many parts and combine them exactly through
-    their lse (split-KV); None picks automatically (1 today). Forward only (serving): inputs
+    their lse (split-KV); None picks automatically (the decode kernel: about one wave of CTAs;
+    the host loop: 1). Forward only (serving): inputs
     that require grad are refused while grad mode is on; run it under torch.no_grad() or
     torch.inference_mode(). Routing, logging and `strict` as in `attention()`, per part.
     """
@@ -200,6 +206,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     with torch.no_grad():
         if nnew:
             _append(k_cache, v_cache, k, v, before, pages, page_size)
+        plan = decode_plan(q, k_cache, v_cache, is_causal, window, page_size, scale) if b else None
+        if plan is not None:
+            out, lse = split_kv_decode(plan, q, k_cache, v_cache, lens, block_table, num_splits)
+            if sinks is not None:
+                out, lse = apply_sinks(out, lse, sinks)
+            out = out.to(q.dtype).permute(0, 2, 1, 3)
+            return (out, lse) if return_lse else out
         rows = [_row(q[r], k_cache, v_cache, lens[r], None if pages is None else pages[r], r,
                      is_causal, scale, window, sinks, num_splits or 1, strict)
                 for r in range(b)]

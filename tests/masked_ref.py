@@ -41,13 +41,13 @@ def ref_attention(q, k, v, *, causal=False, frame=None, window=None, sinks=None,
     k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    vis = visible(nq, nkv, causal=causal, frame=frame, window=window)
+    vis = visible(nq, nkv, causal=causal, frame=frame, window=window).to(s.device)
     if mask is not None and mask.dtype == torch.bool:
         vis = vis & mask
     elif mask is not None:
         s = s + mask.to(dtype)
     s = s.masked_fill(~vis, -INF)
-    sink = (torch.full((q.shape[-3],), -INF, dtype=dtype) if sinks is None
+    sink = (torch.full((q.shape[-3],), -INF, dtype=dtype, device=q.device) if sinks is None
             else sinks.to(dtype)).unsqueeze(-1)  # [Hq, 1]
     m = sink.expand(s.shape[:-1]) if nkv == 0 else torch.maximum(s.amax(-1), sink)
     m = m.detach().masked_fill(torch.isneginf(m.detach()), 0.0)  # a shift: any value is exact

@@ -247,3 +247,50 @@ def test_sm90_backward_above_512_compiles():
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     assert "wgmma.mma_async" in ptx and ".local" not in ptx
     _no_spills(ptx)
+
+
+@pytest.mark.parametrize("d,fields", [(512, dict(window_lo=-1024, causal=True)),
+                                      (320, dict(window_lo=-100, window_hi=50, has_sinks=True)),
+                                      (1024, dict(window_lo=-300, has_sinks=True))])
+def test_sm90_window_and_sinks_compile(d, fields):
+    """A sliding window (left edge: the `window` field, its runtime edge; right edge: the causal
+    rule) and sinks in the forward, the window in the three gradient kernels: wgmma + TMA, no
+    local memory, no spills; the left edge's blocks are skipped, so the forward's block count
+    is the difference of two bounds (max.s32 of it in the PTX)."""
+    import dataclasses
+
+    p = dataclasses.replace(_problem(d, False, 2, 2), **fields)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.cfg.window == ("window_lo" in fields) and plan.cfg.sinks == p.has_sinks
+    jobs = [(plan.kernel_cls, plan.cfg)] + list(_bwd_jobs(p).values())[1:]
+    for cls, cfg in jobs:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, cls.__name__
+        assert ".local" not in ptx, cls.__name__
+        _no_spills(ptx)
+
+
+@pytest.mark.parametrize("d,dv,page", [(512, None, None), (512, None, 64), (576, 512, 256),
+                                       (1024, None, 128)])
+def test_sm90_decode_compiles(d, dv, page):
+    """The split-KV decode kernel (contiguous cache, or paged: the block table read for each
+    K chunk and V stage): wgmma + TMA, O stored as fp32 partials (32-bit stores), no local
+    memory, no spills;
+    pages that a KV block would straddle are refused."""
+    p = _problem(d, False, 4, 4, dv=dv)
+    plan = dispatch.plan_decode(p, page, target="sm_90a")
+    assert plan.reason is None, plan.reason
+    cfg = plan.cfg
+    assert cfg.tile_n == (64 if page == 64 else 128) and cfg.out_dtype == "fp32"
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and ".local" not in ptx
+    assert "st.global.b32" in ptx
+    _no_spills(ptx)
+    assert "pages of a multiple" in dispatch.plan_decode(p, 96, target="sm_90a").reason
+    causal = dataclasses_replace(p, causal=True)
+    assert "every key" in dispatch.plan_decode(causal, None, target="sm_90a").reason
+
+
+def dataclasses_replace(p, **kw):
+    import dataclasses
+    return dataclasses.replace(p, **kw)

@@ -17,12 +17,12 @@ import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor, make_fake_stream)
 from .compat import compile_target
 
 CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16,
-                  "e4m3": cutlass.Float8E4M3FN}
+                  "e4m3": cutlass.Float8E4M3FN, "fp32": cutlass.Float32}
 LOG2_E = 1.4426950408889634
 # what `KernelEntry.compile` always passes to cute.compile: the TVM-FFI calling convention
 TVM_FFI = "--enable-tvm-ffi"
 # compile-time values of the runtime scalars (`KernelEntry.SCALARS`): only their types matter
-FAKE_SCALARS = {"softmax_scale": 1.0, "causal_offset": 0, "window_lo": 0}
+FAKE_SCALARS = {"softmax_scale": 1.0, "causal_offset": 0, "window_lo": 0, "num_splits": 1}
 
 
 def fake_tensor(dtype, rank: int, div: int):

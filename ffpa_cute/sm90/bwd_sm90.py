@@ -106,7 +106,7 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         return head * group, group
 
     @cute.jit
-    def _block_range(self, tile: Tile, group):
+    def _block_range(self, tile: Tile, group, extra):
         """Per query head, the blocks n_top-1 .. n_top-n_per: all of them, under causal those
         holding a query i >= (first key of the tile) - offset, under a window's left edge those
         holding a query i <= (last key of the tile) - window_lo; n_count = group * n_per."""

@@ -220,6 +220,56 @@ class FwdFP8ConfigSm90(FwdConfigSm90):
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90FP8"
 
 
+@dataclass(frozen=True)
+class DecodeConfigSm90(FwdConfigSm90):
+    """Compile key of the split-KV decode forward (`FFPADecodeSm90`, decode_sm90.py): the
+    forward's fields for a problem whose rows see every key of their batch row (decode with
+    the query heads packed into rows: not causal, no window, sinks or `kv_pair`), with K / V
+    read from a cache of per-row length and O written as fp32 split partials.
+
+    page_rows: the cache's page size when K / V are paged (a multiple of tile_n: each KV block
+               lies in one page), None for a contiguous cache.
+    """
+
+    page_rows: int | None = None
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.decode_sm90:FFPADecodeSm90"
+
+    @property
+    def out_dtype(self) -> str:
+        """O's dtype: fp32 (split partials, merged on the host)."""
+        return "fp32"
+
+
+def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
+    """The decode kernel's constraints beyond the forward's."""
+    reason = can_implement(cfg)
+    if reason is None and (cfg.causal or cfg.window or cfg.sinks or cfg.kv_pair):
+        reason = ("the decode kernel serves rows that see every key of their batch row: no "
+                  "causal, window, sinks or kv_pair")
+    if reason is None and cfg.page_rows is not None and (
+            cfg.page_rows <= 0 or cfg.page_rows % cfg.tile_n):
+        reason = (f"page_rows={cfg.page_rows}: a paged cache needs pages of a multiple of "
+                  f"tile_n={cfg.tile_n} rows")
+    return reason
+
+
+def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None) -> DecodeConfigSm90:
+    """The decode kernel's config for a packed, mask-free problem: the forward's plan without
+    `kv_pair`, tile_n 128 (64 for pages of 64 rows, which a 128-row block would straddle), the
+    forward's deepest rings at that tile. Raises ValueError with the reason when it cannot run
+    it."""
+    if problem.causal or problem.has_window or problem.has_sinks:
+        raise ValueError("the decode kernel serves rows that see every key (no causal, window "
+                         "or sinks)")
+    tile_n = 64 if page_rows is not None and page_rows % 128 else 128
+    base = {**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)), "tile_n": tile_n,
+            "page_rows": page_rows}
+    return deepest_rings(
+        lambda k, v: DecodeConfigSm90(**{**base, "k_stages": k, "v_stages": v}),
+        can_implement_decode)
+
+
 def can_implement(cfg: FwdConfigSm90) -> str | None:
     """None when the kernel can be built for cfg, else the reason."""
     if cfg.arch != "sm_90a":

@@ -266,7 +266,7 @@ class ColLoads(NamedTuple):
 class BLoads(NamedTuple):
     """What an accumulator warpgroup's loads need (as ColLoads): its B ring, the barrier base
     of its stages, its first O column, which half it is (compile time), the B stages the tile
-    reads, and for `kv_pair` the barriers and the CTA's rank."""
+    reads, for `kv_pair` the barriers and the CTA's rank, and the kernel's `extra`."""
 
     tma: cute.CopyAtom
     tBg: cute.Tensor
@@ -281,6 +281,7 @@ class BLoads(NamedTuple):
     bars: Barriers
     rank: Int32
     tidx: Int32
+    extra: object
 
 
 class OutFrags(NamedTuple):
@@ -322,12 +323,14 @@ class RingSkeletonSm90(KernelEntry):
     widths and stage counts of `FwdConfigSm90` (its `smem_bytes` must equal the storage
     struct's size: asserted at compile time).
 
-    Hook protocol (the skeleton's default in brackets; F forward, F8 FP8 forward, V dV, Q dQ,
-    K dK: who overrides):
+    Hook protocol (the skeleton's default in brackets; F forward, F8 FP8 forward, D decode, V dV,
+    Q dQ, K dK: who overrides):
       `_heads(head, heads_r, heads_c)` -> (head_c, group): C's head and how many heads the
           blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV head.
-      `_block_range(tile, group)` -> (n_top, n_count): blocks n_top-1 downwards [the causal /
-          length bound of the row tile, down to the window's left edge]; V, K.
+      `_seqlen_c(scalars, batch, extra)` -> rows of C for the batch row [the tensor's]; D (the
+          decode kernel).
+      `_block_range(tile, group, extra)` -> (n_top, n_count): blocks n_top-1 downwards [the
+          causal / length bound of the row tile, down to the window's left edge]; V, K, D.
       `_block(seq, i)` -> (head, n_block) of step i [one head, highest first]; V, K.
       `_chunk(c)` (compile time) -> (second accumulator?, first chunk of it?, k steps, first
           k step of R) [one product over R's width]; Q, K (two products).
@@ -347,9 +350,9 @@ class RingSkeletonSm90(KernelEntry):
       `_final_factors(tile, io, frags, n_iter)` -> LSE fragment or None, leaving the last
           factors in frags.factor [none]; F (1 / row_sum, LSE), V, Q, K (None).
       `_col_src(loads, head, n_block, c)`: the TMA source of a C chunk [the tile's head]; V
-          (re-tiled per head), Q and K (the first product's chunk c mod C).
+          (re-tiled per head), Q and K (the first product's chunk c mod C), D (per page).
       `_b_src(loads, head, row_block)`: the TMA source of a B stage [the tile's head]; V and K
-          (re-tiled per head).
+          (re-tiled per head), D (per page).
       `_copy_stream_chunk(loads, s, src, head, n_block, c)`: the copies of one C-ring stage
           with R streamed [C chunk + R chunk c]; Q, K (the second product's operands).
       `rescale_o` (class attribute) [False]: F True.
@@ -369,7 +372,7 @@ class RingSkeletonSm90(KernelEntry):
         # 8-bit R / C / B / P (`FwdFP8ConfigSm90`): both WGMMA operands K-major, so B arrives
         # transposed ([B, H, Dv, N]); O is written in the config's out_dtype
         self.fp8 = cfg.elem_bytes == 1
-        self.out_dtype = CUTLASS_DTYPES[cfg.out_dtype] if self.fp8 else self.dtype
+        self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]
         self.mma_k = cfg.mma_k
         self.tile_n = cfg.tile_n
         self.num_chunks = cfg.num_k_chunks
@@ -563,10 +566,11 @@ class RingSkeletonSm90(KernelEntry):
         sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
 
         seqlen_r = ops.mOut.shape[2]
-        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, scalars.seqlen_c,
-                    scalars.causal_offset, scalars.scale_log2, scalars.window_lo)
+        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r,
+                    self._seqlen_c(scalars, batch, extra), scalars.causal_offset,
+                    scalars.scale_log2, scalars.window_lo)
         # column blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
-        n_top, n_count = self._block_range(tile, group)
+        n_top, n_count = self._block_range(tile, group, extra)
         seq = BlockSeq(n_top, n_count, head_c, group, batch)
 
         pair = None
@@ -589,9 +593,9 @@ class RingSkeletonSm90(KernelEntry):
         if wg == 0:
             self._score_wg(mmas.s, ops, smem, tile, seq, extra, tidx)
         elif wg == 1:
-            self._acc_wg(mmas.o_lo, ops, smem, 0, tile, seq, tidx - WG_THREADS)
+            self._acc_wg(mmas.o_lo, ops, smem, 0, tile, seq, extra, tidx - WG_THREADS)
         else:
-            self._acc_wg(mmas.o_hi, ops, smem, 1, tile, seq, tidx - 2 * WG_THREADS)
+            self._acc_wg(mmas.o_hi, ops, smem, 1, tile, seq, extra, tidx - 2 * WG_THREADS)
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
@@ -600,7 +604,13 @@ class RingSkeletonSm90(KernelEntry):
         return head // (heads_r // heads_c), 1
 
     @cute.jit
-    def _block_range(self, tile: Tile, group):
+    def _seqlen_c(self, scalars: Scalars, batch, extra):
+        """Rows of C (and B) the tile's batch row has: the tensor's (the decode kernel reads a
+        length per batch row)."""
+        return scalars.seqlen_c
+
+    @cute.jit
+    def _block_range(self, tile: Tile, group, extra):
         """(n_top, n_count): the blocks this row tile visits are n_top-1 down to n_top-n_count
         (the last one any row may see under causal, down to 0, or to the first one its first
         row sees under a window's left edge)."""
@@ -897,7 +907,7 @@ class RingSkeletonSm90(KernelEntry):
     # ---------------------------------------------------------------- accumulator warpgroups
     @cute.jit
     def _acc_wg(self, mma_o: cute.TiledMma, ops: Operands, smem: Smem,
-                half: cutlass.Constexpr, tile: Tile, seq: BlockSeq, tidx):
+                half: cutlass.Constexpr, tile: Tile, seq: BlockSeq, extra, tidx):
         """WG1 / WG2: O[:, this half's columns] += P B over the tile's blocks, then stored."""
         cfg = self.cfg
         vs, vj = cfg.v_stages, self.b_chunks
@@ -949,7 +959,7 @@ class RingSkeletonSm90(KernelEntry):
         n_count = seq.n_count
         total = n_count * vj  # B stages of this half the tile reads, in ring order
         loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB, seq, half, total, bars,
-                       o_part, tidx)
+                       o_part, tidx, extra)
         frags = OutFrags(acc_O, tOrP, tOrB)
 
         for x in cutlass.range_constexpr(vs):

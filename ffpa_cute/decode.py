@@ -1,0 +1,98 @@
+"""The host side of the split-KV decode kernel (sm90/decode_sm90.py): `attention_with_kvcache`'s
+route when every row sees every key of its batch row (decode Nq = 1, or a non-causal chunk), no
+window, and the cache is contiguous or paged in pages of a multiple of 64 rows.
+
+One launch reads the cache in place: the G = Hq / Hkv query heads of each KV head are packed into
+rows (K / V read once for all of them), and each batch row's keys are split over S CTAs (the
+head axis of the replicated queries: head h = kv_head * S + split), each writing an fp32 partial
+O and its LSE; `merge_splits` combines them exactly. S is chosen from the batch, the KV heads and
+the longest row so that about one wave of CTAs covers the SMs, with at least two KV blocks per
+split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import dispatch, launch
+from .problem import AttnProblem, dtype_name
+
+MIN_BLOCKS_PER_SPLIT = 2  # KV blocks (of tile_n rows) a split reads at least
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
+    """The decode kernel's plan for this call (q [B, Nq, Hq, D], caches in the kvcache layout),
+    or None when the call is not its shape (causal rows that differ, a window, pages not a
+    multiple of 64 rows) or no kernel serves it."""
+    b, nq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if (causal and nq > 1) or window is not None or q.device.type != "cuda":
+        return None
+    if page_size is not None and page_size % 64:
+        return None
+    problem = AttnProblem(dtype=dtype_name(q.dtype), batch=b, heads_q=hkv, heads_kv=hkv,
+                          seqlen_q=(hq // hkv) * nq, seqlen_kv=k_cache.shape[1], head_dim=d,
+                          head_dim_v=v_cache.shape[3], scale=scale)
+    if dispatch.problem_reason(problem) is not None or any(
+            launch.kernel_ready(t.permute(0, 2, 1, 3)) is not t.permute(0, 2, 1, 3)
+            for t in (k_cache, v_cache)):  # the cache is read in place, never copied
+        return None
+    plan = dispatch.plan_decode(problem, page_size, q.device)
+    return plan if plan.reason is None else None
+
+
+def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
+    """S: about one wave of CTAs over the SMs, each split at least MIN_BLOCKS_PER_SPLIT blocks."""
+    cfg = plan.cfg
+    ctas = b * hkv * -(-plan.problem.seqlen_q // cfg.tile_m) * cfg.o_split
+    blocks = -(-max_len // cfg.tile_n)
+    want = -(-_num_sms(device.index or 0) // max(ctas, 1))
+    return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+def split_kv_decode(plan, q, k_cache, v_cache, lens: list[int], block_table, splits: int | None):
+    """(out [B, Hq, Nq, Dv] fp32, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each row's
+    first lens[b] cached keys, by one launch of the decode kernel and the merge of its splits.
+    `splits`: S, or None to pick it (`num_splits`)."""
+    b, nq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    g = hq // hkv
+    m = g * nq
+    s = splits or num_splits(plan, b, hkv, max(lens, default=0), q.device)
+    # rows (g, i) of each KV head, replicated for the S splits: [B, Hkv * S, G * Nq, D]
+    rows = q.permute(0, 2, 1, 3).reshape(b, hkv, 1, m, d).expand(b, hkv, s, m, d)
+    tensors = dict(
+        q=rows.reshape(b, hkv * s, m, d),
+        k=k_cache.permute(0, 2, 1, 3), v=v_cache.permute(0, 2, 1, 3),
+        o=torch.empty(b, hkv * s, m, dv, dtype=torch.float32, device=q.device),
+        lse=torch.empty(b, hkv * s, m, dtype=torch.float32, device=q.device),
+        seqlens_k=torch.tensor(lens, dtype=torch.int32).to(q.device, non_blocking=True),
+        block_table=(None if block_table is None else
+                     block_table.to(device=q.device, dtype=torch.int32).contiguous()))
+    with torch.cuda.device(q.device):
+        launch.run_job(plan.kernel_cls, plan.cfg, tensors,
+                       dict(softmax_scale=plan.problem.softmax_scale, num_splits=s))
+    out, lse = merge_splits(tensors["o"].view(b, hkv, s, m, dv), tensors["lse"].view(b, hkv, s, m))
+    return out.view(b, hq, nq, dv), lse.view(b, hq, nq)
+
+
+def merge_splits(out, lse):
+    """(out [..., M, Dv], lse [..., M]) from S split partials out [..., S, M, Dv] (each
+    normalised over its split's keys) and lse [..., S, M] (-inf: an empty split), merged over
+    dim -3 / -2 by their LSE weights; rows empty in every split give out 0, lse -inf."""
+    top = lse.amax(-2, keepdim=True)
+    top = top.masked_fill(torch.isneginf(top), 0.0)
+    w = torch.exp(lse - top)                      # [..., S, M], 0 for empty splits
+    total = w.sum(-2)                             # [..., M]
+    merged = (w.unsqueeze(-1) * out).sum(-3) / total.clamp_min(1e-30).unsqueeze(-1)
+    return merged, torch.where(total > 0, top.squeeze(-2) + torch.log(total), float("-inf"))
+
+
+__all__ = ["decode_plan", "merge_splits", "num_splits", "split_kv_decode"]

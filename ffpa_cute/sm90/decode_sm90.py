@@ -1,0 +1,153 @@
+"""Hopper split-KV decode on the forward's ring: attention of a few query rows per KV head
+against a KV cache (contiguous or paged), the keys of each batch row split over several CTAs.
+
+What it computes: for R = q packed and replicated [B, Hkv * S, M, D] (M = G * Nq query rows of
+a KV head's G query heads, the same rows for each of the S splits), K / V a cache seen as
+(B or pages, Hkv, rows, D) and seqlens_k [B] int32 (keys of batch row b), each CTA (row tile,
+head h = kv_head * S + split, batch b) computes the softmax-normalised O over the keys of its
+split of row b's keys, in fp32, and its LSE: the split partials [B, Hkv * S, M, Dv] and
+[B, Hkv * S, M], which the host merges exactly (`kvcache`, LSE-weighted). Every row sees every
+key of its batch row (decode, or a non-causal chunk): the rows of the G heads share one tile.
+
+Why this shape (kernel-design.md, decode; the issue's "≥ 85% of copy bandwidth"): one decode
+step reads each cached key once, so it is memory bound, and a batch of 1-8 rows has too few
+(batch, KV head) pairs to fill 132 SMs. Packing a KV head's query heads into the rows reads K
+and V once for all of them (GQA / MQA 128:1); splitting the keys over S CTAs (S chosen by the
+host from B * Hkv and the cache capacity, never from the lengths: no device sync) puts every SM
+to work. The split is the head axis: the skeleton already maps R head h to C head h // (Hr /
+Hc), which with Hr = Hkv * S is the KV head, and the split is h % S.
+
+`FFPADecodeSm90` is `FFPAFwdSm90` (fwd_sm90.py) with these hooks:
+  `_seqlen_c`     the batch row's length from seqlens_k: blocks past it are not visited and
+                  the last one is masked (the cache's rows past it are read by TMA and must
+                  hold finite values: a NaN there would reach O through P = 0 times V);
+  `_block_range`  the split's share of the row's blocks, ceil(n_blocks / S) each (an empty
+                  split writes O = 0, LSE = -inf, which the merge ignores);
+  `_col_src` / `_b_src`  with `page_rows`: block n of row b lies in page
+                  block_table[b, n * tile_n // page_rows]; the TMA views are re-tiled on that
+                  page (the cache [num_pages, page_rows, Hkv, D] seen as (pages, Hkv, rows, D)).
+
+Constraints (`config.can_implement_decode`): the forward's (D 264-1024, Dv != D allowed), no
+causal / window / sinks / kv_pair, pages a multiple of tile_n (64 or 128) rows.
+Status: compile-verified on CPU; run on the H200 by tests/test_kvcache_gpu.py (docs/verification.md
+says which run).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from ..common.tensors import CUTLASS_DTYPES, fake_tensor
+from .config import DecodeConfigSm90, can_implement_decode
+from .fwd_sm90 import FFPAFwdSm90
+from .skeleton_sm90 import BLoads, ColLoads, Roles, Scalars, Tile
+
+
+class DecodeExtra(NamedTuple):
+    """The decode kernel's `extra`: per-batch-row key counts, the page table (None for a
+    contiguous cache) and the number of splits S."""
+
+    seqlens: cute.Tensor
+    table: object
+    num_splits: Int32
+
+
+def fake_decode_args(cfg: DecodeConfigSm90) -> tuple:
+    """Stand-ins for (q, k, v, o, lse, seqlens_k, block_table): q, k, v (B, H, N, D) in the
+    config's dtype (outer strides multiples of 16 bytes), o (B, H, M, Dv) fp32, lse (B, H, M)
+    fp32, seqlens_k (B,) int32, block_table (B, pages) int32 or None."""
+    dtype = CUTLASS_DTYPES[cfg.dtype]
+    qkv = [fake_tensor(dtype, 4, 128 // dtype.width) for _ in range(3)]
+    table = fake_tensor(Int32, 2, 1) if cfg.page_rows is not None else None
+    return (*qkv, fake_tensor(Float32, 4, 4), fake_tensor(Float32, 3, 1),
+            fake_tensor(Int32, 1, 1), table)
+
+
+class FFPADecodeSm90(FFPAFwdSm90):
+    """Split-KV decode (module docstring); one instance per `DecodeConfigSm90`."""
+
+    OPERANDS = ("q", "k", "v", "o", "lse", "seqlens_k", "block_table")
+    SCALARS = ("softmax_scale", "num_splits")
+    fake_inputs = staticmethod(fake_decode_args)
+
+    def __init__(self, cfg: DecodeConfigSm90):
+        reason = can_implement_decode(cfg)
+        if reason:
+            raise ValueError(f"{type(self).__name__}: {reason}")
+        super().__init__(cfg)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mSeqlens: cute.Tensor, mTable, softmax_scale: Float32,
+                 num_splits: Int32, stream: cuda.CUstream):
+        """q: (B, Hkv * S, M, D); k, v: (B or pages, Hkv, rows, D / Dv); o: (B, Hkv * S, M, Dv)
+        fp32; lse: (B, Hkv * S, M) fp32; seqlens_k: (B,) int32; block_table: (B, pages) int32
+        with `page_rows`, else None. Grid = (M tiles * o_split, Hkv * S, B)."""
+        self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale, Int32(0),
+                     stream, DecodeExtra(mSeqlens, mTable, num_splits))
+
+    # ---------------------------------------------------------------- hooks: the block walk
+    @cute.jit
+    def _seqlen_c(self, scalars: Scalars, batch, extra: DecodeExtra):
+        """The batch row's keys (seqlens_k[b])."""
+        return extra.seqlens[batch]
+
+    @cute.jit
+    def _block_range(self, tile: Tile, group, extra: DecodeExtra):
+        """Split h % S of the row's blocks: [s * per, min((s + 1) * per, n_blocks)), per =
+        ceil(n_blocks / S); visited highest first (the masked last block first)."""
+        n_blocks = (tile.seqlen_c + self.tile_n - 1) // self.tile_n
+        splits = extra.num_splits
+        per = (n_blocks + splits - 1) // splits
+        lo = (tile.head % splits) * per
+        hi = cutlass.min(lo + per, n_blocks)
+        return hi, cutlass.max(hi - lo, 0)
+
+    @cute.jit
+    def _page(self, loads, row, rows: cutlass.Constexpr):
+        """(batch or page index, block of `rows` rows within it) holding the row's cache row
+        `row` (a multiple of `rows`)."""
+        extra, batch = loads.extra, loads.seq.batch
+        if const_expr(self.cfg.page_rows is None):
+            return batch, row // rows
+        pr = self.cfg.page_rows
+        return extra.table[batch, row // pr], (row % pr) // rows
+
+    @cute.jit
+    def _col_src(self, loads: ColLoads, head, n_block, c):
+        """K chunk c of block n_block of the tile's batch row, from its page."""
+        if const_expr(self.cfg.page_rows is None):
+            return loads.tCg[None, n_block, c]
+        page, blk = self._page(loads, n_block * self.tile_n, self.tile_n)
+        # (tile_n, k_chunk, blocks in the page, C)
+        g = cute.local_tile(loads.gC_tma[None, None, head, page],
+                            (self.tile_n, self.cfg.k_chunk), (None, None))
+        # (TMA, blocks in the page, C)
+        _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sC, 0, 2), cute.group_modes(g, 0, 2))
+        return tg[None, blk, c]
+
+    @cute.jit
+    def _b_src(self, loads: BLoads, head, row_block):
+        """V rows block row_block (of b_rows rows) of the tile's batch row, this warpgroup's
+        columns, from its page."""
+        if const_expr(self.cfg.page_rows is None):
+            return loads.tBg[None, row_block]
+        page, blk = self._page(loads, row_block * self.b_rows, self.b_rows)
+        rows = loads.gB_tma[None, None, head, page]
+        # (b_rows, half, blocks in the page)
+        g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
+                            (self.b_rows, self.halves[loads.half]), (None, 0))
+        # (TMA, blocks in the page)
+        _, tg = cpasync.tma_partition(loads.tma, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sB, 0, 2), cute.group_modes(g, 0, 2))
+        return tg[None, blk]
+
+
+__all__ = ["DecodeExtra", "FFPADecodeSm90", "fake_decode_args"]

@@ -1,0 +1,158 @@
+"""The framework features on the sm90 kernels (H200): sliding window and sinks (forward,
+backward, the sinks' gradient), and the split-KV decode kernel of `attention_with_kvcache`
+(contiguous and paged caches, GQA / MQA, Dv != D, lengths 0 .. capacity, new keys appended).
+
+Each case checks that the kernel route served it (explain / the decode plan), then compares with
+the float64 reference of `masked_ref` (visibility from the definition, the sink in the
+denominator): error <= 2x the error of the same reference computed in bf16 + 1e-3. Fresh random
+inputs, odd lengths, GQA ratios.
+"""
+
+import math
+
+import pytest
+import torch
+
+from ffpa_cute import attention, attention_with_kvcache, decode, explain
+from masked_ref import bound, ref_attention, rel_err
+
+pytestmark = pytest.mark.gpu
+
+BF16, F64 = torch.bfloat16, torch.float64
+
+
+def rnd(*shape, dtype=BF16, grad=False):
+    return torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_(grad)
+
+
+# --------------------------------------------------------------------- window and sinks
+WINDOW_CASES = [  # d, hq, hkv, nq, nkv, window, causal, sinks
+    (512, 4, 1, 1000, 1000, (256, 0), True, False),
+    (512, 4, 2, 777, 1000, (300, None), True, True),
+    (320, 2, 2, 1000, 513, (100, 50), False, False),
+    (512, 2, 2, 129, 1000, None, True, True),
+    (384, 4, 4, 1000, 1000, (None, 7), False, True),
+    (1024, 2, 1, 700, 900, (200, 0), True, True),
+    (576, 2, 2, 333, 333, (64, 64), False, True),
+]
+
+
+def _ids(c):
+    d, hq, hkv, nq, nkv, window, causal, sinks = c
+    return f"d{d}-h{hq}x{hkv}-n{nq}x{nkv}-w{window}-{'c' if causal else 'nc'}" + (
+        "-sinks" if sinks else "")
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_ids)
+def test_window_sinks_forward_backward(seed, case):
+    """Forward out / lse and the gradients of q, k, v and sinks against float64."""
+    d, hq, hkv, nq, nkv, window, causal, with_sinks = case
+    q, k, v = rnd(1, hq, nq, d, grad=True), rnd(1, hkv, nkv, d, grad=True), \
+        rnd(1, hkv, nkv, d, grad=True)
+    sinks = (torch.randn(hq, device="cuda") + 2.0).requires_grad_(True) if with_sinks else None
+    kw = dict(window=window, sinks=sinks)
+    assert explain(q, k, v, is_causal=causal, enable_gqa=True, **kw).startswith(
+        "ffpa_cute kernel: FFPAFwdSm90"), explain(q, k, v, is_causal=causal, enable_gqa=True, **kw)
+    out, lse = attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True, strict=True,
+                         **kw)
+    ins = [t for t in (q, k, v, sinks) if t is not None]
+    # the reference's own leaves: float64 (truth) and the inputs' dtypes (torch's error)
+    ins64 = [t.detach().to(F64).requires_grad_() for t in ins]
+    insb = [t.detach().clone().requires_grad_() for t in ins]
+
+    def ref_of(ts, dtype):
+        s = ts[3] if with_sinks else None
+        return ref_attention(*ts[:3], causal=causal, window=window, sinks=s, dtype=dtype)
+
+    ref, ref_lse = ref_of(ins64, F64)
+    base, _ = ref_of(insb, BF16)
+    assert rel_err(out, ref) <= bound(rel_err(base, ref))
+    assert rel_err(lse, ref_lse) <= 1e-4
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, ins, dout)
+    want = torch.autograd.grad(ref, ins64, dout.to(F64))
+    same = torch.autograd.grad(base, insb, dout)
+    for name, g, w, s in zip("q k v sinks".split(), got, want, same):
+        assert rel_err(g, w) <= bound(rel_err(s, w)), name
+
+
+def test_sinks_far_above_and_rows_without_keys(seed):
+    """A sink 60 above every score (each row's output nearly 0, its lse the sink) and rows the
+    window leaves empty (out 0, lse = the sink): finite, and as the reference."""
+    q, k, v = rnd(1, 2, 300, 512), rnd(1, 2, 200, 512), rnd(1, 2, 200, 512)
+    sinks = torch.tensor([60.0, -3.0], device="cuda")
+    out, lse = attention(q, k, v, is_causal=True, window=(5, 0), sinks=sinks, return_lse=True,
+                         strict=True)
+    ref, ref_lse = ref_attention(q, k, v, causal=True, window=(5, 0), sinks=sinks)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (out[:, :, :100] == 0).all()  # rows 0..99 sit before key 0 (bottom-right)
+    assert rel_err(lse, ref_lse) <= 1e-5
+    assert (out[:, 0] - ref[:, 0]).abs().max() <= 1e-6  # head 0: the sink takes everything
+    assert rel_err(out[:, 1], ref[:, 1]) <= 1e-2
+
+
+# --------------------------------------------------------------------------- decode
+def _cache(b, cap, hkv, d, dv, page):
+    """A random cache, contiguous [B, cap, Hkv, D] or paged (pages in a shuffled order, junk
+    entries past each row's pages); returns (k_cache, v_cache, block_table or None)."""
+    if page is None:
+        return rnd(b, cap, hkv, d), rnd(b, cap, hkv, dv), None
+    per = math.ceil(cap / page)
+    perm = torch.randperm(b * per + 3)
+    table = perm[:b * per].view(b, per).to(torch.int32).cuda()
+    return rnd(b * per + 3, page, hkv, d), rnd(b * per + 3, page, hkv, dv), table
+
+
+def _keys(cache, table, row, n):
+    """[n, Hkv, D] of `row`'s first n keys."""
+    if table is None:
+        return cache[row, :n]
+    page = cache.shape[1]
+    t = torch.arange(n, device="cuda")
+    return cache[table[row].long()[t // page], t % page]
+
+
+DECODE_CASES = [  # b, nq, hq, hkv, d, dv, page, lens (None: random in [0, cap])
+    (1, 1, 32, 4, 512, None, None, [4096]),
+    (8, 1, 32, 4, 512, None, 64, None),
+    (3, 1, 64, 1, 512, None, 128, [1, 0, 1000]),
+    (2, 3, 16, 2, 576, 512, 256, [777, 2048]),
+    (4, 1, 8, 8, 320, None, None, None),
+    (2, 1, 8, 2, 1024, None, 64, [129, 1500]),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "-".join(map(str, c[:7])))
+def test_decode_kernel(seed, case):
+    """One launch of the split-KV decode kernel against float64, with new keys appended in
+    place, sinks, return_lse; and a forced split count gives the same result."""
+    b, nq, hq, hkv, d, dv, page, lens = case
+    dv = dv or d
+    cap = 2048 if lens is None else max(max(lens), 1) + 64
+    k_cache, v_cache, table = _cache(b, cap, hkv, d, dv, page)
+    nnew = 1
+    lens = lens or torch.randint(0, cap - nnew + 1, (b,)).tolist()
+    lens = [min(n, cap - nnew) for n in lens]
+    q, kn, vn = rnd(b, nq, hq, d), rnd(b, nnew, hkv, d), rnd(b, nnew, hkv, dv)
+    sinks = torch.randn(hq, device="cuda")
+    plan = decode.decode_plan(q, k_cache, v_cache, nq == 1, None, page, None)
+    assert plan is not None and plan.kernel_cls.__name__ == "FFPADecodeSm90"
+    before = [(_keys(k_cache, table, r, n).clone(), _keys(v_cache, table, r, n).clone())
+              for r, n in enumerate(lens)]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, seqlens, table, k=kn, v=vn,
+                                      is_causal=nq == 1, sinks=sinks, return_lse=True,
+                                      strict=True)
+    for r, n in enumerate(lens):
+        kk, vv = (torch.cat([x, y[r]]) for x, y in zip(before[r], (kn, vn)))
+        assert torch.equal(_keys(k_cache, table, r, n + nnew), kk)  # appended in place
+        args = [t.transpose(0, 1).unsqueeze(0) for t in (q[r], kk, vv)]
+        ref, ref_lse = ref_attention(*args, sinks=sinks)
+        base, _ = ref_attention(*args, sinks=sinks, dtype=BF16)
+        got = out[r].transpose(0, 1).unsqueeze(0)
+        assert rel_err(got, ref) <= bound(rel_err(base, ref)), r
+        assert rel_err(lse[r], ref_lse[0]) <= 1e-4, r
+    again = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
+                                   sinks=sinks, num_splits=3)
+    assert rel_err(again, out) <= 1e-2
