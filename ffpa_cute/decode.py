@@ -40,9 +40,9 @@ def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
     problem = AttnProblem(dtype=dtype_name(q.dtype), batch=b, heads_q=hkv, heads_kv=hkv,
                           seqlen_q=(hq // hkv) * nq, seqlen_kv=k_cache.shape[1], head_dim=d,
                           head_dim_v=v_cache.shape[3], scale=scale)
+    views = [t.permute(0, 2, 1, 3) for t in (k_cache, v_cache)]
     if dispatch.problem_reason(problem) is not None or any(
-            launch.kernel_ready(t.permute(0, 2, 1, 3)) is not t.permute(0, 2, 1, 3)
-            for t in (k_cache, v_cache)):  # the cache is read in place, never copied
+            launch.kernel_ready(t) is not t for t in views):  # read in place, never copied
         return None
     plan = dispatch.plan_decode(problem, page_size, q.device)
     return plan if plan.reason is None else None
