@@ -23,7 +23,10 @@ from .flops import attn_flops_bwd, attn_flops_fwd, valid_pairs
 FFPA_FAMILIES = ("self", "cross", "decode", "gqa", "causal", "unaligned")
 USER_FAMILIES = ("gemma4", "mqa", "vae")
 ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
-FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES}
+# perf/serving.py's rows (their own table; only when named: not part of "all")
+SERVING_FAMILIES = ("window", "varlen", "kvdecode")
+FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES,
+                  "serving": SERVING_FAMILIES}
 
 FFPA_SEQLENS = (8192, 16384)
 FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
@@ -106,9 +109,10 @@ def parse_families(spec: str | None) -> tuple[str, ...]:
             continue
         names = FAMILY_ALIASES.get(tok, (tok,))
         for name in names:
-            if name not in ALL_FAMILIES:
+            if name not in ALL_FAMILIES + SERVING_FAMILIES:
                 raise ValueError(f"unknown case family {name!r}; choose from "
-                                 f"{', '.join(ALL_FAMILIES + tuple(FAMILY_ALIASES))}")
+                                 f"{', '.join(ALL_FAMILIES + SERVING_FAMILIES)}, or "
+                                 f"{', '.join(FAMILY_ALIASES)}")
             if name not in out:
                 out.append(name)
     return tuple(out)
@@ -149,6 +153,8 @@ def full_cases(families=ALL_FAMILIES, head_dims=None, seqlens=None, dtypes=None)
     cases: list[Case] = []
     hds = tuple(head_dims) if head_dims else FFPA_HEAD_DIMS
     for fam in families:
+        if fam in SERVING_FAMILIES:
+            continue  # perf/serving.py's
         if fam in FFPA_FAMILIES:
             for dt in dtypes or (DEFAULT_DTYPE,):
                 for n in seqlens or FFPA_SEQLENS:

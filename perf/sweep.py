@@ -11,6 +11,7 @@ Examples:
   python -m perf.sweep --cases self,causal --head-dims 512,1024 --seqlens 8k --fwd
   python -m perf.sweep --cases users --bwd --baselines sdpa
   python -m perf.sweep --backend sm80 --quick         # force our sm80 kernel family
+  python -m perf.sweep --cases window,varlen,kvdecode # serving rows -> serving.md
   python -m perf.sweep --list                         # print the selected cases, run nothing
 """
 
@@ -23,14 +24,17 @@ import sys
 import tempfile
 
 from .baselines import BASELINES, DEFAULT_BASELINES, SDPA_ORDER, parse_baselines
-from .cases import ALL_FAMILIES, FAMILY_ALIASES, FFPA_HEAD_DIMS, FFPA_SEQLENS, select_cases
+from .cases import (ALL_FAMILIES, FAMILY_ALIASES, FFPA_HEAD_DIMS, FFPA_SEQLENS, SERVING_FAMILIES,
+                    parse_families, parse_ints, select_cases)
+from .serving import render as render_serving
+from .serving import run_serving, serving_cases
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m perf.sweep", description=__doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Case families: " + ", ".join(ALL_FAMILIES) + "; aliases: "
+        epilog="Case families: " + ", ".join(ALL_FAMILIES + SERVING_FAMILIES) + "; aliases: "
         + ", ".join(f"{k}={'+'.join(v)}" for k, v in FAMILY_ALIASES.items() if k != "all")
         + ". Causal is bottom-right aligned (as ffpa_cute.attention).")
     sel = p.add_argument_group("case selection")
@@ -192,11 +196,14 @@ def main(argv=None) -> int:
     if args.cold_cache:
         os.environ["FFPA_CUTE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ffpa_cute_cold_")
     cases = cases_from_args(args)
-    if args.list or not cases:
-        for c in cases:
+    served = serving_cases([f for f in parse_families(args.cases) if f in SERVING_FAMILIES],
+                           parse_ints(args.seqlens)) if args.cases else []
+    if args.list or not (cases or served):
+        for c in (*cases, *served):
             print(c.label)
-        print(f"{len(cases)} cases x {len(args.directions)} directions", file=sys.stderr)
-        return 0 if cases or args.list else 1
+        print(f"{len(cases)} cases x {len(args.directions)} directions, {len(served)} serving "
+              "cases", file=sys.stderr)
+        return 0 if cases or served or args.list else 1
 
     import torch
 
@@ -264,6 +271,14 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             ctx.notes.add("sweep", "interrupted: partial results")
             status = 130
+        if served and status == 0:
+            bench_kw = dict(flush=flush, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                            min_reps=args.min_reps, max_reps=args.max_reps)
+            payload["serving"] = run_serving(served, device, bench_kw, ctx.mem_limit_bytes,
+                                             log=rep.log)
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "serving.md"), "w") as f:
+                f.write(render_serving(payload["serving"], ceilings.get("copy_gbps")) + "\n")
     payload["notes"] = ctx.notes.to_list()
     written = report.write_all(payload, out_dir, args.directions, charts=not args.no_charts)
     for d in args.directions:

@@ -1,0 +1,293 @@
+"""The serving and training-stack rows of `python -m perf.sweep`: `--cases window,varlen,kvdecode`
+(alias `serving`). Each family has its own yardstick, so they get their own table (serving.md)
+beside the attention tables:
+
+* `window`: sliding-window causal attention (D=512, H=32, window 1024 to the left) timed against
+  the plain causal kernel at the same N; TFLOPS counted on the visible (query, key) pairs of
+  each. The issue's bar: within 10% of the causal kernel's TFLOPS. SDPA beside it with the
+  window as a boolean mask (its kernels have no window).
+* `varlen`: `varlen_attention` on 8 packed causal sequences of 1K-8K (D=512, Hq 32 / Hkv 4),
+  forward and backward, against `attention()` on the padded equal-length batch of the same total
+  tokens (B=8, N = total / 8); TFLOPS on valid pairs. The bar: within 5%.
+* `kvdecode`: one decode step (Nq = 1, bf16) of `attention_with_kvcache` on a paged cache
+  (page 64, every row at length N, D=512, Hq 32 / Hkv 4 and Hq 64 / Hkv 1, B 1 / 8 / 64); GB/s of
+  K/V bytes read, and that as a share of the measured copy bandwidth (the bar: 85%). SDPA beside
+  it on a contiguous cache of the same length (GQA natively).
+
+Times are CUDA-event medians with L2 flushed before each call (timing.bench). Error columns:
+relative Frobenius error against a float32 explicit-matmul reference on one head (window,
+kvdecode) or one sequence (varlen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .flops import tflops
+from .timing import bench
+
+SERVING_FAMILIES = ("window", "varlen", "kvdecode")
+WINDOW_SEQLENS = (8192, 16384)
+WINDOW_LEFT = 1024
+VARLEN_LENS = (1024, 8192, 2048, 4096, 3072, 6144, 5120, 7168)
+KVDECODE_SEQLENS = (4096, 32768, 131072)
+KVDECODE_SHAPES = ((32, 4), (64, 1))
+KVDECODE_BATCHES = (1, 8, 64)
+PAGE = 64
+D = 512
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    family: str
+    n: int
+    batch: int = 1
+    hq: int = 32
+    hkv: int = 32
+    d: int = D
+    lens: tuple = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}-b{self.batch}-h{self.hq}x{self.hkv}-n{self.n}-d{self.d}"
+
+
+def serving_cases(families, seqlens=None) -> list[ServingCase]:
+    """The selected serving families' cases (`seqlens` replaces the window / kvdecode N list)."""
+    out = []
+    for fam in families:
+        if fam == "window":
+            out += [ServingCase("window", n) for n in seqlens or WINDOW_SEQLENS]
+        elif fam == "varlen":
+            out.append(ServingCase("varlen", sum(VARLEN_LENS), len(VARLEN_LENS), 32, 4,
+                                   lens=VARLEN_LENS))
+        elif fam == "kvdecode":
+            out += [ServingCase("kvdecode", n, b, hq, hkv) for hq, hkv in KVDECODE_SHAPES
+                    for b in KVDECODE_BATCHES for n in seqlens or KVDECODE_SEQLENS]
+    return out
+
+
+@dataclass
+class Row:
+    case: dict
+    cells: dict = field(default_factory=dict)  # name -> value (ms, tflops, gbps, ratio, err)
+    notes: list = field(default_factory=list)
+
+
+def _pairs_window(n: int, left: int) -> int:
+    """Visible pairs of causal self-attention where row i sees keys i - left .. i: rows below
+    `left` see i + 1, the others left + 1."""
+    w = min(n, left)
+    return w * (w + 1) // 2 + (n - w) * (left + 1)
+
+
+def _ref_err(out_head, q, k, v, vis=None) -> float:
+    """||out - ref|| / ||ref|| for one head ([N, D] each) against float32 explicit matmuls."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        s = (q.float() @ k.float().T) / math.sqrt(q.shape[-1])
+        if vis is not None:
+            s = s.masked_fill(~vis, float("-inf"))
+        ref = torch.softmax(s, -1).nan_to_num(0.0) @ v.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    return ((out_head.float() - ref).norm() / ref.norm()).item()
+
+
+def _time(fn, dev, ctx) -> float:
+    fn()
+    return bench(fn, dev, **ctx).median_ms
+
+
+def run_window(case: ServingCase, dev, ctx, ffpa) -> Row:
+    n, h, left = case.n, case.hq, WINDOW_LEFT
+    q, k, v = (torch.randn(1, h, n, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    row = Row(asdict(case) | {"window": left})
+    pw, pc = _pairs_window(n, left), n * (n + 1) // 2
+    with torch.no_grad():
+        ms_w = _time(lambda: ffpa.attention(q, k, v, is_causal=True, window=(left, 0)), dev, ctx)
+        ms_c = _time(lambda: ffpa.attention(q, k, v, is_causal=True), dev, ctx)
+        out = ffpa.attention(q, k, v, is_causal=True, window=(left, 0))
+    i = torch.arange(n, device=dev)
+    vis = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)
+    row.cells.update(
+        path=ffpa.explain(q, k, v, is_causal=True, window=(left, 0))[:48],
+        window_ms=ms_w, window_tflops=tflops(4 * h * pw * D, ms_w),
+        causal_ms=ms_c, causal_tflops=tflops(4 * h * pc * D, ms_c),
+        err=_ref_err(out[0, 0], q[0, 0], k[0, 0], v[0, 0], vis))
+    row.cells["ratio"] = row.cells["window_tflops"] / row.cells["causal_tflops"]
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    for name, kw in (("window", dict(window=(left, 0))), ("causal", {})):
+        out = ffpa.attention(qg, kg, vg, is_causal=True, **kw)
+        dout = torch.randn_like(out)
+        ms = _time(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), dev,
+                   ctx)
+        pairs = pw if name == "window" else pc
+        row.cells[f"{name}_bwd_ms"] = ms
+        row.cells[f"{name}_bwd_tflops"] = tflops(2.5 * 4 * h * pairs * D, ms)
+    row.cells["bwd_ratio"] = row.cells["window_bwd_tflops"] / row.cells["causal_bwd_tflops"]
+    try:  # SDPA with the window as a boolean mask (no kernel of its own has a window)
+        with torch.no_grad():
+            ms = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=vis), dev, ctx)
+        row.cells["sdpa_tflops"] = tflops(4 * h * pw * D, ms)
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is a note
+        row.notes.append(f"sdpa: {type(e).__name__}: {str(e)[:80]}")
+    return row
+
+
+def run_varlen(case: ServingCase, dev, ctx, ffpa) -> Row:
+    lens, hq, hkv = case.lens, case.hq, case.hkv
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q = torch.randn(total, hq, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(total, hkv, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+    npad = total // len(lens)
+    qp = torch.randn(len(lens), hq, npad, D, device=dev, dtype=torch.bfloat16)
+    kp, vp = (torch.randn(len(lens), hkv, npad, D, device=dev, dtype=torch.bfloat16)
+              for _ in range(2))
+    ppad = len(lens) * npad * (npad + 1) // 2
+    row = Row(asdict(case) | {"padded_n": npad})
+
+    def var(a, b, c):
+        return ffpa.varlen_attention(a, b, c, cu, cu, max(lens), max(lens), is_causal=True,
+                                     enable_gqa=True)
+
+    def pad(a, b, c):
+        return ffpa.attention(a, b, c, is_causal=True, enable_gqa=True)
+
+    with torch.no_grad():
+        ms_v, ms_p = _time(lambda: var(q, k, v), dev, ctx), _time(lambda: pad(qp, kp, vp), dev, ctx)
+        out = var(q, k, v)
+    s0 = slice(0, lens[0])
+    g = hq // hkv
+    row.cells.update(varlen_ms=ms_v, varlen_tflops=tflops(4 * hq * pairs * D, ms_v),
+                     padded_ms=ms_p, padded_tflops=tflops(4 * hq * ppad * D, ms_p))
+    i = torch.arange(lens[0], device=dev)
+    row.cells["err"] = _ref_err(out[s0, 0], q[s0, 0], k[s0, 0 // g], v[s0, 0 // g],
+                                i[None, :] <= i[:, None])
+    for name, fn, ins, p in (("varlen", var, (q, k, v), pairs), ("padded", pad, (qp, kp, vp), ppad)):
+        ins = tuple(x.detach().requires_grad_() for x in ins)
+        out = fn(*ins)
+        dout = torch.randn_like(out)
+        ms = _time(lambda: torch.autograd.grad(out, ins, dout, retain_graph=True), dev, ctx)
+        row.cells[f"{name}_bwd_ms"] = ms
+        row.cells[f"{name}_bwd_tflops"] = tflops(2.5 * 4 * hq * p * D, ms)
+    row.cells["ratio"] = row.cells["varlen_tflops"] / row.cells["padded_tflops"]
+    row.cells["bwd_ratio"] = row.cells["varlen_bwd_tflops"] / row.cells["padded_bwd_tflops"]
+    return row
+
+
+def run_kvdecode(case: ServingCase, dev, ctx, ffpa, mem_limit: float) -> Row:
+    b, n, hq, hkv = case.batch, case.n, case.hq, case.hkv
+    kv_bytes = b * n * hkv * 2 * D * 2
+    row = Row(asdict(case) | {"page": PAGE, "kv_bytes": kv_bytes})
+    if 2.2 * kv_bytes > mem_limit:
+        row.notes.append(f"skipped: the cache needs {kv_bytes / 1e9:.0f} GB")
+        return row
+    pages = b * -(-n // PAGE)
+    kc, vc = (torch.randn(pages, PAGE, hkv, D, device=dev, dtype=torch.bfloat16)
+              for _ in range(2))
+    table = torch.randperm(pages, device=dev, dtype=torch.int32).view(b, -1)
+    lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    q = torch.randn(b, 1, hq, D, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ms = _time(lambda: ffpa.attention_with_kvcache(q, kc, vc, lens, table), dev, ctx)
+        out = ffpa.attention_with_kvcache(q, kc, vc, lens, table)
+        ks = kc[table[0].long()].flatten(0, 1)[:n, 0]
+        vs = vc[table[0].long()].flatten(0, 1)[:n, 0]
+        row.cells.update(ms=ms, gbps=kv_bytes / (ms * 1e-3) / 1e9,
+                         err=_ref_err(out[0, 0, :1], q[0, 0, :1], ks, vs))
+        kc = vc = None  # free the paged cache before SDPA's contiguous one
+        torch.cuda.empty_cache()
+        try:  # SDPA on a contiguous cache of the same keys (natively GQA)
+            kd, vd = (torch.randn(b, hkv, n, D, device=dev, dtype=torch.bfloat16)
+                      for _ in range(2))
+            qd = q.transpose(1, 2)
+            ms = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, enable_gqa=True), dev, ctx)
+            row.cells["sdpa_gbps"] = kv_bytes / (ms * 1e-3) / 1e9
+        except Exception as e:  # noqa: BLE001
+            row.notes.append(f"sdpa: {type(e).__name__}: {str(e)[:80]}")
+    return row
+
+
+def run_serving(cases, device, bench_kw: dict, mem_limit: float, log=print) -> list[dict]:
+    import ffpa_cute as ffpa
+
+    rows = []
+    for case in cases:
+        try:
+            if case.family == "window":
+                row = run_window(case, device, bench_kw, ffpa)
+            elif case.family == "varlen":
+                row = run_varlen(case, device, bench_kw, ffpa)
+            else:
+                row = run_kvdecode(case, device, bench_kw, ffpa, mem_limit)
+        except Exception as e:  # noqa: BLE001 - one failing case is a note, not the run
+            row = Row(asdict(case), notes=[f"failed: {type(e).__name__}: {str(e)[:160]}"])
+        torch.cuda.empty_cache()
+        log(f"{case.label}: " + ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.cells.items())
+            + (f" [{'; '.join(row.notes)}]" if row.notes else ""))
+        rows.append(asdict(row))
+    return rows
+
+
+def _f(x, fmt="{:.0f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render(rows: list[dict], copy_gbps: float | None) -> str:
+    """serving.md: one table per family present."""
+    out = ["# Serving and training-stack rows (perf.serving)", ""]
+    if copy_gbps:
+        out.append(f"Copy ceiling (read + write): {copy_gbps:.0f} GB/s.\n")
+    win = [r for r in rows if r["case"]["family"] == "window"]
+    if win:
+        out += ["## Sliding window (causal, left 1024, D=512, H=32; TFLOPS on visible pairs)", "",
+                "| N | window fwd | causal fwd | ratio | window bwd | causal bwd | ratio | "
+                "SDPA (mask) fwd | err |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in win:
+            c = r["cells"]
+            out.append(f"| {r['case']['n']} | {_f(c.get('window_tflops'))} | "
+                       f"{_f(c.get('causal_tflops'))} | {_f(c.get('ratio'), '{:.2f}')} | "
+                       f"{_f(c.get('window_bwd_tflops'))} | {_f(c.get('causal_bwd_tflops'))} | "
+                       f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('sdpa_tflops'))} | "
+                       f"{_f(c.get('err'), '{:.1e}')} |")
+        out.append("")
+    var = [r for r in rows if r["case"]["family"] == "varlen"]
+    if var:
+        out += ["## Varlen (8 causal sequences 1K-8K, D=512, Hq 32 / Hkv 4; TFLOPS on valid "
+                "pairs) vs the padded equal-length batch", "",
+                "| total | varlen fwd | padded fwd | ratio | varlen bwd | padded bwd | ratio | "
+                "err |", "|---|---|---|---|---|---|---|---|"]
+        for r in var:
+            c = r["cells"]
+            out.append(f"| {r['case']['n']} | {_f(c.get('varlen_tflops'))} | "
+                       f"{_f(c.get('padded_tflops'))} | {_f(c.get('ratio'), '{:.2f}')} | "
+                       f"{_f(c.get('varlen_bwd_tflops'))} | {_f(c.get('padded_bwd_tflops'))} | "
+                       f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('err'), '{:.1e}')} |")
+        out.append("")
+    dec = [r for r in rows if r["case"]["family"] == "kvdecode"]
+    if dec:
+        out += ["## Paged-KV decode (Nq 1, page 64, D=512; GB/s of K/V read)", "",
+                "| B | Hq/Hkv | N | ours µs | ours GB/s | % of copy | SDPA (contiguous) GB/s | "
+                "err | note |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in dec:
+            c, k = r["cells"], r["case"]
+            pct = (100 * c["gbps"] / copy_gbps) if c.get("gbps") and copy_gbps else None
+            out.append(f"| {k['batch']} | {k['hq']}/{k['hkv']} | {k['n']} | "
+                       f"{_f(c.get('ms') and c['ms'] * 1e3)} | {_f(c.get('gbps'))} | "
+                       f"{_f(pct)} | {_f(c.get('sdpa_gbps'))} | {_f(c.get('err'), '{:.1e}')} | "
+                       f"{'; '.join(r['notes'])} |")
+        out.append("")
+    return "\n".join(out)
+
+
+__all__ = ["SERVING_FAMILIES", "ServingCase", "render", "run_serving", "serving_cases"]
