@@ -7,7 +7,7 @@ A superset by construction: every head dim the GPU tests use, both dtypes and ca
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
 and backward, plus the Dv != D pairs, the FP8 forward with its transpose kernel, and the
 non-default variants the tests select (the CTA pair off above 512, dK without sequential score
-products). A kernel the tests need that is missing
+products), the sliding-window / sinks configurations and the split-KV decode kernels. A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -19,6 +19,12 @@ import sys
 HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
 DV_PAIRS = ((576, 512), (512, 320), (320, 256), (1024, 512), (768, 128))
 FP8_HEAD_DIMS = (320, 512, 768, 1024)
+FEATURE_HEAD_DIMS = (320, 384, 512, 576, 1024)
+# (window_lo, window_hi, causal, sinks): a left edge, a right edge, both, sinks alone and with
+FEATURE_FIELDS = ((-8, None, True, False), (-8, None, True, True), (-8, 4, False, False),
+                  (-8, 4, False, True), (None, 4, False, True), (None, None, True, True),
+                  (None, None, False, True), (-8, None, False, True), (-8, None, False, False))
+DECODE_DIMS = ((320, 320), (512, 512), (576, 512), (1024, 1024))
 TARGET = "sm_90a"
 
 
@@ -66,6 +72,21 @@ def jobs() -> list:
                                 out_dtype=out_dtype)
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=Options())
                 add([(plan.kernel_cls, plan.cfg)])
+    import dataclasses
+
+    for d in FEATURE_HEAD_DIMS:  # sliding window / sinks: every combination of the fields
+        for lo, hi, causal, sinks in FEATURE_FIELDS:
+            p = dataclasses.replace(problem(d, d, "bf16", causal), window_lo=lo, window_hi=hi,
+                                    has_sinks=sinks)
+            plan = dispatch.plan_fwd(p, target=TARGET, opts=Options())
+            add([(plan.kernel_cls, plan.cfg)])
+            add(dispatch.plan_bwd(p, target=TARGET, opts=Options()).jobs)
+    for d, dv in DECODE_DIMS:  # the split-KV decode, contiguous and paged
+        for page in (None, 64, 128, 256):
+            p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=4, seqlen_q=8,
+                            seqlen_kv=4096, head_dim=d, head_dim_v=dv)
+            plan = dispatch.plan_decode(p, page, target=TARGET, opts=Options())
+            add([(plan.kernel_cls, plan.cfg)])
     for d, dv in DV_PAIRS:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
