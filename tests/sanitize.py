@@ -13,7 +13,9 @@ every kernel class and mode the planners pick there: the sm90 WGMMA forward (one
 kernels (dK with sequential score products and with two accumulators, the gradient split over
 two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
 family, and the sm90 family's route for D % 16 != 0 above 512) in their M8N1 / M4N2 / M2N4
-warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16.
+warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
+forward; a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
+decode kernel on a paged and a contiguous cache (`KV_CASES`).
 
 racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would
 only slow it down); the other tools check every kernel of the process (initcheck must see
@@ -59,6 +61,18 @@ CASES = [
      False),
     ("sm90 FP8 D1024 CTA pair", "sm90", 1, 2, 1, 65, 130, 1024, 1024, "none", "e4m3", False),
 ]
+# (label, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the sliding window's left edge (blocks
+# skipped and masked) and sinks in the forward, the window in dQ / dK / dV
+FEATURE_CASES = [
+    ("sm90 D512 window + sinks causal GQA", 1, 4, 2, 129, 333, 512, True, (64, 0), True),
+    ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
+]
+# (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None): the split-KV decode
+KV_CASES = [
+    ("sm90 decode paged 64 GQA", 2, 8, 2, 300, 512, 512, 64),
+    ("sm90 decode contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None),
+]
+N_CASES = len(CASES) + len(FEATURE_CASES) + len(KV_CASES)
 
 
 def _problem(case):
@@ -94,6 +108,25 @@ def jobs(target: str = "sm_90a") -> list:
             assert bwd.reason is None, (case[0], bwd.reason)
             todo += bwd.jobs
         out += [j for j in todo if j not in out]
+    from ffpa_cute.problem import AttnProblem
+
+    for _, b, hq, hkv, nq, nkv, d, causal, window, sinks in FEATURE_CASES:
+        left, right = window
+        p = AttnProblem(dtype="bf16", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
+                        causal_offset=nkv - nq if causal else 0, window_lo=nkv - nq - left,
+                        window_hi=None if right is None else nkv - nq + right,
+                        has_sinks=sinks)
+        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
+        out += [j for j in todo if j not in out]
+    for _, b, hq, hkv, n, d, dv, page in KV_CASES:
+        p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv, seqlen_q=hq // hkv,
+                        seqlen_kv=n, head_dim=d, head_dim_v=dv)
+        plan = dispatch.plan_decode(p, page, target=target, opts=Options())
+        assert plan.reason is None, plan.reason
+        if (plan.kernel_cls, plan.cfg) not in out:
+            out.append((plan.kernel_cls, plan.cfg))
     return out
 
 
@@ -129,6 +162,34 @@ def workload() -> int:
                 out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
+    for label, b, hq, hkv, nq, nkv, d, causal, window, sinks in FEATURE_CASES:
+        q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, hkv, nkv, d, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True) for _ in range(2))
+        kw = dict(is_causal=causal, enable_gqa=hq != hkv, window=window,
+                  sinks=torch.randn(hq, device="cuda", requires_grad=True) if sinks else None)
+        route = ffpa_cute.explain(q, k, v, **kw)
+        out = ffpa_cute.attention(q, k, v, strict=True, **kw)
+        assert "kernels (dQ, dK, dV)" in route, (label, route)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {route[:160]}", flush=True)
+    from ffpa_cute import decode
+
+    for label, b, hq, hkv, n, d, dv, page in KV_CASES:
+        pages = b * -(-n // (page or n))
+        rows = page or n
+        kc = torch.randn(pages if page else b, rows, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn(pages if page else b, rows, hkv, dv, device="cuda", dtype=torch.bfloat16)
+        table = (torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1) if page
+                 else None)
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor([n - 7 * i for i in range(b)], dtype=torch.int32, device="cuda")
+        plan = decode.decode_plan(q, kc, vc, True, None, page, None)
+        assert plan is not None, label
+        ffpa_cute.attention_with_kvcache(q, kc, vc, lens, table, strict=True)
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     return 0
 
 
@@ -175,9 +236,9 @@ def sweep(tools, out_dir: str, timeout: float) -> int:
         text = open(log.name).read()
         n, line = _summary(tool, text)
         routes = text.count("[workload]")
-        ok = n == 0 and routes == len(CASES)
+        ok = n == 0 and routes == N_CASES
         bad |= not ok
-        print(f"{tool:10s} {'ok  ' if ok else 'FAIL'} {line}; cases run {routes}/{len(CASES)}; "
+        print(f"{tool:10s} {'ok  ' if ok else 'FAIL'} {line}; cases run {routes}/{N_CASES}; "
               f"log {log.name} ({time.time() - t0:.0f} s)", flush=True)
     return 1 if bad else 0
 
