@@ -48,13 +48,27 @@ def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
     return plan if plan.reason is None else None
 
 
+MAX_SPLITS = 64
+WAVE_FILL = 0.95  # the fewest splits whose grid keeps this share of the SM-waves busy
+
+
 def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
-    """S: about one wave of CTAs over the SMs, each split at least MIN_BLOCKS_PER_SPLIT blocks."""
+    """S: the fewest splits whose grid keeps WAVE_FILL of the SM-waves busy (one CTA per SM: a
+    partial last wave idles the rest; fewer splits, fewer partials to merge), else the best
+    fill; each split at least MIN_BLOCKS_PER_SPLIT blocks. E.g. 132 SMs, B=8, Hkv=4: S=4 (128
+    CTAs; S=5 would be 160 CTAs, 1.2 waves)."""
     cfg = plan.cfg
     ctas = b * hkv * -(-plan.problem.seqlen_q // cfg.tile_m) * cfg.o_split
     blocks = -(-max_len // cfg.tile_n)
-    want = -(-_num_sms(device.index or 0) // max(ctas, 1))
-    return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
+    sms = _num_sms(device.index or 0)
+    top = max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
+
+    def fill(s):  # share of the SM-waves the grid keeps busy
+        n = ctas * s
+        return n / (-(-n // sms) * sms)
+
+    good = [s for s in range(1, top + 1) if fill(s) >= WAVE_FILL]
+    return good[0] if good else max(range(1, top + 1), key=lambda s: (fill(s), -s))
 
 
 def split_kv_decode(plan, q, k_cache, v_cache, lens: list[int], block_table, splits: int | None):

@@ -303,17 +303,21 @@ def plan_decode(problem: AttnProblem, page_rows: int | None,
     cache), or the reason there is none: the sm90 16-bit family on a target it was run on."""
     opts = opts or _options.current()
     target, family, reason = _route(problem, device, target, opts)
-    if reason is None and (family != "sm90" or DTYPE_CLASS[problem.dtype] != "16bit"
-                           or target not in FAMILIES[family].verified_targets):
-        reason = (f"no decode kernel for {problem.dtype} on the {family} family ({target}): "
-                  "the split-KV decode is sm90 (bf16 / fp16) only")
-    if reason is None:
-        try:
-            return Plan(problem, target, family, cfg=sm90_config.plan_decode(
-                problem, target, page_rows))
-        except ValueError as e:
-            reason = f"the decode kernel cannot run it: {e}"
-    return Plan(problem, target, family, reason=reason)
+    if reason is not None:
+        return Plan(problem, target, family, reason=reason)
+    return _plan_decode(problem, page_rows, target, family)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_decode(p: AttnProblem, page_rows: int | None, target: str, family: str) -> Plan:
+    if (family != "sm90" or DTYPE_CLASS[p.dtype] != "16bit"
+            or target not in FAMILIES[family].verified_targets):
+        return Plan(p, target, family, reason=f"no decode kernel for {p.dtype} on the {family} "
+                    f"family ({target}): the split-KV decode is sm90 (bf16 / fp16) only")
+    try:
+        return Plan(p, target, family, cfg=sm90_config.plan_decode(p, target, page_rows))
+    except ValueError as e:
+        return Plan(p, target, family, reason=f"the decode kernel cannot run it: {e}")
 
 
 def plan_bwd(problem: AttnProblem, device: torch.device | None = None,
@@ -344,6 +348,7 @@ def clear_plans() -> None:
     """Forget every cached plan (tests that swap planners)."""
     _plan_fwd.cache_clear()
     _plan_bwd.cache_clear()
+    _plan_decode.cache_clear()
 
 
 __all__ = ["BwdPlan", "DTYPE_CLASS", "FAMILIES", "FAMILY_OF_TARGET", "Family", "MAX_HEAD_DIM",

@@ -104,7 +104,8 @@ def _lengths(cache_seqlens, b, device):
 
 
 def _pages(block_table, lens, page_size, num_pages, b, device):
-    """Each row's page indices as a host list (the pages its n_b keys use), or raise."""
+    """block_table, checked: every page a row's n_b keys use is in [0, num_pages) (one
+    vectorised check, one device sync), or raise naming the first bad row."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in INDEX_DTYPES:
         raise TypeError(f"block_table must be an int32 / int64 tensor [B, max_pages], got "
                         f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
@@ -114,34 +115,34 @@ def _pages(block_table, lens, page_size, num_pages, b, device):
     if block_table.device.type != "cpu" and block_table.device != device:
         raise ValueError(f"block_table must be on the CPU or q's device ({device})")
     capacity = block_table.shape[1] * page_size
-    table = block_table.cpu()
-    pages = []
     for row, n in enumerate(lens):
         if n > capacity:
             raise ValueError(f"row {row} needs {n} keys (cache_seqlens + new) but block_table "
                              f"holds {block_table.shape[1]} pages of {page_size} = {capacity}")
-        used = table[row, :-(-n // page_size)].tolist()
-        if any(p < 0 or p >= num_pages for p in used):
-            raise ValueError(f"block_table[{row}] refers to pages {used}; k_cache has "
-                             f"{num_pages} (0 .. {num_pages - 1})")
-        pages.append(used)
-    return pages
+    used = torch.tensor([-(-n // page_size) for n in lens], device=block_table.device)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    bad = ((block_table < 0) | (block_table >= num_pages)) & (cols < used[:, None])
+    rows = bad.any(1).nonzero().flatten().tolist()
+    if rows:
+        row = rows[0]
+        pages = block_table[row, :used[row]].tolist()
+        raise ValueError(f"block_table[{row}] refers to pages {pages}; k_cache has "
+                         f"{num_pages} (0 .. {num_pages - 1})")
+    return block_table
 
 
-def _append(k_cache, v_cache, k, v, lens_before, pages, page_size):
+def _append(k_cache, v_cache, k, v, lens_before, table, page_size):
     """Write the new keys / values into the cache in place at each row's positions
-    cache_seqlens[b] .. + Nnew - 1."""
+    cache_seqlens[b] .. + Nnew - 1 (table: the checked block_table, or None)."""
     b, nnew = k.shape[:2]
     dev = k_cache.device
     pos = (torch.tensor(lens_before, device=dev).unsqueeze(1)
            + torch.arange(nnew, device=dev))  # [B, Nnew]
-    if pages is None:
+    if table is None:
         rows = torch.arange(b, device=dev).unsqueeze(1).expand(b, nnew)
         k_cache[rows, pos], v_cache[rows, pos] = k, v
         return
-    width = max(1, max(len(p) for p in pages))
-    table = torch.tensor([p + [0] * (width - len(p)) for p in pages], device=dev)
-    page = table.gather(1, torch.div(pos, page_size, rounding_mode="floor"))
+    page = table.to(dev, torch.long).gather(1, torch.div(pos, page_size, rounding_mode="floor"))
     k_cache[page, pos % page_size], v_cache[page, pos % page_size] = k, v
 
 
@@ -197,15 +198,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     lens = [n + nnew for n in before]
     if paged:
         page_size = k_cache.shape[1]
-        pages = _pages(block_table, lens, page_size, k_cache.shape[0], b, q.device)
+        table = _pages(block_table, lens, page_size, k_cache.shape[0], b, q.device)
     else:
-        pages, page_size = None, None
+        table, page_size = None, None
         if max(lens, default=0) > k_cache.shape[1]:
             raise ValueError(f"a row needs {max(lens)} keys (cache_seqlens + new) but the cache "
                              f"holds Ncache = {k_cache.shape[1]}")
     with torch.no_grad():
         if nnew:
-            _append(k_cache, v_cache, k, v, before, pages, page_size)
+            _append(k_cache, v_cache, k, v, before, table, page_size)
         plan = decode_plan(q, k_cache, v_cache, is_causal, window, page_size, scale) if b else None
         if plan is not None:
             out, lse = split_kv_decode(plan, q, k_cache, v_cache, lens, block_table, num_splits)
@@ -213,7 +214,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                 out, lse = apply_sinks(out, lse, sinks)
             out = out.to(q.dtype).permute(0, 2, 1, 3)
             return (out, lse) if return_lse else out
-        rows = [_row(q[r], k_cache, v_cache, lens[r], None if pages is None else pages[r], r,
+        rows = [_row(q[r], k_cache, v_cache, lens[r],
+                     None if table is None else table[r, :-(-lens[r] // page_size)], r,
                      is_causal, scale, window, sinks, num_splits or 1, strict)
                 for r in range(b)]
     if b == 0:
@@ -229,7 +231,7 @@ def _row(q, k_cache, v_cache, n, pages, row, causal, scale, window, sinks, num_s
     if pages is None:
         k, v = k_cache[row, :n], v_cache[row, :n]
     else:
-        idx = torch.tensor(pages, dtype=torch.long, device=k_cache.device)
+        idx = pages.to(k_cache.device, torch.long)
         k, v = k_cache[idx].flatten(0, 1)[:n], v_cache[idx].flatten(0, 1)[:n]
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
     offset = n - q.shape[2]

@@ -8,13 +8,17 @@ comes back [Hq, total_q], FlashAttention's varlen `softmax_lse` shape.
 
 Today this is a loop on the host: cu_seqlens are read there (one device sync on CUDA) and each
 sequence is one call of the routine behind `attention()`, routed like it (a kernel where one
-serves that sequence, else the native fallback, logged once per reason; strict raises). A
-window or sinks always take the torch-math fallback (no kernel has them yet). A varlen kernel
-would do all sequences in one launch; none exists yet.
+serves that sequence, window and sinks included, else the native fallback, logged once per
+reason; strict raises). On CUDA the sequences are issued longest first, round-robin on
+`STREAMS` side streams forked from and joined to the caller's stream, so one kernel's last,
+partial wave overlaps the next kernel's first (the kernels hold one CTA per SM; on one stream
+each tail would idle the rest of the GPU); autograd runs each backward on its forward's stream.
+A varlen kernel would do all sequences in one launch; none exists yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 
@@ -27,6 +31,19 @@ from .validate import check_args, check_return_lse, check_window_sinks
 __all__ = ["varlen_attention"]
 
 CU_DTYPES = (torch.int32, torch.int64)
+STREAMS = 4  # side streams the sequences are spread over on CUDA
+_SIDE: dict = {}  # device index -> its side streams (created once)
+
+
+def _side_streams(device: torch.device, n: int) -> list:
+    """`n` side streams of `device`, forked from its current stream (they wait for it)."""
+    if device.index not in _SIDE:
+        _SIDE[device.index] = [torch.cuda.Stream(device) for _ in range(STREAMS)]
+    streams = _SIDE[device.index][:n]
+    main = torch.cuda.current_stream(device)
+    for s in streams:
+        s.wait_stream(main)
+    return streams
 
 
 def _check_packed(q, k, v):
@@ -41,6 +58,10 @@ def _check_packed(q, k, v):
         return ValueError(f"k and v must agree on total_k and heads (dims 0, 1), got "
                           f"{tuple(k.shape)} and {tuple(v.shape)}")
     return None
+
+
+def _nothing():
+    return contextlib.nullcontext()
 
 
 def sequence_bounds(name: str, cu, total: int, max_name: str, max_seqlen, device):
@@ -104,16 +125,28 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {len(seq_q)} and {len(seq_k)}")
     strict = None if strict is None else bool(strict)
-    outs, lses = [], []
-    for (qa, qb), (ka, kb) in zip(seq_q, seq_k):
+    outs, lses = [None] * len(seq_q), [None] * len(seq_q)
+    order = sorted(range(len(seq_q)), key=lambda i: -(seq_q[i][1] - seq_q[i][0])
+                   * (seq_k[i][1] - seq_k[i][0]))  # the most work first
+    streams = (_side_streams(q.device, min(STREAMS, len(order)))
+               if q.device.type == "cuda" and len(order) > 1 else [])
+    for n, i in enumerate(order):
+        (qa, qb), (ka, kb) = seq_q[i], seq_k[i]
         qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0)  # [1, H, n, D] views
                       for t, a, b in ((q, qa, qb), (k, ka, kb), (v, ka, kb)))
-        res = _attention(qs, ks, vs, None, 0.0, is_causal, scale, upper_left=False,
-                         strict=strict, level=logging.WARNING, return_lse=return_lse,
-                         window=window, sinks=sinks)
+        with torch.cuda.stream(streams[n % len(streams)]) if streams else _nothing():
+            res = _attention(qs, ks, vs, None, 0.0, is_causal, scale, upper_left=False,
+                             strict=strict, level=logging.WARNING, return_lse=return_lse,
+                             window=window, sinks=sinks)
         out, lse = res if return_lse else (res, None)
-        outs.append(out[0].transpose(0, 1))
-        lses.append(lse)
+        outs[i], lses[i] = out[0].transpose(0, 1), lse
+    if streams:  # join: the caller's stream waits for every side stream, and its allocator
+        main = torch.cuda.current_stream(q.device)  # knows the outputs are used there
+        for s in streams:
+            main.wait_stream(s)
+        for t in (*outs, *lses):
+            if t is not None:
+                t.record_stream(main)
     hq, dv = q.shape[1], v.shape[-1]
     out = torch.cat(outs) if outs else q.new_zeros(0, hq, dv)
     if not return_lse:

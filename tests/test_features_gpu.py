@@ -156,3 +156,38 @@ def test_decode_kernel(seed, case):
     again = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
                                    sinks=sinks, num_splits=3)
     assert rel_err(again, out) <= 1e-2
+
+
+# --------------------------------------------------------------------------- varlen
+def test_varlen_on_side_streams(seed):
+    """varlen_attention on CUDA (sequences issued on side streams, joined to the caller's):
+    out, lse and the gradients of every sequence against float64, with a window and sinks on
+    one call and GQA; an empty sequence included."""
+    from ffpa_cute import varlen_attention
+
+    lens = [700, 0, 1500, 129, 1024]
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    q, k, v = rnd(total, 4, 512, grad=True), rnd(total, 2, 512, grad=True), \
+        rnd(total, 2, 512, grad=True)
+    sinks = torch.randn(4, device="cuda")
+    for kw in (dict(), dict(window=(200, 0), sinks=sinks)):
+        out, lse = varlen_attention(q, k, v, cu, cu, max(lens), max(lens), is_causal=True,
+                                    enable_gqa=True, return_lse=True, strict=True, **kw)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        a = 0
+        for n in lens:
+            s = slice(a, a + n)
+            a += n
+            if n == 0:
+                continue
+            ins = [t[s].detach().to(F64).transpose(0, 1).unsqueeze(0).requires_grad_()
+                   for t in (q, k, v)]
+            ref, ref_lse = ref_attention(*ins, causal=True, **kw)
+            want = torch.autograd.grad(ref, ins, dout[s].to(F64).transpose(0, 1).unsqueeze(0))
+            assert rel_err(out[s], ref[0].transpose(0, 1)) <= 1e-2
+            assert rel_err(lse[:, s], ref_lse[0]) <= 1e-4
+            for g, w in zip(got, want):
+                assert rel_err(g[s], w[0].transpose(0, 1)) <= 2e-2
