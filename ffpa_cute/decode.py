@@ -71,15 +71,17 @@ def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
     return good[0] if good else max(range(1, top + 1), key=lambda s: (fill(s), -s))
 
 
-def split_kv_decode(plan, q, k_cache, v_cache, lens: list[int], block_table, splits: int | None):
+def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_table,
+                    splits: int | None):
     """(out [B, Hq, Nq, Dv] fp32, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each row's
-    first lens[b] cached keys, by one launch of the decode kernel and the merge of its splits.
-    `splits`: S, or None to pick it (`num_splits`)."""
+    first seqlens[b] cached keys (int32 [B] on q's device; max_len bounds them), by one launch
+    of the decode kernel and the merge of its splits. `splits`: S, or None to pick it
+    (`num_splits`)."""
     b, nq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     g = hq // hkv
     m = g * nq
-    s = splits or num_splits(plan, b, hkv, max(lens, default=0), q.device)
+    s = splits or num_splits(plan, b, hkv, max_len, q.device)
     # rows (g, i) of each KV head, replicated for the S splits: [B, Hkv * S, G * Nq, D]
     rows = q.permute(0, 2, 1, 3).reshape(b, hkv, 1, m, d).expand(b, hkv, s, m, d)
     tensors = dict(
@@ -87,7 +89,7 @@ def split_kv_decode(plan, q, k_cache, v_cache, lens: list[int], block_table, spl
         k=k_cache.permute(0, 2, 1, 3), v=v_cache.permute(0, 2, 1, 3),
         o=torch.empty(b, hkv * s, m, dv, dtype=torch.float32, device=q.device),
         lse=torch.empty(b, hkv * s, m, dtype=torch.float32, device=q.device),
-        seqlens_k=torch.tensor(lens, dtype=torch.int32).to(q.device, non_blocking=True),
+        seqlens_k=seqlens,
         block_table=(None if block_table is None else
                      block_table.to(device=q.device, dtype=torch.int32).contiguous()))
     with torch.cuda.device(q.device):

@@ -136,8 +136,9 @@ def _append(k_cache, v_cache, k, v, lens_before, table, page_size):
     cache_seqlens[b] .. + Nnew - 1 (table: the checked block_table, or None)."""
     b, nnew = k.shape[:2]
     dev = k_cache.device
-    pos = (torch.tensor(lens_before, device=dev).unsqueeze(1)
-           + torch.arange(nnew, device=dev))  # [B, Nnew]
+    before = (lens_before.to(dev, torch.long) if isinstance(lens_before, torch.Tensor)
+              else torch.tensor(lens_before, device=dev))
+    pos = before.unsqueeze(1) + torch.arange(nnew, device=dev)  # [B, Nnew]
     if table is None:
         rows = torch.arange(b, device=dev).unsqueeze(1).expand(b, nnew)
         k_cache[rows, pos], v_cache[rows, pos] = k, v
@@ -155,7 +156,7 @@ def _parts(n, num_splits):
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, *, k=None,
                            v=None, is_causal=True, scale=None, window=None, sinks=None,
-                           return_lse=False, num_splits=None, strict=None):
+                           return_lse=False, num_splits=None, strict=None, validate=True):
     """Attention of q [B, Nq, Hq, D] against each row's cached keys (plus new ones appended in
     place); returns out [B, Nq, Hq, Dv] in q's dtype, or with `return_lse=True` (out, lse
     [B, Hq, Nq] float32, float64 for float64 inputs). Layouts and the in-place append: the
@@ -168,6 +169,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     the host loop: 1). Forward only (serving): inputs
     that require grad are refused while grad mode is on; run it under torch.no_grad() or
     torch.inference_mode(). Routing, logging and `strict` as in `attention()`, per part.
+
+    validate (default True): check cache_seqlens and block_table on the host (lengths >= 0 and
+    within the cache, every used page in range; named errors), which reads them: one or two
+    device syncs. False skips that on the decode kernel's route (no sync: CUDA-graph capture,
+    the lowest latency): the caller guarantees them, and an out-of-range page or length gives
+    wrong results, not an error. The host loop always validates (it reads the lengths anyway).
     """
     paged = block_table is not None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
@@ -191,9 +198,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         raise NotImplementedError(f"attention_with_kvcache is forward-only (serving); "
                                   f"{', '.join(grads)} require grad: call it under "
                                   "torch.no_grad() or torch.inference_mode(), or detach them")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     b, nq = q.shape[:2]
     strict = None if strict is None else bool(strict)
     nnew = 0 if k is None else k.shape[1]
+    if not validate and b:
+        res = _unchecked(q, k_cache, v_cache, cache_seqlens, block_table, k, v, nnew, is_causal,
+                         scale, window, sinks, num_splits)
+        if res is not None:
+            return res if return_lse else res[0]
     before = _lengths(cache_seqlens, b, q.device)
     lens = [n + nnew for n in before]
     if paged:
@@ -209,10 +223,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
             _append(k_cache, v_cache, k, v, before, table, page_size)
         plan = decode_plan(q, k_cache, v_cache, is_causal, window, page_size, scale) if b else None
         if plan is not None:
-            out, lse = split_kv_decode(plan, q, k_cache, v_cache, lens, block_table, num_splits)
-            if sinks is not None:
-                out, lse = apply_sinks(out, lse, sinks)
-            out = out.to(q.dtype).permute(0, 2, 1, 3)
+            seqlens = torch.tensor(lens, dtype=torch.int32).to(q.device, non_blocking=True)
+            out, lse = _decode(plan, q, k_cache, v_cache, seqlens, max(lens), block_table, sinks,
+                               num_splits)
             return (out, lse) if return_lse else out
         rows = [_row(q[r], k_cache, v_cache, lens[r],
                      None if table is None else table[r, :-(-lens[r] // page_size)], r,
@@ -224,6 +237,38 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     else:
         out, lse = torch.stack([o for o, _ in rows]), torch.stack([s for _, s in rows])
     return (out, lse) if return_lse else out
+
+
+def _decode(plan, q, k_cache, v_cache, seqlens, max_len, block_table, sinks, num_splits):
+    """(out [B, Nq, Hq, Dv] in q's dtype, lse [B, Hq, Nq]) by the decode kernel."""
+    out, lse = split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len, block_table,
+                               num_splits)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return out.to(q.dtype).permute(0, 2, 1, 3), lse
+
+
+@torch.no_grad()
+def _unchecked(q, k_cache, v_cache, cache_seqlens, block_table, k, v, nnew, causal, scale,
+               window, sinks, num_splits):
+    """`validate=False`: the decode kernel's route with no host read of cache_seqlens or
+    block_table (their lengths on the device; the splits sized for the cache's capacity), or
+    None when the call is not the kernel's shape (the caller then validates and loops)."""
+    page_size = k_cache.shape[1] if block_table is not None else None
+    plan = decode_plan(q, k_cache, v_cache, causal, window, page_size, scale)
+    if plan is None:
+        return None
+    b = q.shape[0]
+    if isinstance(cache_seqlens, torch.Tensor):
+        before = cache_seqlens.to(q.device, torch.int32)
+    else:
+        before = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if nnew:
+        _append(k_cache, v_cache, k, v, before, block_table, page_size)
+    capacity = (block_table.shape[1] * page_size if block_table is not None
+                else k_cache.shape[1])
+    return _decode(plan, q, k_cache, v_cache, before + nnew if nnew else before, capacity,
+                   block_table, sinks, num_splits)
 
 
 def _row(q, k_cache, v_cache, n, pages, row, causal, scale, window, sinks, num_splits, strict):

@@ -156,6 +156,37 @@ def test_decode_kernel(seed, case):
     again = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
                                    sinks=sinks, num_splits=3)
     assert rel_err(again, out) <= 1e-2
+    fast = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
+                                  sinks=sinks, validate=False)  # no host read: splits by capacity
+    assert rel_err(fast, out) <= 1e-2
+
+
+def test_decode_unvalidated_captures_in_a_cuda_graph(seed):
+    """validate=False reads nothing on the host: a decode step (new key appended, paged cache)
+    captures in a CUDA graph and its replays follow the lengths on the device."""
+    b, hq, hkv, page = 4, 32, 4, 64
+    k_cache, v_cache, table = _cache(b, 4096, hkv, 512, 512, page)
+    q, kn, vn = rnd(b, 1, hq, 512), rnd(b, 1, hkv, 512), rnd(b, 1, hkv, 512)
+    seqlens = torch.tensor([100, 4000, 0, 2047], dtype=torch.int32, device="cuda")
+
+    def step():
+        return attention_with_kvcache(q, k_cache, v_cache, seqlens, table, k=kn, v=vn,
+                                      validate=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        step()  # warm: compile, plan
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = step()
+    for lens in ([100, 4000, 0, 2047], [5, 17, 4095, 64]):
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        with torch.no_grad():
+            ref = attention_with_kvcache(q, k_cache, v_cache, seqlens + 1, table)
+        assert rel_err(out, ref) <= 1e-2, lens
 
 
 # --------------------------------------------------------------------------- varlen

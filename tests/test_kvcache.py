@@ -256,3 +256,8 @@ SL = torch.tensor([20, 5], dtype=torch.int32)
 def test_errors_name_the_argument(args, kw, exc, pattern):
     with pytest.raises(exc, match=pattern):
         attention_with_kvcache(*args, **kw)
+
+
+def test_validate_must_be_a_bool():
+    with pytest.raises(TypeError, match="^validate must be a bool"):
+        attention_with_kvcache(QD, KC, KC, SL, BT, validate=1)

@@ -193,7 +193,7 @@ def test_nested_tensor_input(seed, causal, window, with_sinks):
     qn, kn, vn = jagged(q, lq), jagged(k, lk), jagged(v, lk)
     out, lse = attention(qn, kn, vn, is_causal=causal, enable_gqa=True, window=window,
                          sinks=sinks, return_lse=True)
-    assert out.is_nested and out.shape[2] is qn.shape[2] and (out + qn).shape == qn.shape
+    assert out.is_nested and out.shape[2] == qn.shape[2] and (out + qn).shape == qn.shape
     assert lse.is_nested and lse.dim() == 3 and lse.shape[1] == 6
     kw = dict(causal=causal, window=window, sinks=sinks)
     ref, ref_lse = ref_varlen(q, k, v, lq, lk, **kw)
