@@ -56,6 +56,17 @@ def kernels() -> dict:
         out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     cfg = DeltaConfig("sm_90a", "bf16", 512)
     out["delta-d512-sm90a"] = (dispatch.kernel_class(cfg), cfg)
+    import dataclasses  # the framework features: a window's left edge, sinks, the decode
+
+    p = dataclasses.replace(_problem(512, True), window_lo=-1024, has_sinks=True)
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    out["sm90-fwd-d512-window-sinks"] = (plan.kernel_cls, plan.cfg)
+    cfg = sm90_config.plan_dk(p)
+    out["sm90-bwd-dk-d512-window"] = (dispatch.kernel_class(cfg), cfg)
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=4, seqlen_q=8, seqlen_kv=4096,
+                    head_dim=512, head_dim_v=512)
+    plan = dispatch.plan_decode(p, 64, target="sm_90a", opts=Options())
+    out["sm90-decode-d512-page64"] = (plan.kernel_cls, plan.cfg)
     return out
 
 
