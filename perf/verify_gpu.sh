@@ -12,12 +12,14 @@
 #   source .device/setup.sh && bash perf/verify_gpu.sh
 # SECTIONS (default "san gpu"):
 #   san   compute-sanitizer memcheck / racecheck / synccheck / initcheck over every kernel the
-#         device runs (tests/sanitize.py; ~1 min)
-#   gpu   `pytest -m gpu` on the device's own family (sm90 on an H100 / H200)
+#         device runs (tests/sanitize.py; ~1 min); beside `gpu` when both are asked (the GPU
+#         has room for both: ~1 min together)
+#   gpu   `pytest -m gpu -n 6` on the device's own family (sm90 on an H100 / H200)
 #   gpu80 the forward tests and the Split-D backward on the sm80 family (FFPA_CUTE_ARCH=sm80)
 #   slow  the slow grids (`-m "gpu and slow"`), device family then sm80
 #   perf  perf.smoke: first-call compile, host overhead, backward kernel times
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
+#   serving perf.sweep --cases serving: window, varlen, paged decode (perf/serving.py)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -30,12 +32,20 @@ sections="${SECTIONS:-san gpu}"
 has() { [[ " $sections " == *" $1 "* ]]; }
 if has san; then
   step "compute-sanitizer sweep"
-  timeout 500 python -m tests.sanitize --out "$out" --timeout 480
+  if has gpu; then  # in the background, beside the GPU tests
+    timeout 500 python -m tests.sanitize --out "$out" --timeout 480 > "$out/sanitize.log" 2>&1 &
+    san_pid=$!
+  else
+    timeout 500 python -m tests.sanitize --out "$out" --timeout 480
+  fi
 fi
 if has gpu; then
   step "pytest -m gpu, the device's own family"
-  timeout 480 pytest -m "gpu and not slow" -q -p no:cacheprovider 2>&1 | tee "$out/gpu.log" \
-      | grep -E "FAIL|ERROR|passed|failed" | tail -25
+  timeout 480 pytest -m "gpu and not slow" -q -p no:cacheprovider -n 6 2>&1 \
+      | tee "$out/gpu.log" | grep -E "FAIL|ERROR|passed|failed" | tail -25
+fi
+if [ -n "${san_pid:-}" ]; then
+  wait "$san_pid"; cat "$out/sanitize.log"
 fi
 if has gpu80; then
   step "pytest -m gpu, the Split-D family (FFPA_CUTE_ARCH=sm80)"
@@ -61,4 +71,10 @@ if has sweep; then
   timeout 500 python -m perf.sweep --quick --baselines "${SWEEP_BASELINES:-sdpa}" --no-progress \
       --out "$out/sweep" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep.log" 2>&1
   tail -30 "$out/sweep.log"
+fi
+if has serving; then
+  step "perf.sweep --cases serving"
+  timeout 500 python -m perf.sweep --cases serving --baselines sdpa --no-progress --no-charts \
+      --out "$out/serving" --commit "${PERF_COMMIT:-unknown}" > "$out/serving.log" 2>&1
+  cat "$out/serving/serving.md"
 fi
