@@ -57,13 +57,10 @@ def _no_window_sinks(p: AttnProblem, family: str):
 
 
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
-    _no_window_sinks(p, "Split-D")
     return sm80_config.plan_fwd(p, target)
 
 
 def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
-    if p.has_window:  # sinks reach the gradient kernels through the LSE
-        raise ValueError("the Split-D backward has no sliding window yet")
     if target.startswith("sm_12"):
         raise ValueError("the Split-D backward is compile-verified only on sm_12x (never run)")
     return [sm80_config.plan_bwd(kind, p, target) for kind in ("dq", "dk", "dv")]
@@ -96,7 +93,6 @@ def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
 
 
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
-    _no_window_sinks(p, "sm120")
     return sm120_config.plan_fwd(p, target)
 
 
@@ -208,8 +204,8 @@ class BwdPlan:
 def feature_reason(p: AttnProblem) -> str | None:
     """The first semantic of `p` that no kernel implements yet (a dense mask, dropout), else
     None. `interface` checks it again after planning, so these never reach a kernel whatever a
-    planner says. (A sliding window and sinks: the sm90 16-bit kernels have them; the other
-    planners refuse them.)"""
+    planner says. (A sliding window and sinks: the 16-bit kernels of every family have them;
+    the FP8 planner refuses them.)"""
     if p.has_mask:
         return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
     if p.dropout_p > 0.0:

@@ -19,7 +19,7 @@ import sys
 HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
 DV_PAIRS = ((576, 512), (512, 320), (320, 256), (1024, 512), (768, 128))
 FP8_HEAD_DIMS = (320, 512, 768, 1024)
-FEATURE_HEAD_DIMS = (320, 384, 512, 576, 1024)
+FEATURE_HEAD_DIMS = (320, 384, 512, 520, 576, 1024)
 # (window_lo, window_hi, causal, sinks): a left edge, a right edge, both, sinks alone and with
 FEATURE_FIELDS = ((-8, None, True, False), (-8, None, True, True), (-8, 4, False, False),
                   (-8, 4, False, True), (None, 4, False, True), (None, None, True, True),
@@ -74,13 +74,14 @@ def jobs() -> list:
                 add([(plan.kernel_cls, plan.cfg)])
     import dataclasses
 
-    for d in FEATURE_HEAD_DIMS:  # sliding window / sinks: every combination of the fields
-        for lo, hi, causal, sinks in FEATURE_FIELDS:
+    for d in FEATURE_HEAD_DIMS:  # sliding window / sinks: every combination of the fields,
+        for lo, hi, causal, sinks in FEATURE_FIELDS:  # both families
             p = dataclasses.replace(problem(d, d, "bf16", causal), window_lo=lo, window_hi=hi,
                                     has_sinks=sinks)
-            plan = dispatch.plan_fwd(p, target=TARGET, opts=Options())
-            add([(plan.kernel_cls, plan.cfg)])
-            add(dispatch.plan_bwd(p, target=TARGET, opts=Options()).jobs)
+            for opts in (Options(), Options(family="sm80")):
+                plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
+                add([(plan.kernel_cls, plan.cfg)])
+                add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
     for d, dv in DECODE_DIMS:  # the split-KV decode, contiguous and paged
         for page in (None, 64, 128, 256):
             p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=4, seqlen_q=8,

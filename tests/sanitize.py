@@ -66,6 +66,7 @@ CASES = [
 FEATURE_CASES = [
     ("sm90 D512 window + sinks causal GQA", 1, 4, 2, 129, 333, 512, True, (64, 0), True),
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
+    ("Split-D D520 window + sinks causal", 1, 2, 1, 65, 200, 520, True, (50, 0), True),
 ]
 # (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None): the split-KV decode
 KV_CASES = [

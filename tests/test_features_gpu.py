@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import ffpa_cute
 from ffpa_cute import attention, attention_with_kvcache, decode, explain
 from masked_ref import bound, ref_attention, rel_err
 
@@ -43,16 +44,25 @@ def _ids(c):
         "-sinks" if sinks else "")
 
 
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=_ids)
-def test_window_sinks_forward_backward(seed, case):
-    """Forward out / lse and the gradients of q, k, v and sinks against float64."""
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+@pytest.mark.parametrize("case", WINDOW_CASES + [(520, 2, 1, 300, 700, (100, 0), True, True)],
+                         ids=_ids)
+def test_window_sinks_forward_backward(seed, case, family):
+    """Forward out / lse and the gradients of q, k, v and sinks against float64, on the sm90
+    WGMMA kernels and on the Split-D kernels (D=520: their sm90-family route)."""
     d, hq, hkv, nq, nkv, window, causal, with_sinks = case
+    kernel = "FFPAFwdSm80" if family == "sm80" or d % 16 else "FFPAFwdSm90"
+    with ffpa_cute.options.use(family=family):
+        _window_sinks_case(d, hq, hkv, nq, nkv, window, causal, with_sinks, kernel)
+
+
+def _window_sinks_case(d, hq, hkv, nq, nkv, window, causal, with_sinks, kernel):
     q, k, v = rnd(1, hq, nq, d, grad=True), rnd(1, hkv, nkv, d, grad=True), \
         rnd(1, hkv, nkv, d, grad=True)
     sinks = (torch.randn(hq, device="cuda") + 2.0).requires_grad_(True) if with_sinks else None
     kw = dict(window=window, sinks=sinks)
-    assert explain(q, k, v, is_causal=causal, enable_gqa=True, **kw).startswith(
-        "ffpa_cute kernel: FFPAFwdSm90"), explain(q, k, v, is_causal=causal, enable_gqa=True, **kw)
+    route = explain(q, k, v, is_causal=causal, enable_gqa=True, **kw)
+    assert route.startswith(f"ffpa_cute kernel: {kernel}") and "backward kernels" in route, route
     out, lse = attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True, strict=True,
                          **kw)
     ins = [t for t in (q, k, v, sinks) if t is not None]

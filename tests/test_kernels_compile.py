@@ -294,3 +294,32 @@ def test_sm90_decode_compiles(d, dv, page):
 def dataclasses_replace(p, **kw):
     import dataclasses
     return dataclasses.replace(p, **kw)
+
+
+@pytest.mark.parametrize("target,d,fields", [
+    ("sm_90a", 520, dict(window_lo=-200, causal=True, has_sinks=True)),
+    ("sm_80", 320, dict(window_lo=-64, window_hi=16, has_sinks=True)),
+    ("sm_120a", 1024, dict(window_lo=-100, causal=True))])
+def test_splitd_window_and_sinks_compile(target, d, fields):
+    """The Split-D family with a window and sinks: the forward (sinks in its epilogue) and the
+    dQ / dK / dV kernels (the window's bounds and masks) build with mma.sync, no local memory
+    and no spills (D=520: the sm90 family's route for D % 16 != 0 above 512)."""
+    import dataclasses
+
+    p = dataclasses.replace(_problem(d, False, 2, 1), **fields)
+    opts = Options(family="sm80") if target == "sm_90a" and d % 16 == 0 else Options()
+    plan = dispatch.plan_fwd(p, target=target, opts=opts)
+    assert plan.reason is None, plan.reason
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
+    assert plan.cfg.window == ("window_lo" in fields) and plan.cfg.sinks == p.has_sinks
+    jobs = [(plan.kernel_cls, plan.cfg)]
+    if not target.startswith("sm_12"):  # the sm120 family routes no backward
+        bwd = dispatch.plan_bwd(p, target=target, opts=opts)
+        assert bwd.reason is None, bwd.reason
+        jobs += bwd.jobs[1:]
+    for cls, cfg in jobs:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx, cls.__name__
+        res = _ptxas_spills(ptx, target)
+        if res is not None:
+            assert res[0] == 0 and res[1] == 0, (cls.__name__, res)

@@ -209,14 +209,23 @@ def test_sm90_plans_window_and_sinks(fields, cfg):
 
 
 @pytest.mark.parametrize("fields", [dict(window_lo=-3), dict(window_hi=0), dict(has_sinks=True)])
-def test_other_families_refuse_window_and_sinks(fields):
-    """The Split-D (sm80), sm120 and FP8 planners have neither: a reason, never a config."""
+def test_splitd_plans_them_fp8_refuses(fields):
+    """The Split-D kernels (sm80 family, forced or on sm_120a; the sm90 family's route for D %
+    16 != 0 above 512) take the window and sinks as the sm90 ones do; the FP8 planner has
+    neither: a reason, never a config."""
+    import dataclasses
+
     from ffpa_cute.options import Options
     p = prob(**fields)
-    assert "no sliding window or sinks" in dispatch.plan_fwd(
-        p, target="sm_90a", opts=Options(family="sm80")).reason
-    assert "no sliding window or sinks" in dispatch.plan_fwd(p, target="sm_120a").reason
-    import dataclasses
+    for plan in (dispatch.plan_fwd(p, target="sm_90a", opts=Options(family="sm80")),
+                 dispatch.plan_fwd(p, target="sm_120a"),
+                 dispatch.plan_fwd(dataclasses.replace(p, head_dim=520, head_dim_v=520),
+                                   target="sm_90a")):
+        assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm80"
+        assert plan.cfg.window == ("window_lo" in fields) and plan.cfg.sinks == p.has_sinks
+        assert plan.cfg.causal == ("window_hi" in fields)
+    bwd = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm80"))
+    assert bwd.reason is None and all(not c.sinks for c in bwd.cfgs[1:])
     fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3"), target="sm_90a")
     assert "no sliding window or sinks" in fp8.reason
 

@@ -73,9 +73,9 @@ from cutlass import Float32
 
 from ..common.mask import apply_mask, block_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, fake_grad_args
+from ..common.tensors import LOG2_E, fake_args, fake_grad_args
 from .config import BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement
-from .fwd_sm80 import BlockSeq, FFPAFwdSm80
+from .fwd_sm80 import BlockSeq, FFPAFwdSm80, features_of
 
 
 class _BwdSm80(FFPAFwdSm80):
@@ -84,6 +84,7 @@ class _BwdSm80(FFPAFwdSm80):
 
     transposed = False  # rows are keys and columns queries (dV, dK)
     scaled = False      # the gradient is multiplied by the softmax scale (dK, dQ)
+    fake_inputs = staticmethod(fake_args)  # dV: q, k, do, dv, lse (no sinks)
 
     def __init__(self, cfg):
         reason = can_implement(cfg)
@@ -96,7 +97,7 @@ class _BwdSm80(FFPAFwdSm80):
     def _launch_bwd(self, mR1: cute.Tensor, mR2: cute.Tensor, mC1: cute.Tensor,
                     mC2: cute.Tensor, mC3: cute.Tensor, mOut: cute.Tensor, mLSE: cute.Tensor,
                     mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: cutlass.Int32,
-                    stream: cuda.CUstream):
+                    window_lo: cutlass.Int32, stream: cuda.CUstream):
         """rows (mR1 resident, mR2 the second product's streamed rows), ring phases
         (mC1, mC2, mC3; dV uses two), output; grid = (row tiles, heads of mR1, B)."""
         mR1, mR2, mC1, mC2, mC3, mOut = [self._aligned(t)
@@ -120,7 +121,7 @@ class _BwdSm80(FFPAFwdSm80):
             mR1, mR2, mC1, mC2, mC3, mOut, mLSE, mDelta, softmax_scale * LOG2_E, causal_offset,
             sQ_layout, sKV_layout, sP_layout, sStat_layout,
             self._gmem_tiled_copy(True), self._gmem_tiled_copy(False), self._tiled_mma(),
-            SharedStorage,
+            SharedStorage, features_of(self.cfg, window_lo, None),
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -141,11 +142,11 @@ class _BwdSm80(FFPAFwdSm80):
                    sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                    sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
                    gmem_copy_in: cute.TiledCopy, gmem_copy_out: cute.TiledCopy,
-                   tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+                   tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, features):
         cols = (mC1, mC2, mC3)[: self.num_scores + 1]
         self._mainloop((mR1, mR2), cols, mOut, (mLSE, mDelta), scale_log2, causal_offset,
                        sQ_layout, sKV_layout, sP_layout, sStat_layout,
-                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage)
+                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage, features)
 
     # ---------------------------------------------------------------- skeleton hooks
     def _row_ring(self, storage):
@@ -239,10 +240,14 @@ class _TransposedSm80(_BwdSm80):
         return head * group, group
 
     @cute.jit
-    def _block_range(self, m_block, seqlen_k, causal_offset, head0, group):
-        """Per query head the blocks n_top-1 .. n_low: all of them, or under causal those
-        holding a query i >= (first key of the tile) - offset."""
+    def _block_range(self, m_block, seqlen_k, causal_offset, head0, group, window_lo):
+        """Per query head the blocks n_top-1 .. n_low: all of them, under causal those holding
+        a query i >= (first key of the tile) - offset, under a window's left edge those holding
+        a query i <= (last key of the tile) - window_lo."""
         n_top = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if cutlass.const_expr(window_lo is not None):
+            seen = cutlass.max((m_block + 1) * self.tile_m - window_lo, 0)  # queries <= last
+            n_top = cutlass.min(n_top, (seen + self.tile_n - 1) // self.tile_n)
         n_low = 0
         if cutlass.const_expr(self.causal):
             n_low = cutlass.max(m_block * self.tile_m - causal_offset, 0) // self.tile_n
@@ -272,17 +277,24 @@ class _TransposedSm80(_BwdSm80):
 
     @cute.jit
     def _mask_transposed(self, ctx, n_block):
-        """-inf where query i (column) is past Nq or, under causal, cannot see key j (row):
-        j > i + offset. Only blocks that cross Nq or the diagonal pay for it."""
+        """-inf where query i (column) is past Nq or cannot see key j (row): j > i + offset
+        under causal, j < i + window_lo under a window's left edge. Only blocks that cross Nq,
+        the diagonal or the edge pay for it."""
         acc_S_mn, tScS_mn = ctx.acc_S_mn, ctx.tScS_mn
         col0 = n_block * self.tile_n
         row0 = ctx.m_block * self.tile_m
         need = col0 + self.tile_n > ctx.seqlen_k
         if cutlass.const_expr(self.causal):
             need = need | (row0 + self.tile_m - 1 > col0 + ctx.causal_offset)
+        if cutlass.const_expr(ctx.window_lo is not None):
+            need = need | (row0 < col0 + self.tile_n - 1 + ctx.window_lo)
         if need:
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 col_hi = ctx.seqlen_k - col0  # first tile-local column past Nq
+                if cutlass.const_expr(ctx.window_lo is not None):
+                    # past the last query that sees key j: i <= j - window_lo
+                    col_hi = cutlass.min(col_hi,
+                                         row0 + tScS_mn[r, 0][0] - ctx.window_lo + 1 - col0)
                 col_lo = 0
                 if cutlass.const_expr(self.causal):
                     # first visible column: i >= j - offset
@@ -305,11 +317,12 @@ class FFPABwdDVSm80(_TransposedSm80):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: cutlass.Int32,
-                 stream: cuda.CUstream):
-        """q, do [B, Hq, Nq, D]; k, dv [B, Hkv, Nkv, D]; lse [B, Hq, Nq] fp32 (the forward's)."""
+                 window_lo: cutlass.Int32, stream: cuda.CUstream):
+        """q, do [B, Hq, Nq, D]; k, dv [B, Hkv, Nkv, D]; lse [B, Hq, Nq] fp32 (the forward's);
+        window_lo read with `window`."""
         # rows K; ring Q chunks (S^T = K Q^T), then dO chunks (dV += P^T dO)
         self._launch_bwd(mK, mK, mQ, mdO, mdO, mdV, mLSE, mLSE, softmax_scale, causal_offset,
-                         stream)
+                         window_lo, stream)
 
     @cute.jit
     def _softmax_step(self, ctx, head, n_block):
@@ -356,11 +369,12 @@ class FFPABwdDKSm80(_TwoScoresSm80, _TransposedSm80):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: cutlass.Int32, stream: cuda.CUstream):
+                 softmax_scale: Float32, causal_offset: cutlass.Int32,
+                 window_lo: cutlass.Int32, stream: cuda.CUstream):
         # rows K (resident) and V (row ring); ring Q chunks (S^T), dO chunks (dP^T = V dO^T),
         # then Q chunks again (dK += dS^T Q)
         self._launch_bwd(mK, mV, mQ, mdO, mQ, mdK, mLSE, mDelta, softmax_scale, causal_offset,
-                         stream)
+                         window_lo, stream)
 
     @cute.jit
     def _softmax_step(self, ctx, head, n_block):
@@ -381,11 +395,12 @@ class FFPABwdDQSm80(_TwoScoresSm80):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: cutlass.Int32, stream: cuda.CUstream):
+                 softmax_scale: Float32, causal_offset: cutlass.Int32,
+                 window_lo: cutlass.Int32, stream: cuda.CUstream):
         # rows Q (resident) and dO (row ring); ring K chunks (S), V chunks (dP = dO V^T), then
         # K chunks again (dQ += dS K)
         self._launch_bwd(mQ, mdO, mK, mV, mK, mdQ, mLSE, mDelta, softmax_scale, causal_offset,
-                         stream)
+                         window_lo, stream)
 
     @cute.jit
     def _row_state(self, ctx):
@@ -400,9 +415,9 @@ class FFPABwdDQSm80(_TwoScoresSm80):
     @cute.jit
     def _softmax_step(self, ctx, head, n_block):
         if block_needs_mask(ctx.m_block, n_block, ctx.seqlen_k, ctx.causal_offset, self.tile_m,
-                            self.tile_n, self.causal):
+                            self.tile_n, self.causal, ctx.window_lo):
             apply_mask(ctx.acc_S_mn, ctx.tScS_mn, ctx.m_block, n_block, ctx.seqlen_k,
-                       ctx.causal_offset, self.tile_m, self.tile_n, self.causal)
+                       ctx.causal_offset, self.tile_m, self.tile_n, self.causal, ctx.window_lo)
         st = ctx.state
         self._ds(ctx, lambda r, c: st.lse[r], lambda r, c: st.delta[r])
 

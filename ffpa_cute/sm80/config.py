@@ -49,6 +49,10 @@ class FwdConfigSm80:
     tile_n:      KV rows per block
     tile_hdim:   head-dim chunk width for both QK^T (k-dim) and PV (n-dim)
     num_stages:  depth of the K/V chunk ring (cp.async groups in flight + 1)
+    window:      a sliding window's left edge (a runtime argument; blocks left of it skipped,
+                 the crossing ones masked); the right edge is `causal` at min(offset, right)
+    sinks:       a per-query-head sink logit in each row's denominator and LSE (a runtime [Hq]
+                 fp32 tensor; the forward's only: the gradient kernels read it through the LSE)
     """
 
     arch: str
@@ -59,6 +63,8 @@ class FwdConfigSm80:
     tile_n: int = 64
     tile_hdim: int = 64
     num_stages: int = 3
+    window: bool = False
+    sinks: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm80.fwd_sm80:FFPAFwdSm80"
 
@@ -120,6 +126,8 @@ def can_implement(cfg: FwdConfigSm80) -> str | None:
         return f"needs {cfg.smem_bytes()} B of smem, {cfg.arch} has {SMEM_CAPACITY[cfg.arch]}"
     if cfg.o_registers() > 160:
         return f"O needs {cfg.o_registers()} registers per thread with {cfg.warp_layout} (> 160)"
+    if cfg.sinks and type(cfg) is not FwdConfigSm80:
+        return "sinks is the forward's field (the gradient kernels read it through the LSE)"
     return None
 
 
@@ -144,8 +152,9 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
     # (fwd_sm80.py, `_load_tile`); tests/test_kernels_compile.py checks ptxas's report.
     for stages in (4, 3, 2):
         cfg = FwdConfigSm80(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                            causal=problem.causal, warp_layout=layout, num_stages=stages,
-                            tile_n=32 if layout == "m8n1" else 64)
+                            causal=problem.right_bounded, warp_layout=layout, num_stages=stages,
+                            tile_n=32 if layout == "m8n1" else 64,
+                            window=problem.window_lo is not None, sinks=problem.has_sinks)
         if cfg.smem_bytes() <= SMEM_CAPACITY.get(arch, 0):
             break
     if warp_layout is None and can_implement(cfg) and layout == "m8n1":
@@ -225,7 +234,8 @@ def plan_bwd(kind: str, problem: AttnProblem, arch: str, warp_layout: str | None
     for layout in layouts:
         for stages in (4, 3, 2):
             cfg = cls(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                      causal=problem.causal, warp_layout=layout, num_stages=stages, tile_n=64)
+                      causal=problem.right_bounded, warp_layout=layout, num_stages=stages,
+                      tile_n=64, window=problem.window_lo is not None)
             if can_implement(cfg) is None:
                 return cfg
     raise ValueError(f"{kind}: {can_implement(cfg)}")

@@ -44,9 +44,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
-from ..common.mask import apply_mask, block_needs_mask, n_block_max
+from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.softmax import OnlineSoftmax, mn_view
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
+from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
+                              fake_tensor)
 from .config import FwdConfigSm80, can_implement
 
 
@@ -61,10 +62,33 @@ class BlockSeq(NamedTuple):
     per_head: cutlass.Int32
 
 
+class Features(NamedTuple):
+    """The runtime values of a config's features (None: compiled without it): the window's
+    left edge (query i sees key j only if j >= i + window_lo) and the [Hq] sink logits."""
+
+    window_lo: object
+    sinks: object
+
+
+def features_of(cfg, window_lo, mSinks):
+    """The kernel's `features` argument: None for a config with neither (its code has none)."""
+    if not (cfg.window or cfg.sinks):
+        return None
+    return Features(window_lo if cfg.window else None, mSinks if cfg.sinks else None)
+
+
 class FFPAFwdSm80(KernelEntry):
     """Split-D forward; one instance per `FwdConfigSm80` (the compile key)."""
 
     arch_family = "sm80"
+    OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, else
+        None."""
+        return (*fake_args(cfg), fake_tensor(cutlass.Float32, 1, 1) if cfg.sinks else None)
 
     def __init__(self, cfg: FwdConfigSm80):
         reason = can_implement(cfg)
@@ -111,9 +135,10 @@ class FFPAFwdSm80(KernelEntry):
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: cutlass.Float32,
-                 causal_offset: cutlass.Int32, stream: cuda.CUstream):
-        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Launch grid = (m_blocks, Hq, B)."""
+                 mLSE: cute.Tensor, mSinks, softmax_scale: cutlass.Float32,
+                 causal_offset: cutlass.Int32, window_lo: cutlass.Int32, stream: cuda.CUstream):
+        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32; sinks: (Hq,) fp32 with `sinks`, else
+        None; window_lo: read with `window`. Launch grid = (m_blocks, Hq, B)."""
         mQ, mK, mV, mO = [self._aligned(t) for t in (mQ, mK, mV, mO)]
         sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
 
@@ -131,7 +156,7 @@ class FFPAFwdSm80(KernelEntry):
             mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, causal_offset,
             sQ_layout, sKV_layout, sP_layout, sStat_layout,
             self._gmem_tiled_copy(True), self._gmem_tiled_copy(False), self._tiled_mma(),
-            SharedStorage,
+            SharedStorage, features_of(self.cfg, window_lo, mSinks),
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -145,11 +170,11 @@ class FFPAFwdSm80(KernelEntry):
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
                gmem_copy_in: cute.TiledCopy, gmem_copy_out: cute.TiledCopy,
-               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, features):
         # resident rows Q; ring phases K (scores) then V (accumulator B operand); output O
         self._mainloop((mQ,), (mK, mV), mO, (mLSE,), scale_log2, causal_offset,
                        sQ_layout, sKV_layout, sP_layout, sStat_layout,
-                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage)
+                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage, features)
 
     # The skeleton below is shared with the backward kernels (bwd_sm80.py), which put other
     # tensors in its roles and replace the hooks that follow it (Note [Skeleton roles]).
@@ -167,7 +192,7 @@ class FFPAFwdSm80(KernelEntry):
                   sKV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                   sStat_layout: cute.Layout, gmem_copy_in: cute.TiledCopy,
                   gmem_copy_out: cute.TiledCopy, tiled_mma: cute.TiledMma,
-                  SharedStorage: cutlass.Constexpr):
+                  SharedStorage: cutlass.Constexpr, features):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         grid_m, _, _ = cute.arch.grid_dim()
@@ -262,11 +287,12 @@ class FFPAFwdSm80(KernelEntry):
             gmem_copy_in=gmem_copy_in, gmem_copy_out=gmem_copy_out, thr_copy=thr_copy, tCg=tCg,
             tKVcKV=tKVcKV, tKVsKV=tKVsKV, thr_mma=thr_mma, acc_S=acc_S, acc_S_mn=acc_S_mn,
             acc_2=acc_2, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, row_idx=row_idx,
-            rP=rP)
+            rP=rP, window_lo=None if features is None else features.window_lo,
+            sinks=None if features is None else features.sinks)
         ctx.state = self._row_state(ctx)  # forward: the online softmax
 
         # ///// block sequence (forward: KV blocks in reverse, the residue / diagonal one first)
-        seq = self._block_range(m_block, seqlen_k, causal_offset, head_kv, group)
+        seq = self._block_range(m_block, seqlen_k, causal_offset, head_kv, group, ctx.window_lo)
         steps = (S + 1) * C  # ring steps per block: the score phases' chunks, then the B chunks
 
         # ///// prologue: the resident rows (all chunks) join the first ring group
@@ -337,11 +363,15 @@ class FFPAFwdSm80(KernelEntry):
         return head // (heads_rows // heads_cols), 1
 
     @cute.jit
-    def _block_range(self, m_block, seqlen_k, causal_offset, head_kv, group):
-        """KV blocks n_max-1 .. 0 (reverse order: the residue / diagonal block comes first)."""
+    def _block_range(self, m_block, seqlen_k, causal_offset, head_kv, group, window_lo):
+        """KV blocks n_max-1 .. 0 (reverse order: the residue / diagonal block comes first),
+        down to the first one the tile's first row sees under a window's left edge."""
         n_max = n_block_max(m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
                             self.causal)
-        return BlockSeq(n_max, n_max, head_kv, n_max)
+        if cutlass.const_expr(window_lo is None):
+            return BlockSeq(n_max, n_max, head_kv, n_max)
+        count = cutlass.max(n_max - n_block_min(m_block, window_lo, self.tile_m, self.tile_n), 0)
+        return BlockSeq(n_max, count, head_kv, count)
 
     @cute.jit
     def _block(self, seq, i):
@@ -429,9 +459,9 @@ class FFPAFwdSm80(KernelEntry):
         """Mask, online softmax, O rescale; P -> rP (and sP when warp_n > 1)."""
         acc_S_mn, softmax = ctx.acc_S_mn, ctx.state
         if block_needs_mask(ctx.m_block, n_block, ctx.seqlen_k, ctx.causal_offset, self.tile_m,
-                            self.tile_n, self.causal):
+                            self.tile_n, self.causal, ctx.window_lo):
             apply_mask(acc_S_mn, ctx.tScS_mn, ctx.m_block, n_block, ctx.seqlen_k,
-                       ctx.causal_offset, self.tile_m, self.tile_n, self.causal)
+                       ctx.causal_offset, self.tile_m, self.tile_n, self.causal, ctx.window_lo)
         blk_max = softmax.block_max(acc_S_mn)
         if cutlass.const_expr(self.warp_n > 1):
             softmax.exchange(blk_max, ctx.sStat, ctx.row_idx, ctx.warp_n_idx, ctx.lane,
@@ -465,7 +495,10 @@ class FFPAFwdSm80(KernelEntry):
             softmax.exchange(softmax.row_sum, ctx.sStat, ctx.row_idx, ctx.warp_n_idx, ctx.lane,
                              self.warp_n, False, ctx.cta_sync.arrive_and_wait)
         lse = cute.make_rmem_tensor(softmax.num_rows, cutlass.Float32)
-        softmax.normalize(ctx.acc_O_mn, lse)
+        sink_log2 = None  # the head's sink joins the row sums (Note [Sinks], common/softmax.py)
+        if cutlass.const_expr(ctx.sinks is not None):
+            sink_log2 = ctx.sinks[ctx.head] * LOG2_E
+        softmax.normalize(ctx.acc_O_mn, lse, None, sink_log2)
         if ctx.warp_n_idx == 0 and ctx.lane % 4 == 0:
             for r in cutlass.range_constexpr(softmax.num_rows):
                 row = ctx.m_block * self.tile_m + ctx.row_idx[r]
