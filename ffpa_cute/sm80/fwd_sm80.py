@@ -10,11 +10,14 @@ This kernel works as follows (one CTA = one tile_m-row Q tile of one (batch, hea
    ring order per KV block is K chunk 0..C-1, then V chunk 0..C-1 (C = ceil(D / tile_hdim)), so the
    shared memory used by K/V does not grow with D (the FFPA "O(1) SRAM" idea).
 3. S = Q K^T accumulates over the C head-dim chunks (ldmatrix + mma.sync m16n8k16).
-4. Mask (seqlen residue, causal diagonal) only on blocks that need it; online softmax in exp2
-   form (common/softmax.py). With warp_n > 1 the row max is combined across warps through smem.
+4. Mask (seqlen residue, causal diagonal, a sliding window's left edge: config `window`, its
+   blocks left of the edge never visited) only on blocks that need it (common/mask.py); online
+   softmax in exp2 form (common/softmax.py). With warp_n > 1 the row max is combined across
+   warps through smem.
 5. P (bf16/fp16) goes to shared memory once, is loaded back as the A operand of PV, and each V
    chunk updates its own O chunk: O[:, c] += P V[:, c]. O stays in registers as C fragments.
-6. Epilogue: O /= row_sum, LSE, O staged through the (now free) Q buffer and stored with 128-bit
+6. Epilogue: O /= row_sum (with `sinks`, the head's sink joins the sum: Note [Sinks] in
+   common/softmax.py), LSE, O staged through the (now free) Q buffer and stored with 128-bit
    predicated writes; rows past Nq and columns past D are never written.
 
 Warp layouts (config field `warp_layout`, warps along M x warps along N of every MMA):
