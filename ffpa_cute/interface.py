@@ -8,8 +8,8 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
   2. fallback: torch's *native* SDPA, `torch._C._nn.scaled_dot_product_attention`. We never call
      `F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
-     A sliding window or sinks run the sm90 kernels (`ops.FeatureAttention`, eager), else exact
-     torch math (`math_attention`; also under torch.compile).
+     A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`, eager), else
+     exact torch math (`math_attention`; also under torch.compile).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -250,8 +250,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     j <= i + Nkv - Nq. sinks: a float tensor [Hq] of learned logits (GPT-OSS), compared with
     the *scaled* scores: row i's softmax denominator becomes sum_j exp(s_ij) + exp(sinks[h]);
     gradients flow to sinks; lse includes the sink term (a row with no key: out 0, lse =
-    sink). The sm90 16-bit kernels serve both (eager calls), blocks outside the window
-    skipped; elsewhere exact torch math (logged; strict raises). Not with dropout or FP8.
+    sink). The 16-bit kernels (sm90, Split-D) serve both (eager calls), blocks outside the
+    window skipped; elsewhere exact torch math (logged; strict raises). Not with dropout or FP8.
 
     q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout): one call
     per sequence, out (and lse) on q's offsets (`ffpa_cute.nested`).

@@ -17,7 +17,8 @@ Causal is bottom-right over those n_b keys: the Nq queries are the last Nq posit
 with Nq = 1 sees every key; chunked prefill: query i sees keys j <= i + n_b - Nq); a window
 is in the same frame. GQA / MQA: Hq any multiple of Hkv (128:1 included).
 
-cache_seqlens and block_table are checked on the host (one device sync on CUDA). Where every
+cache_seqlens and block_table are checked on the host (device syncs on CUDA; `validate=False`
+skips that on the decode kernel's route). Where every
 row sees every key of its batch row (decode Nq = 1, or is_causal=False), without a window, with
 a contiguous cache or pages of a multiple of 64 rows, on the sm90 family: one launch of the
 split-KV decode kernel reads the cache in place (`decode.split_kv_decode`: query heads packed
