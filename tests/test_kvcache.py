@@ -261,3 +261,40 @@ def test_errors_name_the_argument(args, kw, exc, pattern):
 def test_validate_must_be_a_bool():
     with pytest.raises(TypeError, match="^validate must be a bool"):
         attention_with_kvcache(QD, KC, KC, SL, BT, validate=1)
+
+
+def test_decode_split_count_fills_the_waves(monkeypatch):
+    """decode.num_splits: the fewest splits keeping >= 95% of the SM waves busy (132 SMs), at
+    least two KV blocks each, at most 256."""
+    from types import SimpleNamespace
+
+    from ffpa_cute import decode
+
+    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
+
+    def splits(b, hkv, g, n, tile_n=64):
+        plan = SimpleNamespace(cfg=SimpleNamespace(tile_m=64, tile_n=tile_n, o_split=1),
+                               problem=SimpleNamespace(seqlen_q=g))
+        return decode.num_splits(plan, b, hkv, n, torch.device("cpu"))
+
+    assert splits(8, 4, 8, 32768) == 4      # 128 CTAs (5 would be 160: 1.2 waves)
+    assert splits(64, 4, 8, 32768) == 1     # 256 CTAs: 1.94 waves already
+    assert splits(1, 4, 8, 4096) == 32      # 128 CTAs
+    assert splits(1, 1, 64, 131072) == 126  # one row tile: 126 of 132 SMs
+    assert splits(1, 4, 8, 256) == 2        # two blocks per split at least
+    assert splits(1, 4, 8, 0) == 1
+
+
+def test_decode_merge_of_splits_is_exact():
+    """decode.merge_splits equals merge_attention over the same parts, empty splits (lse -inf)
+    and rows empty everywhere (out 0, lse -inf) included."""
+    from ffpa_cute import decode, merge_attention
+
+    out = torch.randn(2, 3, 5, 7, 16, dtype=F64)  # [B, Hkv, S, M, Dv]
+    lse = torch.randn(2, 3, 5, 7, dtype=F64)
+    lse[0, 1, 2] = -math.inf       # an empty split
+    lse[1, 2, :, 3] = -math.inf    # a row empty in every split
+    got, got_lse = decode.merge_splits(out, lse)
+    want, want_lse = merge_attention(list(out.unbind(2)), list(lse.unbind(2)))
+    assert rel_err(got, want) <= 1e-12 and rel_err(got_lse, want_lse) <= 1e-12
+    assert (got[1, 2, 3] == 0).all() and torch.isneginf(got_lse[1, 2, 3])
