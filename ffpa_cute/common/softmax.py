@@ -204,10 +204,7 @@ class OnlineSoftmax:
                               + cute.math.log2(s, fastmath=True)) * LN2
                 if cutlass.const_expr(self.out_scale is not None):
                     inv = inv * self.out_scale
-            if cutlass.const_expr(inv_out is not None):
-                inv_out[r] = inv
-            for c in cutlass.range_constexpr(len(acc_O_mns)):
-                acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * inv
+            self._scale_row(acc_O_mns, inv_out, r, inv)
 
     @cute.jit
     def _normalize_sink(self, acc_O_mns: list, lse: cute.Tensor, inv_out, sink_log2):
@@ -228,7 +225,13 @@ class OnlineSoftmax:
                 lse[r] = (top + cute.math.log2(s, fastmath=True)) * LN2
                 if cutlass.const_expr(self.out_scale is not None):
                     inv = inv * self.out_scale
-            if cutlass.const_expr(inv_out is not None):
-                inv_out[r] = inv
-            for c in cutlass.range_constexpr(len(acc_O_mns)):
-                acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * inv
+            self._scale_row(acc_O_mns, inv_out, r, inv)
+
+    @cute.jit
+    def _scale_row(self, acc_O_mns: list, inv_out, r: cutlass.Constexpr, inv):
+        """Row r of every O chunk times inv (and inv into inv_out[r] when asked): the last
+        step of `normalize`, with or without a sink."""
+        if cutlass.const_expr(inv_out is not None):
+            inv_out[r] = inv
+        for c in cutlass.range_constexpr(len(acc_O_mns)):
+            acc_O_mns[c][r, None] = acc_O_mns[c][r, None].load() * inv

@@ -133,26 +133,12 @@ class FFPABwdDVSm90(RingSkeletonSm90):
     @cute.jit
     def _col_src(self, loads: ColLoads, head, n_block, c):
         """Q chunk c of query block n_block of query `head` (C's TMA, re-tiled per head)."""
-        # (tile_n, k_chunk, n_blocks, C)
-        g = cute.local_tile(loads.gC_tma[None, None, head, loads.seq.batch],
-                            (self.tile_n, self.cfg.k_chunk), (None, None))
-        # (TMA, n_blocks, C)
-        _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
-                                      cute.group_modes(loads.sC, 0, 2), cute.group_modes(g, 0, 2))
-        return tg[None, n_block, c]
+        return self._col_src_at(loads, head, loads.seq.batch, n_block, c)
 
     @cute.jit
     def _b_src(self, loads: BLoads, head, row_block):
         """dO rows block row_block of query `head`, this warpgroup's columns."""
-        rows = loads.gB_tma[None, None, head, loads.seq.batch]
-        # (b_rows, dv, b_blocks)
-        g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
-                            (self.b_rows, self.halves[loads.half]), (None, 0))
-        # (TMA, b_blocks)
-        _, tg = cpasync.tma_partition(loads.tma, 0, cute.make_layout(1),
-                                      cute.group_modes(loads.sB, 0, 2),
-                                      cute.group_modes(g, 0, 2))
-        return tg[None, row_block]
+        return self._b_src_at(loads, head, loads.seq.batch, row_block)
 
     # ---------------------------------------------------------------- hooks: the score step
     @cute.jit

@@ -41,7 +41,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 
 from ..common.tensors import CUTLASS_DTYPES, fake_tensor
 from .config import DecodeConfigSm90, can_implement_decode
@@ -125,13 +124,7 @@ class FFPADecodeSm90(FFPAFwdSm90):
         if const_expr(self.cfg.page_rows is None):
             return loads.tCg[None, n_block, c]
         page, blk = self._page(loads, n_block * self.tile_n, self.tile_n)
-        # (tile_n, k_chunk, blocks in the page, C)
-        g = cute.local_tile(loads.gC_tma[None, None, head, page],
-                            (self.tile_n, self.cfg.k_chunk), (None, None))
-        # (TMA, blocks in the page, C)
-        _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
-                                      cute.group_modes(loads.sC, 0, 2), cute.group_modes(g, 0, 2))
-        return tg[None, blk, c]
+        return self._col_src_at(loads, head, page, blk, c)
 
     @cute.jit
     def _b_src(self, loads: BLoads, head, row_block):
@@ -140,14 +133,7 @@ class FFPADecodeSm90(FFPAFwdSm90):
         if const_expr(self.cfg.page_rows is None):
             return loads.tBg[None, row_block]
         page, blk = self._page(loads, row_block * self.b_rows, self.b_rows)
-        rows = loads.gB_tma[None, None, head, page]
-        # (b_rows, half, blocks in the page)
-        g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
-                            (self.b_rows, self.halves[loads.half]), (None, 0))
-        # (TMA, blocks in the page)
-        _, tg = cpasync.tma_partition(loads.tma, 0, cute.make_layout(1),
-                                      cute.group_modes(loads.sB, 0, 2), cute.group_modes(g, 0, 2))
-        return tg[None, blk]
+        return self._b_src_at(loads, head, page, blk)
 
 
 __all__ = ["DecodeExtra", "FFPADecodeSm90", "fake_decode_args"]

@@ -649,6 +649,32 @@ class RingSkeletonSm90(KernelEntry):
         """Source of B rows block row_block (of `head`: one head here, tBg covers it)."""
         return loads.tBg[None, row_block]
 
+    @cute.jit
+    def _col_src_at(self, loads: ColLoads, head, batch, n_block, c):
+        """C chunk c of block n_block at (head, batch), the C TMA view re-tiled there: for
+        hooks whose blocks change head (dV, dK) or batch index (the decode kernel's pages)."""
+        # (tile_n, k_chunk, n_blocks, C)
+        g = cute.local_tile(loads.gC_tma[None, None, head, batch],
+                            (self.tile_n, self.cfg.k_chunk), (None, None))
+        # (TMA, n_blocks, C)
+        _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sC, 0, 2), cute.group_modes(g, 0, 2))
+        return tg[None, n_block, c]
+
+    @cute.jit
+    def _b_src_at(self, loads: BLoads, head, batch, row_block):
+        """B rows block row_block at (head, batch), this warpgroup's columns, the B TMA view
+        re-tiled there (as `_col_src_at`)."""
+        rows = loads.gB_tma[None, None, head, batch]
+        # (b_rows, half, b_blocks)
+        g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
+                            (self.b_rows, self.halves[loads.half]), (None, 0))
+        # (TMA, b_blocks)
+        _, tg = cpasync.tma_partition(loads.tma, 0, cute.make_layout(1),
+                                      cute.group_modes(loads.sB, 0, 2),
+                                      cute.group_modes(g, 0, 2))
+        return tg[None, row_block]
+
     # ---------------------------------------------------------------- hooks: the score step
     @cute.jit
     def _mask_block(self, tile: Tile, frags: ScoreFrags, n_block):
