@@ -11,7 +11,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 |----------------------|-----------------|--------|-------------------------------------------|
 | 8.0 / 8.6 / 8.7 / 8.9| sm_80 .. sm_89  | sm80   | mma.sync Split-D, fwd + bwd               |
 | 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (D % 16 != 0 above  |
-|                      |                 |        | 512: the Split-D kernels for sm_90a)      |
+|                      |                 |        | 512: the Split-D kernels for sm_90a);     |
+|                      |                 |        | split-KV decode (`plan_decode`)           |
 | 10.0                 | sm_100a         | sm100  | none yet                                  |
 | 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd, 99 KB plan (never run)       |
 
@@ -92,15 +93,22 @@ def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
     return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair)
 
 
+def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None):
+    """The split-KV decode kernel (a packed, mask-free cache problem; pages of page_rows)."""
+    return sm90_config.plan_decode(p, target, page_rows)
+
+
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
     return sm120_config.plan_fwd(p, target)
 
 
 @dataclass(frozen=True)
 class Family:
-    """One kernel family: its planners per direction and dtype class (None: no kernel yet),
-    what has been verified of it (shown by `explain()` and the README), and the compile targets
-    its kernels have run on (elsewhere each configuration passes a canary first: selfcheck.py)."""
+    """One kernel family: its planners per direction and dtype class (None: no kernel yet; the
+    split-KV decode kernel is a direction of its own, `plan_decode`), what has been verified of
+    it (shown by `explain()` and the README), and the compile targets its kernels have run on
+    (elsewhere each configuration passes a canary first: selfcheck.py; the decode kernel has
+    no canary, so it serves only those targets)."""
 
     name: str
     kernels: str
@@ -108,6 +116,7 @@ class Family:
     fwd: dict[str, Callable | None]
     bwd: dict[str, Callable | None]
     verified_targets: tuple[str, ...] = ()
+    decode: dict[str, Callable | None] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES = {
@@ -118,7 +127,7 @@ FAMILIES = {
     "sm90": Family("sm90", "ffpa_cute/sm90: warp-specialised WGMMA + TMA",
                    "run and tested on an H200",
                    fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd},
-                   verified_targets=("sm_90a",)),
+                   verified_targets=("sm_90a",), decode={"16bit": _sm90_decode}),
     "sm100": Family("sm100", "none yet", "no kernels",
                     fwd={"16bit": None, "fp8": None, "fp4": None}, bwd={"16bit": None}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
@@ -306,12 +315,12 @@ def plan_decode(problem: AttnProblem, page_rows: int | None,
 
 @functools.lru_cache(maxsize=1024)
 def _plan_decode(p: AttnProblem, page_rows: int | None, target: str, family: str) -> Plan:
-    if (family != "sm90" or DTYPE_CLASS[p.dtype] != "16bit"
-            or target not in FAMILIES[family].verified_targets):
+    planner = FAMILIES[family].decode.get(DTYPE_CLASS[p.dtype])
+    if planner is None or target not in FAMILIES[family].verified_targets:
         return Plan(p, target, family, reason=f"no decode kernel for {p.dtype} on the {family} "
                     f"family ({target}): the split-KV decode is sm90 (bf16 / fp16) only")
     try:
-        return Plan(p, target, family, cfg=sm90_config.plan_decode(p, target, page_rows))
+        return Plan(p, target, family, cfg=planner(p, target, page_rows))
     except ValueError as e:
         return Plan(p, target, family, reason=f"the decode kernel cannot run it: {e}")
 
