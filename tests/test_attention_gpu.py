@@ -44,6 +44,20 @@ def make_qkv(b, hq, hkv, nq, nkv, d, dtype, grad=False):
     return r(b, hq, nq, d), r(b, hkv, nkv, d), r(b, hkv, nkv, d)
 
 
+def check_grads(q, k, v, dout, causal, off):
+    """q.grad, k.grad, v.grad (from a backward with `dout`) against float64: error <= 2x torch's
+    same-dtype (bf16) error + 1e-3, per gradient."""
+    grads = {}
+    for name, fn, cast in (("ref", attention_ref, torch.float64),
+                           ("base", attention_same_dtype, BF16)):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        fn(*leaves, causal=causal, causal_offset=off)[0].backward(dout.to(cast))
+        grads[name] = [t.grad for t in leaves]
+    for name, g, r, b in zip("qkv", (q.grad, k.grad, v.grad), grads["ref"], grads["base"]):
+        err, base_err = rel_err(g, r), rel_err(b, r)
+        assert err <= 2 * base_err + 1e-3, f"d{name}: err {err:.3g} vs torch {base_err:.3g}"
+
+
 def offset_of(mode, nq, nkv):
     return {"none": 0, "bottom_right": nkv - nq, "upper_left": 0}[mode]
 
@@ -323,16 +337,7 @@ def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512, dv=None, 
         assert plan.reason is None and family in (None, plan.family), plan
     dout = torch.randn(1, hkv * ratio, nq, dv or d, device="cuda", dtype=BF16)
     call(q, k, v, mode).backward(dout)
-    got = [t.grad for t in (q, k, v)]
-    grads = {}
-    for name, fn, cast in (("ref", attention_ref, torch.float64),
-                           ("base", attention_same_dtype, BF16)):
-        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
-        fn(*leaves, causal=causal, causal_offset=off)[0].backward(dout.to(cast))
-        grads[name] = [t.grad for t in leaves]
-    for name, g, r, b in zip("qkv", got, grads["ref"], grads["base"]):
-        err, base_err = rel_err(g, r), rel_err(b, r)
-        assert err <= 2 * base_err + 1e-3, f"d{name}: err {err:.3g} vs torch {base_err:.3g}"
+    check_grads(q, k, v, dout, causal, off)
 
 
 SPLIT_O_CASES = [(576, "none", 129, 1000, 1), (640, "bottom_right", 1000, 129, 4),
@@ -475,14 +480,7 @@ def test_return_lse(seed, d, mode, nq, nkv, ratio):
         assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-3
     dout = torch.randn_like(out)
     out.backward(dout)
-    grads = {}
-    for name, fn, cast in (("ref", attention_ref, torch.float64),
-                           ("base", attention_same_dtype, BF16)):
-        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
-        fn(*leaves, causal=causal, causal_offset=off)[0].backward(dout.to(cast))
-        grads[name] = [t.grad for t in leaves]
-    for g, r, b in zip((q.grad, k.grad, v.grad), grads["ref"], grads["base"]):
-        assert rel_err(g, r) <= 2 * rel_err(b, r) + 1e-3
+    check_grads(q, k, v, dout, causal, off)
 
 
 def test_merge_of_kernel_blocks(seed):

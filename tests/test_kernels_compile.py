@@ -6,6 +6,7 @@ serves D % 16 != 0 above 512 (and any D under `Options(family="sm80")`), the WGM
 rest. sm_120a builds are compile-verified only (no such GPU here).
 """
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -121,8 +122,6 @@ def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
 
 def test_sm90_streamed_q_below_512_compiles():
     """stream_q at D <= 512 (a tuning variant: Q's smem goes to the V rings) builds spill-free."""
-    import dataclasses
-
     plan = _plan("sm_90a", 512, True)
     cfg = dataclasses.replace(plan.cfg, stream_q=True, v_stages=3)
     assert sm90_config.can_implement(cfg) is None
@@ -195,8 +194,6 @@ def test_sm90_kv_pair_compiles(d, causal):
 
 
 def test_kv_pair_config_rules():
-    import dataclasses
-
     c = sm90_config.FwdConfigSm90(arch="sm_90a", dtype="bf16", head_dim=512, causal=False,
                                   kv_pair=True)
     assert "kv_pair" in sm90_config.can_implement(c)  # one CTA per tile: nothing to pair
@@ -237,8 +234,6 @@ def test_sm90_backward_dv_not_d_compiles():
 def test_sm90_backward_above_512_compiles():
     """D = 1024 backward: dQ with its gradient split over two CTAs; wgmma, no spills. Above
     BWD_MAX_HEAD_DIM the planner refuses."""
-    import dataclasses
-
     p = _problem(1024, True)
     with pytest.raises(ValueError, match="sm90 backward"):
         sm90_config.plan_dq(dataclasses.replace(p, head_dim=1032, head_dim_v=1032))
@@ -257,8 +252,6 @@ def test_sm90_window_and_sinks_compile(d, fields):
     rule) and sinks in the forward, the window in the three gradient kernels: wgmma + TMA, no
     local memory, no spills; the left edge's blocks are skipped, so the forward's block count
     is the difference of two bounds (max.s32 of it in the PTX)."""
-    import dataclasses
-
     p = dataclasses.replace(_problem(d, False, 2, 2), **fields)
     plan = dispatch.plan_fwd(p, target="sm_90a")
     assert plan.cfg.window == ("window_lo" in fields) and plan.cfg.sinks == p.has_sinks
@@ -287,13 +280,8 @@ def test_sm90_decode_compiles(d, dv, page):
     assert "st.global.b32" in ptx
     _no_spills(ptx)
     assert "pages of a multiple" in dispatch.plan_decode(p, 96, target="sm_90a").reason
-    causal = dataclasses_replace(p, causal=True)
+    causal = dataclasses.replace(p, causal=True)
     assert "every key" in dispatch.plan_decode(causal, None, target="sm_90a").reason
-
-
-def dataclasses_replace(p, **kw):
-    import dataclasses
-    return dataclasses.replace(p, **kw)
 
 
 @pytest.mark.parametrize("target,d,fields", [
@@ -304,8 +292,6 @@ def test_splitd_window_and_sinks_compile(target, d, fields):
     """The Split-D family with a window and sinks: the forward (sinks in its epilogue) and the
     dQ / dK / dV kernels (the window's bounds and masks) build with mma.sync, no local memory
     and no spills (D=520: the sm90 family's route for D % 16 != 0 above 512)."""
-    import dataclasses
-
     p = dataclasses.replace(_problem(d, False, 2, 1), **fields)
     opts = Options(family="sm80") if target == "sm_90a" and d % 16 == 0 else Options()
     plan = dispatch.plan_fwd(p, target=target, opts=opts)
