@@ -28,9 +28,9 @@ def _num_sms(index: int) -> int:
 
 
 def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
-    """The decode kernel's plan for this call (q [B, Nq, Hq, D], caches in the kvcache layout),
-    or None when the call is not its shape (causal rows that differ, a window, pages not a
-    multiple of 64 rows) or no kernel serves it."""
+    """The decode kernel's plan for this call (q [B, Nq, Hq, D], caches in the kvcache layout,
+    16-bit like q or float8_e4m3fn), or None when the call is not its shape (causal rows that
+    differ, a window, pages not a multiple of 64 rows) or no kernel serves it."""
     b, nq, hq, d = q.shape
     hkv = k_cache.shape[2]
     if (causal and nq > 1) or window is not None or q.device.type != "cuda":
@@ -44,7 +44,8 @@ def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
     if dispatch.problem_reason(problem) is not None or any(
             launch.kernel_ready(t) is not t for t in views):  # read in place, never copied
         return None
-    plan = dispatch.plan_decode(problem, page_size, q.device)
+    kv_dtype = dtype_name(k_cache.dtype) if k_cache.dtype != q.dtype else None
+    plan = dispatch.plan_decode(problem, page_size, q.device, kv_dtype=kv_dtype)
     return plan if plan.reason is None else None
 
 
@@ -72,11 +73,11 @@ def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
 
 
 def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_table,
-                    splits: int | None):
+                    splits: int | None, descales=None):
     """(out [B, Hq, Nq, Dv] fp32, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each row's
     first seqlens[b] cached keys (int32 [B] on q's device; max_len bounds them), by one launch
     of the decode kernel and the merge of its splits. `splits`: S, or None to pick it
-    (`num_splits`)."""
+    (`num_splits`). descales: an FP8 cache's (k, v) [B, Hkv] fp32 (None: a 16-bit cache)."""
     b, nq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     g = hq // hkv
@@ -91,7 +92,9 @@ def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_tabl
         lse=torch.empty(b, hkv * s, m, dtype=torch.float32, device=q.device),
         seqlens_k=seqlens,
         block_table=(None if block_table is None else
-                     block_table.to(device=q.device, dtype=torch.int32).contiguous()))
+                     block_table.to(device=q.device, dtype=torch.int32).contiguous()),
+        k_descale=None if descales is None else descales[0],
+        v_descale=None if descales is None else descales[1])
     with torch.cuda.device(q.device):
         launch.run_job(plan.kernel_cls, plan.cfg, tensors,
                        dict(softmax_scale=plan.problem.softmax_scale, num_splits=s))

@@ -12,7 +12,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 | 8.0 / 8.6 / 8.7 / 8.9| sm_80 .. sm_89  | sm80   | mma.sync Split-D, fwd + bwd               |
 | 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (D % 16 != 0 above  |
 |                      |                 |        | 512: the Split-D kernels for sm_90a);     |
-|                      |                 |        | split-KV decode (`plan_decode`)           |
+|                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
+|                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
 | 10.0                 | sm_100a         | sm100  | none yet                                  |
 | 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd, 99 KB plan (never run)       |
 
@@ -93,9 +94,10 @@ def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
     return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair)
 
 
-def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None):
-    """The split-KV decode kernel (a packed, mask-free cache problem; pages of page_rows)."""
-    return sm90_config.plan_decode(p, target, page_rows)
+def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: str | None):
+    """The split-KV decode kernel (a packed, mask-free cache problem; pages of page_rows; an
+    FP8 cache under 16-bit queries with kv_dtype "e4m3")."""
+    return sm90_config.plan_decode(p, target, page_rows, kv_dtype)
 
 
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
@@ -302,25 +304,28 @@ def _plan_fwd(p: AttnProblem, target: str, family: str, opts: Options) -> Plan:
 
 def plan_decode(problem: AttnProblem, page_rows: int | None,
                 device: torch.device | None = None, target: str | None = None,
-                opts: Options | None = None) -> Plan:
+                opts: Options | None = None, kv_dtype: str | None = None) -> Plan:
     """The split-KV decode kernel's plan for a packed, mask-free cache problem ([B, Hkv, G * Nq]
     rows against each row's cached keys; `page_rows` the page size, None for a contiguous
-    cache), or the reason there is none: the sm90 16-bit family on a target it was run on."""
+    cache; `kv_dtype` "e4m3" for an FP8 cache under the problem's 16-bit queries), or the
+    reason there is none: the sm90 16-bit family on a target it was run on."""
     opts = opts or _options.current()
     target, family, reason = _route(problem, device, target, opts)
     if reason is not None:
         return Plan(problem, target, family, reason=reason)
-    return _plan_decode(problem, page_rows, target, family)
+    return _plan_decode(problem, page_rows, target, family, kv_dtype)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_decode(p: AttnProblem, page_rows: int | None, target: str, family: str) -> Plan:
+def _plan_decode(p: AttnProblem, page_rows: int | None, target: str, family: str,
+                 kv_dtype: str | None = None) -> Plan:
     planner = FAMILIES[family].decode.get(DTYPE_CLASS[p.dtype])
     if planner is None or target not in FAMILIES[family].verified_targets:
         return Plan(p, target, family, reason=f"no decode kernel for {p.dtype} on the {family} "
-                    f"family ({target}): the split-KV decode is sm90 (bf16 / fp16) only")
+                    f"family ({target}): the split-KV decode is sm90 (bf16 / fp16, FP8 cache "
+                    "under 16-bit queries) only")
     try:
-        return Plan(p, target, family, cfg=planner(p, target, page_rows))
+        return Plan(p, target, family, cfg=planner(p, target, page_rows, kv_dtype))
     except ValueError as e:
         return Plan(p, target, family, reason=f"the decode kernel cannot run it: {e}")
 

@@ -62,7 +62,7 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "tensor",
     return x8, (1.0 / scale)
 
 
-def _descale(d, name: str, b: int, hkv: int, device) -> torch.Tensor:
+def descale_bh(d, name: str, b: int, hkv: int, device) -> torch.Tensor:
     """A descale as the kernel reads it: [B, Hkv] fp32, contiguous, on `device`."""
     if d is None:
         return torch.ones(b, hkv, dtype=torch.float32, device=device)
@@ -139,7 +139,7 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
         out_dtype=dtype_name(want))
     empty = q.numel() == 0 or k.shape[2] == 0
     plan = None if empty else dispatch.plan_fwd(problem, q.device)
-    qd, kd, vd = (_descale(d, n, b, hkv, q.device)
+    qd, kd, vd = (descale_bh(d, n, b, hkv, q.device)
                   for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
     if plan is not None and plan.reason is None:
         with torch.cuda.device(q.device):

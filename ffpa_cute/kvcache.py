@@ -39,6 +39,7 @@ import torch
 
 from .blockwise import block_forward
 from .decode import decode_plan, split_kv_decode
+from .fp8 import descale_bh
 from .math_attention import compute_dtype
 from .merge import merge_attention
 from .math_attention import apply_sinks
@@ -47,6 +48,7 @@ from .validate import check_return_lse, check_window_sinks, window_bounds
 __all__ = ["attention_with_kvcache"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+FP8_CACHE = torch.float8_e4m3fn  # an FP8 cache: K / V = cache * descale
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -59,10 +61,19 @@ def _check_tensors(q, k_cache, v_cache, k, v, paged):
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in DTYPES or t.dtype != q.dtype:
-            raise TypeError(f"q, k_cache, v_cache (and k, v) must share one dtype among "
-                            f"bfloat16, float16, float32, float64 (no FP8 cache yet); {name} is "
-                            f"{t.dtype}, q {q.dtype}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q must be bfloat16, float16, float32 or float64, got {q.dtype}")
+    cache = k_cache.dtype
+    fp8 = cache == FP8_CACHE
+    if v_cache.dtype != cache or cache not in (q.dtype, FP8_CACHE):
+        raise TypeError(f"k_cache and v_cache must both be in q's dtype ({q.dtype}) or both "
+                        f"float8_e4m3fn (an FP8 cache, with k_descale / v_descale), got {cache} "
+                        f"and {v_cache.dtype}")
+    for name, t in named[3:]:  # new keys / values: quantised into an FP8 cache if 16-bit
+        if t.dtype not in ((cache, q.dtype) if fp8 else (cache,)):
+            raise TypeError(f"{name} (new keys / values) must be in the cache's dtype {cache}"
+                            + (f" or q's ({q.dtype})" if fp8 else "") + f", got {t.dtype}")
+    for name, t in named:
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device")
         if t.dim() != 4:
@@ -132,11 +143,23 @@ def _pages(block_table, lens, page_size, num_pages, b, device):
     return block_table
 
 
-def _append(k_cache, v_cache, k, v, lens_before, table, page_size):
+def _quantized(x, cache_dtype, descale):
+    """New keys / values [B, Nnew, Hkv, D] as the cache stores them: as they are, or for an
+    FP8 cache from a 16-bit x, x / descale ([B, Hkv]) rounded to e4m3 (saturated at +-448)."""
+    if x.dtype == cache_dtype:
+        return x
+    top = torch.finfo(cache_dtype).max
+    return (x.float() / descale[:, None, :, None]).clamp(-top, top).to(cache_dtype)
+
+
+def _append(k_cache, v_cache, k, v, lens_before, table, page_size, descales=None):
     """Write the new keys / values into the cache in place at each row's positions
-    cache_seqlens[b] .. + Nnew - 1 (table: the checked block_table, or None)."""
+    cache_seqlens[b] .. + Nnew - 1 (table: the checked block_table, or None; descales: an FP8
+    cache's (k, v) [B, Hkv], with which 16-bit new keys are quantised)."""
     b, nnew = k.shape[:2]
     dev = k_cache.device
+    if descales is not None:
+        k, v = (_quantized(x, k_cache.dtype, d) for x, d in zip((k, v), descales))
     before = (lens_before.to(dev, torch.long) if isinstance(lens_before, torch.Tensor)
               else torch.tensor(lens_before, device=dev))
     pos = before.unsqueeze(1) + torch.arange(nnew, device=dev)  # [B, Nnew]
@@ -157,7 +180,8 @@ def _parts(n, num_splits):
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, *, k=None,
                            v=None, is_causal=True, scale=None, window=None, sinks=None,
-                           return_lse=False, num_splits=None, strict=None, validate=True):
+                           return_lse=False, num_splits=None, strict=None, validate=True,
+                           k_descale=None, v_descale=None):
     """Attention of q [B, Nq, Hq, D] against each row's cached keys (plus new ones appended in
     place); returns out [B, Nq, Hq, Dv] in q's dtype, or with `return_lse=True` (out, lse
     [B, Hq, Nq] float32, float64 for float64 inputs). Layouts and the in-place append: the
@@ -176,9 +200,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     device syncs. False skips that on the decode kernel's route (no sync: CUDA-graph capture,
     the lowest latency): the caller guarantees them, and an out-of-range page or length gives
     wrong results, not an error. The host loop always validates (it reads the lengths anyway).
+
+    FP8 cache (k_cache, v_cache float8_e4m3fn under bfloat16 / float16 q, as vLLM and SGLang
+    store it): the keys and values are cache * descale, k_descale / v_descale a number, a
+    1-element tensor or [B, Hkv] fp32 (None: 1); new k / v in q's dtype are quantised into
+    the cache with them (x / descale, saturated at +-448), or given already in e4m3. The decode
+    kernel converts the 8-bit tiles to q's dtype in shared memory and runs its 16-bit path:
+    half the bytes of a 16-bit cache, the numerics of attention on the dequantised cache; the
+    host loop dequantises the row's keys to q's dtype. (`ffpa_cute.quantize_fp8` makes such a
+    cache and its descales.)
     """
     paged = block_table is not None
     _check_tensors(q, k_cache, v_cache, k, v, paged)
+    descales = _kv_descales(k_cache, k_descale, v_descale, q)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
@@ -206,7 +240,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     nnew = 0 if k is None else k.shape[1]
     if not validate and b:
         res = _unchecked(q, k_cache, v_cache, cache_seqlens, block_table, k, v, nnew, is_causal,
-                         scale, window, sinks, num_splits)
+                         scale, window, sinks, num_splits, descales)
         if res is not None:
             return res if return_lse else res[0]
     before = _lengths(cache_seqlens, b, q.device)
@@ -221,16 +255,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                              f"holds Ncache = {k_cache.shape[1]}")
     with torch.no_grad():
         if nnew:
-            _append(k_cache, v_cache, k, v, before, table, page_size)
+            _append(k_cache, v_cache, k, v, before, table, page_size, descales)
         plan = decode_plan(q, k_cache, v_cache, is_causal, window, page_size, scale) if b else None
         if plan is not None:
             seqlens = torch.tensor(lens, dtype=torch.int32).to(q.device, non_blocking=True)
             out, lse = _decode(plan, q, k_cache, v_cache, seqlens, max(lens), block_table, sinks,
-                               num_splits)
+                               num_splits, descales)
             return (out, lse) if return_lse else out
         rows = [_row(q[r], k_cache, v_cache, lens[r],
                      None if table is None else table[r, :-(-lens[r] // page_size)], r,
-                     is_causal, scale, window, sinks, num_splits or 1, strict)
+                     is_causal, scale, window, sinks, num_splits or 1, strict,
+                     None if descales is None else [d[r] for d in descales])
                 for r in range(b)]
     if b == 0:
         out = q.new_zeros(0, nq, q.shape[2], v_cache.shape[3])
@@ -240,10 +275,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     return (out, lse) if return_lse else out
 
 
-def _decode(plan, q, k_cache, v_cache, seqlens, max_len, block_table, sinks, num_splits):
+def _kv_descales(k_cache, k_descale, v_descale, q):
+    """An FP8 cache's descales as [B, Hkv] fp32 on q's device (None for a 16-bit cache, which
+    takes none: raises if given)."""
+    if k_cache.dtype != FP8_CACHE:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale / v_descale scale an FP8 cache (float8_e4m3fn); this "
+                             f"cache is {k_cache.dtype}: leave them None")
+        return None
+    b, hkv = q.shape[0], k_cache.shape[2]
+    return [descale_bh(d, name, b, hkv, q.device)
+            for name, d in (("k_descale", k_descale), ("v_descale", v_descale))]
+
+
+def _decode(plan, q, k_cache, v_cache, seqlens, max_len, block_table, sinks, num_splits,
+            descales=None):
     """(out [B, Nq, Hq, Dv] in q's dtype, lse [B, Hq, Nq]) by the decode kernel."""
     out, lse = split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len, block_table,
-                               num_splits)
+                               num_splits, descales)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out.to(q.dtype).permute(0, 2, 1, 3), lse
@@ -251,7 +300,7 @@ def _decode(plan, q, k_cache, v_cache, seqlens, max_len, block_table, sinks, num
 
 @torch.no_grad()
 def _unchecked(q, k_cache, v_cache, cache_seqlens, block_table, k, v, nnew, causal, scale,
-               window, sinks, num_splits):
+               window, sinks, num_splits, descales):
     """`validate=False`: the decode kernel's route with no host read of cache_seqlens or
     block_table (their lengths on the device; the splits sized for the cache's capacity), or
     None when the call is not the kernel's shape (the caller then validates and loops)."""
@@ -265,20 +314,24 @@ def _unchecked(q, k_cache, v_cache, cache_seqlens, block_table, k, v, nnew, caus
     else:
         before = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     if nnew:
-        _append(k_cache, v_cache, k, v, before, block_table, page_size)
+        _append(k_cache, v_cache, k, v, before, block_table, page_size, descales)
     capacity = (block_table.shape[1] * page_size if block_table is not None
                 else k_cache.shape[1])
     return _decode(plan, q, k_cache, v_cache, before + nnew if nnew else before, capacity,
-                   block_table, sinks, num_splits)
+                   block_table, sinks, num_splits, descales)
 
 
-def _row(q, k_cache, v_cache, n, pages, row, causal, scale, window, sinks, num_splits, strict):
-    """(out [Nq, Hq, Dv], lse [Hq, Nq]) of batch row `row` over its first n keys."""
+def _row(q, k_cache, v_cache, n, pages, row, causal, scale, window, sinks, num_splits, strict,
+         descales=None):
+    """(out [Nq, Hq, Dv], lse [Hq, Nq]) of batch row `row` over its first n keys (an FP8
+    cache's dequantised to q's dtype with the row's descales [Hkv])."""
     if pages is None:
         k, v = k_cache[row, :n], v_cache[row, :n]
     else:
         idx = pages.to(k_cache.device, torch.long)
         k, v = k_cache[idx].flatten(0, 1)[:n], v_cache[idx].flatten(0, 1)[:n]
+    if descales is not None:  # [n, Hkv, D] * [Hkv, 1]
+        k, v = ((x.float() * d[:, None]).to(q.dtype) for x, d in zip((k, v), descales))
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
     offset = n - q.shape[2]
     bounds = window_bounds(window, offset)

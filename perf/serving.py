@@ -13,6 +13,8 @@ beside the attention tables:
   (page 64, every row at length N, D=512, Hq 32 / Hkv 4 and Hq 64 / Hkv 1, B 1 / 8 / 64); GB/s of
   K/V bytes read, and that as a share of the measured copy bandwidth (the bar: 85%). SDPA beside
   it on a contiguous cache of the same length (GQA natively).
+* `kvdecode-fp8`: the same steps on an FP8 (e4m3) cache under bf16 queries, GB/s counting the
+  cache's 8-bit bytes (the FP8 issue's bar: 85% of copy at B=8, Hq 32 / Hkv 4, N=32K).
 
 Times are CUDA-event medians with L2 flushed before each call (timing.bench). Error columns:
 relative Frobenius error against a float32 explicit-matmul reference on one head (window,
@@ -26,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .cases import SERVING_FAMILIES
 from .flops import tflops
 from .timing import bench
 
-SERVING_FAMILIES = ("window", "varlen", "kvdecode")
 WINDOW_SEQLENS = (8192, 16384)
 WINDOW_LEFT = 1024
 VARLEN_LENS = (1024, 8192, 2048, 4096, 3072, 6144, 5120, 7168)
@@ -49,6 +51,7 @@ class ServingCase:
     hkv: int = 32
     d: int = D
     lens: tuple = ()
+    kv: str = "bf16"  # the cache's dtype (kvdecode)
 
     @property
     def label(self) -> str:
@@ -64,8 +67,9 @@ def serving_cases(families, seqlens=None) -> list[ServingCase]:
         elif fam == "varlen":
             out.append(ServingCase("varlen", sum(VARLEN_LENS), len(VARLEN_LENS), 32, 4,
                                    lens=VARLEN_LENS))
-        elif fam == "kvdecode":
-            out += [ServingCase("kvdecode", n, b, hq, hkv) for hq, hkv in KVDECODE_SHAPES
+        elif fam in ("kvdecode", "kvdecode-fp8"):
+            kv = "e4m3" if fam == "kvdecode-fp8" else "bf16"
+            out += [ServingCase(fam, n, b, hq, hkv, kv=kv) for hq, hkv in KVDECODE_SHAPES
                     for b in KVDECODE_BATCHES for n in seqlens or KVDECODE_SEQLENS]
     return out
 
@@ -185,7 +189,8 @@ def run_varlen(case: ServingCase, dev, ctx, ffpa) -> Row:
 
 def run_kvdecode(case: ServingCase, dev, ctx, ffpa, mem_limit: float) -> Row:
     b, n, hq, hkv = case.batch, case.n, case.hq, case.hkv
-    kv_bytes = b * n * hkv * 2 * D * 2
+    fp8 = case.kv == "e4m3"
+    kv_bytes = b * n * hkv * 2 * D * (1 if fp8 else 2)
     row = Row(asdict(case) | {"page": PAGE, "kv_bytes": kv_bytes})
     if 2.2 * kv_bytes > mem_limit:
         row.notes.append(f"skipped: the cache needs {kv_bytes / 1e9:.0f} GB")
@@ -193,26 +198,34 @@ def run_kvdecode(case: ServingCase, dev, ctx, ffpa, mem_limit: float) -> Row:
     pages = b * -(-n // PAGE)
     kc, vc = (torch.randn(pages, PAGE, hkv, D, device=dev, dtype=torch.bfloat16)
               for _ in range(2))
+    scales = {}
+    if fp8:  # N(0, 1) quantised per tensor (|x| <= 6 here: descale 6 / 448)
+        kc, vc = ((x.clamp(-6, 6) * (448 / 6)).to(torch.float8_e4m3fn) for x in (kc, vc))
+        scales = dict(k_descale=6 / 448, v_descale=6 / 448)
     table = torch.randperm(pages, device=dev, dtype=torch.int32).view(b, -1)
     lens = torch.full((b,), n, dtype=torch.int32, device=dev)
     q = torch.randn(b, 1, hq, D, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
-        ms = _time(lambda: ffpa.attention_with_kvcache(q, kc, vc, lens, table), dev, ctx)
+        ms = _time(lambda: ffpa.attention_with_kvcache(q, kc, vc, lens, table, **scales), dev,
+                   ctx)
         ms_fast = _time(lambda: ffpa.attention_with_kvcache(q, kc, vc, lens, table,
-                                                            validate=False), dev, ctx)
+                                                            validate=False, **scales), dev, ctx)
         graph = torch.cuda.CUDAGraph()  # what a serving loop replays: no host work at all
         with torch.cuda.graph(graph):
-            ffpa.attention_with_kvcache(q, kc, vc, lens, table, validate=False)
+            ffpa.attention_with_kvcache(q, kc, vc, lens, table, validate=False, **scales)
         ms_graph = _time(graph.replay, dev, ctx)
-        out = ffpa.attention_with_kvcache(q, kc, vc, lens, table)
-        ks = kc[table[0].long()].flatten(0, 1)[:n, 0]
-        vs = vc[table[0].long()].flatten(0, 1)[:n, 0]
+        out = ffpa.attention_with_kvcache(q, kc, vc, lens, table, **scales)
+        ks = kc[table[0].long()].flatten(0, 1)[:n, 0].float() * scales.get("k_descale", 1.0)
+        vs = vc[table[0].long()].flatten(0, 1)[:n, 0].float() * scales.get("v_descale", 1.0)
         row.cells.update(ms=ms, gbps=kv_bytes / (ms * 1e-3) / 1e9, fast_ms=ms_fast,
                          fast_gbps=kv_bytes / (ms_fast * 1e-3) / 1e9, graph_ms=ms_graph,
                          graph_gbps=kv_bytes / (ms_graph * 1e-3) / 1e9,
                          err=_ref_err(out[0, 0, :1], q[0, 0, :1], ks, vs))
         kc = vc = None  # free the paged cache before SDPA's contiguous one
         torch.cuda.empty_cache()
+        if fp8:
+            row.notes.append("e4m3 cache")
+            return row
         try:  # SDPA on a contiguous cache of the same keys (natively GQA)
             kd, vd = (torch.randn(b, hkv, n, D, device=dev, dtype=torch.bfloat16)
                       for _ in range(2))
@@ -235,7 +248,7 @@ def run_serving(cases, device, bench_kw: dict, mem_limit: float, log=print) -> l
                 row = run_window(case, device, bench_kw, ffpa)
             elif case.family == "varlen":
                 row = run_varlen(case, device, bench_kw, ffpa)
-            else:
+            else:  # kvdecode, kvdecode-fp8
                 row = run_kvdecode(case, device, bench_kw, ffpa, mem_limit)
         except Exception as e:  # noqa: BLE001 - one failing case is a note, not the run
             row = Row(asdict(case), notes=[f"failed: {type(e).__name__}: {str(e)[:160]}"])
@@ -282,9 +295,17 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
                        f"{_f(c.get('varlen_bwd_tflops'))} | {_f(c.get('padded_bwd_tflops'))} | "
                        f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('err'), '{:.1e}')} |")
         out.append("")
-    dec = [r for r in rows if r["case"]["family"] == "kvdecode"]
+    for fam, what in (("kvdecode", "bf16 cache; GB/s of K/V read"),
+                      ("kvdecode-fp8", "e4m3 cache under bf16 q; GB/s of the 8-bit K/V read")):
+        out += _decode_table([r for r in rows if r["case"]["family"] == fam], what, copy_gbps)
+    return "\n".join(out)
+
+
+def _decode_table(dec: list[dict], what: str, copy_gbps: float | None) -> list[str]:
+    """One decode family's table (none without rows)."""
+    out = []
     if dec:
-        out += ["## Paged-KV decode (Nq 1, page 64, D=512; GB/s of K/V read)", "",
+        out += [f"## Paged-KV decode (Nq 1, page 64, D=512, {what})", "",
                 "validated: the default call (cache_seqlens / block_table checked on the host: "
                 "device syncs); unvalidated: `validate=False` (no host read); graph: that call "
                 "captured in a CUDA graph and replayed (what a serving loop runs).", "",
@@ -306,7 +327,7 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
                        f"{_f(c.get('graph_gbps'))} | {_f(gpct)} | {_f(c.get('sdpa_gbps'))} | "
                        f"{_f(c.get('err'), '{:.1e}')} | {'; '.join(r['notes'])} |")
         out.append("")
-    return "\n".join(out)
+    return out
 
 
 __all__ = ["SERVING_FAMILIES", "ServingCase", "render", "run_serving", "serving_cases"]

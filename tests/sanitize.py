@@ -68,10 +68,13 @@ FEATURE_CASES = [
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
     ("Split-D D520 window + sinks causal", 1, 2, 1, 65, 200, 520, True, (50, 0), True),
 ]
-# (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None): the split-KV decode
+# (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None, cache dtype): the
+# split-KV decode (an e4m3 cache: its stages converted to bf16 in smem)
 KV_CASES = [
-    ("sm90 decode paged 64 GQA", 2, 8, 2, 300, 512, 512, 64),
-    ("sm90 decode contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None),
+    ("sm90 decode paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16"),
+    ("sm90 decode contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "bf16"),
+    ("sm90 decode FP8 cache paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "e4m3"),
+    ("sm90 decode FP8 cache contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "e4m3"),
 ]
 N_CASES = len(CASES) + len(FEATURE_CASES) + len(KV_CASES)
 
@@ -121,10 +124,11 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
         out += [j for j in todo if j not in out]
-    for _, b, hq, hkv, n, d, dv, page in KV_CASES:
+    for _, b, hq, hkv, n, d, dv, page, kv in KV_CASES:
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv, seqlen_q=hq // hkv,
                         seqlen_kv=n, head_dim=d, head_dim_v=dv)
-        plan = dispatch.plan_decode(p, page, target=target, opts=Options())
+        plan = dispatch.plan_decode(p, page, target=target, opts=Options(),
+                                    kv_dtype=None if kv == "bf16" else kv)
         assert plan.reason is None, plan.reason
         if (plan.kernel_cls, plan.cfg) not in out:
             out.append((plan.kernel_cls, plan.cfg))
@@ -177,11 +181,13 @@ def workload() -> int:
         print(f"[workload] {label}: {route[:160]}", flush=True)
     from ffpa_cute import decode
 
-    for label, b, hq, hkv, n, d, dv, page in KV_CASES:
+    for label, b, hq, hkv, n, d, dv, page, kv in KV_CASES:
         pages = b * -(-n // (page or n))
         rows = page or n
         kc = torch.randn(pages if page else b, rows, hkv, d, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn(pages if page else b, rows, hkv, dv, device="cuda", dtype=torch.bfloat16)
+        if kv == "e4m3":
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         table = (torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1) if page
                  else None)
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)

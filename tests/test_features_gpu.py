@@ -1,6 +1,7 @@
 """The framework features on the sm90 kernels (H200): sliding window and sinks (forward,
 backward, the sinks' gradient), and the split-KV decode kernel of `attention_with_kvcache`
-(contiguous and paged caches, GQA / MQA, Dv != D, lengths 0 .. capacity, new keys appended).
+(contiguous and paged caches, GQA / MQA, Dv != D, lengths 0 .. capacity, new keys appended;
+16-bit and FP8 e4m3 caches).
 
 Each case checks that the kernel route served it (explain / the decode plan), then compares with
 the float64 reference of `masked_ref` (visibility from the definition, the sink in the
@@ -169,6 +170,74 @@ def test_decode_kernel(seed, case):
     fast = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
                                   sinks=sinks, validate=False)  # no host read: splits by capacity
     assert rel_err(fast, out) <= 1e-2
+
+
+FP8_DECODE_CASES = [  # b, nq, hq, hkv, d, dv, page, lens, q dtype, cache contents
+    (8, 1, 32, 4, 512, None, 64, None, BF16, "normal"),
+    (3, 1, 64, 1, 512, None, 128, [1, 0, 1000], BF16, "normal"),
+    (2, 3, 16, 2, 576, 512, 256, [777, 2048], BF16, "normal"),
+    (4, 1, 8, 8, 320, None, None, None, torch.float16, "normal"),
+    (2, 1, 8, 2, 1024, None, 64, [129, 1500], BF16, "normal"),
+    (2, 1, 16, 2, 512, None, None, [1000, 2047], BF16, "all-codes"),
+    (2, 1, 16, 2, 512, None, 64, [999, 64], torch.float16, "all-codes"),
+]
+
+
+def _fp8_cache(shape, contents):
+    """An e4m3 cache: N(0, 1) quantised per tensor ("normal"), or every finite e4m3 code at
+    random ("all-codes": zero, subnormals and 448 included), with [B, Hkv] descales."""
+    if contents == "normal":
+        x = torch.randn(*shape, device="cuda")
+        return (x * (448 / x.abs().amax())).to(torch.float8_e4m3fn), float(x.abs().amax() / 448)
+    codes = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+    return codes.view(torch.float8_e4m3fn), 1 / 64
+
+
+@pytest.mark.parametrize("case", FP8_DECODE_CASES,
+                         ids=lambda c: "-".join(map(str, c[:7])) + f"-{c[8]}-{c[9]}")
+def test_decode_fp8_cache(seed, case):
+    """The decode kernel on an FP8 cache under 16-bit queries (K / V converted in shared
+    memory): against float64 on the dequantised cache, error <= 2x that of torch's attention
+    on the same dequantised cache in q's dtype + 1e-3; new 16-bit keys quantised into the
+    cache with the descales; validate=False and a forced split count agree."""
+    b, nq, hq, hkv, d, dv, page, lens, dtype, contents = case
+    dv = dv or d
+    cap = 2048 if lens is None else max(max(lens), 1) + 64
+    k16, v16, table = _cache(b, cap, hkv, d, dv, page)
+    (k_cache, ks), (v_cache, vs) = _fp8_cache(k16.shape, contents), _fp8_cache(v16.shape,
+                                                                                contents)
+    kd = ks * (0.5 + torch.rand(b, hkv, device="cuda"))  # per (batch row, KV head)
+    vd = vs * (0.5 + torch.rand(b, hkv, device="cuda"))
+    nnew = 1
+    lens = lens or torch.randint(0, cap - nnew + 1, (b,)).tolist()
+    lens = [min(n, cap - nnew) for n in lens]
+    q, kn, vn = (rnd(b, nq, hq, d, dtype=dtype), rnd(b, nnew, hkv, d, dtype=dtype),
+                 rnd(b, nnew, hkv, dv, dtype=dtype))
+    plan = decode.decode_plan(q, k_cache, v_cache, nq == 1, None, page, None)
+    assert plan is not None and plan.cfg.kv_dtype == "e4m3", plan
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, seqlens, table, k=kn, v=vn,
+                                      is_causal=nq == 1, return_lse=True, strict=True,
+                                      k_descale=kd, v_descale=vd)
+    for r, n in enumerate(lens):
+        kk, vv = (_keys(c, table, r, n + nnew).double() * s[r, :, None]
+                  for c, s in ((k_cache, kd), (v_cache, vd)))
+        want = (kn[r].float() / kd[r, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(_keys(k_cache, table, r, n + nnew)[n:].view(torch.uint8),
+                           want.view(torch.uint8))  # the new key, quantised in place
+        args = [t.transpose(0, 1).unsqueeze(0) for t in (q[r].double(), kk, vv)]
+        ref, ref_lse = ref_attention(*args)
+        base, _ = ref_attention(*args, dtype=dtype)
+        got = out[r].transpose(0, 1).unsqueeze(0)
+        assert torch.isfinite(got).all() and out.dtype == dtype
+        assert rel_err(got, ref) <= bound(rel_err(base, ref)), r
+        assert rel_err(lse[r], ref_lse[0]) <= 1e-4, r
+    again = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
+                                   num_splits=3, k_descale=kd, v_descale=vd)
+    fast = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
+                                  validate=False, k_descale=kd, v_descale=vd)
+    assert rel_err(again, out) <= 1e-2 and rel_err(fast, out) <= 1e-2
 
 
 def test_decode_unvalidated_captures_in_a_cuda_graph(seed):

@@ -34,8 +34,8 @@ def _plan(target, d, causal=False, dtype="bf16", family=None):
     return plan
 
 
-def _problem(d, causal, hq=4, hkv=2, dv=None):
-    return AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_kv=1,
+def _problem(d, causal, hq=4, hkv=2, dv=None, dtype="bf16"):
+    return AttnProblem(dtype=dtype, batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_kv=1,
                        head_dim=d, head_dim_v=dv or d, causal=causal)
 
 
@@ -282,6 +282,29 @@ def test_sm90_decode_compiles(d, dv, page):
     assert "pages of a multiple" in dispatch.plan_decode(p, 96, target="sm_90a").reason
     causal = dataclasses.replace(p, causal=True)
     assert "every key" in dispatch.plan_decode(causal, None, target="sm_90a").reason
+
+
+@pytest.mark.parametrize("d,dv,page,dtype", [(512, None, 64, "bf16"), (576, 512, None, "bf16"),
+                                             (1024, None, 128, "bf16"), (320, None, 64, "fp16")])
+def test_sm90_decode_fp8_cache_compiles(d, dv, page, dtype):
+    """The decode kernel on an e4m3 cache under 16-bit queries: the TMA loads 8-bit stages,
+    the warpgroups convert them by bits (prmt / lop3 and a packed multiply, no cvt from e4m3)
+    into the 16-bit buffers of the bf16 / fp16 WGMMAs; no local memory, no spills. O halves
+    that the conversion runs cannot tile (D=264) are refused."""
+    p = _problem(d, False, 4, 4, dv=dv, dtype=dtype)
+    plan = dispatch.plan_decode(p, page, target="sm_90a", kv_dtype="e4m3")
+    assert plan.reason is None, plan.reason
+    cfg = plan.cfg
+    assert cfg.kv_dtype == "e4m3" and cfg.tile_n == 64
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    kind = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}" in ptx
+    assert "prmt.b32" in ptx and f"mul.rn.{kind}x2" in ptx and "e4m3x2" not in ptx
+    assert "cp.async.bulk.tensor" in ptx and ".local" not in ptx
+    _no_spills(ptx)
+    odd = _problem(264, False, 4, 4)
+    assert "multiple of 32" in dispatch.plan_decode(odd, None, target="sm_90a",
+                                                     kv_dtype="e4m3").reason
 
 
 @pytest.mark.parametrize("target,d,fields", [

@@ -15,6 +15,7 @@ import torch
 
 import fake_kernels  # tests/ is on sys.path
 from ffpa_cute import attention_with_kvcache
+from ffpa_cute.common import convert
 from masked_ref import bound, ref_attention, rel_err
 
 F64 = torch.float64
@@ -216,6 +217,7 @@ def test_fake_kernel_route(seed, monkeypatch):
 
 # -------------------------------------------------------------------------------- errors
 
+E4M3 = torch.float8_e4m3fn
 KC = torch.randn(6, 16, 2, 8)  # 6 pages of 16
 QD = torch.randn(2, 1, 4, 8)  # B=2, Nq=1, Hq=4
 BT = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
@@ -226,8 +228,17 @@ SL = torch.tensor([20, 5], dtype=torch.int32)
     ((QD, KC, KC, SL, BT), {"k": torch.randn(2, 1, 2, 8)}, ValueError,
      r"^k and v \(the new keys and values\) must be given together"),
     ((QD[0], KC, KC, SL, BT), {}, ValueError, r"^q must be 4-D"),
-    ((QD, KC.double(), KC, SL, BT), {}, TypeError, r"must share one dtype .* k_cache is"),
-    ((QD.long(), KC, KC, SL, BT), {}, TypeError, r"must share one dtype"),
+    ((QD, KC.double(), KC, SL, BT), {}, TypeError,
+     r"^k_cache and v_cache must both be in q's dtype .* got torch.float64 and torch.float32"),
+    ((QD.long(), KC, KC, SL, BT), {}, TypeError, r"^q must be bfloat16, .* got torch.int64"),
+    ((QD, KC.to(E4M3), KC, SL, BT), {}, TypeError, r"^k_cache and v_cache must both be"),
+    ((QD, KC.to(E4M3), KC.to(E4M3), SL, BT), {"k": torch.randn(2, 1, 2, 8).double(),
+     "v": torch.randn(2, 1, 2, 8)}, TypeError,
+     r"^k \(new keys / values\) must be in the cache's dtype .* or q's"),
+    ((QD, KC, KC, SL, BT), {"k_descale": 0.5}, ValueError,
+     r"^k_descale / v_descale scale an FP8 cache"),
+    ((QD, KC.to(E4M3), KC.to(E4M3), SL, BT), {"v_descale": torch.ones(3)}, ValueError,
+     r"^v_descale must be a number, a 1-element tensor or \[B, Hkv\] = \[2, 2\]"),
     ((QD, KC[..., :4], KC[..., :4], SL, BT), {}, ValueError, r"^k_cache / v_cache must be .*D = 8"),
     ((QD, KC, KC[:, :, :1], SL, BT), {}, ValueError, r"^k_cache / v_cache must be"),
     ((QD, KC[:, :, :1].expand(6, 16, 3, 8), KC[:, :, :1].expand(6, 16, 3, 8), SL, BT), {},
@@ -256,6 +267,63 @@ SL = torch.tensor([20, 5], dtype=torch.int32)
 def test_errors_name_the_argument(args, kw, exc, pattern):
     with pytest.raises(exc, match=pattern):
         attention_with_kvcache(*args, **kw)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_fp8_cache(seed, page_size, granularity):
+    """An FP8 cache (e4m3 with descales) under bf16 queries, through the host loop: the
+    attention of the dequantised cache (cache * descale), the new bf16 keys quantised into it
+    with the descales; GQA 4:2, odd lengths, one empty row."""
+    from ffpa_cute import quantize_fp8
+
+    cache = Cache([37, 0, 100], 1, d=16, dv=16, page_size=page_size, dtype=torch.float32)
+    b, hkv = 3, cache.k.shape[2]
+
+    def fp8(x):  # the cache's [rows, page, Hkv, D] quantised per tensor or per (., head)
+        x8, d = quantize_fp8(x.transpose(1, 2), granularity=granularity)
+        return x8.transpose(1, 2).contiguous(), d
+
+    (k8, kd), (v8, vd) = fp8(cache.k), fp8(cache.v)
+    if granularity == "head":  # the kernel's descales are per (batch row, KV head)
+        kd, vd = torch.rand(b, hkv) + 0.5, torch.rand(b, hkv) + 0.5
+    q, k, v = inputs(cache, 1, 1, hq=4, dtype=torch.bfloat16)
+    want_k, want_v = k8.clone(), v8.clone()
+    out, lse = attention_with_kvcache(q, k8, v8, seqlens(cache), cache.table, k=k, v=v,
+                                      k_descale=kd, v_descale=vd, return_lse=True)
+    kd, vd = (torch.as_tensor(d).float().reshape(-1, 1).expand(b, hkv) if d.numel() == 1
+              else d for d in (kd, vd))
+    # the reference reads the dequantised cache: each slot times its batch row's descales
+    for row, n in enumerate(cache.lens):
+        for t in range(n + 1):
+            slot = cache.slot(row, t)
+            if t == n:  # the new key: quantised with the descales on the way in
+                want_k[slot] = (k[row, 0].float() / kd[row, :, None]).clamp(-448, 448).to(E4M3)
+                want_v[slot] = (v[row, 0].float() / vd[row, :, None]).clamp(-448, 448).to(E4M3)
+            cache.k0[slot] = want_k[slot].double() * kd[row, :, None]
+            cache.v0[slot] = want_v[slot].double() * vd[row, :, None]
+    assert torch.equal(k8.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), want_v.view(torch.uint8))
+    cache.lens = [n + 1 for n in cache.lens]
+    ref, ref_lse = reference(q.double(), cache, None, None, causal=True)
+    assert rel_err(out, ref) <= 2e-2 and rel_err(lse, ref_lse) <= 1e-2
+    assert out.dtype == torch.bfloat16
+
+
+def test_e4m3_bit_conversion_is_exact():
+    """common/convert.py's bit recipe (mirrored here on every e4m3 byte but the NaN codes):
+    bytes -> [b1, 0, b0, 0] words, magnitudes shifted into a bf16 / fp16's fields, signs put
+    back, times 2^120 / 2^8, equals torch's conversion exactly (subnormals and zero included)."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.int64)
+    exact = codes.to(torch.uint8).view(E4M3).double()
+    for kind, shift, bias, dtype in (("bf16", 4, 2.0 ** 120, torch.bfloat16),
+                                     ("fp16", 1, 2.0 ** 8, torch.float16)):
+        t = codes << 8                               # the byte in bits 8-15 (prmt 0x1404)
+        m = (codes & 0x7F) << 8
+        half = ((m >> shift) | (t & 0x8000)).to(torch.int16)  # lop3 a | (b & 0x8000)
+        got = half.view(dtype).double() * bias       # mul.rn by the packed power of two
+        assert torch.equal(got, exact), kind
+        assert f"shr.b32 t0, t0, {shift};" in convert.PTX[kind]
 
 
 def test_validate_must_be_a_bool():

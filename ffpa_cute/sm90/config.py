@@ -148,13 +148,7 @@ class FwdConfigSm90:
     def smem_bytes(self) -> int:
         """Shared memory of one CTA, laid out as `RingSkeletonSm90`'s storage struct: barriers and
         row factors first, then Q, the K ring, the two V rings and P, each 1 KB aligned."""
-        elt = self.elem_bytes
-        q = (self.k_stages * TILE_M * self.k_chunk if self.stream_q
-             else TILE_M * self.hdim_q_padded) * elt
-        regions = [q,
-                   self.k_stages * self.tile_n * self.k_chunk * elt,
-                   *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
-                   self.p_slots * TILE_M * self.tile_n * elt]
+        regions = self.smem_regions()
         p_full = 2 if self.publish_hi is None else 4  # per buffer, or per buffer and half
         header = 8 * (1 + self.k_stages + 2 * self.v_stages + 2 + p_full) + self.factor_floats * 4
         if self.pair_barriers:  # the exchange barriers
@@ -162,6 +156,17 @@ class FwdConfigSm90:
         if self.kv_pair:  # the peer's row statistics (2 x TILE_M)
             header += 2 * TILE_M * 4
         return sum(_align(x) for x in [header, *regions])
+
+    def smem_regions(self) -> list[int]:
+        """Bytes of the storage struct's tensors after the header, in order: Q (resident, or
+        its ring), the K ring, the two V rings, P."""
+        elt = self.elem_bytes
+        q = (self.k_stages * TILE_M * self.k_chunk if self.stream_q
+             else TILE_M * self.hdim_q_padded) * elt
+        return [q,
+                self.k_stages * self.tile_n * self.k_chunk * elt,
+                *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
+                self.p_slots * TILE_M * self.tile_n * elt]
 
     @property
     def stream_chunks(self) -> int:
@@ -229,9 +234,14 @@ class DecodeConfigSm90(FwdConfigSm90):
 
     page_rows: the cache's page size when K / V are paged (a multiple of tile_n: each KV block
                lies in one page), None for a contiguous cache.
+    kv_dtype:  "e4m3" for an FP8 cache with 16-bit queries (K / V dequantised to `dtype` in
+               shared memory, exactly: every e4m3 value is a bf16 and an fp16 value; the
+               per-(batch, KV head) descales fold into the softmax scale and O's final factor),
+               None when K / V are in `dtype`.
     """
 
     page_rows: int | None = None
+    kv_dtype: str | None = None
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.decode_sm90:FFPADecodeSm90"
 
@@ -240,6 +250,30 @@ class DecodeConfigSm90(FwdConfigSm90):
         """O's dtype: fp32 (split partials, merged on the host)."""
         return "fp32"
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes per element of K and V in global memory (1: an FP8 cache)."""
+        return self.elem_bytes if self.kv_dtype is None else ELEM_BYTES[self.kv_dtype]
+
+    @property
+    def cvt_bufs(self) -> int:
+        """16-bit K chunks and V stages the score and accumulator warpgroups convert an FP8
+        cache into (two each: one converted while the WGMMAs read the other); 0 without."""
+        return 0 if self.kv_dtype is None else 2
+
+    def smem_regions(self) -> list[int]:
+        """The forward's, with an FP8 cache: the K and V rings hold two 16-bit conversion
+        buffers each, and the TMA's 8-bit stages (k_stages / v_stages deep) follow P."""
+        regions = super().smem_regions()
+        if self.kv_dtype is None:
+            return regions
+        q, _, _, _, p = regions
+        c16 = self.tile_n * self.k_chunk * self.elem_bytes
+        b16 = [self.v_rows * d * self.elem_bytes for d in self.dv_halves]
+        kv, elt = self.kv_bytes, self.elem_bytes
+        return [q, self.cvt_bufs * c16, *(self.cvt_bufs * b for b in b16), p,
+                self.k_stages * c16 * kv // elt, *(self.v_stages * b * kv // elt for b in b16)]
+
 
 def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     """The decode kernel's constraints beyond the forward's."""
@@ -247,6 +281,12 @@ def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     if reason is None and (cfg.causal or cfg.window or cfg.sinks or cfg.kv_pair):
         reason = ("the decode kernel serves rows that see every key of their batch row: no "
                   "causal, window, sinks or kv_pair")
+    if reason is None and cfg.kv_dtype not in (None, *FP8_DTYPES):
+        reason = f"kv_dtype {cfg.kv_dtype!r}: None (K / V in {cfg.dtype}) or one of {FP8_DTYPES}"
+    if reason is None and cfg.kv_dtype is not None and any(d % 32 for d in cfg.dv_halves):
+        reason = (f"head_dim_v={cfg.dv}: an FP8 cache is converted in runs that need O halves "
+                  f"of a multiple of 32 columns (Dv per CTA a multiple of 64), got "
+                  f"{cfg.dv_halves}")
     if reason is None and cfg.page_rows is not None and (
             cfg.page_rows <= 0 or cfg.page_rows % cfg.tile_n):
         reason = (f"page_rows={cfg.page_rows}: a paged cache needs pages of a multiple of "
@@ -254,17 +294,20 @@ def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     return reason
 
 
-def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None) -> DecodeConfigSm90:
+def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
+                kv_dtype: str | None = None) -> DecodeConfigSm90:
     """The decode kernel's config for a packed, mask-free problem: the forward's plan without
-    `kv_pair`, tile_n 128 (64 for pages of 64 rows, which a 128-row block would straddle), the
-    forward's deepest rings at that tile. Raises ValueError with the reason when it cannot run
-    it."""
+    `kv_pair`, tile_n 128 (64 for pages of 64 rows, which a 128-row block would straddle, and for
+    an FP8 cache), the forward's deepest rings at that tile; `kv_dtype` "e4m3": an FP8 cache
+    under 16-bit queries. Raises ValueError with the reason when it cannot run it."""
     if problem.causal or problem.has_window or problem.has_sinks:
         raise ValueError("the decode kernel serves rows that see every key (no causal, window "
                          "or sinks)")
-    tile_n = 64 if page_rows is not None and page_rows % 128 else 128
+    # 64-row blocks also for an FP8 cache: its 8-bit stages and 16-bit buffers fit beside
+    # resident Q only at the smaller tile
+    tile_n = 64 if (page_rows is not None and page_rows % 128) or kv_dtype else 128
     base = {**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)), "tile_n": tile_n,
-            "page_rows": page_rows}
+            "page_rows": page_rows, "kv_dtype": kv_dtype}
     return deepest_rings(
         lambda k, v: DecodeConfigSm90(**{**base, "k_stages": k, "v_stages": v}),
         can_implement_decode)

@@ -27,8 +27,17 @@ Hc), which with Hr = Hkv * S is the KV head, and the split is h % S.
                   block_table[b, n * tile_n // page_rows]; the TMA views are re-tiled on that
                   page (the cache [num_pages, page_rows, Hkv, D] seen as (pages, Hkv, rows, D)).
 
+FP8 cache (`kv_dtype` "e4m3", 16-bit q): K / V arrive by TMA in 8-bit rings; the warpgroup
+that reads a stage (S: K chunks, each O warpgroup: its V stages) converts it into one of two
+16-bit buffers (`RingSkeletonSm90._convert`: exact, every e4m3 value is a bf16 / fp16 value),
+refills the 8-bit stage and runs the 16-bit WGMMAs on the buffer: half the cache bytes, the
+16-bit kernel's numerics on the dequantised cache. The descales ([B, Hkv] fp32, x = x_fp8 *
+descale) fold into the scores' scale (K's) and the final 1 / row_sum (V's), as the FP8
+forward's do.
+
 Constraints (`config.can_implement_decode`): the forward's (D 264-1024, Dv != D allowed), no
-causal / window / sinks / kv_pair, pages a multiple of tile_n (64 or 128) rows.
+causal / window / sinks / kv_pair, pages a multiple of tile_n (64 or 128) rows; an FP8 cache
+needs O halves of a multiple of 32 columns (Dv per CTA a multiple of 64).
 Status: compile-verified on CPU; run on the H200 by tests/test_kvcache_gpu.py (docs/verification.md
 says which run).
 """
@@ -42,6 +51,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..common.softmax import OnlineSoftmax
 from ..common.tensors import CUTLASS_DTYPES, fake_tensor
 from .config import DecodeConfigSm90, can_implement_decode
 from .fwd_sm90 import FFPAFwdSm90
@@ -50,28 +60,37 @@ from .skeleton_sm90 import BLoads, ColLoads, Roles, Scalars, Tile
 
 class DecodeExtra(NamedTuple):
     """The decode kernel's `extra`: per-batch-row key counts, the page table (None for a
-    contiguous cache) and the number of splits S."""
+    contiguous cache), the number of splits S and, for an FP8 cache, K's and V's descales
+    ([B, Hkv] fp32; else None)."""
 
     seqlens: cute.Tensor
     table: object
     num_splits: Int32
+    k_descale: object = None
+    v_descale: object = None
 
 
 def fake_decode_args(cfg: DecodeConfigSm90) -> tuple:
-    """Stand-ins for (q, k, v, o, lse, seqlens_k, block_table): q, k, v (B, H, N, D) in the
-    config's dtype (outer strides multiples of 16 bytes), o (B, H, M, Dv) fp32, lse (B, H, M)
-    fp32, seqlens_k (B,) int32, block_table (B, pages) int32 or None."""
+    """Stand-ins for (q, k, v, o, lse, seqlens_k, block_table, k_descale, v_descale): q (B, H,
+    N, D) in the config's dtype, k, v in kv_dtype (outer strides multiples of 16 bytes), o
+    (B, H, M, Dv) fp32, lse (B, H, M) fp32, seqlens_k (B,) int32, block_table (B, pages) int32
+    or None, the descales (B, Hkv) fp32 with `kv_dtype`, else None."""
     dtype = CUTLASS_DTYPES[cfg.dtype]
-    qkv = [fake_tensor(dtype, 4, 128 // dtype.width) for _ in range(3)]
+    kv = CUTLASS_DTYPES[cfg.kv_dtype or cfg.dtype]
+    q = fake_tensor(dtype, 4, 128 // dtype.width)
+    k, v = (fake_tensor(kv, 4, 128 // kv.width) for _ in range(2))
     table = fake_tensor(Int32, 2, 1) if cfg.page_rows is not None else None
-    return (*qkv, fake_tensor(Float32, 4, 4), fake_tensor(Float32, 3, 1),
-            fake_tensor(Int32, 1, 1), table)
+    descales = ((fake_tensor(Float32, 2, 1), fake_tensor(Float32, 2, 1)) if cfg.kv_dtype
+                else (None, None))
+    return (q, k, v, fake_tensor(Float32, 4, 4), fake_tensor(Float32, 3, 1),
+            fake_tensor(Int32, 1, 1), table, *descales)
 
 
 class FFPADecodeSm90(FFPAFwdSm90):
     """Split-KV decode (module docstring); one instance per `DecodeConfigSm90`."""
 
-    OPERANDS = ("q", "k", "v", "o", "lse", "seqlens_k", "block_table")
+    OPERANDS = ("q", "k", "v", "o", "lse", "seqlens_k", "block_table", "k_descale",
+                "v_descale")
     SCALARS = ("softmax_scale", "num_splits")
     fake_inputs = staticmethod(fake_decode_args)
 
@@ -83,13 +102,27 @@ class FFPADecodeSm90(FFPAFwdSm90):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mSeqlens: cute.Tensor, mTable, softmax_scale: Float32,
-                 num_splits: Int32, stream: cuda.CUstream):
-        """q: (B, Hkv * S, M, D); k, v: (B or pages, Hkv, rows, D / Dv); o: (B, Hkv * S, M, Dv)
-        fp32; lse: (B, Hkv * S, M) fp32; seqlens_k: (B,) int32; block_table: (B, pages) int32
-        with `page_rows`, else None. Grid = (M tiles * o_split, Hkv * S, B)."""
+                 mLSE: cute.Tensor, mSeqlens: cute.Tensor, mTable, mKd, mVd,
+                 softmax_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+        """q: (B, Hkv * S, M, D); k, v: (B or pages, Hkv, rows, D / Dv) in kv_dtype; o: (B,
+        Hkv * S, M, Dv) fp32; lse: (B, Hkv * S, M) fp32; seqlens_k: (B,) int32; block_table:
+        (B, pages) int32 with `page_rows`, else None; k_descale, v_descale: (B, Hkv) fp32 with
+        `kv_dtype`, else None. Grid = (M tiles * o_split, Hkv * S, B)."""
+        extra = DecodeExtra(mSeqlens, mTable, num_splits)
+        if const_expr(self.cfg.kv_dtype is not None):
+            extra = DecodeExtra(mSeqlens, mTable, num_splits, mKd, mVd)
         self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale, Int32(0),
-                     stream, DecodeExtra(mSeqlens, mTable, num_splits))
+                     stream, extra)
+
+    @cute.jit
+    def _make_softmax(self, num_rows: cutlass.Constexpr, tile: Tile, extra: DecodeExtra):
+        """The forward's score state; with an FP8 cache K's descale joins the scores' scale
+        and V's the final 1 / row_sum."""
+        if const_expr(self.cfg.kv_dtype is None):
+            return OnlineSoftmax(num_rows, tile.scale_log2)
+        batch, head_kv = tile.batch, tile.head_c
+        return OnlineSoftmax(num_rows, tile.scale_log2 * extra.k_descale[batch, head_kv],
+                             out_scale=extra.v_descale[batch, head_kv])
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit

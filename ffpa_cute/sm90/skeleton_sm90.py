@@ -39,6 +39,12 @@ has a "full" mbarrier (TMA transaction bytes), and since its only reader is its 
 predicate. With `stream_q`, R does not stay resident: a [64 x 64] R chunk rides beside each C
 chunk on the same barrier (O split over two CTAs, and the gradient kernels).
 
+8-bit C and B under 16-bit R (`cvt`: the decode kernel's FP8 cache, config `kv_dtype`): the
+TMA fills 8-bit rings (k_stages / v_stages deep, half the bytes); the warpgroup that reads a
+stage converts it by bits into one of two 16-bit buffers (`_convert`), meets its 128 threads at
+a named barrier, refills the 8-bit stage at once and runs its WGMMAs on the buffer; buffer
+x % 2 is rewritten only after wait_group(1) has retired stage x - 2's WGMMAs.
+
 Hand-off of P (double-buffered, mbarriers): P_full[b] (128 S-thread arrivals after a proxy fence,
 so WGMMA's async proxy sees the stores) and P_empty[b] (an arrival by every O thread once its
 PV WGMMAs on buffer b completed). Every thread, not one per warp: each lane reads its rows'
@@ -64,17 +70,19 @@ skeleton runs the steps, the forward exchanges the row statistics and P (fwd_sm9
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.convert import e4m3x4_to_16bit
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
@@ -95,13 +103,17 @@ class Roles(NamedTuple):
 
 class SmemLayouts(NamedTuple):
     """Swizzled smem layouts: R (resident, or a ring with `stream_q`), the C ring, the two B
-    rings, the P slots."""
+    rings, the P slots; with an 8-bit C / B converted in smem (`cvt`), C and B are its two
+    16-bit buffers each and c8 / blo8 / bhi8 the 8-bit rings the TMA fills (else None)."""
 
     r: cute.ComposedLayout
     c: cute.ComposedLayout
     blo: cute.ComposedLayout
     bhi: cute.ComposedLayout
     p: cute.ComposedLayout
+    c8: object = None
+    blo8: object = None
+    bhi8: object = None
 
 
 class Mmas(NamedTuple):
@@ -189,7 +201,8 @@ class PairSmem(NamedTuple):
 
 class Smem(NamedTuple):
     """The CTA's shared memory: each role's tensor, the P slots, the row-factor buffer
-    (TILE_M, 2), the barriers and (cluster pair) the peer-written parts."""
+    (TILE_M, 2), the barriers, (cluster pair) the peer-written parts and (`cvt`) the 8-bit
+    rings of C and B (else None)."""
 
     r: cute.Tensor
     c: cute.Tensor
@@ -199,6 +212,18 @@ class Smem(NamedTuple):
     factor: cute.Tensor
     bars: Barriers
     pair: object
+    c8: object = None
+    blo8: object = None
+    bhi8: object = None
+
+
+class Convert(NamedTuple):
+    """`cvt`: a warpgroup's 8-bit TMA ring (rows, cols, stages), the 16-bit buffers its WGMMAs
+    read (rows, cols, 2) and the named barrier its 128 threads meet at after converting."""
+
+    src: cute.Tensor
+    dst: cute.Tensor
+    barrier_id: int
 
 
 class ScoreFrags(NamedTuple):
@@ -285,11 +310,13 @@ class BLoads(NamedTuple):
 
 
 class OutFrags(NamedTuple):
-    """An accumulator warpgroup's MMA operands: O, the P slots (A) and the B stages."""
+    """An accumulator warpgroup's MMA operands: O, the P slots (A) and the B stages (`cvt`:
+    the two 16-bit buffers, filled from the 8-bit ring by `convert`; else None)."""
 
     acc_O: cute.Tensor   # (MMA, MMA_M, MMA_N) fp32
     tOrP: cute.Tensor    # (MMA, MMA_M, MMA_K, p_slots)
-    tOrB: cute.Tensor    # (MMA, MMA_N, MMA_K, v_stages)
+    tOrB: cute.Tensor    # (MMA, MMA_N, MMA_K, v_stages | 2)
+    convert: object = None
 
 
 class RingSkeletonSm90(KernelEntry):
@@ -319,9 +346,10 @@ class RingSkeletonSm90(KernelEntry):
       4. Cluster pair: a cluster barrier before the peer's barriers are used, and one at the
          end (the peer may write our smem until then).
 
-    Constraints: sm_90a; 16-bit or 8-bit (e4m3) operands; TILE_M 64; tile_n 64 or 128; the
-    widths and stage counts of `FwdConfigSm90` (its `smem_bytes` must equal the storage
-    struct's size: asserted at compile time).
+    Constraints: sm_90a; 16-bit or 8-bit (e4m3) operands, or 16-bit R with 8-bit C / B
+    converted in smem (`cvt`); TILE_M 64; tile_n 64 or 128; the widths and stage counts of
+    `FwdConfigSm90` (its `smem_bytes` must equal the storage struct's size: asserted at
+    compile time).
 
     Hook protocol (the skeleton's default in brackets; F forward, F8 FP8 forward, D decode, V dV,
     Q dQ, K dK: who overrides):
@@ -395,14 +423,27 @@ class RingSkeletonSm90(KernelEntry):
         self.stream_r = cfg.stream_q
         eb = cfg.elem_bytes
         self.r_bytes = TILE_M * (cfg.k_chunk if cfg.stream_q else cfg.hdim_q_padded) * eb
-        self.c_bytes = cfg.tile_n * cfg.k_chunk * eb
-        self.b_bytes = [cfg.v_rows * d * eb for d in self.halves]
+        # 8-bit C and B under 16-bit R and P (the decode kernel's FP8 cache, `kv_dtype`): the
+        # TMA brings them into 8-bit rings, and the warpgroup that reads them converts each
+        # stage into one of two 16-bit buffers before its WGMMAs (`_convert`); C and B are in
+        # the 16-bit dtype from there on
+        self.cvt = getattr(cfg, "kv_dtype", None) is not None
+        self.cvt_bufs = getattr(cfg, "cvt_bufs", 0)
+        self.kv_dtype = CUTLASS_DTYPES[cfg.kv_dtype] if self.cvt else self.dtype
+        kvb = cfg.kv_bytes if self.cvt else eb
+        self.c_bytes = cfg.tile_n * cfg.k_chunk * kvb
+        self.b_bytes = [cfg.v_rows * d * kvb for d in self.halves]
+        # the rings the WGMMAs read: the TMA's stages, or (`cvt`) the two 16-bit buffers
+        self.c_bufs = self.cvt_bufs or cfg.k_stages
+        self.b_bufs = self.cvt_bufs or cfg.v_stages
 
     # ---------------------------------------------------------------- layouts and MMAs
-    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
-        """Row-major (cols contiguous) WGMMA-compatible layout with the widest swizzle."""
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None, dtype=None):
+        """Row-major (cols contiguous) WGMMA-compatible layout with the widest swizzle (of the
+        operand dtype unless `dtype` is given)."""
+        dtype = dtype or self.dtype
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), (0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
@@ -430,15 +471,21 @@ class RingSkeletonSm90(KernelEntry):
         dlo, dhi = self.halves
         sR_layout = (self._smem_layout(TILE_M, cfg.k_chunk, cfg.k_stages) if self.stream_r
                      else self._smem_layout(TILE_M, cfg.hdim_q_padded))
-        sC_layout = self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages)
+        sC_layout = self._smem_layout(self.tile_n, cfg.k_chunk, self.c_bufs)
         if const_expr(self.fp8):  # transposed B stages [half x b_rows], K (= C's rows) contiguous
             sBlo_layout = self._smem_layout(dlo, self.b_rows, cfg.v_stages)
             sBhi_layout = self._smem_layout(dhi, self.b_rows, cfg.v_stages)
         else:  # B stages [b_rows x half], read as the MN-major B of P B
-            sBlo_layout = self._smem_layout(self.b_rows, dlo, cfg.v_stages)
-            sBhi_layout = self._smem_layout(self.b_rows, dhi, cfg.v_stages)
+            sBlo_layout = self._smem_layout(self.b_rows, dlo, self.b_bufs)
+            sBhi_layout = self._smem_layout(self.b_rows, dhi, self.b_bufs)
         sP_layout = self._smem_layout(TILE_M, self.tile_n, cfg.p_slots)
-        return SmemLayouts(sR_layout, sC_layout, sBlo_layout, sBhi_layout, sP_layout)
+        rings8 = ()
+        if const_expr(self.cvt):  # the TMA's 8-bit rings, read only by `_convert`
+            kv = self.kv_dtype
+            rings8 = (self._smem_layout(self.tile_n, cfg.k_chunk, cfg.k_stages, kv),
+                      self._smem_layout(self.b_rows, dlo, cfg.v_stages, kv),
+                      self._smem_layout(self.b_rows, dhi, cfg.v_stages, kv))
+        return SmemLayouts(sR_layout, sC_layout, sBlo_layout, sBhi_layout, sP_layout, *rings8)
 
     @cute.jit
     def _launch(self, roles: Roles, mLSE: cute.Tensor, softmax_scale: Float32,
@@ -450,7 +497,7 @@ class RingSkeletonSm90(KernelEntry):
         ops = self._operands(roles, mLSE)
         dlo, dhi = self.halves
         layouts = self._smem_layouts()
-        SharedStorage = _shared_storage(cfg, self.dtype, layouts)
+        SharedStorage = _shared_storage(cfg, self.dtype, layouts, self.kv_dtype)
 
         # the planner's budget must be the real one (else a config it accepts fails at launch)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
@@ -475,12 +522,13 @@ class RingSkeletonSm90(KernelEntry):
         """TMA atoms and tensors of the roles' (B, H, N, D) tensors: R (resident rows or their
         chunks), C (the S ring's column chunks), B (the accumulators' halves), and O."""
         cfg = self.cfg
-        mR, mC = [aligned_bhnd(t, cfg.head_dim, self.dtype) for t in (roles.rows, roles.cols)]
+        mR = aligned_bhnd(roles.rows, cfg.head_dim, self.dtype)
+        mC = aligned_bhnd(roles.cols, cfg.head_dim, self.kv_dtype)
         mOut = aligned_bhnd(roles.out, cfg.dv, self.out_dtype)
         if const_expr(self.fp8):  # transposed B (B, H, Dv, N): its (Dv, N) modes first for TMA
             mB = aligned_bhdn(roles.acc_b, cfg.dv, self.dtype)
         else:
-            mB = aligned_bhnd(roles.acc_b, cfg.dv, self.dtype)
+            mB = aligned_bhnd(roles.acc_b, cfg.dv, self.kv_dtype)
         tR, tC, tB = [self._bhnd_to_tma(t) for t in (mR, mC, mB)]
         dlo, dhi = self.halves
         layouts = self._smem_layouts()
@@ -490,16 +538,20 @@ class RingSkeletonSm90(KernelEntry):
         # TMA coordinate tensors, (N, D, H, B) each (8-bit B: (Dv, N, H, B))
         tma_r, gR_tma = cpasync.make_tiled_tma_atom(   # box (TILE_M, Dr padded | k_chunk)
             g2s, tR, cute.select(layouts.r, mode=[0, 1]), r_box)
+        # C and B land in the rings the TMA fills: the 8-bit ones under `cvt`
+        c_ring, blo_ring, bhi_ring = ((layouts.c8, layouts.blo8, layouts.bhi8)
+                                      if const_expr(self.cvt)
+                                      else (layouts.c, layouts.blo, layouts.bhi))
         tma_c, gC_tma = cpasync.make_tiled_tma_atom(   # box (tile_n, k_chunk)
-            g2s, tC, cute.select(layouts.c, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+            g2s, tC, cute.select(c_ring, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
         # B boxes are one accumulator warpgroup wide; the kernel offsets them to its columns
         # (8 bits: to its rows of the transposed B)
         blo_box, bhi_box = (((dlo, self.b_rows), (dhi, self.b_rows)) if const_expr(self.fp8)
                             else ((self.b_rows, dlo), (self.b_rows, dhi)))
         tma_blo, gBlo_tma = cpasync.make_tiled_tma_atom(   # box (b_rows, lo) | (lo, b_rows)
-            g2s, tB, cute.select(layouts.blo, mode=[0, 1]), blo_box)
+            g2s, tB, cute.select(blo_ring, mode=[0, 1]), blo_box)
         tma_bhi, gBhi_tma = cpasync.make_tiled_tma_atom(   # box (b_rows, hi) | (hi, b_rows)
-            g2s, tB, cute.select(layouts.bhi, mode=[0, 1]), bhi_box)
+            g2s, tB, cute.select(bhi_ring, mode=[0, 1]), bhi_box)
         return Operands(mOut, mLSE, gR_tma, gC_tma, gBlo_tma, gBhi_tma, tma_r, tma_c, tma_blo,
                         tma_bhi)
 
@@ -564,6 +616,12 @@ class RingSkeletonSm90(KernelEntry):
         sP = storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner)
         # (TILE_M, 2): the rows' factors of each P buffer
         sFactor = storage.row_factor.get_tensor(cute.make_layout((TILE_M, 2)))
+        rings8 = ()
+        if const_expr(self.cvt):  # the 8-bit rings: (tile_n, k_chunk, k_stages), (b_rows,
+            # lo | hi, v_stages)
+            rings8 = tuple(getattr(storage, f).get_tensor(l.outer, swizzle=l.inner)
+                           for f, l in (("sC8", layouts.c8), ("sBlo8", layouts.blo8),
+                                        ("sBhi8", layouts.bhi8)))
 
         seqlen_r = ops.mOut.shape[2]
         tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r,
@@ -580,7 +638,7 @@ class RingSkeletonSm90(KernelEntry):
                             storage.sP.data_ptr())
         elif const_expr(cfg.cluster_pair):
             pair = PairSmem(None, storage.sP.data_ptr())
-        smem = Smem(sR, sC, sBlo, sBhi, sP, sFactor, bars, pair)
+        smem = Smem(sR, sC, sBlo, sBhi, sP, sFactor, bars, pair, *rings8)
         self._warpgroups(ops, mmas, smem, tile, seq, extra, wg, tidx)
         if const_expr(cfg.cluster_pair):  # the peer may still write our smem until done
             cute.arch.cluster_arrive()
@@ -750,14 +808,17 @@ class RingSkeletonSm90(KernelEntry):
         # (tile_n, k_chunk, n_blocks, C)
         gC = cute.local_tile(ops.gC_tma[None, None, head_c, batch], (self.tile_n, cfg.k_chunk),
                              (None, None))
+        # the ring the TMA fills: sC, or (`cvt`) the 8-bit one that `_convert` reads into sC
+        sC_tma = smem.c8 if const_expr(self.cvt) else sC
         # (TMA, k_stages) / (TMA, n_blocks, C)
-        tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, one, cute.group_modes(sC, 0, 2),
+        tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, one, cute.group_modes(sC_tma, 0, 2),
                                          cute.group_modes(gC, 0, 2))
         # ---- MMA fragments (MMA_K: k_chunk / mma_k WGMMA k steps per chunk)
         thr_mma = mma_s.get_slice(tidx)
         # (MMA, MMA_M, Dr padded / mma_k), or (MMA, MMA_M, MMA_K, k_stages) when R streams
         tSrR = mma_s.make_fragment_A(thr_mma.partition_A(sR))
-        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(sC))   # (MMA, MMA_N, MMA_K, k_stages)
+        # (MMA, MMA_N, MMA_K, k_stages | 2 16-bit buffers)
+        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(sC))
         # (MMA, MMA_M, MMA_N) fp32: ((2, 2, tile_n / 8), 1, 1)
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
         # a second score accumulator for skeletons with two score products (bwd dQ / dK)
@@ -791,8 +852,12 @@ class RingSkeletonSm90(KernelEntry):
         total = n_iter * C  # C chunks this tile reads, in ring order
 
         # ---- R (unless it streams with C), then the first k_stages C chunks
-        loads = ColLoads(ops.tma_c, tCg, tCs, ops.tma_r, tRg, tRs, ops.gC_tma, sC, sR, bars.cols,
-                         seq, total, m_block, head, extra, o_part, tidx)
+        loads = ColLoads(ops.tma_c, tCg, tCs, ops.tma_r, tRg, tRs, ops.gC_tma, sC_tma, sR,
+                         bars.cols, seq, total, m_block, head, extra, o_part, tidx)
+        # `cvt`: each chunk is converted into a 16-bit buffer first; its 8-bit stage is then
+        # refilled at once, unless R streams beside it (R's stage is read by the WGMMAs)
+        convert = Convert(sC_tma, sC, 2) if const_expr(self.cvt) else None
+        early = self.cvt and not self.stream_r
         if const_expr(not self.stream_r):
             self._tma_load(ops.tma_r, tRg, tRs, bars.rows, self.r_bytes, tidx)
         for x in cutlass.range_constexpr(ks):
@@ -829,6 +894,12 @@ class RingSkeletonSm90(KernelEntry):
                     self._first_scores(tile, io, frags, step)
                 s = x % ks
                 cute.arch.mbarrier_wait(bars.cols + s, (x // ks) & 1)
+                sb = s  # the C buffer the WGMMAs read
+                if const_expr(self.cvt):  # chunk x-2, the last reader of buffer x % 2, is done
+                    sb = x % 2
+                    self._convert(convert, s, sb, tidx)
+                    if const_expr(early):
+                        self._refill_c(loads, x)
                 warpgroup.fence()
                 second, first, n_k, r_k0 = self._chunk(c)
                 acc = acc_2 if const_expr(second and not self.seq_scores) else acc_S
@@ -836,11 +907,12 @@ class RingSkeletonSm90(KernelEntry):
                     atom.set(warpgroup.Field.ACCUMULATE, not (first and k == 0))
                     rR = (tSrR[None, None, k, s] if const_expr(self.stream_r)
                           else tSrR[None, None, r_k0 + k])
-                    cute.gemm(atom, acc, rR, tSrC[None, None, k, s], acc)
+                    cute.gemm(atom, acc, rR, tSrC[None, None, k, sb], acc)
                 warpgroup.commit_group()
                 if const_expr(c > 0):
                     warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
-                    self._refill_c(loads, x - 1)
+                    if const_expr(not early):
+                        self._refill_c(loads, x - 1)
                 x += 1
             if const_expr(cfg.publish_after == C):
                 if i > 0:
@@ -849,7 +921,8 @@ class RingSkeletonSm90(KernelEntry):
                 if i > 0:
                     cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
             warpgroup.wait_group(0)
-            self._refill_c(loads, x - 1)
+            if const_expr(not early):
+                self._refill_c(loads, x - 1)
             # ---- the kernel's score step: P (and the rows' factors) in registers, then smem
             self._score_step(tile, io, frags, step, n_count)
             b = i % 2
@@ -888,6 +961,46 @@ class RingSkeletonSm90(KernelEntry):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
             cute.copy(tma, src, dst, tma_bar_ptr=bar)
+
+    @cute.jit
+    def _convert(self, conv: Convert, s, sb, tidx):
+        """`cvt`: stage s of the warpgroup's 8-bit ring into its 16-bit buffer sb (exact, by
+        bits: common/convert.py, Note [e4m3 to bf16 / fp16 by bits]), then fenced for the
+        WGMMAs (async proxy) and a barrier of the warpgroup's 128 threads: after it every
+        thread's reads of stage s are done, so the stage may be refilled. Each thread converts
+        runs of `vec` contiguous elements of a row (8-byte loads, 16-byte stores; a run never
+        crosses a swizzle atom): tpr = gcd(cols / vec, 128) threads share a row, 128 / tpr rows
+        per pass (`can_implement_decode`: cols a multiple of 32, so at most 32 rows per pass).
+        The runs are a loop unrolled by 2, not fully: unrolled, ptxas spills at D=1024."""
+        src, dst = conv.src[None, None, s], conv.dst[None, None, sb]
+        rows, cols = cute.size(src, mode=[0]), cute.size(src, mode=[1])
+        vec = 8
+        tpr = math.gcd(cols // vec, WG_THREADS)
+        thr = cute.make_ordered_layout((WG_THREADS // tpr, tpr), order=(1, 0))
+        val = cute.make_layout((1, vec))   # the tile (128 / tpr, vec * tpr), repeated
+        load = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_dtype,
+                                num_bits_per_copy=vec * self.kv_dtype.width), thr, val)
+        store = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=vec * self.dtype.width), thr, val)
+        tXs8 = load.get_slice(tidx).partition_S(src)   # (CPY, CPY_M, CPY_N)
+        tXs16 = store.get_slice(tidx).partition_D(dst)   # (CPY, CPY_M, CPY_N)
+        assert rows % (WG_THREADS // tpr) == 0, (rows, cols)
+        # one run at a time (8 + 16 bytes of registers: the O warpgroups hold O beside it)
+        r8 = cute.make_rmem_tensor(cute.size(tXs8, mode=[0]), self.kv_dtype)
+        r16 = cute.make_rmem_tensor(cute.size(tXs16, mode=[0]), self.dtype)
+        # word i of r8 (four values) is words 2i, 2i + 1 of r16 (two each)
+        w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
+        runs_m = cute.size(tXs8, mode=[1])
+        for mn in cutlass.range(runs_m * cute.size(tXs8, mode=[2]), unroll=2):
+            m, n = mn % runs_m, mn // runs_m
+            cute.copy(load, tXs8[None, m, n], r8)
+            for i in cutlass.range_constexpr(cute.size(w8)):
+                w16[2 * i], w16[2 * i + 1] = e4m3x4_to_16bit(w8[i], self.cfg.dtype)
+            cute.copy(store, r16, tXs16[None, m, n])
+        cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
+        cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
 
     @cute.jit
     def _copy_stream_chunk(self, loads: ColLoads, s, src, head, n_block, c):
@@ -960,20 +1073,25 @@ class RingSkeletonSm90(KernelEntry):
             gB = cute.local_tile(
                 cute.domain_offset((0, col0), gB_tma[None, None, head_c, batch]),
                 (self.b_rows, dv), (None, 0))
+        # the ring the TMA fills: sB, or (`cvt`) the 8-bit one that `_convert` reads into sB
+        sB_tma = sB
+        if const_expr(self.cvt):
+            sB_tma = smem.blo8 if const_expr(half == 0) else smem.bhi8
         # (TMA, v_stages) / (TMA, b_blocks)
         tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                         cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                                         cute.group_modes(sB_tma, 0, 2),
+                                         cute.group_modes(gB, 0, 2))
         # ---- MMA fragments: B stage (b_rows, dv) seen as (dv, b_rows), the MN-major B of P B
         #      (8 bits: the transposed stage (dv, b_rows) is the K-major B as it is)
         thr_mma = mma_o.get_slice(tidx)
         if const_expr(self.fp8):
             sBt = sB   # (dv, b_rows, v_stages)
         else:   # (dv, b_rows, v_stages): the (b_rows, dv) stage read N-major (dv contiguous)
-            sBt = cute.composition(sB, cute.make_ordered_layout((dv, self.b_rows, vs),
+            sBt = cute.composition(sB, cute.make_ordered_layout((dv, self.b_rows, self.b_bufs),
                                                                 order=(1, 0, 2)))
         # (MMA, MMA_M, tile_n / mma_k, p_slots)
         tOrP = mma_o.make_fragment_A(thr_mma.partition_A(sP))
-        # (MMA, MMA_N, b_rows / mma_k, v_stages)
+        # (MMA, MMA_N, b_rows / mma_k, v_stages | 2 16-bit buffers)
         tOrB = mma_o.make_fragment_B(thr_mma.partition_B(sBt))
         # (MMA, MMA_M, MMA_N) fp32: ((2, 2, dv / 8), 1, 1)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
@@ -984,9 +1102,10 @@ class RingSkeletonSm90(KernelEntry):
         num_rows = cute.size(acc_O_mn, mode=[0])
         n_count = seq.n_count
         total = n_count * vj  # B stages of this half the tile reads, in ring order
-        loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB, seq, half, total, bars,
+        loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB_tma, seq, half, total, bars,
                        o_part, tidx, extra)
-        frags = OutFrags(acc_O, tOrP, tOrB)
+        frags = OutFrags(acc_O, tOrP, tOrB,
+                         Convert(sB_tma, sB, 3 + half) if const_expr(self.cvt) else None)
 
         for x in cutlass.range_constexpr(vs):
             if x < total:
@@ -1008,7 +1127,8 @@ class RingSkeletonSm90(KernelEntry):
                 for j in cutlass.range_constexpr(vj):
                     x = self._pv_stage(atom, frags, loads, x, j, b, j > 0)
             warpgroup.wait_group(0)
-            self._refill_b(loads, x - 1)
+            if const_expr(not self.cvt):  # (`cvt` refilled each stage once converted)
+                self._refill_b(loads, x - 1)
             if const_expr(self.rescale_o):  # every lane read sFactor[:, b]: each releases
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
             if lane == 0:
@@ -1059,20 +1179,27 @@ class RingSkeletonSm90(KernelEntry):
     def _pv_stage(self, atom, frags: OutFrags, loads: BLoads, x, j: cutlass.Constexpr, slot,
                   refill: cutlass.Constexpr):
         """O += P[:, rows of B stage j] (P slot `slot`) times the B stage at ring position x;
-        with `refill`, once the previous stage has been read, load its successor. Returns
-        x + 1."""
-        acc_O, tOrP, tOrB = frags
+        with `refill`, once the previous stage has been read, load its successor (`cvt`: the
+        stage is converted into 16-bit buffer x % 2, whose last reader, stage x-2, is done, and
+        refilled right after). Returns x + 1."""
+        acc_O, tOrP, tOrB, convert = frags
         vs, k_per_b = self.cfg.v_stages, self.b_rows // self.mma_k
         s = x % vs
         cute.arch.mbarrier_wait(loads.bar + s, (x // vs) & 1)
+        sb = s  # the B buffer the WGMMAs read
+        if const_expr(self.cvt):
+            sb = x % 2
+            self._convert(convert, s, sb, loads.tidx)
+            self._refill_b(loads, x)
         warpgroup.fence()
         for k in cutlass.range_constexpr(k_per_b):
             cute.gemm(atom, acc_O, tOrP[None, None, j * k_per_b + k, slot],
-                      tOrB[None, None, k, s], acc_O)
+                      tOrB[None, None, k, sb], acc_O)
         warpgroup.commit_group()
         if const_expr(refill):
             warpgroup.wait_group(1)  # stage x-1 has been read: refill it
-            self._refill_b(loads, x - 1)
+            if const_expr(not self.cvt):
+                self._refill_b(loads, x - 1)
         return x + 1
 
     @cute.jit
@@ -1099,15 +1226,16 @@ class RingSkeletonSm90(KernelEntry):
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
 
 
-def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts):
+def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
     """The kernel's shared-memory struct, fields in order (`kv_pair` adds its exchange
-    barriers and the peer's row statistics). Built from an annotations dict: the module's
-    postponed annotations would reach `cute.struct` as strings."""
+    barriers and the peer's row statistics; `cvt` the 8-bit rings in kv_dtype after P). Built
+    from an annotations dict: the module's postponed annotations would reach `cute.struct` as
+    strings."""
     ks, vs, kv = cfg.k_stages, cfg.v_stages, cfg.kv_pair
     mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
 
-    def smem(layout):
-        return align[mem[dtype, cute.cosize(layout)], 1024]
+    def smem(layout, elem=dtype):
+        return align[mem[elem, cute.cosize(layout)], 1024]
 
     fields = {
         "bar_r": mem[i64, 1],
@@ -1122,10 +1250,12 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts):
         **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if kv else {}),
         "sR": smem(layouts.r), "sC": smem(layouts.c), "sBlo": smem(layouts.blo),
         "sBhi": smem(layouts.bhi), "sP": smem(layouts.p),
+        **({"sC8": smem(layouts.c8, kv_dtype), "sBlo8": smem(layouts.blo8, kv_dtype),
+            "sBhi8": smem(layouts.bhi8, kv_dtype)} if layouts.c8 is not None else {}),
     }
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-__all__ = ["BLoads", "Barriers", "BlockSeq", "ColLoads", "Mmas", "Operands", "OutFrags",
+__all__ = ["BLoads", "Barriers", "BlockSeq", "ColLoads", "Convert", "Mmas", "Operands", "OutFrags",
            "PairSmem", "RingSkeletonSm90", "Roles", "Scalars", "ScoreFrags", "ScoreIO",
            "ScoreStep", "Smem", "SmemLayouts", "Tile", "WG_THREADS"]
