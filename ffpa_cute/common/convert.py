@@ -20,8 +20,9 @@ fp16 value, and `mul.rn` on packed bf16 / fp16 keeps subnormal inputs (no flush)
 
 Per word of four bytes b3 b2 b1 b0: one AND clears the signs, four byte permutes spread the
 bytes to [b1, 0, b0, 0] and [b3, 0, b2, 0] (with and without signs), two shifts move the
-magnitudes into place, two LOP3 put the signs back, two packed multiplies rebias: 11
-instructions for four values, ~2.75 integer-pipe slots each against 8 for the cvt route.
+magnitudes into place, two LOP3 put the signs back (9 integer instructions, ~2.25 per value),
+two packed multiplies rebias (the half-precision pipe); the cvt route costs two conversions per
+value at a quarter of the integer rate.
 """
 
 from __future__ import annotations
