@@ -17,6 +17,10 @@ Causal is bottom-right over those n_b keys: the Nq queries are the last Nq posit
 with Nq = 1 sees every key; chunked prefill: query i sees keys j <= i + n_b - Nq); a window
 is in the same frame. GQA / MQA: Hq any multiple of Hkv (128:1 included).
 
+FP8 cache: k_cache / v_cache in float8_e4m3fn under bf16 / fp16 q hold K / V = cache * descale
+(k_descale / v_descale: a number or [B, Hkv] fp32); the decode kernel converts its 8-bit stages
+in shared memory (`FFPADecodeSm90`, config `kv_dtype`), the host loop dequantises the row's keys.
+
 cache_seqlens and block_table are checked on the host (device syncs on CUDA; `validate=False`
 skips that on the decode kernel's route). Where every
 row sees every key of its batch row (decode Nq = 1, or is_causal=False), without a window, with

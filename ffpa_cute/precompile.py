@@ -5,7 +5,9 @@
 
 Each (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch
 under the options in force (`ffpa_cute.options`; e.g. FFPA_CUTE_ARCH=sm80 for the Split-D family)
-(with --backward also the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`), compiled
+(with --backward also the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`; with --decode
+the split-KV decode kernels of `attention_with_kvcache` for those page sizes: 16-bit caches,
+and e4m3 caches under the 16-bit dtypes when --dtypes has fp8), compiled
 from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
 an object file into `<cache-dir>/<fingerprint>/`. A process on the GPU machine that sets
 `FFPA_CUTE_CACHE_DIR` to the same directory (same package sources and cutlass-dsl version) loads
@@ -52,10 +54,33 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
     return plans
 
 
-def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False) -> list:
+def decode_jobs(target: str, head_dims, dtypes, pages) -> list:
+    """(kernel class, config) of the split-KV decode kernel per head dim, 16-bit query dtype,
+    cache dtype (the query's; e4m3 too when `dtypes` has it) and page size (None: a
+    contiguous cache); combinations no decode kernel serves are skipped."""
+    q_dtypes = [dt for dt in dtypes if dt != "e4m3"] or ["bf16"]
+    kv_dtypes = [None] + (["e4m3"] if "e4m3" in dtypes else [])
+    jobs = []
+    for d in head_dims:
+        for dt in q_dtypes:
+            p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1,
+                            head_dim=d, head_dim_v=d)
+            for kv in kv_dtypes:
+                if kv is None and dt not in dtypes:
+                    continue  # only an FP8 cache was asked for under these queries
+                for page in pages:
+                    plan = dispatch.plan_decode(p, page, target=target, kv_dtype=kv)
+                    if plan.reason is None and (plan.kernel_cls, plan.cfg) not in jobs:
+                        jobs.append((plan.kernel_cls, plan.cfg))
+    return jobs
+
+
+def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
+             decode_pages=()) -> list:
     """(kernel class, config) pairs to compile: the forward plans (FP8 ones with the transpose
-    kernel that gives them Vt), and with `backward` the backward kernels of the same problems
-    (deduplicated, uncovered combinations skipped)."""
+    kernel that gives them Vt), with `backward` the backward kernels of the same problems, and
+    the decode kernels for `decode_pages` (`decode_jobs`) (deduplicated, uncovered combinations
+    skipped)."""
     from .common.config import TransposeConfig
 
     jobs = []
@@ -73,15 +98,16 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False) ->
                                     seqlen_kv=1, head_dim=d, head_dim_v=d, causal=causal)
                     jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
                              if j not in jobs]
-    return jobs
+    return jobs + [j for j in decode_jobs(target, head_dims, dtypes, decode_pages)
+                   if j not in jobs]
 
 
 def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: bool = True,
-               backward: bool = False):
+               backward: bool = False, decode_pages=()):
     """Compile every job into cache_dir; returns (the cache, its .stats count the work; the
     (kernel class, config) jobs)."""
     cache = JitCache(cache_dir, disk=True)
-    plans = jobs_for(target, head_dims, dtypes, causals, backward)
+    plans = jobs_for(target, head_dims, dtypes, causals, backward, decode_pages)
     try:
         from rich.progress import Progress
     except ImportError:  # rich is a dependency, but keep precompile usable without it
@@ -91,6 +117,8 @@ def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: boo
             task = bar.add_task(f"precompiling for {target}", total=len(plans))
             for cls, cfg in plans:
                 causal = f" causal={cfg.causal}" if hasattr(cfg, "causal") else ""
+                if getattr(cfg, "kv_dtype", None):
+                    causal += f" cache={cfg.kv_dtype}"
                 bar.update(task, description=f"{target} {cls.__name__} D={cfg.head_dim} "
                            f"{cfg.dtype}{causal}")
                 cache.get(cls, cfg)
@@ -117,14 +145,19 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--backward", action="store_true",
                     help="also the backward kernels (training): Delta, dQ, dK, dV per config")
+    ap.add_argument("--decode", default="", metavar="PAGES",
+                    help="also the split-KV decode kernels (serving, sm_90) for these page sizes, "
+                    "e.g. 'none,64' (none: a contiguous cache); e4m3 caches when --dtypes has "
+                    "fp8")
     args = ap.parse_args(argv)
     target = normalize_arch(args.arch)
     dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, int)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     t0 = time.time()
     dtypes = [DTYPE_ALIASES.get(d, d) for d in _csv(args.dtypes)]
+    pages = [None if x.lower() == "none" else int(x) for x in _csv(args.decode)]
     cache, plans = precompile(target, dims, dtypes, causals, args.cache_dir,
-                              backward=args.backward)
+                              backward=args.backward, decode_pages=pages)
     st = cache.stats
     print(f"{len(plans)} kernels for {target} in {cache.entry_dir(target)}: {st.compiles} "
           f"compiled, {st.disk_loads} already there ({time.time() - t0:.0f} s)")

@@ -19,7 +19,8 @@
 #   slow  the slow grids (`-m "gpu and slow"`), device family then sm80
 #   perf  perf.smoke: first-call compile, host overhead, backward kernel times
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
-#   serving perf.sweep --cases serving: window, varlen, paged decode (perf/serving.py)
+#   serving perf.sweep --cases serving: window, varlen, paged decode on bf16 and e4m3 caches
+#         (perf/serving.py; SERVING_CASES picks a subset, e.g. "kvdecode,kvdecode-fp8")
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -74,7 +75,8 @@ if has sweep; then
 fi
 if has serving; then
   step "perf.sweep --cases serving"
-  timeout 500 python -m perf.sweep --cases serving --baselines sdpa --no-progress --no-charts \
+  timeout 500 python -m perf.sweep --cases "${SERVING_CASES:-serving}" --baselines sdpa \
+      --no-progress --no-charts \
       --out "$out/serving" --commit "${PERF_COMMIT:-unknown}" > "$out/serving.log" 2>&1
   cat "$out/serving/serving.md"
 fi

@@ -28,6 +28,20 @@ def test_backward_jobs_are_what_run_bwd_compiles():
     assert names["sm_120a"] == ["FFPAFwdSm80", "FFPAFwdSm80"]
 
 
+def test_decode_jobs_cover_caches_and_pages():
+    """--decode: the decode kernel per head dim, 16-bit dtype and page size, e4m3 caches under
+    the 16-bit dtypes when fp8 is asked for (only e4m3 under bf16 when fp8 comes alone); none
+    on targets without a decode kernel."""
+    jobs = precompile.jobs_for("sm_90a", [512], ["bf16", "e4m3"], (False,),
+                               decode_pages=[None, 64])
+    dec = [cfg for cls, cfg in jobs if cls.__name__ == "FFPADecodeSm90"]
+    assert {(c.dtype, c.kv_dtype, c.page_rows) for c in dec} == {
+        ("bf16", None, None), ("bf16", None, 64), ("bf16", "e4m3", None), ("bf16", "e4m3", 64)}
+    only = precompile.decode_jobs("sm_90a", [512], ["e4m3"], [64])
+    assert [(c.dtype, c.kv_dtype) for _, c in only] == [("bf16", "e4m3")]
+    assert precompile.decode_jobs("sm_80", [512], ["bf16"], [None]) == []
+
+
 def test_cli(tmp_path, capsys):
     assert precompile.main(["--arch", "sm_120", "--head-dims", "512", "--dtypes", "fp16",
                             "--causal", "yes", "--cache-dir", str(tmp_path)]) == 0
