@@ -63,9 +63,11 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "tensor",
 
 
 def descale_bh(d, name: str, b: int, hkv: int, device) -> torch.Tensor:
-    """A descale as the kernel reads it: [B, Hkv] fp32, contiguous, on `device`."""
-    if d is None:
-        return torch.ones(b, hkv, dtype=torch.float32, device=device)
+    """A descale as the kernel reads it: [B, Hkv] fp32, contiguous, on `device`. A number is
+    filled on the device (no host-to-device copy: the call stays CUDA-graph capturable)."""
+    if d is None or isinstance(d, (int, float)):
+        return torch.full((b, hkv), 1.0 if d is None else float(d), dtype=torch.float32,
+                          device=device)
     t = torch.as_tensor(d, dtype=torch.float32, device=device)
     if t.numel() == 1:
         return t.reshape(1, 1).expand(b, hkv).contiguous()

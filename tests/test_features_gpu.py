@@ -240,17 +240,23 @@ def test_decode_fp8_cache(seed, case):
     assert rel_err(again, out) <= 1e-2 and rel_err(fast, out) <= 1e-2
 
 
-def test_decode_unvalidated_captures_in_a_cuda_graph(seed):
-    """validate=False reads nothing on the host: a decode step (new key appended, paged cache)
-    captures in a CUDA graph and its replays follow the lengths on the device."""
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+def test_decode_unvalidated_captures_in_a_cuda_graph(seed, cache):
+    """validate=False reads nothing on the host: a decode step (new key appended, paged cache;
+    an e4m3 cache with float descales too) captures in a CUDA graph and its replays follow the
+    lengths on the device."""
     b, hq, hkv, page = 4, 32, 4, 64
     k_cache, v_cache, table = _cache(b, 4096, hkv, 512, 512, page)
+    scales = {}
+    if cache == "e4m3":
+        k_cache, v_cache = (x.to(torch.float8_e4m3fn) for x in (k_cache, v_cache))
+        scales = dict(k_descale=0.5, v_descale=2.0)
     q, kn, vn = rnd(b, 1, hq, 512), rnd(b, 1, hkv, 512), rnd(b, 1, hkv, 512)
     seqlens = torch.tensor([100, 4000, 0, 2047], dtype=torch.int32, device="cuda")
 
     def step():
         return attention_with_kvcache(q, k_cache, v_cache, seqlens, table, k=kn, v=vn,
-                                      validate=False)
+                                      validate=False, **scales)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -264,7 +270,7 @@ def test_decode_unvalidated_captures_in_a_cuda_graph(seed):
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         with torch.no_grad():
-            ref = attention_with_kvcache(q, k_cache, v_cache, seqlens + 1, table)
+            ref = attention_with_kvcache(q, k_cache, v_cache, seqlens + 1, table, **scales)
         assert rel_err(out, ref) <= 1e-2, lens
 
 
