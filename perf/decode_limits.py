@@ -1,0 +1,169 @@
+"""What bounds the split-KV decode kernel on an FP8 cache (`FFPADecodeSm90`, `kv_dtype` e4m3):
+the kernel timed beside variants of itself that drop part of the in-smem conversion, and the
+16-bit-cache kernel on the same keys.
+
+    python -m perf.decode_limits --precompile DIR     # CPU: compile the variants into a cache
+    python -m perf.decode_limits                      # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
+
+Variants (B=8, Hq 32 / Hkv 4, D=512, page 64, every row at N keys; the kernel alone, without
+the host merge of the splits):
+  bf16       the 16-bit cache (twice the bytes)
+  e4m3       the shipping FP8-cache kernel
+  no-math    the conversion moves the bytes but skips the bit arithmetic (wrong values)
+  no-copy    no conversion at all: the fence and barrier only (wrong values)
+  bf16-2x2   the 16-bit cache with rings of 2 K and 2 V stages (80 KB in flight at most, near
+             the FP8 kernel's 64 KB): how much the bytes in flight alone cost
+Experiments only: the variants compute wrong attention and are never routed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Uint32
+
+from ffpa_cute.sm90.decode_sm90 import FFPADecodeSm90
+from ffpa_cute.sm90.skeleton_sm90 import WG_THREADS
+
+B, HQ, HKV, D, PAGE = 8, 32, 4, 512, 64
+SEQLENS = (32768, 131072)
+
+
+class DecodeNoMath(FFPADecodeSm90):
+    """The FP8-cache decode whose conversion copies bytes without the bit arithmetic."""
+
+    @cute.jit
+    def _convert(self, conv, s, sb, tidx):
+        src, dst = conv.src[None, None, s], conv.dst[None, None, sb]
+        cols = cute.size(src, mode=[1])
+        tpr = __import__("math").gcd(cols // 8, WG_THREADS)
+        thr = cute.make_ordered_layout((WG_THREADS // tpr, tpr), order=(1, 0))
+        val = cute.make_layout((1, 8))
+        load = cute.make_tiled_copy_tv(cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.kv_dtype, num_bits_per_copy=64), thr, val)
+        store = cute.make_tiled_copy_tv(cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128), thr, val)
+        tXs8 = load.get_slice(tidx).partition_S(src)
+        tXs16 = store.get_slice(tidx).partition_D(dst)
+        r8 = cute.make_rmem_tensor(cute.size(tXs8, mode=[0]), self.kv_dtype)
+        r16 = cute.make_rmem_tensor(cute.size(tXs16, mode=[0]), self.dtype)
+        w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
+        runs_m = cute.size(tXs8, mode=[1])
+        for mn in cutlass.range(runs_m * cute.size(tXs8, mode=[2]), unroll=2):
+            m, n = mn % runs_m, mn // runs_m
+            cute.copy(load, tXs8[None, m, n], r8)
+            for i in cutlass.range_constexpr(cute.size(w8)):
+                w16[2 * i], w16[2 * i + 1] = w8[i], w8[i]
+            cute.copy(store, r16, tXs16[None, m, n])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
+
+
+class DecodeNoCopy(FFPADecodeSm90):
+    """The FP8-cache decode with no conversion: the fence and barrier only."""
+
+    @cute.jit
+    def _convert(self, conv, s, sb, tidx):
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
+
+
+def _cfg(kv, rings=None):
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    p = AttnProblem(dtype="bf16", batch=B, heads_q=HKV, heads_kv=HKV, seqlen_q=HQ // HKV,
+                    seqlen_kv=4096, head_dim=D, head_dim_v=D)
+    plan = dispatch.plan_decode(p, PAGE, target="sm_90a", opts=Options(), kv_dtype=kv)
+    assert plan.reason is None, plan.reason
+    if rings:
+        import dataclasses
+
+        return dataclasses.replace(plan.cfg, k_stages=rings[0], v_stages=rings[1])
+    return plan.cfg
+
+
+VARIANTS = {"bf16": (FFPADecodeSm90, None, None), "e4m3": (FFPADecodeSm90, "e4m3", None),
+            "no-math": (DecodeNoMath, "e4m3", None), "no-copy": (DecodeNoCopy, "e4m3", None),
+            "bf16-2x2": (FFPADecodeSm90, None, (2, 2))}
+
+
+def precompile(directory: str) -> None:
+    from ffpa_cute.cache import JitCache
+
+    cache = JitCache(directory, disk=True)
+    for cls, kv, rings in VARIANTS.values():
+        cache.get(cls, _cfg(kv, rings))
+    print(f"decode_limits: {cache.stats.compiles} compiled into {directory}")
+
+
+def run() -> dict:
+    import torch
+
+    from ffpa_cute import decode, launch
+    from perf.timing import L2Flusher, bench
+
+    dev = torch.device("cuda")
+    flush = L2Flusher(dev)
+    out = {}
+    for n in SEQLENS:
+        pages = B * n // PAGE
+        k16, v16 = (torch.randn(pages, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+                    for _ in "kv")
+        k8, v8 = (x.to(torch.float8_e4m3fn) for x in (k16, v16))
+        table = torch.randperm(pages, device=dev, dtype=torch.int32).view(B, -1)
+        q = torch.randn(B, 1, HQ, D, device=dev, dtype=torch.bfloat16)
+        lens = torch.full((B,), n, dtype=torch.int32, device=dev)
+        row = {}
+        for name, (cls, kv, rings) in VARIANTS.items():
+            cfg = _cfg(kv, rings)
+            kc, vc = (k8, v8) if kv else (k16, v16)
+            plan = type("P", (), {"cfg": cfg, "problem": type("Q", (), {"seqlen_q": HQ // HKV})})
+            s = decode.num_splits(plan, B, HKV, n, dev)
+            m = HQ // HKV
+            rows = q.permute(0, 2, 1, 3).reshape(B, HKV, 1, m, D).expand(B, HKV, s, m, D)
+            t = dict(q=rows.reshape(B, HKV * s, m, D), k=kc.permute(0, 2, 1, 3),
+                     v=vc.permute(0, 2, 1, 3),
+                     o=torch.empty(B, HKV * s, m, D, dtype=torch.float32, device=dev),
+                     lse=torch.empty(B, HKV * s, m, dtype=torch.float32, device=dev),
+                     seqlens_k=lens, block_table=table,
+                     k_descale=torch.ones(B, HKV, device=dev) if kv else None,
+                     v_descale=torch.ones(B, HKV, device=dev) if kv else None)
+
+            def call(cls=cls, cfg=cfg, t=t, s=s):
+                launch.run_job(cls, cfg, t, dict(softmax_scale=D ** -0.5, num_splits=s))
+
+            call()
+            torch.cuda.synchronize()
+            ms = bench(call, dev, flush=flush).median_ms
+            nbytes = 2 * B * n * HKV * D * (1 if kv else 2)
+            row[name] = {"us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
+        out[f"N={n}"] = row
+        print(f"N={n}: " + ", ".join(f"{k} {v['us']:.0f} us {v['gbps']:.0f} GB/s"
+                                     for k, v in row.items()), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.decode_limits", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precompile", metavar="DIR")
+    ap.add_argument("--out", metavar="FILE", help="write the numbers as JSON")
+    a = ap.parse_args(argv)
+    if a.precompile:
+        precompile(a.precompile)
+        return 0
+    res = run()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
