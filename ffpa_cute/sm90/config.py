@@ -26,6 +26,7 @@ return a config that its `can_implement` rejects; this module imports no cutlass
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -256,6 +257,21 @@ class DecodeConfigSm90(FwdConfigSm90):
         return self.elem_bytes if self.kv_dtype is None else ELEM_BYTES[self.kv_dtype]
 
     @property
+    def v_rows(self) -> int:
+        """The forward's, halved for an FP8 cache where the conversion can tile 16 rows (O
+        halves of a multiple of 64 columns): its two 16-bit V buffers per O half are then
+        16 KB in all, and the smem they free deepens the 8-bit rings (more bytes in flight:
+        the decode is bound by them)."""
+        rows = super().v_rows
+        if self.kv_dtype is None or any(cvt_vec(rows // 2, d) is None for d in self.dv_halves):
+            return rows
+        return rows // 2
+
+    def cvt_tiles(self) -> list[tuple[int, int]]:
+        """(rows, cols) of the stages `_convert` converts: a K chunk, each O half's V stage."""
+        return [(self.tile_n, self.k_chunk), *((self.v_rows, d) for d in self.dv_halves)]
+
+    @property
     def cvt_bufs(self) -> int:
         """16-bit K chunks and V stages the score and accumulator warpgroups convert an FP8
         cache into (two each: one converted while the WGMMAs read the other); 0 without."""
@@ -275,6 +291,21 @@ class DecodeConfigSm90(FwdConfigSm90):
                 self.k_stages * c16 * kv // elt, *(self.v_stages * b * kv // elt for b in b16)]
 
 
+CVT_THREADS = 128  # a warpgroup converts each stage
+
+
+def cvt_vec(rows: int, cols: int) -> int | None:
+    """Values per thread-run of the in-smem FP8 conversion of a [rows x cols] stage (16: one
+    16-byte load, else 8), or None when neither tiles it: tpr = gcd(cols / vec, 128) threads
+    share a row (runs never cross a swizzle atom), 128 / tpr rows per pass must divide rows."""
+    for vec in (16, 8):
+        if cols % vec == 0:
+            tpr = math.gcd(cols // vec, CVT_THREADS)
+            if rows % (CVT_THREADS // tpr) == 0:
+                return vec
+    return None
+
+
 def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     """The decode kernel's constraints beyond the forward's."""
     reason = can_implement(cfg)
@@ -283,7 +314,8 @@ def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
                   "causal, window, sinks or kv_pair")
     if reason is None and cfg.kv_dtype not in (None, *FP8_DTYPES):
         reason = f"kv_dtype {cfg.kv_dtype!r}: None (K / V in {cfg.dtype}) or one of {FP8_DTYPES}"
-    if reason is None and cfg.kv_dtype is not None and any(d % 32 for d in cfg.dv_halves):
+    if reason is None and cfg.kv_dtype is not None and any(
+            cvt_vec(r, c) is None for r, c in cfg.cvt_tiles()):
         reason = (f"head_dim_v={cfg.dv}: an FP8 cache is converted in runs that need O halves "
                   f"of a multiple of 32 columns (Dv per CTA a multiple of 64), got "
                   f"{cfg.dv_halves}")
@@ -308,9 +340,22 @@ def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
     tile_n = 64 if (page_rows is not None and page_rows % 128) or kv_dtype else 128
     base = {**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)), "tile_n": tile_n,
             "page_rows": page_rows, "kv_dtype": kv_dtype}
-    return deepest_rings(
-        lambda k, v: DecodeConfigSm90(**{**base, "k_stages": k, "v_stages": v}),
-        can_implement_decode)
+
+    def make(k, v):
+        return DecodeConfigSm90(**{**base, "k_stages": k, "v_stages": v})
+
+    if kv_dtype is None:
+        return deepest_rings(make, can_implement_decode)
+    # an FP8 cache: as many 8-bit bytes in flight as fit (the kernel is bound by them), 8 K
+    # chunks, then the deepest V ring, then K again (up to 16 stages each)
+    def fits(k, v):
+        return can_implement_decode(make(k, v)) is None
+
+    if not fits(4, 2):
+        raise ValueError(can_implement_decode(make(4, 2)))
+    k0 = 8 if fits(8, 2) else 4
+    v = max(x for x in range(2, 17) if fits(k0, x))
+    return make(max(x for x in range(k0, 17) if fits(x, v)), v)
 
 
 def can_implement(cfg: FwdConfigSm90) -> str | None:

@@ -86,7 +86,7 @@ from ..common.convert import e4m3x4_to_16bit
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
-from .config import TILE_M, FwdConfigSm90
+from .config import TILE_M, FwdConfigSm90, cvt_vec
 
 WG_THREADS = 128
 
@@ -968,39 +968,47 @@ class RingSkeletonSm90(KernelEntry):
         bits: common/convert.py, Note [e4m3 to bf16 / fp16 by bits]), then fenced for the
         WGMMAs (async proxy) and a barrier of the warpgroup's 128 threads: after it every
         thread's reads of stage s are done, so the stage may be refilled. Each thread converts
-        runs of `vec` contiguous elements of a row (8-byte loads, 16-byte stores; a run never
-        crosses a swizzle atom): tpr = gcd(cols / vec, 128) threads share a row, 128 / tpr rows
-        per pass (`can_implement_decode`: cols a multiple of 32, so at most 32 rows per pass).
-        The runs are a loop unrolled by 2, not fully: unrolled, ptxas spills at D=1024."""
+        runs of `vec` contiguous elements of a row (`config.cvt_vec`: 16 (a 16-byte load) or
+        8; a run never crosses a swizzle atom): tpr = gcd(cols / vec, 128) threads share a
+        row, 128 / tpr rows per pass. The runs are unrolled up to D = 576; above, a loop
+        unrolled by 2 (fully unrolled, ptxas spilled 12 B at D = 1024)."""
         src, dst = conv.src[None, None, s], conv.dst[None, None, sb]
         rows, cols = cute.size(src, mode=[0]), cute.size(src, mode=[1])
-        vec = 8
+        vec = cvt_vec(rows, cols)
         tpr = math.gcd(cols // vec, WG_THREADS)
         thr = cute.make_ordered_layout((WG_THREADS // tpr, tpr), order=(1, 0))
         val = cute.make_layout((1, vec))   # the tile (128 / tpr, vec * tpr), repeated
-        load = cute.make_tiled_copy_tv(
+        load = cute.make_tiled_copy_tv(   # one load of vec 8-bit values
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_dtype,
                                 num_bits_per_copy=vec * self.kv_dtype.width), thr, val)
-        store = cute.make_tiled_copy_tv(
+        store = cute.make_tiled_copy_tv(   # 16-byte stores of 8 16-bit values
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                num_bits_per_copy=vec * self.dtype.width), thr, val)
+                                num_bits_per_copy=128), thr, val)
         tXs8 = load.get_slice(tidx).partition_S(src)   # (CPY, CPY_M, CPY_N)
         tXs16 = store.get_slice(tidx).partition_D(dst)   # (CPY, CPY_M, CPY_N)
-        assert rows % (WG_THREADS // tpr) == 0, (rows, cols)
-        # one run at a time (8 + 16 bytes of registers: the O warpgroups hold O beside it)
-        r8 = cute.make_rmem_tensor(cute.size(tXs8, mode=[0]), self.kv_dtype)
-        r16 = cute.make_rmem_tensor(cute.size(tXs16, mode=[0]), self.dtype)
-        # word i of r8 (four values) is words 2i, 2i + 1 of r16 (two each)
-        w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
+        # one run at a time (vec + 2 vec bytes of registers: the O warpgroups hold O beside it)
+        r8 = cute.make_rmem_tensor(vec, self.kv_dtype)
+        r16 = cute.make_rmem_tensor(vec, self.dtype)
         runs_m = cute.size(tXs8, mode=[1])
-        for mn in cutlass.range(runs_m * cute.size(tXs8, mode=[2]), unroll=2):
-            m, n = mn % runs_m, mn // runs_m
-            cute.copy(load, tXs8[None, m, n], r8)
-            for i in cutlass.range_constexpr(cute.size(w8)):
-                w16[2 * i], w16[2 * i + 1] = e4m3x4_to_16bit(w8[i], self.cfg.dtype)
-            cute.copy(store, r16, tXs16[None, m, n])
+        runs = runs_m * cute.size(tXs8, mode=[2])
+        if const_expr(self.cfg.head_dim <= 576):
+            for mn in cutlass.range_constexpr(runs):
+                self._convert_run(load, store, tXs8, tXs16, r8, r16, mn % runs_m, mn // runs_m)
+        else:
+            for mn in cutlass.range(runs, unroll=2):
+                self._convert_run(load, store, tXs8, tXs16, r8, r16, mn % runs_m, mn // runs_m)
         cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
         cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
+
+    @cute.jit
+    def _convert_run(self, load, store, tXs8, tXs16, r8, r16, m, n):
+        """One run of `_convert`: vec 8-bit values in, the 16-bit ones out; word i of r8 (four
+        values) is words 2i, 2i + 1 of r16 (two each)."""
+        w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
+        cute.copy(load, tXs8[None, m, n], r8)
+        for i in cutlass.range_constexpr(cute.size(w8)):
+            w16[2 * i], w16[2 * i + 1] = e4m3x4_to_16bit(w8[i], self.cfg.dtype)
+        cute.copy(store, r16, tXs16[None, m, n])
 
     @cute.jit
     def _copy_stream_chunk(self, loads: ColLoads, s, src, head, n_block, c):
