@@ -8,8 +8,9 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
   2. fallback: torch's *native* SDPA, `torch._C._nn.scaled_dot_product_attention`. We never call
      `F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
-     A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`, eager), else
-     exact torch math (`math_attention`; also under torch.compile).
+     A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`; under
+     torch.compile the custom op `ffpa_cute::feature_attention_fwd`), else exact torch math
+     (`math_attention`).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -188,9 +189,8 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     """out, or (out, lse) with `return_lse`, of a validated call."""
     causal, offset, mask, bounds, problem = _problem(q, k, v, attn_mask, dropout_p, is_causal,
                                                      scale, upper_left, window, sinks)
-    features = bounds is not None or sinks is not None  # no custom op: graphs take torch math
-    if (_route(problem, q.device, strict, level) is not None
-            or features and torch.compiler.is_compiling()):
+    features = bounds is not None or sinks is not None
+    if _route(problem, q.device, strict, level) is not None:
         if features:
             out, lse = math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds,
                                       sinks=sinks, mask=mask, scale=scale)
@@ -202,7 +202,10 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
                                 dropout_p=dropout_p, scale=scale)
     shape = q.shape
     args = (_as4d(q), _as4d(k), _as4d(v), causal, offset if causal else 0, problem.softmax_scale)
-    if features:
+    if features and torch.compiler.is_compiling():  # an opaque op in the graph
+        out, lse = ops.feature_attention_fwd(*args[:3], sinks, *args[3:5], problem.window_lo,
+                                             problem.window_hi, args[5])
+    elif features:
         plan = dispatch.plan_fwd(problem, q.device)
         out, lse = ops.FeatureAttention.apply(*args[:3], sinks, problem, plan)
     elif torch.compiler.is_compiling():

@@ -1,13 +1,16 @@
 """The kernel path as torch operators: the custom ops `ffpa_cute::attention_fwd` and
 `ffpa_cute::attention_bwd` (opaque to torch.compile, with fake implementations), their autograd
 formula, and `EagerAttention`, the same forward and backward without the custom-op dispatcher
-for eager calls (that dispatcher costs ~35 us per call on a small CPU).
+for eager calls (that dispatcher costs ~35 us per call on a small CPU). A sliding window and / or
+sinks have their own pair, `ffpa_cute::feature_attention_fwd` / `_bwd` (torch.compile graphs),
+and `FeatureAttention` (eager), over one forward and one backward body.
 
 The backward runs the backward kernels where `dispatch.plan_bwd` has them for the problem, else
 recomputes through SDPA (`fallback.sdpa_recompute_backward`).
 """
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -141,19 +144,118 @@ class EagerAttention(torch.autograd.Function):
         return (*_backward(ctx, dout, dlse, eager=True), None, None)
 
 
+# ------------------------------------------------------------- sliding window and sinks
+def feature_problem(q, k, v, sinks, causal: bool, causal_offset: int, window_lo, window_hi,
+                    scale: float) -> AttnProblem:
+    """The problem of a window / sinks call from the custom ops' scalar arguments."""
+    bounds = None if window_lo is None and window_hi is None else (window_lo, window_hi)
+    return AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
+                                    scale=scale, bounds=bounds, has_sinks=sinks is not None)
+
+
+def feature_forward(q, k, v, sinks, problem: AttnProblem, plan=None):
+    """(out, lse) of the forward kernel with the window's edges and the sinks (lse includes
+    them); `plan`: the problem's forward plan when the caller has it."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    plan = plan if plan is not None else dispatch.plan_fwd(problem, q.device)
+    if plan.reason is not None:  # the caller routed here, so the planner changed its mind
+        raise RuntimeError(f"ffpa_cute::feature_attention_fwd called for an unsupported "
+                           f"problem: {plan.reason}")
+    with on(q.device):
+        return launch.run_fwd(plan, q, k, v, sinks)
+
+
+def feature_backward(q, k, v, sinks, out, lse, dout, problem: AttnProblem, opts=None,
+                     need_dsinks: bool = True):
+    """(dq, dk, dv, dsinks or None): the backward kernels with the window where
+    `dispatch.plan_bwd` has them (sinks reach them through the lse), else exact torch math
+    (`math_attention.math_grads`). The sinks' gradient is -sum_i exp(sink - lse_i) Delta_i,
+    Delta_i = rowsum(dout * out) (Note [Sinks] in common/softmax.py)."""
+    p = problem
+    plan = dispatch.plan_bwd(p, q.device, opts=opts)
+    if plan.reason is None:
+        with on(q.device):
+            dq, dk, dv, delta = launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(),
+                                               with_delta=True)
+    else:
+        grads = math_grads(q, k, v, out, lse, dout, lo=p.window_lo,
+                           hi=p.right_edge if p.right_bounded else None, scale=p.softmax_scale)
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    dsinks = None
+    if sinks is not None and need_dsinks:
+        p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse)   # [B, Hq, Nq]
+        dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+    return dq, dk, dv, dsinks
+
+
+@torch.library.custom_op("ffpa_cute::feature_attention_fwd", mutates_args=())
+def feature_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          sinks: Optional[torch.Tensor], causal: bool, causal_offset: int,
+                          window_lo: Optional[int], window_hi: Optional[int],
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel forward with a window (query i sees key j iff i + window_lo <= j <= i +
+    window_hi, None: unbounded, intersected with causal) and / or sinks [Hq]: (out, lse),
+    contiguous. What torch.compile graphs call (an opaque node with a fake implementation)."""
+    problem = feature_problem(q, k, v, sinks, causal, causal_offset, window_lo, window_hi, scale)
+    out, lse = feature_forward(q, k, v, sinks, problem)
+    return out.contiguous(), lse.contiguous()
+
+
+@feature_attention_fwd.register_fake
+def _feature_attention_fwd_fake(q, k, v, sinks, causal, causal_offset, window_lo, window_hi,
+                                scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("ffpa_cute::feature_attention_bwd", mutates_args=())
+def feature_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          sinks: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                          dout: torch.Tensor, causal: bool, causal_offset: int,
+                          window_lo: Optional[int], window_hi: Optional[int], scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of `feature_attention_fwd`, contiguous (dsinks [Hq], or an empty
+    tensor without sinks: an op returns tensors only)."""
+    problem = feature_problem(q, k, v, sinks, causal, causal_offset, window_lo, window_hi, scale)
+    dq, dk, dv, ds = feature_backward(q, k, v, sinks, out, lse, dout, problem)
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
+            ds if ds is not None else q.new_empty(0))
+
+
+@feature_attention_bwd.register_fake
+def _feature_attention_bwd_fake(q, k, v, sinks, out, lse, dout, causal, causal_offset,
+                                window_lo, window_hi, scale):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0))
+
+
+def _feature_setup_context(ctx, inputs, output):
+    q, k, v, sinks, *scalars = inputs
+    ctx.save_for_backward(q, k, v, sinks, *output)
+    ctx.feature_args = tuple(scalars)
+    ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
+
+
+def _feature_op_backward(ctx, dout, _dlse):
+    q, k, v, sinks, out, lse = ctx.saved_tensors
+    dq, dk, dv, ds = feature_attention_bwd(q, k, v, sinks, out, lse, dout, *ctx.feature_args)
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            ds if sinks is not None and needs[3] else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("ffpa_cute::feature_attention_fwd", _feature_op_backward,
+                                setup_context=_feature_setup_context)
+
+
 class FeatureAttention(torch.autograd.Function):
     """The eager kernel path of a sliding window and / or sinks (`problem` has them; `plan` is
-    its forward plan): the forward kernel with the window's edges and the sinks (lse includes
-    them); the backward kernels with the window where `dispatch.plan_bwd` has them (sinks reach
-    them through the lse), else exact torch math (`math_attention.math_grads`). The sinks'
-    gradient is -sum_i exp(sink - lse_i) Delta_i, Delta_i = rowsum(dout * out) (Note [Sinks] in
-    common/softmax.py). torch.compile graphs take the torch math route instead (no custom op)."""
+    its forward plan): `feature_forward`, then `feature_backward` (the custom-op pair above
+    runs the same bodies in torch.compile graphs)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, problem: AttnProblem, plan):
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        with on(q.device):
-            out, lse = launch.run_fwd(plan, q, k, v, sinks)
+        out, lse = feature_forward(q, k, v, sinks, problem, plan)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.problem, ctx.options = problem, _options.current()
         ctx.mark_non_differentiable(lse)
@@ -162,26 +264,13 @@ class FeatureAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        p = ctx.problem
-        plan = dispatch.plan_bwd(p, q.device, opts=ctx.options)
-        if plan.reason is None:
-            with on(q.device):
-                dq, dk, dv, delta = launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(),
-                                                   with_delta=True)
-        else:
-            grads = math_grads(q, k, v, out, lse, dout, lo=p.window_lo,
-                               hi=p.right_edge if p.right_bounded else None,
-                               scale=p.softmax_scale)
-            dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse)   # [B, Hq, Nq]
-            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
         needs = ctx.needs_input_grad
+        dq, dk, dv, dsinks = feature_backward(q, k, v, sinks, out, lse, dout, ctx.problem,
+                                              ctx.options, needs[3])
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 dsinks, None, None)
 
 
 __all__ = ["EagerAttention", "FeatureAttention", "attention_bwd", "attention_fwd", "bwd_plan",
-           "kernel_forward"]
+           "feature_attention_bwd", "feature_attention_fwd", "feature_backward",
+           "feature_forward", "feature_problem", "kernel_forward"]

@@ -255,6 +255,55 @@ def test_kernel_route_with_fake_kernels(seed, monkeypatch, kw):
         "ffpa_cute kernel: fake kernel")
 
 
+@pytest.mark.parametrize("kw", [dict(window=(4, 0)), dict(window=(6, 1), sinks=True),
+                                dict(sinks=True)])
+def test_torch_compile_kernel_route(seed, monkeypatch, kw):
+    """Under torch.compile(fullgraph=True) a window / sinks call the kernels serve is one
+    opaque op, `ffpa_cute::feature_attention_fwd` (its backward `..._bwd`): the fake kernels
+    run once each way, and out, lse and the gradients (sinks included) match float64."""
+    fake = fake_kernels.install(monkeypatch)
+    torch._dynamo.reset()
+    with_sinks = kw.pop("sinks", False)
+
+    def fn(q, k, v, sinks):
+        out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks,
+                             return_lse=True, **kw)
+        return out, lse
+
+    q, k, v = qkv(nq=7, nkv=29, dtype=torch.float32, grad=True)
+    sinks = sink_logits(6, dtype=torch.float32, grad=True) if with_sinks else None
+    out, lse = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+    assert len(fake.fwd_calls) == 1 and fake.fwd_calls[0].has_sinks == with_sinks
+    ref, ref_lse = ref_attention(q, k, v, causal=True, sinks=sinks, **kw)
+    assert rel_err(out, ref) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+    ins = [t for t in (q, k, v, sinks) if t is not None]
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, ins, dout)
+    want = torch.autograd.grad(ref, ins, dout)
+    assert len(fake.bwd_calls) == 1
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-4
+
+
+def test_feature_ops_opcheck(seed, monkeypatch):
+    """The window / sinks custom ops' schemas, fake implementations and autograd
+    registration (torch.library.opcheck), with and without sinks."""
+    from ffpa_cute import ops
+
+    fake_kernels.install(monkeypatch)
+    q, k, v = qkv(nq=7, nkv=9, dtype=torch.float32, grad=True)
+    sinks = sink_logits(6, dtype=torch.float32, grad=True)
+    for s in (sinks, None):
+        args = (q, k, v, s, True, 2, -3, None, 0.25)
+        torch.library.opcheck(torch.ops.ffpa_cute.feature_attention_fwd.default, args,
+                              test_utils=("test_schema", "test_faketensor",
+                                          "test_autograd_registration"))
+        out, lse = ops.feature_attention_fwd(*args)
+        torch.library.opcheck(torch.ops.ffpa_cute.feature_attention_bwd.default,
+                              (q, k, v, s, out, lse, torch.randn_like(out), True, 2, -3, None,
+                               0.25), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_strict_and_logging_on_cpu(seed, caplog):
     q, k, v = qkv()
     with pytest.raises(NotImplementedError, match="cpu"):
