@@ -1,6 +1,7 @@
 """The host side of the split-KV decode kernel (sm90/decode_sm90.py): `attention_with_kvcache`'s
-route when every row sees every key of its batch row (decode Nq = 1, or a non-causal chunk), no
-window, and the cache is contiguous or paged in pages of a multiple of 64 rows.
+route for decode (Nq = 1) and chunked prefill (Nq > 1, causal bottom-right over the row's keys,
+or not causal) without a window, on a cache contiguous or paged in pages of a multiple of 64
+rows.
 
 One launch reads the cache in place: the G = Hq / Hkv query heads of each KV head are packed into
 rows (K / V read once for all of them), and each batch row's keys are split over S CTAs (the
@@ -29,17 +30,19 @@ def _num_sms(index: int) -> int:
 
 def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
     """The decode kernel's plan for this call (q [B, Nq, Hq, D], caches in the kvcache layout,
-    16-bit like q or float8_e4m3fn), or None when the call is not its shape (causal rows that
-    differ, a window, pages not a multiple of 64 rows) or no kernel serves it."""
+    16-bit like q or float8_e4m3fn; causal with Nq > 1: the chunked-prefill mask), or None when
+    the call is not its shape (a window, pages not a multiple of 64 rows) or no kernel serves
+    it."""
     b, nq, hq, d = q.shape
     hkv = k_cache.shape[2]
-    if (causal and nq > 1) or window is not None or q.device.type != "cuda":
+    if window is not None or q.device.type != "cuda":
         return None
     if page_size is not None and page_size % 64:
         return None
+    # causal with one query per row sees every key: the mask-free kernel
     problem = AttnProblem(dtype=dtype_name(q.dtype), batch=b, heads_q=hkv, heads_kv=hkv,
                           seqlen_q=(hq // hkv) * nq, seqlen_kv=k_cache.shape[1], head_dim=d,
-                          head_dim_v=v_cache.shape[3], scale=scale)
+                          head_dim_v=v_cache.shape[3], scale=scale, causal=causal and nq > 1)
     views = [t.permute(0, 2, 1, 3) for t in (k_cache, v_cache)]
     if dispatch.problem_reason(problem) is not None or any(
             launch.kernel_ready(t) is not t for t in views):  # read in place, never copied
@@ -97,7 +100,7 @@ def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_tabl
         v_descale=None if descales is None else descales[1])
     with torch.cuda.device(q.device):
         launch.run_job(plan.kernel_cls, plan.cfg, tensors,
-                       dict(softmax_scale=plan.problem.softmax_scale, num_splits=s))
+                       dict(softmax_scale=plan.problem.softmax_scale, num_splits=s, nq=nq))
     out, lse = merge_splits(tensors["o"].view(b, hkv, s, m, dv), tensors["lse"].view(b, hkv, s, m))
     return out.view(b, hq, nq, dv), lse.view(b, hq, nq)
 

@@ -22,12 +22,12 @@ FP8 cache: k_cache / v_cache in float8_e4m3fn under bf16 / fp16 q hold K / V = c
 in shared memory (`FFPADecodeSm90`, config `kv_dtype`), the host loop dequantises the row's keys.
 
 cache_seqlens and block_table are checked on the host (device syncs on CUDA; `validate=False`
-skips that on the decode kernel's route). Where every
-row sees every key of its batch row (decode Nq = 1, or is_causal=False), without a window, with
-a contiguous cache or pages of a multiple of 64 rows, on the sm90 family: one launch of the
-split-KV decode kernel reads the cache in place (`decode.split_kv_decode`: query heads packed
-into rows, each row's keys split over several CTAs, the fp32 partials merged exactly). Anything
-else is a loop on the host: row b's n_b keys gathered from its pages into a contiguous tensor (a
+skips that on the decode kernel's route). Decode and chunked prefill
+(causal or not) without a window, with a contiguous cache or pages of a multiple of 64 rows,
+on the sm90 family: one launch of the split-KV decode kernel reads the cache in place
+(`decode.split_kv_decode`: query heads packed into rows, each row's keys split over several
+CTAs, the fp32 partials merged exactly; a causal chunk masks per packed row). Anything else is
+a loop on the host: row b's n_b keys gathered from its pages into a contiguous tensor (a
 copy), cut into `num_splits` parts, each part routed like `attention()`
 (`blockwise.block_forward`: a kernel where one serves it, else the native fallback; a window
 takes the kernels or torch math as attention() does), the parts combined exactly with

@@ -84,9 +84,11 @@ def jobs() -> list:
                 add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
     for d, dv in DECODE_DIMS:  # the split-KV decode, contiguous and paged; 16-bit or e4m3
         for page in (None, 64, 128, 256):  # caches (bf16 queries; fp16 with an e4m3 cache)
-            for dtype, kv in (("bf16", None), ("bf16", "e4m3"), ("fp16", "e4m3")):
+            for dtype, kv, causal in (("bf16", None, False), ("bf16", "e4m3", False),
+                                      ("fp16", "e4m3", False), ("bf16", None, True),
+                                      ("bf16", "e4m3", True)):  # causal: chunked prefill
                 p = AttnProblem(dtype=dtype, batch=1, heads_q=4, heads_kv=4, seqlen_q=8,
-                                seqlen_kv=4096, head_dim=d, head_dim_v=dv)
+                                seqlen_kv=4096, head_dim=d, head_dim_v=dv, causal=causal)
                 plan = dispatch.plan_decode(p, page, target=TARGET, opts=Options(),
                                             kv_dtype=kv)
                 add([(plan.kernel_cls, plan.cfg)])

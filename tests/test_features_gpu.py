@@ -194,6 +194,50 @@ def test_decode_kernel(seed, case):
     assert rel_err(fast, out) <= 1e-2
 
 
+CHUNK_CASES = [  # b, nq, hq, hkv, d, dv, page, lens (before the Nnew = nq new keys), cache
+    (2, 5, 16, 2, 512, None, 64, [100, 1500], "bf16"),
+    (3, 17, 8, 1, 512, None, None, [0, 16, 2000], "bf16"),
+    (2, 9, 32, 4, 576, 512, 128, [700, 64], "bf16"),
+    (2, 6, 16, 2, 512, None, 64, [300, 1000], "e4m3"),
+    (1, 40, 4, 4, 1024, None, None, [3000], "bf16"),
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "-".join(map(str, c[:7])) + c[8])
+def test_decode_kernel_causal_chunk(seed, case):
+    """Chunked prefill in one decode-kernel launch: Nq new queries (and their keys, appended)
+    attend causally (bottom-right) over each row's keys; rows are G heads x Nq queries, each
+    masked at its own position (a row of exactly Nq keys, several M tiles of rows, an FP8
+    cache, D=1024 over two CTAs). Against float64, within 2x torch's bf16 error + 1e-3."""
+    b, nq, hq, hkv, d, dv, page, lens, cache = case
+    dv = dv or d
+    cap = max(lens) + nq + 64
+    k_cache, v_cache, table = _cache(b, cap, hkv, d, dv, page)
+    scales = {}
+    if cache == "e4m3":
+        k_cache, v_cache = (x.to(torch.float8_e4m3fn) for x in (k_cache, v_cache))
+        scales = dict(k_descale=0.75, v_descale=1.25)
+    q, kn, vn = rnd(b, nq, hq, d), rnd(b, nq, hkv, d), rnd(b, nq, hkv, dv)
+    plan = decode.decode_plan(q, k_cache, v_cache, True, None, page, None)
+    assert plan is not None and plan.cfg.causal
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, seqlens, table, k=kn, v=vn,
+                                      return_lse=True, strict=True, **scales)
+    ks, vs = scales.get("k_descale", 1.0), scales.get("v_descale", 1.0)
+    for r, n in enumerate(lens):
+        kk, vv = (_keys(c, table, r, n + nq).double() * sc
+                  for c, sc in ((k_cache, ks), (v_cache, vs)))
+        args = [t.transpose(0, 1).unsqueeze(0) for t in (q[r].double(), kk, vv)]
+        ref, ref_lse = ref_attention(*args, causal=True)
+        base, _ = ref_attention(*args, causal=True, dtype=BF16)
+        got = out[r].transpose(0, 1).unsqueeze(0)
+        assert rel_err(got, ref) <= bound(rel_err(base, ref)), r
+        assert rel_err(lse[r], ref_lse[0]) <= 1e-4, r
+    split = attention_with_kvcache(q, k_cache, v_cache, seqlens + nq, table, num_splits=5,
+                                   **scales)
+    assert rel_err(split, out) <= 1e-2
+
+
 FP8_DECODE_CASES = [  # b, nq, hq, hkv, d, dv, page, lens, q dtype, cache contents
     (8, 1, 32, 4, 512, None, 64, None, BF16, "normal"),
     (3, 1, 64, 1, 512, None, 128, [1, 0, 1000], BF16, "normal"),

@@ -280,8 +280,20 @@ def test_sm90_decode_compiles(d, dv, page):
     assert "st.global.b32" in ptx
     _no_spills(ptx)
     assert "pages of a multiple" in dispatch.plan_decode(p, 96, target="sm_90a").reason
-    causal = dataclasses.replace(p, causal=True)
-    assert "every key" in dispatch.plan_decode(causal, None, target="sm_90a").reason
+    window = dataclasses.replace(p, window_lo=-5)
+    assert "no window or sinks" in dispatch.plan_decode(window, None, target="sm_90a").reason
+
+
+def test_sm90_decode_chunked_prefill_compiles():
+    """The decode kernel with `causal` (chunked prefill: row r is query r % Nq at key
+    position seqlen - Nq + r % Nq): the per-row mask (a remainder by the runtime Nq), no
+    local memory, no spills; the mask-free kernels' code does not change with it."""
+    p = dataclasses.replace(_problem(512, False, 4, 4), causal=True)
+    plan = dispatch.plan_decode(p, 64, target="sm_90a")
+    assert plan.reason is None and plan.cfg.causal
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert "wgmma.mma_async" in ptx and "rem.s32" in ptx and ".local" not in ptx
+    _no_spills(ptx)
 
 
 @pytest.mark.parametrize("d,dv,page,dtype", [(512, None, 64, "bf16"), (576, 512, None, "bf16"),

@@ -8,6 +8,10 @@ compiled kernel serves both. A sliding window's right edge is the same rule (the
 offset = min(causal offset, window_hi)); its left edge is `window_lo`: query i sees key j only
 if j >= i + window_lo. `window_lo` is None when the kernel was compiled without a left edge (a
 compile-time absence: those kernels carry no code for it), else a runtime Int32.
+
+Packed rows (`row_period`, the decode kernel's chunked prefill): the tile's rows are G query
+heads of Nq queries each, row r being query r % Nq; the causal rule then reads j <= r % Nq +
+offset (None: rows are queries).
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ def n_block_min(m_block: cutlass.Int32, window_lo, tile_m: cutlass.Constexpr,
 @cute.jit
 def block_needs_mask(m_block: cutlass.Int32, n_block: cutlass.Int32, seqlen_k: cutlass.Int32,
                      causal_offset: cutlass.Int32, tile_m: cutlass.Constexpr,
-                     tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, window_lo=None):
+                     tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, window_lo=None,
+                     row_period=None):
     """True when some (row, col) of the block is out of range, above the causal diagonal or
-    left of the window."""
+    left of the window (packed rows: the smallest query index is taken as 0)."""
     col_end = (n_block + 1) * tile_n
     need = col_end > seqlen_k
-    if cutlass.const_expr(causal):
+    if cutlass.const_expr(causal and row_period is not None):
+        need = need | (col_end - 1 > causal_offset)
+    elif cutlass.const_expr(causal):
         # the tile's first row sees keys up to m_block * tile_m + offset
         need = need | (col_end - 1 > m_block * tile_m + causal_offset)
     if cutlass.const_expr(window_lo is not None):
@@ -61,12 +68,15 @@ def block_needs_mask(m_block: cutlass.Int32, n_block: cutlass.Int32, seqlen_k: c
 def apply_mask(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, m_block: cutlass.Int32,
                n_block: cutlass.Int32, seqlen_k: cutlass.Int32, causal_offset: cutlass.Int32,
                tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, causal: cutlass.Constexpr,
-               window_lo=None):
-    """Set masked scores to -inf. tScS_mn holds tile-local (row, col) of each fragment element."""
+               window_lo=None, row_period=None):
+    """Set masked scores to -inf. tScS_mn holds tile-local (row, col) of each fragment element;
+    with `row_period` row r is query r % row_period (packed rows)."""
     col_base = n_block * tile_n
     for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
         col_limit = seqlen_k - col_base  # first invalid tile-local column
         row = m_block * tile_m + tScS_mn[r, 0][0]
+        if cutlass.const_expr(row_period is not None):
+            row = row % row_period
         if cutlass.const_expr(causal):
             col_limit = cutlass.min(col_limit, row + causal_offset + 1 - col_base)
         if cutlass.const_expr(window_lo is not None):

@@ -230,8 +230,10 @@ class FwdFP8ConfigSm90(FwdConfigSm90):
 class DecodeConfigSm90(FwdConfigSm90):
     """Compile key of the split-KV decode forward (`FFPADecodeSm90`, decode_sm90.py): the
     forward's fields for a problem whose rows see every key of their batch row (decode with
-    the query heads packed into rows: not causal, no window, sinks or `kv_pair`), with K / V
-    read from a cache of per-row length and O written as fp32 split partials.
+    the query heads packed into rows; no window, sinks or `kv_pair`), with K / V read from a
+    cache of per-row length and O written as fp32 split partials. `causal`: chunked prefill,
+    the rows are G heads x Nq queries (Nq a runtime argument), query i at key position
+    seqlen - Nq + i seeing the keys up to it.
 
     page_rows: the cache's page size when K / V are paged (a multiple of tile_n: each KV block
                lies in one page), None for a contiguous cache.
@@ -309,9 +311,9 @@ def cvt_vec(rows: int, cols: int) -> int | None:
 def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     """The decode kernel's constraints beyond the forward's."""
     reason = can_implement(cfg)
-    if reason is None and (cfg.causal or cfg.window or cfg.sinks or cfg.kv_pair):
-        reason = ("the decode kernel serves rows that see every key of their batch row: no "
-                  "causal, window, sinks or kv_pair")
+    if reason is None and (cfg.window or cfg.sinks or cfg.kv_pair):
+        reason = ("the decode kernel serves rows that see every key of their batch row, or "
+                  "(causal) a chunk of the row's last queries: no window, sinks or kv_pair")
     if reason is None and cfg.kv_dtype not in (None, *FP8_DTYPES):
         reason = f"kv_dtype {cfg.kv_dtype!r}: None (K / V in {cfg.dtype}) or one of {FP8_DTYPES}"
     if reason is None and cfg.kv_dtype is not None and any(
@@ -332,9 +334,9 @@ def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
     `kv_pair`, tile_n 128 (64 for pages of 64 rows, which a 128-row block would straddle, and for
     an FP8 cache), the forward's deepest rings at that tile; `kv_dtype` "e4m3": an FP8 cache
     under 16-bit queries. Raises ValueError with the reason when it cannot run it."""
-    if problem.causal or problem.has_window or problem.has_sinks:
-        raise ValueError("the decode kernel serves rows that see every key (no causal, window "
-                         "or sinks)")
+    if problem.has_window or problem.has_sinks:
+        raise ValueError("the decode kernel serves rows that see every key, or (causal) a "
+                         "chunk of the row's last queries (no window or sinks)")
     # 64-row blocks also for an FP8 cache: its 8-bit stages and 16-bit buffers fit beside
     # resident Q only at the smaller tile
     tile_n = 64 if (page_rows is not None and page_rows % 128) or kv_dtype else 128

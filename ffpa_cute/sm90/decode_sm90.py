@@ -60,12 +60,14 @@ from .skeleton_sm90 import BLoads, ColLoads, Roles, Scalars, Tile
 
 class DecodeExtra(NamedTuple):
     """The decode kernel's `extra`: per-batch-row key counts, the page table (None for a
-    contiguous cache), the number of splits S and, for an FP8 cache, K's and V's descales
-    ([B, Hkv] fp32; else None)."""
+    contiguous cache), the number of splits S, the queries per head Nq (rows r is query
+    r % Nq; read under `causal`) and, for an FP8 cache, K's and V's descales ([B, Hkv] fp32;
+    else None)."""
 
     seqlens: cute.Tensor
     table: object
     num_splits: Int32
+    nq: Int32
     k_descale: object = None
     v_descale: object = None
 
@@ -91,7 +93,7 @@ class FFPADecodeSm90(FFPAFwdSm90):
 
     OPERANDS = ("q", "k", "v", "o", "lse", "seqlens_k", "block_table", "k_descale",
                 "v_descale")
-    SCALARS = ("softmax_scale", "num_splits")
+    SCALARS = ("softmax_scale", "num_splits", "nq")
     fake_inputs = staticmethod(fake_decode_args)
 
     def __init__(self, cfg: DecodeConfigSm90):
@@ -103,16 +105,28 @@ class FFPADecodeSm90(FFPAFwdSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mSeqlens: cute.Tensor, mTable, mKd, mVd,
-                 softmax_scale: Float32, num_splits: Int32, stream: cuda.CUstream):
+                 softmax_scale: Float32, num_splits: Int32, nq: Int32,
+                 stream: cuda.CUstream):
         """q: (B, Hkv * S, M, D); k, v: (B or pages, Hkv, rows, D / Dv) in kv_dtype; o: (B,
         Hkv * S, M, Dv) fp32; lse: (B, Hkv * S, M) fp32; seqlens_k: (B,) int32; block_table:
         (B, pages) int32 with `page_rows`, else None; k_descale, v_descale: (B, Hkv) fp32 with
-        `kv_dtype`, else None. Grid = (M tiles * o_split, Hkv * S, B)."""
-        extra = DecodeExtra(mSeqlens, mTable, num_splits)
+        `kv_dtype`, else None; nq: queries per head (the rows are G heads x nq queries; read
+        under `causal`). Grid = (M tiles * o_split, Hkv * S, B)."""
+        extra = DecodeExtra(mSeqlens, mTable, num_splits, nq)
         if const_expr(self.cfg.kv_dtype is not None):
-            extra = DecodeExtra(mSeqlens, mTable, num_splits, mKd, mVd)
+            extra = DecodeExtra(mSeqlens, mTable, num_splits, nq, mKd, mVd)
         self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale, Int32(0),
                      stream, extra)
+
+    @cute.jit
+    def _causal_offset(self, scalars: Scalars, seqlen_c, extra: DecodeExtra):
+        """Under `causal` (chunked prefill): the batch row's queries are its last nq
+        positions, so query i sees keys j <= i + seqlen - nq."""
+        return seqlen_c - extra.nq
+
+    def _row_period(self, extra: DecodeExtra):
+        """Under `causal`: row r is query r % nq (G heads x nq queries packed)."""
+        return extra.nq if self.causal else None
 
     @cute.jit
     def _make_softmax(self, num_rows: cutlass.Constexpr, tile: Tile, extra: DecodeExtra):

@@ -166,6 +166,7 @@ class Tile(NamedTuple):
     causal_offset: Int32  # query i sees key j iff j <= i + offset
     scale_log2: Float32   # softmax_scale * log2(e)
     window_lo: object     # query i sees key j only if j >= i + window_lo (None: no left edge)
+    row_period: object = None  # packed rows: row r is query r % row_period (None: r)
 
 
 class BlockSeq(NamedTuple):
@@ -357,6 +358,10 @@ class RingSkeletonSm90(KernelEntry):
           blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV head.
       `_seqlen_c(scalars, batch, extra)` -> rows of C for the batch row [the tensor's]; D (the
           decode kernel).
+      `_causal_offset(scalars, seqlen_c, extra)` -> the rows' causal offset [the runtime
+          scalar]; D (seqlen - Nq: chunked prefill).
+      `_row_period(extra)` -> packed rows' query period, row r is query r % period [None]; D
+          (Nq under `causal`).
       `_block_range(tile, group, extra)` -> (n_top, n_count): blocks n_top-1 downwards [the
           causal / length bound of the row tile, down to the window's left edge]; V, K, D.
       `_block(seq, i)` -> (head, n_block) of step i [one head, highest first]; V, K.
@@ -624,9 +629,10 @@ class RingSkeletonSm90(KernelEntry):
                                         ("sBhi8", layouts.bhi8)))
 
         seqlen_r = ops.mOut.shape[2]
-        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r,
-                    self._seqlen_c(scalars, batch, extra), scalars.causal_offset,
-                    scalars.scale_log2, scalars.window_lo)
+        seqlen_c = self._seqlen_c(scalars, batch, extra)
+        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, seqlen_c,
+                    self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
+                    scalars.window_lo, self._row_period(extra))
         # column blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
         n_top, n_count = self._block_range(tile, group, extra)
         seq = BlockSeq(n_top, n_count, head_c, group, batch)
@@ -666,6 +672,17 @@ class RingSkeletonSm90(KernelEntry):
         """Rows of C (and B) the tile's batch row has: the tensor's (the decode kernel reads a
         length per batch row)."""
         return scalars.seqlen_c
+
+    @cute.jit
+    def _causal_offset(self, scalars: Scalars, seqlen_c, extra):
+        """The causal offset of the tile's rows: the kernel's runtime scalar (the decode kernel
+        derives it from the batch row's length)."""
+        return scalars.causal_offset
+
+    def _row_period(self, extra):
+        """Packed rows: the period of the query index over the rows (None: row r is query r;
+        the decode kernel's chunked prefill packs G heads x Nq queries)."""
+        return None
 
     @cute.jit
     def _block_range(self, tile: Tile, group, extra):
@@ -739,9 +756,10 @@ class RingSkeletonSm90(KernelEntry):
         """Mask block n_block's scores (acc_S) where it crosses Nkv, the causal diagonal or the
         window's left edge; the other blocks need none. Shared by every kernel's score step."""
         if block_needs_mask(tile.m_block, n_block, tile.seqlen_c, tile.causal_offset, TILE_M,
-                            self.tile_n, self.causal, tile.window_lo):
+                            self.tile_n, self.causal, tile.window_lo, tile.row_period):
             apply_mask(frags.acc_S_mn, frags.tScS_mn, tile.m_block, n_block, tile.seqlen_c,
-                       tile.causal_offset, TILE_M, self.tile_n, self.causal, tile.window_lo)
+                       tile.causal_offset, TILE_M, self.tile_n, self.causal, tile.window_lo,
+                       tile.row_period)
 
     def _block_prefetch(self, tile: Tile, io: ScoreIO, n_block, head, tScS_mn):
         """Statistics the score step of block n_block reads from global memory, loaded at the
