@@ -15,7 +15,8 @@ two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and ba
 family, and the sm90 family's route for D % 16 != 0 above 512) in their M8N1 / M4N2 / M2N4
 warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
 forward; a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
-decode kernel on a paged and a contiguous cache (`KV_CASES`).
+decode kernel on a paged and a contiguous cache, 16-bit and e4m3, and a causal chunk
+(`KV_CASES`).
 
 racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would
 only slow it down); the other tools check every kernel of the process (initcheck must see
@@ -68,13 +69,14 @@ FEATURE_CASES = [
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
     ("Split-D D520 window + sinks causal", 1, 2, 1, 65, 200, 520, True, (50, 0), True),
 ]
-# (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None, cache dtype): the
-# split-KV decode (an e4m3 cache: its stages converted to bf16 in smem)
+# (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None, cache dtype, Nq): the
+# split-KV decode (an e4m3 cache: its stages converted to bf16 in smem; Nq > 1: a causal chunk)
 KV_CASES = [
-    ("sm90 decode paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16"),
-    ("sm90 decode contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "bf16"),
-    ("sm90 decode FP8 cache paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "e4m3"),
-    ("sm90 decode FP8 cache contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "e4m3"),
+    ("sm90 decode paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 1),
+    ("sm90 decode contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "bf16", 1),
+    ("sm90 decode FP8 cache paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "e4m3", 1),
+    ("sm90 decode FP8 cache contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "e4m3", 1),
+    ("sm90 chunked prefill (causal, Nq 5) paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 5),
 ]
 N_CASES = len(CASES) + len(FEATURE_CASES) + len(KV_CASES)
 
@@ -124,9 +126,10 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
         out += [j for j in todo if j not in out]
-    for _, b, hq, hkv, n, d, dv, page, kv in KV_CASES:
-        p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv, seqlen_q=hq // hkv,
-                        seqlen_kv=n, head_dim=d, head_dim_v=dv)
+    for _, b, hq, hkv, n, d, dv, page, kv, nq in KV_CASES:
+        p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv,
+                        seqlen_q=hq // hkv * nq, seqlen_kv=n, head_dim=d, head_dim_v=dv,
+                        causal=nq > 1)
         plan = dispatch.plan_decode(p, page, target=target, opts=Options(),
                                     kv_dtype=None if kv == "bf16" else kv)
         assert plan.reason is None, plan.reason
@@ -181,7 +184,7 @@ def workload() -> int:
         print(f"[workload] {label}: {route[:160]}", flush=True)
     from ffpa_cute import decode
 
-    for label, b, hq, hkv, n, d, dv, page, kv in KV_CASES:
+    for label, b, hq, hkv, n, d, dv, page, kv, nq in KV_CASES:
         pages = b * -(-n // (page or n))
         rows = page or n
         kc = torch.randn(pages if page else b, rows, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -190,10 +193,10 @@ def workload() -> int:
             kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         table = (torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1) if page
                  else None)
-        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, nq, hq, d, device="cuda", dtype=torch.bfloat16)
         lens = torch.tensor([n - 7 * i for i in range(b)], dtype=torch.int32, device="cuda")
         plan = decode.decode_plan(q, kc, vc, True, None, page, None)
-        assert plan is not None, label
+        assert plan is not None and plan.cfg.causal == (nq > 1), label
         ffpa_cute.attention_with_kvcache(q, kc, vc, lens, table, strict=True)
         torch.cuda.synchronize()
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
