@@ -67,6 +67,11 @@ def kernels() -> dict:
                     head_dim=512, head_dim_v=512)
     plan = dispatch.plan_decode(p, 64, target="sm_90a", opts=Options())
     out["sm90-decode-d512-page64"] = (plan.kernel_cls, plan.cfg)
+    plan = dispatch.plan_decode(p, 64, target="sm_90a", opts=Options(), kv_dtype="e4m3")
+    out["sm90-decode-d512-page64-e4m3-cache"] = (plan.kernel_cls, plan.cfg)
+    plan = dispatch.plan_decode(dataclasses.replace(p, causal=True), 64, target="sm_90a",
+                                opts=Options())
+    out["sm90-decode-d512-page64-chunked-prefill"] = (plan.kernel_cls, plan.cfg)
     p = dataclasses.replace(_problem(520, True), window_lo=-200, has_sinks=True)
     plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())  # Split-D: D % 16 != 0
     out["splitd-fwd-d520-window-sinks-sm90a"] = (plan.kernel_cls, plan.cfg)
