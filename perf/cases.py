@@ -24,7 +24,7 @@ FFPA_FAMILIES = ("self", "cross", "decode", "gqa", "causal", "unaligned")
 USER_FAMILIES = ("gemma4", "mqa", "vae")
 ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
 # perf/serving.py's rows (their own table; only when named: not part of "all")
-SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8")
+SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8", "kvprefill")
 FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES,
                   "serving": SERVING_FAMILIES}
 

@@ -15,6 +15,10 @@ beside the attention tables:
   it on a contiguous cache of the same length (GQA natively).
 * `kvdecode-fp8`: the same steps on an FP8 (e4m3) cache under bf16 queries, GB/s counting the
   cache's 8-bit bytes (the FP8 issue's bar: 85% of copy at B=8, Hq 32 / Hkv 4, N=32K).
+* `kvprefill`: one chunked-prefill step (a chunk of 256 queries, causal bottom-right over each
+  row's N keys, B=4, Hq 32 / Hkv 4, D=512, page 64): the decode kernel's one launch against the
+  host loop the same call takes with a window that hides nothing (`window=(N, 0)`: per row, the
+  pages gathered, then `attention()`); TFLOPS on the visible pairs.
 
 Times are CUDA-event medians with L2 flushed before each call (timing.bench). Error columns:
 relative Frobenius error against a float32 explicit-matmul reference on one head (window,
@@ -38,6 +42,8 @@ VARLEN_LENS = (1024, 8192, 2048, 4096, 3072, 6144, 5120, 7168)
 KVDECODE_SEQLENS = (4096, 32768, 131072)
 KVDECODE_SHAPES = ((32, 4), (64, 1))
 KVDECODE_BATCHES = (1, 8, 64)
+KVPREFILL_SEQLENS = (8192, 32768)
+KVPREFILL_CHUNK = 256
 PAGE = 64
 D = 512
 
@@ -67,6 +73,8 @@ def serving_cases(families, seqlens=None) -> list[ServingCase]:
         elif fam == "varlen":
             out.append(ServingCase("varlen", sum(VARLEN_LENS), len(VARLEN_LENS), 32, 4,
                                    lens=VARLEN_LENS))
+        elif fam == "kvprefill":
+            out += [ServingCase("kvprefill", n, 4, 32, 4) for n in seqlens or KVPREFILL_SEQLENS]
         elif fam in ("kvdecode", "kvdecode-fp8"):
             kv = "e4m3" if fam == "kvdecode-fp8" else "bf16"
             out += [ServingCase(fam, n, b, hq, hkv, kv=kv) for hq, hkv in KVDECODE_SHAPES
@@ -238,6 +246,31 @@ def run_kvdecode(case: ServingCase, dev, ctx, ffpa, mem_limit: float) -> Row:
     return row
 
 
+def run_kvprefill(case: ServingCase, dev, ctx, ffpa) -> Row:
+    b, n, hq, hkv, nq = case.batch, case.n, case.hq, case.hkv, KVPREFILL_CHUNK
+    row = Row(asdict(case) | {"page": PAGE, "chunk": nq})
+    pages = b * -(-n // PAGE)
+    kc, vc = (torch.randn(pages, PAGE, hkv, D, device=dev, dtype=torch.bfloat16)
+              for _ in range(2))
+    table = torch.randperm(pages, device=dev, dtype=torch.int32).view(b, -1)
+    lens = torch.full((b,), n, dtype=torch.int32, device=dev)  # the chunk's keys are cached
+    q = torch.randn(b, nq, hq, D, device=dev, dtype=torch.bfloat16)
+    flops = 4 * b * hq * (nq * (n - nq) + nq * (nq + 1) // 2) * D
+    with torch.no_grad():
+        ms = _time(lambda: ffpa.attention_with_kvcache(q, kc, vc, lens, table), dev, ctx)
+        ms_loop = _time(lambda: ffpa.attention_with_kvcache(q, kc, vc, lens, table,
+                                                            window=(n, 0)), dev, ctx)
+        out = ffpa.attention_with_kvcache(q, kc, vc, lens, table)
+        ks = kc[table[0].long()].flatten(0, 1)[:n, 0].float()
+        vs = vc[table[0].long()].flatten(0, 1)[:n, 0].float()
+        i = torch.arange(nq, device=dev)[:, None] + n - nq
+        vis = torch.arange(n, device=dev)[None, :] <= i
+    row.cells.update(ms=ms, tflops=tflops(flops, ms), loop_ms=ms_loop,
+                     loop_tflops=tflops(flops, ms_loop),
+                     err=_ref_err(out[0, :, 0], q[0, :, 0], ks, vs, vis))
+    return row
+
+
 def run_serving(cases, device, bench_kw: dict, mem_limit: float, log=print) -> list[dict]:
     import ffpa_cute as ffpa
 
@@ -248,6 +281,8 @@ def run_serving(cases, device, bench_kw: dict, mem_limit: float, log=print) -> l
                 row = run_window(case, device, bench_kw, ffpa)
             elif case.family == "varlen":
                 row = run_varlen(case, device, bench_kw, ffpa)
+            elif case.family == "kvprefill":
+                row = run_kvprefill(case, device, bench_kw, ffpa)
             else:  # kvdecode, kvdecode-fp8
                 row = run_kvdecode(case, device, bench_kw, ffpa, mem_limit)
         except Exception as e:  # noqa: BLE001 - one failing case is a note, not the run
@@ -294,6 +329,20 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
                        f"{_f(c.get('padded_tflops'))} | {_f(c.get('ratio'), '{:.2f}')} | "
                        f"{_f(c.get('varlen_bwd_tflops'))} | {_f(c.get('padded_bwd_tflops'))} | "
                        f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('err'), '{:.1e}')} |")
+        out.append("")
+    pre = [r for r in rows if r["case"]["family"] == "kvprefill"]
+    if pre:
+        out += ["## Chunked prefill (chunk 256, causal, B=4, Hq 32 / Hkv 4, D=512, page 64; "
+                "TFLOPS on visible pairs)", "",
+                "| N | decode kernel µs | TFLOPS | host loop µs | TFLOPS | speed-up | err |",
+                "|---|---|---|---|---|---|---|"]
+        for r in pre:
+            c = r["cells"]
+            up = c["loop_ms"] / c["ms"] if c.get("ms") and c.get("loop_ms") else None
+            out.append(f"| {r['case']['n']} | {_f(c.get('ms') and c['ms'] * 1e3)} | "
+                       f"{_f(c.get('tflops'))} | {_f(c.get('loop_ms') and c['loop_ms'] * 1e3)} | "
+                       f"{_f(c.get('loop_tflops'))} | {_f(up, '{:.1f}')} | "
+                       f"{_f(c.get('err'), '{:.1e}')} |")
         out.append("")
     for fam, what in (("kvdecode", "bf16 cache; GB/s of K/V read"),
                       ("kvdecode-fp8", "e4m3 cache under bf16 q; GB/s of the 8-bit K/V read")):
