@@ -15,7 +15,7 @@ beside the attention tables:
   it on a contiguous cache of the same length (GQA natively).
 * `kvdecode-fp8`: the same steps on an FP8 (e4m3) cache under bf16 queries, GB/s counting the
   cache's 8-bit bytes (the FP8 issue's bar: 85% of copy at B=8, Hq 32 / Hkv 4, N=32K).
-* `kvprefill`: one chunked-prefill step (a chunk of 256 queries, causal bottom-right over each
+* `kvprefill`: one chunked-prefill step (chunks of 16, 64, 256 queries, causal bottom-right over each
   row's N keys, B=4, Hq 32 / Hkv 4, D=512, page 64): the decode kernel's one launch against the
   host loop the same call takes with a window that hides nothing (`window=(N, 0)`: per row, the
   pages gathered, then `attention()`); TFLOPS on the visible pairs.
@@ -43,7 +43,7 @@ KVDECODE_SEQLENS = (4096, 32768, 131072)
 KVDECODE_SHAPES = ((32, 4), (64, 1))
 KVDECODE_BATCHES = (1, 8, 64)
 KVPREFILL_SEQLENS = (8192, 32768)
-KVPREFILL_CHUNK = 256
+KVPREFILL_CHUNKS = (16, 64, 256)
 PAGE = 64
 D = 512
 
@@ -58,6 +58,7 @@ class ServingCase:
     d: int = D
     lens: tuple = ()
     kv: str = "bf16"  # the cache's dtype (kvdecode)
+    nq: int = 1       # queries per row (kvprefill's chunk)
 
     @property
     def label(self) -> str:
@@ -74,7 +75,8 @@ def serving_cases(families, seqlens=None) -> list[ServingCase]:
             out.append(ServingCase("varlen", sum(VARLEN_LENS), len(VARLEN_LENS), 32, 4,
                                    lens=VARLEN_LENS))
         elif fam == "kvprefill":
-            out += [ServingCase("kvprefill", n, 4, 32, 4) for n in seqlens or KVPREFILL_SEQLENS]
+            out += [ServingCase("kvprefill", n, 4, 32, 4, nq=c) for c in KVPREFILL_CHUNKS
+                    for n in seqlens or KVPREFILL_SEQLENS]
         elif fam in ("kvdecode", "kvdecode-fp8"):
             kv = "e4m3" if fam == "kvdecode-fp8" else "bf16"
             out += [ServingCase(fam, n, b, hq, hkv, kv=kv) for hq, hkv in KVDECODE_SHAPES
@@ -247,8 +249,8 @@ def run_kvdecode(case: ServingCase, dev, ctx, ffpa, mem_limit: float) -> Row:
 
 
 def run_kvprefill(case: ServingCase, dev, ctx, ffpa) -> Row:
-    b, n, hq, hkv, nq = case.batch, case.n, case.hq, case.hkv, KVPREFILL_CHUNK
-    row = Row(asdict(case) | {"page": PAGE, "chunk": nq})
+    b, n, hq, hkv, nq = case.batch, case.n, case.hq, case.hkv, case.nq
+    row = Row(asdict(case) | {"page": PAGE})
     pages = b * -(-n // PAGE)
     kc, vc = (torch.randn(pages, PAGE, hkv, D, device=dev, dtype=torch.bfloat16)
               for _ in range(2))
@@ -332,14 +334,15 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
         out.append("")
     pre = [r for r in rows if r["case"]["family"] == "kvprefill"]
     if pre:
-        out += ["## Chunked prefill (chunk 256, causal, B=4, Hq 32 / Hkv 4, D=512, page 64; "
-                "TFLOPS on visible pairs)", "",
-                "| N | decode kernel µs | TFLOPS | host loop µs | TFLOPS | speed-up | err |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["## Chunked prefill (causal, B=4, Hq 32 / Hkv 4, D=512, page 64; TFLOPS on "
+                "visible pairs)", "",
+                "| chunk | N | decode kernel µs | TFLOPS | host loop µs | TFLOPS | speed-up | err |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in pre:
             c = r["cells"]
             up = c["loop_ms"] / c["ms"] if c.get("ms") and c.get("loop_ms") else None
-            out.append(f"| {r['case']['n']} | {_f(c.get('ms') and c['ms'] * 1e3)} | "
+            out.append(f"| {r['case']['nq']} | {r['case']['n']} | "
+                       f"{_f(c.get('ms') and c['ms'] * 1e3)} | "
                        f"{_f(c.get('tflops'))} | {_f(c.get('loop_ms') and c['loop_ms'] * 1e3)} | "
                        f"{_f(c.get('loop_tflops'))} | {_f(up, '{:.1f}')} | "
                        f"{_f(c.get('err'), '{:.1e}')} |")
