@@ -16,8 +16,9 @@ beside the attention tables:
 * `kvdecode-fp8`: the same steps on an FP8 (e4m3) cache under bf16 queries, GB/s counting the
   cache's 8-bit bytes (the FP8 issue's bar: 85% of copy at B=8, Hq 32 / Hkv 4, N=32K).
 * `kvprefill`: one chunked-prefill step (chunks of 16, 64, 256 queries, causal bottom-right over each
-  row's N keys, B=4, Hq 32 / Hkv 4, D=512, page 64): the decode kernel's one launch against the
-  host loop the same call takes with a window that hides nothing (`window=(N, 0)`: per row, the
+  row's N keys, B=4, Hq 32 / Hkv 4, D=512, page 64): the default route (the decode kernel's one
+  launch while the chunk's row tiles do not fill the SMs, else the host loop) against the host
+  loop the same call takes with a window that hides nothing (`window=(N, 0)`: per row, the
   pages gathered, then `attention()`); TFLOPS on the visible pairs.
 
 Times are CUDA-event medians with L2 flushed before each call (timing.bench). Error columns:
@@ -336,7 +337,7 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
     if pre:
         out += ["## Chunked prefill (causal, B=4, Hq 32 / Hkv 4, D=512, page 64; TFLOPS on "
                 "visible pairs)", "",
-                "| chunk | N | decode kernel µs | TFLOPS | host loop µs | TFLOPS | speed-up | err |",
+                "| chunk | N | default µs | TFLOPS | host loop µs | TFLOPS | speed-up | err |",
                 "|---|---|---|---|---|---|---|---|"]
         for r in pre:
             c = r["cells"]
