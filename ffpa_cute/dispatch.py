@@ -95,8 +95,8 @@ def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
 
 
 def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: str | None):
-    """The split-KV decode kernel (a packed, mask-free cache problem; pages of page_rows; an
-    FP8 cache under 16-bit queries with kv_dtype "e4m3")."""
+    """The split-KV decode kernel (a packed cache problem, causal for a chunk; pages of
+    page_rows; an FP8 cache under 16-bit queries with kv_dtype "e4m3")."""
     return sm90_config.plan_decode(p, target, page_rows, kv_dtype)
 
 
@@ -305,10 +305,11 @@ def _plan_fwd(p: AttnProblem, target: str, family: str, opts: Options) -> Plan:
 def plan_decode(problem: AttnProblem, page_rows: int | None,
                 device: torch.device | None = None, target: str | None = None,
                 opts: Options | None = None, kv_dtype: str | None = None) -> Plan:
-    """The split-KV decode kernel's plan for a packed, mask-free cache problem ([B, Hkv, G * Nq]
-    rows against each row's cached keys; `page_rows` the page size, None for a contiguous
-    cache; `kv_dtype` "e4m3" for an FP8 cache under the problem's 16-bit queries), or the
-    reason there is none: the sm90 16-bit family on a target it was run on."""
+    """The split-KV decode kernel's plan for a packed cache problem ([B, Hkv, G * Nq] rows
+    against each row's cached keys; `causal`: a chunk of each row's last Nq queries;
+    `page_rows` the page size, None for a contiguous cache; `kv_dtype` "e4m3" for an FP8 cache
+    under the problem's 16-bit queries), or the reason there is none: the sm90 16-bit family on
+    a target it was run on."""
     opts = opts or _options.current()
     target, family, reason = _route(problem, device, target, opts)
     if reason is not None:

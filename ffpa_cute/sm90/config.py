@@ -262,8 +262,9 @@ class DecodeConfigSm90(FwdConfigSm90):
     def v_rows(self) -> int:
         """The forward's, halved for an FP8 cache where the conversion can tile 16 rows (O
         halves of a multiple of 64 columns): its two 16-bit V buffers per O half are then
-        16 KB in all, and the smem they free deepens the 8-bit rings (more bytes in flight:
-        the decode is bound by them)."""
+        16 KB in all, and the smem they free deepens the 8-bit rings (D=512: 96 KB in flight
+        instead of 64; measured: no change, the conversion and the 64-row MMA tiles bound the
+        kernel, docs/design.md section 11)."""
         rows = super().v_rows
         if self.kv_dtype is None or any(cvt_vec(rows // 2, d) is None for d in self.dv_halves):
             return rows
@@ -348,8 +349,8 @@ def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
 
     if kv_dtype is None:
         return deepest_rings(make, can_implement_decode)
-    # an FP8 cache: as many 8-bit bytes in flight as fit (the kernel is bound by them), 8 K
-    # chunks, then the deepest V ring, then K again (up to 16 stages each)
+    # an FP8 cache: as many 8-bit bytes in flight as fit, 8 K chunks, then the deepest V ring,
+    # then K again (up to 16 stages each)
     def fits(k, v):
         return can_implement_decode(make(k, v)) is None
 

@@ -7,7 +7,8 @@ a KV head's G query heads, the same rows for each of the S splits), K / V a cach
 head h = kv_head * S + split, batch b) computes the softmax-normalised O over the keys of its
 split of row b's keys, in fp32, and its LSE: the split partials [B, Hkv * S, M, Dv] and
 [B, Hkv * S, M], which the host merges exactly (`kvcache`, LSE-weighted). Every row sees every
-key of its batch row (decode, or a non-causal chunk): the rows of the G heads share one tile.
+key of its batch row (decode, or a non-causal chunk), or under `causal` the keys up to its
+query's position (chunked prefill): the rows of the G heads share one tile.
 
 Why this shape (kernel-design.md, decode; the issue's "≥ 85% of copy bandwidth"): one decode
 step reads each cached key once, so it is memory bound, and a batch of 1-8 rows has too few
@@ -27,6 +28,10 @@ Hc), which with Hr = Hkv * S is the KV head, and the split is h % S.
                   block_table[b, n * tile_n // page_rows]; the TMA views are re-tiled on that
                   page (the cache [num_pages, page_rows, Hkv, D] seen as (pages, Hkv, rows, D)).
 
+Chunked prefill (config `causal`, Nq > 1 a runtime argument): the rows are G heads x Nq
+queries, the batch row's last Nq positions; two hooks put the mask in that frame,
+`_causal_offset` (seqlen_b - Nq) and `_row_period` (row r is query r % Nq, common/mask.py).
+
 FP8 cache (`kv_dtype` "e4m3", 16-bit q): K / V arrive by TMA in 8-bit rings; the warpgroup
 that reads a stage (S: K chunks, each O warpgroup: its V stages) converts it into one of two
 16-bit buffers (`RingSkeletonSm90._convert`: exact, every e4m3 value is a bf16 / fp16 value),
@@ -36,8 +41,8 @@ descale) fold into the scores' scale (K's) and the final 1 / row_sum (V's), as t
 forward's do.
 
 Constraints (`config.can_implement_decode`): the forward's (D 264-1024, Dv != D allowed), no
-causal / window / sinks / kv_pair, pages a multiple of tile_n (64 or 128) rows; an FP8 cache
-needs O halves of a multiple of 32 columns (Dv per CTA a multiple of 64).
+window / sinks / kv_pair, pages a multiple of tile_n (64 or 128) rows; an FP8 cache needs O
+halves of a multiple of 32 columns (Dv per CTA a multiple of 64).
 Status: compile-verified on CPU; run on the H200 by tests/test_kvcache_gpu.py (docs/verification.md
 says which run).
 """
@@ -60,7 +65,7 @@ from .skeleton_sm90 import BLoads, ColLoads, Roles, Scalars, Tile
 
 class DecodeExtra(NamedTuple):
     """The decode kernel's `extra`: per-batch-row key counts, the page table (None for a
-    contiguous cache), the number of splits S, the queries per head Nq (rows r is query
+    contiguous cache), the number of splits S, the queries per head Nq (row r is query
     r % Nq; read under `causal`) and, for an FP8 cache, K's and V's descales ([B, Hkv] fp32;
     else None)."""
 
