@@ -6,7 +6,7 @@ rows.
 One launch reads the cache in place: the G = Hq / Hkv query heads of each KV head are packed into
 rows (K / V read once for all of them), and each batch row's keys are split over S CTAs (the
 head axis of the replicated queries: head h = kv_head * S + split), each writing an fp32 partial
-O and its LSE; `merge_splits` combines them exactly. S is chosen from the batch, the KV heads and
+O and its LSE; one combine kernel (common/combine.py) merges them exactly. S is chosen from the batch, the KV heads and
 the longest row so that about one wave of CTAs covers the SMs, with at least two KV blocks per
 split.
 """
@@ -18,6 +18,7 @@ import functools
 import torch
 
 from . import dispatch, launch
+from .common.config import CombineConfig
 from .problem import AttnProblem, dtype_name
 
 MIN_BLOCKS_PER_SPLIT = 2  # KV blocks (of tile_n rows) a split reads at least
@@ -84,9 +85,10 @@ def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
 
 def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_table,
                     splits: int | None, descales=None):
-    """(out [B, Hq, Nq, Dv] fp32, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each row's
-    first seqlens[b] cached keys (int32 [B] on q's device; max_len bounds them), by one launch
-    of the decode kernel and the merge of its splits. `splits`: S, or None to pick it
+    """(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each
+    row's first seqlens[b] cached keys (int32 [B] on q's device; max_len bounds them), by one
+    launch of the decode kernel and one of the combine kernel that merges its splits
+    (common/combine.py; `merge_splits` is the same in torch). `splits`: S, or None to pick it
     (`num_splits`). descales: an FP8 cache's (k, v) [B, Hkv] fp32 (None: a 16-bit cache)."""
     b, nq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
@@ -105,10 +107,15 @@ def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_tabl
                      block_table.to(device=q.device, dtype=torch.int32).contiguous()),
         k_descale=None if descales is None else descales[0],
         v_descale=None if descales is None else descales[1])
+    out = torch.empty(b, hkv, m, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hkv, m, dtype=torch.float32, device=q.device)
+    combine = CombineConfig(plan.target, dtype_name(q.dtype), dv)
     with torch.cuda.device(q.device):
         launch.run_job(plan.kernel_cls, plan.cfg, tensors,
                        dict(softmax_scale=plan.problem.softmax_scale, num_splits=s, nq=nq))
-    out, lse = merge_splits(tensors["o"].view(b, hkv, s, m, dv), tensors["lse"].view(b, hkv, s, m))
+        launch.run_job(dispatch.kernel_class(combine), combine,
+                       dict(o_part=tensors["o"].view(b, hkv, s, m, dv),
+                            lse_part=tensors["lse"].view(b, hkv, s, m), out=out, lse=lse), {})
     return out.view(b, hq, nq, dv), lse.view(b, hq, nq)
 
 

@@ -92,6 +92,12 @@ def jobs() -> list:
                 plan = dispatch.plan_decode(p, page, target=TARGET, opts=Options(),
                                             kv_dtype=kv)
                 add([(plan.kernel_cls, plan.cfg)])
+    from ffpa_cute.common.config import CombineConfig
+
+    for dv in sorted({dv for _, dv in DECODE_DIMS}):  # the decode's split combine
+        for dtype in ("bf16", "fp16"):
+            c = CombineConfig(TARGET, dtype, dv)
+            add([(dispatch.kernel_class(c), c)])
     for d, dv in DV_PAIRS:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):

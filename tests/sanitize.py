@@ -95,6 +95,7 @@ def _problem(case):
 def jobs(target: str = "sm_90a") -> list:
     """(kernel class, config) of every kernel the workload launches on `target`."""
     from ffpa_cute import dispatch
+    from ffpa_cute.common.config import CombineConfig
     from ffpa_cute.options import Options
 
     out = []
@@ -133,8 +134,10 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_decode(p, page, target=target, opts=Options(),
                                     kv_dtype=None if kv == "bf16" else kv)
         assert plan.reason is None, plan.reason
-        if (plan.kernel_cls, plan.cfg) not in out:
-            out.append((plan.kernel_cls, plan.cfg))
+        combine = CombineConfig(target, "bf16", dv)  # the split combine after it
+        for job in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(combine), combine)):
+            if job not in out:
+                out.append(job)
     return out
 
 

@@ -284,6 +284,20 @@ def test_sm90_decode_compiles(d, dv, page):
     assert "no window or sinks" in dispatch.plan_decode(window, None, target="sm_90a").reason
 
 
+@pytest.mark.parametrize("target", ["sm_90a", "sm_80"])
+def test_split_combine_compiles(target):
+    """The decode's split combine (common/combine.py): 16-byte loads of the fp32 partials,
+    warp shuffles, exp2 / log2; compiles for any arch; bad configs are refused."""
+    from ffpa_cute.common.combine import SplitCombine
+    from ffpa_cute.common.config import CombineConfig
+
+    ptx = SplitCombine.compile(CombineConfig(target, "bf16", 512), options="--keep-ptx").__ptx__
+    assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx and "ex2.approx" in ptx
+    assert "lg2.approx" in ptx and ".local" not in ptx
+    with pytest.raises(ValueError, match="head_dim_v"):
+        SplitCombine(CombineConfig(target, "bf16", 510))
+
+
 def test_sm90_decode_chunked_prefill_compiles():
     """The decode kernel with `causal` (chunked prefill: row r is query r % Nq at key
     position seqlen - Nq + r % Nq): the per-row mask (a remainder by the runtime Nq), no

@@ -1,4 +1,5 @@
-"""Compile keys of the kernels every family shares (common/delta.py); imports no cutlass."""
+"""Compile keys of the kernels every family shares (common/delta.py, transpose.py, combine.py);
+imports no cutlass."""
 
 from __future__ import annotations
 
@@ -29,4 +30,16 @@ class TransposeConfig:
     KERNEL: ClassVar[str] = "ffpa_cute.common.transpose:Transpose8"
 
 
-__all__ = ["DeltaConfig", "TransposeConfig"]
+@dataclass(frozen=True)
+class CombineConfig:
+    """Compile key of the split-KV decode's combine kernel (common/combine.py): target arch,
+    the output dtype ("bf16" / "fp16") and Dv (a multiple of 4)."""
+
+    arch: str
+    dtype: str
+    head_dim_v: int
+
+    KERNEL: ClassVar[str] = "ffpa_cute.common.combine:SplitCombine"
+
+
+__all__ = ["CombineConfig", "DeltaConfig", "TransposeConfig"]
