@@ -33,7 +33,7 @@ def _problem(d, causal):
 def kernels() -> dict:
     """name -> (kernel class, config): the default configs of every GPU-run kernel."""
     from ffpa_cute import dispatch
-    from ffpa_cute.common.config import DeltaConfig
+    from ffpa_cute.common.config import CombineConfig, DeltaConfig
     from ffpa_cute.sm80 import config as sm80_config
     from ffpa_cute.sm90 import config as sm90_config
 
@@ -56,6 +56,8 @@ def kernels() -> dict:
         out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     cfg = DeltaConfig("sm_90a", "bf16", 512)
     out["delta-d512-sm90a"] = (dispatch.kernel_class(cfg), cfg)
+    cfg = CombineConfig("sm_90a", "bf16", 512)  # the decode's split combine
+    out["combine-dv512-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     import dataclasses  # the framework features: a window's left edge, sinks, the decode
 
     p = dataclasses.replace(_problem(512, True), window_lo=-1024, has_sinks=True)
