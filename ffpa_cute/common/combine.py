@@ -8,9 +8,12 @@ key of that row). The exact combine is
     LSE = top + log(sum_s w_s)      (a row empty in every split: O = 0, LSE = -inf)
 
 In torch that is ~10 small kernels plus a dtype conversion (~40 µs of launches at B=8: as much
-as reading 160 MB of cache); here one warp per row reads the row's S LSEs (lanes strided over
-the splits, butterfly max and sum), then its S partial rows (lanes over Dv in 16-byte vectors)
-and writes O in the output dtype and the LSE.
+as reading 160 MB of cache); here one warp per (row, 128 columns of Dv) reads the row's S LSEs
+(lanes strided over the splits, butterfly max and sum), then the S partial rows' 128 columns
+(a 16-byte vector per lane, 4 splits' loads in flight) and writes O in the output dtype; the
+first column slice's warp writes the LSE. The column slices are a grid axis: MQA at B=1 has 64
+rows and up to 256 splits (16 MB of partials), which one warp per row (8 CTAs) read at a
+third of the torch ops' speed.
 
 Any arch (plain global loads and warp shuffles), compiled for the decode kernel's target
 (config: common/config.py `CombineConfig`). Status: run and tested on the H200 through the
@@ -28,8 +31,9 @@ from .compat import compile_target
 from .config import CombineConfig
 from .tensors import CUTLASS_DTYPES, LOG2_E, compile_options, env_stream, fake_tensor
 
-WARPS = 8   # rows per CTA
+WARPS = 4   # rows per CTA
 VEC = 4     # fp32 partials per 16-byte load
+COLS = 32 * VEC  # Dv columns of one warp (a grid axis: ceil(Dv / COLS) slices)
 LN2 = 0.6931471805599453
 
 
@@ -46,7 +50,7 @@ class SplitCombine:
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.vecs = cfg.head_dim_v // VEC       # 16-byte vectors per partial row
-        self.rounds = -(-self.vecs // 32)       # vectors per lane (the last may be partial)
+        self.slices = -(-self.vecs // 32)       # column slices (the last may be partial)
 
     @staticmethod
     def arch_of(cfg: CombineConfig) -> str:
@@ -72,7 +76,7 @@ class SplitCombine:
     @cute.jit
     def __call__(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
                  stream: cuda.CUstream):
-        grid = (cute.ceil_div(mLse.shape[2], WARPS), cute.size(mLse.shape[1]),
+        grid = (cute.ceil_div(mLse.shape[2], WARPS) * self.slices, cute.size(mLse.shape[1]),
                 cute.size(mLse.shape[0]))
         self.kernel(mOp, mLp, mO, mLse).launch(grid=grid, block=[32 * WARPS, 1, 1],
                                                stream=stream)
@@ -82,7 +86,8 @@ class SplitCombine:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         lane = tidx % 32
-        row = bidx * WARPS + tidx // 32
+        row = (bidx // self.slices) * WARPS + tidx // 32
+        j = (bidx % self.slices) * 32 + lane   # this lane's 16-byte vector of the row
         splits = mLp.shape[2]
         if row < mLse.shape[2]:
             # the row's largest split LSE (log2 units), then the sum of the weights
@@ -102,24 +107,21 @@ class SplitCombine:
             inv = Float32(0.0)
             if total > Float32(0.0):
                 inv = cute.arch.rcp_approx(total)
-            # O = sum_s w_s O_s / total, lanes over Dv in 16-byte vectors
+            # O = sum_s w_s O_s / total on this lane's vector
             gO = cute.local_tile(mO[batch, head, row, None], (VEC,), (None,))   # (VEC, vecs)
             acc = cute.make_rmem_tensor((VEC,), Float32)
             part = cute.make_rmem_tensor((VEC,), Float32)
             res = cute.make_rmem_tensor((VEC,), self.dtype)
-            for r in cutlass.range_constexpr(self.rounds):
-                j = r * 32 + lane
-                if j < self.vecs:
-                    acc.fill(0.0)
-                    for s in cutlass.range(splits, unroll=1):
-                        w = cute.math.exp2(mLp[batch, head, s, row] * LOG2_E - top,
-                                           fastmath=True)
-                        gP = cute.local_tile(mOp[batch, head, s, row, None], (VEC,), (None,))
-                        cute.autovec_copy(gP[None, j], part)
-                        acc.store(acc.load() + part.load() * w)
-                    res.store((acc.load() * inv).to(self.dtype))
-                    cute.autovec_copy(res, gO[None, j])
-            if lane == 0:
+            if j < self.vecs:
+                acc.fill(0.0)
+                for s in cutlass.range(splits, unroll=4):
+                    w = cute.math.exp2(mLp[batch, head, s, row] * LOG2_E - top, fastmath=True)
+                    gP = cute.local_tile(mOp[batch, head, s, row, None], (VEC,), (None,))
+                    cute.autovec_copy(gP[None, j], part)
+                    acc.store(acc.load() + part.load() * w)
+                res.store((acc.load() * inv).to(self.dtype))
+                cute.autovec_copy(res, gO[None, j])
+            if j == 0:
                 lse = -Float32.inf
                 if total > Float32(0.0):
                     lse = (top + cute.math.log2(total, fastmath=True)) * LN2
