@@ -11,9 +11,9 @@ In torch that is ~10 small kernels plus a dtype conversion (~40 µs of launches 
 as reading 160 MB of cache); here one warp per (row, 128 columns of Dv) reads the row's S LSEs
 (lanes strided over the splits, butterfly max and sum), then the S partial rows' 128 columns
 (a 16-byte vector per lane, 4 splits' loads in flight) and writes O in the output dtype; the
-first column slice's warp writes the LSE. The column slices are a grid axis: MQA at B=1 has 64
-rows and up to 256 splits (16 MB of partials), which one warp per row (8 CTAs) read at a
-third of the torch ops' speed.
+first column slice's warp writes the LSE. The column slices are a grid axis so that few rows
+with many splits still spread over many SMs (MQA at B=1: 64 rows, up to 256 splits, 16 MB of
+partials).
 
 Any arch (plain global loads and warp shuffles), compiled for the decode kernel's target
 (config: common/config.py `CombineConfig`). Status: run and tested on the H200 through the
@@ -50,7 +50,7 @@ class SplitCombine:
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.vecs = cfg.head_dim_v // VEC       # 16-byte vectors per partial row
-        self.slices = -(-self.vecs // 32)       # column slices (the last may be partial)
+        self.slices = -(-cfg.head_dim_v // COLS)  # column slices (the last may be partial)
 
     @staticmethod
     def arch_of(cfg: CombineConfig) -> str:
