@@ -9,7 +9,9 @@ Variants (B=8, Hq 32 / Hkv 4, D=512, page 64, every row at N keys; the kernel al
 the host merge of the splits):
   bf16       the 16-bit cache (twice the bytes)
   e4m3       the shipping FP8-cache kernel
-  no-math    the conversion moves the bytes but skips the bit arithmetic (wrong values)
+  no-math    the conversion moves the bytes but skips the bit arithmetic (wrong values; at
+             6d47d15 / 1a2333f it was a copy of `_convert` with 8-value runs, now an override of
+             `_convert_run` with the shipping kernel's runs)
   no-copy    no conversion at all: the fence and barrier only (wrong values)
   bf16-2x2   the 16-bit cache with rings of 2 K and 2 V stages (80 KB in flight at most, near
              the FP8 kernel's 64 KB): how much the bytes in flight alone cost
@@ -18,8 +20,6 @@ Experiments only: the variants compute wrong attention and are never routed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import cutlass
@@ -28,39 +28,23 @@ from cutlass import Uint32
 
 from ffpa_cute.sm90.decode_sm90 import FFPADecodeSm90
 from ffpa_cute.sm90.skeleton_sm90 import WG_THREADS
+from perf import experiment
 
 B, HQ, HKV, D, PAGE = 8, 32, 4, 512, 64
 SEQLENS = (32768, 131072)
 
 
 class DecodeNoMath(FFPADecodeSm90):
-    """The FP8-cache decode whose conversion copies bytes without the bit arithmetic."""
+    """The FP8-cache decode whose conversion moves the bytes without the bit arithmetic: each
+    run's 8-bit words copied into the 16-bit ones as they are."""
 
     @cute.jit
-    def _convert(self, conv, s, sb, tidx):
-        src, dst = conv.src[None, None, s], conv.dst[None, None, sb]
-        cols = cute.size(src, mode=[1])
-        tpr = __import__("math").gcd(cols // 8, WG_THREADS)
-        thr = cute.make_ordered_layout((WG_THREADS // tpr, tpr), order=(1, 0))
-        val = cute.make_layout((1, 8))
-        load = cute.make_tiled_copy_tv(cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), self.kv_dtype, num_bits_per_copy=64), thr, val)
-        store = cute.make_tiled_copy_tv(cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128), thr, val)
-        tXs8 = load.get_slice(tidx).partition_S(src)
-        tXs16 = store.get_slice(tidx).partition_D(dst)
-        r8 = cute.make_rmem_tensor(cute.size(tXs8, mode=[0]), self.kv_dtype)
-        r16 = cute.make_rmem_tensor(cute.size(tXs16, mode=[0]), self.dtype)
+    def _convert_run(self, load, store, tXs8, tXs16, r8, r16, m, n):
         w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
-        runs_m = cute.size(tXs8, mode=[1])
-        for mn in cutlass.range(runs_m * cute.size(tXs8, mode=[2]), unroll=2):
-            m, n = mn % runs_m, mn // runs_m
-            cute.copy(load, tXs8[None, m, n], r8)
-            for i in cutlass.range_constexpr(cute.size(w8)):
-                w16[2 * i], w16[2 * i + 1] = w8[i], w8[i]
-            cute.copy(store, r16, tXs16[None, m, n])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
+        cute.copy(load, tXs8[None, m, n], r8)
+        for i in cutlass.range_constexpr(cute.size(w8)):
+            w16[2 * i], w16[2 * i + 1] = w8[i], w8[i]
+        cute.copy(store, r16, tXs16[None, m, n])
 
 
 class DecodeNoCopy(FFPADecodeSm90):
@@ -136,7 +120,7 @@ def run() -> dict:
                      v_descale=torch.ones(B, HKV, device=dev) if kv else None)
 
             def call(cls=cls, cfg=cfg, t=t, s=s):
-                launch.run_job(cls, cfg, t, dict(softmax_scale=D ** -0.5, num_splits=s))
+                launch.run_job(cls, cfg, t, dict(softmax_scale=D ** -0.5, num_splits=s, nq=1))
 
             call()
             torch.cuda.synchronize()
@@ -150,19 +134,7 @@ def run() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.decode_limits", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--precompile", metavar="DIR")
-    ap.add_argument("--out", metavar="FILE", help="write the numbers as JSON")
-    a = ap.parse_args(argv)
-    if a.precompile:
-        precompile(a.precompile)
-        return 0
-    res = run()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return experiment.main("perf.decode_limits", __doc__, precompile, run, argv)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ Experiments only: the variants compute wrong attention and are never routed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import cutlass.cute as cute
 
 from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90FP8
+from perf import experiment
 
 SHAPES = [  # (D, N, causal)
     (512, 8192, False), (512, 16384, False), (512, 8192, True), (320, 8192, False)]
@@ -109,19 +108,7 @@ def run() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.fp8_limits", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--precompile", metavar="DIR")
-    ap.add_argument("--out", metavar="FILE", help="write the numbers as JSON")
-    a = ap.parse_args(argv)
-    if a.precompile:
-        precompile(a.precompile)
-        return 0
-    res = run()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return experiment.main("perf.fp8_limits", __doc__, precompile, run, argv)
 
 
 if __name__ == "__main__":

@@ -266,7 +266,8 @@ class DecodeConfigSm90(FwdConfigSm90):
         instead of 64; measured: no change, the conversion and the 64-row MMA tiles bound the
         kernel, docs/design.md section 11)."""
         rows = super().v_rows
-        if self.kv_dtype is None or any(cvt_vec(rows // 2, d) is None for d in self.dv_halves):
+        if self.kv_dtype is None or any(cvt_tiling(rows // 2, d) is None
+                                        for d in self.dv_halves):
             return rows
         return rows // 2
 
@@ -297,15 +298,16 @@ class DecodeConfigSm90(FwdConfigSm90):
 CVT_THREADS = 128  # a warpgroup converts each stage
 
 
-def cvt_vec(rows: int, cols: int) -> int | None:
-    """Values per thread-run of the in-smem FP8 conversion of a [rows x cols] stage (16: one
-    16-byte load, else 8), or None when neither tiles it: tpr = gcd(cols / vec, 128) threads
-    share a row (runs never cross a swizzle atom), 128 / tpr rows per pass must divide rows."""
+def cvt_tiling(rows: int, cols: int) -> tuple[int, int] | None:
+    """(vec, tpr) of the in-smem FP8 conversion of a [rows x cols] stage, or None when no
+    tiling fits: runs of vec contiguous values per thread (16: one 16-byte load, else 8; a run
+    never crosses a swizzle atom), tpr = gcd(cols / vec, 128) threads per row, 128 / tpr rows
+    per pass, which must divide rows. The planner's check and the kernel's layout both."""
     for vec in (16, 8):
         if cols % vec == 0:
             tpr = math.gcd(cols // vec, CVT_THREADS)
             if rows % (CVT_THREADS // tpr) == 0:
-                return vec
+                return vec, tpr
     return None
 
 
@@ -318,7 +320,7 @@ def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     if reason is None and cfg.kv_dtype not in (None, *FP8_DTYPES):
         reason = f"kv_dtype {cfg.kv_dtype!r}: None (K / V in {cfg.dtype}) or one of {FP8_DTYPES}"
     if reason is None and cfg.kv_dtype is not None and any(
-            cvt_vec(r, c) is None for r, c in cfg.cvt_tiles()):
+            cvt_tiling(r, c) is None for r, c in cfg.cvt_tiles()):
         reason = (f"head_dim_v={cfg.dv}: an FP8 cache is converted in runs that need O halves "
                   f"of a multiple of 32 columns (Dv per CTA a multiple of 64), got "
                   f"{cfg.dv_halves}")

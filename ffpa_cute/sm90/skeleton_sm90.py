@@ -70,7 +70,6 @@ skeleton runs the steps, the forward exchanges the row statistics and P (fwd_sm9
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -86,7 +85,7 @@ from ..common.convert import e4m3x4_to_16bit
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
-from .config import TILE_M, FwdConfigSm90, cvt_vec
+from .config import TILE_M, FwdConfigSm90, cvt_tiling
 
 WG_THREADS = 128
 
@@ -624,9 +623,9 @@ class RingSkeletonSm90(KernelEntry):
         rings8 = ()
         if const_expr(self.cvt):  # the 8-bit rings: (tile_n, k_chunk, k_stages), (b_rows,
             # lo | hi, v_stages)
-            rings8 = tuple(getattr(storage, f).get_tensor(l.outer, swizzle=l.inner)
-                           for f, l in (("sC8", layouts.c8), ("sBlo8", layouts.blo8),
-                                        ("sBhi8", layouts.bhi8)))
+            rings8 = tuple(getattr(storage, f).get_tensor(lay.outer, swizzle=lay.inner)
+                           for f, lay in (("sC8", layouts.c8), ("sBlo8", layouts.blo8),
+                                          ("sBhi8", layouts.bhi8)))
 
         seqlen_r = ops.mOut.shape[2]
         seqlen_c = self._seqlen_c(scalars, batch, extra)
@@ -986,14 +985,13 @@ class RingSkeletonSm90(KernelEntry):
         bits: common/convert.py, Note [e4m3 to bf16 / fp16 by bits]), then fenced for the
         WGMMAs (async proxy) and a barrier of the warpgroup's 128 threads: after it every
         thread's reads of stage s are done, so the stage may be refilled. Each thread converts
-        runs of `vec` contiguous elements of a row (`config.cvt_vec`: 16 (a 16-byte load) or
-        8; a run never crosses a swizzle atom): tpr = gcd(cols / vec, 128) threads share a
-        row, 128 / tpr rows per pass. The runs are unrolled up to D = 576; above, a loop
+        runs of `vec` contiguous elements of a row, tpr threads per row, 128 / tpr rows per
+        pass (`config.cvt_tiling`: vec 16 (a 16-byte load) or 8; a run never crosses a swizzle
+        atom). The runs are unrolled up to D = 576; above, a loop
         unrolled by 2 (fully unrolled, ptxas spilled 12 B at D = 1024)."""
         src, dst = conv.src[None, None, s], conv.dst[None, None, sb]
         rows, cols = cute.size(src, mode=[0]), cute.size(src, mode=[1])
-        vec = cvt_vec(rows, cols)
-        tpr = math.gcd(cols // vec, WG_THREADS)
+        vec, tpr = cvt_tiling(rows, cols)
         thr = cute.make_ordered_layout((WG_THREADS // tpr, tpr), order=(1, 0))
         val = cute.make_layout((1, vec))   # the tile (128 / tpr, vec * tpr), repeated
         load = cute.make_tiled_copy_tv(   # one load of vec 8-bit values
@@ -1282,6 +1280,6 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-__all__ = ["BLoads", "Barriers", "BlockSeq", "ColLoads", "Convert", "Mmas", "Operands", "OutFrags",
-           "PairSmem", "RingSkeletonSm90", "Roles", "Scalars", "ScoreFrags", "ScoreIO",
+__all__ = ["BLoads", "Barriers", "BlockSeq", "ColLoads", "Convert", "Mmas", "Operands",
+           "OutFrags", "PairSmem", "RingSkeletonSm90", "Roles", "Scalars", "ScoreFrags", "ScoreIO",
            "ScoreStep", "Smem", "SmemLayouts", "Tile", "WG_THREADS"]
