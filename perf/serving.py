@@ -367,17 +367,12 @@ def _decode_table(dec: list[dict], what: str, copy_gbps: float | None) -> list[s
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dec:
             c, k = r["cells"], r["case"]
-            pct = (100 * c["gbps"] / copy_gbps) if c.get("gbps") and copy_gbps else None
-            fpct = ((100 * c["fast_gbps"] / copy_gbps) if c.get("fast_gbps") and copy_gbps
-                    else None)
-            gpct = ((100 * c["graph_gbps"] / copy_gbps) if c.get("graph_gbps") and copy_gbps
-                    else None)
+            cols = []  # (µs, GB/s, % of copy) of the validated, unvalidated and graph calls
+            for ms, gbps in (("ms", "gbps"), ("fast_ms", "fast_gbps"), ("graph_ms", "graph_gbps")):
+                pct = 100 * c[gbps] / copy_gbps if c.get(gbps) and copy_gbps else None
+                cols += [_f(c.get(ms) and c[ms] * 1e3), _f(c.get(gbps)), _f(pct)]
             out.append(f"| {k['batch']} | {k['hq']}/{k['hkv']} | {k['n']} | "
-                       f"{_f(c.get('ms') and c['ms'] * 1e3)} | {_f(c.get('gbps'))} | "
-                       f"{_f(pct)} | {_f(c.get('fast_ms') and c['fast_ms'] * 1e3)} | "
-                       f"{_f(c.get('fast_gbps'))} | {_f(fpct)} | "
-                       f"{_f(c.get('graph_ms') and c['graph_ms'] * 1e3)} | "
-                       f"{_f(c.get('graph_gbps'))} | {_f(gpct)} | {_f(c.get('sdpa_gbps'))} | "
+                       + " | ".join(cols) + f" | {_f(c.get('sdpa_gbps'))} | "
                        f"{_f(c.get('err'), '{:.1e}')} | {'; '.join(r['notes'])} |")
         out.append("")
     return out
