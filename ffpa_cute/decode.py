@@ -13,8 +13,6 @@ split.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import dispatch, launch
@@ -22,11 +20,6 @@ from .common.config import CombineConfig
 from .problem import AttnProblem, dtype_name
 
 MIN_BLOCKS_PER_SPLIT = 2  # KV blocks (of tile_n rows) a split reads at least
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
@@ -55,7 +48,7 @@ def decode_plan(q, k_cache, v_cache, causal: bool, window, page_size, scale):
     if plan.reason is not None:
         return None
     ctas = b * hkv * -(-problem.seqlen_q // plan.cfg.tile_m) * plan.cfg.o_split  # unsplit
-    if nq > 1 and ctas > _num_sms(q.device.index or 0):
+    if nq > 1 and ctas > launch.sm_count(q.device.index or 0):
         return None
     return plan
 
@@ -72,7 +65,7 @@ def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
     cfg = plan.cfg
     ctas = b * hkv * -(-plan.problem.seqlen_q // cfg.tile_m) * cfg.o_split
     blocks = -(-max_len // cfg.tile_n)
-    sms = _num_sms(device.index or 0)
+    sms = launch.sm_count(device.index or 0)
     top = max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
 
     def fill(s):  # share of the SM-waves the grid keeps busy

@@ -71,7 +71,8 @@ def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
 def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
     """The WGMMA kernel where it builds; D % 16 != 0 above 512: the Split-D kernel on sm_90a."""
     try:
-        return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair)
+        return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair,
+                                    persistent=opts.persistent)
     except ValueError:
         if p.head_dim_v != p.head_dim:
             raise  # Split-D needs Dv == D

@@ -10,6 +10,8 @@ torch's current stream of the current device, which the caller makes the tensors
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .cache import jit_cache
@@ -70,9 +72,24 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
 
 def _scalars(p, causal_offset: int) -> dict:
     """The kernels' runtime scalars (`SCALARS`) for problem p: the window's left edge is
-    read only by configs with a window (0 otherwise)."""
+    read only by configs with a window (0 otherwise); num_ctas, the current device's SM
+    count, only by persistent configs (their grid)."""
     return dict(softmax_scale=p.softmax_scale, causal_offset=causal_offset,
-                window_lo=p.window_lo if p.window_lo is not None else 0)
+                window_lo=p.window_lo if p.window_lo is not None else 0,
+                num_ctas=sm_count())
+
+
+def sm_count(index: int | None = None) -> int:
+    """SMs of CUDA device `index` (default: the current one); 1 without CUDA (the CPU tests'
+    fake launches)."""
+    if not torch.cuda.is_available():
+        return 1
+    return _sm_count(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
@@ -146,4 +163,5 @@ class FwdCall:
         return (*(tensors.get(n) for n in self.plan.kernel_cls.OPERANDS), *self.scalars)
 
 
-__all__ = ["FwdCall", "kernel_args", "kernel_ready", "run_bwd", "run_fwd", "run_job"]
+__all__ = ["FwdCall", "kernel_args", "kernel_ready", "run_bwd", "run_fwd", "run_job",
+           "sm_count"]

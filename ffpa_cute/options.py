@@ -41,6 +41,9 @@ class Options:
     kv_pair:     D > 512 forward: the two CTAs that split O's columns form a cluster and split the
                  KV blocks, exchanging P over distributed shared memory, instead of both
                  computing every score block (FFPA_CUTE_KV_PAIR).
+    persistent:  16-bit forward at D, Dv <= 512 with no right bound or with a sliding window:
+                 one CTA per SM walks the row tiles, so a tile's prologue and epilogue overlap
+                 its neighbours' work (FFPA_CUTE_PERSISTENT).
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
@@ -53,6 +56,7 @@ class Options:
     strict: bool = False
     pack_gqa: bool = True
     kv_pair: bool = True
+    persistent: bool = True
     fast_launch: bool = True
     self_check: str = "unverified"
 
@@ -71,7 +75,8 @@ class Options:
 
 
 ENV = {"family": "FFPA_CUTE_ARCH", "strict": "FFPA_CUTE_STRICT", "pack_gqa": "FFPA_CUTE_PACK_GQA",
-       "kv_pair": "FFPA_CUTE_KV_PAIR", "fast_launch": "FFPA_CUTE_FAST_LAUNCH",
+       "kv_pair": "FFPA_CUTE_KV_PAIR", "persistent": "FFPA_CUTE_PERSISTENT",
+       "fast_launch": "FFPA_CUTE_FAST_LAUNCH",
        "self_check": "FFPA_CUTE_SELF_CHECK"}
 
 

@@ -2,10 +2,11 @@
 (alias `serving`). Each family has its own yardstick, so they get their own table (serving.md)
 beside the attention tables:
 
-* `window`: sliding-window causal attention (D=512, H=32, window 1024 to the left) timed against
-  the plain causal kernel at the same N; TFLOPS counted on the visible (query, key) pairs of
-  each. The issue's bar: within 10% of the causal kernel's TFLOPS. SDPA beside it with the
-  window as a boolean mask (its kernels have no window).
+* `window`: sliding-window causal attention (D=512) timed against the plain causal kernel at
+  the same N and heads: window 1024 to the left with H=32 (Gemma-style; the issue's case), and
+  window 128 with Hq 64 / Hkv 1 (DeepSeek-V4's MQA layers); TFLOPS counted on the visible
+  (query, key) pairs of each. The issue's bar: within 10% of the causal kernel's TFLOPS. SDPA
+  beside it with the window as a boolean mask (its kernels have no window).
 * `varlen`: `varlen_attention` on 8 packed causal sequences of 1K-8K (D=512, Hq 32 / Hkv 4),
   forward and backward, against `attention()` on the padded equal-length batch of the same total
   tokens (B=8, N = total / 8); TFLOPS on valid pairs. The bar: within 5%.
@@ -38,7 +39,7 @@ from .flops import tflops
 from .timing import bench
 
 WINDOW_SEQLENS = (8192, 16384)
-WINDOW_LEFT = 1024
+WINDOW_SHAPES = ((1024, 32, 32), (128, 64, 1))  # (left, Hq, Hkv)
 VARLEN_LENS = (1024, 8192, 2048, 4096, 3072, 6144, 5120, 7168)
 KVDECODE_SEQLENS = (4096, 32768, 131072)
 KVDECODE_SHAPES = ((32, 4), (64, 1))
@@ -60,10 +61,12 @@ class ServingCase:
     lens: tuple = ()
     kv: str = "bf16"  # the cache's dtype (kvdecode)
     nq: int = 1       # queries per row (kvprefill's chunk)
+    left: int = 0     # the window's left reach (window)
 
     @property
     def label(self) -> str:
-        return f"{self.family}-b{self.batch}-h{self.hq}x{self.hkv}-n{self.n}-d{self.d}"
+        w = f"-w{self.left}" if self.left else ""
+        return f"{self.family}-b{self.batch}-h{self.hq}x{self.hkv}-n{self.n}-d{self.d}{w}"
 
 
 def serving_cases(families, seqlens=None) -> list[ServingCase]:
@@ -71,7 +74,8 @@ def serving_cases(families, seqlens=None) -> list[ServingCase]:
     out = []
     for fam in families:
         if fam == "window":
-            out += [ServingCase("window", n) for n in seqlens or WINDOW_SEQLENS]
+            out += [ServingCase("window", n, hq=hq, hkv=hkv, left=left)
+                    for left, hq, hkv in WINDOW_SHAPES for n in seqlens or WINDOW_SEQLENS]
         elif fam == "varlen":
             out.append(ServingCase("varlen", sum(VARLEN_LENS), len(VARLEN_LENS), 32, 4,
                                    lens=VARLEN_LENS))
@@ -119,25 +123,28 @@ def _time(fn, dev, ctx) -> float:
 
 
 def run_window(case: ServingCase, dev, ctx, ffpa) -> Row:
-    n, h, left = case.n, case.hq, WINDOW_LEFT
-    q, k, v = (torch.randn(1, h, n, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    n, h, left = case.n, case.hq, case.left
+    gqa = dict(enable_gqa=case.hkv != h)
+    q = torch.randn(1, h, n, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, case.hkv, n, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     row = Row(asdict(case) | {"window": left})
     pw, pc = _pairs_window(n, left), n * (n + 1) // 2
     with torch.no_grad():
-        ms_w = _time(lambda: ffpa.attention(q, k, v, is_causal=True, window=(left, 0)), dev, ctx)
-        ms_c = _time(lambda: ffpa.attention(q, k, v, is_causal=True), dev, ctx)
-        out = ffpa.attention(q, k, v, is_causal=True, window=(left, 0))
+        ms_w = _time(lambda: ffpa.attention(q, k, v, is_causal=True, window=(left, 0), **gqa),
+                     dev, ctx)
+        ms_c = _time(lambda: ffpa.attention(q, k, v, is_causal=True, **gqa), dev, ctx)
+        out = ffpa.attention(q, k, v, is_causal=True, window=(left, 0), **gqa)
     i = torch.arange(n, device=dev)
     vis = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)
     row.cells.update(
-        path=ffpa.explain(q, k, v, is_causal=True, window=(left, 0))[:48],
+        path=ffpa.explain(q, k, v, is_causal=True, window=(left, 0), **gqa)[:48],
         window_ms=ms_w, window_tflops=tflops(4 * h * pw * D, ms_w),
         causal_ms=ms_c, causal_tflops=tflops(4 * h * pc * D, ms_c),
         err=_ref_err(out[0, 0], q[0, 0], k[0, 0], v[0, 0], vis))
     row.cells["ratio"] = row.cells["window_tflops"] / row.cells["causal_tflops"]
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     for name, kw in (("window", dict(window=(left, 0))), ("causal", {})):
-        out = ffpa.attention(qg, kg, vg, is_causal=True, **kw)
+        out = ffpa.attention(qg, kg, vg, is_causal=True, **kw, **gqa)
         dout = torch.randn_like(out)
         ms = _time(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), dev,
                    ctx)
@@ -148,7 +155,7 @@ def run_window(case: ServingCase, dev, ctx, ffpa) -> Row:
     try:  # SDPA with the window as a boolean mask (no kernel of its own has a window)
         with torch.no_grad():
             ms = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=vis), dev, ctx)
+                q, k, v, attn_mask=vis, **gqa), dev, ctx)
         row.cells["sdpa_tflops"] = tflops(4 * h * pw * D, ms)
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is a note
         row.notes.append(f"sdpa: {type(e).__name__}: {str(e)[:80]}")
@@ -309,12 +316,14 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
         out.append(f"Copy ceiling (read + write): {copy_gbps:.0f} GB/s.\n")
     win = [r for r in rows if r["case"]["family"] == "window"]
     if win:
-        out += ["## Sliding window (causal, left 1024, D=512, H=32; TFLOPS on visible pairs)", "",
-                "| N | window fwd | causal fwd | ratio | window bwd | causal bwd | ratio | "
-                "SDPA (mask) fwd | err |", "|---|---|---|---|---|---|---|---|---|"]
+        out += ["## Sliding window (causal, D=512; TFLOPS on visible pairs)", "",
+                "| left | Hq / Hkv | N | window fwd | causal fwd | ratio | window bwd | "
+                "causal bwd | ratio | SDPA (mask) fwd | err |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in win:
-            c = r["cells"]
-            out.append(f"| {r['case']['n']} | {_f(c.get('window_tflops'))} | "
+            c, k = r["cells"], r["case"]
+            out.append(f"| {k.get('window')} | {k['hq']} / {k['hkv']} | {k['n']} | "
+                       f"{_f(c.get('window_tflops'))} | "
                        f"{_f(c.get('causal_tflops'))} | {_f(c.get('ratio'), '{:.2f}')} | "
                        f"{_f(c.get('window_bwd_tflops'))} | {_f(c.get('causal_bwd_tflops'))} | "
                        f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('sdpa_tflops'))} | "

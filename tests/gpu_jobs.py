@@ -7,7 +7,7 @@ A superset by construction: every head dim the GPU tests use, both dtypes and ca
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
 and backward, plus the Dv != D pairs, the FP8 forward with its transpose kernel, and the
 non-default variants the tests select (the CTA pair off above 512, dK without sequential score
-products), the sliding-window / sinks configurations and the split-KV decode kernels. A kernel the tests need that is missing
+products, one CTA per tile where the default is persistent), the sliding-window / sinks configurations and the split-KV decode kernels. A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -51,7 +51,7 @@ def jobs() -> list:
                     p = problem(d, d, dtype, causal)
                     plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
                     if plan.reason is None:
-                        add([(plan.kernel_cls, plan.cfg)])
+                        add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
                     add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
                     if family == "sm90" and d > 512 and d % 16 == 0:  # the CTA pair off
                         plan = dispatch.plan_fwd(p, target=TARGET,
@@ -80,7 +80,7 @@ def jobs() -> list:
                                     has_sinks=sinks)
             for opts in (Options(), Options(family="sm80")):
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
-                add([(plan.kernel_cls, plan.cfg)])
+                add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
                 add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
     for d, dv in DECODE_DIMS:  # the split-KV decode, contiguous and paged; 16-bit or e4m3
         for page in (None, 64, 128, 256):  # caches (bf16 queries; fp16 with an e4m3 cache)
@@ -107,6 +107,19 @@ def jobs() -> list:
                 if dtype == "bf16":
                     add(dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs)
     return out
+
+
+def _one_cta_per_tile(cfg) -> list:
+    """A persistent config's one-CTA-per-tile twin (`Options(persistent=False)`: the GPU tests
+    compare their bits, perf runs time both)."""
+    import dataclasses
+
+    from ffpa_cute import dispatch
+
+    if not getattr(cfg, "persistent", False):
+        return []
+    twin = dataclasses.replace(cfg, persistent=False)
+    return [(dispatch.kernel_class(twin), twin)]
 
 
 def _compile_part(args):

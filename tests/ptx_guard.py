@@ -111,6 +111,9 @@ def main(argv=None) -> int:
             record[name] = {"sha256": sha, "config": repr(cfg),
                             "verified_at": None if a.verified_at == "none" else a.verified_at}
             print(f"{name}: recorded ({a.verified_at})")
+        elif record[name]["config"] != repr(cfg):  # a new config field, the same code
+            record[name]["config"] = repr(cfg)
+            print(f"{name}: config text updated (same PTX)")
     RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return 0
 

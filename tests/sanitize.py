@@ -9,7 +9,8 @@ under memcheck, racecheck, synccheck and initcheck. Any error or hazard fails it
 What the workload runs (`CASES`): `ffpa_cute.attention` forward and backward through the public
 API, strict (a fallback would raise), for each kernel family that runs on the device, covering
 every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, the
-`kv_pair` CTA pair above 512, Dv != D, GQA rows packed for decode), the sm90 dQ / dK / dV
+`kv_pair` CTA pair above 512, Dv != D, GQA rows packed for decode, persistent CTAs walking
+more tiles than there are SMs), the sm90 dQ / dK / dV
 kernels (dK with sequential score products and with two accumulators, the gradient split over
 two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
 family, and the sm90 family's route for D % 16 != 0 above 512) in their M8N1 / M4N2 / M2N4
@@ -51,6 +52,9 @@ CASES = [
      "bf16", True),
     ("sm90 MLA 576/512 causal", "sm90", 1, 4, 1, 65, 130, 576, 512, "bottom_right", "bf16", True),
     ("sm90 decode GQA rows packed", "sm90", 2, 8, 2, 1, 300, 512, 512, "none", "bf16", False),
+    # persistent CTAs (one per SM) with more tiles than SMs: rings and hand-overs carried over
+    ("sm90 D320 persistent, 144 tiles", "sm90", 1, 48, 48, 130, 200, 320, 320, "none", "bf16",
+     False),
     ("sm90 D520 (Split-D on sm_90a)", "sm90", 1, 2, 1, 65, 130, 520, 520, "bottom_right",
      "bf16", True),
     ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),
@@ -66,6 +70,8 @@ CASES = [
 # skipped and masked) and sinks in the forward, the window in dQ / dK / dV
 FEATURE_CASES = [
     ("sm90 D512 window + sinks causal GQA", 1, 4, 2, 129, 333, 512, True, (64, 0), True),
+    ("sm90 D512 window persistent GQA, 144 tiles", 1, 48, 8, 130, 130, 512, True, (64, 0),
+     False),
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
     ("Split-D D520 window + sinks causal", 1, 2, 1, 65, 200, 520, True, (50, 0), True),
 ]

@@ -131,6 +131,30 @@ def test_forward_full_grid(seed, case):
     check_forward(*case)
 
 
+@pytest.mark.parametrize("d,dtype,b,hq,hkv,nq,nkv", [
+    (512, BF16, 2, 48, 48, 1000, 333),   # 16 row tiles x 96 heads: ~12 tiles per CTA
+    (320, FP16, 1, 64, 8, 777, 1000),    # GQA, rows packed: 8 x 98 row tiles
+    (264, BF16, 3, 40, 40, 130, 2000)])  # 3 row tiles x 120 heads, the last one partial
+def test_persistent_tiles(seed, d, dtype, b, hq, hkv, nq, nkv):
+    """The persistent forward (one CTA per SM walking the row tiles; the default without a
+    right bound) with several tiles per CTA, so the rings and P hand-overs carry from tile to
+    tile: within the float64 bound, and the same bits as one CTA per tile."""
+    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype)
+    plan = kernel_plan(q, k, v, "none")
+    assert plan.cfg.persistent
+    rows = nq * (hq // hkv) if plan.packed else nq
+    tiles = b * (hkv if plan.packed else hq) * -(-rows // 64)
+    assert tiles > 2 * launch.sm_count(), tiles
+    out = call(q, k, v, "none")
+    ref, _ = attention_ref(q, k, v)
+    base, _ = attention_same_dtype(q, k, v)
+    err, base_err = rel_err(out, ref), rel_err(base, ref)
+    assert err <= 2 * base_err + 1e-3, f"err {err:.3g} vs torch {base_err:.3g}"
+    with ffpa_cute.options.use(persistent=False):
+        assert not kernel_plan(q, k, v, "none").cfg.persistent
+        assert torch.equal(call(q, k, v, "none"), out)
+
+
 MLA = [(576, BF16, "none", 1, 4097, 128, 512), (576, BF16, "bottom_right", 129, 1000, 16, 512),
        (576, BF16, "upper_left", 1000, 1000, 1, 512), (576, FP16, "bottom_right", 1000, 129, 4, 512),
        (512, BF16, "bottom_right", 129, 1000, 4, 320), (320, BF16, "none", 7, 129, 1, 256),

@@ -242,11 +242,13 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
     monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(lambda fn, *a: seen.append(a)))
     out, lse = launch.run_fwd(plan, q, k, v)
-    *ts, sinks, scale, offset, window_lo = seen[0]
+    *ts, sinks, scale, offset, window_lo, num_ctas = seen[0]
     assert sinks is None and window_lo == 0  # no sinks; the edge is unread without a window
+    assert num_ctas == launch.sm_count()  # the grid of a persistent config (1 without CUDA)
     fc = launch.FwdCall(plan, q, k, v)
-    *got, got_sinks, got_scale, got_offset, got_lo = fc.args(q, k, v, out, lse)
-    assert (got_sinks, got_scale, got_offset, got_lo) == (None, scale, offset, 0)
+    *got, got_sinks, got_scale, got_offset, got_lo, got_ctas = fc.args(q, k, v, out, lse)
+    assert (got_sinks, got_scale, got_offset, got_lo, got_ctas) == (None, scale, offset, 0,
+                                                                    num_ctas)
     for a, b in zip(got, ts):
         assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
     assert fc.out_shape == tuple(out.shape) and fc.lse_shape == tuple(lse.shape)
@@ -289,3 +291,49 @@ def test_fused_delta_is_a_backward_job():
     for target in ("sm_90a", "sm_80"):
         jobs = dispatch.plan_bwd(p, target=target).jobs
         assert len(jobs) == 4 and jobs[0][1] == DeltaConfig(target, "bf16", 512)
+
+
+@pytest.mark.parametrize("kw,persistent", [
+    (dict(), True),                                        # no right bound: equal tiles
+    (dict(causal=True, causal_offset=0), False),           # causal: the hardware balances
+    (dict(causal=True, causal_offset=0, window_lo=-64), True),  # a sliding window
+    (dict(window_lo=-64, window_hi=8), True),
+    (dict(has_sinks=True), True),
+    (dict(d=1024), False),                                 # O over two CTAs (kv_pair)
+    (dict(d=576, head_dim_v=512), False),                  # Q streamed (D > 512): not yet
+    (dict(dtype="e4m3", out_dtype="bf16"), False)])        # the FP8 forward: never
+def test_persistent_rule(kw, persistent):
+    """Persistent CTAs serve the 16-bit forward at D, Dv <= 512 (one CTA per row tile, Q
+    resident) where the tiles are (nearly) equal: no right bound or a sliding window;
+    `Options(persistent=False)` turns it off; the config refuses it where the kernel has no
+    persistent mode."""
+    from ffpa_cute.sm90 import config as sm90_config
+
+    p = prob(**kw)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.reason is None and plan.cfg.persistent == persistent
+    off = dispatch.plan_fwd(p, target="sm_90a", opts=Options(persistent=False))
+    assert not off.cfg.persistent
+    if not persistent:
+        forced = dataclasses.replace(plan.cfg, persistent=True)
+        reason = sm90_config.can_implement(forced)
+        assert (reason is None) == (plan.cfg.ctas_per_tile == 1
+                                    and type(plan.cfg) is sm90_config.FwdConfigSm90)
+
+
+@pytest.mark.parametrize("m_tiles,heads,batch,ctas", [
+    (128, 32, 1, 132), (3, 48, 1, 132), (1, 1, 1, 132), (16, 96, 2, 132), (5, 7, 3, 4)])
+def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):
+    """The persistent kernels' schedule (common/scheduler.py): CTA c of min(tiles, ctas) takes
+    tiles c, c + grid, ...; together they cover every (m_block, head, batch) once, and the
+    linear order is the one-CTA-per-tile grid's (m fastest, the last row tile first)."""
+    from ffpa_cute.common.scheduler import tile_coords, tile_count
+
+    total = tile_count(m_tiles, heads, batch)
+    grid = min(total, ctas)
+    walked = [tile_coords(t, m_tiles, heads) for c in range(grid)
+              for t in range(c, total, grid)]
+    every = [(m_tiles - 1 - x, h, b) for b in range(batch) for h in range(heads)
+             for x in range(m_tiles)]
+    assert sorted(walked) == sorted(every) and len(walked) == len(set(walked))
+    assert [tile_coords(t, m_tiles, heads) for t in range(total)] == every

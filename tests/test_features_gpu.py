@@ -36,6 +36,7 @@ WINDOW_CASES = [  # d, hq, hkv, nq, nkv, window, causal, sinks
     (384, 4, 4, 1000, 1000, (None, 7), False, True),
     (1024, 2, 1, 700, 900, (200, 0), True, True),
     (576, 2, 2, 333, 333, (64, 64), False, True),
+    (512, 32, 4, 1000, 1000, (128, 0), True, True),  # 512 tiles: persistent CTAs take several
 ]
 
 

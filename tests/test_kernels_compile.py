@@ -102,6 +102,24 @@ SM90_CASES = [(264, True), (320, False), (384, True), (448, False), (512, True),
               (576, True), (768, False), (1024, True)]  # > 512: O split over two CTAs
 
 
+@pytest.mark.parametrize("d,causal,window,sinks,dtype", [
+    (512, True, True, True, "bf16"), (264, False, False, False, "bf16"),
+    (448, False, True, False, "fp16")])
+def test_sm90_persistent_compiles(d, causal, window, sinks, dtype):
+    """Persistent CTAs (one per SM walking the row tiles; the planner's choice without a right
+    bound or with a sliding window): the grid size read in the kernel (%nctaid.x), WGMMA and
+    TMA, no local memory, no spills: the accumulator warpgroups carry their ring position and
+    hand-over count from tile to tile within the 168 registers."""
+    p = dataclasses.replace(_problem(d, causal, dtype=dtype),
+                            window_lo=-64 if window else None, has_sinks=sinks)
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    assert plan.reason is None and plan.cfg.persistent
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert "%nctaid.x" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert ".local" not in ptx, "local memory in PTX"
+    _no_spills(ptx)
+
+
 @pytest.mark.parametrize("d,causal", SM90_CASES)
 def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
     """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs, TMA loads, stmatrix for P,

@@ -70,6 +70,10 @@ class FwdConfigSm90:
     sinks:         a per-query-head sink logit joins each row's softmax denominator and LSE
                    (a runtime [Hq] fp32 tensor; the forward's only: the gradient kernels read
                    the sink through the LSE)
+    persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
+                   + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
+                   tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
+                   its neighbours' work; one CTA per tile (o_split 1), 16-bit forward only
     """
 
     arch: str
@@ -85,6 +89,7 @@ class FwdConfigSm90:
     kv_pair: bool = False
     window: bool = False
     sinks: bool = False
+    persistent: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -391,6 +396,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
                 "needs a multiple of 16")
     if cfg.kv_pair and (cfg.o_split != 2 or cfg.tile_n != 128 or cfg.head_dim_v is not None):
         return "kv_pair needs O split over two CTAs (head_dim > 512), tile_n 128 and Dv == D"
+    if cfg.persistent and (cfg.ctas_per_tile != 1 or type(cfg) is not FwdConfigSm90):
+        return ("persistent needs one CTA per row tile (Dv <= 512, no kv_pair) and the 16-bit "
+                "forward kernel")
     if cfg.tile_n not in (64, 128):
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
     if cfg.k_stages < 2 or cfg.v_stages < 2:
@@ -404,9 +412,13 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     return None
 
 
-def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True) -> FwdConfigSm90:
+def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
+             persistent: bool = False) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
-    `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`).
+    `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `persistent`:
+    whether a 16-bit problem with one CTA per row tile and tiles of (nearly) equal length (no
+    right bound, or a sliding window) runs persistent CTAs (`Options.persistent`;
+    common/scheduler.py says why not under a plain causal mask).
 
     Measured on the H200 (docs/perf-log.md, 2026-12-02): a K ring under 4 stages starves QK
     (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
@@ -425,6 +437,9 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True) -> FwdConfig
                 window=problem.window_lo is not None, sinks=problem.has_sinks, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
+    if (persistent and not fp8 and not split
+            and (not problem.right_bounded or problem.window_lo is not None)):
+        base["persistent"] = True
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)
 
 

@@ -102,6 +102,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
 
     rescale_o = True  # O warpgroups multiply O's rows by the published factors
     OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo", "num_ctas")
 
     def __init__(self, cfg: FwdConfigSm90):
         reason = can_implement(cfg)
@@ -118,12 +119,14 @@ class FFPAFwdSm90(RingSkeletonSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mSinks, softmax_scale: Float32, causal_offset: Int32,
-                 window_lo: Int32, stream: cuda.CUstream):
+                 window_lo: Int32, num_ctas: Int32, stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32; sinks: (Hq,) fp32 with `sinks`, else
-        None; window_lo: read with `window`. Grid = (m_blocks * o_split, Hq, B)."""
+        None; window_lo: read with `window`; num_ctas: the device's SM count, the grid of a
+        `persistent` config. Grid = (m_blocks * o_split, Hq, B), or (`persistent`)
+        (min(tiles, num_ctas), 1, 1)."""
         self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale,
                      causal_offset, stream, mSinks if const_expr(self.cfg.sinks) else None,
-                     window_lo)
+                     window_lo, num_ctas)
 
     # ---------------------------------------------------------------- the score step
     @cute.jit

@@ -83,6 +83,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.convert import e4m3x4_to_16bit
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
+from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, FwdConfigSm90, cvt_tiling
@@ -267,7 +268,8 @@ class ScoreStep(NamedTuple):
 class ColLoads(NamedTuple):
     """What the S warpgroup's loads need: TMA atoms and partitioned sources / stages of C and
     R, the whole TMA tensors and smem rings (for hooks that re-tile per head), the C ring's
-    barriers, the block sequence and the number of chunks the tile reads."""
+    barriers, the block sequence, the number of chunks the tile reads and the ring position
+    of its first."""
 
     tma_c: cute.CopyAtom
     tCg: cute.Tensor
@@ -281,6 +283,7 @@ class ColLoads(NamedTuple):
     bar: cute.Pointer
     seq: BlockSeq
     total: Int32
+    base: Int32   # the ring position of the tile's first chunk
     m_block: Int32
     head: Int32
     extra: object
@@ -291,7 +294,8 @@ class ColLoads(NamedTuple):
 class BLoads(NamedTuple):
     """What an accumulator warpgroup's loads need (as ColLoads): its B ring, the barrier base
     of its stages, its first O column, which half it is (compile time), the B stages the tile
-    reads, for `kv_pair` the barriers and the CTA's rank, and the kernel's `extra`."""
+    reads and the ring position of its first, for `kv_pair` the barriers and the CTA's rank,
+    and the kernel's `extra`."""
 
     tma: cute.CopyAtom
     tBg: cute.Tensor
@@ -303,6 +307,7 @@ class BLoads(NamedTuple):
     seq: BlockSeq
     half: int
     total: Int32
+    base: Int32
     bars: Barriers
     rank: Int32
     tidx: Int32
@@ -317,6 +322,35 @@ class OutFrags(NamedTuple):
     tOrP: cute.Tensor    # (MMA, MMA_M, MMA_K, p_slots)
     tOrB: cute.Tensor    # (MMA, MMA_N, MMA_K, v_stages | 2)
     convert: object = None
+
+
+class ScoreRegs(NamedTuple):
+    """The S warpgroup's tile-independent fragments (built once, reused by every tile): the
+    WGMMA operand views of R and C, the score accumulators and their views, P, the factors,
+    and the stmatrix partition of P into its slots."""
+
+    tSrR: cute.Tensor
+    tSrC: cute.Tensor
+    acc_S: cute.Tensor
+    acc_S_mn: cute.Tensor
+    tScS_mn: cute.Tensor
+    rP: cute.Tensor
+    acc_2: object
+    factor: cute.Tensor
+    thr_st: object
+    tPsP: cute.Tensor
+    tPrP: cute.Tensor
+
+
+class Counters(NamedTuple):
+    """Where a warpgroup's rings and hand-overs stand when a tile starts (all 0 for the first
+    tile): its ring position (C for the S warpgroup, its B ring for an accumulator
+    warpgroup), the P hand-overs so far (each tile makes n_iter + 1: its P tiles and the final
+    factors), and the phase of the R barrier (the tile count's parity)."""
+
+    ring: Int32
+    hand: Int32
+    phase: Int32
 
 
 class RingSkeletonSm90(KernelEntry):
@@ -493,10 +527,12 @@ class RingSkeletonSm90(KernelEntry):
 
     @cute.jit
     def _launch(self, roles: Roles, mLSE: cute.Tensor, softmax_scale: Float32,
-                causal_offset: Int32, stream: cuda.CUstream, extra, window_lo: Int32 = None):
+                causal_offset: Int32, stream: cuda.CUstream, extra, window_lo: Int32 = None,
+                num_ctas: Int32 = None):
         """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel adds
         (FP8 descales, the two-product operands, the forward's sinks; None). `window_lo`: the
-        window's left edge, passed to the device only when the config has one (`window`)."""
+        window's left edge, passed to the device only when the config has one (`window`).
+        `num_ctas`: the CTAs a `persistent` config launches at most (one per SM)."""
         cfg = self.cfg
         ops = self._operands(roles, mLSE)
         dlo, dhi = self.halves
@@ -508,6 +544,8 @@ class RingSkeletonSm90(KernelEntry):
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
         grid = (cute.ceil_div(roles.rows.shape[2], TILE_M) * cfg.ctas_per_tile,
                 cute.size(roles.rows.shape[1]), cute.size(roles.rows.shape[0]))
+        if const_expr(cfg.persistent):  # one CTA per SM walks the tiles (common/scheduler.py)
+            grid = (cutlass.min(tile_count(*grid), num_ctas), 1, 1)
         self.kernel(
             ops,
             Scalars(roles.cols.shape[2], roles.cols.shape[1], softmax_scale * LOG2_E,
@@ -565,14 +603,8 @@ class RingSkeletonSm90(KernelEntry):
                SharedStorage: cutlass.Constexpr, extra):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, head, batch = cute.arch.block_idx()
-        grid_m, _, _ = cute.arch.grid_dim()
-        # longest tiles first under causal (bottom-right); the CTAs of a row tile adjacent
-        m_block = grid_m // cfg.ctas_per_tile - 1 - bidx // cfg.ctas_per_tile
-        o_part = bidx % cfg.o_split  # which 1 / o_split of O's columns
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]), scalars.heads_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         bars = Barriers(storage.bar_r.data_ptr(), storage.bar_c.data_ptr(),
@@ -627,14 +659,14 @@ class RingSkeletonSm90(KernelEntry):
                            for f, lay in (("sC8", layouts.c8), ("sBlo8", layouts.blo8),
                                           ("sBhi8", layouts.bhi8)))
 
-        seqlen_r = ops.mOut.shape[2]
-        seqlen_c = self._seqlen_c(scalars, batch, extra)
-        tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, seqlen_c,
-                    self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
-                    scalars.window_lo, self._row_period(extra))
-        # column blocks n_top-1, n_top-2, ..., n_top-n_count (descending: the masked ones first)
-        n_top, n_count = self._block_range(tile, group, extra)
-        seq = BlockSeq(n_top, n_count, head_c, group, batch)
+        bidx, head, batch = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        work = None  # `persistent`: each warpgroup walks `_tiles` itself
+        if const_expr(not cfg.persistent):
+            # longest tiles first under causal (bottom-right); the CTAs of a row tile adjacent
+            m_block = grid_x // cfg.ctas_per_tile - 1 - bidx // cfg.ctas_per_tile
+            o_part = bidx % cfg.o_split  # which 1 / o_split of O's columns
+            work = self._tile(ops, scalars, extra, m_block, o_part, head, batch)
 
         pair = None
         if const_expr(self.kv_pair):
@@ -644,21 +676,54 @@ class RingSkeletonSm90(KernelEntry):
         elif const_expr(cfg.cluster_pair):
             pair = PairSmem(None, storage.sP.data_ptr())
         smem = Smem(sR, sC, sBlo, sBhi, sP, sFactor, bars, pair, *rings8)
-        self._warpgroups(ops, mmas, smem, tile, seq, extra, wg, tidx)
+        self._warpgroups(ops, scalars, mmas, smem, work, extra, wg, tidx)
         if const_expr(cfg.cluster_pair):  # the peer may still write our smem until done
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
     @cute.jit
-    def _warpgroups(self, ops: Operands, mmas: Mmas, smem: Smem, tile: Tile, seq: BlockSeq,
+    def _tile(self, ops: Operands, scalars: Scalars, extra, m_block, o_part, head, batch):
+        """(Tile, BlockSeq) of row tile m_block of (head, batch): C's head, the batch row's
+        length and causal offset, and the column blocks n_top-1, n_top-2, ..., n_top-n_count
+        it visits (descending: the masked ones first)."""
+        head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]), scalars.heads_c)
+        seqlen_c = self._seqlen_c(scalars, batch, extra)
+        tile = Tile(m_block, o_part, head, head_c, batch, ops.mOut.shape[2], seqlen_c,
+                    self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
+                    scalars.window_lo, self._row_period(extra))
+        n_top, n_count = self._block_range(tile, group, extra)
+        return tile, BlockSeq(n_top, n_count, head_c, group, batch)
+
+    @cute.jit
+    def _tiles(self, ops: Operands):
+        """`persistent`: (first, end, stride) of the CTA's tiles in the linear order of
+        common/scheduler.py: the CTA index, then every grid size further, below the tile
+        count."""
+        bidx, _, _ = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        m_tiles = cute.ceil_div(ops.mOut.shape[2], TILE_M)
+        return bidx, tile_count(m_tiles, cute.size(ops.mOut.shape[1]),
+                                cute.size(ops.mOut.shape[0])), grid_x
+
+    @cute.jit
+    def _tile_at(self, ops: Operands, scalars: Scalars, extra, t):
+        """`persistent`: (Tile, BlockSeq) of linear tile t (common/scheduler.py)."""
+        m_block, head, batch = tile_coords(t, cute.ceil_div(ops.mOut.shape[2], TILE_M),
+                                           cute.size(ops.mOut.shape[1]))
+        return self._tile(ops, scalars, extra, m_block, 0, head, batch)
+
+    @cute.jit
+    def _warpgroups(self, ops: Operands, scalars: Scalars, mmas: Mmas, smem: Smem, work,
                     extra, wg, tidx):
-        """Each warpgroup's role: WG0 scores, WG1 / WG2 the two halves of O."""
+        """Each warpgroup's role: WG0 scores, WG1 / WG2 the two halves of O. `work`: the
+        CTA's (Tile, BlockSeq), or (`persistent`) None: each warpgroup walks the CTA's tiles
+        (`_tiles`) with its ring and hand-over counters carried from tile to tile."""
         if wg == 0:
-            self._score_wg(mmas.s, ops, smem, tile, seq, extra, tidx)
+            self._score_wg(mmas.s, ops, scalars, smem, work, extra, tidx)
         elif wg == 1:
-            self._acc_wg(mmas.o_lo, ops, smem, 0, tile, seq, extra, tidx - WG_THREADS)
+            self._acc_wg(mmas.o_lo, ops, scalars, smem, 0, work, extra, tidx - WG_THREADS)
         else:
-            self._acc_wg(mmas.o_hi, ops, smem, 1, tile, seq, extra, tidx - 2 * WG_THREADS)
+            self._acc_wg(mmas.o_hi, ops, scalars, smem, 1, work, extra, tidx - 2 * WG_THREADS)
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
@@ -799,13 +864,65 @@ class RingSkeletonSm90(KernelEntry):
 
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
-    def _score_wg(self, mma_s: cute.TiledMma, ops: Operands, smem: Smem, tile: Tile,
-                  seq: BlockSeq, extra, tidx):
-        """WG0: scores of every block into P, handed to the accumulator warpgroups."""
+    def _score_wg(self, mma_s: cute.TiledMma, ops: Operands, scalars: Scalars, smem: Smem,
+                  work, extra, tidx):
+        """WG0: scores of every block into P, handed to the accumulator warpgroups: the
+        registers once, then the CTA's tile, or (`persistent`) each tile of its schedule."""
+        cfg = self.cfg
+        sP = smem.p
+        # ---- MMA fragments (MMA_K: k_chunk / mma_k WGMMA k steps per chunk)
+        thr_mma = mma_s.get_slice(tidx)
+        # (MMA, MMA_M, Dr padded / mma_k), or (MMA, MMA_M, MMA_K, k_stages) when R streams
+        tSrR = mma_s.make_fragment_A(thr_mma.partition_A(smem.r))
+        # (MMA, MMA_N, MMA_K, k_stages | 2 16-bit buffers)
+        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(smem.c))
+        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, tile_n / 8), 1, 1)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+        # a second score accumulator for skeletons with two score products (bwd dQ / dK)
+        acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
+                 if const_expr(self.second_score and not self.seq_scores) else None)
+        acc_S_mn = mn_view(acc_S)   # (rows, cols) of this thread: (2, tile_n / 4)
+        # (rows, cols) -> (row, col) of the TILE_M x tile_n tile
+        tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
+        num_rows = cute.size(acc_S_mn, mode=[0])
+        factor = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
+        rP = cute.make_fragment_like(acc_S, self.dtype)   # (MMA, MMA_M, MMA_N), operand dtype
+        # P -> sP in the accumulator's thread layout: stmatrix at 16 bits; at 8 bits each
+        # thread's column pairs (2 bytes) by plain stores (stmatrix moves 16-bit elements)
+        if const_expr(self.fp8):
+            st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                          num_bits_per_copy=16)
+        else:
+            st_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        # the copy atom tiled over the score MMA's C layout (TILE_M x tile_n)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
+        tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
+        tPrP = thr_st.retile(rP)        # (CPY, CPY_M, CPY_N)
+        regs = ScoreRegs(tSrR, tSrC, acc_S, acc_S_mn, tScS_mn, rP, acc_2, factor, thr_st, tPsP,
+                         tPrP)
+        if const_expr(cfg.persistent):
+            x, p, n = Int32(0), Int32(0), Int32(0)
+            first, end, stride = self._tiles(ops)
+            for t in cutlass.range(first, end, stride, unroll=1):
+                tile, seq = self._tile_at(ops, scalars, extra, t)
+                x, p = self._score_tile(mma_s, ops, smem, regs, tile, seq, extra, tidx,
+                                        Counters(x, p, n % 2))
+                n += 1
+        else:
+            tile, seq = work
+            self._score_tile(mma_s, ops, smem, regs, tile, seq, extra, tidx, Counters(0, 0, 0))
+
+    @cute.jit
+    def _score_tile(self, mma_s: cute.TiledMma, ops: Operands, smem: Smem, regs,
+                    tile: Tile, seq: BlockSeq, extra, tidx, at):
+        """The S warpgroup on one tile, from C-ring position at.ring and P hand-over at.hand
+        (the R barrier in phase at.phase); returns (ring position, hand-overs) after it."""
         cfg = self.cfg
         C = self.num_chunks
         ks = cfg.k_stages
-        sR, sC, sP, sFactor, bars, pair = smem.r, smem.c, smem.p, smem.factor, smem.bars, smem.pair
+        sR, sC, bars = smem.r, smem.c, smem.bars
+        tSrR, tSrC, acc_S, acc_S_mn, tScS_mn, rP, acc_2, factor, thr_st, tPsP, tPrP = regs
         m_block, o_part, head, head_c, batch = (tile.m_block, tile.o_part, tile.head,
                                                 tile.head_c, tile.batch)
         seqlen_r = tile.seqlen_r
@@ -830,59 +947,32 @@ class RingSkeletonSm90(KernelEntry):
         # (TMA, k_stages) / (TMA, n_blocks, C)
         tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, one, cute.group_modes(sC_tma, 0, 2),
                                          cute.group_modes(gC, 0, 2))
-        # ---- MMA fragments (MMA_K: k_chunk / mma_k WGMMA k steps per chunk)
-        thr_mma = mma_s.get_slice(tidx)
-        # (MMA, MMA_M, Dr padded / mma_k), or (MMA, MMA_M, MMA_K, k_stages) when R streams
-        tSrR = mma_s.make_fragment_A(thr_mma.partition_A(sR))
-        # (MMA, MMA_N, MMA_K, k_stages | 2 16-bit buffers)
-        tSrC = mma_s.make_fragment_B(thr_mma.partition_B(sC))
-        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, tile_n / 8), 1, 1)
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
-        # a second score accumulator for skeletons with two score products (bwd dQ / dK)
-        acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
-                 if const_expr(self.second_score and not self.seq_scores) else None)
-        acc_S_mn = mn_view(acc_S)   # (rows, cols) of this thread: (2, tile_n / 4)
-        # (rows, cols) -> (row, col) of the TILE_M x tile_n tile
-        tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         num_rows = cute.size(acc_S_mn, mode=[0])
         softmax = self._make_softmax(num_rows, tile, extra)
-        factor = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
-        rP = cute.make_fragment_like(acc_S, self.dtype)   # (MMA, MMA_M, MMA_N), operand dtype
-        # P -> sP in the accumulator's thread layout: stmatrix at 16 bits; at 8 bits each
-        # thread's column pairs (2 bytes) by plain stores (stmatrix moves 16-bit elements)
-        if const_expr(self.fp8):
-            st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                          num_bits_per_copy=16)
-        else:
-            st_atom = cute.make_copy_atom(
-                warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        # the copy atom tiled over the score MMA's C layout (TILE_M x tile_n)
-        thr_st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
-        tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
-        tPrP = thr_st.retile(rP)        # (CPY, CPY_M, CPY_N)
         frags = ScoreFrags(acc_S, acc_S_mn, tScS_mn, rP, acc_2, softmax, factor)
-        io = ScoreIO(sFactor, mLSE, extra, bars, pair, tidx, lane)
+        io = ScoreIO(smem.factor, mLSE, extra, bars, smem.pair, tidx, lane)
         n_count = seq.n_count
         n_iter = n_count  # score blocks this warpgroup computes (`kv_pair`: every other one)
         if const_expr(self.kv_pair):
             n_iter = (n_count + 1) // 2
         total = n_iter * C  # C chunks this tile reads, in ring order
+        hand = at.hand  # P hand-overs before this tile's (buffer (hand + i) % 2 at step i)
 
         # ---- R (unless it streams with C), then the first k_stages C chunks
         loads = ColLoads(ops.tma_c, tCg, tCs, ops.tma_r, tRg, tRs, ops.gC_tma, sC_tma, sR,
-                         bars.cols, seq, total, m_block, head, extra, o_part, tidx)
+                         bars.cols, seq, total, at.ring, m_block, head, extra, o_part, tidx)
         # `cvt`: each chunk is converted into a 16-bit buffer first; its 8-bit stage is then
         # refilled at once, unless R streams beside it (R's stage is read by the WGMMAs)
         convert = Convert(sC_tma, sC, 2) if const_expr(self.cvt) else None
         early = self.cvt and not self.stream_r
         if const_expr(not self.stream_r):
             self._tma_load(ops.tma_r, tRg, tRs, bars.rows, self.r_bytes, tidx)
-        for x in cutlass.range_constexpr(ks):
-            if x < total:
-                self._load_c_chunk(loads, x, x)
+        for j in cutlass.range_constexpr(ks):
+            if j < total:
+                self._load_c_chunk(loads, j, (at.ring + j) % ks)
         if const_expr(not self.stream_r):
-            cute.arch.mbarrier_wait(bars.rows, 0)
-        x = Int32(0)  # ring position of the next C chunk
+            cute.arch.mbarrier_wait(bars.rows, at.phase)
+        x = Int32(at.ring)  # ring position of the next C chunk
         for i in cutlass.range(n_iter, unroll=1):
             blk = i
             if const_expr(self.kv_pair):
@@ -900,10 +990,10 @@ class RingSkeletonSm90(KernelEntry):
             for c in cutlass.range_constexpr(C):
                 if const_expr(c == cfg.publish_after):
                     if i > 0:
-                        cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+                        cute.arch.mbarrier_arrive(bars.p_full + (hand + i - 1) % 2)
                 if const_expr(c == cfg.publish_hi):
                     if i > 0:
-                        cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
+                        cute.arch.mbarrier_arrive(bars.p_full + 2 + (hand + i - 1) % 2)
                 if const_expr(self.seq_scores and c == self.c_half):
                     # the first product is complete: consume it (into rP) before the second
                     # product overwrites its accumulator
@@ -933,17 +1023,18 @@ class RingSkeletonSm90(KernelEntry):
                 x += 1
             if const_expr(cfg.publish_after == C):
                 if i > 0:
-                    cute.arch.mbarrier_arrive(bars.p_full + (i - 1) % 2)
+                    cute.arch.mbarrier_arrive(bars.p_full + (hand + i - 1) % 2)
             if const_expr(cfg.publish_hi == C):
                 if i > 0:
-                    cute.arch.mbarrier_arrive(bars.p_full + 2 + (i - 1) % 2)
+                    cute.arch.mbarrier_arrive(bars.p_full + 2 + (hand + i - 1) % 2)
             warpgroup.wait_group(0)
             if const_expr(not early):
                 self._refill_c(loads, x - 1)
             # ---- the kernel's score step: P (and the rows' factors) in registers, then smem
             self._score_step(tile, io, frags, step, n_count)
-            b = i % 2
-            cute.arch.mbarrier_wait(bars.p_empty + b, ((i // 2) & 1) ^ 1)  # PV[i-2] is done
+            b = (hand + i) % 2
+            # PV of hand-over hand + i - 2 is done
+            cute.arch.mbarrier_wait(bars.p_empty + b, (((hand + i) // 2) & 1) ^ 1)
             if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
                 cute.copy(thr_st, tPrP, tPsP[None, None, None, 2 * b + o_part])
             else:
@@ -953,12 +1044,12 @@ class RingSkeletonSm90(KernelEntry):
             self._after_p_store(tile, io, b, i, n_count)
         # ---- last P, then the final row factors the same way; LSE
         if n_iter > 0:
-            cute.arch.mbarrier_arrive(bars.p_full + (n_iter - 1) % 2)
+            cute.arch.mbarrier_arrive(bars.p_full + (hand + n_iter - 1) % 2)
             if const_expr(cfg.publish_hi is not None):
-                cute.arch.mbarrier_arrive(bars.p_full + 2 + (n_iter - 1) % 2)
+                cute.arch.mbarrier_arrive(bars.p_full + 2 + (hand + n_iter - 1) % 2)
         lse = self._final_factors(tile, io, frags, n_iter)
-        b = n_iter % 2
-        cute.arch.mbarrier_wait(bars.p_empty + b, ((n_iter // 2) & 1) ^ 1)
+        b = (hand + n_iter) % 2
+        cute.arch.mbarrier_wait(bars.p_empty + b, (((hand + n_iter) // 2) & 1) ^ 1)
         self._write_factors(io, frags, b)
         cute.arch.mbarrier_arrive(bars.p_full + b)
         if const_expr(cfg.publish_hi is not None):
@@ -969,6 +1060,7 @@ class RingSkeletonSm90(KernelEntry):
                     row = m_block * TILE_M + tScS_mn[r, 0][0]
                     if row < seqlen_r:
                         mLSE[batch, head, row] = lse[r]
+        return x, hand + n_iter + 1
 
     @cute.jit
     def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
@@ -1034,15 +1126,16 @@ class RingSkeletonSm90(KernelEntry):
 
     @cute.jit
     def _refill_c(self, loads: ColLoads, done: Int32):
-        """C chunk `done` was consumed: load chunk done + k_stages into its stage."""
-        nxt = done + self.cfg.k_stages
+        """The C chunk at ring position `done` was consumed: load the tile's chunk k_stages
+        positions later into its stage."""
+        nxt = done + self.cfg.k_stages - loads.base  # the tile's chunk index
         if nxt < loads.total:
             self._load_c_chunk(loads, nxt, done % self.cfg.k_stages)
 
     @cute.jit
     def _load_c_chunk(self, loads: ColLoads, pos, s):
-        """Ring position pos = (block i, chunk c) into stage s: chunk c of block i's C and, when
-        R streams, R[:, c] with it on the same barrier."""
+        """The tile's chunk pos = (block i, chunk c) into stage s: chunk c of block i's C and,
+        when R streams, R[:, c] with it on the same barrier."""
         C = self.num_chunks
         if const_expr(self.kv_pair):
             head, n_block = self._block(loads.seq, self._own_block(loads.seq, pos // C,
@@ -1069,14 +1162,54 @@ class RingSkeletonSm90(KernelEntry):
 
     # ---------------------------------------------------------------- accumulator warpgroups
     @cute.jit
-    def _acc_wg(self, mma_o: cute.TiledMma, ops: Operands, smem: Smem,
-                half: cutlass.Constexpr, tile: Tile, seq: BlockSeq, extra, tidx):
-        """WG1 / WG2: O[:, this half's columns] += P B over the tile's blocks, then stored."""
+    def _acc_wg(self, mma_o: cute.TiledMma, ops: Operands, scalars: Scalars, smem: Smem,
+                half: cutlass.Constexpr, work, extra, tidx):
+        """WG1 / WG2: O[:, this half's columns] += P B over the blocks, then stored: the
+        registers once, then the CTA's tile, or (`persistent`) each tile of its schedule."""
+        dv = self.halves[half]
+        sB = smem.blo if const_expr(half == 0) else smem.bhi
+        # ---- MMA fragments: B stage (b_rows, dv) seen as (dv, b_rows), the MN-major B of P B
+        #      (8 bits: the transposed stage (dv, b_rows) is the K-major B as it is)
+        thr_mma = mma_o.get_slice(tidx)
+        if const_expr(self.fp8):
+            sBt = sB   # (dv, b_rows, v_stages)
+        else:   # (dv, b_rows, v_stages): the (b_rows, dv) stage read N-major (dv contiguous)
+            sBt = cute.composition(sB, cute.make_ordered_layout((dv, self.b_rows, self.b_bufs),
+                                                                order=(1, 0, 2)))
+        # (MMA, MMA_M, tile_n / mma_k, p_slots)
+        tOrP = mma_o.make_fragment_A(thr_mma.partition_A(smem.p))
+        # (MMA, MMA_N, b_rows / mma_k, v_stages | 2 16-bit buffers)
+        tOrB = mma_o.make_fragment_B(thr_mma.partition_B(sBt))
+        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, dv / 8), 1, 1)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
+        # the ring the TMA fills: sB, or (`cvt`) the 8-bit one that `_convert` reads into sB
+        sB_tma = sB
+        if const_expr(self.cvt):
+            sB_tma = smem.blo8 if const_expr(half == 0) else smem.bhi8
+        frags = OutFrags(acc_O, tOrP, tOrB,
+                         Convert(sB_tma, sB, 3 + half) if const_expr(self.cvt) else None)
+        if const_expr(self.cfg.persistent):
+            x, p = Int32(0), Int32(0)
+            first, end, stride = self._tiles(ops)
+            for t in cutlass.range(first, end, stride, unroll=1):
+                tile, seq = self._tile_at(ops, scalars, extra, t)
+                x, p = self._acc_tile(mma_o, ops, smem, half, frags, sB_tma, tile, seq, extra,
+                                      tidx, Counters(x, p, 0))
+        else:
+            tile, seq = work
+            self._acc_tile(mma_o, ops, smem, half, frags, sB_tma, tile, seq, extra, tidx,
+                           Counters(0, 0, 0))
+
+    @cute.jit
+    def _acc_tile(self, mma_o: cute.TiledMma, ops: Operands, smem: Smem,
+                  half: cutlass.Constexpr, frags: OutFrags, sB_tma, tile: Tile, seq: BlockSeq,
+                  extra, tidx, at):
+        """An accumulator warpgroup on one tile, from B-ring position at.ring and P hand-over
+        at.hand; returns (ring position, hand-overs) after it."""
         cfg = self.cfg
         vs, vj = cfg.v_stages, self.b_chunks
         dv = self.halves[half]
-        sP, sFactor, bars = smem.p, smem.factor, smem.bars
-        sB = smem.blo if const_expr(half == 0) else smem.bhi
+        sFactor, bars = smem.factor, smem.bars
         gB_tma = ops.gBlo_tma if const_expr(half == 0) else ops.gBhi_tma
         tma_b = ops.tma_blo if const_expr(half == 0) else ops.tma_bhi
         m_block, o_part, head, head_c, batch = (tile.m_block, tile.o_part, tile.head,
@@ -1097,28 +1230,12 @@ class RingSkeletonSm90(KernelEntry):
             gB = cute.local_tile(
                 cute.domain_offset((0, col0), gB_tma[None, None, head_c, batch]),
                 (self.b_rows, dv), (None, 0))
-        # the ring the TMA fills: sB, or (`cvt`) the 8-bit one that `_convert` reads into sB
-        sB_tma = sB
-        if const_expr(self.cvt):
-            sB_tma = smem.blo8 if const_expr(half == 0) else smem.bhi8
         # (TMA, v_stages) / (TMA, b_blocks)
         tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                          cute.group_modes(sB_tma, 0, 2),
                                          cute.group_modes(gB, 0, 2))
-        # ---- MMA fragments: B stage (b_rows, dv) seen as (dv, b_rows), the MN-major B of P B
-        #      (8 bits: the transposed stage (dv, b_rows) is the K-major B as it is)
         thr_mma = mma_o.get_slice(tidx)
-        if const_expr(self.fp8):
-            sBt = sB   # (dv, b_rows, v_stages)
-        else:   # (dv, b_rows, v_stages): the (b_rows, dv) stage read N-major (dv contiguous)
-            sBt = cute.composition(sB, cute.make_ordered_layout((dv, self.b_rows, self.b_bufs),
-                                                                order=(1, 0, 2)))
-        # (MMA, MMA_M, tile_n / mma_k, p_slots)
-        tOrP = mma_o.make_fragment_A(thr_mma.partition_A(sP))
-        # (MMA, MMA_N, b_rows / mma_k, v_stages | 2 16-bit buffers)
-        tOrB = mma_o.make_fragment_B(thr_mma.partition_B(sBt))
-        # (MMA, MMA_M, MMA_N) fp32: ((2, 2, dv / 8), 1, 1)
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, dv)), Float32)
+        acc_O = frags.acc_O
         acc_O.fill(0.0)
         acc_O_mn = mn_view(acc_O)   # (rows, cols) of this thread: (2, dv / 4)
         # (rows, cols) -> (row, col) of the TILE_M x dv tile
@@ -1126,21 +1243,20 @@ class RingSkeletonSm90(KernelEntry):
         num_rows = cute.size(acc_O_mn, mode=[0])
         n_count = seq.n_count
         total = n_count * vj  # B stages of this half the tile reads, in ring order
-        loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB_tma, seq, half, total, bars,
-                       o_part, tidx, extra)
-        frags = OutFrags(acc_O, tOrP, tOrB,
-                         Convert(sB_tma, sB, 3 + half) if const_expr(self.cvt) else None)
+        hand = at.hand
+        loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB_tma, seq, half, total, at.ring,
+                       bars, o_part, tidx, extra)
 
-        for x in cutlass.range_constexpr(vs):
-            if x < total:
-                self._load_b(loads, x, x)
+        for j in cutlass.range_constexpr(vs):
+            if j < total:
+                self._load_b(loads, j, (at.ring + j) % vs)
         n_iter = n_count  # P hand-overs (`kv_pair`: one per pair of blocks)
         if const_expr(self.kv_pair):
             n_iter = (n_count + 1) // 2
-        x = Int32(0)
+        x = Int32(at.ring)
         for i in cutlass.range(n_iter, unroll=1):
-            b = i % 2
-            cute.arch.mbarrier_wait(bar_full + b, (i // 2) & 1)
+            b = (hand + i) % 2
+            cute.arch.mbarrier_wait(bar_full + b, ((hand + i) // 2) & 1)
             if const_expr(self.rescale_o):
                 self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
             atom = cute.make_mma_atom(mma_o.op)
@@ -1162,22 +1278,28 @@ class RingSkeletonSm90(KernelEntry):
                     cute.arch.mbarrier_arrive(bars.p_empty + b, 1 - o_part,
                                               scope=nvvm.MemScopeKind.CLUSTER)
         # ---- the final factors arrive through the factor buffer; store O (rows < seqlen_r)
-        b = n_iter % 2
-        cute.arch.mbarrier_wait(bar_full + b, (n_iter // 2) & 1)
+        b = (hand + n_iter) % 2
+        cute.arch.mbarrier_wait(bar_full + b, ((hand + n_iter) // 2) & 1)
         if const_expr(self.rescale_o):
             self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
-        rO = cute.make_fragment_like(acc_O, self.out_dtype)   # (MMA, MMA_M, MMA_N)
-        rO.store(acc_O.load().to(self.out_dtype))
+        if const_expr(self.cfg.persistent):  # the next tile reuses buffer b: release it
+            if const_expr(self.rescale_o):       # (as each P hand-over's release above)
+                cute.arch.mbarrier_arrive(bars.p_empty + b)
+            elif lane == 0:
+                cute.arch.mbarrier_arrive(bars.p_empty + b)
         # (TILE_M, dv): this warpgroup's columns of the tile's rows of O
         gO = cute.local_tile(cute.domain_offset((0, col0), ops.mOut[batch, head, None, None]),
                              (TILE_M, dv), (m_block, 0))
         tOgO_mn = mn_view(thr_mma.partition_C(gO))   # (rows, cols) of this thread
-        rO_mn = mn_view(rO)                          # (rows, cols) of this thread
         rows_left = tile.seqlen_r - m_block * TILE_M
-        for r in cutlass.range_constexpr(num_rows):
-            if tOcO_mn[r, 0][0] < rows_left:
-                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1])):
-                    tOgO_mn[r, c] = rO_mn[r, c]
+        ncols = cute.size(acc_O_mn, mode=[1])
+        for r in cutlass.range_constexpr(num_rows):  # a row at a time: its fp32 values die
+            if tOcO_mn[r, 0][0] < rows_left:        # as they are converted
+                rO = cute.make_rmem_tensor(ncols, self.out_dtype)   # (cols,)
+                rO.store(acc_O_mn[r, None].load().to(self.out_dtype))
+                for c in cutlass.range_constexpr(ncols):
+                    tOgO_mn[r, c] = rO[c]
+        return x, hand + n_iter + 1
 
     @cute.jit
     def _pair_pv(self, atom, frags: OutFrags, loads: BLoads, x, i, b, n_count):
@@ -1228,14 +1350,15 @@ class RingSkeletonSm90(KernelEntry):
 
     @cute.jit
     def _refill_b(self, loads: BLoads, done: Int32):
-        """B stage `done` was consumed: load stage done + v_stages into its slot."""
-        nxt = done + self.cfg.v_stages
+        """The B stage at ring position `done` was consumed: load the tile's stage v_stages
+        positions later into its slot."""
+        nxt = done + self.cfg.v_stages - loads.base  # the tile's stage index
         if nxt < loads.total:
             self._load_b(loads, nxt, done % self.cfg.v_stages)
 
     @cute.jit
     def _load_b(self, loads: BLoads, pos, s):
-        """B ring position pos = (block i, row chunk j) into stage s."""
+        """The tile's B stage pos = (block i, row chunk j) into stage s."""
         vj = self.b_chunks
         head, n_block = self._block(loads.seq, pos // vj)
         src = self._b_src(loads, head, n_block * vj + pos % vj)
