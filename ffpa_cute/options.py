@@ -41,9 +41,9 @@ class Options:
     kv_pair:     D > 512 forward: the two CTAs that split O's columns form a cluster and split the
                  KV blocks, exchanging P over distributed shared memory, instead of both
                  computing every score block (FFPA_CUTE_KV_PAIR).
-    persistent:  16-bit forward at D, Dv <= 512 with no right bound or with a sliding window:
-                 one CTA per SM walks the row tiles, so a tile's prologue and epilogue overlap
-                 its neighbours' work (FFPA_CUTE_PERSISTENT).
+    persistent:  16-bit forward with D, Dv in {320, 384, 448, 512} and no right bound or a
+                 sliding window: one CTA per SM walks the row tiles, so a tile's prologue and
+                 epilogue overlap its neighbours' work; same bits (FFPA_CUTE_PERSISTENT).
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family

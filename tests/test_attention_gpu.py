@@ -134,7 +134,7 @@ def test_forward_full_grid(seed, case):
 @pytest.mark.parametrize("d,dtype,b,hq,hkv,nq,nkv", [
     (512, BF16, 2, 48, 48, 1000, 333),   # 16 row tiles x 96 heads: ~12 tiles per CTA
     (320, FP16, 1, 64, 8, 777, 1000),    # GQA, rows packed: 8 x 98 row tiles
-    (264, BF16, 3, 40, 40, 130, 2000)])  # 3 row tiles x 120 heads, the last one partial
+    (384, BF16, 3, 40, 40, 130, 2000)])  # 3 row tiles x 120 heads, the last one partial
 def test_persistent_tiles(seed, d, dtype, b, hq, hkv, nq, nkv):
     """The persistent forward (one CTA per SM walking the row tiles; the default without a
     right bound) with several tiles per CTA, so the rings and P hand-overs carry from tile to

@@ -301,10 +301,12 @@ def test_fused_delta_is_a_backward_job():
     (dict(has_sinks=True), True),
     (dict(d=1024), False),                                 # O over two CTAs (kv_pair)
     (dict(d=576, head_dim_v=512), False),                  # Q streamed (D > 512): not yet
+    (dict(d=264), False), (dict(d=328), False),            # D % 64 != 0: measured slower
+    (dict(d=512, head_dim_v=320), True),
     (dict(dtype="e4m3", out_dtype="bf16"), False)])        # the FP8 forward: never
 def test_persistent_rule(kw, persistent):
-    """Persistent CTAs serve the 16-bit forward at D, Dv <= 512 (one CTA per row tile, Q
-    resident) where the tiles are (nearly) equal: no right bound or a sliding window;
+    """Persistent CTAs serve the 16-bit forward at D, Dv multiples of 64 up to 512 (one CTA per
+    row tile, Q resident) where the tiles are (nearly) equal: no right bound or a sliding window;
     `Options(persistent=False)` turns it off; the config refuses it where the kernel has no
     persistent mode."""
     from ffpa_cute.sm90 import config as sm90_config

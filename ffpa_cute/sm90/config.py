@@ -73,7 +73,8 @@ class FwdConfigSm90:
     persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
                    + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
-                   its neighbours' work; one CTA per tile (o_split 1), 16-bit forward only
+                   its neighbours' work; one CTA per row tile (o_split 1), 16-bit forward
+                   only (`plan_fwd` says where it is used)
     """
 
     arch: str
@@ -416,9 +417,14 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
              persistent: bool = False) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
     `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `persistent`:
-    whether a 16-bit problem with one CTA per row tile and tiles of (nearly) equal length (no
-    right bound, or a sliding window) runs persistent CTAs (`Options.persistent`;
-    common/scheduler.py says why not under a plain causal mask).
+    whether persistent CTAs may serve it (`Options.persistent`). They do for a 16-bit problem
+    with D and Dv multiples of 64 up to 512 whose tiles are (nearly) equal in length: no right
+    bound, or a sliding window (common/scheduler.py says why not under a plain causal mask).
+    Measured on the H200 (docs/perf-log.md, session 11; persistent / one CTA per tile): D=384
+    1.09, 448 1.04, 512 1.00-1.02, 320 0.96-1.02 without a right bound; windows 1.10 (D=512,
+    left 1024) to 1.52 (left 128, MQA 64:1); but D % 64 != 0 lost (264 0.74, 280 0.90, 328
+    0.84, 336 0.99; with a window 264 0.76, 328 0.95), cause not found, so those keep one CTA
+    per tile.
 
     Measured on the H200 (docs/perf-log.md, 2026-12-02): a K ring under 4 stages starves QK
     (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
@@ -437,7 +443,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                 window=problem.window_lo is not None, sinks=problem.has_sinks, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
-    if (persistent and not fp8 and not split
+    if (persistent and not fp8 and not split and problem.head_dim % 64 == 0 and dv % 64 == 0
             and (not problem.right_bounded or problem.window_lo is not None)):
         base["persistent"] = True
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)

@@ -61,6 +61,17 @@ scores, then arrives on P_full[n]; WGMMAs from different warpgroups run in issue
 H200 (docs/perf-log.md), so PV[n] queues behind them and runs while the score step of n+1 does.
 `publish_hi`: the second accumulator warpgroup gets P at another chunk (its own P_full pair).
 
+Persistent CTAs (`persistent`, the 16-bit forward's choice where the planner says): the grid is
+min(tiles, num_ctas) CTAs, one per SM, and every warpgroup of CTA c walks the row tiles c, c +
+grid, ... of the one-CTA-per-tile grid's order (common/scheduler.py), with no communication
+about them. Each warpgroup carries its ring position, the count of P hand-overs and (S) the R
+barrier's phase from tile to tile (`Counters`), so stage s of position x is refilled and
+waited exactly as within a tile; the accumulator warpgroups also release the final factors'
+buffer, which the next tile's hand-overs reuse. The S warpgroup loads the next tile's R and
+first C chunks as soon as its last score WGMMAs retire, so they arrive under the last PV; the
+accumulator warpgroups' epilogue (final scale, O stores) runs under the next tile's first
+score block.
+
 Output split (`o_split` = 2, O wider than 512): two adjacent CTAs take the same row tile and each
 computes half of O's columns. `kv_pair` (the forward's mode): the pair is a 2-CTA cluster that
 splits the column blocks (CTA r scores block 2 i + r of step i, P tiles in a four-slot buffer, each
@@ -379,6 +390,8 @@ class RingSkeletonSm90(KernelEntry):
          output dtype and store rows < seqlen_r.
       4. Cluster pair: a cluster barrier before the peer's barriers are used, and one at the
          end (the peer may write our smem until then).
+      `persistent`: steps 2 and 3 repeat for each tile of the CTA's schedule (`_tiles`,
+      `_tile_at`), each warpgroup's counters carried over (module docstring).
 
     Constraints: sm_90a; 16-bit or 8-bit (e4m3) operands, or 16-bit R with 8-bit C / B
     converted in smem (`cvt`); TILE_M 64; tile_n 64 or 128; the widths and stage counts of
