@@ -10,8 +10,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 | capability           | target          | family | kernels                                   |
 |----------------------|-----------------|--------|-------------------------------------------|
 | 8.0 / 8.6 / 8.7 / 8.9| sm_80 .. sm_89  | sm80   | mma.sync Split-D, fwd + bwd               |
-| 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (D % 16 != 0 above  |
-|                      |                 |        | 512: the Split-D kernels for sm_90a);     |
+| 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (bwd at D % 16 != 0 |
+|                      |                 |        | above 512: Split-D compiled for sm_90a);  |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
 | 10.0                 | sm_100a         | sm100  | none yet                                  |
@@ -69,7 +69,8 @@ def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
 
 
 def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
-    """The WGMMA kernel where it builds; D % 16 != 0 above 512: the Split-D kernel on sm_90a."""
+    """The WGMMA kernel where it builds (every 16-bit D in [264, 1024]), else (Dv == D) the
+    Split-D kernel on sm_90a."""
     try:
         return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair,
                                     persistent=opts.persistent)

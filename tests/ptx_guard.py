@@ -75,7 +75,7 @@ def kernels() -> dict:
                                 opts=Options())
     out["sm90-decode-d512-page64-chunked-prefill"] = (plan.kernel_cls, plan.cfg)
     p = dataclasses.replace(_problem(520, True), window_lo=-200, has_sinks=True)
-    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())  # Split-D: D % 16 != 0
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options(family="sm80"))  # Split-D
     out["splitd-fwd-d520-window-sinks-sm90a"] = (plan.kernel_cls, plan.cfg)
     cfg = sm80_config.plan_bwd("dk", p, "sm_90a")
     out["splitd-bwd-dk-d520-window-sm90a"] = (dispatch.kernel_class(cfg), cfg)

@@ -50,10 +50,10 @@ def test_the_table_is_data():
 
 
 @pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
-                                      (520, "FFPAFwdSm80"), (1024, "FFPAFwdSm90")])
+                                      (520, "FFPAFwdSm90"), (1024, "FFPAFwdSm90")])
 def test_sm90_family_kernels(d, kernel):
-    """sm_90a: the WGMMA kernel at every D it builds (above 512: D % 16 == 0), else the Split-D
-    kernel compiled for sm_90a."""
+    """sm_90a: the WGMMA kernel at every D in [264, 1024] (above 512 over a CTA pair, D % 16 ==
+    8 included)."""
     plan = dispatch.plan_fwd(prob(d=d), target="sm_90a")
     assert plan.reason is None and plan.family == "sm90"
     assert plan.kernel_cls.__name__ == kernel and plan.cfg.arch == "sm_90a"
@@ -61,14 +61,16 @@ def test_sm90_family_kernels(d, kernel):
 
 def test_sm90_wgmma_range_and_o_split():
     """D > 512 goes to the WGMMA kernel with O split over a CTA pair that splits the KV blocks
-    (`Options.kv_pair`; off: both CTAs score every block), except D % 16 != 0 (Split-D)."""
+    (`Options.kv_pair`; off: both CTAs score every block); at D % 16 == 8 each CTA owns
+    ceil(D / 16) * 8 columns, the second's last 8 past D (computed from zeros, not stored)."""
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
     assert plan.cfg.kv_pair
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a", opts=Options(kv_pair=False))
     assert plan.cfg.o_split == 2 and not plan.cfg.kv_pair
     plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
-    assert plan.kernel_cls.__name__ == "FFPAFwdSm80"
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.kv_pair
+    assert plan.cfg.dv_cta == 264 and plan.cfg.dv_split == (136, 128)
 
 
 def test_forced_family():
@@ -171,7 +173,7 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
 def test_backward_routing(d, target, family, grads):
     """The backward's kernels come from the same table as the forward: on sm_90a the WGMMA dQ /
     dK / dV up to D = 1024 and the Split-D backward where they do not build (D % 16 != 0 above
-    512); sm_12x (compile-verified only) and sm_100 (no kernels) recompute through SDPA. Delta
+    512: the gradient split over two CTAs needs equal halves); sm_12x (compile-verified only) and sm_100 (no kernels) recompute through SDPA. Delta
     runs first."""
     plan = dispatch.plan_bwd(prob(d=d), target=target)
     if family is None:
@@ -339,3 +341,24 @@ def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):
              for x in range(m_tiles)]
     assert sorted(walked) == sorted(every) and len(walked) == len(set(walked))
     assert [tile_coords(t, m_tiles, heads) for t in range(total)] == every
+
+
+@pytest.mark.parametrize("d,halves,split,cta", [
+    (264, (192, 128), (136, 128), 264), (336, (192, 192), (168, 168), 336),
+    (320, (192, 192), (160, 160), 320), (512, (256, 256), (256, 256), 512),
+    (520, (160, 128), (136, 128), 264), (576, (160, 160), (144, 144), 288),
+    (640, (160, 160), (160, 160), 320), (1016, (256, 256), (256, 256), 512)])
+def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
+    """Each O warpgroup computes `dv_halves` columns (its share rounded up to 64 with one CTA
+    per tile, 32 over a CTA pair, so its V stages take the 128- or 64-byte swizzle) and stores
+    its `dv_split` share; over a CTA pair each CTA owns ceil(D / 16) * 8 columns (D % 16 == 8:
+    the second CTA's last 8 lie past D). The FP8 forward keeps exact shares."""
+    from ffpa_cute.sm90 import config as sm90_config
+
+    cfg = dispatch.plan_fwd(prob(d=d), target="sm_90a").cfg
+    assert (cfg.dv_halves, cfg.dv_split, cfg.dv_cta) == (halves, split, cta)
+    assert cfg.dv_cta * cfg.o_split - cfg.dv in (0, 8)
+    assert sm90_config.can_implement(dataclasses.replace(cfg, half_align=16)) is not None
+    if d % 16 == 0:
+        f8 = dispatch.plan_fwd(prob(d=d, dtype="e4m3", out_dtype="bf16"), target="sm_90a").cfg
+        assert f8.half_align == 8 and f8.dv_halves == f8.dv_split

@@ -220,7 +220,7 @@ def test_splitd_plans_them_fp8_refuses(fields):
     for plan in (dispatch.plan_fwd(p, target="sm_90a", opts=Options(family="sm80")),
                  dispatch.plan_fwd(p, target="sm_120a"),
                  dispatch.plan_fwd(dataclasses.replace(p, head_dim=520, head_dim_v=520),
-                                   target="sm_90a")):
+                                   target="sm_90a", opts=Options(family="sm80"))):
         assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm80"
         assert plan.cfg.window == ("window_lo" in fields) and plan.cfg.sinks == p.has_sinks
         assert plan.cfg.causal == ("window_hi" in fields)

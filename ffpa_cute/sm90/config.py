@@ -18,8 +18,9 @@ return a config that its `can_implement` rejects; this module imports no cutlass
 # D > 512 (o_split 2): O[64 x D] needs more than the 2 x 168 registers the O warpgroups have,
 #   so two CTAs share each Q tile, each computing half of O's columns; both compute the full
 #   S = Q K^T (QK recomputed: at most 2/3 of the tensor work is counted), and Q streams through
-#   the K ring in [64 x 64] chunks (Q[64 x 1024] would take 128 KB of smem). Needs D % 16 == 0
-#   (equal CTA halves, so one TMA box width serves both CTAs).
+#   the K ring in [64 x 64] chunks (Q[64 x 1024] would take 128 KB of smem). Both CTAs own
+#   ceil(D / 16) * 8 columns (one TMA box width serves both); at D % 16 == 8 the second CTA's
+#   last 8 lie past D: TMA reads them as zeros and they are not stored.
 # =====================================================================================
 """
 
@@ -70,6 +71,12 @@ class FwdConfigSm90:
     sinks:         a per-query-head sink logit joins each row's softmax denominator and LSE
                    (a runtime [Hq] fp32 tensor; the forward's only: the gradient kernels read
                    the sink through the LSE)
+    half_align:    each O warpgroup computes its columns in a width rounded up to a multiple of
+                   this (8: exact; 32 or 64: a V stage wide enough for the 64- or 128-byte
+                   swizzle, where the exact width, e.g. 136 or 168 columns, fits only a
+                   32-byte one or none and WGMMA's reads of V conflict); the extra columns
+                   are real V columns of the other half (or TMA's zeros past Dv), computed and
+                   not stored. 16-bit operands only
     persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
                    + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
@@ -90,6 +97,7 @@ class FwdConfigSm90:
     kv_pair: bool = False
     window: bool = False
     sinks: bool = False
+    half_align: int = 8
     persistent: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
@@ -135,14 +143,24 @@ class FwdConfigSm90:
 
     @property
     def dv_cta(self) -> int:
-        """O columns one CTA computes."""
-        return self.dv // self.o_split
+        """O columns one CTA owns: Dv / o_split rounded up to a multiple of 8 (the second CTA
+        of a D % 16 == 8 split owns 8 columns past Dv, computed from TMA's zeros and not
+        stored)."""
+        return -(-self.dv // (8 * self.o_split)) * 8
+
+    @property
+    def dv_split(self) -> tuple[int, int]:
+        """O columns each of the CTA's two O warpgroups stores: multiples of 8, lo >= hi (the
+        hi warpgroup's first column is lo)."""
+        lo = -(-self.dv_cta // 16) * 8
+        return lo, self.dv_cta - lo
 
     @property
     def dv_halves(self) -> tuple[int, int]:
-        """O columns of the CTA's two O warpgroups: multiples of 8 (a WGMMA N), lo >= hi."""
-        lo = -(-self.dv_cta // 16) * 8
-        return lo, self.dv_cta - lo
+        """O columns each O warpgroup computes (its WGMMA N, its V stages' width): its
+        `dv_split` share rounded up to a multiple of `half_align`."""
+        a = self.half_align
+        return tuple(-(-w // a) * a for w in self.dv_split)
 
     @property
     def v_rows(self) -> int:
@@ -392,14 +410,16 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
                 f"16 in [64, {MAX_SINGLE_CTA_HEAD_DIM}]")
     if cfg.o_split > 1 and not cfg.stream_q:
         return f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} needs stream_q=True"
-    if cfg.o_split > 1 and cfg.head_dim % 16:
-        return (f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} is split over 2 CTAs and "
-                "needs a multiple of 16")
     if cfg.kv_pair and (cfg.o_split != 2 or cfg.tile_n != 128 or cfg.head_dim_v is not None):
         return "kv_pair needs O split over two CTAs (head_dim > 512), tile_n 128 and Dv == D"
     if cfg.persistent and (cfg.ctas_per_tile != 1 or type(cfg) is not FwdConfigSm90):
         return ("persistent needs one CTA per row tile (Dv <= 512, no kv_pair) and the 16-bit "
                 "forward kernel")
+    if cfg.half_align not in (8, 32, 64) or (cfg.half_align != 8 and cfg.elem_bytes != 2):
+        return ("half_align must be 8, 32 or 64, and 8 for 8-bit operands (their V stages are "
+                "transposed: the O width is not the swizzled dimension)")
+    if max(cfg.dv_halves) > 256:
+        return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
     if cfg.k_stages < 2 or cfg.v_stages < 2:
@@ -428,7 +448,12 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
 
     Measured on the H200 (docs/perf-log.md, 2026-12-02): a K ring under 4 stages starves QK
     (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
-    7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561).
+    7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561). 16-bit O
+    halves are computed 64 columns wide (one CTA per tile) or 32 (O over two CTAs), so every
+    V stage takes the 128- or 64-byte swizzle (`half_align`; session 11, TFLOPS exact ->
+    aligned: D=264 281 -> 373, 328 241 -> 394, 336 194 -> 441, 448 481 -> 520, 320 475 -> 495,
+    576 311 -> 379 (64: 337, it costs a V stage), 704 270 -> 387; 640 keeps its 160-wide
+    64-byte swizzled halves (192: 374 vs 404)).
     """
     dv = problem.head_dim_v
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
@@ -437,6 +462,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                   else (FwdConfigSm90, {}))
     k_chunk = 128 // ELEM_BYTES.get(problem.dtype, 2)
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                half_align=8 if fp8 else (32 if dv > MAX_SINGLE_CTA_HEAD_DIM else 64),
                 causal=problem.right_bounded, publish_after=-(-problem.head_dim // k_chunk),
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
                 head_dim_v=None if dv == problem.head_dim else dv,
@@ -527,6 +553,9 @@ class BwdDKConfigSm90(BwdDQConfigSm90):
 
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = can_implement(cfg)
+    if reason is None and cfg.o_split > 1 and cfg.head_dim % 16:
+        reason = (f"head_dim={cfg.head_dim}: the backward splits a gradient over two CTAs in "
+                  "equal halves (a multiple of 16 above 512)")
     if reason is None and cfg.kv_pair:
         reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
     if reason is None and cfg.sinks:

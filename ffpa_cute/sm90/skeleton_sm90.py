@@ -26,7 +26,9 @@ R streamed through the C ring; `hdim_q_padded`: R's resident width).
 
 O[64 x 512] fp32 is 128 KB, half the register file: it is split along its columns between the two
 accumulator warpgroups (lo = hi when the CTA's width % 16 == 0, else lo = hi + 8: WGMMA N is a
-multiple of 8). 384 threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every
+multiple of 8). With `half_align` each computes a wider share (its B stages then take the 64-
+or 128-byte swizzle: 136 or 168 columns fit none), whose extra columns are real B columns of
+the other share or TMA's zeros past the tensor, and stores only its own (`dv_split`). 384 threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every
 instruction against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128
 registers each) could not hold an m64n256 accumulator (ptxas asks for 154).
 
@@ -455,7 +457,12 @@ class RingSkeletonSm90(KernelEntry):
         self.mma_k = cfg.mma_k
         self.tile_n = cfg.tile_n
         self.num_chunks = cfg.num_k_chunks
-        self.halves = cfg.dv_halves  # O columns of the two accumulator warpgroups
+        self.halves = cfg.dv_halves  # O columns the two accumulator warpgroups compute
+        self.stored = cfg.dv_split   # and store (fewer with `half_align`)
+        # whether a warpgroup computes columns it must not store: past its share
+        # (`half_align`), or past Dv (the second CTA of an o_split with D % 16 == 8)
+        ragged = cfg.dv_cta * cfg.o_split != cfg.dv
+        self.widened = [w != s or ragged for w, s in zip(self.halves, self.stored)]
         self.b_rows = cfg.v_rows
         self.b_chunks = cfg.tile_n // cfg.v_rows  # B stages per O half per column block
         self.causal = cfg.causal
@@ -1232,7 +1239,7 @@ class RingSkeletonSm90(KernelEntry):
         bar_full = bars.p_full  # P ready (`publish_hi`: the second half's own barriers)
         if const_expr(half == 1 and cfg.publish_hi is not None):
             bar_full = bars.p_full + 2
-        col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.halves[0])
+        col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.stored[0])
         # ---- TMA views: B rows of this warpgroup's columns
         #      (8 bits: the transposed B's rows col0..col0+dv, its columns in blocks of b_rows)
         if const_expr(self.fp8):  # (dv, b_rows, b_blocks)
@@ -1311,7 +1318,11 @@ class RingSkeletonSm90(KernelEntry):
                 rO = cute.make_rmem_tensor(ncols, self.out_dtype)   # (cols,)
                 rO.store(acc_O_mn[r, None].load().to(self.out_dtype))
                 for c in cutlass.range_constexpr(ncols):
-                    tOgO_mn[r, c] = rO[c]
+                    if const_expr(not self.widened[half]):
+                        tOgO_mn[r, c] = rO[c]
+                    elif (tOcO_mn[r, c][1] < self.stored[half]   # `half_align`: computed only
+                          and col0 + tOcO_mn[r, c][1] < cfg.dv):  # past Dv: the second CTA's
+                        tOgO_mn[r, c] = rO[c]                     # last 8 when D % 16 == 8
         return x, hand + n_iter + 1
 
     @cute.jit
