@@ -442,9 +442,10 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     bound, or a sliding window (common/scheduler.py says why not under a plain causal mask).
     Measured on the H200 (docs/perf-log.md, session 11; persistent / one CTA per tile): D=384
     1.09, 448 1.04, 512 1.00-1.02, 320 0.96-1.02 without a right bound; windows 1.10 (D=512,
-    left 1024) to 1.52 (left 128, MQA 64:1); but D % 64 != 0 lost (264 0.74, 280 0.90, 328
-    0.84, 336 0.99; with a window 264 0.76, 328 0.95), cause not found, so those keep one CTA
-    per tile.
+    left 1024) to 1.52 (left 128, MQA 64:1). D % 64 != 0 lost with exact O halves (264 0.74,
+    280 0.90, 328 0.84; with a window 264 0.76, 328 0.95), and measured 1.00-1.03 once the
+    halves were widened (`half_align`); those keep one CTA per tile until a GPU run tests them
+    persistent.
 
     Measured on the H200 (docs/perf-log.md, 2026-12-02): a K ring under 4 stages starves QK
     (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
