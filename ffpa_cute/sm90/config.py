@@ -359,8 +359,9 @@ def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
                 kv_dtype: str | None = None) -> DecodeConfigSm90:
     """The decode kernel's config for a packed, mask-free problem: the forward's plan without
     `kv_pair`, tile_n 128 (64 for pages of 64 rows, which a 128-row block would straddle, and for
-    an FP8 cache), the forward's deepest rings at that tile; `kv_dtype` "e4m3": an FP8 cache
-    under 16-bit queries. Raises ValueError with the reason when it cannot run it."""
+    an FP8 cache), the forward's deepest rings at that tile, exact O halves (`half_align` 8:
+    the widened ones are measured on the compute-bound forward only); `kv_dtype` "e4m3": an FP8
+    cache under 16-bit queries. Raises ValueError with the reason when it cannot run it."""
     if problem.has_window or problem.has_sinks:
         raise ValueError("the decode kernel serves rows that see every key, or (causal) a "
                          "chunk of the row's last queries (no window or sinks)")
@@ -368,7 +369,7 @@ def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
     # resident Q only at the smaller tile
     tile_n = 64 if (page_rows is not None and page_rows % 128) or kv_dtype else 128
     base = {**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)), "tile_n": tile_n,
-            "page_rows": page_rows, "kv_dtype": kv_dtype}
+            "page_rows": page_rows, "kv_dtype": kv_dtype, "half_align": 8}
 
     def make(k, v):
         return DecodeConfigSm90(**{**base, "k_stages": k, "v_stages": v})

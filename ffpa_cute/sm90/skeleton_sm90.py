@@ -28,9 +28,10 @@ O[64 x 512] fp32 is 128 KB, half the register file: it is split along its column
 accumulator warpgroups (lo = hi when the CTA's width % 16 == 0, else lo = hi + 8: WGMMA N is a
 multiple of 8). With `half_align` each computes a wider share (its B stages then take the 64-
 or 128-byte swizzle: 136 or 168 columns fit none), whose extra columns are real B columns of
-the other share or TMA's zeros past the tensor, and stores only its own (`dv_split`). 384 threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every
-instruction against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128
-registers each) could not hold an m64n256 accumulator (ptxas asks for 154).
+the other share or TMA's zeros past the tensor, and stores only its own (`dv_split`). 384
+threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every instruction
+against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128 registers
+each) could not hold an m64n256 accumulator (ptxas asks for 154).
 
 Loads: TMA only, and every ring feeds exactly one warpgroup, which also refills it: the S
 warpgroup owns R and the C ring ([tile_n x 64] chunks), each accumulator warpgroup its B ring
