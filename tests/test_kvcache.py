@@ -338,7 +338,7 @@ def test_decode_split_count_fills_the_waves(monkeypatch):
 
     from ffpa_cute import decode
 
-    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(decode.launch, "sm_count", lambda index=None: 132)
 
     def splits(b, hkv, g, n, tile_n=64):
         plan = SimpleNamespace(cfg=SimpleNamespace(tile_m=64, tile_n=tile_n, o_split=1),
