@@ -441,7 +441,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     whether persistent CTAs may serve it (`Options.persistent`). They do for a 16-bit problem
     with D and Dv multiples of 64 up to 512 whose tiles are (nearly) equal in length: no right
     bound, or a sliding window (common/scheduler.py says why not under a plain causal mask).
-    Measured on the H200 (docs/perf-log.md, session 11; persistent / one CTA per tile): D=384
+    Measured on the H200 (persistent / one CTA per tile; docs/perf-log.md): D=384
     1.09, 448 1.04, 512 1.00-1.02, 320 0.96-1.02 without a right bound; windows 1.10 (D=512,
     left 1024) to 1.52 (left 128, MQA 64:1). D % 64 != 0 lost with exact O halves (264 0.74,
     280 0.90, 328 0.84; with a window 264 0.76, 328 0.95), and measured 1.00-1.03 once the
@@ -452,7 +452,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
     7+2 449); P is handed over after all of QK[n+1] is issued (D=512: 581 vs 561). 16-bit O
     halves are computed 64 columns wide (one CTA per tile) or 32 (O over two CTAs), so every
-    V stage takes the 128- or 64-byte swizzle (`half_align`; session 11, TFLOPS exact ->
+    V stage takes the 128- or 64-byte swizzle (`half_align`; measured TFLOPS, exact ->
     aligned: D=264 281 -> 373, 328 241 -> 394, 336 194 -> 441, 448 481 -> 520, 320 475 -> 495,
     576 311 -> 379 (64: 337, it costs a V stage), 704 270 -> 387; 640 keeps its 160-wide
     64-byte swizzled halves (192: 374 vs 404)).
