@@ -58,11 +58,20 @@ def _no_window_sinks(p: AttnProblem, family: str):
         raise ValueError(f"the {family} kernels have no sliding window or sinks yet")
 
 
+def _no_varlen(p: AttnProblem, family: str):
+    """Raise (the planners' "cannot run it") for a one-launch varlen problem in a family whose
+    kernels take no cu_seqlens (`varlen_attention` then calls them per sequence)."""
+    if p.varlen:
+        raise ValueError(f"the {family} kernels have no one-launch varlen form")
+
+
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
+    _no_varlen(p, "Split-D")
     return sm80_config.plan_fwd(p, target)
 
 
 def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
+    _no_varlen(p, "Split-D")
     if target.startswith("sm_12"):
         raise ValueError("the Split-D backward is compile-verified only on sm_12x (never run)")
     return [sm80_config.plan_bwd(kind, p, target) for kind in ("dq", "dk", "dv")]
@@ -77,7 +86,7 @@ def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
     except ValueError:
         if p.head_dim_v != p.head_dim:
             raise  # Split-D needs Dv == D
-        return sm80_config.plan_fwd(p, target)
+        return _sm80_fwd(p, target, opts)
 
 
 def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
@@ -103,6 +112,7 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
 
 
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
+    _no_varlen(p, "sm120")
     return sm120_config.plan_fwd(p, target)
 
 
@@ -253,7 +263,7 @@ def packed_problem(p: AttnProblem, opts: Options) -> AttnProblem | None:
     decode and short queries) and no query row is masked (not causal, or every query sees every
     key; no window) and no row has its head's sink; else None. A reshape on the host: the
     kernels see plain attention."""
-    if not opts.pack_gqa or p.has_window or p.has_sinks:
+    if not opts.pack_gqa or p.has_window or p.has_sinks or p.varlen:
         return None
     g, nq = p.qhead_per_kvhead, p.seqlen_q
     mask_free = not p.causal or p.causal_offset >= p.seqlen_kv - 1

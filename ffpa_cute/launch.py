@@ -66,11 +66,11 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
     (q, k, v, qo, lo), offset = kernel_args(plan, kernel_ready(q), k, v, out, lse)
     tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo,
                    sinks=sinks)
-    run_job(plan.kernel_cls, plan.cfg, tensors, _scalars(p, offset))
+    run_job(plan.kernel_cls, plan.cfg, tensors, kernel_scalars(p, offset))
     return out, lse
 
 
-def _scalars(p, causal_offset: int) -> dict:
+def kernel_scalars(p, causal_offset: int) -> dict:
     """The kernels' runtime scalars (`SCALARS`) for problem p: the window's left edge is
     read only by configs with a window (0 otherwise); num_ctas, the current device's SM
     count, only by persistent configs (their grid)."""
@@ -108,7 +108,7 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
     if q.numel() == 0 or k.numel() == 0:
         grads = t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
         return (*grads, t["delta"].zero_()) if with_delta else grads
-    scalars = _scalars(p, p.right_edge)
+    scalars = kernel_scalars(p, p.right_edge)
     for cls, cfg in plan.jobs:
         run_job(cls, cfg, t, scalars)
     grads = t["dq"], t["dk"], t["dv"]
@@ -137,7 +137,7 @@ class FwdCall:
                 kernel_ready(packed_q) is packed_q)
         self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
                        and q.device.type == "cuda")
-        self.scalars = tuple(_scalars(p, 0 if plan.packed else p.right_edge)[n]
+        self.scalars = tuple(kernel_scalars(p, 0 if plan.packed else p.right_edge)[n]
                              for n in plan.kernel_cls.SCALARS) if plan.reason is None else ()
         self.fn = None
 
@@ -163,5 +163,5 @@ class FwdCall:
         return (*(tensors.get(n) for n in self.plan.kernel_cls.OPERANDS), *self.scalars)
 
 
-__all__ = ["FwdCall", "kernel_args", "kernel_ready", "run_bwd", "run_fwd", "run_job",
-           "sm_count"]
+__all__ = ["FwdCall", "kernel_args", "kernel_ready", "kernel_scalars", "run_bwd", "run_fwd",
+           "run_job", "sm_count"]

@@ -44,6 +44,9 @@ class Options:
     persistent:  16-bit forward with D, Dv in {320, 384, 448, 512} and no right bound or a
                  sliding window: one CTA per SM walks the row tiles, so a tile's prologue and
                  epilogue overlap its neighbours' work; same bits (FFPA_CUTE_PERSISTENT).
+    varlen_launch: `varlen_attention` on the sm90 16-bit kernels: one launch over all packed
+                 sequences (each CTA finds its sequence's tile from cu_seqlens), forward and
+                 backward, instead of one call per sequence (FFPA_CUTE_VARLEN_LAUNCH).
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
@@ -57,6 +60,7 @@ class Options:
     pack_gqa: bool = True
     kv_pair: bool = True
     persistent: bool = True
+    varlen_launch: bool = True
     fast_launch: bool = True
     self_check: str = "unverified"
 
@@ -76,6 +80,7 @@ class Options:
 
 ENV = {"family": "FFPA_CUTE_ARCH", "strict": "FFPA_CUTE_STRICT", "pack_gqa": "FFPA_CUTE_PACK_GQA",
        "kv_pair": "FFPA_CUTE_KV_PAIR", "persistent": "FFPA_CUTE_PERSISTENT",
+       "varlen_launch": "FFPA_CUTE_VARLEN_LAUNCH",
        "fast_launch": "FFPA_CUTE_FAST_LAUNCH",
        "self_check": "FFPA_CUTE_SELF_CHECK"}
 

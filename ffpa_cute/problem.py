@@ -31,6 +31,9 @@ class AttnProblem:
     i + window_lo <= j <= i + window_hi (None: that side unbounded), intersected with causal;
     the public (left, right) window becomes lo = frame - left, hi = frame + right.
     has_sinks: a per-head sink logit joins every row's softmax denominator.
+    varlen: packed variable-length sequences in one launch (`varlen_attention`): batch counts
+    the sequences, seqlen_q / seqlen_kv are the longest ones', and causal_offset, window_lo and
+    window_hi are relative to each sequence's frame (its Nkv - Nq, added by the kernel).
     """
 
     dtype: str  # "bf16" | "fp16" | "fp32" | ...
@@ -52,6 +55,7 @@ class AttnProblem:
     window_lo: int | None = None
     window_hi: int | None = None
     has_sinks: bool = False
+    varlen: bool = False
 
     @property
     def qhead_per_kvhead(self) -> int:

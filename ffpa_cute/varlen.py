@@ -6,14 +6,22 @@ back; sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and
 cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v (int32 or int64, [B + 1], starting at 0). lse
 comes back [Hq, total_q], FlashAttention's varlen `softmax_lse` shape.
 
-Today this is a loop on the host: cu_seqlens are read there (one device sync on CUDA) and each
-sequence is one call of the routine behind `attention()`, routed like it (a kernel where one
-serves that sequence, window and sinks included, else the native fallback, logged once per
-reason; strict raises). On CUDA the sequences are issued longest first, round-robin on
-`STREAMS` side streams forked from and joined to the caller's stream, so one kernel's last,
-partial wave overlaps the next kernel's first (the kernels hold one CTA per SM; on one stream
-each tail would idle the rest of the GPU); autograd runs each backward on its forward's stream.
-A varlen kernel would do all sequences in one launch; none exists yet.
+Two routes. cu_seqlens are read on the host first either way (validation: one device sync
+on CUDA).
+
+* One launch (`Options.varlen_launch`, the sm90 16-bit kernels): the packed tensors are passed
+  as [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of the forward,
+  dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no padding work,
+  no host-side tile list), and masks, causal offset and window are per sequence
+  (`varlen` in sm90/config.py). `VarlenAttention` is its autograd function; Delta runs on the
+  packed views as it is. Taken when the forward plan (and, for inputs that require grad, the
+  backward plan) of the problem has varlen kernels.
+* Otherwise a host loop: each sequence is one call of the routine behind `attention()`,
+  routed like it (a kernel where one serves that sequence, window and sinks included, else the
+  native fallback, logged once per reason; strict raises). On CUDA the sequences are issued
+  longest first, round-robin on `STREAMS` side streams forked from and joined to the caller's
+  stream, so one kernel's last, partial wave overlaps the next kernel's first; autograd runs
+  each backward on its forward's stream.
 """
 
 from __future__ import annotations
@@ -24,9 +32,13 @@ import numbers
 
 import torch
 
+from . import dispatch, launch
+from . import options as _options
 from .math_attention import compute_dtype
 from .interface import _attention
-from .validate import check_args, check_return_lse, check_window_sinks
+from .ops import on
+from .problem import AttnProblem, dtype_name
+from .validate import check_args, check_return_lse, check_window_sinks, window_bounds
 
 __all__ = ["varlen_attention"]
 
@@ -107,8 +119,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     bottom-right (query i of a sequence with nq queries and nkv keys sees key j iff
     j <= i + nkv - nq), `window=(left, right)` is in the same frame, `sinks` [Hq] joins every
     row's denominator, GQA needs `enable_gqa=True`; lse is float32 (float64 for float64
-    inputs) and carries no gradient. Differentiable in q, k, v and sinks. Each sequence runs
-    as one `attention()`-routed call (a host loop; see the module docstring).
+    inputs) and carries no gradient. Differentiable in q, k, v and sinks. One kernel launch
+    over all sequences where the sm90 kernels serve the problem, else one `attention()`-routed
+    call per sequence (module docstring).
     """
     err = (_check_packed(q, k, v)
            or check_args(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None, 0.0,
@@ -125,6 +138,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {len(seq_q)} and {len(seq_k)}")
     strict = None if strict is None else bool(strict)
+    plan = _one_launch_plan(q, k, v, len(seq_q), max_seqlen_q, max_seqlen_k, is_causal, scale,
+                            window, sinks)
+    if plan is not None:
+        cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32).contiguous()
+                      for c in (cu_seqlens_q, cu_seqlens_k))
+        out, lse = VarlenAttention.apply(q, k, v, sinks, cu_q, cu_k, plan)
+        return (out, lse) if return_lse else out
     outs, lses = [None] * len(seq_q), [None] * len(seq_q)
     order = sorted(range(len(seq_q)), key=lambda i: -(seq_q[i][1] - seq_q[i][0])
                    * (seq_k[i][1] - seq_k[i][0]))  # the most work first
@@ -155,3 +175,86 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lse = (torch.cat([x[0].to(dtype) for x in lses], dim=-1) if lses
            else torch.zeros(hq, 0, dtype=dtype, device=q.device))
     return out, lse
+
+
+def _one_launch_plan(q, k, v, nseq: int, max_q: int, max_k: int, is_causal, scale, window,
+                     sinks):
+    """The forward plan of the one-launch route, or None (host loop): CUDA, not under
+    torch.compile, `Options.varlen_launch`, something to compute, and a varlen kernel for the
+    forward and, when an input requires grad, for the backward too."""
+    if (q.device.type != "cuda" or torch.compiler.is_compiling()
+            or not _options.current().varlen_launch or q.shape[0] == 0 or k.shape[0] == 0):
+        return None
+    lo, hi = window_bounds(window, 0) if window is not None else (None, None)
+    problem = AttnProblem(
+        dtype=dtype_name(q.dtype), batch=nseq, heads_q=q.shape[1], heads_kv=k.shape[1],
+        seqlen_q=max_q, seqlen_kv=max_k, head_dim=q.shape[2], head_dim_v=v.shape[2],
+        causal=bool(is_causal), causal_offset=0,
+        scale=float(scale) if scale is not None else None, device_type=q.device.type,
+        requires_grad=any(t.requires_grad for t in (q, k, v)),
+        window_lo=lo, window_hi=hi, has_sinks=sinks is not None, varlen=True)
+    plan = dispatch.plan_fwd(problem, q.device)
+    if plan.reason is not None or not getattr(plan.cfg, "varlen", False):
+        return None
+    if torch.is_grad_enabled() and (problem.requires_grad or (
+            sinks is not None and sinks.requires_grad)):
+        if dispatch.plan_bwd(problem, q.device).reason is not None:
+            return None
+    return plan
+
+
+def _bhnd(t: torch.Tensor) -> torch.Tensor:
+    """A packed [total, H, D] tensor as the kernels' [1, H, total, D] view."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+class VarlenAttention(torch.autograd.Function):
+    """The one-launch route: the forward kernel over all sequences -> (out [total_q, Hq, Dv],
+    lse [Hq, total_q] fp32, carrying no gradient); backward: Delta, then the dQ, dK and dV
+    kernels over all sequences (their grad of sinks as `ops.feature_backward`'s)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan):
+        p = plan.problem
+        total_q, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
+        out = torch.empty(total_q, hq, dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
+        sinks32 = sinks.to(torch.float32).contiguous() if sinks is not None else None
+        tensors = dict(q=launch.kernel_ready(_bhnd(q)), k=launch.kernel_ready(_bhnd(k)),
+                       v=launch.kernel_ready(_bhnd(v)), o=_bhnd(out), lse=lse.unsqueeze(0),
+                       sinks=sinks32, cu_q=cu_q, cu_k=cu_k)
+        with on(q.device):
+            launch.run_job(plan.kernel_cls, plan.cfg, tensors,
+                           launch.kernel_scalars(p, p.right_edge))
+        ctx.save_for_backward(q, k, v, sinks, cu_q, cu_k, out, lse)
+        ctx.problem = p
+        ctx.options = _options.current()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
+        p = ctx.problem
+        plan = dispatch.plan_bwd(p, q.device, opts=ctx.options)
+        if plan.reason is not None:  # planned at the forward: the planner changed its mind
+            raise RuntimeError(f"varlen backward: {plan.reason}")
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        delta = torch.empty_like(lse)
+        t = dict(q=launch.kernel_ready(_bhnd(q)), k=launch.kernel_ready(_bhnd(k)),
+                 v=launch.kernel_ready(_bhnd(v)), o=_bhnd(out),
+                 do=launch.kernel_ready(_bhnd(dout)), lse=lse.unsqueeze(0),
+                 delta=delta.unsqueeze(0), dq=_bhnd(dq), dk=_bhnd(dk), dv=_bhnd(dv),
+                 cu_q=cu_q, cu_k=cu_k)
+        scalars = launch.kernel_scalars(p, p.right_edge)
+        with on(q.device):
+            for cls, cfg in plan.jobs:
+                launch.run_job(cls, cfg, t, scalars)
+        needs = ctx.needs_input_grad
+        dsinks = None
+        if sinks is not None and needs[3]:  # -sum_i exp(sink - lse_i) Delta_i per head
+            dsinks = -(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum(1)
+            dsinks = dsinks.to(sinks.dtype)
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+                dsinks, None, None, None)
+

@@ -7,7 +7,8 @@ A superset by construction: every head dim the GPU tests use, both dtypes and ca
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
 and backward, plus the Dv != D pairs, the FP8 forward with its transpose kernel, and the
 non-default variants the tests select (the CTA pair off above 512, dK without sequential score
-products, one CTA per tile where the default is persistent), the sliding-window / sinks configurations and the split-KV decode kernels. A kernel the tests need that is missing
+products, one CTA per tile where the default is persistent), the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
+varlen kernels with their per-sequence twins. A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -25,6 +26,15 @@ FEATURE_FIELDS = ((-8, None, True, False), (-8, None, True, True), (-8, 4, False
                   (-8, 4, False, True), (None, 4, False, True), (None, None, True, True),
                   (None, None, False, True), (-8, None, False, True), (-8, None, False, False))
 DECODE_DIMS = ((320, 320), (512, 512), (576, 512), (1024, 1024))
+# the one-launch varlen kernels (and the per-sequence kernels the GPU tests compare them with):
+# (d, dv, causal, window_lo, window_hi, sinks, dtype)
+VARLEN_FIELDS = ((512, 512, True, None, None, False, "bf16"),
+                 (512, 512, False, None, None, True, "bf16"),
+                 (320, 320, True, -100, 20, True, "fp16"),
+                 (576, 576, True, None, None, False, "bf16"),
+                 (576, 512, True, -300, None, False, "bf16"),
+                 (1024, 1024, False, -64, 64, True, "bf16"),
+                 (512, 512, True, -200, 0, True, "bf16"))
 TARGET = "sm_90a"
 
 
@@ -98,6 +108,14 @@ def jobs() -> list:
         for dtype in ("bf16", "fp16"):
             c = CombineConfig(TARGET, dtype, dv)
             add([(dispatch.kernel_class(c), c)])
+    for d, dv, causal, lo, hi, sinks, dtype in VARLEN_FIELDS:
+        p = AttnProblem(dtype=dtype, batch=1, heads_q=4, heads_kv=2, seqlen_q=1000,
+                        seqlen_kv=1000, head_dim=d, head_dim_v=dv, causal=causal,
+                        window_lo=lo, window_hi=hi, has_sinks=sinks)
+        for q in (p, dataclasses.replace(p, varlen=True)):
+            plan = dispatch.plan_fwd(q, target=TARGET, opts=Options())
+            add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
+            add(dispatch.plan_bwd(q, target=TARGET, opts=Options()).jobs)
     for d, dv in DV_PAIRS:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):

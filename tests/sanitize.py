@@ -17,7 +17,8 @@ family, and the sm90 family's backward route for D % 16 != 0 above 512) in their
 warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
 forward; a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
 decode kernel on a paged and a contiguous cache, 16-bit and e4m3, and a causal chunk
-(`KV_CASES`).
+(`KV_CASES`); the one-launch varlen forward and backward over packed sequences of unequal
+query and key lengths, empty ones included (`VARLEN_CASES`).
 
 racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would
 only slow it down); the other tools check every kernel of the process (initcheck must see
@@ -91,7 +92,16 @@ KV_CASES = [
     ("sm90 decode FP8 cache contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "e4m3", 1),
     ("sm90 chunked prefill (causal, Nq 5) paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 5),
 ]
-N_CASES = len(CASES) + len(FEATURE_CASES) + len(KV_CASES)
+# (label, Hq, Hkv, query lengths, key lengths, D, Dv, causal, window, sinks): one launch of
+# `varlen_attention` over packed sequences, forward and backward
+VARLEN_CASES = [
+    ("sm90 varlen D512 GQA causal, Nq != Nkv, no keys, no queries", 4, 2, (129, 0, 77, 1, 40),
+     (200, 30, 0, 1, 40), 512, 512, True, None, False),
+    ("sm90 varlen D576 CTA pair window + sinks", 2, 1, (65, 130), (130, 65), 576, 576, True,
+     (64, 0), True),
+]
+
+N_CASES = len(CASES) + len(FEATURE_CASES) + len(KV_CASES) + len(VARLEN_CASES)
 
 
 def _problem(case):
@@ -151,6 +161,16 @@ def jobs(target: str = "sm_90a") -> list:
         for job in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(combine), combine)):
             if job not in out:
                 out.append(job)
+    for _, hq, hkv, lq, lk, d, dv, causal, window, sinks in VARLEN_CASES:
+        p = AttnProblem(dtype="bf16", batch=len(lq), heads_q=hq, heads_kv=hkv,
+                        seqlen_q=max(lq), seqlen_kv=max(lk), head_dim=d, head_dim_v=dv,
+                        causal=causal, window_lo=None if window is None else -window[0],
+                        window_hi=None if window is None else window[1], has_sinks=sinks,
+                        varlen=True)
+        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        assert plan.reason is None and plan.cfg.varlen, plan.reason
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
+        out += [j for j in todo if j not in out]
     return out
 
 
@@ -214,6 +234,25 @@ def workload() -> int:
         plan = decode.decode_plan(q, kc, vc, True, None, page, None)
         assert plan is not None and plan.cfg.causal == (nq > 1), label
         ffpa_cute.attention_with_kvcache(q, kc, vc, lens, table, strict=True)
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
+    from ffpa_cute import varlen
+
+    for label, hq, hkv, lq, lk, d, dv, causal, window, sinks in VARLEN_CASES:
+        cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for n in (lq, lk))
+        q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(sum(lk), hkv, dv, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        sk = torch.randn(hq, device="cuda", requires_grad=True) if sinks else None
+        plan = varlen._one_launch_plan(q, k, v, len(lq), max(lq), max(lk), causal, None, window,
+                                       sk)
+        assert plan is not None, label
+        out = ffpa_cute.varlen_attention(q, k, v, cq, ck, max(lq), max(lk), is_causal=causal,
+                                         enable_gqa=hq != hkv, window=window, sinks=sk,
+                                         strict=True)
+        out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     return 0

@@ -244,13 +244,15 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
     monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(lambda fn, *a: seen.append(a)))
     out, lse = launch.run_fwd(plan, q, k, v)
-    *ts, sinks, scale, offset, window_lo, num_ctas = seen[0]
+    *ts, sinks, cu_q, cu_k, scale, offset, window_lo, num_ctas = seen[0]
     assert sinks is None and window_lo == 0  # no sinks; the edge is unread without a window
+    assert cu_q is None and cu_k is None  # no varlen
     assert num_ctas == launch.sm_count()  # the grid of a persistent config (1 without CUDA)
     fc = launch.FwdCall(plan, q, k, v)
-    *got, got_sinks, got_scale, got_offset, got_lo, got_ctas = fc.args(q, k, v, out, lse)
-    assert (got_sinks, got_scale, got_offset, got_lo, got_ctas) == (None, scale, offset, 0,
-                                                                    num_ctas)
+    *got, got_sinks, got_cq, got_ck, got_scale, got_offset, got_lo, got_ctas = fc.args(
+        q, k, v, out, lse)
+    assert (got_sinks, got_cq, got_ck, got_scale, got_offset, got_lo, got_ctas) == (
+        None, None, None, scale, offset, 0, num_ctas)
     for a, b in zip(got, ts):
         assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
     assert fc.out_shape == tuple(out.shape) and fc.lse_shape == tuple(lse.shape)
@@ -323,6 +325,32 @@ def test_persistent_rule(kw, persistent):
         reason = sm90_config.can_implement(forced)
         assert (reason is None) == (plan.cfg.ctas_per_tile == 1
                                     and type(plan.cfg) is sm90_config.FwdConfigSm90)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(d=576), dict(d=320, head_dim_v=256), dict(heads_q=8, heads_kv=1, seqlen_q=3),
+    dict(window_lo=-100, has_sinks=True)])
+def test_varlen_rule(kw):
+    """A one-launch varlen problem plans the sm90 kernels with `varlen` (never persistent,
+    never query heads packed into rows), forward and backward; the Split-D family and the
+    FP8 forward refuse it (varlen_attention then loops over the sequences)."""
+    from ffpa_cute.sm90 import config as sm90_config
+
+    window_sinks = {k: kw.pop(k) for k in ("window_lo", "has_sinks") if k in kw}
+    p = dataclasses.replace(prob(causal=True, **kw), varlen=True, **window_sinks)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.reason is None and plan.cfg.varlen and not plan.cfg.persistent
+    assert not plan.packed
+    bwd = dispatch.plan_bwd(p, target="sm_90a")
+    assert bwd.reason is None
+    assert all(cfg.varlen for cfg in bwd.cfgs if hasattr(cfg, "varlen"))
+    assert "varlen" in dispatch.plan_fwd(p, target="sm_90a",
+                                         opts=Options(family="sm80")).reason
+    persistent = dataclasses.replace(plan.cfg, persistent=True)
+    assert sm90_config.can_implement(persistent) is not None
+    fp8 = sm90_config.FwdFP8ConfigSm90(arch="sm_90a", dtype="e4m3", head_dim=512, causal=True,
+                                       varlen=True)
+    assert "varlen" in sm90_config.can_implement(fp8)
 
 
 @pytest.mark.parametrize("m_tiles,heads,batch,ctas", [

@@ -343,10 +343,11 @@ def test_decode_unvalidated_captures_in_a_cuda_graph(seed, cache):
 
 
 # --------------------------------------------------------------------------- varlen
-def test_varlen_on_side_streams(seed):
-    """varlen_attention on CUDA (sequences issued on side streams, joined to the caller's):
-    out, lse and the gradients of every sequence against float64, with a window and sinks on
-    one call and GQA; an empty sequence included."""
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_varlen_on_side_streams(seed, one_launch):
+    """varlen_attention on CUDA (one launch over all sequences, or sequences issued on side
+    streams, joined to the caller's): out, lse and the gradients of every sequence against
+    float64, with a window and sinks on one call and GQA; an empty sequence included."""
     from ffpa_cute import varlen_attention
 
     lens = [700, 0, 1500, 129, 1024]
@@ -357,8 +358,9 @@ def test_varlen_on_side_streams(seed):
         rnd(total, 2, 512, grad=True)
     sinks = torch.randn(4, device="cuda")
     for kw in (dict(), dict(window=(200, 0), sinks=sinks)):
-        out, lse = varlen_attention(q, k, v, cu, cu, max(lens), max(lens), is_causal=True,
-                                    enable_gqa=True, return_lse=True, strict=True, **kw)
+        with ffpa_cute.options.use(varlen_launch=one_launch):
+            out, lse = varlen_attention(q, k, v, cu, cu, max(lens), max(lens), is_causal=True,
+                                        enable_gqa=True, return_lse=True, strict=True, **kw)
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), dout)
         a = 0
@@ -375,3 +377,60 @@ def test_varlen_on_side_streams(seed):
             assert rel_err(lse[:, s], ref_lse[0]) <= 1e-4
             for g, w in zip(got, want):
                 assert rel_err(g[s], w[0].transpose(0, 1)) <= 2e-2
+
+
+VARLEN_CASES = [  # d, dv, hq, hkv, causal, window, sinks, dtype
+    (512, 512, 4, 2, True, None, False, BF16),
+    (512, 512, 8, 1, False, None, True, BF16),
+    (320, 320, 2, 2, True, (100, 20), True, torch.float16),
+    (576, 576, 2, 1, True, None, False, BF16),      # the CTA pair (kv_pair), split gradients
+    (576, 512, 2, 2, True, (300, None), False, BF16),   # Dv != D
+    (1024, 1024, 2, 2, False, (64, 64), True, BF16),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: "-".join(map(str, c[:7])))
+def test_varlen_one_launch_is_the_per_sequence_kernel(seed, case):
+    """The one-launch varlen kernels against the per-sequence route (each sequence its own
+    kernel call, checked against float64 by the test above): the same tiles in the same
+    order, so out, lse and every gradient are bit for bit the same. Cross lengths per
+    sequence (Nq > Nkv, Nq < Nkv, no keys, no queries, 1, 7, 129), GQA / MQA, a window, sinks,
+    fp16, D=576 on the CTA pair and Dv != D; one sequence also against float64."""
+    from ffpa_cute import varlen, varlen_attention
+
+    d, dv, hq, hkv, causal, window, with_sinks, dtype = case
+    lq = [129, 1000, 7, 0, 300, 1, 64, 513]
+    lk = [129, 700, 300, 50, 0, 1, 1000, 64]
+    cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                           device="cuda") for n in (lq, lk))
+    q = rnd(sum(lq), hq, d, dtype=dtype, grad=True)
+    k = rnd(sum(lk), hkv, d, dtype=dtype, grad=True)
+    v = rnd(sum(lk), hkv, dv, dtype=dtype, grad=True)
+    sinks = torch.randn(hq, device="cuda", requires_grad=True) if with_sinks else None
+    kw = dict(is_causal=causal, enable_gqa=True, return_lse=True, strict=True, window=window,
+              sinks=sinks)
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
+    assert varlen._one_launch_plan(q, k, v, len(lq), max(lq), max(lk), causal, None, window,
+                                   sinks) is not None
+    res = {}
+    for one in (True, False):
+        with ffpa_cute.options.use(varlen_launch=one):
+            out, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)
+            dout = torch.randn_like(out) if one else res[True][0][1]
+            grads = torch.autograd.grad(out, leaves, dout)
+        res[one] = ((out, dout), lse, grads)
+    (out, dout), lse, grads = res[True]
+    assert torch.equal(out, res[False][0][0]), (out - res[False][0][0]).abs().max()
+    assert torch.equal(lse, res[False][1])
+    for name, g, h in zip("qkvs", grads, res[False][2]):
+        if name == "s":  # the sinks' gradient: a torch sum over rows, in another order
+            assert rel_err(g, h) <= 1e-5
+        else:
+            assert torch.equal(g, h), (name, (g - h).abs().max())
+    s = slice(sum(lq[:1]), sum(lq[:2]))  # sequence 1: 1000 queries, 700 keys
+    t = slice(sum(lk[:1]), sum(lk[:2]))
+    ins = [x.detach().to(F64).transpose(0, 1).unsqueeze(0) for x in (q[s], k[t], v[t])]
+    ref, ref_lse = ref_attention(*ins, causal=causal, window=window,
+                                 sinks=None if sinks is None else sinks.detach())
+    assert rel_err(out[s], ref[0].transpose(0, 1)) <= 1e-2
+    assert rel_err(lse[:, s], ref_lse[0]) <= 1e-4

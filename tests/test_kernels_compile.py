@@ -120,6 +120,28 @@ def test_sm90_persistent_compiles(d, causal, window, sinks, dtype):
     _no_spills(ptx)
 
 
+@pytest.mark.parametrize("d,dv,causal,window,sinks", [
+    (512, 512, True, False, False), (320, 320, True, True, True), (576, 576, True, False, False),
+    (576, 512, False, False, False)])
+def test_sm90_varlen_compiles(d, dv, causal, window, sinks):
+    """One launch over packed sequences (`varlen`): the forward and the dQ / dK / dV kernels
+    take cu_seqlens (the CTA's tile is found by a walk over them: a loop in the kernel), WGMMA
+    and TMA, no local memory, no spills; D=576 on the CTA pair (kv_pair) and Dv != D too."""
+    p = dataclasses.replace(_problem(d, causal, dv=dv), varlen=True, has_sinks=sinks,
+                            window_lo=-64 if window else None)
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    assert plan.reason is None and plan.cfg.varlen and not plan.cfg.persistent
+    bwd = dispatch.plan_bwd(p, target="sm_90a", opts=Options())
+    assert bwd.reason is None
+    jobs = [(plan.kernel_cls, plan.cfg)] + [(c, g) for c, g in bwd.jobs if hasattr(g, "varlen")]
+    assert len(jobs) == 4 and all(g.varlen for _, g in jobs)
+    for cls, cfg in jobs:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, cls.__name__
+        assert ".local" not in ptx, f"{cls.__name__}: local memory in PTX"
+        _no_spills(ptx)
+
+
 @pytest.mark.parametrize("d,causal", SM90_CASES)
 def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
     """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs, TMA loads, stmatrix for P,

@@ -44,6 +44,14 @@ def fake_args(cfg) -> tuple:
     return (*qkvo, fake_tensor(cutlass.Float32, 3, 1))
 
 
+def fake_cu(cfg) -> tuple:
+    """Stand-ins for a `varlen` config's cumulative sequence lengths (rows', then columns':
+    int32 [B + 1] each), else (None, None)."""
+    if not getattr(cfg, "varlen", False):
+        return None, None
+    return fake_tensor(cutlass.Int32, 1, 1), fake_tensor(cutlass.Int32, 1, 1)
+
+
 def fake_grad_args(cfg) -> tuple:
     """Stand-ins for the dQ / dK kernels' (q, k, v, do, grad, lse, delta)."""
     q, k, v, _, lse = fake_args(cfg)

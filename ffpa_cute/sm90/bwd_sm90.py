@@ -50,7 +50,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.mask import apply_mask_transposed, transposed_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, aligned_bhnd, fake_grad_args
+from ..common.tensors import LOG2_E, aligned_bhnd, fake_args, fake_cu, fake_grad_args
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
                      can_implement_dq, can_implement_dv)
 from .skeleton_sm90 import (WG_THREADS, BLoads, ColLoads, RingSkeletonSm90, Roles, ScoreFrags,
@@ -77,9 +77,15 @@ class FFPABwdDVSm90(RingSkeletonSm90):
     """
 
     rescale_o = False
+    keys_are_rows = True
     # `__call__`'s tensors in the skeleton's roles: K the resident rows, Q the streamed
-    # columns, dO the accumulators' B operand, dV the output
-    OPERANDS = ("k", "q", "do", "dv", "lse")
+    # columns, dO the accumulators' B operand, dV the output; `varlen`: the rows' and the
+    # columns' cumulative sequence lengths
+    OPERANDS = ("k", "q", "do", "dv", "lse", "cu_k", "cu_q")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        return (*fake_args(cfg), *fake_cu(cfg))
 
     def __init__(self, cfg: BwdDVConfigSm90):
         reason = can_implement_dv(cfg)
@@ -89,13 +95,13 @@ class FFPABwdDVSm90(RingSkeletonSm90):
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 mLSE: cute.Tensor, mCuK, mCuQ, softmax_scale: Float32, causal_offset: Int32,
                  window_lo: Int32, stream: cuda.CUstream):
         """k: (B, Hkv, Nkv, D); q: (B, Hq, Nq, D); do: (B, Hq, Nq, Dv); dv: (B, Hkv, Nkv, Dv);
-        lse: (B, Hq, Nq) fp32; window_lo read with `window`. Grid = (Nkv tiles * o_split, Hkv,
-        B)."""
+        lse: (B, Hq, Nq) fp32; cu_k, cu_q: `varlen`'s cumulative lengths (else None);
+        window_lo read with `window`. Grid = (Nkv tiles * o_split, Hkv, B)."""
         self._launch(Roles(rows=mK, cols=mQ, acc_b=mdO, out=mdV), mLSE, softmax_scale,
-                     causal_offset, stream, None, window_lo)
+                     causal_offset, stream, None, window_lo, cu=(mCuK, mCuQ))
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
@@ -156,13 +162,14 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         """The block's per-query values (`_load_columns`) loaded before its WGMMAs, for
         `_stage_columns`."""
         return self._load_columns(n_block, tile.seqlen_c, io.mLSE, tile.batch, head, io.tidx,
-                                  self._column_delta(io.extra))
+                                  self._column_delta(io.extra), tile.row0_c)
 
     @cute.jit
-    def _load_columns(self, n_block, seqlen_q, mLSE, batch, head, tidx, mDelta):
+    def _load_columns(self, n_block, seqlen_q, mLSE, batch, head, tidx, mDelta, row0):
         """This S thread's per-query value of the block: LSE (threads [0, tile_n)) or, with
         Delta, Delta (threads [tile_n, 2 tile_n)); with Delta at tile_n = 128, both values of
-        query tidx (a 2-vector). Queries past Nq read as +inf / 0."""
+        query tidx (a 2-vector). Queries past Nq read as +inf / 0. row0: the sequence's first
+        query in the packed statistics (`varlen`; else 0)."""
         if cutlass.const_expr(self._both_per_thread(mDelta)):
             # tile_n = 128 with Delta: one S thread per query, each loads both of its values
             i = n_block * self.tile_n + tidx
@@ -170,19 +177,19 @@ class FFPABwdDVSm90(RingSkeletonSm90):
             both[0] = Float32.inf
             both[1] = Float32(0.0)
             if i < seqlen_q:
-                both[0] = mLSE[batch, head, i]
-                both[1] = mDelta[batch, head, i]
+                both[0] = mLSE[batch, head, i + row0]
+                both[1] = mDelta[batch, head, i + row0]
             return both
         slot = tidx % self.tile_n
         i = n_block * self.tile_n + slot
         v = Float32.inf
         if tidx < self.tile_n:
             if i < seqlen_q:
-                v = mLSE[batch, head, i]
+                v = mLSE[batch, head, i + row0]
         elif cutlass.const_expr(mDelta is not None):
             v = Float32(0.0)
             if i < seqlen_q:
-                v = mDelta[batch, head, i]
+                v = mDelta[batch, head, i + row0]
         return v
 
     def _both_per_thread(self, mDelta) -> bool:
@@ -296,7 +303,11 @@ class _TwoScoreProducts:
         self.num_chunks = self.c_half + self.c_second
         self.seq_scores = cfg.seq_scores
 
-    fake_inputs = staticmethod(fake_grad_args)  # q, k, v, do, grad; lse, delta
+    @staticmethod
+    def fake_inputs(cfg):
+        """q, k, v, do, grad; lse, delta; then `varlen`'s cumulative lengths (rows', columns')
+        or None, None."""
+        return (*fake_grad_args(cfg), *fake_cu(cfg))
 
     def _chunk(self, c: int):
         """Chunks 0..C1-1: the first product (over D); C1..C1+C2-1: the second (over Dv, its
@@ -310,8 +321,9 @@ class _TwoScoreProducts:
 
     @cute.jit
     def _launch_two(self, roles: Roles, rows2, cols2, mLSE, mDelta, softmax_scale: Float32,
-                    causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream):
-        """The skeleton's roles; rows2 / cols2 the second product's operands, same boxes."""
+                    causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream, cu):
+        """The skeleton's roles; rows2 / cols2 the second product's operands, same boxes; cu:
+        `varlen`'s cumulative lengths of the rows' and the columns' sequences."""
         cfg = self.cfg
         layouts = self._smem_layouts()
         t_rows2, t_cols2 = [self._bhnd_to_tma(aligned_bhnd(t, cfg.second_width, self.dtype))
@@ -323,7 +335,8 @@ class _TwoScoreProducts:
         tma_cols2, g_cols2 = cpasync.make_tiled_tma_atom(
             g2s, t_cols2, cute.select(layouts.c, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
         self._launch(roles, mLSE, softmax_scale, causal_offset, stream,
-                     TwoProductExtra(tma_rows2, g_rows2, tma_cols2, g_cols2, mDelta), window_lo)
+                     TwoProductExtra(tma_rows2, g_rows2, tma_cols2, g_cols2, mDelta), window_lo,
+                     cu=cu)
 
     @cute.jit
     def _col_src(self, loads: ColLoads, head, n_block, c):
@@ -341,16 +354,19 @@ class _TwoScoreProducts:
         else:
             ex, one, cc = loads.extra, cute.make_layout(1), c - self.c_half
             # (tile_n, k_chunk, n_blocks, C2): the second product's column chunks
-            g_cols = cute.local_tile(ex.g_cols2[None, None, head, loads.seq.batch],
-                                     (self.tile_n, self.cfg.k_chunk), (None, None))
+            g_cols = cute.local_tile(
+                self._from_row(ex.g_cols2[None, None, head, loads.seq.batch], loads.seq.row0_c),
+                (self.tile_n, self.cfg.k_chunk), (None, None))
             # (TMA, k_stages) / (TMA, n_blocks, C2)
             ts, tg = cpasync.tma_partition(ex.tma_cols2, 0, one,
                                            cute.group_modes(loads.sC, 0, 2),
                                            cute.group_modes(g_cols, 0, 2))
             cute.copy(ex.tma_cols2, tg[None, n_block, cc], ts[None, s], tma_bar_ptr=loads.bar + s)
             # (TILE_M, k_chunk, C2): the second product's row chunks of the tile
-            g_rows = cute.local_tile(ex.g_rows2[None, None, loads.head, loads.seq.batch],
-                                     (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
+            g_rows = cute.local_tile(
+                self._from_row(ex.g_rows2[None, None, loads.head, loads.seq.batch],
+                               loads.seq.row0),
+                (TILE_M, self.cfg.k_chunk), (loads.m_block, None))
             # (TMA, k_stages) / (TMA, C2)
             ts, tg = cpasync.tma_partition(ex.tma_rows2, 0, one,
                                            cute.group_modes(loads.sR, 0, 2),
@@ -380,7 +396,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
     """
 
     rescale_o = False
-    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
+    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta", "cu_q", "cu_k")
 
     def __init__(self, cfg: BwdDQConfigSm90):
         reason = can_implement_dq(cfg)
@@ -391,14 +407,14 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mCuQ, mCuK,
                  softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
                  stream: cuda.CUstream):
         """q, do, dq: (B, Hq, Nq, D / Dv / D); k, v: (B, Hkv, Nkv, D / Dv); lse, delta:
-        (B, Hq, Nq) fp32."""
+        (B, Hq, Nq) fp32; cu_q, cu_k: `varlen`'s cumulative lengths (else None)."""
         # rows Q (then dO), columns K (then V), accumulator B = K rows, output dQ
         self._launch_two(Roles(rows=mQ, cols=mK, acc_b=mK, out=mdQ), mdO, mV, mLSE, mDelta,
-                         softmax_scale, causal_offset, window_lo, stream)
+                         softmax_scale, causal_offset, window_lo, stream, (mCuQ, mCuK))
 
     # ---------------------------------------------------------------- hooks
     @cute.jit
@@ -435,12 +451,14 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
         rows = cute.size(tScS_mn, mode=[0])
         stats = cute.make_rmem_tensor((rows, 2), Float32)   # (rows, LSE / Delta)
         seqlen_q = extra.mDelta.shape[2]
+        if cutlass.const_expr(self.cfg.varlen):
+            seqlen_q = tile.seqlen_r
         for r in cutlass.range_constexpr(rows):
             row = m_block * TILE_M + tScS_mn[r, 0][0]
             lse, delta = -Float32.inf, Float32(0.0)
             if row < seqlen_q:
-                lse = mLSE[batch, head, row]
-                delta = extra.mDelta[batch, head, row]
+                lse = mLSE[batch, head, row + tile.row0]
+                delta = extra.mDelta[batch, head, row + tile.row0]
             stats[r, 0] = lse
             stats[r, 1] = delta
         return stats
@@ -500,7 +518,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
     Constraints (`config.can_implement_dq`): as dQ's.
     """
 
-    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta", "cu_k", "cu_q")
 
     def __init__(self, cfg: BwdDKConfigSm90):
         reason = can_implement_dq(cfg)
@@ -520,14 +538,14 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mCuK, mCuQ,
                  softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
                  stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D / Dv); k, v, dk: (B, Hkv, Nkv, D / Dv / D); lse, delta:
-        (B, Hq, Nq) fp32."""
+        (B, Hq, Nq) fp32; cu_k, cu_q: `varlen`'s cumulative lengths (else None)."""
         # rows K (then V), columns Q (then dO), accumulator B = Q rows, output dK
         self._launch_two(Roles(rows=mK, cols=mQ, acc_b=mQ, out=mdK), mV, mdO, mLSE, mDelta,
-                         softmax_scale, causal_offset, window_lo, stream)
+                         softmax_scale, causal_offset, window_lo, stream, (mCuK, mCuQ))
 
     @cute.jit
     def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,

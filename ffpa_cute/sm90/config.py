@@ -82,6 +82,12 @@ class FwdConfigSm90:
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
                    its neighbours' work; one CTA per row tile (o_split 1), 16-bit forward
                    only (`plan_fwd` says where it is used)
+    varlen:        packed variable-length sequences in one launch: the row and column tensors
+                   are [1, H, total, D] views and the kernel takes the sequences' cumulative
+                   lengths (int32 [B + 1] each); CTA t walks them to find its sequence and row
+                   tile (skeleton `_varlen_tile`), and the causal offset and window edge are
+                   per sequence (the runtime scalars plus the sequence's Nkv - Nq). 16-bit
+                   forward, dQ, dK and dV; not persistent
     """
 
     arch: str
@@ -99,6 +105,7 @@ class FwdConfigSm90:
     sinks: bool = False
     half_align: int = 8
     persistent: bool = False
+    varlen: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -416,6 +423,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     if cfg.persistent and (cfg.ctas_per_tile != 1 or type(cfg) is not FwdConfigSm90):
         return ("persistent needs one CTA per row tile (Dv <= 512, no kv_pair) and the 16-bit "
                 "forward kernel")
+    if cfg.varlen and (cfg.persistent or cfg.elem_bytes != 2
+                       or isinstance(cfg, DecodeConfigSm90)):
+        return "varlen needs a 16-bit forward or gradient kernel, not persistent"
     if cfg.half_align not in (8, 32, 64) or (cfg.half_align != 8 and cfg.elem_bytes != 2):
         return ("half_align must be 8, 32 or 64, and 8 for 8-bit operands (their V stages are "
                 "transposed: the O width is not the swizzled dimension)")
@@ -468,11 +478,13 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                 causal=problem.right_bounded, publish_after=-(-problem.head_dim // k_chunk),
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
                 head_dim_v=None if dv == problem.head_dim else dv,
-                window=problem.window_lo is not None, sinks=problem.has_sinks, **extra)
+                window=problem.window_lo is not None, sinks=problem.has_sinks,
+                varlen=problem.varlen, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
     if (persistent and not fp8 and not split and problem.head_dim % 64 == 0 and dv % 64 == 0
-            and (not problem.right_bounded or problem.window_lo is not None)):
+            and (not problem.right_bounded or problem.window_lo is not None)
+            and not problem.varlen):
         base["persistent"] = True
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)
 
@@ -618,7 +630,7 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
                 causal=problem.right_bounded, window=problem.window_lo is not None,
                 tile_n=128 if seq_scores else 64, stream_q=True,
                 publish_after=publish_after, publish_hi=publish_hi, seq_scores=seq_scores,
-                second_dim=None if dv == problem.head_dim else dv)
+                second_dim=None if dv == problem.head_dim else dv, varlen=problem.varlen)
     for v in (4, 3, 2):
         cfg = cls(**base, k_stages=4, v_stages=v)
         if can_implement_dq(cfg) is None:

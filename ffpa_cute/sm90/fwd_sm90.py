@@ -71,7 +71,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 from cutlass import Float32, Int32, const_expr
 
 from ..common.softmax import OnlineSoftmax
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_tensor
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_cu, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
 from .skeleton_sm90 import (WG_THREADS, RingSkeletonSm90, Roles, ScoreFrags, ScoreIO,
                             ScoreStep, Tile)
@@ -101,7 +101,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
     """
 
     rescale_o = True  # O warpgroups multiply O's rows by the published factors
-    OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
+    OPERANDS = ("q", "k", "v", "o", "lse", "sinks", "cu_q", "cu_k")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo", "num_ctas")
 
     def __init__(self, cfg: FwdConfigSm90):
@@ -112,21 +112,27 @@ class FFPAFwdSm90(RingSkeletonSm90):
 
     @staticmethod
     def fake_inputs(cfg):
-        """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, else
-        None (the compiled function then takes None there)."""
-        return (*fake_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None)
+        """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, then
+        cu_q, cu_k: int32 [B + 1] stand-ins with `varlen` (else None: the compiled function
+        then takes None there)."""
+        return (*fake_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None,
+                *fake_cu(cfg))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mSinks, softmax_scale: Float32, causal_offset: Int32,
-                 window_lo: Int32, num_ctas: Int32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, mSinks, mCuQ, mCuK, softmax_scale: Float32,
+                 causal_offset: Int32, window_lo: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32; sinks: (Hq,) fp32 with `sinks`, else
+        None; cu_q, cu_k: with `varlen` the sequences' cumulative lengths (int32 [B + 1]; q,
+        k, v, o then (1, H, total, D) views of packed tensors, lse (1, Hq, total_q)), else
         None; window_lo: read with `window`; num_ctas: the device's SM count, the grid of a
         `persistent` config. Grid = (m_blocks * o_split, Hq, B), or (`persistent`)
-        (min(tiles, num_ctas), 1, 1)."""
+        (min(tiles, num_ctas), 1, 1), or (`varlen`) ((ceil(total_q / 64) + B) * o_split, Hq,
+        1)."""
         self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale,
                      causal_offset, stream, mSinks if const_expr(self.cfg.sinks) else None,
-                     window_lo, num_ctas)
+                     window_lo, num_ctas, (mCuQ, mCuK))
 
     # ---------------------------------------------------------------- the score step
     @cute.jit

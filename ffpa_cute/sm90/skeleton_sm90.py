@@ -156,14 +156,17 @@ class Operands(NamedTuple):
 
 class Scalars(NamedTuple):
     """Runtime scalars of the kernel entry: the streamed sequence's length and head count,
-    softmax_scale * log2(e), the causal offset, and the window's left edge (None: compiled
-    without one, cfg.window False)."""
+    softmax_scale * log2(e), the causal offset, the window's left edge (None: compiled
+    without one, cfg.window False), and (`varlen`) the cumulative lengths of R's and C's
+    packed sequences (int32 [B + 1] tensors; else None)."""
 
     seqlen_c: Int32
     heads_c: Int32
     scale_log2: Float32
     causal_offset: Int32
     window_lo: object = None
+    cu_r: object = None
+    cu_c: object = None
 
 
 # ---------------------------------------------------------------------------- device contexts
@@ -181,6 +184,8 @@ class Tile(NamedTuple):
     scale_log2: Float32   # softmax_scale * log2(e)
     window_lo: object     # query i sees key j only if j >= i + window_lo (None: no left edge)
     row_period: object = None  # packed rows: row r is query r % row_period (None: r)
+    row0: object = 0      # `varlen`: the sequence's first row in the packed R and O
+    row0_c: object = 0    # `varlen`: the sequence's first row in the packed C and B
 
 
 class BlockSeq(NamedTuple):
@@ -191,6 +196,8 @@ class BlockSeq(NamedTuple):
     head_kv: Int32
     group: Int32
     batch: Int32
+    row0: object = 0      # `varlen`: the tile's `row0` and `row0_c` (for the loads' hooks)
+    row0_c: object = 0
 
 
 class Barriers(NamedTuple):
@@ -445,6 +452,7 @@ class RingSkeletonSm90(KernelEntry):
     # `window` (the others compile no code for it)
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
     rescale_o = False     # accumulator warpgroups multiply O's rows by the published factors
+    keys_are_rows = False  # R holds keys, C queries (dV, dK): `varlen`'s causal frame
     second_score = False  # the S warpgroup accumulates one score product (see `_chunk`)
     seq_scores = False    # with two: one accumulator, the first product consumed mid-block
 
@@ -549,11 +557,12 @@ class RingSkeletonSm90(KernelEntry):
     @cute.jit
     def _launch(self, roles: Roles, mLSE: cute.Tensor, softmax_scale: Float32,
                 causal_offset: Int32, stream: cuda.CUstream, extra, window_lo: Int32 = None,
-                num_ctas: Int32 = None):
+                num_ctas: Int32 = None, cu=None):
         """Build layouts, TMA atoms and the storage struct; launch. `extra`: what a kernel adds
         (FP8 descales, the two-product operands, the forward's sinks; None). `window_lo`: the
         window's left edge, passed to the device only when the config has one (`window`).
-        `num_ctas`: the CTAs a `persistent` config launches at most (one per SM)."""
+        `num_ctas`: the CTAs a `persistent` config launches at most (one per SM). `cu`:
+        (`varlen`) the cumulative lengths of R's and C's sequences, int32 [B + 1] each."""
         cfg = self.cfg
         ops = self._operands(roles, mLSE)
         dlo, dhi = self.halves
@@ -567,10 +576,15 @@ class RingSkeletonSm90(KernelEntry):
                 cute.size(roles.rows.shape[1]), cute.size(roles.rows.shape[0]))
         if const_expr(cfg.persistent):  # one CTA per SM walks the tiles (common/scheduler.py)
             grid = (cutlass.min(tile_count(*grid), num_ctas), 1, 1)
+        cu_r, cu_c = None, None
+        if const_expr(cfg.varlen):  # rows (1, H, total, D): sum_b ceil(n_b / TILE_M) row tiles
+            cu_r, cu_c = cu     # at most, below ceil(total / TILE_M) + B (`_varlen_tile`)
+            grid = ((cute.ceil_div(roles.rows.shape[2], TILE_M) + cute.size(cu_r) - 1)
+                    * cfg.ctas_per_tile, grid[1], 1)
         self.kernel(
             ops,
             Scalars(roles.cols.shape[2], roles.cols.shape[1], softmax_scale * LOG2_E,
-                    causal_offset, window_lo if const_expr(cfg.window) else None),
+                    causal_offset, window_lo if const_expr(cfg.window) else None, cu_r, cu_c),
             layouts,
             Mmas(self._mma(self.tile_n, cute.nvgpu.OperandMajorMode.K),
                  self._mma(dlo, self._b_major()),
@@ -683,7 +697,10 @@ class RingSkeletonSm90(KernelEntry):
         bidx, head, batch = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
         work = None  # `persistent`: each warpgroup walks `_tiles` itself
-        if const_expr(not cfg.persistent):
+        if const_expr(cfg.varlen):  # CTA tile t of the sequences' row tiles
+            work = self._varlen_tile(ops, scalars, extra, bidx // cfg.ctas_per_tile,
+                                     bidx % cfg.o_split, head)
+        elif const_expr(not cfg.persistent):
             # longest tiles first under causal (bottom-right); the CTAs of a row tile adjacent
             m_block = grid_x // cfg.ctas_per_tile - 1 - bidx // cfg.ctas_per_tile
             o_part = bidx % cfg.o_split  # which 1 / o_split of O's columns
@@ -703,17 +720,63 @@ class RingSkeletonSm90(KernelEntry):
             cute.arch.cluster_wait()
 
     @cute.jit
-    def _tile(self, ops: Operands, scalars: Scalars, extra, m_block, o_part, head, batch):
+    def _tile(self, ops: Operands, scalars: Scalars, extra, m_block, o_part, head, batch,
+              span=None):
         """(Tile, BlockSeq) of row tile m_block of (head, batch): C's head, the batch row's
         length and causal offset, and the column blocks n_top-1, n_top-2, ..., n_top-n_count
-        it visits (descending: the masked ones first)."""
+        it visits (descending: the masked ones first). `span` (`varlen`): the sequence's
+        (rows of R, rows of C, first row in R, first row in C, Nkv - Nq), the causal offset
+        and window edge then the runtime scalars plus that frame."""
         head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]), scalars.heads_c)
-        seqlen_c = self._seqlen_c(scalars, batch, extra)
-        tile = Tile(m_block, o_part, head, head_c, batch, ops.mOut.shape[2], seqlen_c,
-                    self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
-                    scalars.window_lo, self._row_period(extra))
+        if const_expr(span is None):
+            seqlen_c = self._seqlen_c(scalars, batch, extra)
+            tile = Tile(m_block, o_part, head, head_c, batch, ops.mOut.shape[2], seqlen_c,
+                        self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
+                        scalars.window_lo, self._row_period(extra))
+        else:
+            seqlen_r, seqlen_c, row0, row0_c, frame = span
+            window_lo = None
+            if const_expr(scalars.window_lo is not None):
+                window_lo = scalars.window_lo + frame
+            tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, seqlen_c,
+                        scalars.causal_offset + frame, scalars.scale_log2, window_lo, None,
+                        row0, row0_c)
         n_top, n_count = self._block_range(tile, group, extra)
-        return tile, BlockSeq(n_top, n_count, head_c, group, batch)
+        return tile, BlockSeq(n_top, n_count, head_c, group, batch, tile.row0, tile.row0_c)
+
+    @cute.jit
+    def _varlen_tile(self, ops: Operands, scalars: Scalars, extra, t, o_part, head):
+        """`varlen`: (Tile, BlockSeq) of the CTA's tile t in the order sequence 0's row tiles
+        (highest first), then sequence 1's, ...: a walk over cu_r (every thread of the CTA
+        reads the same few words). A t past the last tile (the grid's bound counts one spare
+        per sequence) gets an empty tile: no rows, no blocks, nothing stored."""
+        cu_r, cu_c = scalars.cu_r, scalars.cu_c
+        rest = Int32(t)
+        m_block, row0, row0_c = Int32(0), Int32(0), Int32(0)
+        seqlen_r, seqlen_c = Int32(0), Int32(0)
+        for b in cutlass.range(cute.size(cu_r) - 1, unroll=1):
+            start = cu_r[b]
+            rows = cu_r[b + 1] - start
+            tiles = (rows + TILE_M - 1) // TILE_M
+            if rest >= 0:
+                if rest < tiles:
+                    m_block = tiles - 1 - rest
+                    row0, seqlen_r = start, rows
+                    row0_c = cu_c[b]
+                    seqlen_c = cu_c[b + 1] - row0_c
+            rest = rest - tiles
+        frame = seqlen_c - seqlen_r  # the sequence's bottom-right causal frame: Nkv - Nq
+        if const_expr(self.keys_are_rows):
+            frame = seqlen_r - seqlen_c
+        return self._tile(ops, scalars, extra, m_block, o_part, head, 0,
+                          (seqlen_r, seqlen_c, row0, row0_c, frame))
+
+    def _from_row(self, t: cute.Tensor, row0) -> cute.Tensor:
+        """t (rows first) from row `row0` on: under `varlen` the sequence's first row in the
+        packed tensor (TMA coordinates may start anywhere), else t itself."""
+        if const_expr(self.cfg.varlen):
+            return cute.domain_offset((row0, 0), t)
+        return t
 
     @cute.jit
     def _tiles(self, ops: Operands):
@@ -814,7 +877,8 @@ class RingSkeletonSm90(KernelEntry):
         """C chunk c of block n_block at (head, batch), the C TMA view re-tiled there: for
         hooks whose blocks change head (dV, dK) or batch index (the decode kernel's pages)."""
         # (tile_n, k_chunk, n_blocks, C)
-        g = cute.local_tile(loads.gC_tma[None, None, head, batch],
+        g = cute.local_tile(self._from_row(loads.gC_tma[None, None, head, batch],
+                                           loads.seq.row0_c),
                             (self.tile_n, self.cfg.k_chunk), (None, None))
         # (TMA, n_blocks, C)
         _, tg = cpasync.tma_partition(loads.tma_c, 0, cute.make_layout(1),
@@ -825,7 +889,7 @@ class RingSkeletonSm90(KernelEntry):
     def _b_src_at(self, loads: BLoads, head, batch, row_block):
         """B rows block row_block at (head, batch), this warpgroup's columns, the B TMA view
         re-tiled there (as `_col_src_at`)."""
-        rows = loads.gB_tma[None, None, head, batch]
+        rows = self._from_row(loads.gB_tma[None, None, head, batch], loads.seq.row0_c)
         # (b_rows, half, b_blocks)
         g = cute.local_tile(cute.domain_offset((0, loads.col0), rows),
                             (self.b_rows, self.halves[loads.half]), (None, 0))
@@ -951,18 +1015,17 @@ class RingSkeletonSm90(KernelEntry):
         lane = cute.arch.lane_idx()
         # ---- TMA views of R (the tile's rows) and C (every block's chunks)
         one = cute.make_layout(1)
+        rows_r = self._from_row(ops.gR_tma[None, None, head, batch], tile.row0)
         if const_expr(self.stream_r):  # (TILE_M, k_chunk, C)
-            gR = cute.local_tile(ops.gR_tma[None, None, head, batch], (TILE_M, cfg.k_chunk),
-                                 (m_block, None))
+            gR = cute.local_tile(rows_r, (TILE_M, cfg.k_chunk), (m_block, None))
         else:  # (TILE_M, Dr padded)
-            gR = cute.local_tile(ops.gR_tma[None, None, head, batch],
-                                 (TILE_M, cfg.hdim_q_padded), (m_block, 0))
+            gR = cute.local_tile(rows_r, (TILE_M, cfg.hdim_q_padded), (m_block, 0))
         # (TMA) / (TMA); when R streams (TMA, k_stages) / (TMA, C)
         tRs, tRg = cpasync.tma_partition(ops.tma_r, 0, one, cute.group_modes(sR, 0, 2),
                                          cute.group_modes(gR, 0, 2))
         # (tile_n, k_chunk, n_blocks, C)
-        gC = cute.local_tile(ops.gC_tma[None, None, head_c, batch], (self.tile_n, cfg.k_chunk),
-                             (None, None))
+        gC = cute.local_tile(self._from_row(ops.gC_tma[None, None, head_c, batch], tile.row0_c),
+                             (self.tile_n, cfg.k_chunk), (None, None))
         # the ring the TMA fills: sC, or (`cvt`) the 8-bit one that `_convert` reads into sC
         sC_tma = smem.c8 if const_expr(self.cvt) else sC
         # (TMA, k_stages) / (TMA, n_blocks, C)
@@ -1080,7 +1143,7 @@ class RingSkeletonSm90(KernelEntry):
                 for r in cutlass.range_constexpr(num_rows):
                     row = m_block * TILE_M + tScS_mn[r, 0][0]
                     if row < seqlen_r:
-                        mLSE[batch, head, row] = lse[r]
+                        mLSE[batch, head, row + tile.row0] = lse[r]
         return x, hand + n_iter + 1
 
     @cute.jit
@@ -1249,7 +1312,8 @@ class RingSkeletonSm90(KernelEntry):
                 (dv, self.b_rows), (0, None))
         else:  # (b_rows, dv, b_blocks)
             gB = cute.local_tile(
-                cute.domain_offset((0, col0), gB_tma[None, None, head_c, batch]),
+                cute.domain_offset((0, col0), self._from_row(gB_tma[None, None, head_c, batch],
+                                                             tile.row0_c)),
                 (self.b_rows, dv), (None, 0))
         # (TMA, v_stages) / (TMA, b_blocks)
         tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
@@ -1309,8 +1373,10 @@ class RingSkeletonSm90(KernelEntry):
             elif lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
         # (TILE_M, dv): this warpgroup's columns of the tile's rows of O
-        gO = cute.local_tile(cute.domain_offset((0, col0), ops.mOut[batch, head, None, None]),
-                             (TILE_M, dv), (m_block, 0))
+        gO = cute.local_tile(
+            cute.domain_offset((0, col0), self._from_row(ops.mOut[batch, head, None, None],
+                                                         tile.row0)),
+            (TILE_M, dv), (m_block, 0))
         tOgO_mn = mn_view(thr_mma.partition_C(gO))   # (rows, cols) of this thread
         rows_left = tile.seqlen_r - m_block * TILE_M
         ncols = cute.size(acc_O_mn, mode=[1])
