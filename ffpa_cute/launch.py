@@ -37,6 +37,21 @@ def run_job(cls, cfg, tensors: dict, scalars: dict) -> None:
     cls.launch(fn, *(tensors.get(n) for n in cls.OPERANDS), *(scalars[n] for n in cls.SCALARS))
 
 
+def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
+    """`run_job` for a backward kernel: a dV / dK config with `group_split` S > 1 writes S
+    partial sums per KV head in fp32 to a workspace [B, H * S, N, D], added up here in a fixed
+    order (torch's sum over that dimension: the same bits every run) into its output."""
+    split = getattr(cfg, "group_split", 1)
+    if split == 1:
+        return run_job(cls, cfg, tensors, scalars)
+    name = next(n for n in cls.OPERANDS if n in ("dk", "dv"))
+    out = tensors[name]
+    b, h, n, d = out.shape
+    ws = torch.empty(b, h * split, n, d, dtype=torch.float32, device=out.device)
+    run_job(cls, cfg, {**tensors, name: ws}, scalars)
+    out.copy_(ws.view(b, h, split, n, d).sum(2))
+
+
 def kernel_args(plan: Plan, q, k, v, out, lse):
     """((q, k, v, o, lse) as the kernel sees them, causal offset) for a plan's call. Packed
     plans see [B, Hkv, G * Nq, .]: views of out / lse, and of q where its strides allow (a copy
@@ -110,7 +125,7 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
         return (*grads, t["delta"].zero_()) if with_delta else grads
     scalars = kernel_scalars(p, p.right_edge)
     for cls, cfg in plan.jobs:
-        run_job(cls, cfg, t, scalars)
+        run_grad_job(cls, cfg, t, scalars)
     grads = t["dq"], t["dk"], t["dv"]
     return (*grads, t["delta"]) if with_delta else grads
 
@@ -164,4 +179,4 @@ class FwdCall:
 
 
 __all__ = ["FwdCall", "kernel_args", "kernel_ready", "kernel_scalars", "run_bwd", "run_fwd",
-           "run_job", "sm_count"]
+           "run_grad_job", "run_job", "sm_count"]

@@ -249,7 +249,7 @@ class VarlenAttention(torch.autograd.Function):
         scalars = launch.kernel_scalars(p, p.right_edge)
         with on(q.device):
             for cls, cfg in plan.jobs:
-                launch.run_job(cls, cfg, t, scalars)
+                launch.run_grad_job(cls, cfg, t, scalars)
         needs = ctx.needs_input_grad
         dsinks = None
         if sinks is not None and needs[3]:  # -sum_i exp(sink - lse_i) Delta_i per head

@@ -79,6 +79,33 @@ def test_same_bits_every_run(seed):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 1000, 1000, 8),
+                                                   (1024, True, 129, 700, 4),
+                                                   (576, False, 300, 129, 16)])
+def test_group_split(seed, d, causal, nq, nkv, ratio):
+    """dK / dV with the head group split over CTAs (`group_split`: fp32 partial sums in a
+    workspace, added up on the host) against the same kernels summing the whole group in one
+    CTA, on the same inputs: both within the float64 bound, equal up to the fp32 order of the
+    sum, and the split one the same bits on a second run."""
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
+    plan = kernels.backward_plan(problem, q.device, "sm90")
+    assert max(getattr(c, "group_split", 1) for c in plan.cfgs) > 1
+    whole = dataclasses.replace(plan, cfgs=tuple(
+        dataclasses.replace(c, group_split=1) if hasattr(c, "group_split") else c
+        for c in plan.cfgs))
+    split = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan)
+    again = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan)
+    one = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=whole)
+    off = problem.causal_offset
+    ref = attention_grads(q, k, v, do, causal, off, dtype=torch.float64)
+    base = attention_grads(q, k, v, do, causal, off, dtype=torch.bfloat16)
+    for i in (1, 2):  # dK, dV
+        assert torch.equal(split[i], again[i])
+        assert rel_err(split[i], one[i]) <= 2e-3
+        for x in (split[i], one[i]):
+            assert rel_err(x, ref[i]) <= 2 * rel_err(base[i], ref[i]) + 1e-3
+
+
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [CASES[1], CASES[2], CASES[4], CASES[5]])
 def test_dk_without_seq_scores(seed, d, causal, nq, nkv, ratio):
     """dK without `seq_scores` (64-query blocks, S^T and dP^T in two accumulators: what D > 512

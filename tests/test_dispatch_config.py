@@ -353,6 +353,24 @@ def test_varlen_rule(kw):
     assert "varlen" in sm90_config.can_implement(fp8)
 
 
+@pytest.mark.parametrize("hq,hkv,n,d,split", [
+    (32, 32, 8192, 512, 1), (32, 4, 8192, 512, 1), (32, 4, 4096, 512, 2), (64, 1, 8192, 512, 4),
+    (64, 1, 8192, 1024, 2), (8, 2, 1000, 512, 8 // 2), (64, 1, 128, 320, 64), (6, 2, 64, 512, 1)])
+def test_group_split_rule(hq, hkv, n, d, split):
+    """dV and dK split a KV tile's head group over CTAs until the grid has ~4 waves of 132
+    SMs (a power of two dividing G = Hq / Hkv, so 1 for MHA and for an odd G); dQ and the
+    forward never; the config refuses it elsewhere."""
+    from ffpa_cute.sm90 import config as sm90_config
+
+    p = prob(d=d, heads_q=hq, heads_kv=hkv, seqlen_q=n, seqlen_kv=n, causal=True)
+    dq, dk, dv = sm90_config.plan_bwd(p)
+    assert (dq.group_split, dk.group_split, dv.group_split) == (1, split, split)
+    tiles = -(-n // 64) * hkv * dv.o_split
+    assert split == 1 or tiles * split // 2 < sm90_config.GROUP_SPLIT_TARGET_CTAS
+    for cfg in (dq, sm90_config.plan_fwd(p, "sm_90a")):
+        assert "group_split" in sm90_config.can_implement(dataclasses.replace(cfg, group_split=2))
+
+
 @pytest.mark.parametrize("m_tiles,heads,batch,ctas", [
     (128, 32, 1, 132), (3, 48, 1, 132), (1, 1, 1, 132), (16, 96, 2, 132), (5, 7, 3, 4)])
 def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):

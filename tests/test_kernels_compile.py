@@ -142,6 +142,22 @@ def test_sm90_varlen_compiles(d, dv, causal, window, sinks):
         _no_spills(ptx)
 
 
+@pytest.mark.parametrize("d,hq", [(512, 64), (1024, 8)])
+def test_sm90_group_split_compiles(d, hq):
+    """dV and dK with the head group split over CTAs (`group_split`): fp32 partial sums stored
+    (st.global.b32), WGMMA and TMA, no local memory, no spills."""
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=1, seqlen_q=1024,
+                    seqlen_kv=1024, head_dim=d, head_dim_v=d, causal=True)
+    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options())
+    jobs = [(c, g) for c, g in plan.jobs if getattr(g, "group_split", 1) > 1]
+    assert [c.__name__ for c, _ in jobs] == ["FFPABwdDKSm90", "FFPABwdDVSm90"]
+    for cls, cfg in jobs:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "st.global.b32" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        assert ".local" not in ptx, "local memory in PTX"
+        _no_spills(ptx)
+
+
 @pytest.mark.parametrize("d,causal", SM90_CASES)
 def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
     """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs, TMA loads, stmatrix for P,

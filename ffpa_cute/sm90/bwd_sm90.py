@@ -50,11 +50,20 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..common.mask import apply_mask_transposed, transposed_needs_mask
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, aligned_bhnd, fake_args, fake_cu, fake_grad_args
+from ..common.tensors import (LOG2_E, aligned_bhnd, fake_args, fake_cu, fake_grad_args,
+                              fake_tensor)
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
                      can_implement_dq, can_implement_dv)
 from .skeleton_sm90 import (WG_THREADS, BLoads, ColLoads, RingSkeletonSm90, Roles, ScoreFrags,
                             ScoreIO, ScoreStep, Tile)
+
+
+def _workspace_out(fakes: tuple, index: int, cfg) -> tuple:
+    """Stand-ins with the output at `index` in fp32 when the config splits the head group (it
+    then writes partial sums to a workspace: `group_split`)."""
+    if getattr(cfg, "group_split", 1) == 1:
+        return fakes
+    return (*fakes[:index], fake_tensor(Float32, 4, 4), *fakes[index + 1:])
 
 
 class FFPABwdDVSm90(RingSkeletonSm90):
@@ -85,7 +94,8 @@ class FFPABwdDVSm90(RingSkeletonSm90):
 
     @staticmethod
     def fake_inputs(cfg):
-        return (*fake_args(cfg), *fake_cu(cfg))
+        """k, q, do, dv, lse; then `varlen`'s cumulative lengths or None, None."""
+        return (*_workspace_out(fake_args(cfg), 3, cfg), *fake_cu(cfg))
 
     def __init__(self, cfg: BwdDVConfigSm90):
         reason = can_implement_dv(cfg)
@@ -105,10 +115,15 @@ class FFPABwdDVSm90(RingSkeletonSm90):
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
-    def _heads(self, head, heads_r, heads_c):
+    def _heads(self, head, heads_r, heads_c, split):
         """This KV head's query heads are head*G .. head*G+G-1 (G = Hq / Hkv): the blocks walk
-        all of them, so dV sums over the group in registers (no atomics)."""
+        all of them, so dV sums over the group in registers (no atomics); with `group_split`
+        S the CTA of split s walks G / S of them (head*G + s*G/S ..) and its partial sum goes
+        to the fp32 workspace the host adds up in a fixed order (still deterministic)."""
         group = heads_c // heads_r
+        if cutlass.const_expr(self.group_split > 1):
+            group = group // self.group_split
+            return head * group * self.group_split + split * group, group
         return head * group, group
 
     @cute.jit
@@ -307,7 +322,7 @@ class _TwoScoreProducts:
     def fake_inputs(cfg):
         """q, k, v, do, grad; lse, delta; then `varlen`'s cumulative lengths (rows', columns')
         or None, None."""
-        return (*fake_grad_args(cfg), *fake_cu(cfg))
+        return (*_workspace_out(fake_grad_args(cfg), 4, cfg), *fake_cu(cfg))
 
     def _chunk(self, c: int):
         """Chunks 0..C1-1: the first product (over D); C1..C1+C2-1: the second (over Dv, its

@@ -88,6 +88,11 @@ class FwdConfigSm90:
                    tile (skeleton `_varlen_tile`), and the causal offset and window edge are
                    per sequence (the runtime scalars plus the sequence's Nkv - Nq). 16-bit
                    forward, dQ, dK and dV; not persistent
+    group_split:   dV and dK only: the G = Hq / Hkv query heads whose gradients a KV tile sums
+                   are split over this many CTAs (grid y = Hkv * group_split), each writing its
+                   partial sum in fp32 to a workspace [B, Hkv * group_split, Nkv, D] that the
+                   host adds up in a fixed order (`launch.run_grad_job`): GQA / MQA with few
+                   KV tiles get enough CTAs (`plan_group_split`); deterministic either way
     """
 
     arch: str
@@ -106,6 +111,7 @@ class FwdConfigSm90:
     half_align: int = 8
     persistent: bool = False
     varlen: bool = False
+    group_split: int = 1
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -423,6 +429,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     if cfg.persistent and (cfg.ctas_per_tile != 1 or type(cfg) is not FwdConfigSm90):
         return ("persistent needs one CTA per row tile (Dv <= 512, no kv_pair) and the 16-bit "
                 "forward kernel")
+    if cfg.group_split != 1 and (not isinstance(cfg, (BwdDVConfigSm90, BwdDKConfigSm90))
+                                 or cfg.group_split < 1 or cfg.persistent):
+        return "group_split > 1 is for the dV and dK kernels only (a power of two, >= 1)"
     if cfg.varlen and (cfg.persistent or cfg.elem_bytes != 2
                        or isinstance(cfg, DecodeConfigSm90)):
         return "varlen needs a 16-bit forward or gradient kernel, not persistent"
@@ -597,11 +606,33 @@ def _check_bwd_head_dim(problem: AttnProblem):
         raise ValueError(f"head_dim={problem.head_dim} > {BWD_MAX_HEAD_DIM} (the sm90 backward)")
 
 
+# CTAs the dV / dK grid should reach before a KV tile's head group is split over CTAs
+# (`group_split`): about four waves of an H100 / H200's 132 SMs, so that causal KV tiles of
+# unequal length (the first ones see every query) balance over the SMs
+GROUP_SPLIT_TARGET_CTAS = 512
+
+
+def plan_group_split(problem: AttnProblem, o_split: int) -> int:
+    """`group_split` of the dV / dK kernels for `problem`: the smallest power of two dividing
+    G = Hq / Hkv that brings B * Hkv * (KV tiles) * o_split CTAs to GROUP_SPLIT_TARGET_CTAS
+    (1 for MHA, or when the tiles alone fill the waves). E.g. MQA 64:1 at Nkv = 8K: 128 tiles
+    -> 4 (512 CTAs, 16 query heads each); GQA 32:4 at 8K: 512 tiles -> 1. (varlen: the longest
+    sequence's tiles stand for every sequence's.)"""
+    g = problem.heads_q // problem.heads_kv
+    ctas = problem.batch * problem.heads_kv * -(-problem.seqlen_kv // TILE_M) * o_split
+    split = 1
+    while g % (2 * split) == 0 and ctas * split < GROUP_SPLIT_TARGET_CTAS:
+        split *= 2
+    return split
+
+
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
-    """The dV kernel's config: the forward's plan for the same problem (same ring budget)."""
+    """The dV kernel's config: the forward's plan for the same problem (same ring budget), the
+    head group split by `plan_group_split`."""
     _check_bwd_head_dim(problem)
     fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=False), sinks=False)
     cfg = BwdDVConfigSm90(**dataclasses.asdict(fwd))
+    cfg = dataclasses.replace(cfg, group_split=plan_group_split(problem, cfg.o_split))
     reason = can_implement_dv(cfg)
     if reason:
         raise ValueError(reason)
@@ -633,6 +664,8 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
                 second_dim=None if dv == problem.head_dim else dv, varlen=problem.varlen)
     for v in (4, 3, 2):
         cfg = cls(**base, k_stages=4, v_stages=v)
+        if cls is BwdDKConfigSm90:  # dK sums over the head group as dV does
+            cfg = dataclasses.replace(cfg, group_split=plan_group_split(problem, cfg.o_split))
         if can_implement_dq(cfg) is None:
             return cfg
     raise ValueError(can_implement_dq(cls(**base, k_stages=4, v_stages=2)))

@@ -186,6 +186,7 @@ class Tile(NamedTuple):
     row_period: object = None  # packed rows: row r is query r % row_period (None: r)
     row0: object = 0      # `varlen`: the sequence's first row in the packed R and O
     row0_c: object = 0    # `varlen`: the sequence's first row in the packed C and B
+    split: object = 0     # `group_split` (dV, dK): which part of the head group this CTA sums
 
 
 class BlockSeq(NamedTuple):
@@ -410,8 +411,9 @@ class RingSkeletonSm90(KernelEntry):
 
     Hook protocol (the skeleton's default in brackets; F forward, F8 FP8 forward, D decode, V dV,
     Q dQ, K dK: who overrides):
-      `_heads(head, heads_r, heads_c)` -> (head_c, group): C's head and how many heads the
-          blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV head.
+      `_heads(head, heads_r, heads_c, split)` -> (head_c, group): C's head and how many heads
+          the blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV
+          head (`group_split`: part `split` of them).
       `_seqlen_c(scalars, batch, extra)` -> rows of C for the batch row [the tensor's]; D (the
           decode kernel).
       `_causal_offset(scalars, seqlen_c, extra)` -> the rows' causal offset [the runtime
@@ -463,6 +465,11 @@ class RingSkeletonSm90(KernelEntry):
         # transposed ([B, H, Dv, N]); O is written in the config's out_dtype
         self.fp8 = cfg.elem_bytes == 1
         self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]
+        # `group_split` (dV, dK): each CTA writes its part of the group's sum in fp32 to a
+        # workspace (B, H * group_split, N, D) that the host sums in a fixed order
+        self.group_split = cfg.group_split
+        if cfg.group_split > 1:
+            self.out_dtype = Float32
         self.mma_k = cfg.mma_k
         self.tile_n = cfg.tile_n
         self.num_chunks = cfg.num_k_chunks
@@ -573,7 +580,7 @@ class RingSkeletonSm90(KernelEntry):
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
         grid = (cute.ceil_div(roles.rows.shape[2], TILE_M) * cfg.ctas_per_tile,
-                cute.size(roles.rows.shape[1]), cute.size(roles.rows.shape[0]))
+                cute.size(roles.rows.shape[1]) * cfg.group_split, cute.size(roles.rows.shape[0]))
         if const_expr(cfg.persistent):  # one CTA per SM walks the tiles (common/scheduler.py)
             grid = (cutlass.min(tile_count(*grid), num_ctas), 1, 1)
         cu_r, cu_c = None, None
@@ -696,15 +703,24 @@ class RingSkeletonSm90(KernelEntry):
 
         bidx, head, batch = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
+        split = 0
+        if const_expr(cfg.group_split > 1):  # grid y = head * group_split + split
+            split = head % cfg.group_split
+            head = head // cfg.group_split
         work = None  # `persistent`: each warpgroup walks `_tiles` itself
         if const_expr(cfg.varlen):  # CTA tile t of the sequences' row tiles
             work = self._varlen_tile(ops, scalars, extra, bidx // cfg.ctas_per_tile,
-                                     bidx % cfg.o_split, head)
+                                     bidx % cfg.o_split, head, split)
         elif const_expr(not cfg.persistent):
-            # longest tiles first under causal (bottom-right); the CTAs of a row tile adjacent
-            m_block = grid_x // cfg.ctas_per_tile - 1 - bidx // cfg.ctas_per_tile
+            # longest tiles first under causal: the last row tiles of the queries (bottom-right)
+            # or the first of the keys (`keys_are_rows`), so the shortest ones fill the last
+            # wave; the CTAs of a row tile adjacent
+            t = bidx // cfg.ctas_per_tile
+            m_block = grid_x // cfg.ctas_per_tile - 1 - t
+            if const_expr(self.keys_are_rows and self.causal):
+                m_block = t
             o_part = bidx % cfg.o_split  # which 1 / o_split of O's columns
-            work = self._tile(ops, scalars, extra, m_block, o_part, head, batch)
+            work = self._tile(ops, scalars, extra, m_block, o_part, head, batch, split=split)
 
         pair = None
         if const_expr(self.kv_pair):
@@ -721,18 +737,20 @@ class RingSkeletonSm90(KernelEntry):
 
     @cute.jit
     def _tile(self, ops: Operands, scalars: Scalars, extra, m_block, o_part, head, batch,
-              span=None):
+              span=None, split=0):
         """(Tile, BlockSeq) of row tile m_block of (head, batch): C's head, the batch row's
         length and causal offset, and the column blocks n_top-1, n_top-2, ..., n_top-n_count
         it visits (descending: the masked ones first). `span` (`varlen`): the sequence's
         (rows of R, rows of C, first row in R, first row in C, Nkv - Nq), the causal offset
-        and window edge then the runtime scalars plus that frame."""
-        head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]), scalars.heads_c)
+        and window edge then the runtime scalars plus that frame. `split`: the CTA's part of
+        the head group (`group_split`)."""
+        head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]) // self.group_split,
+                                    scalars.heads_c, split)
         if const_expr(span is None):
             seqlen_c = self._seqlen_c(scalars, batch, extra)
             tile = Tile(m_block, o_part, head, head_c, batch, ops.mOut.shape[2], seqlen_c,
                         self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
-                        scalars.window_lo, self._row_period(extra))
+                        scalars.window_lo, self._row_period(extra), split=split)
         else:
             seqlen_r, seqlen_c, row0, row0_c, frame = span
             window_lo = None
@@ -740,16 +758,17 @@ class RingSkeletonSm90(KernelEntry):
                 window_lo = scalars.window_lo + frame
             tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, seqlen_c,
                         scalars.causal_offset + frame, scalars.scale_log2, window_lo, None,
-                        row0, row0_c)
+                        row0, row0_c, split)
         n_top, n_count = self._block_range(tile, group, extra)
         return tile, BlockSeq(n_top, n_count, head_c, group, batch, tile.row0, tile.row0_c)
 
     @cute.jit
-    def _varlen_tile(self, ops: Operands, scalars: Scalars, extra, t, o_part, head):
+    def _varlen_tile(self, ops: Operands, scalars: Scalars, extra, t, o_part, head, split):
         """`varlen`: (Tile, BlockSeq) of the CTA's tile t in the order sequence 0's row tiles
-        (highest first), then sequence 1's, ...: a walk over cu_r (every thread of the CTA
-        reads the same few words). A t past the last tile (the grid's bound counts one spare
-        per sequence) gets an empty tile: no rows, no blocks, nothing stored."""
+        (longest first under causal, as the dense grid orders them), then sequence 1's, ...: a
+        walk over cu_r (every thread of the CTA reads the same few words). A t past the last
+        tile (the grid's bound counts one spare per sequence) gets an empty tile: no rows, no
+        blocks, nothing stored."""
         cu_r, cu_c = scalars.cu_r, scalars.cu_c
         rest = Int32(t)
         m_block, row0, row0_c = Int32(0), Int32(0), Int32(0)
@@ -761,6 +780,8 @@ class RingSkeletonSm90(KernelEntry):
             if rest >= 0:
                 if rest < tiles:
                     m_block = tiles - 1 - rest
+                    if const_expr(self.keys_are_rows and self.causal):
+                        m_block = rest
                     row0, seqlen_r = start, rows
                     row0_c = cu_c[b]
                     seqlen_c = cu_c[b + 1] - row0_c
@@ -769,7 +790,7 @@ class RingSkeletonSm90(KernelEntry):
         if const_expr(self.keys_are_rows):
             frame = seqlen_r - seqlen_c
         return self._tile(ops, scalars, extra, m_block, o_part, head, 0,
-                          (seqlen_r, seqlen_c, row0, row0_c, frame))
+                          (seqlen_r, seqlen_c, row0, row0_c, frame), split)
 
     def _from_row(self, t: cute.Tensor, row0) -> cute.Tensor:
         """t (rows first) from row `row0` on: under `varlen` the sequence's first row in the
@@ -811,7 +832,7 @@ class RingSkeletonSm90(KernelEntry):
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
-    def _heads(self, head, heads_r, heads_c):
+    def _heads(self, head, heads_r, heads_c, split):
         """(head of C and B, blocks' head group): the C head of this R head (GQA / MQA)."""
         return head // (heads_r // heads_c), 1
 
@@ -1373,8 +1394,11 @@ class RingSkeletonSm90(KernelEntry):
             elif lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
         # (TILE_M, dv): this warpgroup's columns of the tile's rows of O
+        out_head = head  # `group_split`: the split's slice of the workspace
+        if const_expr(self.group_split > 1):
+            out_head = head * self.group_split + tile.split
         gO = cute.local_tile(
-            cute.domain_offset((0, col0), self._from_row(ops.mOut[batch, head, None, None],
+            cute.domain_offset((0, col0), self._from_row(ops.mOut[batch, out_head, None, None],
                                                          tile.row0)),
             (TILE_M, dv), (m_block, 0))
         tOgO_mn = mn_view(thr_mma.partition_C(gO))   # (rows, cols) of this thread
