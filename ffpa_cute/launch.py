@@ -38,18 +38,21 @@ def run_job(cls, cfg, tensors: dict, scalars: dict) -> None:
 
 
 def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
-    """`run_job` for a backward kernel: a dV / dK config with `group_split` S > 1 writes S
-    partial sums per KV head in fp32 to a workspace [B, H * S, N, D], added up here in a fixed
-    order (torch's sum over that dimension: the same bits every run) into its output."""
-    split = getattr(cfg, "group_split", 1)
-    if split == 1:
+    """`run_job` for a backward kernel: a dV / dK config with `group_split` writes S partial
+    sums per KV head in fp32 to a workspace [B, H * S, N, D] (S from `group_parts` for these
+    tensors), added up here in a fixed order (torch's sum over that dimension: the same bits
+    every run) into its output."""
+    if not getattr(cfg, "group_split", False):
         return run_job(cls, cfg, tensors, scalars)
+    from .sm90.config import group_parts
+
     name = next(n for n in cls.OPERANDS if n in ("dk", "dv"))
     out = tensors[name]
     b, h, n, d = out.shape
-    ws = torch.empty(b, h * split, n, d, dtype=torch.float32, device=out.device)
+    parts = group_parts(b, tensors["q"].shape[1], h, n, cfg.o_split)
+    ws = torch.empty(b, h * parts, n, d, dtype=torch.float32, device=out.device)
     run_job(cls, cfg, {**tensors, name: ws}, scalars)
-    out.copy_(ws.view(b, h, split, n, d).sum(2))
+    out.copy_(ws.view(b, h, parts, n, d).sum(2))
 
 
 def kernel_args(plan: Plan, q, k, v, out, lse):

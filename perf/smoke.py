@@ -294,10 +294,10 @@ def _one_bench_bwd(spec: str) -> dict:
         plan = dataclasses.replace(plan, cfgs=tuple(cfgs))
     t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.empty_like(lse),
              dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
-    scalars = dict(softmax_scale=problem.softmax_scale, causal_offset=0)
+    scalars = launch.kernel_scalars(problem, 0)
     times = {}
-    for cls, cfg in plan.jobs:
-        times[cls.__name__] = _median_ms(lambda: launch.run_job(cls, cfg, t, scalars), 10)
+    for cls, cfg in plan.jobs:  # dV / dK with `group_split`: the workspace sum included
+        times[cls.__name__] = _median_ms(lambda: launch.run_grad_job(cls, cfg, t, scalars), 10)
     pairs = n * (n + 1) // 2 if causal else n * n
     total = sum(times.values())
     return {"bench_bwd": spec, "ms": {k_: round(t_, 3) for k_, t_ in times.items()},

@@ -7,7 +7,8 @@ A superset by construction: every head dim the GPU tests use, both dtypes and ca
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
 and backward, plus the Dv != D pairs, the FP8 forward with its transpose kernel, and the
 non-default variants the tests select (the CTA pair off above 512, dK without sequential score
-products, one CTA per tile where the default is persistent), the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
+products, one CTA per tile where the default is persistent, dV / dK with split head groups),
+the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
 varlen kernels with their per-sequence twins. A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
@@ -62,7 +63,10 @@ def jobs() -> list:
                     plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
                     if plan.reason is None:
                         add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
-                    add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
+                    bwd = dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs
+                    add(bwd)
+                    if family == "sm90" and (dtype == "bf16" or d in (512, 1024)):
+                        add(_group_split_twins(bwd))  # GQA / MQA's split head groups
                     if family == "sm90" and d > 512 and d % 16 == 0:  # the CTA pair off
                         plan = dispatch.plan_fwd(p, target=TARGET,
                                                  opts=Options(family="sm90", kv_pair=False))
@@ -91,7 +95,8 @@ def jobs() -> list:
             for opts in (Options(), Options(family="sm80")):
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
                 add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
-                add(dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
+                bwd = dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs
+                add(bwd + _group_split_twins(bwd))
     for d, dv in DECODE_DIMS:  # the split-KV decode, contiguous and paged; 16-bit or e4m3
         for page in (None, 64, 128, 256):  # caches (bf16 queries; fp16 with an e4m3 cache)
             for dtype, kv, causal in (("bf16", None, False), ("bf16", "e4m3", False),
@@ -115,7 +120,8 @@ def jobs() -> list:
         for q in (p, dataclasses.replace(p, varlen=True)):
             plan = dispatch.plan_fwd(q, target=TARGET, opts=Options())
             add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
-            add(dispatch.plan_bwd(q, target=TARGET, opts=Options()).jobs)
+            bwd = dispatch.plan_bwd(q, target=TARGET, opts=Options()).jobs
+            add(bwd + _group_split_twins(bwd))
     for d, dv in DV_PAIRS:
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
@@ -123,8 +129,26 @@ def jobs() -> list:
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
                 add([(plan.kernel_cls, plan.cfg)])
                 if dtype == "bf16":
-                    add(dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs)
+                    bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs
+                    add(bwd + _group_split_twins(bwd))
     return out
+
+
+def _group_split_twins(jobs) -> list:
+    """The dV / dK configs of a backward plan with the head group split over CTAs
+    (`group_split`: what GQA / MQA with few KV tiles plan, e.g. the tests' Hq/Hkv = 8/2 at
+    Nkv = 1000)."""
+    import dataclasses
+
+    from ffpa_cute import dispatch
+
+    twins = []
+    for _, cfg in jobs:
+        if hasattr(cfg, "group_split") and type(cfg).__name__ in ("BwdDKConfigSm90",
+                                                                   "BwdDVConfigSm90"):
+            twin = dataclasses.replace(cfg, group_split=not cfg.group_split)
+            twins.append((dispatch.kernel_class(twin), twin))
+    return twins
 
 
 def _one_cta_per_tile(cfg) -> list:

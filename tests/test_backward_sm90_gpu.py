@@ -89,9 +89,9 @@ def test_group_split(seed, d, causal, nq, nkv, ratio):
     sum, and the split one the same bits on a second run."""
     q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
     plan = kernels.backward_plan(problem, q.device, "sm90")
-    assert max(getattr(c, "group_split", 1) for c in plan.cfgs) > 1
+    assert any(getattr(c, "group_split", False) for c in plan.cfgs)
     whole = dataclasses.replace(plan, cfgs=tuple(
-        dataclasses.replace(c, group_split=1) if hasattr(c, "group_split") else c
+        dataclasses.replace(c, group_split=False) if hasattr(c, "group_split") else c
         for c in plan.cfgs))
     split = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan)
     again = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan)

@@ -261,12 +261,16 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     assert not launch.FwdCall(plan, strided, k, v).usable
 
 
-def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch):
+@pytest.mark.parametrize("hq", [2, 4])
+def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch, hq):
     """`launch.run_bwd` runs Delta, then dQ, dK, dV, each with the tensors its `OPERANDS` name
-    (dV's roles: K resident, Q streamed, dO the accumulator's B) and the problem's scalars."""
+    (dV's roles: K resident, Q streamed, dO the accumulator's B) and the problem's scalars;
+    with GQA over few KV tiles dK and dV write fp32 workspaces of S parts per KV head
+    (`group_split`)."""
     from ffpa_cute import cache
+    from ffpa_cute.sm90.config import group_parts
 
-    q = torch.randn(1, 4, 7, 512, dtype=torch.bfloat16)
+    q = torch.randn(1, hq, 7, 512, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, 129, 512, dtype=torch.bfloat16) for _ in range(2))
     out, dout = torch.randn_like(q), torch.randn_like(q)
     lse = torch.randn(1, 4, 7)
@@ -282,7 +286,14 @@ def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch):
     delta_args, dq_args, dk_args, dv_args = (a for _, a in runs)
     assert delta_args[0] is dout and delta_args[1] is out and len(delta_args) == 3
     assert dq_args[:4] == (q, k, v, dout) and dq_args[4] is dq and dq_args[6] is delta_args[2]
-    assert dk_args[4] is dk and dv_args[:3] == (k, q, dout) and dv_args[3] is dv
+    assert dv_args[:3] == (k, q, dout)
+    parts = group_parts(1, hq, 2, 129, 1)
+    assert (parts > 1) == (hq > 2)
+    if parts == 1:
+        assert dk_args[4] is dk and dv_args[3] is dv
+    else:
+        for ws in (dk_args[4], dv_args[3]):
+            assert ws.shape == (1, 2 * parts, 129, 512) and ws.dtype == torch.float32
     assert dq_args[-3:] == (p.softmax_scale, 129 - 7, 0) and dv_args[-3:] == dq_args[-3:]
 
 
@@ -357,18 +368,21 @@ def test_varlen_rule(kw):
     (32, 32, 8192, 512, 1), (32, 4, 8192, 512, 1), (32, 4, 4096, 512, 2), (64, 1, 8192, 512, 4),
     (64, 1, 8192, 1024, 2), (8, 2, 1000, 512, 8 // 2), (64, 1, 128, 320, 64), (6, 2, 64, 512, 1)])
 def test_group_split_rule(hq, hkv, n, d, split):
-    """dV and dK split a KV tile's head group over CTAs until the grid has ~4 waves of 132
-    SMs (a power of two dividing G = Hq / Hkv, so 1 for MHA and for an odd G); dQ and the
-    forward never; the config refuses it elsewhere."""
+    """dV and dK split a KV tile's head group over S CTAs until the grid has ~4 waves of 132
+    SMs (S a power of two dividing G = Hq / Hkv, so 1 for MHA and for an odd G; chosen at
+    launch, the config says only whether); dQ and the forward never; the config refuses it
+    elsewhere."""
     from ffpa_cute.sm90 import config as sm90_config
 
     p = prob(d=d, heads_q=hq, heads_kv=hkv, seqlen_q=n, seqlen_kv=n, causal=True)
     dq, dk, dv = sm90_config.plan_bwd(p)
-    assert (dq.group_split, dk.group_split, dv.group_split) == (1, split, split)
+    assert (dq.group_split, dk.group_split, dv.group_split) == (False, split > 1, split > 1)
+    assert sm90_config.group_parts(1, hq, hkv, n, dv.o_split) == split
     tiles = -(-n // 64) * hkv * dv.o_split
     assert split == 1 or tiles * split // 2 < sm90_config.GROUP_SPLIT_TARGET_CTAS
     for cfg in (dq, sm90_config.plan_fwd(p, "sm_90a")):
-        assert "group_split" in sm90_config.can_implement(dataclasses.replace(cfg, group_split=2))
+        assert "group_split" in sm90_config.can_implement(
+            dataclasses.replace(cfg, group_split=True))
 
 
 @pytest.mark.parametrize("m_tiles,heads,batch,ctas", [

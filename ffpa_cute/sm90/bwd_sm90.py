@@ -61,7 +61,7 @@ from .skeleton_sm90 import (WG_THREADS, BLoads, ColLoads, RingSkeletonSm90, Role
 def _workspace_out(fakes: tuple, index: int, cfg) -> tuple:
     """Stand-ins with the output at `index` in fp32 when the config splits the head group (it
     then writes partial sums to a workspace: `group_split`)."""
-    if getattr(cfg, "group_split", 1) == 1:
+    if not getattr(cfg, "group_split", False):
         return fakes
     return (*fakes[:index], fake_tensor(Float32, 4, 4), *fakes[index + 1:])
 
@@ -115,15 +115,17 @@ class FFPABwdDVSm90(RingSkeletonSm90):
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
-    def _heads(self, head, heads_r, heads_c, split):
+    def _heads(self, head, heads_r, heads_c, part):
         """This KV head's query heads are head*G .. head*G+G-1 (G = Hq / Hkv): the blocks walk
         all of them, so dV sums over the group in registers (no atomics); with `group_split`
-        S the CTA of split s walks G / S of them (head*G + s*G/S ..) and its partial sum goes
-        to the fp32 workspace the host adds up in a fixed order (still deterministic)."""
+        (part = (s, S)) the CTA of part s walks G / S of them (head*G + s*G/S ..) and its
+        partial sum goes to the fp32 workspace the host adds up in a fixed order (still
+        deterministic)."""
         group = heads_c // heads_r
-        if cutlass.const_expr(self.group_split > 1):
-            group = group // self.group_split
-            return head * group * self.group_split + split * group, group
+        if cutlass.const_expr(self.group_split):
+            index, parts = part
+            group = group // parts
+            return head * group * parts + index * group, group
         return head * group, group
 
     @cute.jit

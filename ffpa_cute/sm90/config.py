@@ -89,10 +89,11 @@ class FwdConfigSm90:
                    per sequence (the runtime scalars plus the sequence's Nkv - Nq). 16-bit
                    forward, dQ, dK and dV; not persistent
     group_split:   dV and dK only: the G = Hq / Hkv query heads whose gradients a KV tile sums
-                   are split over this many CTAs (grid y = Hkv * group_split), each writing its
-                   partial sum in fp32 to a workspace [B, Hkv * group_split, Nkv, D] that the
-                   host adds up in a fixed order (`launch.run_grad_job`): GQA / MQA with few
-                   KV tiles get enough CTAs (`plan_group_split`); deterministic either way
+                   are split over S CTAs (grid y = Hkv * S), each writing its partial sum in
+                   fp32 to a workspace [B, Hkv * S, Nkv, D] that the host adds up in a fixed
+                   order (`launch.run_grad_job`), so GQA / MQA with few KV tiles get enough
+                   CTAs. S is a launch-time choice (`group_parts`), read by the kernel as the
+                   workspace's heads / Hkv; deterministic either way
     """
 
     arch: str
@@ -111,7 +112,7 @@ class FwdConfigSm90:
     half_align: int = 8
     persistent: bool = False
     varlen: bool = False
-    group_split: int = 1
+    group_split: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -429,9 +430,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     if cfg.persistent and (cfg.ctas_per_tile != 1 or type(cfg) is not FwdConfigSm90):
         return ("persistent needs one CTA per row tile (Dv <= 512, no kv_pair) and the 16-bit "
                 "forward kernel")
-    if cfg.group_split != 1 and (not isinstance(cfg, (BwdDVConfigSm90, BwdDKConfigSm90))
-                                 or cfg.group_split < 1 or cfg.persistent):
-        return "group_split > 1 is for the dV and dK kernels only (a power of two, >= 1)"
+    if cfg.group_split and (not isinstance(cfg, (BwdDVConfigSm90, BwdDKConfigSm90))
+                            or cfg.persistent):
+        return "group_split is for the dV and dK kernels only"
     if cfg.varlen and (cfg.persistent or cfg.elem_bytes != 2
                        or isinstance(cfg, DecodeConfigSm90)):
         return "varlen needs a 16-bit forward or gradient kernel, not persistent"
@@ -612,27 +613,34 @@ def _check_bwd_head_dim(problem: AttnProblem):
 GROUP_SPLIT_TARGET_CTAS = 512
 
 
-def plan_group_split(problem: AttnProblem, o_split: int) -> int:
-    """`group_split` of the dV / dK kernels for `problem`: the smallest power of two dividing
-    G = Hq / Hkv that brings B * Hkv * (KV tiles) * o_split CTAs to GROUP_SPLIT_TARGET_CTAS
-    (1 for MHA, or when the tiles alone fill the waves). E.g. MQA 64:1 at Nkv = 8K: 128 tiles
-    -> 4 (512 CTAs, 16 query heads each); GQA 32:4 at 8K: 512 tiles -> 1. (varlen: the longest
-    sequence's tiles stand for every sequence's.)"""
-    g = problem.heads_q // problem.heads_kv
-    ctas = problem.batch * problem.heads_kv * -(-problem.seqlen_kv // TILE_M) * o_split
-    split = 1
-    while g % (2 * split) == 0 and ctas * split < GROUP_SPLIT_TARGET_CTAS:
-        split *= 2
-    return split
+def group_parts(batch: int, heads_q: int, heads_kv: int, seqlen_kv: int, o_split: int) -> int:
+    """S, the CTAs a KV tile's head group is split over in the dV / dK kernels: the smallest
+    power of two dividing G = Hq / Hkv that brings B * Hkv * (KV tiles) * o_split CTAs to
+    GROUP_SPLIT_TARGET_CTAS (1 for MHA, or when the tiles alone fill the waves). E.g. MQA 64:1
+    at Nkv = 8K: 128 tiles -> 4 (512 CTAs, 16 query heads each); GQA 32:4 at 8K: 512 tiles
+    -> 1. Sizes are not part of a config: the planner asks whether S > 1 (`group_split`), the
+    launcher computes S from the tensors it launches on (varlen: Nkv = the packed total)."""
+    g = heads_q // heads_kv
+    ctas = batch * heads_kv * -(-seqlen_kv // TILE_M) * o_split
+    parts = 1
+    while g % (2 * parts) == 0 and ctas * parts < GROUP_SPLIT_TARGET_CTAS:
+        parts *= 2
+    return parts
+
+
+def _group_split(problem: AttnProblem, o_split: int) -> bool:
+    """The planner's `group_split`: whether `group_parts` splits the problem's head groups."""
+    return group_parts(problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_kv,
+                       o_split) > 1
 
 
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget), the
-    head group split by `plan_group_split`."""
+    head group split where `group_parts` says so."""
     _check_bwd_head_dim(problem)
     fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=False), sinks=False)
     cfg = BwdDVConfigSm90(**dataclasses.asdict(fwd))
-    cfg = dataclasses.replace(cfg, group_split=plan_group_split(problem, cfg.o_split))
+    cfg = dataclasses.replace(cfg, group_split=_group_split(problem, cfg.o_split))
     reason = can_implement_dv(cfg)
     if reason:
         raise ValueError(reason)
@@ -665,7 +673,7 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
     for v in (4, 3, 2):
         cfg = cls(**base, k_stages=4, v_stages=v)
         if cls is BwdDKConfigSm90:  # dK sums over the head group as dV does
-            cfg = dataclasses.replace(cfg, group_split=plan_group_split(problem, cfg.o_split))
+            cfg = dataclasses.replace(cfg, group_split=_group_split(problem, cfg.o_split))
         if can_implement_dq(cfg) is None:
             return cfg
     raise ValueError(can_implement_dq(cls(**base, k_stages=4, v_stages=2)))

@@ -167,6 +167,7 @@ class Scalars(NamedTuple):
     window_lo: object = None
     cu_r: object = None
     cu_c: object = None
+    parts: object = None  # `group_split`: S, the CTAs each head group is split over
 
 
 # ---------------------------------------------------------------------------- device contexts
@@ -186,7 +187,8 @@ class Tile(NamedTuple):
     row_period: object = None  # packed rows: row r is query r % row_period (None: r)
     row0: object = 0      # `varlen`: the sequence's first row in the packed R and O
     row0_c: object = 0    # `varlen`: the sequence's first row in the packed C and B
-    split: object = 0     # `group_split` (dV, dK): which part of the head group this CTA sums
+    part: object = None   # `group_split` (dV, dK): (s, S), this CTA sums part s of S of the
+                          # head group
 
 
 class BlockSeq(NamedTuple):
@@ -411,9 +413,9 @@ class RingSkeletonSm90(KernelEntry):
 
     Hook protocol (the skeleton's default in brackets; F forward, F8 FP8 forward, D decode, V dV,
     Q dQ, K dK: who overrides):
-      `_heads(head, heads_r, heads_c, split)` -> (head_c, group): C's head and how many heads
+      `_heads(head, heads_r, heads_c, part)` -> (head_c, group): C's head and how many heads
           the blocks walk [head // (heads_r // heads_c), 1]; V, K: the G query heads of a KV
-          head (`group_split`: part `split` of them).
+          head (`group_split`: part (s, S), the s-th G / S of them).
       `_seqlen_c(scalars, batch, extra)` -> rows of C for the batch row [the tensor's]; D (the
           decode kernel).
       `_causal_offset(scalars, seqlen_c, extra)` -> the rows' causal offset [the runtime
@@ -466,9 +468,9 @@ class RingSkeletonSm90(KernelEntry):
         self.fp8 = cfg.elem_bytes == 1
         self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]
         # `group_split` (dV, dK): each CTA writes its part of the group's sum in fp32 to a
-        # workspace (B, H * group_split, N, D) that the host sums in a fixed order
+        # workspace (B, H * S, N, D) that the host sums in a fixed order
         self.group_split = cfg.group_split
-        if cfg.group_split > 1:
+        if cfg.group_split:
             self.out_dtype = Float32
         self.mma_k = cfg.mma_k
         self.tile_n = cfg.tile_n
@@ -580,7 +582,11 @@ class RingSkeletonSm90(KernelEntry):
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
         grid = (cute.ceil_div(roles.rows.shape[2], TILE_M) * cfg.ctas_per_tile,
-                cute.size(roles.rows.shape[1]) * cfg.group_split, cute.size(roles.rows.shape[0]))
+                cute.size(roles.rows.shape[1]), cute.size(roles.rows.shape[0]))
+        parts = None
+        if const_expr(cfg.group_split):  # grid y: the workspace's heads, S per head of R
+            parts = roles.out.shape[1] // roles.rows.shape[1]
+            grid = (grid[0], cute.size(roles.out.shape[1]), grid[2])
         if const_expr(cfg.persistent):  # one CTA per SM walks the tiles (common/scheduler.py)
             grid = (cutlass.min(tile_count(*grid), num_ctas), 1, 1)
         cu_r, cu_c = None, None
@@ -591,7 +597,8 @@ class RingSkeletonSm90(KernelEntry):
         self.kernel(
             ops,
             Scalars(roles.cols.shape[2], roles.cols.shape[1], softmax_scale * LOG2_E,
-                    causal_offset, window_lo if const_expr(cfg.window) else None, cu_r, cu_c),
+                    causal_offset, window_lo if const_expr(cfg.window) else None, cu_r, cu_c,
+                    parts),
             layouts,
             Mmas(self._mma(self.tile_n, cute.nvgpu.OperandMajorMode.K),
                  self._mma(dlo, self._b_major()),
@@ -703,14 +710,14 @@ class RingSkeletonSm90(KernelEntry):
 
         bidx, head, batch = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
-        split = 0
-        if const_expr(cfg.group_split > 1):  # grid y = head * group_split + split
-            split = head % cfg.group_split
-            head = head // cfg.group_split
+        part = None
+        if const_expr(cfg.group_split):  # grid y = head * S + s
+            part = (head % scalars.parts, scalars.parts)
+            head = head // scalars.parts
         work = None  # `persistent`: each warpgroup walks `_tiles` itself
         if const_expr(cfg.varlen):  # CTA tile t of the sequences' row tiles
             work = self._varlen_tile(ops, scalars, extra, bidx // cfg.ctas_per_tile,
-                                     bidx % cfg.o_split, head, split)
+                                     bidx % cfg.o_split, head, part)
         elif const_expr(not cfg.persistent):
             # longest tiles first under causal: the last row tiles of the queries (bottom-right)
             # or the first of the keys (`keys_are_rows`), so the shortest ones fill the last
@@ -720,7 +727,7 @@ class RingSkeletonSm90(KernelEntry):
             if const_expr(self.keys_are_rows and self.causal):
                 m_block = t
             o_part = bidx % cfg.o_split  # which 1 / o_split of O's columns
-            work = self._tile(ops, scalars, extra, m_block, o_part, head, batch, split=split)
+            work = self._tile(ops, scalars, extra, m_block, o_part, head, batch, part=part)
 
         pair = None
         if const_expr(self.kv_pair):
@@ -737,20 +744,22 @@ class RingSkeletonSm90(KernelEntry):
 
     @cute.jit
     def _tile(self, ops: Operands, scalars: Scalars, extra, m_block, o_part, head, batch,
-              span=None, split=0):
+              span=None, part=None):
         """(Tile, BlockSeq) of row tile m_block of (head, batch): C's head, the batch row's
         length and causal offset, and the column blocks n_top-1, n_top-2, ..., n_top-n_count
         it visits (descending: the masked ones first). `span` (`varlen`): the sequence's
         (rows of R, rows of C, first row in R, first row in C, Nkv - Nq), the causal offset
-        and window edge then the runtime scalars plus that frame. `split`: the CTA's part of
-        the head group (`group_split`)."""
-        head_c, group = self._heads(head, cute.size(ops.mOut.shape[1]) // self.group_split,
-                                    scalars.heads_c, split)
+        and window edge then the runtime scalars plus that frame. `part`: (s, S), the CTA's
+        part of the head group (`group_split`; else None)."""
+        heads_r = cute.size(ops.mOut.shape[1])
+        if const_expr(self.group_split):  # the workspace has S heads per head of R
+            heads_r = heads_r // scalars.parts
+        head_c, group = self._heads(head, heads_r, scalars.heads_c, part)
         if const_expr(span is None):
             seqlen_c = self._seqlen_c(scalars, batch, extra)
             tile = Tile(m_block, o_part, head, head_c, batch, ops.mOut.shape[2], seqlen_c,
                         self._causal_offset(scalars, seqlen_c, extra), scalars.scale_log2,
-                        scalars.window_lo, self._row_period(extra), split=split)
+                        scalars.window_lo, self._row_period(extra), part=part)
         else:
             seqlen_r, seqlen_c, row0, row0_c, frame = span
             window_lo = None
@@ -758,12 +767,12 @@ class RingSkeletonSm90(KernelEntry):
                 window_lo = scalars.window_lo + frame
             tile = Tile(m_block, o_part, head, head_c, batch, seqlen_r, seqlen_c,
                         scalars.causal_offset + frame, scalars.scale_log2, window_lo, None,
-                        row0, row0_c, split)
+                        row0, row0_c, part)
         n_top, n_count = self._block_range(tile, group, extra)
         return tile, BlockSeq(n_top, n_count, head_c, group, batch, tile.row0, tile.row0_c)
 
     @cute.jit
-    def _varlen_tile(self, ops: Operands, scalars: Scalars, extra, t, o_part, head, split):
+    def _varlen_tile(self, ops: Operands, scalars: Scalars, extra, t, o_part, head, part):
         """`varlen`: (Tile, BlockSeq) of the CTA's tile t in the order sequence 0's row tiles
         (longest first under causal, as the dense grid orders them), then sequence 1's, ...: a
         walk over cu_r (every thread of the CTA reads the same few words). A t past the last
@@ -790,7 +799,7 @@ class RingSkeletonSm90(KernelEntry):
         if const_expr(self.keys_are_rows):
             frame = seqlen_r - seqlen_c
         return self._tile(ops, scalars, extra, m_block, o_part, head, 0,
-                          (seqlen_r, seqlen_c, row0, row0_c, frame), split)
+                          (seqlen_r, seqlen_c, row0, row0_c, frame), part)
 
     def _from_row(self, t: cute.Tensor, row0) -> cute.Tensor:
         """t (rows first) from row `row0` on: under `varlen` the sequence's first row in the
@@ -832,7 +841,7 @@ class RingSkeletonSm90(KernelEntry):
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
-    def _heads(self, head, heads_r, heads_c, split):
+    def _heads(self, head, heads_r, heads_c, part):
         """(head of C and B, blocks' head group): the C head of this R head (GQA / MQA)."""
         return head // (heads_r // heads_c), 1
 
@@ -1394,9 +1403,9 @@ class RingSkeletonSm90(KernelEntry):
             elif lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
         # (TILE_M, dv): this warpgroup's columns of the tile's rows of O
-        out_head = head  # `group_split`: the split's slice of the workspace
-        if const_expr(self.group_split > 1):
-            out_head = head * self.group_split + tile.split
+        out_head = head  # `group_split`: the part's slice of the workspace
+        if const_expr(self.group_split):
+            out_head = head * tile.part[1] + tile.part[0]
         gO = cute.local_tile(
             cute.domain_offset((0, col0), self._from_row(ops.mOut[batch, out_head, None, None],
                                                          tile.row0)),
