@@ -92,7 +92,7 @@ def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
 def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
     """The WGMMA dQ / dK / dV where they build, else (Dv == D) the Split-D backward."""
     try:
-        return sm90_config.plan_bwd(p, target)
+        return sm90_config.plan_bwd(p, target, kv_pair=opts.kv_pair)
     except ValueError:
         if p.head_dim_v != p.head_dim:
             raise

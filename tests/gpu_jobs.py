@@ -68,9 +68,11 @@ def jobs() -> list:
                     if family == "sm90" and (dtype == "bf16" or d in (512, 1024)):
                         add(_group_split_twins(bwd))  # GQA / MQA's split head groups
                     if family == "sm90" and d > 512 and d % 16 == 0:  # the CTA pair off
-                        plan = dispatch.plan_fwd(p, target=TARGET,
-                                                 opts=Options(family="sm90", kv_pair=False))
+                        off = Options(family="sm90", kv_pair=False)
+                        plan = dispatch.plan_fwd(p, target=TARGET, opts=off)
                         add([(plan.kernel_cls, plan.cfg)])
+                        if dtype == "bf16":
+                            add(dispatch.plan_bwd(p, target=TARGET, opts=off).jobs)
                     if family == "sm90" and d <= 512:  # dK without sequential score products
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
                         add([(dispatch.kernel_class(cfg), cfg)])

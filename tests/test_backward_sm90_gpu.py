@@ -79,6 +79,28 @@ def test_same_bits_every_run(seed):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(576, True, 129, 1000, 4),
+                                                   (1024, False, 300, 129, 1),
+                                                   (768, True, 1000, 1000, 2)])
+def test_kv_pair_is_the_recomputing_pair(seed, d, causal, nq, nkv, ratio):
+    """Above 512 the CTA pair splits the column blocks and exchanges P / dS (`kv_pair`, the
+    default) instead of both CTAs scoring every block: each tile a CTA gets from its peer is
+    the one it would have computed, added in the same order, so dQ, dK and dV are the same
+    bits as with `Options(kv_pair=False)` (test_above_512 checks the default against
+    float64)."""
+    from ffpa_cute.options import Options
+
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
+    plan = kernels.backward_plan(problem, q.device, "sm90")
+    assert all(c.kv_pair for c in plan.cfgs[1:])
+    off = dispatch.plan_bwd(problem, q.device, opts=Options(family="sm90", kv_pair=False))
+    assert not any(getattr(c, "kv_pair", False) for c in off.cfgs)
+    paired = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan)
+    alone = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=off)
+    for name, x, y in zip(("dq", "dk", "dv"), paired, alone):
+        assert torch.equal(x, y), (name, (x.float() - y.float()).abs().max())
+
+
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 1000, 1000, 8),
                                                    (1024, True, 129, 700, 4),
                                                    (576, False, 300, 129, 16)])

@@ -364,6 +364,25 @@ def test_varlen_rule(kw):
     assert "varlen" in sm90_config.can_implement(fp8)
 
 
+@pytest.mark.parametrize("d", [576, 1024])
+def test_backward_kv_pair_rule(d):
+    """Above 512 the gradient kernels pair their CTAs over the column blocks (`kv_pair`,
+    exchanging P / dS only: one exchange barrier, no peer statistics) unless
+    `Options(kv_pair=False)`; at D % 16 == 8 there is no sm90 backward to pair (Split-D)."""
+    p = prob(d=d, causal=True)
+    plan = dispatch.plan_bwd(p, target="sm_90a")
+    cfgs = plan.cfgs[1:]
+    assert [type(c).__name__ for c in cfgs] == ["BwdDQConfigSm90", "BwdDKConfigSm90",
+                                                 "BwdDVConfigSm90"]
+    assert all(c.kv_pair and not c.pair_stats and c.pair_barriers == ("bar_pp",) for c in cfgs)
+    off = dispatch.plan_bwd(p, target="sm_90a", opts=Options(kv_pair=False))
+    assert not any(c.kv_pair for c in off.cfgs[1:])
+    fwd = dispatch.plan_fwd(p, target="sm_90a").cfg
+    assert fwd.kv_pair and fwd.pair_stats and fwd.pair_barriers == ("bar_x", "bar_pp")
+    small = dispatch.plan_bwd(prob(d=512, causal=True), target="sm_90a")
+    assert not any(c.kv_pair for c in small.cfgs[1:])
+
+
 @pytest.mark.parametrize("hq,hkv,n,d,split", [
     (32, 32, 8192, 512, 1), (32, 4, 8192, 512, 1), (32, 4, 4096, 512, 2), (64, 1, 8192, 512, 4),
     (64, 1, 8192, 1024, 2), (8, 2, 1000, 512, 8 // 2), (64, 1, 128, 320, 64), (6, 2, 64, 512, 1)])

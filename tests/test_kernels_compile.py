@@ -287,17 +287,24 @@ def test_sm90_backward_dv_not_d_compiles():
         _no_spills(ptx)
 
 
-def test_sm90_backward_above_512_compiles():
-    """D = 1024 backward: dQ with its gradient split over two CTAs; wgmma, no spills. Above
-    BWD_MAX_HEAD_DIM the planner refuses."""
-    p = _problem(1024, True)
+@pytest.mark.parametrize("d", [576, 1024])
+def test_sm90_backward_above_512_compiles(d):
+    """D > 512 backward: dQ, dK and dV with the gradient split over a 2-CTA cluster that splits
+    the column blocks (`kv_pair`: the P / dS tile crosses to the peer by a shared::cluster
+    bulk copy); wgmma, no local memory, no spills. Above BWD_MAX_HEAD_DIM the planner
+    refuses."""
+    p = _problem(d, True)
     with pytest.raises(ValueError, match="sm90 backward"):
         sm90_config.plan_dq(dataclasses.replace(p, head_dim=1032, head_dim_v=1032))
-    cls, cfg = _bwd_jobs(p)["FFPABwdDQSm90"]
-    assert cfg.o_split == 2
-    ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
-    assert "wgmma.mma_async" in ptx and ".local" not in ptx
-    _no_spills(ptx)
+    for name, (cls, cfg) in _bwd_jobs(p).items():
+        if name == "RowDot":  # Delta
+            continue
+        assert cfg.o_split == 2 and cfg.kv_pair and cfg.cluster_pair, name
+        assert cfg.pair_barriers == ("bar_pp",)  # no row statistics to join
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "wgmma.mma_async" in ptx and ".local" not in ptx, name
+        assert "cp.async.bulk.shared::cluster" in ptx, name
+        _no_spills(ptx)
 
 
 @pytest.mark.parametrize("d,fields", [(512, dict(window_lo=-1024, causal=True)),

@@ -192,7 +192,7 @@ class FwdConfigSm90:
         header = 8 * (1 + self.k_stages + 2 * self.v_stages + 2 + p_full) + self.factor_floats * 4
         if self.pair_barriers:  # the exchange barriers
             header = _align(header + 16 * len(self.pair_barriers), 16)
-        if self.kv_pair:  # the peer's row statistics (2 x TILE_M)
+        if self.pair_stats:  # the peer's row statistics (2 x TILE_M)
             header += 2 * TILE_M * 4
         return sum(_align(x) for x in [header, *regions])
 
@@ -230,10 +230,18 @@ class FwdConfigSm90:
         return self.kv_pair
 
     @property
+    def pair_stats(self) -> bool:
+        """Whether a `kv_pair` joins per-row statistics with the peer (the forward's running
+        max and row sums; the gradient kernels read the LSE and exchange only P)."""
+        return self.kv_pair
+
+    @property
     def pair_barriers(self) -> tuple[str, ...]:
-        """The exchange mbarriers (2 each) of a cluster pair: `kv_pair` has the peer's row
-        statistics (bar_x) and P tile (bar_pp) landing."""
-        return ("bar_x", "bar_pp") if self.kv_pair else ()
+        """The exchange mbarriers (2 each) of a cluster pair: `kv_pair` has the peer's P tile
+        (bar_pp) and, with `pair_stats`, its row statistics (bar_x) landing."""
+        if not self.kv_pair:
+            return ()
+        return ("bar_x", "bar_pp") if self.pair_stats else ("bar_pp",)
 
     @property
     def p_slots(self) -> int:
@@ -425,8 +433,10 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
                 f"16 in [64, {MAX_SINGLE_CTA_HEAD_DIM}]")
     if cfg.o_split > 1 and not cfg.stream_q:
         return f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} needs stream_q=True"
-    if cfg.kv_pair and (cfg.o_split != 2 or cfg.tile_n != 128 or cfg.head_dim_v is not None):
-        return "kv_pair needs O split over two CTAs (head_dim > 512), tile_n 128 and Dv == D"
+    if cfg.kv_pair and (cfg.o_split != 2 or cfg.head_dim_v is not None
+                        or (cfg.pair_stats and cfg.tile_n != 128)):
+        return ("kv_pair needs O split over two CTAs (head_dim > 512), Dv == D and (the "
+                "forward) tile_n 128")
     if cfg.persistent and (cfg.ctas_per_tile != 1 or type(cfg) is not FwdConfigSm90):
         return ("persistent needs one CTA per row tile (Dv <= 512, no kv_pair) and the 16-bit "
                 "forward kernel")
@@ -516,8 +526,9 @@ def deepest_rings(make, reason_of):
 # The backward kernels (bwd_sm90.py) run on the forward's ring with other operands in its roles.
 # Each loads the per-row / per-column statistics (LSE, Delta) of a block before the block's
 # WGMMAs, so their latency hides behind them (D=512: 206 -> 215 TFLOPS, docs/perf-log.md).
-# Above 512 the gradient is split over two CTAs as the forward splits O, each recomputing the
-# scores (never `kv_pair`).
+# Above 512 the gradient is split over two CTAs as the forward splits O; with `kv_pair` (the
+# planners' default, `Options.kv_pair`) the pair splits the column blocks and exchanges P / dS,
+# else each CTA recomputes every score block.
 BWD_MAX_HEAD_DIM = 1024
 # dK forms its two score products one after the other in one accumulator (`seq_scores`, tile_n
 # 128) up to this D; above it ptxas spills (148 B at D=1024), so dK keeps tile_n 64 there. dQ
@@ -532,9 +543,15 @@ SPLIT_PUBLISH_MAX_HEAD_DIM = 512
 @dataclass(frozen=True)
 class BwdDVConfigSm90(FwdConfigSm90):
     """Compile key of the dV kernel: the forward's fields, read with a 64-row K tile as the
-    resident rows, 128-query blocks of Q through the S ring and dO as the accumulator's B."""
+    resident rows, 128-query blocks of Q through the S ring and dO as the accumulator's B.
+    `kv_pair` (D > 512): the two CTAs of a K tile score every other query block and exchange
+    P^T (no row statistics: `pair_stats` False)."""
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_sm90:FFPABwdDVSm90"
+
+    @property
+    def pair_stats(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -545,13 +562,19 @@ class BwdDQConfigSm90(FwdConfigSm90):
     fragment in between). `second_dim`: the width of the second product's operands (dO and V:
     Dv) when it differs from D (MLA-absorbed 576 / 512), else None. `publish_after` counts
     chunks of both products (2 C in all); `publish_hi`: the chunk after which the second
-    accumulator warpgroup gets the block (None: with the first)."""
+    accumulator warpgroup gets the block (None: with the first). `kv_pair` (D > 512): the two
+    CTAs of a Q tile score every other KV block (S and dP) and exchange dS (no row
+    statistics: `pair_stats` False)."""
 
     seq_scores: bool = False
     second_dim: int | None = None
     publish_hi: int | None = None
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_sm90:FFPABwdDQSm90"
+
+    @property
+    def pair_stats(self) -> bool:
+        return False
 
     @property
     def second_width(self) -> int:
@@ -580,8 +603,6 @@ def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     if reason is None and cfg.o_split > 1 and cfg.head_dim % 16:
         reason = (f"head_dim={cfg.head_dim}: the backward splits a gradient over two CTAs in "
                   "equal halves (a multiple of 16 above 512)")
-    if reason is None and cfg.kv_pair:
-        reason = "kv_pair is the forward's mode (the backward kernels recompute per CTA)"
     if reason is None and cfg.sinks:
         reason = "sinks is the forward's field (the gradient kernels read it through the LSE)"
     return reason
@@ -634,11 +655,12 @@ def _group_split(problem: AttnProblem, o_split: int) -> bool:
                        o_split) > 1
 
 
-def plan_dv(problem: AttnProblem, arch: str = "sm_90a") -> BwdDVConfigSm90:
-    """The dV kernel's config: the forward's plan for the same problem (same ring budget), the
-    head group split where `group_parts` says so."""
+def plan_dv(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -> BwdDVConfigSm90:
+    """The dV kernel's config: the forward's plan for the same problem (same ring budget; the
+    CTA pair splitting the query blocks above 512 with `kv_pair`), the head group split where
+    `group_parts` says so."""
     _check_bwd_head_dim(problem)
-    fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=False), sinks=False)
+    fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=kv_pair), sinks=False)
     cfg = BwdDVConfigSm90(**dataclasses.asdict(fwd))
     cfg = dataclasses.replace(cfg, group_split=_group_split(problem, cfg.o_split))
     reason = can_implement_dv(cfg)
@@ -658,9 +680,10 @@ def _publish_points(problem: AttnProblem, grad: str) -> tuple[int, int | None]:
     return (c // 2, c + c2 // 2) if grad == "dq" else (c, c + c2)
 
 
-def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
+def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool, kv_pair: bool):
     """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
-    second's), then the deepest accumulator-operand rings that fit."""
+    second's), then the deepest accumulator-operand rings that fit; above 512 (`kv_pair`) the
+    CTA pair splits the column blocks."""
     _check_bwd_head_dim(problem)
     dv = problem.head_dim_v
     publish_after, publish_hi = _publish_points(
@@ -669,7 +692,8 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
                 causal=problem.right_bounded, window=problem.window_lo is not None,
                 tile_n=128 if seq_scores else 64, stream_q=True,
                 publish_after=publish_after, publish_hi=publish_hi, seq_scores=seq_scores,
-                second_dim=None if dv == problem.head_dim else dv, varlen=problem.varlen)
+                second_dim=None if dv == problem.head_dim else dv, varlen=problem.varlen,
+                kv_pair=kv_pair and problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM)
     for v in (4, 3, 2):
         cfg = cls(**base, k_stages=4, v_stages=v)
         if cls is BwdDKConfigSm90:  # dK sums over the head group as dV does
@@ -679,20 +703,22 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool):
     raise ValueError(can_implement_dq(cls(**base, k_stages=4, v_stages=2)))
 
 
-def plan_dq(problem: AttnProblem, arch: str = "sm_90a") -> BwdDQConfigSm90:
-    return _plan_two(BwdDQConfigSm90, problem, arch, False)
+def plan_dq(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -> BwdDQConfigSm90:
+    return _plan_two(BwdDQConfigSm90, problem, arch, False, kv_pair)
 
 
-def plan_dk(problem: AttnProblem, arch: str = "sm_90a",
-            seq_scores: bool | None = None) -> BwdDKConfigSm90:
+def plan_dk(problem: AttnProblem, arch: str = "sm_90a", seq_scores: bool | None = None,
+            kv_pair: bool = True) -> BwdDKConfigSm90:
     """As dQ's, with `seq_scores` (tile_n 128, one score accumulator; None: up to
     SEQ_SCORES_MAX_HEAD_DIM)."""
     if seq_scores is None:
         seq_scores = problem.head_dim <= SEQ_SCORES_MAX_HEAD_DIM
-    return _plan_two(BwdDKConfigSm90, problem, arch, seq_scores)
+    return _plan_two(BwdDKConfigSm90, problem, arch, seq_scores, kv_pair)
 
 
-def plan_bwd(problem: AttnProblem, arch: str = "sm_90a") -> list:
+def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -> list:
     """The dQ, dK and dV configs for `problem` (in that order); raises ValueError with the
-    reason when the WGMMA backward cannot run it."""
-    return [plan_dq(problem, arch), plan_dk(problem, arch), plan_dv(problem, arch)]
+    reason when the WGMMA backward cannot run it. `kv_pair`: above 512 the CTA pair splits the
+    column blocks (`Options.kv_pair`)."""
+    return [plan_dq(problem, arch, kv_pair), plan_dk(problem, arch, kv_pair=kv_pair),
+            plan_dv(problem, arch, kv_pair)]

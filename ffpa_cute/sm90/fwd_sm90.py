@@ -92,8 +92,8 @@ class FFPAFwdSm90(RingSkeletonSm90):
          with no visible key), LSE = (m * scale_log2 + log2(row_sum)) * ln 2 (-inf for such a
          row); O = O * factor stored in the input dtype, LSE by CTA 0 (rows < Nq).
       `kv_pair` (O split, Dv == D): steps 2-4 over pairs of blocks, CTA r scoring block
-      2 i + r; the row maxima and P tiles cross to the peer (`_pair_softmax`, `_send_p`), the
-      row sums join at the end (`_final_factors_pair`).
+      2 i + r; the row maxima and P tiles cross to the peer (`_pair_softmax`, the skeleton's
+      `_send_p`), the row sums join at the end (`_final_factors_pair`).
 
     Constraints (`config.can_implement`): sm_90a; bf16 / fp16; D a multiple of 8 in [264, 512]
     or of 16 in (512, 1024] (O split over two CTAs); Dv == D, or a multiple of 16 in [64, 512]
@@ -177,14 +177,6 @@ class FFPAFwdSm90(RingSkeletonSm90):
         softmax.normalize([], lse, factor, sink_log2)
         return lse
 
-    @cute.jit
-    def _after_p_store(self, tile: Tile, io: ScoreIO, b, i, n_count):
-        """After P of step i is in its slot of buffer b and fenced: `kv_pair` sends it to the
-        peer when the step has a pair of blocks."""
-        if const_expr(self.kv_pair):
-            if 2 * i + 1 < n_count:  # a pair of blocks: our P tile to the peer too
-                self._send_p(io, b, tile.o_part)
-
     # ---------------------------------------------------------------- kv_pair (D > 512)
     @cute.jit
     def _exchange_rows(self, vals, tile: Tile, io: ScoreIO, tScS_mn, b, phase,
@@ -232,24 +224,6 @@ class FFPAFwdSm90(RingSkeletonSm90):
             for r in cutlass.range_constexpr(cute.size(blk_max)):
                 row_sum[r] = prev[r] * factor[r]
         rP.store(acc_S.load().to(self.dtype))
-
-    @cute.jit
-    def _send_p(self, io: ScoreIO, b, rank):
-        """Our P tile (slot 2 b + rank, written and fenced by all S threads) into the same
-        slot of the peer's smem by one bulk copy, counted on the peer's pp[b]; we expect the
-        peer's tile on ours."""
-        from cutlass.experimental.primitives.nvvm_wrapper import (
-            cp_async_bulk_shared_cluster_shared_cta)
-
-        pair, bars, tidx = io.pair, io.bars, io.tidx
-        cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
-        if tidx == 0:
-            nbytes = TILE_M * self.tile_n * self.cfg.elem_bytes
-            cute.arch.mbarrier_arrive_and_expect_tx(bars.pp + b, nbytes)
-            src = pair.p_base + (2 * b + rank) * (TILE_M * self.tile_n)
-            cp_async_bulk_shared_cluster_shared_cta(
-                cute.arch.map_dsmem_ptr(src, 1 - rank), src,
-                cute.arch.map_dsmem_ptr(bars.pp + b, 1 - rank), nbytes)
 
     @cute.jit
     def _final_factors_pair(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter,

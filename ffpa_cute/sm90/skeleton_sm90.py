@@ -439,7 +439,7 @@ class RingSkeletonSm90(KernelEntry):
       `_write_factors(io, frags, b)`: factor -> sFactor[:, b] [one lane per quad]; V, Q, K
           (nothing: no factors).
       `_after_p_store(tile, io, b, i, n_count)`: after P of step i is in buffer b and fenced
-          [nothing]; F (`kv_pair`: P to the peer).
+          [`kv_pair`: P to the peer].
       `_final_factors(tile, io, frags, n_iter)` -> LSE fragment or None, leaving the last
           factors in frags.factor [none]; F (1 / row_sum, LSE), V, Q, K (None).
       `_col_src(loads, head, n_block, c)`: the TMA source of a C chunk [the tile's head]; V
@@ -730,7 +730,7 @@ class RingSkeletonSm90(KernelEntry):
             work = self._tile(ops, scalars, extra, m_block, o_part, head, batch, part=part)
 
         pair = None
-        if const_expr(self.kv_pair):
+        if const_expr(cfg.pair_stats):
             # the peer's row statistics (TILE_M, 2), and the P slots' base
             pair = PairSmem(storage.peer_stat.get_tensor(cute.make_layout((TILE_M, 2))),
                             storage.sP.data_ptr())
@@ -968,9 +968,31 @@ class RingSkeletonSm90(KernelEntry):
             for r in cutlass.range_constexpr(cute.size(factor)):
                 sFactor[tScS_mn[r, 0][0], b] = factor[r]
 
+    @cute.jit
     def _after_p_store(self, tile: Tile, io: ScoreIO, b, i, n_count):
-        """After P of step i is in its slot of buffer b and fenced (nothing here; a hook)."""
-        pass
+        """After P of step i is in its slot of buffer b and fenced: `kv_pair` sends it to the
+        peer when the step has a pair of blocks (nothing else here; a hook)."""
+        if const_expr(self.kv_pair):
+            if 2 * i + 1 < n_count:  # a pair of blocks: our P tile to the peer too
+                self._send_p(io, b, tile.o_part)
+
+    @cute.jit
+    def _send_p(self, io: ScoreIO, b, rank):
+        """Our P tile (slot 2 b + rank, written and fenced by all S threads) into the same
+        slot of the peer's smem by one bulk copy, counted on the peer's pp[b]; we expect the
+        peer's tile on ours."""
+        from cutlass.experimental.primitives.nvvm_wrapper import (
+            cp_async_bulk_shared_cluster_shared_cta)
+
+        pair, bars, tidx = io.pair, io.bars, io.tidx
+        cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
+        if tidx == 0:
+            nbytes = TILE_M * self.tile_n * self.cfg.elem_bytes
+            cute.arch.mbarrier_arrive_and_expect_tx(bars.pp + b, nbytes)
+            src = pair.p_base + (2 * b + rank) * (TILE_M * self.tile_n)
+            cp_async_bulk_shared_cluster_shared_cta(
+                cute.arch.map_dsmem_ptr(src, 1 - rank), src,
+                cute.arch.map_dsmem_ptr(bars.pp + b, 1 - rank), nbytes)
 
     def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
         """After the last block: the factors published with no P (in frags.factor), and the
@@ -1502,7 +1524,7 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
     barriers and the peer's row statistics; `cvt` the 8-bit rings in kv_dtype after P). Built
     from an annotations dict: the module's postponed annotations would reach `cute.struct` as
     strings."""
-    ks, vs, kv = cfg.k_stages, cfg.v_stages, cfg.kv_pair
+    ks, vs = cfg.k_stages, cfg.v_stages
     mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
 
     def smem(layout, elem=dtype):
@@ -1518,7 +1540,7 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
         # landed)
         **{name: mem[i64, 2] for name in cfg.pair_barriers},
         "row_factor": align[mem[Float32, cfg.factor_floats], 16],
-        **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if kv else {}),
+        **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if cfg.pair_stats else {}),
         "sR": smem(layouts.r), "sC": smem(layouts.c), "sBlo": smem(layouts.blo),
         "sBhi": smem(layouts.bhi), "sP": smem(layouts.p),
         **({"sC8": smem(layouts.c8, kv_dtype), "sBlo8": smem(layouts.blo8, kv_dtype),
