@@ -38,9 +38,10 @@ class Options:
     pack_gqa:    for GQA / MQA calls with few query rows and no masked row, put the query heads of
                  each KV head into the rows of one tile (fewer, fuller tiles; same bits)
                  (FFPA_CUTE_PACK_GQA).
-    kv_pair:     D > 512 forward: the two CTAs that split O's columns form a cluster and split the
-                 KV blocks, exchanging P over distributed shared memory, instead of both
-                 computing every score block (FFPA_CUTE_KV_PAIR).
+    kv_pair:     D > 512, forward and backward: the two CTAs that split the output's columns form
+                 a cluster and split the score blocks, exchanging P (dS) over distributed
+                 shared memory, instead of both computing every score block; same bits
+                 (FFPA_CUTE_KV_PAIR).
     persistent:  16-bit forward with D, Dv in {320, 384, 448, 512} and no right bound or a
                  sliding window: one CTA per SM walks the row tiles, so a tile's prologue and
                  epilogue overlap its neighbours' work; same bits (FFPA_CUTE_PERSISTENT).

@@ -1,11 +1,22 @@
-"""The command line the kernel experiments share (perf.fp8_limits, perf.decode_limits): compile
-the variants into a cache on the CPU box (`--precompile DIR`), or time them on the GPU and
-optionally write the numbers as JSON (`--out FILE`)."""
+"""What the kernel experiments share (perf.fp8_limits, perf.decode_limits, perf.half_align,
+perf.half_align_bwd, perf.row_stride): the command line, which compiles the variants into a
+cache on the CPU box (`--precompile DIR`) or times them on the GPU and optionally writes the
+numbers as JSON (`--out FILE`); and their timing (`median_ms`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+
+
+def median_ms(fn, dev, flush, rounds: int = 3) -> float:
+    """fn's time in ms: the median of `rounds` benches (perf.timing.bench, L2 flushed before
+    each call by `flush`), each itself a median of many calls."""
+    import statistics
+
+    from perf.timing import bench
+
+    return statistics.median(bench(fn, dev, flush=flush).median_ms for _ in range(rounds))
 
 
 def main(prog: str, doc: str, precompile, run, argv=None) -> int:
@@ -25,4 +36,4 @@ def main(prog: str, doc: str, precompile, run, argv=None) -> int:
     return 0
 
 
-__all__ = ["main"]
+__all__ = ["main", "median_ms"]

@@ -16,7 +16,6 @@ kernel alone (run_fwd), L2 flushed, median of 3 benches.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 
 from perf import experiment
@@ -80,7 +79,7 @@ def run() -> dict:
     import torch
 
     from ffpa_cute import launch
-    from perf.timing import L2Flusher, bench
+    from perf.timing import L2Flusher
 
     dev = torch.device("cuda")
     flush = L2Flusher(dev)
@@ -91,7 +90,7 @@ def run() -> dict:
                    for _ in range(3))
         fn = lambda: launch.run_fwd(plan, q, k, v)  # noqa: E731
         fn()
-        ms = statistics.median(bench(fn, dev, flush=flush).median_ms for _ in range(3))
+        ms = experiment.median_ms(fn, dev, flush)
         tf = 4 * HEADS * N * N * d / ms / 1e9
         c = plan.cfg
         print(f"{label}: halves {c.dv_halves} (store {c.dv_split}) k/v stages "

@@ -15,7 +15,6 @@ kernel alone (launch.run_job), L2 flushed, median of 3 benches; TFLOPS of the wh
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 from perf import experiment
 
@@ -78,7 +77,7 @@ def run() -> dict:
 
     import ffpa_cute
     from ffpa_cute import launch
-    from perf.timing import L2Flusher, bench
+    from perf.timing import L2Flusher
 
     dev = torch.device("cuda")
     flush = L2Flusher(dev)
@@ -89,13 +88,12 @@ def run() -> dict:
         out, lse = ffpa_cute.attention(q, k, v, return_lse=True)
         t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.zeros_like(lse),
                  dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
-        scalars = dict(softmax_scale=d ** -0.5, causal_offset=0, window_lo=0, num_ctas=1)
+        scalars = launch.kernel_scalars(_problem(d), 0)
         times = {}
         for cls, cfg in jobs:
-            fn = lambda c=cls, g=cfg: launch.run_job(c, g, t, scalars)  # noqa: E731
+            fn = lambda c=cls, g=cfg: launch.run_grad_job(c, g, t, scalars)  # noqa: E731
             fn()
-            times[cls.__name__] = statistics.median(
-                bench(fn, dev, flush=flush).median_ms for _ in range(3))
+            times[cls.__name__] = experiment.median_ms(fn, dev, flush)
         total = sum(times.values())
         tf = 2.5 * 4 * HEADS * N * N * d / total / 1e9
         shares = " ".join(f"{type(c).__name__[:-9]} {c.dv_halves} v{c.v_stages}"

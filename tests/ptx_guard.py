@@ -44,7 +44,7 @@ def kernels() -> dict:
     cfg = sm80_config.plan_fwd(_problem(512, True), "sm_90a")  # the Split-D forward on sm_90a
     out["splitd-fwd-d512-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     for d in (512, 1024):
-        p = _problem(d, True)  # at 1024 the gradient is split over two CTAs
+        p = _problem(d, True)  # at 1024 the gradient on a CTA pair; G = 2: dK / dV split groups
         for name, plan in (("dq", sm90_config.plan_dq), ("dk", sm90_config.plan_dk),
                            ("dv", sm90_config.plan_dv)):
             if d == 1024 and name == "dv":
@@ -74,6 +74,20 @@ def kernels() -> dict:
     plan = dispatch.plan_decode(dataclasses.replace(p, causal=True), 64, target="sm_90a",
                                 opts=Options())
     out["sm90-decode-d512-page64-chunked-prefill"] = (plan.kernel_cls, plan.cfg)
+    p = dataclasses.replace(_problem(512, True), varlen=True)  # one launch over sequences
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    out["sm90-fwd-d512-varlen"] = (plan.kernel_cls, plan.cfg)
+    cfg = sm90_config.plan_dk(p)
+    out["sm90-bwd-dk-d512-varlen"] = (dispatch.kernel_class(cfg), cfg)
+    p = dataclasses.replace(_problem(512, True), heads_q=1)  # MHA: whole head groups
+    for name, plan in (("dk", sm90_config.plan_dk), ("dv", sm90_config.plan_dv)):
+        cfg = plan(p)
+        assert not cfg.group_split
+        out[f"sm90-bwd-{name}-d512-causal-mha"] = (dispatch.kernel_class(cfg), cfg)
+    p = dataclasses.replace(_problem(512, True), heads_q=64, seqlen_kv=1024)  # MQA: split
+    cfg = sm90_config.plan_dv(p)                                             # head groups
+    assert cfg.group_split
+    out["sm90-bwd-dv-d512-mqa-group-split"] = (dispatch.kernel_class(cfg), cfg)
     p = dataclasses.replace(_problem(520, True), window_lo=-200, has_sinks=True)
     plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options(family="sm80"))  # Split-D
     out["splitd-fwd-d520-window-sinks-sm90a"] = (plan.kernel_cls, plan.cfg)
