@@ -30,6 +30,38 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# TMA reads each row of a box in 128-byte lines; a row that does not start on a line (2 D % 128
+# != 0 at 16 bits, e.g. D=520: 1040-byte rows) straddles two. Measured (perf.row_stride, H200,
+# forward, N=8K): the same kernel on rows padded to 128 bytes runs D=520 16.2 -> 13.4 ms, 712
+# 20.0 -> 17.7, 1016 26.0 -> 20.3; below 512 less (264 -10%, 328 -5%, 336 -2%), where a copy
+# of the inputs would cost as much as it saves.
+ROW_LINE = 128
+
+
+def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
+    """Whether `run_fwd` / `run_bwd` first copy the inputs they stream (q, k, v; dout) into
+    rows padded to 128 bytes (`row_aligned`): 16-bit WGMMA kernels at D > 512 whose rows are
+    not whole lines, when the attention work outweighs the copy, nq nkv >= 700 (nq + 2 nkv)
+    (about N >= 2K for Nq = Nkv: the copy is ~3% of the forward's time at N=8K). p: the
+    problem; cfg: the (forward, or a gradient) kernel's config."""
+    return (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")
+            and p.head_dim > 512 and (2 * p.head_dim) % ROW_LINE != 0
+            and nq * nkv >= 700 * (nq + 2 * nkv))
+
+
+def row_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in rows that start on 128-byte lines: a [..., :D] view of a buffer whose rows
+    are padded (the padding is never read: TMA stops at D), or t itself when its rows are whole
+    lines already."""
+    elem = t.element_size()
+    if t.shape[-1] * elem % ROW_LINE == 0 or (t.stride(-2) * elem % ROW_LINE == 0
+                                              and t.stride(-1) == 1 and t.data_ptr() % 16 == 0):
+        return t
+    width = -(-t.shape[-1] * elem // ROW_LINE) * ROW_LINE // elem
+    out = t.new_empty(*t.shape[:-1], width)[..., :t.shape[-1]]
+    return out.copy_(t)
+
+
 def run_job(cls, cfg, tensors: dict, scalars: dict) -> None:
     """Compile (or load) `cfg`'s kernel and launch it on `tensors[name]` for each name in
     `cls.OPERANDS`, then `scalars[name]` for `cls.SCALARS` (torch's current stream)."""
@@ -81,6 +113,8 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
         sinks = sinks.to(torch.float32).contiguous()
     if k.shape[2] == 0:  # no keys at all: every row is empty (its lse: the sink, if any)
         return out.zero_(), lse.copy_(sinks[:, None] if sinks is not None else float("-inf"))
+    if repack_rows(p, plan.cfg, nq, k.shape[2]):
+        q, k, v = (row_aligned(t) for t in (q, k, v))
     (q, k, v, qo, lo), offset = kernel_args(plan, kernel_ready(q), k, v, out, lse)
     tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo,
                    sinks=sinks)
@@ -117,6 +151,8 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
+    if q.numel() and k.numel() and repack_rows(p, plan.cfgs[-1], q.shape[2], k.shape[2]):
+        q, k, v, dout = (row_aligned(t) for t in (q, k, v, dout))
     q, k, v, dout, out = (kernel_ready(t) for t in (q, k, v, dout, out))
     t = dict(q=q, k=k, v=v, do=dout, o=out, lse=lse.contiguous())
     t["delta"] = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
@@ -154,7 +190,9 @@ class FwdCall:
             ready = ready and packed_q.data_ptr() == q.data_ptr() and (
                 kernel_ready(packed_q) is packed_q)
         self.usable = (plan.reason is None and ready and b * hq * nq > 0 and k.shape[2] > 0
-                       and q.device.type == "cuda")
+                       and q.device.type == "cuda"
+                       and not (plan.reason is None
+                                and repack_rows(p, plan.cfg, nq, k.shape[2])))
         self.scalars = tuple(kernel_scalars(p, 0 if plan.packed else p.right_edge)[n]
                              for n in plan.kernel_cls.SCALARS) if plan.reason is None else ()
         self.fn = None
@@ -181,5 +219,5 @@ class FwdCall:
         return (*(tensors.get(n) for n in self.plan.kernel_cls.OPERANDS), *self.scalars)
 
 
-__all__ = ["FwdCall", "kernel_args", "kernel_ready", "kernel_scalars", "run_bwd", "run_fwd",
-           "run_grad_job", "run_job", "sm_count"]
+__all__ = ["FwdCall", "kernel_args", "kernel_ready", "kernel_scalars", "repack_rows",
+           "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_job", "sm_count"]

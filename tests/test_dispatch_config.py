@@ -364,6 +364,27 @@ def test_varlen_rule(kw):
     assert "varlen" in sm90_config.can_implement(fp8)
 
 
+@pytest.mark.parametrize("d,n,fwd,bwd", [
+    (520, 8192, True, False), (520, 1024, False, False), (576, 8192, False, False),
+    (544, 4096, True, True), (1016, 4096, True, False), (264, 8192, False, False)])
+def test_row_repack_rule(d, n, fwd, bwd):
+    """Rows that are not whole 128-byte lines are copied into padded rows before the WGMMA
+    kernels at D > 512 (their TMA boxes straddle lines otherwise), when the work is large
+    enough; the Split-D backward (D % 16 == 8) reads them as they are; the copy holds the
+    same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
+    p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n)
+    fp, bp = dispatch.plan_fwd(p, target="sm_90a"), dispatch.plan_bwd(p, target="sm_90a")
+    assert launch.repack_rows(p, fp.cfg, n, n) == fwd
+    assert launch.repack_rows(p, bp.cfgs[-1], n, n) == bwd
+    assert not launch.repack_rows(p, fp.cfg, 64, n)  # short queries: the copy would not pay
+    t = torch.randn(2, 3, 5, d, dtype=torch.bfloat16)
+    a = launch.row_aligned(t)
+    assert torch.equal(a, t) and (a.stride(-2) * 2) % 128 == 0 and a.stride(-1) == 1
+    assert launch.row_aligned(a) is a and launch.kernel_ready(a) is a
+    if (2 * d) % 128 == 0:
+        assert a is t
+
+
 @pytest.mark.parametrize("d", [576, 1024])
 def test_backward_kv_pair_rule(d):
     """Above 512 the gradient kernels pair their CTAs over the column blocks (`kv_pair`,
