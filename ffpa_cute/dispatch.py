@@ -10,8 +10,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 | capability           | target          | family | kernels                                   |
 |----------------------|-----------------|--------|-------------------------------------------|
 | 8.0 / 8.6 / 8.7 / 8.9| sm_80 .. sm_89  | sm80   | mma.sync Split-D, fwd + bwd               |
-| 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (bwd at D % 16 != 0 |
-|                      |                 |        | above 512: Split-D compiled for sm_90a);  |
+| 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (Split-D compiled   |
+|                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
 | 10.0                 | sm_100a         | sm100  | none yet                                  |

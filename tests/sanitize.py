@@ -13,7 +13,7 @@ every kernel class and mode the planners pick there: the sm90 WGMMA forward (one
 more tiles than there are SMs), the sm90 dQ / dK / dV
 kernels (dK with sequential score products and with two accumulators, the gradient split over
 two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
-family, and the sm90 family's backward route for D % 16 != 0 above 512) in their M8N1 / M4N2 / M2N4
+family) in their M8N1 / M4N2 / M2N4
 warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
 forward; a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
 decode kernel on a paged and a contiguous cache, 16-bit and e4m3, and a causal chunk
@@ -62,7 +62,7 @@ CASES = [
     # persistent CTAs (one per SM) with more tiles than SMs: rings and hand-overs carried over
     ("sm90 D320 persistent, 144 tiles", "sm90", 1, 48, 48, 130, 200, 320, 320, "none", "bf16",
      False),
-    ("sm90 D520 CTA pair (D % 16 == 8), Split-D backward", "sm90", 1, 2, 1, 65, 130, 520,
+    ("sm90 D520 CTA pair (D % 16 == 8), forward and backward", "sm90", 1, 2, 1, 65, 130, 520,
      520, "bottom_right", "bf16", True),
     ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),
     ("sm80 D512 M4N2 GQA", "sm80", 1, 4, 2, 129, 333, 512, 512, "none", "fp16", True),
@@ -80,7 +80,7 @@ FEATURE_CASES = [
     ("sm90 D512 window persistent GQA, 144 tiles", 1, 48, 8, 130, 130, 512, True, (64, 0),
      False),
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
-    ("D520 window + sinks causal (CTA pair fwd, Split-D bwd)", 1, 2, 1, 65, 200, 520, True,
+    ("D520 window + sinks causal (the CTA pair, forward and backward)", 1, 2, 1, 65, 200, 520, True,
      (50, 0), True),
 ]
 # (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None, cache dtype, Nq): the

@@ -193,8 +193,8 @@ def test_every_element_written(seed, mode):
 @pytest.mark.parametrize("d", [520, 544])
 def test_row_repack_is_the_same_kernel(seed, monkeypatch, d):
     """At D > 512 with rows that are not whole 128-byte lines the inputs are copied into padded
-    rows first (`launch.repack_rows`; D=520: the CTA-pair forward, Split-D backward; D=544:
-    the WGMMA forward and backward): the same kernels on the same values, so out, lse and the
+    rows first (`launch.repack_rows`; D=520 and 544: the WGMMA CTA pair forward and
+    backward): the same kernels on the same values, so out, lse and the
     gradients are the same bits as without the copy."""
     from ffpa_cute import launch
 

@@ -156,10 +156,12 @@ def test_fp16(seed, d, causal, nq, nkv, ratio):
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(1024, True, 129, 1000, 4),
                                                    (768, False, 1000, 1000, 1),
-                                                   (576, True, 1000, 129, 16)])
+                                                   (576, True, 1000, 129, 16),
+                                                   (520, True, 700, 1000, 2),
+                                                   (712, False, 300, 129, 1)])
 def test_above_512(seed, d, causal, nq, nkv, ratio):
-    """D > 512: the gradient split over two CTAs (each recomputing the scores), as the forward
-    splits O."""
+    """D > 512: the gradient split over a CTA pair that splits the score blocks, as the forward
+    splits O; D % 16 == 8 (520, 712) with the second CTA's last 8 columns past D."""
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"))
 
 

@@ -168,13 +168,13 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
 
 @pytest.mark.parametrize("d,target,family,grads", [
     (512, "sm_90a", "sm90", "FFPABwdDQSm90"), (1024, "sm_90a", "sm90", "FFPABwdDQSm90"),
-    (520, "sm_90a", "sm90", "FFPABwdDQSm80"), (512, "sm_80", "sm80", "FFPABwdDQSm80"),
+    (520, "sm_90a", "sm90", "FFPABwdDQSm90"), (512, "sm_80", "sm80", "FFPABwdDQSm80"),
     (512, "sm_120a", None, None), (512, "sm_100a", None, None)])
 def test_backward_routing(d, target, family, grads):
     """The backward's kernels come from the same table as the forward: on sm_90a the WGMMA dQ /
-    dK / dV up to D = 1024 and the Split-D backward where they do not build (D % 16 != 0 above
-    512: the gradient split over two CTAs needs equal halves); sm_12x (compile-verified only) and sm_100 (no kernels) recompute through SDPA. Delta
-    runs first."""
+    dK / dV at every D up to 1024 (D % 16 == 8 above 512 too: the second CTA of the pair owns 8
+    columns past D, as in the forward), on sm_80 the Split-D backward; sm_12x (compile-verified
+    only) and sm_100 (no kernels) recompute through SDPA. Delta runs first."""
     plan = dispatch.plan_bwd(prob(d=d), target=target)
     if family is None:
         assert plan.reason and not plan.cfgs
@@ -365,17 +365,19 @@ def test_varlen_rule(kw):
 
 
 @pytest.mark.parametrize("d,n,fwd,bwd", [
-    (520, 8192, True, False), (520, 1024, False, False), (576, 8192, False, False),
-    (544, 4096, True, True), (1016, 4096, True, False), (264, 8192, False, False)])
+    (520, 8192, True, True), (520, 1024, False, False), (576, 8192, False, False),
+    (544, 4096, True, True), (1016, 4096, True, True), (264, 8192, False, False)])
 def test_row_repack_rule(d, n, fwd, bwd):
     """Rows that are not whole 128-byte lines are copied into padded rows before the WGMMA
-    kernels at D > 512 (their TMA boxes straddle lines otherwise), when the work is large
-    enough; the Split-D backward (D % 16 == 8) reads them as they are; the copy holds the
+    kernels at D > 512 (their TMA boxes straddle lines otherwise), forward and backward, when
+    the work is large enough; the Split-D kernels read them as they are; the copy holds the
     same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n)
     fp, bp = dispatch.plan_fwd(p, target="sm_90a"), dispatch.plan_bwd(p, target="sm_90a")
     assert launch.repack_rows(p, fp.cfg, n, n) == fwd
     assert launch.repack_rows(p, bp.cfgs[-1], n, n) == bwd
+    sm80 = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm80"))
+    assert not launch.repack_rows(p, sm80.cfgs[-1], n, n)
     assert not launch.repack_rows(p, fp.cfg, 64, n)  # short queries: the copy would not pay
     t = torch.randn(2, 3, 5, d, dtype=torch.bfloat16)
     a = launch.row_aligned(t)
@@ -385,11 +387,11 @@ def test_row_repack_rule(d, n, fwd, bwd):
         assert a is t
 
 
-@pytest.mark.parametrize("d", [576, 1024])
+@pytest.mark.parametrize("d", [520, 576, 1024])
 def test_backward_kv_pair_rule(d):
     """Above 512 the gradient kernels pair their CTAs over the column blocks (`kv_pair`,
     exchanging P / dS only: one exchange barrier, no peer statistics) unless
-    `Options(kv_pair=False)`; at D % 16 == 8 there is no sm90 backward to pair (Split-D)."""
+    `Options(kv_pair=False)`."""
     p = prob(d=d, causal=True)
     plan = dispatch.plan_bwd(p, target="sm_90a")
     cfgs = plan.cfgs[1:]

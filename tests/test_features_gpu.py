@@ -51,8 +51,8 @@ def _ids(c):
                          ids=_ids)
 def test_window_sinks_forward_backward(seed, case, family):
     """Forward out / lse and the gradients of q, k, v and sinks against float64, on the sm90
-    WGMMA kernels and on the Split-D kernels (D=520 on sm90: the WGMMA CTA pair forward, whose
-    second CTA owns 8 columns past D, and the Split-D backward)."""
+    WGMMA kernels and on the Split-D kernels (D=520 on sm90: the WGMMA CTA pair forward and
+    backward, whose second CTA owns 8 columns past D)."""
     d, hq, hkv, nq, nkv, window, causal, with_sinks = case
     kernel = "FFPAFwdSm80" if family == "sm80" else "FFPAFwdSm90"
     with ffpa_cute.options.use(family=family):

@@ -2,8 +2,8 @@
 instructions we meant and no local memory.
 
 sm_80 and sm_120a are the Split-D mma.sync kernels' own targets; on sm_90a the Split-D kernel
-serves D % 16 != 0 above 512 (and any D under `Options(family="sm80")`), the WGMMA kernels the
-rest. sm_120a builds are compile-verified only (no such GPU here).
+serves any D under `Options(family="sm80")`, the WGMMA kernels every D otherwise. sm_120a
+builds are compile-verified only (no such GPU here).
 """
 
 import dataclasses
@@ -403,7 +403,7 @@ def test_sm90_decode_fp8_cache_compiles(d, dv, page, dtype):
 def test_splitd_window_and_sinks_compile(target, d, fields):
     """The Split-D family with a window and sinks: the forward (sinks in its epilogue) and the
     dQ / dK / dV kernels (the window's bounds and masks) build with mma.sync, no local memory
-    and no spills (D=520: the sm90 family's backward route for D % 16 != 0 above 512)."""
+    and no spills (D=520 on sm_90a under `Options(family="sm80")`)."""
     p = dataclasses.replace(_problem(d, False, 2, 1), **fields)
     opts = Options(family="sm80") if target == "sm_90a" else Options()
     plan = dispatch.plan_fwd(p, target=target, opts=opts)

@@ -210,8 +210,8 @@ def test_sm90_plans_window_and_sinks(fields, cfg):
 
 @pytest.mark.parametrize("fields", [dict(window_lo=-3), dict(window_hi=0), dict(has_sinks=True)])
 def test_splitd_plans_them_fp8_refuses(fields):
-    """The Split-D kernels (sm80 family, forced or on sm_120a; the sm90 family's route for D %
-    16 != 0 above 512) take the window and sinks as the sm90 ones do; the FP8 planner has
+    """The Split-D kernels (sm80 family, forced or on sm_120a) take the window and sinks as the
+    sm90 ones do; the FP8 planner has
     neither: a reason, never a config."""
     import dataclasses
 

@@ -53,7 +53,8 @@ ptxas register counts and spills per kernel: tests/test_backward_sm80_compile.py
 
 Status: compile-verified for sm_80, sm_90a, sm_120a (tests/test_backward_sm80_compile.py);
 run and tested on the H200 as sm_90a (tests/test_backward_sm80_gpu.py), where autograd uses it
-for the sm80 family and for the sm90 family's backward at D % 16 != 0 above 512. Compiled for sm_120a it is
+for the sm80 family (and for the sm90 family's backward wherever the WGMMA kernels would not
+build; none of the 16-bit D in [264, 1024] today). Compiled for sm_120a it is
 **compile-verified only, never run** (no sm_120 GPU here), and the sm120 family does not route
 its backward to it.
 

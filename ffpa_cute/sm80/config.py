@@ -3,8 +3,8 @@
 `FwdConfigSm80` is frozen and holds Python scalars only, so it pickles, hashes and reads well in
 logs; `(qualname, cfg)` is the compile-cache key and `cfg.KERNEL` names the kernel class.
 `plan_fwd(problem, arch)` never returns a config that `can_implement` rejects. The same kernels
-serve sm_80/86/89, sm_90a (`Options.family="sm80"`; the sm90 family's backward at D % 16 != 0
-above 512) and sm_120a/121a (the sm120 family: the same configs under a 99 KB shared-memory
+serve sm_80/86/89, sm_90a (`Options.family="sm80"`, and the sm90 family's fallback where its
+WGMMA planners raise) and sm_120a/121a (the sm120 family: the same configs under a 99 KB shared-memory
 budget, picked by the compile target). This module imports no cutlass.
 
 # === TUNING TABLE ===================================================================

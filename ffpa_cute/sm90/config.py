@@ -600,9 +600,6 @@ class BwdDKConfigSm90(BwdDQConfigSm90):
 
 def can_implement_dv(cfg: BwdDVConfigSm90) -> str | None:
     reason = can_implement(cfg)
-    if reason is None and cfg.o_split > 1 and cfg.head_dim % 16:
-        reason = (f"head_dim={cfg.head_dim}: the backward splits a gradient over two CTAs in "
-                  "equal halves (a multiple of 16 above 512)")
     if reason is None and cfg.sinks:
         reason = "sinks is the forward's field (the gradient kernels read it through the LSE)"
     return reason
