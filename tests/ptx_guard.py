@@ -79,6 +79,8 @@ def kernels() -> dict:
     out["sm90-fwd-d512-varlen"] = (plan.kernel_cls, plan.cfg)
     cfg = sm90_config.plan_dk(p)
     out["sm90-bwd-dk-d512-varlen"] = (dispatch.kernel_class(cfg), cfg)
+    cfg = sm90_config.plan_dk(_problem(520, True))  # D % 16 == 8 on the CTA pair
+    out["sm90-bwd-dk-d520-causal"] = (dispatch.kernel_class(cfg), cfg)
     p = dataclasses.replace(_problem(512, True), heads_q=1)  # MHA: whole head groups
     for name, plan in (("dk", sm90_config.plan_dk), ("dv", sm90_config.plan_dv)):
         cfg = plan(p)

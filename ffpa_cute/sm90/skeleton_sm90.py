@@ -76,10 +76,17 @@ accumulator warpgroups' epilogue (final scale, O stores) runs under the next til
 score block.
 
 Output split (`o_split` = 2, O wider than 512): two adjacent CTAs take the same row tile and each
-computes half of O's columns. `kv_pair` (the forward's mode): the pair is a 2-CTA cluster that
+computes half of O's columns. `kv_pair` (forward and gradients): the pair is a 2-CTA cluster that
 splits the column blocks (CTA r scores block 2 i + r of step i, P tiles in a four-slot buffer, each
 accumulator warpgroup runs both tiles of a step and also arrives on the peer's P_empty); the
-skeleton runs the steps, the forward exchanges the row statistics and P (fwd_sm90.py).
+skeleton runs the steps and sends each P tile to the peer (`_send_p`), the forward also joins
+the row statistics (`pair_stats`, fwd_sm90.py).
+
+Varlen (`varlen`): the tensors are [1, H, total, D] views of packed sequences and the kernel takes
+their cumulative lengths; CTA t walks them to its sequence's row tile (`_varlen_tile`), the TMA
+views start at the sequence's first row (`_from_row`) and the causal offset / window edge add
+the sequence's frame. Split head groups (`group_split`, dV / dK): grid y = heads * S, each CTA
+sums G / S of its KV head's G query heads into an fp32 workspace the host adds up.
 """
 
 from __future__ import annotations
