@@ -9,7 +9,8 @@ beside the attention tables:
   beside it with the window as a boolean mask (its kernels have no window).
 * `varlen`: `varlen_attention` on 8 packed causal sequences of 1K-8K (D=512, Hq 32 / Hkv 4),
   forward and backward, against `attention()` on the padded equal-length batch of the same total
-  tokens (B=8, N = total / 8); TFLOPS on valid pairs. The bar: within 5%.
+  tokens (B=8, N = total / 8); TFLOPS on valid pairs. The bar: within 5%. Also the per-sequence
+  route (`Options(varlen_launch=False)`) in the same run.
 * `kvdecode`: one decode step (Nq = 1, bf16) of `attention_with_kvcache` on a paged cache
   (page 64, every row at length N, D=512, Hq 32 / Hkv 4 and Hq 64 / Hkv 1, B 1 / 8 / 64); GB/s of
   K/V bytes read, and that as a share of the measured copy bandwidth (the bar: 85%). SDPA beside
@@ -200,6 +201,14 @@ def run_varlen(case: ServingCase, dev, ctx, ffpa) -> Row:
         ms = _time(lambda: torch.autograd.grad(out, ins, dout, retain_graph=True), dev, ctx)
         row.cells[f"{name}_bwd_ms"] = ms
         row.cells[f"{name}_bwd_tflops"] = tflops(2.5 * 4 * hq * p * D, ms)
+    with ffpa.options.use(varlen_launch=False):  # the per-sequence route, same run
+        ms = _time(lambda: var(q, k, v), dev, ctx)
+        row.cells["loop_tflops"] = tflops(4 * hq * pairs * D, ms)
+        ins = tuple(x.detach().requires_grad_() for x in (q, k, v))
+        out = var(*ins)
+        dout = torch.randn_like(out)
+        ms = _time(lambda: torch.autograd.grad(out, ins, dout, retain_graph=True), dev, ctx)
+        row.cells["loop_bwd_tflops"] = tflops(2.5 * 4 * hq * pairs * D, ms)
     row.cells["ratio"] = row.cells["varlen_tflops"] / row.cells["padded_tflops"]
     row.cells["bwd_ratio"] = row.cells["varlen_bwd_tflops"] / row.cells["padded_bwd_tflops"]
     return row
@@ -334,13 +343,14 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
         out += ["## Varlen (8 causal sequences 1K-8K, D=512, Hq 32 / Hkv 4; TFLOPS on valid "
                 "pairs) vs the padded equal-length batch", "",
                 "| total | varlen fwd | padded fwd | ratio | varlen bwd | padded bwd | ratio | "
-                "err |", "|---|---|---|---|---|---|---|---|"]
+                "per-sequence fwd / bwd | err |", "|---|---|---|---|---|---|---|---|---|"]
         for r in var:
             c = r["cells"]
             out.append(f"| {r['case']['n']} | {_f(c.get('varlen_tflops'))} | "
                        f"{_f(c.get('padded_tflops'))} | {_f(c.get('ratio'), '{:.2f}')} | "
                        f"{_f(c.get('varlen_bwd_tflops'))} | {_f(c.get('padded_bwd_tflops'))} | "
-                       f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('err'), '{:.1e}')} |")
+                       f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('loop_tflops'))} / "
+                       f"{_f(c.get('loop_bwd_tflops'))} | {_f(c.get('err'), '{:.1e}')} |")
         out.append("")
     pre = [r for r in rows if r["case"]["family"] == "kvprefill"]
     if pre:
