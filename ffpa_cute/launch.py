@@ -51,11 +51,11 @@ def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
 
 def row_aligned(t: torch.Tensor) -> torch.Tensor:
     """t's values in rows that start on 128-byte lines: a [..., :D] view of a buffer whose rows
-    are padded (the padding is never read: TMA stops at D), or t itself when its rows are whole
-    lines already."""
+    are padded (the padding is never read: TMA stops at D), or t itself when every row already
+    starts on a line (unit last stride, base and outer strides whole lines)."""
     elem = t.element_size()
-    if t.shape[-1] * elem % ROW_LINE == 0 or (t.stride(-2) * elem % ROW_LINE == 0
-                                              and t.stride(-1) == 1 and t.data_ptr() % 16 == 0):
+    if (t.stride(-1) == 1 and t.data_ptr() % ROW_LINE == 0
+            and all(s * elem % ROW_LINE == 0 for s in t.stride()[:-1])):
         return t
     width = -(-t.shape[-1] * elem // ROW_LINE) * ROW_LINE // elem
     out = t.new_empty(*t.shape[:-1], width)[..., :t.shape[-1]]
