@@ -31,10 +31,17 @@ P = exp2(finite - inf) = 0. Every kernel loads the per-row / per-column statisti
 block's score step reads before the block's WGMMAs (`_block_prefetch`), so their latency hides
 behind them.
 
-Status (all three kernels, D up to 1024 with the gradient split over two CTAs above 512, dK's
-sequential score products at D <= 512, Dv != D): run and tested on the H200 against float64
-(tests/test_backward_sm90_gpu.py; docs/verification.md). Constraints: those of `FwdConfigSm90`
-without `kv_pair`; configs and planners in config.py.
+Above 512 (`kv_pair`, the default) the two CTAs that split a gradient's columns form a cluster
+and split the score blocks: CTA r scores blocks 2i + r and sends its P / dS tile to the peer
+(the skeleton's `_send_p`; no row statistics cross: the LSE is known). With few KV tiles the dV
+and dK kernels split each head group over S CTAs (`group_split`: fp32 partial sums in a
+workspace the host adds up in a fixed order). `varlen`: one launch over packed sequences.
+
+Status (all three kernels, D up to 1024 with the gradient split over a CTA pair above 512, D %
+16 == 8 included, dK's sequential score products at D <= 512, Dv != D, split head groups,
+varlen): run and tested on the H200 against float64 (tests/test_backward_sm90_gpu.py,
+tests/test_features_gpu.py; docs/verification.md). Constraints: those of `FwdConfigSm90`;
+configs and planners in config.py.
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ class FFPABwdDVSm90(RingSkeletonSm90):
       3. Accumulator warpgroups (skeleton, no rescale): dV += P^T dO[n] on their halves.
       4. dV stored (keys < Nkv); no LSE, no normalisation.
 
-    Constraints (`config.can_implement_dv`): those of the forward, tile_n 128, no `kv_pair`.
+    Constraints (`config.can_implement_dv`): those of the forward, tile_n 128, no sinks.
     """
 
     rescale_o = False
@@ -409,7 +416,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
       4. dQ stored (rows < Nq).
 
     Constraints (`config.can_implement_dq`): those of the forward, stream_q, tile_n 64 (128
-    with `seq_scores`), Dv == D or `second_dim` (a multiple of 16 in [64, 512]), no `kv_pair`.
+    with `seq_scores`), Dv == D or `second_dim` (a multiple of 16 in [64, 512]).
     """
 
     rescale_o = False
