@@ -77,23 +77,17 @@ VARIANTS = {"bf16": (FFPADecodeSm90, None, None), "e4m3": (FFPADecodeSm90, "e4m3
             "bf16-2x2": (FFPADecodeSm90, None, (2, 2))}
 
 
-def precompile(directory: str) -> None:
-    from ffpa_cute.cache import JitCache
-
-    cache = JitCache(directory, disk=True)
-    for cls, kv, rings in VARIANTS.values():
-        cache.get(cls, _cfg(kv, rings))
-    print(f"decode_limits: {cache.stats.compiles} compiled into {directory}")
+def jobs() -> list:
+    """Every variant's kernel and config."""
+    return [(cls, _cfg(kv, rings)) for cls, kv, rings in VARIANTS.values()]
 
 
-def run() -> dict:
+def run(dev, flush) -> dict:
     import torch
 
     from ffpa_cute import decode, launch
-    from perf.timing import L2Flusher, bench
+    from perf.timing import bench
 
-    dev = torch.device("cuda")
-    flush = L2Flusher(dev)
     out = {}
     for n in SEQLENS:
         pages = B * n // PAGE
@@ -134,7 +128,7 @@ def run() -> dict:
 
 
 def main(argv=None) -> int:
-    return experiment.main("perf.decode_limits", __doc__, precompile, run, argv)
+    return experiment.main("perf.decode_limits", __doc__, jobs, run, argv)
 
 
 if __name__ == "__main__":

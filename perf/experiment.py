@@ -1,7 +1,9 @@
 """What the kernel experiments share (perf.fp8_limits, perf.decode_limits, perf.half_align,
 perf.half_align_bwd, perf.row_stride): the command line, which compiles the variants into a
 cache on the CPU box (`--precompile DIR`) or times them on the GPU and optionally writes the
-numbers as JSON (`--out FILE`); and their timing (`median_ms`)."""
+numbers as JSON (`--out FILE`); and their timing (`median_ms`). An experiment gives `jobs()`,
+the (kernel class, config) pairs it times, and `run(dev, flush)`, which times them on the CUDA
+device `dev` with `flush` (perf.timing.L2Flusher) and returns its numbers."""
 
 from __future__ import annotations
 
@@ -19,17 +21,28 @@ def median_ms(fn, dev, flush, rounds: int = 3) -> float:
     return statistics.median(bench(fn, dev, flush=flush).median_ms for _ in range(rounds))
 
 
-def main(prog: str, doc: str, precompile, run, argv=None) -> int:
-    """Parse argv; `precompile(directory)` or `run() -> dict` (written to --out)."""
+def main(prog: str, doc: str, jobs, run, argv=None) -> int:
+    """Parse argv; compile `jobs()` into --precompile DIR, or `run(dev, flush) -> dict`
+    (written to --out)."""
     ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precompile", metavar="DIR")
     ap.add_argument("--out", metavar="FILE", help="write the numbers as JSON")
     a = ap.parse_args(argv)
     if a.precompile:
-        precompile(a.precompile)
+        from ffpa_cute.cache import JitCache
+
+        cache = JitCache(a.precompile, disk=True)
+        for cls, cfg in jobs():
+            cache.get(cls, cfg)
+        print(f"{prog}: {cache.stats.compiles} compiled into {a.precompile}")
         return 0
-    res = run()
+    import torch
+
+    from perf.timing import L2Flusher
+
+    dev = torch.device("cuda")
+    res = run(dev, L2Flusher(dev))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

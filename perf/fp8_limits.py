@@ -52,25 +52,17 @@ def _plan(d: int, causal: bool):
     return plan.cfg
 
 
-def precompile(directory: str) -> None:
-    from ffpa_cute.cache import JitCache
-
-    cache = JitCache(directory, disk=True)
-    for d, _, causal in SHAPES:
-        cfg = _plan(d, causal)
-        for cls in VARIANTS.values():
-            cache.get(cls, cfg)
-    print(f"fp8_limits: {cache.stats.compiles} compiled into {directory}")
+def jobs() -> list:
+    """Every variant kernel at every shape's config."""
+    return [(cls, _plan(d, causal)) for d, _, causal in SHAPES for cls in VARIANTS.values()]
 
 
-def run() -> dict:
+def run(dev, flush) -> dict:
     import torch
 
     from ffpa_cute.cache import jit_cache
-    from perf.timing import L2Flusher, bench
+    from perf.timing import bench
 
-    dev = torch.device("cuda")
-    flush = L2Flusher(dev)
     out = {}
     a = torch.randn(8192, 8192, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(8192, 8192, device=dev).to(torch.float8_e4m3fn).t()
@@ -108,7 +100,7 @@ def run() -> dict:
 
 
 def main(argv=None) -> int:
-    return experiment.main("perf.fp8_limits", __doc__, precompile, run, argv)
+    return experiment.main("perf.fp8_limits", __doc__, jobs, run, argv)
 
 
 if __name__ == "__main__":

@@ -66,23 +66,15 @@ def variants():
     return out
 
 
-def precompile(directory: str) -> None:
-    from ffpa_cute.cache import JitCache
-
-    cache = JitCache(directory, disk=True)
-    for _, plan in variants():
-        cache.get(plan.kernel_cls, plan.cfg)
-    print(f"{cache.stats.compiles} compiled into {directory}")
+def jobs() -> list:
+    return [(plan.kernel_cls, plan.cfg) for _, plan in variants()]
 
 
-def run() -> dict:
+def run(dev, flush) -> dict:
     import torch
 
     from ffpa_cute import launch
-    from perf.timing import L2Flusher
 
-    dev = torch.device("cuda")
-    flush = L2Flusher(dev)
     res = {}
     for label, plan in variants():
         d = plan.cfg.head_dim
@@ -101,4 +93,4 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(experiment.main("perf.half_align", __doc__, precompile, run))
+    raise SystemExit(experiment.main("perf.half_align", __doc__, jobs, run))

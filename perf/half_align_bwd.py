@@ -62,25 +62,16 @@ def variants():
     return out
 
 
-def precompile(directory: str) -> None:
-    from ffpa_cute.cache import JitCache
-
-    cache = JitCache(directory, disk=True)
-    for _, _, jobs in variants():
-        for cls, cfg in jobs:
-            cache.get(cls, cfg)
-    print(f"{cache.stats.compiles} compiled into {directory}")
+def jobs() -> list:
+    return [job for _, _, kernels in variants() for job in kernels]
 
 
-def run() -> dict:
+def run(dev, flush) -> dict:
     import torch
 
     import ffpa_cute
     from ffpa_cute import launch
-    from perf.timing import L2Flusher
 
-    dev = torch.device("cuda")
-    flush = L2Flusher(dev)
     res = {}
     for d, label, jobs in variants():
         q, k, v, do = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
@@ -105,4 +96,4 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(experiment.main("perf.half_align_bwd", __doc__, precompile, run))
+    raise SystemExit(experiment.main("perf.half_align_bwd", __doc__, jobs, run))

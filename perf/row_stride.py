@@ -30,24 +30,15 @@ def _plan(d: int):
     return dispatch.plan_fwd(p, target="sm_90a", opts=Options())
 
 
-def precompile(directory: str) -> None:
-    from ffpa_cute.cache import JitCache
-
-    cache = JitCache(directory, disk=True)
-    for d in HEAD_DIMS:
-        plan = _plan(d)
-        cache.get(plan.kernel_cls, plan.cfg)
-    print(f"{cache.stats.compiles} compiled into {directory}")
+def jobs() -> list:
+    return [(plan.kernel_cls, plan.cfg) for plan in map(_plan, HEAD_DIMS)]
 
 
-def run() -> dict:
+def run(dev, flush) -> dict:
     import torch
 
     from ffpa_cute import launch
-    from perf.timing import L2Flusher
 
-    dev = torch.device("cuda")
-    flush = L2Flusher(dev)
     res = {}
     for d in HEAD_DIMS:
         plan = _plan(d)
@@ -66,4 +57,4 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(experiment.main("perf.row_stride", __doc__, precompile, run))
+    raise SystemExit(experiment.main("perf.row_stride", __doc__, jobs, run))
