@@ -61,8 +61,8 @@ from ..common.tensors import (LOG2_E, aligned_bhnd, fake_args, fake_cu, fake_gra
                               fake_tensor)
 from .config import (TILE_M, BwdDKConfigSm90, BwdDQConfigSm90, BwdDVConfigSm90,
                      can_implement_dq, can_implement_dv)
-from .skeleton_sm90 import (WG_THREADS, BLoads, ColLoads, RingSkeletonSm90, Roles, ScoreFrags,
-                            ScoreIO, ScoreStep, Tile)
+from .ring_context import BLoads, ColLoads, Roles, ScoreFrags, ScoreIO, ScoreStep, Tile
+from .skeleton_sm90 import WG_THREADS, RingSkeletonSm90
 
 
 def _workspace_out(fakes: tuple, index: int, cfg) -> tuple:

@@ -60,7 +60,7 @@ from ..common.softmax import OnlineSoftmax
 from ..common.tensors import CUTLASS_DTYPES, fake_tensor
 from .config import DecodeConfigSm90, can_implement_decode
 from .fwd_sm90 import FFPAFwdSm90
-from .skeleton_sm90 import BLoads, ColLoads, Roles, Scalars, Tile
+from .ring_context import BLoads, ColLoads, Roles, Scalars, Tile
 
 
 class DecodeExtra(NamedTuple):

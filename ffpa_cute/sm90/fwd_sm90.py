@@ -73,8 +73,8 @@ from cutlass import Float32, Int32, const_expr
 from ..common.softmax import OnlineSoftmax
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_cu, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
-from .skeleton_sm90 import (RingSkeletonSm90, Roles, ScoreFrags, ScoreIO,
-                            ScoreStep, Tile)
+from .ring_context import Roles, ScoreFrags, ScoreIO, ScoreStep, Tile
+from .skeleton_sm90 import RingSkeletonSm90
 
 
 class FFPAFwdSm90(RingSkeletonSm90):
