@@ -1,0 +1,263 @@
+"""Compile key, resource plan and planner of the Blackwell tcgen05 forward (`FFPAFwdSm100`).
+
+**Compile-verified only, never run**: no sm_100 GPU is available to the project. Everything here
+is what the host can prove without one: the TMEM ledger, the shared-memory plan, the warp roles
+and their register budget, and the mbarrier protocol (modelled by `sm100/protocol.py` from the
+constants below, which the kernel reads too). On a B200 each configuration first passes
+selfcheck.py's canary.
+
+# === RESOURCE PLAN ===================================================================
+# TMEM is 128 lanes x 512 columns of 32 bits per SM. A 128-row fp32 accumulator takes one lane
+# per row and one column per output column, so O[128 x D] alone fills TMEM at D = 512; beside
+# it the score tiles S[128 x 128] need 128 columns each. This first design therefore splits O's
+# columns over `o_split` = ceil(Dv / 256) CTAs per row tile (as the sm90 kernel does above
+# D = 512), each owning `dv_cta` <= 256 columns and recomputing S = Q K^T in full:
+#
+#   columns [0, 128)    S[0]  (fp32), P[0] (16-bit, packed two per column) over its last 64
+#   columns [128, 256)  S[1], P[1]: two score buffers, so QK[n+1] runs while softmax[n] does
+#   columns [256, 256 + dv_cta)  O (fp32)
+#
+# executing (o_split + 1) / 2 GEMM units per counted unit (1.5 at D <= 512, 2 at <= 768, 2.5
+# at <= 1024; docs/design.md section 7 has the predicted TFLOPS per D).
+# Shared memory: a QK ring (a [128 x 64] Q chunk beside each [128 x 64] K chunk, 32 KB at 16
+# bits: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring ([64 x dv_cta]
+# stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem (it stays in TMEM
+# and feeds the PV MMA as its A operand) and no O staging (the epilogue stores from registers).
+# =====================================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..problem import AttnProblem
+
+ARCH = "sm_100a"
+SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_100a (227 KB)
+TMEM_LANES, TMEM_COLUMNS = 128, 512  # per SM, 32-bit cells
+DTYPES = ("bf16", "fp16")
+ELEM_BYTES = {"bf16": 2, "fp16": 2}
+MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
+TILE_M = 128  # query rows per CTA: one TMEM lane per row (tcgen05 M = 128, cta_group::1)
+MAX_MMA_N = 256  # tcgen05.mma kind::f16 with M = 128: N a multiple of 16 in [16, 256]
+MMA_K = 16  # K of one kind::f16 instruction
+K_CHUNK = 64  # head-dim columns per QK-ring stage: one 128-byte swizzle atom at 16 bits
+V_ROWS = 64  # keys per V-ring stage
+BARRIER_BYTES = 8
+
+# Warp roles (warp index ranges) and the registers each thread of the role may use. The CTA
+# has 6 warps (192 threads), so every thread may take the hardware's 255 (65536 / 192 = 341);
+# the budget below is the plan the roles are written to, checked against the register file.
+WARP_ROLES = (
+    # role, first warp, warps, registers per thread
+    ("softmax", 0, 4, 255),  # S row -> P, row statistics, O rescale, epilogue; TMEM lane = row
+    ("mma", 4, 1, 255),  # one elected thread issues every tcgen05.mma; owns the TMEM allocation
+    ("load", 5, 1, 255),  # one elected thread issues every TMA load
+)
+REGISTER_FILE = 65536  # 32-bit registers per SM
+RESCALE_THRESHOLD = 8.0  # log2 units: O is rescaled only when a row's max grows by more
+
+
+@dataclass(frozen=True)
+class FwdConfigSm100:
+    """Everything that changes the generated code of the tcgen05 forward.
+
+    arch:       "sm_100a"
+    dtype:      "bf16" | "fp16"; accumulation in fp32 (TMEM)
+    head_dim:   D, a multiple of 8 in [264, 1024] (Q K^T over 64-column chunks; TMA zero-fills
+                the last chunk's columns past D)
+    causal:     causal masking (the diagonal offset is a runtime argument: both alignments)
+    head_dim_v: Dv when it differs from D (MLA-absorbed 576 / 512), else None
+    qk_stages:  depth of the QK ring ([128 x 64] Q and K chunks per stage)
+    v_stages:   depth of the V ring ([64 x dv_cta] per stage)
+    """
+
+    arch: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    head_dim_v: int | None = None
+    qk_stages: int = 3
+    v_stages: int = 2
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100"
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def tile_m(self) -> int:
+        return TILE_M
+
+    @property
+    def tile_n(self) -> int:
+        """Keys per block: the N of the QK MMA and the K of the PV MMA (two V stages)."""
+        return 128
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def num_k_chunks(self) -> int:
+        """QK-ring stages per block."""
+        return -(-self.head_dim // K_CHUNK)
+
+    @property
+    def o_split(self) -> int:
+        """CTAs per row tile, each owning `dv_cta` of O's columns (TMEM holds <= 256 beside
+        the two score buffers)."""
+        return -(-self.dv // MAX_MMA_N)
+
+    @property
+    def dv_cta(self) -> int:
+        """O columns per CTA: Dv / o_split rounded up to a multiple of 16 (the PV MMA's N);
+        the last CTA's columns past Dv are computed from TMA's zeros and not stored."""
+        return -(-self.dv // (16 * self.o_split)) * 16
+
+    @property
+    def v_blocks_per_tile(self) -> int:
+        """V-ring stages per block of keys."""
+        return self.tile_n // V_ROWS
+
+    @property
+    def ctas_per_tile(self) -> int:
+        return self.o_split
+
+    # ------------------------------------------------------------------ TMEM
+    def tmem_regions(self) -> list[tuple[str, int, int]]:
+        """(name, first column, columns) of every TMEM tensor; P[i] lies inside S[i]."""
+        n, p = self.tile_n, self.tile_n * self.elem_bytes // 4
+        (s0, s1), (p0, p1) = self.s_offset, self.p_offset
+        return [("S0", s0, n), ("P0", p0, p), ("S1", s1, n), ("P1", p1, p),
+                ("O", self.o_offset, self.dv_cta)]
+
+    @property
+    def tmem_columns_used(self) -> int:
+        return max(c + w for _, c, w in self.tmem_regions())
+
+    @property
+    def tmem_alloc_columns(self) -> int:
+        """What the MMA warp allocates (and frees): a power of two >= 32 covering every region."""
+        cols = 32
+        while cols < self.tmem_columns_used:
+            cols *= 2
+        return cols
+
+    @property
+    def s_offset(self) -> tuple[int, int]:
+        return 0, self.tile_n
+
+    @property
+    def p_offset(self) -> tuple[int, int]:
+        """P[i] over the second half of S[i]'s columns (S is all in registers when P is
+        written, so either half would do)."""
+        return tuple(s + self.tile_n // 2 for s in self.s_offset)
+
+    @property
+    def o_offset(self) -> int:
+        return 2 * self.tile_n
+
+    # ------------------------------------------------------------------ shared memory
+    @property
+    def qk_stage_bytes(self) -> int:
+        return (TILE_M + self.tile_n) * K_CHUNK * self.elem_bytes
+
+    @property
+    def v_stage_bytes(self) -> int:
+        return V_ROWS * self.dv_cta * self.elem_bytes
+
+    def barriers(self) -> dict[str, tuple[int, int]]:
+        """name -> (mbarriers, arrivals that complete a phase). The kernel allocates and
+        initialises exactly these; `protocol.py` models them.
+
+        qk_full / v_full: the load thread's expect-tx arrival (the bytes complete the phase);
+        qk_empty / v_empty: the MMA warp's tcgen05.commit once the stage's MMAs have read it;
+        s_full: tcgen05.commit after the last QK MMA of a block;
+        p_full: one arrival per softmax thread once P (and any O rescale) is in TMEM; it also
+        frees the score buffer for QK two blocks later;
+        o_done: tcgen05.commit after each block's PV MMAs (the softmax threads wait on it to
+        rescale O, and once for the epilogue)."""
+        softmax_threads = 32 * _role("softmax")[1]
+        return {"qk_full": (self.qk_stages, 1), "qk_empty": (self.qk_stages, 1),
+                "v_full": (self.v_stages, 1), "v_empty": (self.v_stages, 1),
+                "s_full": (2, 1), "p_full": (2, softmax_threads), "o_done": (1, 1)}
+
+    def smem_regions(self) -> list[tuple[str, int]]:
+        """(name, bytes) of the storage struct in order, each 1 KB aligned: barriers and the
+        TMEM base address, the Q and K halves of the QK ring, the V ring."""
+        bars = sum(n for n, _ in self.barriers().values()) * BARRIER_BYTES + 4
+        chunk = K_CHUNK * self.elem_bytes
+        return [("barriers", bars), ("q", self.qk_stages * TILE_M * chunk),
+                ("k", self.qk_stages * self.tile_n * chunk),
+                ("v", self.v_stages * self.v_stage_bytes)]
+
+    def smem_bytes(self) -> int:
+        return sum(_align(b) for _, b in self.smem_regions())
+
+
+def _role(name: str) -> tuple[int, int, int]:
+    """(first warp, warps, registers) of a warp role."""
+    return next(r[1:] for r in WARP_ROLES if r[0] == name)
+
+
+def num_threads() -> int:
+    return 32 * sum(w for _, _, w, _ in WARP_ROLES)
+
+
+def _align(nbytes: int, to: int = 1024) -> int:
+    return -(-nbytes // to) * to
+
+
+def can_implement(cfg: FwdConfigSm100) -> str | None:
+    """None when the kernel can be built for cfg, else the reason."""
+    if cfg.arch != ARCH:
+        return f"arch {cfg.arch!r}: tcgen05 and TMEM need {ARCH}"
+    if cfg.dtype not in DTYPES:
+        return f"dtype {cfg.dtype!r} not in {DTYPES}"
+    if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
+        return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if cfg.head_dim_v is not None and (cfg.head_dim_v == cfg.head_dim or cfg.head_dim_v % 8
+                                       or not 64 <= cfg.head_dim_v <= MAX_HEAD_DIM):
+        return (f"head_dim_v={cfg.head_dim_v}: None when equal to head_dim, else a multiple of "
+                f"8 in [64, {MAX_HEAD_DIM}]")
+    if cfg.qk_stages < 2 or cfg.v_stages < 2:
+        return "qk_stages and v_stages must be >= 2"
+    if cfg.dv_cta > MAX_MMA_N:
+        return f"dv_cta={cfg.dv_cta} > {MAX_MMA_N} (the PV MMA's N)"
+    if cfg.tmem_columns_used > TMEM_COLUMNS:
+        return f"TMEM plan needs {cfg.tmem_columns_used} columns, an SM has {TMEM_COLUMNS}"
+    if cfg.smem_bytes() > SMEM_CAPACITY:
+        return f"needs {cfg.smem_bytes()} B of smem, {ARCH} has {SMEM_CAPACITY}"
+    if sum(32 * w * r for _, _, w, r in WARP_ROLES) > REGISTER_FILE:
+        return "the warp roles' registers exceed the register file"
+    return None
+
+
+def plan_fwd(problem: AttnProblem, arch: str = ARCH) -> FwdConfigSm100:
+    """The config for `problem` (16-bit, no window, sinks or one-launch varlen); raises
+    ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
+    (4, 3, 2) beside a 3-deep QK ring, then the deepest QK ring beside it."""
+    if problem.has_window or problem.has_sinks or problem.varlen:
+        raise ValueError("the sm100 forward has no sliding window, sinks or one-launch varlen yet")
+    dv = problem.head_dim_v
+    base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=problem.right_bounded,
+                head_dim_v=None if dv == problem.head_dim else dv)
+
+    def make(qk, v):
+        return FwdConfigSm100(**base, qk_stages=qk, v_stages=v)
+
+    def fits(qk, v):
+        return can_implement(make(qk, v)) is None
+
+    v = next((v for v in (4, 3, 2) if fits(3, v)), None)
+    if v is None:
+        raise ValueError(can_implement(make(3, 2)))
+    return make(max(qk for qk in range(3, 9) if fits(qk, v)), v)
+
+
+__all__ = ["FwdConfigSm100", "WARP_ROLES", "can_implement", "num_threads", "plan_fwd"]

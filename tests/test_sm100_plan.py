@@ -1,0 +1,121 @@
+"""The sm100 forward's resource plan and mbarrier protocol, proved on the CPU (the kernels are
+compile-verified only, never run: no sm_100 GPU exists here).
+
+- every planned D fits TMEM (<= 512 columns, regions disjoint apart from P inside its S) and
+  the allocation is a power of two covering them; smem fits sm_100a; the warp roles fit the
+  register file and the CTA;
+- the protocol model (ffpa_cute/sm100/protocol.py), driven by the config's own barrier
+  counts and ring depths, finishes without a deadlock or a hazard over many interleavings and
+  block counts, and catches the faults it exists to catch."""
+
+import dataclasses
+
+import pytest
+
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.sm100 import config as c100
+from ffpa_cute.sm100 import protocol
+
+HEAD_DIMS = (264, 320, 512, 576, 768, 1024)
+
+
+def plan(d, dv=None, causal=False):
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=4, seqlen_q=1000,
+                    seqlen_kv=1000, head_dim=d, head_dim_v=dv or d, causal=causal)
+    return c100.plan_fwd(p)
+
+
+@pytest.mark.parametrize("d", [*HEAD_DIMS, *range(264, 1025, 8)][::7] + list(HEAD_DIMS))
+def test_tmem_ledger(d):
+    cfg = plan(d)
+    regions = cfg.tmem_regions()
+    assert cfg.tmem_columns_used <= c100.TMEM_COLUMNS
+    assert cfg.tmem_alloc_columns in (32, 64, 128, 256, 512)
+    assert cfg.tmem_columns_used <= cfg.tmem_alloc_columns
+    spans = {name: (c, c + w) for name, c, w in regions}
+    for a in ("S0", "S1", "O"):  # S0, S1 and O are disjoint
+        for b in ("S0", "S1", "O"):
+            if a < b:
+                assert spans[a][1] <= spans[b][0] or spans[b][1] <= spans[a][0], (a, b)
+    for i in (0, 1):  # P[i] (16-bit, two per column) lies inside S[i]
+        lo, hi = spans[f"P{i}"]
+        assert spans[f"S{i}"][0] <= lo and hi <= spans[f"S{i}"][1]
+        assert hi - lo == cfg.tile_n // 2
+    assert spans["O"][1] - spans["O"][0] == cfg.dv_cta >= -(-cfg.dv // cfg.o_split)
+    assert cfg.dv_cta % 16 == 0 and cfg.dv_cta <= c100.MAX_MMA_N
+
+
+@pytest.mark.parametrize("d,dv", [(d, None) for d in HEAD_DIMS] + [(576, 512), (512, 128)])
+def test_smem_and_roles(d, dv):
+    cfg = plan(d, dv)
+    assert c100.can_implement(cfg) is None
+    assert cfg.smem_bytes() <= c100.SMEM_CAPACITY
+    assert cfg.qk_stages >= 3 and cfg.v_stages >= 2
+    warps = sorted((first, first + n) for _, first, n, _ in c100.WARP_ROLES)
+    assert warps[0][0] == 0 and all(a[1] == b[0] for a, b in zip(warps, warps[1:]))
+    assert c100.num_threads() == 32 * warps[-1][1] <= 1024
+    assert sum(32 * n * r for *_, n, r in c100.WARP_ROLES) <= c100.REGISTER_FILE
+    # one softmax thread per TMEM lane (= query row)
+    assert dict((r, n) for r, _, n, _ in c100.WARP_ROLES)["softmax"] * 32 == c100.TMEM_LANES
+
+
+def test_can_implement_rejects():
+    cfg = plan(512)
+    assert "arch" in c100.can_implement(dataclasses.replace(cfg, arch="sm_90a"))
+    assert "head_dim" in c100.can_implement(dataclasses.replace(cfg, head_dim=516))
+    assert "smem" in c100.can_implement(dataclasses.replace(cfg, qk_stages=8, v_stages=8))
+    with pytest.raises(ValueError, match="window"):
+        c100.plan_fwd(AttnProblem(dtype="bf16", batch=1, heads_q=1, heads_kv=1, seqlen_q=8,
+                                  seqlen_kv=8, head_dim=512, head_dim_v=512, window_lo=-4))
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_protocol_model(d):
+    """Hundreds of steps per tile: no deadlock, no hazard, for block counts 0 .. 40."""
+    cfg = plan(d)
+    for blocks in (0, 1, 2, 3, 5, 17, 40):
+        for seed in range(12):
+            steps = protocol.run(cfg, blocks, seed)
+            assert blocks < 5 or steps > 200
+
+
+class _NoWaitOnPV(protocol.Model):
+    """A fault: the softmax threads read O (rescale, epilogue) without waiting for the PV
+    MMAs."""
+
+    def done(self, bar, phase):
+        return True if bar == "o_done[0]" else super().done(bar, phase)
+
+
+class _ShallowLoader(protocol.Model):
+    """A fault: the load thread believes the QK ring is one stage shallower than the MMA's
+    (a hang: the MMA waits on a stage that is never filled)."""
+
+    def __init__(self, cfg, blocks, seed):
+        super().__init__(cfg, blocks, seed)
+        self.role_cfg["load"] = dataclasses.replace(cfg, qk_stages=cfg.qk_stages - 1)
+
+
+class _NoEmptyWait(protocol.Model):
+    """A fault: the load thread refills QK stages without waiting for the MMAs to free them."""
+
+    def done(self, bar, phase):
+        return True if bar.startswith("qk_empty") else super().done(bar, phase)
+
+
+class _FewerArrivals(protocol.Model):
+    """A fault: p_full expects one arrival more than the softmax threads give."""
+
+    def __init__(self, cfg, blocks, seed):
+        super().__init__(cfg, blocks, seed)
+        for i in (0, 1):
+            self.bars[f"p_full[{i}]"].count += 1
+
+
+@pytest.mark.parametrize("fault", [_NoWaitOnPV, _ShallowLoader, _NoEmptyWait,
+                                   _FewerArrivals])
+def test_protocol_model_catches_faults(fault):
+    cfg = plan(512)
+    with pytest.raises(protocol.ProtocolError):
+        for seed in range(40):
+            fault(cfg, 9, seed).run(max_steps=20000)
