@@ -14,7 +14,9 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 |                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
-| 10.0                 | sm_100a         | sm100  | none yet                                  |
+| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (compile-verified only,|
+|                      |                 |        | never run: a canary checks each config    |
+|                      |                 |        | on first use, selfcheck.py)               |
 | 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd, 99 KB plan (never run)       |
 
 `Options.family` (env FFPA_CUTE_ARCH) forces a family on the device's own target, e.g. "sm80"
@@ -38,6 +40,7 @@ from .options import Options
 from .problem import AttnProblem
 from .sm80 import config as sm80_config
 from .sm90 import config as sm90_config
+from .sm100 import config as sm100_config
 from .sm120 import config as sm120_config
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
@@ -111,6 +114,11 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
     return sm90_config.plan_decode(p, target, page_rows, kv_dtype)
 
 
+def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
+    """The tcgen05 forward (16-bit; no window, sinks or one-launch varlen yet)."""
+    return sm100_config.plan_fwd(p, target)
+
+
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
     _no_varlen(p, "sm120")
     return sm120_config.plan_fwd(p, target)
@@ -142,8 +150,9 @@ FAMILIES = {
                    "run and tested on an H200",
                    fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd},
                    verified_targets=("sm_90a",), decode={"16bit": _sm90_decode}),
-    "sm100": Family("sm100", "none yet", "no kernels",
-                    fwd={"16bit": None, "fp8": None, "fp4": None}, bwd={"16bit": None}),
+    "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward",
+                    "compile-verified only, never run",
+                    fwd={"16bit": _sm100_fwd, "fp8": None, "fp4": None}, bwd={"16bit": None}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",
                     fwd={"16bit": _sm120_fwd, "fp8": None, "fp4": None}, bwd={"16bit": None}),

@@ -2,7 +2,7 @@
 canary problem before it serves a call.
 
 Kernels are verified by running them on real hardware (docs/verification.md); a family whose
-kernels have never run on the device's compile target (sm120 and sm100 today; the sm80 kernels
+kernels have never run on the device's compile target (sm100 and sm120 today; the sm80 kernels
 on an actual sm_80 / 86 / 89, which ran only as sm_90a code) could return a wrong answer that
 no test has seen. So, on such a target, the first call of each kernel configuration first runs a
 small canary problem of the same configuration (same kernel, dtype, head dims, causal mode, GQA

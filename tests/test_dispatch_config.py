@@ -34,9 +34,14 @@ def test_unlisted_archs_have_no_family(cap):
     assert dispatch.target_of(*cap) is None
 
 
-def test_sm100_has_no_kernels_yet_and_falls_back():
+def test_sm100_forward_routes_to_tcgen05_and_says_never_run():
+    """sm_100a: the tcgen05 forward, described as compile-verified only; what it lacks (a
+    window, sinks, the backward) falls back with the reason."""
     plan = dispatch.plan_fwd(prob(), target="sm_100a")
-    assert plan.reason and "sm100" in plan.reason
+    assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100"
+    assert "compile-verified only, never run" in plan.describe()
+    windowed = dispatch.plan_fwd(prob(window_lo=-16), target="sm_100a")
+    assert windowed.reason and "window" in windowed.reason
 
 
 def test_the_table_is_data():
@@ -46,7 +51,9 @@ def test_the_table_is_data():
     for name, fam in dispatch.FAMILIES.items():
         assert fam.name == name and fam.verified and "16bit" in fam.fwd and "16bit" in fam.bwd
     assert dispatch.FAMILIES["sm120"].verified == "compile-verified only, never run"
-    assert dispatch.FAMILIES["sm100"].fwd["16bit"] is None
+    assert dispatch.FAMILIES["sm100"].verified == "compile-verified only, never run"
+    assert dispatch.FAMILIES["sm100"].bwd["16bit"] is None and not (
+        dispatch.FAMILIES["sm100"].verified_targets)
 
 
 @pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
@@ -174,7 +181,7 @@ def test_backward_routing(d, target, family, grads):
     """The backward's kernels come from the same table as the forward: on sm_90a the WGMMA dQ /
     dK / dV at every D up to 1024 (D % 16 == 8 above 512 too: the second CTA of the pair owns 8
     columns past D, as in the forward), on sm_80 the Split-D backward; sm_12x (compile-verified
-    only) and sm_100 (no kernels) recompute through SDPA. Delta runs first."""
+    only) and sm_100 (no backward kernels yet) recompute through SDPA. Delta runs first."""
     plan = dispatch.plan_bwd(prob(d=d), target=target)
     if family is None:
         assert plan.reason and not plan.cfgs

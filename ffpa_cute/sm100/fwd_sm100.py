@@ -76,11 +76,12 @@ class FFPAFwdSm100(KernelEntry):
     def _tiled_mmas(self):
         """QK: A = Q chunk (K-major), B = K chunk (K-major), both smem. PV: A = P from TMEM
         (K-major), B = V (N-major: Dv contiguous, as V lies in memory)."""
-        major = tcgen05.OperandMajorMode
+        major = cute.nvgpu.OperandMajorMode
         one = tcgen05.CtaGroup.ONE
-        qk = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.K, Float32, one,
+        dt = self.dtype
+        qk = sm100_utils.make_trivial_tiled_mma(dt, dt, major.K, major.K, Float32, one,
                                                 self.qk_tiler[:2])
-        pv = sm100_utils.make_trivial_tiled_mma(self.dtype, major.K, major.MN, Float32, one,
+        pv = sm100_utils.make_trivial_tiled_mma(dt, dt, major.K, major.MN, Float32, one,
                                                 self.pv_tiler[:2], tcgen05.OperandSource.TMEM)
         return qk, pv
 
@@ -350,7 +351,7 @@ class FFPAFwdSm100(KernelEntry):
             grow = (m_new - m_run) * scale_log2 > RESCALE_THRESHOLD
             factor = Float32(1.0)
             if grow:
-                factor = cute.arch.exp2((m_run - m_new) * scale_log2)
+                factor = cute.math.exp2((m_run - m_new) * scale_log2, fastmath=True)
                 m_run = m_new
             m_scaled = m_run * scale_log2
             if m_run == -Float32.inf:  # no visible key yet: P = exp2(-inf) = 0
@@ -365,7 +366,7 @@ class FFPAFwdSm100(KernelEntry):
             tPr = cute.make_tensor(cute.recast_ptr(tPr_f32.iterator, dtype=self.dtype),
                                    tSr.layout)
             for e in cutlass.range_constexpr(cute.size(tSr)):
-                p = cute.arch.exp2(tSr[e] * scale_log2 - m_scaled)
+                p = cute.math.exp2(tSr[e] * scale_log2 - m_scaled, fastmath=True)
                 row_sum += p
                 tPr[e] = p.to(self.dtype)
             l_run = l_run * factor + row_sum
@@ -410,8 +411,7 @@ class FFPAFwdSm100(KernelEntry):
             reg = cute.make_rmem_tensor(ld.partition_D(chunks[None, None, 0, c]).shape, Float32)
             cute.copy(ld, src, reg)
             cute.arch.fence_view_async_tmem_load()
-            for e in cutlass.range_constexpr(cute.size(reg)):
-                reg[e] = reg[e] * factor
+            reg.store(reg.load() * factor)
             cute.copy(st, reg, st.partition_D(chunks[None, None, 0, c]))
         cute.arch.fence_view_async_tmem_store()
 
@@ -432,8 +432,7 @@ class FFPAFwdSm100(KernelEntry):
             else:
                 reg.fill(0.0)
             out = cute.make_rmem_tensor((EPI_COLS,), self.dtype)
-            for e in cutlass.range_constexpr(EPI_COLS):
-                out[e] = (reg[e] * inv).to(self.dtype)
+            out.store((reg.load() * inv).to(self.dtype))
             for v8 in cutlass.range_constexpr(EPI_COLS // vec):
                 col = col0 + c * EPI_COLS + v8 * vec
                 if row < seqlen_q and col < cfg.dv:

@@ -1,0 +1,54 @@
+"""The sm100 tcgen05 forward compiles for sm_100a on the CPU with the instructions it was
+designed around and no spills. **Compile-verified only, never run**: no sm_100 GPU exists here;
+tests/test_sm100_plan.py proves its resource plan and mbarrier protocol."""
+
+import re
+
+import pytest
+
+from ffpa_cute import dispatch
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.sm100 import config as c100
+from test_kernels_compile import _ptxas_spills  # tests/ is on sys.path
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx next to the working directory
+
+
+def _problem(d, causal=False, dv=None, dtype="bf16", hq=8, hkv=2):
+    return AttnProblem(dtype=dtype, batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=1000,
+                       seqlen_kv=1000, head_dim=d, head_dim_v=dv or d, causal=causal)
+
+
+CASES = [(d, False, None, "bf16") for d in (264, 320, 512, 576, 768, 1024)] + [
+    (512, True, None, "bf16"), (1000, True, None, "fp16"), (576, False, 512, "bf16")]
+
+
+@pytest.mark.parametrize("d,causal,dv,dtype", CASES)
+def test_sm100_forward_compiles_with_tcgen05(d, causal, dv, dtype):
+    plan = dispatch.plan_fwd(_problem(d, causal, dv, dtype), target="sm_100a")
+    assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100"
+    cfg = plan.cfg
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    assert ".target sm_100a" in ptx
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* (\[%r\d+\]), (\S+),", ptx)
+    # QK: both operands from smem descriptors; PV: A (P) from TMEM ("[%r..]")
+    ss = [m for m in mmas if not m[1].startswith("[")]
+    ts = [m for m in mmas if m[1].startswith("[")]
+    k_blocks = c100.K_CHUNK // c100.MMA_K
+    assert len(ss) == cfg.num_k_chunks * k_blocks, len(ss)
+    assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // c100.MMA_K, len(ts)
+    assert ptx.count("tcgen05.alloc.cta_group::1") == 1
+    assert ptx.count("tcgen05.dealloc.cta_group::1") == 1
+    assert "tcgen05.ld.sync.aligned.32x32b" in ptx and "tcgen05.st.sync.aligned.32x32b" in ptx
+    assert "tcgen05.commit.cta_group::1.mbarrier::arrive::one" in ptx
+    assert "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx" in ptx
+    assert "wgmma" not in ptx and "mma.sync" not in ptx
+    assert ".local" not in ptx, "local memory in PTX"
+    res = _ptxas_spills(ptx, "sm_100a")
+    if res is not None:
+        stores, loads, regs = res
+        assert stores == 0 and loads == 0, f"{cfg}: spills {stores}/{loads} B, {regs} regs"
+        assert regs <= dict((r, n) for r, *_, n in c100.WARP_ROLES)["softmax"]
