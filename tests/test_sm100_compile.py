@@ -44,7 +44,14 @@ def test_sm100_forward_compiles_with_tcgen05(d, causal, dv, dtype):
     assert ptx.count("tcgen05.dealloc.cta_group::1") == 1
     assert "tcgen05.ld.sync.aligned.32x32b" in ptx and "tcgen05.st.sync.aligned.32x32b" in ptx
     assert "tcgen05.commit.cta_group::1.mbarrier::arrive::one" in ptx
-    assert "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx" in ptx
+    assert "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx" in ptx  # V
+    # Q and K chunks: multicast over the row tile's cluster, released on every CTA
+    assert cfg.multicast == (cfg.o_split > 1)
+    if cfg.multicast:
+        assert ptx.count(".global.tile.mbarrier::complete_tx::bytes.multicast::cluster") == 2 * (
+            cfg.num_k_chunks)
+        assert "tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.multicast" in ptx
+        assert ptx.count("barrier.cluster.wait") == 2
     assert "wgmma" not in ptx and "mma.sync" not in ptx
     assert ".local" not in ptx, "local memory in PTX"
     res = _ptxas_spills(ptx, "sm_100a")
@@ -52,3 +59,14 @@ def test_sm100_forward_compiles_with_tcgen05(d, causal, dv, dtype):
         stores, loads, regs = res
         assert stores == 0 and loads == 0, f"{cfg}: spills {stores}/{loads} B, {regs} regs"
         assert regs <= dict((r, n) for r, *_, n in c100.WARP_ROLES)["softmax"]
+
+
+def test_sm100_forward_without_multicast_compiles():
+    """The unshared form (each CTA loads its own Q and K) stays buildable: one config key."""
+    import dataclasses
+
+    plan = dispatch.plan_fwd(_problem(512, True), target="sm_100a")
+    cfg = dataclasses.replace(plan.cfg, multicast=False)
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    assert "multicast::cluster" not in ptx and "barrier.cluster" not in ptx
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx

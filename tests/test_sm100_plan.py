@@ -19,10 +19,10 @@ from ffpa_cute.sm100 import protocol
 HEAD_DIMS = (264, 320, 512, 576, 768, 1024)
 
 
-def plan(d, dv=None, causal=False):
+def plan(d, dv=None, causal=False, multicast=True):
     p = AttnProblem(dtype="bf16", batch=1, heads_q=4, heads_kv=4, seqlen_q=1000,
                     seqlen_kv=1000, head_dim=d, head_dim_v=dv or d, causal=causal)
-    return c100.plan_fwd(p)
+    return c100.plan_fwd(p, multicast=multicast)
 
 
 @pytest.mark.parametrize("d", [*HEAD_DIMS, *range(264, 1025, 8)][::7] + list(HEAD_DIMS))
@@ -69,12 +69,15 @@ def test_can_implement_rejects():
                                   seqlen_kv=8, head_dim=512, head_dim_v=512, window_lo=-4))
 
 
+@pytest.mark.parametrize("multicast", [True, False])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_protocol_model(d):
-    """Hundreds of steps per tile: no deadlock, no hazard, for block counts 0 .. 40."""
-    cfg = plan(d)
+def test_protocol_model(d, multicast):
+    """Hundreds of steps per tile (its cluster of o_split CTAs with `multicast`): no deadlock,
+    no hazard, for block counts 0 .. 40."""
+    cfg = plan(d, multicast=multicast)
+    assert cfg.cluster_size == (cfg.o_split if multicast else 1)
     for blocks in (0, 1, 2, 3, 5, 17, 40):
-        for seed in range(12):
+        for seed in range(8):
             steps = protocol.run(cfg, blocks, seed)
             assert blocks < 5 or steps > 200
 
@@ -84,7 +87,7 @@ class _NoWaitOnPV(protocol.Model):
     MMAs."""
 
     def done(self, bar, phase):
-        return True if bar == "o_done[0]" else super().done(bar, phase)
+        return True if bar.endswith("o_done[0]") else super().done(bar, phase)
 
 
 class _ShallowLoader(protocol.Model):
@@ -100,7 +103,7 @@ class _NoEmptyWait(protocol.Model):
     """A fault: the load thread refills QK stages without waiting for the MMAs to free them."""
 
     def done(self, bar, phase):
-        return True if bar.startswith("qk_empty") else super().done(bar, phase)
+        return True if "qk_empty" in bar else super().done(bar, phase)
 
 
 class _FewerArrivals(protocol.Model):
@@ -109,13 +112,76 @@ class _FewerArrivals(protocol.Model):
     def __init__(self, cfg, blocks, seed):
         super().__init__(cfg, blocks, seed)
         for i in (0, 1):
-            self.bars[f"p_full[{i}]"].count += 1
+            self.bars[self.bar(0, "p_full", i)].count += 1
 
 
-@pytest.mark.parametrize("fault", [_NoWaitOnPV, _ShallowLoader, _NoEmptyWait,
-                                   _FewerArrivals])
-def test_protocol_model_catches_faults(fault):
-    cfg = plan(512)
+class _LocalRelease(protocol.Model):
+    """A fault of the cluster: each MMA thread releases a QK stage on its own CTA only, and
+    the stage's owner refills it on every CTA once its own MMAs are done with it (a peer may
+    still be reading it)."""
+
+    def __init__(self, cfg, blocks, seed):
+        super().__init__(cfg, blocks, seed)
+        for bar in self.bars:
+            if "qk_empty" in bar:
+                self.bars[bar].count = 1
+
+    def commit_targets(self, cta, name):
+        return range(cta, cta + 1)
+
+
+class _PeerDoesNotExpect(protocol.Model):
+    """A fault of the cluster: only the chunk's owner posts the stage's expected bytes; the
+    peers' phases complete on the arrival alone, before the data lands."""
+
+    def __init__(self, cfg, blocks, seed):
+        super().__init__(cfg, blocks, seed)
+        self._owner = super().owner
+
+    def load(self, r):
+        cfg = self.cfg
+        qk = 0
+        for n in range(self.blocks + 1):
+            if n < self.blocks:
+                for c in range(cfg.num_k_chunks):
+                    s, rnd = qk % cfg.qk_stages, qk // cfg.qk_stages
+                    while rnd and not self.done(self.bar(r, "qk_empty", s), rnd - 1):
+                        yield
+                    full = self.bar(r, "qk_full", s)
+                    self.bars[full].arrive(full, protocol.STAGE_BYTES if self.owner(c) == r
+                                           else 0)
+                    if self.owner(c) == r:
+                        for dst in range(self.ctas):
+                            self.tma.append((f"{dst}:qk{s}", ("qk", n, c),
+                                             self.bar(dst, "qk_full", s)))
+                    qk += 1
+                    yield
+            if n:  # V as the kernel loads it
+                yield from _v_loads(self, r, n)
+
+
+def _v_loads(model, r, n):
+    """The V stages of block n - 1 as `Model.load` issues them (the faults above change only
+    the QK ring)."""
+    cfg = model.cfg
+    v0 = (n - 1) * cfg.v_blocks_per_tile
+    for j in range(cfg.v_blocks_per_tile):
+        v = v0 + j
+        s, rnd = v % cfg.v_stages, v // cfg.v_stages
+        while rnd and not model.done(model.bar(r, "v_empty", s), rnd - 1):
+            yield
+        full = model.bar(r, "v_full", s)
+        model.bars[full].arrive(full, protocol.STAGE_BYTES)
+        model.tma.append((f"{r}:v{s}", ("v", n - 1, j), full))
+        yield
+
+
+@pytest.mark.parametrize("fault,multicast", [
+    (_NoWaitOnPV, False), (_ShallowLoader, False), (_NoEmptyWait, False),
+    (_FewerArrivals, False), (_NoWaitOnPV, True), (_NoEmptyWait, True),
+    (_LocalRelease, True), (_PeerDoesNotExpect, True)])
+def test_protocol_model_catches_faults(fault, multicast):
+    cfg = plan(512, multicast=multicast)
     with pytest.raises(protocol.ProtocolError):
         for seed in range(40):
             fault(cfg, 9, seed).run(max_steps=20000)

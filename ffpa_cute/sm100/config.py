@@ -18,7 +18,9 @@ selfcheck.py's canary.
 #   columns [256, 256 + dv_cta)  O (fp32)
 #
 # executing (o_split + 1) / 2 GEMM units per counted unit (1.5 at D <= 512, 2 at <= 768, 2.5
-# at <= 1024; docs/design.md section 7 has the predicted TFLOPS per D).
+# at <= 1024; docs/design.md section 7 has the predicted TFLOPS per D). The o_split CTAs of a
+# row tile form a cluster that multicasts the Q and K chunks (`multicast`): L2 serves them once
+# per row tile, which the prediction says is what keeps D = 512 tensor-bound.
 # Shared memory: a QK ring (a [128 x 64] Q chunk beside each [128 x 64] K chunk, 32 KB at 16
 # bits: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring ([64 x dv_cta]
 # stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem (it stays in TMEM
@@ -71,6 +73,11 @@ class FwdConfigSm100:
     head_dim_v: Dv when it differs from D (MLA-absorbed 576 / 512), else None
     qk_stages:  depth of the QK ring ([128 x 64] Q and K chunks per stage)
     v_stages:   depth of the V ring ([64 x dv_cta] per stage)
+    multicast:  the o_split CTAs of a row tile form a cluster and share their (identical) Q and
+                K chunks: chunk c of each block is loaded by CTA c % o_split and multicast to
+                every CTA of the cluster, so L2 serves Q and K once per row tile instead of
+                o_split times; a stage is refilled only after every CTA's MMAs released it
+                (each MMA thread's tcgen05.commit arrives on all the cluster's qk_empty)
     """
 
     arch: str
@@ -80,6 +87,7 @@ class FwdConfigSm100:
     head_dim_v: int | None = None
     qk_stages: int = 3
     v_stages: int = 2
+    multicast: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100"
 
@@ -126,6 +134,11 @@ class FwdConfigSm100:
     @property
     def ctas_per_tile(self) -> int:
         return self.o_split
+
+    @property
+    def cluster_size(self) -> int:
+        """CTAs per cluster: the row tile's o_split with `multicast`, else 1."""
+        return self.o_split if self.multicast else 1
 
     # ------------------------------------------------------------------ TMEM
     def tmem_regions(self) -> list[tuple[str, int, int]]:
@@ -174,15 +187,18 @@ class FwdConfigSm100:
         """name -> (mbarriers, arrivals that complete a phase). The kernel allocates and
         initialises exactly these; `protocol.py` models them.
 
-        qk_full / v_full: the load thread's expect-tx arrival (the bytes complete the phase);
-        qk_empty / v_empty: the MMA warp's tcgen05.commit once the stage's MMAs have read it;
+        qk_full / v_full: the load thread's expect-tx arrival (the bytes complete the phase;
+        `multicast`: a QK stage's bytes come from the CTA that owns its chunk);
+        qk_empty / v_empty: the MMA warp's tcgen05.commit once the stage's MMAs have read it
+        (`multicast`: every CTA of the cluster commits to every CTA's qk_empty);
         s_full: tcgen05.commit after the last QK MMA of a block;
         p_full: one arrival per softmax thread once P (and any O rescale) is in TMEM; it also
         frees the score buffer for QK two blocks later;
         o_done: tcgen05.commit after each block's PV MMAs (the softmax threads wait on it to
         rescale O, and once for the epilogue)."""
         softmax_threads = 32 * _role("softmax")[1]
-        return {"qk_full": (self.qk_stages, 1), "qk_empty": (self.qk_stages, 1),
+        return {"qk_full": (self.qk_stages, 1),
+                "qk_empty": (self.qk_stages, self.cluster_size),
                 "v_full": (self.v_stages, 1), "v_empty": (self.v_stages, 1),
                 "s_full": (2, 1), "p_full": (2, softmax_threads), "o_done": (1, 1)}
 
@@ -224,6 +240,8 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
                                        or not 64 <= cfg.head_dim_v <= MAX_HEAD_DIM):
         return (f"head_dim_v={cfg.head_dim_v}: None when equal to head_dim, else a multiple of "
                 f"8 in [64, {MAX_HEAD_DIM}]")
+    if cfg.multicast and cfg.o_split < 2:
+        return "multicast needs O split over >= 2 CTAs (Dv > 256)"
     if cfg.qk_stages < 2 or cfg.v_stages < 2:
         return "qk_stages and v_stages must be >= 2"
     if cfg.dv_cta > MAX_MMA_N:
@@ -237,16 +255,19 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
     return None
 
 
-def plan_fwd(problem: AttnProblem, arch: str = ARCH) -> FwdConfigSm100:
+def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> FwdConfigSm100:
     """The config for `problem` (16-bit, no window, sinks or one-launch varlen); raises
     ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
-    (4, 3, 2) beside a 3-deep QK ring, then the deepest QK ring beside it."""
+    (4, 3, 2) beside a 3-deep QK ring, then the deepest QK ring beside it. `multicast`: share
+    Q and K over the row tile's cluster (the default: the design's prediction says the
+    unshared form is L2-bound, docs/design.md section 7)."""
     if problem.has_window or problem.has_sinks or problem.varlen:
         raise ValueError("the sm100 forward has no sliding window, sinks or one-launch varlen yet")
     dv = problem.head_dim_v
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded,
-                head_dim_v=None if dv == problem.head_dim else dv)
+                head_dim_v=None if dv == problem.head_dim else dv,
+                multicast=multicast and dv > MAX_MMA_N)  # a cluster needs o_split >= 2
 
     def make(qk, v):
         return FwdConfigSm100(**base, qk_stages=qk, v_stages=v)

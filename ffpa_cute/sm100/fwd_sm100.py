@@ -13,6 +13,9 @@ roles that meet only through mbarriers (config `barriers()`; protocol.py models 
 
   load (warp 5)     TMA: per KV block n, its QK-ring stages ([128 x 64] chunks of Q and of K
                     over D), then the two [64 x dv_cta] V stages of the block before it.
+                    `multicast` (the default): the row tile's o_split CTAs are a cluster and
+                    chunk c is loaded once, by CTA c % o_split, into every CTA's stage; each
+                    CTA's MMA thread releases a stage on all of them.
   MMA (warp 4)      QK[n] = Q K[n]^T into S[n % 2] (tcgen05.mma, both operands from smem, a
                     commit on s_full); then PV[n-1]: O += P[n-1] V[n-1] with P read from TMEM
                     (the "TS" form) once the softmax published it (p_full), a commit on o_done.
@@ -97,7 +100,7 @@ class FFPAFwdSm100(KernelEntry):
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
                  stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32. Grid (ceil(Nq / 128) * o_split, Hq,
-        B), 192 threads, no cluster."""
+        B), 192 threads; clusters of o_split CTAs along x with `multicast`."""
         cfg = self.cfg
         q = aligned_bhnd(mQ, cfg.head_dim, self.dtype)
         k = aligned_bhnd(mK, cfg.head_dim, self.dtype)
@@ -111,12 +114,15 @@ class FFPAFwdSm100(KernelEntry):
         tQ = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[2, 3, 1, 0]))
         tK = cute.make_tensor(k.iterator, cute.select(k.layout, mode=[2, 3, 1, 0]))
         tV = cute.make_tensor(v.iterator, cute.select(v.layout, mode=[3, 2, 1, 0]))
+        # one CTA's tile per copy: with `multicast` the chunk's owner sends it to the cluster
         cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk.thr_id.shape,)).shape
         g2s = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        g2s_qk = (cpasync.CopyBulkTensorTileG2SMulticastOp(tcgen05.CtaGroup.ONE)
+                  if const_expr(cfg.multicast) else g2s)
         tma_q, gQ = cute.nvgpu.make_tiled_tma_atom_A(
-            g2s, tQ, cute.slice_(sQ_l, (None, None, None, 0)), self.qk_tiler, qk, cluster)
+            g2s_qk, tQ, cute.slice_(sQ_l, (None, None, None, 0)), self.qk_tiler, qk, cluster)
         tma_k, gK = cute.nvgpu.make_tiled_tma_atom_B(
-            g2s, tK, cute.slice_(sK_l, (None, None, None, 0)), self.qk_tiler, qk, cluster)
+            g2s_qk, tK, cute.slice_(sK_l, (None, None, None, 0)), self.qk_tiler, qk, cluster)
         tma_v, gV = cute.nvgpu.make_tiled_tma_atom_B(
             g2s, tV, cute.slice_(sV_l, (None, None, None, 0)), self.pv_tiler, pv, cluster)
 
@@ -129,7 +135,9 @@ class FFPAFwdSm100(KernelEntry):
                     softmax_scale * LOG2_E, causal_offset, sQ_l, sK_l, sV_l, tP_l,
                     Storage).launch(grid=grid, block=[num_threads(), 1, 1],
                                     smem=Storage.size_in_bytes(), stream=stream,
-                                    min_blocks_per_mp=1)
+                                    min_blocks_per_mp=1,
+                                    **({"cluster": [cfg.cluster_size, 1, 1]}
+                                       if const_expr(cfg.multicast) else {}))
 
     def _storage(self, sQ_l, sK_l, sV_l):
         """The shared-memory struct: cfg.barriers() in order, the TMEM address, the rings
@@ -171,7 +179,11 @@ class FFPAFwdSm100(KernelEntry):
         if warp == MMA_WARP:  # the MMA warp owns TMEM: allocates here, frees at the end
             cute.arch.alloc_tmem(cfg.tmem_alloc_columns, storage.tmem_addr.ptr)
             cute.arch.relinquish_tmem_alloc_permit()
-        cute.arch.sync_threads()
+        if const_expr(cfg.multicast):  # the peers' barriers exist before anything reaches them
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
         tmem = cute.arch.retrieve_tmem_ptr(Float32, 16, storage.tmem_addr.ptr)
 
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
@@ -204,7 +216,13 @@ class FFPAFwdSm100(KernelEntry):
             self._softmax(tStS, tOtO, thr_qk, mO, mLSE, bars, tidx, m_block, o_part, head,
                           batch, seqlen_q, seqlen_k, scale_log2, causal_offset, n_max)
 
-        cute.arch.sync_threads()  # every TMEM read done
+        # every TMEM read done; with `multicast` also every peer's copies into and commits to
+        # this CTA's shared memory (each peer consumed every stage before its epilogue)
+        if const_expr(cfg.multicast):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
         if warp == MMA_WARP:
             cute.arch.dealloc_tmem(tmem, cfg.tmem_alloc_columns)
 
@@ -230,6 +248,7 @@ class FFPAFwdSm100(KernelEntry):
         tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 3),
                                          cute.group_modes(thr_pv.partition_B(gv), 0, 3))
         qk_bytes, v_bytes = cfg.qk_stage_bytes, cfg.v_stage_bytes
+        everyone = cutlass.Int16((1 << cfg.cluster_size) - 1)  # `multicast`: the cluster
         qk_i = Int32(0)
         v_i = Int32(0)
         for i in cutlass.range(n_max + 1, unroll=1):
@@ -241,10 +260,17 @@ class FFPAFwdSm100(KernelEntry):
                                             ((qk_i // cfg.qk_stages) & 1) ^ 1)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(bars["qk_full"] + s, qk_bytes)
-                    cute.copy(tma_q, tQg[None, c], tQs[None, s],
-                              tma_bar_ptr=bars["qk_full"] + s)
-                    cute.copy(tma_k, tKg[None, n, c], tKs[None, s],
-                              tma_bar_ptr=bars["qk_full"] + s)
+                    if const_expr(cfg.multicast):
+                        if o_part == c % cfg.o_split:  # this CTA owns chunk c
+                            cute.copy(tma_q, tQg[None, c], tQs[None, s],
+                                      tma_bar_ptr=bars["qk_full"] + s, mcast_mask=everyone)
+                            cute.copy(tma_k, tKg[None, n, c], tKs[None, s],
+                                      tma_bar_ptr=bars["qk_full"] + s, mcast_mask=everyone)
+                    else:
+                        cute.copy(tma_q, tQg[None, c], tQs[None, s],
+                                  tma_bar_ptr=bars["qk_full"] + s)
+                        cute.copy(tma_k, tKg[None, n, c], tKs[None, s],
+                                  tma_bar_ptr=bars["qk_full"] + s)
                     qk_i += 1
             if i > 0:
                 n = n_max - i  # the block of PV[i - 1]
@@ -278,8 +304,10 @@ class FFPAFwdSm100(KernelEntry):
                         qk.set(tcgen05.Field.ACCUMULATE, c > 0 or kb > 0)
                         cute.gemm(qk, acc, tSrQ[None, None, kb, s], tSrK[None, None, kb, s],
                                   acc)
-                    with cute.arch.elect_one():
-                        tcgen05.commit(bars["qk_empty"] + s)
+                    with cute.arch.elect_one():  # (`multicast`: on every CTA's stage s)
+                        tcgen05.commit(bars["qk_empty"] + s,
+                                       (1 << cfg.cluster_size) - 1
+                                       if const_expr(cfg.multicast) else None)
                     qk_i += 1
                 with cute.arch.elect_one():
                     tcgen05.commit(bars["s_full"] + i % 2)

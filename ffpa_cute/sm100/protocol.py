@@ -1,22 +1,27 @@
 """An executable model of the sm100 forward's mbarrier protocol, built from its config.
 
-The kernel (fwd_sm100.py) has three roles that meet only through mbarriers and the in-order
-tensor pipe: the load thread (TMA into the QK and V rings), the MMA thread (tcgen05.mma into the
-TMEM score buffers and O) and the 128 softmax threads (S -> P in TMEM, O rescale, epilogue).
-Nothing of that can run here (no sm_100 GPU), so this module runs the same programs, in the
-same order, over a model of the hardware and checks what a hang or a race would break:
+The kernel (fwd_sm100.py) has three roles per CTA that meet only through mbarriers and the
+in-order tensor pipe: the load thread (TMA into the QK and V rings), the MMA thread
+(tcgen05.mma into the TMEM score buffers and O) and the 128 softmax threads (S -> P in TMEM, O
+rescale, epilogue); with `multicast` the row tile's o_split CTAs form a cluster whose QK-ring
+stages are filled by one CTA for all and released by all for one. Nothing of that can run here
+(no sm_100 GPU), so this module runs the same programs, in the same order, over a model of the
+hardware and checks what a hang or a race would break:
 
-- mbarriers with phases and arrival counts (`FwdConfigSm100.barriers()`: the counts and
-  depths the kernel allocates), waits on a phase parity as `mbarrier.try_wait.parity` does, and
-  an error when a wait's parity is ambiguous (the barrier two phases past the awaited one);
-- TMA loads completing later, in any order; the tensor pipe executing MMAs and
-  `tcgen05.commit` arrivals in issue order, later;
-- every buffer (ring stage, TMEM score buffer, O) with its readers and writers: a write while
-  another role may still read it, or a read of what was not written, is an error.
+- mbarriers with phases, arrival counts and transaction bytes (`FwdConfigSm100.barriers()`:
+  the counts and depths the kernel allocates): a phase completes when its arrivals are in and
+  its expected bytes have landed; waits read a phase parity as `mbarrier.try_wait.parity`
+  does, and a wait whose parity is ambiguous (the barrier two phases past it) is an error;
+- TMA loads (multicast: one landing per destination CTA) completing later, in any order; each
+  CTA's tensor pipe executing MMAs and `tcgen05.commit` arrivals (multicast: on every CTA of
+  the mask) in issue order, later;
+- every buffer (ring stage, TMEM score buffer, O) of every CTA with what it holds and who may
+  still read it: a write while another unit may still read it, or a read of what was not
+  written, is an error.
 
-`run(cfg, blocks, seed)` interleaves the roles at random until all finish; it raises
-`ProtocolError` on a deadlock or a hazard. tests/test_sm100_plan.py runs it for hundreds of
-steps over many seeds and block counts.
+`run(cfg, blocks, seed)` interleaves all roles and units at random until everything finishes;
+it raises `ProtocolError` on a deadlock or a hazard. tests/test_sm100_plan.py runs it over many
+seeds and block counts, and checks that it catches injected faults.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import random
 from dataclasses import dataclass, field
 
 from .config import FwdConfigSm100
+
+STAGE_BYTES = 1  # the model's unit of a stage's transaction bytes
 
 
 class ProtocolError(AssertionError):
@@ -35,14 +42,23 @@ class ProtocolError(AssertionError):
 class Barrier:
     count: int  # arrivals that complete a phase
     pending: int = 0
+    tx: int = 0  # expected bytes not yet landed in the current phase (may go negative)
     phase: int = 0  # completed phases
 
-    def arrive(self, name: str) -> None:
+    def _settle(self) -> None:
+        if self.pending == self.count and self.tx == 0:
+            self.pending, self.phase = 0, self.phase + 1
+
+    def arrive(self, name: str, expect_tx: int = 0) -> None:
         self.pending += 1
+        self.tx += expect_tx
         if self.pending > self.count:
             raise ProtocolError(f"{name}: {self.pending} arrivals for a phase of {self.count}")
-        if self.pending == self.count:
-            self.pending, self.phase = 0, self.phase + 1
+        self._settle()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        self._settle()
 
     def done(self, name: str, phase: int) -> bool:
         """Whether phase `phase` has completed, as a parity wait sees it; a wait whose phase is
@@ -63,15 +79,20 @@ class Buffer:
 class Model:
     def __init__(self, cfg: FwdConfigSm100, blocks: int, seed: int):
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
+        self.ctas = cfg.cluster_size
         self.role_cfg = {"load": cfg, "mma": cfg}  # what each role was built from (tests: faults)
-        self.bars = {f"{name}[{i}]": Barrier(arrivals)
+        self.bars = {self.bar(r, name, i): Barrier(arrivals) for r in range(self.ctas)
                      for name, (n, arrivals) in cfg.barriers().items() for i in range(n)}
         self.bufs: dict[str, Buffer] = {}
-        self.tma: list = []  # in-flight loads: (stage buffer, tag, barrier)
-        self.pipe: list = []  # the tensor pipe's queue: ("mma", reads, writes) / ("commit", bar)
+        self.tma: list = []  # in-flight landings: (cta, stage buffer, tag, barrier)
+        self.pipes: list[list] = [[] for _ in range(self.ctas)]  # each CTA's tensor pipe
         self.steps = 0
 
     # -------------------------------------------------------------- hardware
+    @staticmethod
+    def bar(cta: int, name: str, i: int = 0) -> str:
+        return f"{cta}:{name}[{i}]"
+
     def buf(self, name: str) -> Buffer:
         return self.bufs.setdefault(name, Buffer())
 
@@ -86,114 +107,123 @@ class Model:
             raise ProtocolError(f"{who} reads {name} expecting {tag}, it holds "
                                 f"{self.buf(name).valid}")
 
-    def arrive(self, bar: str) -> None:
-        self.bars[bar].arrive(bar)
-
     def done(self, bar: str, phase: int) -> bool:
         return self.bars[bar].done(bar, phase)
 
+    def commit_targets(self, cta: int, name: str) -> range:
+        """The CTAs a tcgen05.commit of `cta` on barrier `name` arrives at."""
+        return range(self.ctas) if name == "qk_empty" else range(cta, cta + 1)
+
+    def owner(self, chunk: int) -> int:
+        """The CTA that loads QK chunk `chunk` of every block (for the whole cluster)."""
+        return chunk % self.ctas
+
     # -------------------------------------------------------------- the roles
-    def load(self):
-        """The load thread: QK[0], then per block n V[n-1]'s stages after QK[n]'s, as the MMA
-        thread consumes them (then V of the last block)."""
+    def load(self, r: int):
+        """CTA r's load thread: QK[0], then per block n V[n-1]'s stages after QK[n]'s, as the
+        MMA thread consumes them (then V of the last block). Every CTA waits for its stage's
+        release and expects the stage's bytes; the chunk's owner issues the copy to all."""
         cfg = self.role_cfg["load"]
         qk = v = 0
         for n in range(self.blocks + 1):
             if n < self.blocks:
                 for c in range(cfg.num_k_chunks):
-                    s, r = qk % cfg.qk_stages, qk // cfg.qk_stages
-                    while r and not self.done(f"qk_empty[{s}]", r - 1):
+                    s, rnd = qk % cfg.qk_stages, qk // cfg.qk_stages
+                    while rnd and not self.done(self.bar(r, "qk_empty", s), rnd - 1):
                         yield
-                    self.tma.append((f"qk{s}", ("qk", n, c), f"qk_full[{s}]"))
-                    self.buf(f"qk{s}").valid = None  # being overwritten
+                    self.bars[self.bar(r, "qk_full", s)].arrive(self.bar(r, "qk_full", s),
+                                                               STAGE_BYTES)
+                    if self.owner(c) == r:
+                        for dst in range(self.ctas):
+                            self.tma.append((f"{dst}:qk{s}", ("qk", n, c),
+                                             self.bar(dst, "qk_full", s)))
                     qk += 1
                     yield
             if n:
                 for j in range(cfg.v_blocks_per_tile):
-                    s, r = v % cfg.v_stages, v // cfg.v_stages
-                    while r and not self.done(f"v_empty[{s}]", r - 1):
+                    s, rnd = v % cfg.v_stages, v // cfg.v_stages
+                    while rnd and not self.done(self.bar(r, "v_empty", s), rnd - 1):
                         yield
-                    self.tma.append((f"v{s}", ("v", n - 1, j), f"v_full[{s}]"))
-                    self.buf(f"v{s}").valid = None
+                    self.bars[self.bar(r, "v_full", s)].arrive(self.bar(r, "v_full", s),
+                                                              STAGE_BYTES)
+                    self.tma.append((f"{r}:v{s}", ("v", n - 1, j), self.bar(r, "v_full", s)))
                     v += 1
                     yield
 
-    def mma(self):
-        """The MMA thread: QK[n] into S[n % 2] (commit s_full), then PV[n-1] once P[n-1] is in
-        TMEM (commit o_done); each ring stage is released by a commit once its MMAs ran."""
+    def mma(self, r: int):
+        """CTA r's MMA thread: QK[n] into S[n % 2] (commit s_full), then PV[n-1] once P[n-1]
+        is in TMEM (commit o_done); each ring stage is released by a commit once its MMAs ran
+        (a QK stage on every CTA of the cluster)."""
         cfg = self.role_cfg["mma"]
+        pipe = self.pipes[r]
         qk = v = 0
         for n in range(self.blocks + 1):
             if n < self.blocks:
                 for c in range(cfg.num_k_chunks):
-                    s, r = qk % cfg.qk_stages, qk // cfg.qk_stages
-                    while not self.done(f"qk_full[{s}]", r):
+                    s, rnd = qk % cfg.qk_stages, qk // cfg.qk_stages
+                    while not self.done(self.bar(r, "qk_full", s), rnd):
                         yield
-                    self.pipe.append(("mma", [(f"qk{s}", ("qk", n, c))],
-                                      [(f"S{n % 2}", ("S", n) if c == cfg.num_k_chunks - 1
-                                        else ("S partial", n))]))
-                    self.pipe.append(("commit", f"qk_empty[{s}]", f"qk{s}"))
-                    self.buf(f"qk{s}").readers.add("pipe")
+                    last = c == cfg.num_k_chunks - 1
+                    pipe.append(("mma", [(f"{r}:qk{s}", ("qk", n, c))],
+                                 [(f"{r}:S{n % 2}", ("S", n) if last else ("S partial", n))]))
+                    pipe.append(("commit", "qk_empty", s, f"{r}:qk{s}"))
+                    self.buf(f"{r}:qk{s}").readers.add("pipe")
                     qk += 1
                     yield
-                self.pipe.append(("commit", f"s_full[{n % 2}]", None))
+                pipe.append(("commit", "s_full", n % 2, None))
             if n:
                 b = n - 1
-                while not self.done(f"p_full[{b % 2}]", b // 2):
+                while not self.done(self.bar(r, "p_full", b % 2), b // 2):
                     yield
                 for j in range(cfg.v_blocks_per_tile):
-                    s, r = v % cfg.v_stages, v // cfg.v_stages
-                    while not self.done(f"v_full[{s}]", r):
+                    s, rnd = v % cfg.v_stages, v // cfg.v_stages
+                    while not self.done(self.bar(r, "v_full", s), rnd):
                         yield
                     last = j == cfg.v_blocks_per_tile - 1
                     o_in = (None if b == 0 and j == 0 else ("O", b - 1) if j == 0
                             else ("O partial", b))  # the first MMA overwrites O
-                    self.pipe.append(("mma", [(f"v{s}", ("v", b, j)), (f"S{b % 2}", ("P", b)),
-                                              ("O", o_in)],
-                                      [("O", ("O", b) if last else ("O partial", b))]))
-                    self.pipe.append(("commit", f"v_empty[{s}]", f"v{s}"))
-                    self.buf(f"v{s}").readers.add("pipe")
+                    pipe.append(("mma", [(f"{r}:v{s}", ("v", b, j)), (f"{r}:S{b % 2}", ("P", b)),
+                                         (f"{r}:O", o_in)],
+                                 [(f"{r}:O", ("O", b) if last else ("O partial", b))]))
+                    pipe.append(("commit", "v_empty", s, f"{r}:v{s}"))
+                    self.buf(f"{r}:v{s}").readers.add("pipe")
                     v += 1
                     yield
-                self.pipe.append(("commit", "o_done[0]", None))
+                pipe.append(("commit", "o_done", 0, None))
 
-    def softmax(self):
-        """The softmax threads (one actor: they wait and arrive together): S[n] -> P[n] in
+    def softmax(self, r: int):
+        """CTA r's softmax threads (one actor: they wait and arrive together): S[n] -> P[n] in
         place, an O rescale when the row max grew (after PV[n-1], before P[n] is published),
         then the epilogue after the last PV."""
         for n in range(self.blocks):
-            while not self.done(f"s_full[{n % 2}]", n // 2):
+            while not self.done(self.bar(r, "s_full", n % 2), n // 2):
                 yield
-            self.read(f"S{n % 2}", ("S", n), "softmax")
+            self.read(f"{r}:S{n % 2}", ("S", n), "softmax")
             yield
             if n and self.rng.random() < 0.3:  # the row max grew past the threshold
-                while not self.done("o_done[0]", n - 1):
+                while not self.done(self.bar(r, "o_done"), n - 1):
                     yield
-                self.read("O", ("O", n - 1), "softmax")
-                self.write("O", ("O", n - 1), "softmax")  # rescaled in place
+                self.read(f"{r}:O", ("O", n - 1), "softmax")
+                self.write(f"{r}:O", ("O", n - 1), "softmax")  # rescaled in place
                 yield
-            self.write(f"S{n % 2}", ("P", n), "softmax")
+            self.write(f"{r}:S{n % 2}", ("P", n), "softmax")
+            p_full = self.bar(r, "p_full", n % 2)
             for _ in range(self.cfg.barriers()["p_full"][1]):
-                self.arrive(f"p_full[{n % 2}]")
+                self.bars[p_full].arrive(p_full)
             yield
         if self.blocks:
-            while not self.done("o_done[0]", self.blocks - 1):
+            while not self.done(self.bar(r, "o_done"), self.blocks - 1):
                 yield
-            self.read("O", ("O", self.blocks - 1), "epilogue")
+            self.read(f"{r}:O", ("O", self.blocks - 1), "epilogue")
 
     # -------------------------------------------------------------- async units
-    def land_tma(self) -> bool:
-        if not self.tma:
-            return False
+    def land_tma(self) -> None:
         stage, tag, bar = self.tma.pop(self.rng.randrange(len(self.tma)))
         self.write(stage, tag, "TMA")
-        self.arrive(bar)
-        return True
+        self.bars[bar].complete_tx(STAGE_BYTES)
 
-    def run_pipe(self) -> bool:
-        if not self.pipe:
-            return False
-        op = self.pipe.pop(0)
+    def run_pipe(self, r: int) -> None:
+        op = self.pipes[r].pop(0)
         if op[0] == "mma":
             for name, tag in op[1]:
                 if tag is not None:
@@ -201,36 +231,39 @@ class Model:
             for name, tag in op[2]:
                 self.write(name, tag, "pipe")
         else:
-            _, bar, released = op
+            _, name, i, released = op
             if released is not None:
                 self.buf(released).readers.discard("pipe")
-            self.arrive(bar)
-        return True
+            for dst in self.commit_targets(r, name):
+                self.bars[self.bar(dst, name, i)].arrive(self.bar(dst, name, i))
 
-    def run(self, max_steps: int = 200000) -> int:
-        roles = {"load": self.load(), "mma": self.mma(), "softmax": self.softmax()}
-        while roles or self.tma or self.pipe:
+    def run(self, max_steps: int = 400000) -> int:
+        roles = {f"{role}{r}": getattr(self, role)(r) for r in range(self.ctas)
+                 for role in ("load", "mma", "softmax")}
+        while roles or self.tma or any(self.pipes):
             self.steps += 1
             if self.steps > max_steps:
                 raise ProtocolError(f"no progress after {max_steps} steps: deadlock "
                                     f"(roles left: {sorted(roles)})")
-            choice = self.rng.randrange(len(roles) + 2)
-            if choice == len(roles):
+            units = sorted(roles) + ["tma"] * bool(self.tma) + [
+                f"pipe{r}" for r in range(self.ctas) if self.pipes[r]]
+            unit = units[self.rng.randrange(len(units))]
+            if unit == "tma":
                 self.land_tma()
-            elif choice == len(roles) + 1:
-                self.run_pipe()
+            elif unit.startswith("pipe"):
+                self.run_pipe(int(unit[4:]))
             else:
-                name = sorted(roles)[choice]
                 try:
-                    next(roles[name])
+                    next(roles[unit])
                 except StopIteration:
-                    del roles[name]
+                    del roles[unit]
         return self.steps
 
 
 def run(cfg: FwdConfigSm100, blocks: int, seed: int = 0) -> int:
-    """Model one tile of `blocks` KV blocks; the steps taken (raises ProtocolError)."""
+    """Model one row tile (its cluster with `multicast`) of `blocks` KV blocks; the steps
+    taken (raises ProtocolError)."""
     return Model(cfg, blocks, seed).run()
 
 
-__all__ = ["ProtocolError", "run"]
+__all__ = ["Model", "ProtocolError", "run"]
