@@ -14,10 +14,12 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 |                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
-| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (compile-verified only,|
-|                      |                 |        | never run: a canary checks each config    |
-|                      |                 |        | on first use, selfcheck.py)               |
-| 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd, 99 KB plan (never run)       |
+| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd, Split-D bwd           |
+|                      |                 |        | (compile-verified only, never run: a      |
+|                      |                 |        | canary checks each config on first use,   |
+|                      |                 |        | selfcheck.py)                             |
+| 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd + bwd, 99 KB plan (never run; |
+|                      |                 |        | canaried likewise)                        |
 
 `Options.family` (env FFPA_CUTE_ARCH) forces a family on the device's own target, e.g. "sm80"
 runs the mma.sync kernels on an H200. Kernels never query the device; only this module does.
@@ -74,9 +76,10 @@ def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
 
 
 def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
+    """The Split-D dQ / dK / dV: the sm80 family's backward, and (compile-verified only,
+    canaried on first use: selfcheck.bwd_reason) the sm100 and sm120 families' until they
+    have their own."""
     _no_varlen(p, "Split-D")
-    if target.startswith("sm_12"):
-        raise ValueError("the Split-D backward is compile-verified only on sm_12x (never run)")
     return [sm80_config.plan_bwd(kind, p, target) for kind in ("dq", "dk", "dv")]
 
 
@@ -150,12 +153,14 @@ FAMILIES = {
                    "run and tested on an H200",
                    fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd},
                    verified_targets=("sm_90a",), decode={"16bit": _sm90_decode}),
-    "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward",
-                    "compile-verified only, never run",
-                    fwd={"16bit": _sm100_fwd, "fp8": None, "fp4": None}, bwd={"16bit": None}),
+    "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward; the Split-D mma.sync "
+                    "backward", "compile-verified only, never run",
+                    fwd={"16bit": _sm100_fwd, "fp8": None, "fp4": None},
+                    bwd={"16bit": _sm80_bwd}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",
-                    fwd={"16bit": _sm120_fwd, "fp8": None, "fp4": None}, bwd={"16bit": None}),
+                    fwd={"16bit": _sm120_fwd, "fp8": None, "fp4": None},
+                    bwd={"16bit": _sm80_bwd}),
 }
 
 

@@ -340,7 +340,7 @@ def _backward_route(problem: AttnProblem, device) -> str:
     """What the backward of a kernel-served forward runs (the autograd path's own decision)."""
     plan = dispatch.plan_bwd(problem, device)
     if plan.reason is None:
-        return f"{plan.family} backward kernels (dQ, dK, dV)"
+        return f"{plan.family} backward kernels (dQ, dK, dV){selfcheck.status(plan, device)}"
     math = problem.has_window or problem.has_sinks
     return f"{'torch math' if math else 'SDPA recompute'} ({plan.reason})"
 

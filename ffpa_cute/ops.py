@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, launch
+from . import dispatch, launch, selfcheck
 from . import options as _options
 from .fallback import sdpa_recompute_backward
 from .math_attention import math_grads
@@ -82,7 +82,9 @@ def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float, opts=None)
     problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=causal_offset,
                                        scale=scale)
     plan = dispatch.plan_bwd(problem, q.device, opts=opts)
-    return plan if plan.reason is None else None
+    if plan.reason is not None or selfcheck.bwd_reason(plan, q.device, opts) is not None:
+        return None  # (a failed first-use canary is logged once by selfcheck)
+    return plan
 
 
 def _kernel_backward(plan, q, k, v, out, lse, dout):
@@ -173,7 +175,7 @@ def feature_backward(q, k, v, sinks, out, lse, dout, problem: AttnProblem, opts=
     Delta_i = rowsum(dout * out) (Note [Sinks] in common/softmax.py)."""
     p = problem
     plan = dispatch.plan_bwd(p, q.device, opts=opts)
-    if plan.reason is None:
+    if plan.reason is None and selfcheck.bwd_reason(plan, q.device, opts) is None:
         with on(q.device):
             dq, dk, dv, delta = launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(),
                                                with_delta=True)

@@ -13,15 +13,18 @@ raise, in strict mode), and the reason is logged once. The cost is one canary pe
 per process (a few ms after the kernel's compile); `Options.self_check="off"` skips it,
 `"always"` checks every family (what the H200 tests use to prove the mechanism).
 
-The canary runs the forward kernel only: a backward configuration on an unverified target is not
-canaried (the backward kernels share the forward's family and tile code, but a backward-only fault
-would not be caught here).
+The backward's kernels (Delta, dQ, dK, dV) are canaried the same way on their first use
+(`bwd_reason`): the same small problem with a random dO, against gradients written out in
+float32 from the same out and lse (`reference.attention_grads`), each of dq, dk, dv within
+2 * (torch in the same dtype) + 1e-3; on a mismatch that backward configuration recomputes
+through SDPA for the process (logged once).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 
@@ -31,11 +34,13 @@ from .problem import DTYPE_NAMES, AttnProblem
 
 CANARY_SEQLEN_Q, CANARY_SEQLEN_KV = 67, 200  # odd, several KV blocks, a partial last block
 _FP8 = ("e4m3", "e5m2")  # the canary draws 16-bit inputs; FP8 has kernels only on sm_90a
-_RESULTS: dict = {}  # (kernel class, cfg, device) -> None (passed) or the failure reason
+_RESULTS: dict = {}  # (family, cfg or cfgs, device) -> None (passed) or the failure reason
+log = logging.getLogger("ffpa_cute")
 
 
 def needed(plan, opts=None) -> bool:
-    """Whether `plan`'s kernel must pass the canary before serving a call."""
+    """Whether `plan`'s kernel (a forward Plan, or a BwdPlan's kernels) must pass the canary
+    before serving a call."""
     opts = opts or _options.current()
     if plan.reason is not None or opts.self_check == "off" or plan.problem.dtype in _FP8:
         return False
@@ -45,7 +50,7 @@ def needed(plan, opts=None) -> bool:
     return opts.self_check == "always" or plan.target not in family.verified_targets
 
 
-def canary_problem(plan) -> AttnProblem:
+def canary_problem(plan, packed: bool | None = None, requires_grad: bool = False) -> AttnProblem:
     """A small problem that plans the same kernel configuration as `plan`: the same dtype,
     head dims, causal mode and GQA ratio (at most 8 query heads per KV head), packed rows when
     `plan` packs them (one query row: decode), else 67 query rows against 200 keys; without a
@@ -53,13 +58,13 @@ def canary_problem(plan) -> AttnProblem:
     without them, `_base_cfg`)."""
     p = plan.problem
     g = min(p.qhead_per_kvhead, 8)
-    nq = 1 if plan.packed else CANARY_SEQLEN_Q
+    nq = 1 if (plan.packed if packed is None else packed) else CANARY_SEQLEN_Q
     return dataclasses.replace(p, batch=1, heads_q=g, heads_kv=1, seqlen_q=nq,
                                seqlen_kv=CANARY_SEQLEN_KV,
                                causal=p.right_bounded,
                                causal_offset=CANARY_SEQLEN_KV - nq if p.right_bounded else 0,
-                               requires_grad=False, window_lo=None, window_hi=None,
-                               has_sinks=False)
+                               requires_grad=requires_grad, window_lo=None,
+                               window_hi=None, has_sinks=False)
 
 
 def _base_cfg(cfg):
@@ -101,6 +106,54 @@ def _canary(plan, device) -> str | None:
     return None
 
 
+def _canary_bwd(plan, device) -> str | None:
+    """Run the canary of a backward plan's kernels; None when dq, dk and dv pass, else why."""
+    from .reference import attention_grads, attention_ref, rel_err
+
+    cp = canary_problem(plan, packed=False, requires_grad=True)
+    cplan = dispatch.plan_bwd(cp, device)
+    base = tuple(_base_cfg(c) for c in plan.cfgs)
+    if cplan.reason is not None or cplan.cfgs != base:
+        return (f"self-check could not build a backward canary for {plan.cfgs}: it planned "
+                f"{cplan.cfgs or cplan.reason}")
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[cp.dtype]
+    gen = torch.Generator(device=device).manual_seed(4321)
+
+    def rnd(h, n, d):
+        return torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
+
+    q, k = rnd(cp.heads_q, cp.seqlen_q, cp.head_dim), rnd(1, cp.seqlen_kv, cp.head_dim)
+    v, dout = rnd(1, cp.seqlen_kv, cp.head_dim_v), rnd(cp.heads_q, cp.seqlen_q, cp.head_dim_v)
+    args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale)
+    out, lse = attention_ref(q, k, v, upcast=torch.float32, **args)
+    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on:
+        got = launch.run_bwd(cplan, q, k, v, out.to(dtype), lse.float(), dout)
+    ref = attention_grads(q, k, v, dout, dtype=torch.float32, **args)
+    same = attention_grads(q, k, v, dout, dtype=dtype, **args)
+    for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, same):
+        err, bound = rel_err(g, r), 2 * rel_err(b, r) + 1e-3
+        if not err <= bound:  # NaN fails too
+            return (f"self-check failed for the {plan.family} backward on {plan.target}: "
+                    f"canary {name} error {err:.3g} > {bound:.3g}; its backward recomputes "
+                    "through SDPA in this process")
+    return None
+
+
+def bwd_reason(plan, device: torch.device, opts=None) -> str | None:
+    """None when backward plan `plan` (without a reason) may serve on `device` under `opts`
+    (default: the current options), else why not; runs its canary on first use and logs a
+    failure once."""
+    if not needed(plan, opts):
+        return None
+    key = (plan.family, plan.cfgs, str(device))
+    if key not in _RESULTS:
+        _RESULTS[key] = _canary_bwd(plan, device)
+        if _RESULTS[key] is not None:
+            log.warning("ffpa_cute: %s", _RESULTS[key])
+    return _RESULTS[key]
+
+
 def reason(plan, device: torch.device) -> str | None:
     """None when `plan` may serve calls on `device` (checked, or no check needed), else why
     not; runs the canary on the first call of each configuration."""
@@ -117,7 +170,8 @@ def status(plan, device: torch.device) -> str:
     (explain runs nothing)."""
     if not needed(plan):
         return ""
-    result = _RESULTS.get((plan.family, plan.cfg, str(device)), "pending")
+    cfg = plan.cfgs if hasattr(plan, "cfgs") else plan.cfg
+    result = _RESULTS.get((plan.family, cfg, str(device)), "pending")
     if result == "pending":
         return " (self-check pending: its first call runs a canary)"
     return " (self-check passed)" if result is None else f" ({result})"
@@ -128,4 +182,4 @@ def clear() -> None:
     _RESULTS.clear()
 
 
-__all__ = ["canary_problem", "clear", "needed", "reason", "status"]
+__all__ = ["bwd_reason", "canary_problem", "clear", "needed", "reason", "status"]

@@ -52,8 +52,10 @@ def test_the_table_is_data():
         assert fam.name == name and fam.verified and "16bit" in fam.fwd and "16bit" in fam.bwd
     assert dispatch.FAMILIES["sm120"].verified == "compile-verified only, never run"
     assert dispatch.FAMILIES["sm100"].verified == "compile-verified only, never run"
-    assert dispatch.FAMILIES["sm100"].bwd["16bit"] is None and not (
-        dispatch.FAMILIES["sm100"].verified_targets)
+    # their backward is the Split-D kernels, canaried on first use (no verified targets)
+    for fam in ("sm100", "sm120"):
+        assert dispatch.FAMILIES[fam].bwd["16bit"] is not None
+        assert not dispatch.FAMILIES[fam].verified_targets
 
 
 @pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
@@ -176,12 +178,13 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
 @pytest.mark.parametrize("d,target,family,grads", [
     (512, "sm_90a", "sm90", "FFPABwdDQSm90"), (1024, "sm_90a", "sm90", "FFPABwdDQSm90"),
     (520, "sm_90a", "sm90", "FFPABwdDQSm90"), (512, "sm_80", "sm80", "FFPABwdDQSm80"),
-    (512, "sm_120a", None, None), (512, "sm_100a", None, None)])
+    (512, "sm_120a", "sm120", "FFPABwdDQSm80"), (512, "sm_100a", "sm100", "FFPABwdDQSm80")])
 def test_backward_routing(d, target, family, grads):
     """The backward's kernels come from the same table as the forward: on sm_90a the WGMMA dQ /
     dK / dV at every D up to 1024 (D % 16 == 8 above 512 too: the second CTA of the pair owns 8
-    columns past D, as in the forward), on sm_80 the Split-D backward; sm_12x (compile-verified
-    only) and sm_100 (no backward kernels yet) recompute through SDPA. Delta runs first."""
+    columns past D, as in the forward), on sm_80 the Split-D backward, and on sm_12x and sm_100
+    (compile-verified only; canaried on first use) the Split-D backward too. Delta runs
+    first."""
     plan = dispatch.plan_bwd(prob(d=d), target=target)
     if family is None:
         assert plan.reason and not plan.cfgs

@@ -13,7 +13,7 @@ import ffpa_cute
 from ffpa_cute import dispatch, explain, launch, selfcheck
 from ffpa_cute.options import Options
 from ffpa_cute.problem import AttnProblem
-from ffpa_cute.reference import attention_ref, rel_err
+from ffpa_cute.reference import attention_grads, attention_ref, rel_err
 
 
 def prob(d=512, hq=4, hkv=4, nq=7, nkv=7, causal=False, dv=None, **kw):
@@ -130,4 +130,94 @@ def test_the_canary_on_the_device(seed, family, monkeypatch, caplog):
         out = ffpa_cute.attention(q, k, v, is_causal=True)
         assert any("self-check failed" in r.getMessage() for r in caplog.records)
         assert rel_err(out, ref) < 1e-2  # SDPA's answer, not the faulty kernel's
+    ffpa_cute.interface._clear_caches()
+
+
+def _grads(q, k, v, dout):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ffpa_cute.attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def test_the_backward_canary_passes_once_and_serves(seed, fakes):
+    """A backward plan never run on its target canaries its kernels on first use (the
+    canary's own shape: 67 x 200), then serves every backward."""
+    q, k, v = qkv()
+    dout = torch.randn(2, 4, 7, 64)
+    for _ in range(2):
+        got = _grads(q, k, v, dout)
+    ref = attention_grads(q, k, v, dout, causal=True, causal_offset=129 - 7)
+    assert all(rel_err(g, r) < 1e-5 for g, r in zip(got, ref))
+    assert [p.seqlen_kv for p in fakes.bwd_calls] == [200, 129, 129]
+    assert "self-check passed" in explain(q, k, v, is_causal=True, enable_gqa=True).split(
+        "backward")[-1]
+
+
+def test_a_wrong_backward_is_caught_and_recomputes(seed, fakes, monkeypatch, caplog):
+    """An injected fault in one gradient (dk * 1.05) fails the canary: the backward recomputes
+    through SDPA (right gradients), the reason is logged once, the kernels are not called
+    again."""
+    real = launch.run_bwd
+
+    def wrong(plan, *a, **kw):
+        dq, dk, *rest = real(plan, *a, **kw)
+        return (dq, dk * 1.05, *rest)
+
+    monkeypatch.setattr(launch, "run_bwd", wrong)
+    q, k, v = qkv()
+    dout = torch.randn(2, 4, 7, 64)
+    caplog.set_level(logging.WARNING, logger="ffpa_cute")
+    for _ in range(2):
+        got = _grads(q, k, v, dout)
+    ref = attention_grads(q, k, v, dout, causal=True, causal_offset=129 - 7)
+    assert all(rel_err(g, r) < 1e-5 for g, r in zip(got, ref))
+    fails = [r for r in caplog.records if "self-check failed" in r.getMessage()]
+    assert len(fails) == 1 and "dk" in fails[0].getMessage()
+    assert len(fakes.bwd_calls) == 1  # the canary only
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, nq=129, nkv=1000),
+                                dict(hq=64, hkv=1, causal=True, nq=300, nkv=300),
+                                dict(d=1024, causal=True), dict(d=328)])
+@pytest.mark.parametrize("target", ["sm_100a", "sm_120a"])
+def test_the_backward_canary_plans_the_same_kernels(kw, target):
+    """On the targets whose backward is canaried, the canary's problem plans the same Delta,
+    dQ, dK and dV configurations as the call (else the canary could not vouch for them)."""
+    plan = dispatch.plan_bwd(prob(**kw, requires_grad=True), target=target, opts=Options())
+    assert plan.reason is None and selfcheck.needed(plan, Options())
+    cp = selfcheck.canary_problem(plan, packed=False, requires_grad=True)
+    assert dispatch.plan_bwd(cp, target=target, opts=Options()).cfgs == plan.cfgs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+def test_the_backward_canary_on_the_device(seed, family, monkeypatch, caplog):
+    """On the H200, with `self_check="always"`: the real backward kernels pass their canary
+    and serve; an injected fault (dv scaled by 1.05) is caught on the first backward, which
+    then recomputes through SDPA (right gradients)."""
+    q, k, v = (torch.randn(1, 4, n, 512, device="cuda", dtype=torch.bfloat16)
+               for n in (129, 1000, 1000))
+    dout = torch.randn_like(q)
+    ref = attention_grads(q, k, v, dout, causal=True, causal_offset=1000 - 129)
+    base = attention_grads(q, k, v, dout, causal=True, causal_offset=1000 - 129,
+                           dtype=torch.bfloat16)
+    bounds = [2 * rel_err(b, r) + 1e-3 for b, r in zip(base, ref)]
+    with ffpa_cute.options.use(self_check="always", family=family):
+        ffpa_cute.interface._clear_caches()
+        got = _grads(q, k, v, dout)
+        assert all(rel_err(g, r) <= b for g, r, b in zip(got, ref, bounds))
+        assert "self-check passed" in explain(q, k, v, is_causal=True).split("backward")[-1]
+        ffpa_cute.interface._clear_caches()
+        real = launch.run_bwd
+
+        def wrong(plan, *a, **kw):
+            dq, dk, dv, *rest = real(plan, *a, **kw)
+            return (dq, dk, dv * 1.05, *rest)
+
+        monkeypatch.setattr(launch, "run_bwd", wrong)
+        caplog.set_level(logging.WARNING, logger="ffpa_cute")
+        got = _grads(q, k, v, dout)
+        assert any("self-check failed" in r.getMessage() for r in caplog.records)
+        assert all(rel_err(g, r) <= b for g, r, b in zip(got, ref, bounds))  # the recompute
     ffpa_cute.interface._clear_caches()
