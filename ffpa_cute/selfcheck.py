@@ -106,12 +106,14 @@ def _canary(plan, device) -> str | None:
     return None
 
 
-def _canary_bwd(plan, device) -> str | None:
-    """Run the canary of a backward plan's kernels; None when dq, dk and dv pass, else why."""
+def _canary_bwd(plan, device, opts=None) -> str | None:
+    """Run the canary of a backward plan's kernels (planned under `opts`: the backward may run
+    on autograd's thread, which does not see the forward's options); None when dq, dk and dv
+    pass, else why."""
     from .reference import attention_grads, attention_ref, rel_err
 
     cp = canary_problem(plan, packed=False, requires_grad=True)
-    cplan = dispatch.plan_bwd(cp, device)
+    cplan = dispatch.plan_bwd(cp, device, opts=opts)
     base = tuple(_base_cfg(c) for c in plan.cfgs)
     if cplan.reason is not None or cplan.cfgs != base:
         return (f"self-check could not build a backward canary for {plan.cfgs}: it planned "
@@ -148,7 +150,7 @@ def bwd_reason(plan, device: torch.device, opts=None) -> str | None:
         return None
     key = (plan.family, plan.cfgs, str(device))
     if key not in _RESULTS:
-        _RESULTS[key] = _canary_bwd(plan, device)
+        _RESULTS[key] = _canary_bwd(plan, device, opts)
         if _RESULTS[key] is not None:
             log.warning("ffpa_cute: %s", _RESULTS[key])
     return _RESULTS[key]
