@@ -14,7 +14,7 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 |                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
-| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd, Split-D bwd           |
+| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd and dQ / dK / dV       |
 |                      |                 |        | (compile-verified only, never run: a      |
 |                      |                 |        | canary checks each config on first use,   |
 |                      |                 |        | selfcheck.py)                             |
@@ -77,8 +77,7 @@ def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
 
 def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
     """The Split-D dQ / dK / dV: the sm80 family's backward, and (compile-verified only,
-    canaried on first use: selfcheck.bwd_reason) the sm100 and sm120 families' until they
-    have their own."""
+    canaried on first use: selfcheck.bwd_reason) the sm120 family's."""
     _no_varlen(p, "Split-D")
     return [sm80_config.plan_bwd(kind, p, target) for kind in ("dq", "dk", "dv")]
 
@@ -122,6 +121,11 @@ def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
     return sm100_config.plan_fwd(p, target)
 
 
+def _sm100_bwd(p: AttnProblem, target: str, opts: Options):
+    """The tcgen05 dQ / dK / dV (16-bit; no window, sinks or one-launch varlen yet)."""
+    return sm100_config.plan_bwd(p, target)
+
+
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
     _no_varlen(p, "sm120")
     return sm120_config.plan_fwd(p, target)
@@ -153,10 +157,10 @@ FAMILIES = {
                    "run and tested on an H200",
                    fwd={"16bit": _sm90_fwd, "fp8": _sm90_fp8_fwd}, bwd={"16bit": _sm90_bwd},
                    verified_targets=("sm_90a",), decode={"16bit": _sm90_decode}),
-    "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward; the Split-D mma.sync "
-                    "backward", "compile-verified only, never run",
+    "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward and dQ / dK / dV",
+                    "compile-verified only, never run",
                     fwd={"16bit": _sm100_fwd, "fp8": None, "fp4": None},
-                    bwd={"16bit": _sm80_bwd}),
+                    bwd={"16bit": _sm100_bwd}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",
                     fwd={"16bit": _sm120_fwd, "fp8": None, "fp4": None},

@@ -1,11 +1,11 @@
 """Compile-only tests (no GPU) of the Split-D mma.sync backward kernels (ffpa_cute/sm80/bwd_sm80.py)
 and their planners: every kernel at D in {320, 512, 1024}, causal and not, for sm_80 and sm_90a
-(sm_120a and sm_100a: the sm120 and sm100 families' backward, compile-verified only, canaried on
-first use), with mma.sync in the PTX, no local memory and no ptxas spills.
+(sm_120a: the sm120 family's backward, compile-verified only, canaried on first use), with
+mma.sync in the PTX, no local memory and no ptxas spills.
 
 The grid is a documented subset (CI has 2 cores): each kernel (dV, dQ, dK) meets each D and
-each causal mode on sm_80, and each kernel once on sm_90a, sm_120a and sm_100a; a padded D
-(328, last head-dim chunk zero-filled) and fp16 once each. 20 compiles, about 2 minutes here.
+each causal mode on sm_80, and each kernel once on sm_90a and sm_120a; a padded D (328, last
+head-dim chunk zero-filled) and fp16 once each. 17 compiles, about 1.5 minutes here.
 """
 
 import pytest
@@ -15,7 +15,7 @@ from ffpa_cute.problem import AttnProblem
 from ffpa_cute.sm80 import config
 from test_kernels_compile import _ptxas_spills
 
-ARCHES = ("sm_80", "sm_90a", "sm_120a", "sm_100a")
+ARCHES = ("sm_80", "sm_90a", "sm_120a")
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,6 @@ CASES = [
     ("dk", "sm_80", 320, True), ("dk", "sm_80", 512, False), ("dk", "sm_80", 1024, True),
     ("dv", "sm_90a", 512, True), ("dq", "sm_90a", 1024, True), ("dk", "sm_90a", 320, False),
     ("dv", "sm_120a", 1024, False), ("dq", "sm_120a", 512, False), ("dk", "sm_120a", 1024, True),
-    ("dv", "sm_100a", 320, True), ("dq", "sm_100a", 1024, False), ("dk", "sm_100a", 512, True),
     ("dk", "sm_80", 328, True),  # padded last head-dim chunk (column predicates)
 ]
 

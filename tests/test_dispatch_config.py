@@ -52,7 +52,7 @@ def test_the_table_is_data():
         assert fam.name == name and fam.verified and "16bit" in fam.fwd and "16bit" in fam.bwd
     assert dispatch.FAMILIES["sm120"].verified == "compile-verified only, never run"
     assert dispatch.FAMILIES["sm100"].verified == "compile-verified only, never run"
-    # their backward is the Split-D kernels, canaried on first use (no verified targets)
+    # their backward kernels are canaried on first use (no verified targets)
     for fam in ("sm100", "sm120"):
         assert dispatch.FAMILIES[fam].bwd["16bit"] is not None
         assert not dispatch.FAMILIES[fam].verified_targets
@@ -178,13 +178,13 @@ def test_kernel_ready_copies_only_what_the_kernels_cannot_take():
 @pytest.mark.parametrize("d,target,family,grads", [
     (512, "sm_90a", "sm90", "FFPABwdDQSm90"), (1024, "sm_90a", "sm90", "FFPABwdDQSm90"),
     (520, "sm_90a", "sm90", "FFPABwdDQSm90"), (512, "sm_80", "sm80", "FFPABwdDQSm80"),
-    (512, "sm_120a", "sm120", "FFPABwdDQSm80"), (512, "sm_100a", "sm100", "FFPABwdDQSm80")])
+    (512, "sm_120a", "sm120", "FFPABwdDQSm80"), (512, "sm_100a", "sm100", "FFPABwdDQSm100")])
 def test_backward_routing(d, target, family, grads):
     """The backward's kernels come from the same table as the forward: on sm_90a the WGMMA dQ /
     dK / dV at every D up to 1024 (D % 16 == 8 above 512 too: the second CTA of the pair owns 8
-    columns past D, as in the forward), on sm_80 the Split-D backward, and on sm_12x and sm_100
-    (compile-verified only; canaried on first use) the Split-D backward too. Delta runs
-    first."""
+    columns past D, as in the forward), on sm_80 the Split-D backward, on sm_12x the Split-D
+    backward and on sm_100 the tcgen05 dQ / dK / dV (both compile-verified only; canaried on
+    first use). Delta runs first."""
     plan = dispatch.plan_bwd(prob(d=d), target=target)
     if family is None:
         assert plan.reason and not plan.cfgs

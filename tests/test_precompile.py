@@ -18,8 +18,8 @@ def test_precompile_then_load_without_compiling(tmp_path):
 
 def test_backward_jobs_are_what_run_bwd_compiles():
     """--backward adds the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`: the WGMMA ones
-    on sm_90a (D <= 1024), the Split-D ones on sm_80, and on sm_120a and sm_100a (never run,
-    canaried on first use) the Split-D ones beside their families' forward."""
+    on sm_90a (D <= 1024), the Split-D ones on sm_80 and sm_120a, the tcgen05 ones on sm_100a
+    (never run there: canaried on first use)."""
     names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512, 1024], ["bf16"],
                                                                (True,), backward=True)]
              for t in ("sm_90a", "sm_80", "sm_120a", "sm_100a")}
@@ -28,7 +28,8 @@ def test_backward_jobs_are_what_run_bwd_compiles():
     assert names["sm_80"][2:] == ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
     split_d = ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
     assert names["sm_120a"] == ["FFPAFwdSm80", "FFPAFwdSm80"] + split_d
-    assert names["sm_100a"] == ["FFPAFwdSm100", "FFPAFwdSm100"] + split_d
+    assert names["sm_100a"] == ["FFPAFwdSm100", "FFPAFwdSm100"] + [
+        "RowDot", "FFPABwdDQSm100", "FFPABwdDKSm100", "FFPABwdDVSm100"] * 2
 
 
 def test_decode_jobs_cover_caches_and_pages():

@@ -70,3 +70,33 @@ def test_sm100_forward_without_multicast_compiles():
     ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
     assert "multicast::cluster" not in ptx and "barrier.cluster" not in ptx
     assert "tcgen05.mma.cta_group::1.kind::f16" in ptx
+
+
+BWD_CASES = [(264, True, None), (512, False, None), (576, True, 512), (1024, False, None)]
+
+
+@pytest.mark.parametrize("d,causal,dv", BWD_CASES)
+def test_sm100_backward_compiles_with_tcgen05(d, causal, dv):
+    """dQ, dK, dV: the score MMAs per product (S; and dP for dQ / dK), the accumulator MMAs
+    with P / dS from TMEM, column statistics through a named barrier (dK, dV), multicast Q / K
+    chunks where the gradient is split over CTAs, no spills."""
+    plan = dispatch.plan_bwd(_problem(d, causal, dv), target="sm_100a")
+    assert plan.reason is None
+    names = [cls.__name__ for cls, _ in plan.jobs]
+    assert names == ["RowDot", "FFPABwdDQSm100", "FFPABwdDKSm100", "FFPABwdDVSm100"]
+    for cls, cfg in plan.jobs[1:]:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* (\[%r\d+\]), (\S+),", ptx)
+        ss = [m for m in mmas if not m[1].startswith("[")]
+        ts = [m for m in mmas if m[1].startswith("[")]
+        k_blocks = c100.K_CHUNK // c100.MMA_K
+        assert len(ss) == cfg.num_k_chunks * k_blocks and len(cfg.products) == (
+            1 if cls.__name__ == "FFPABwdDVSm100" else 2)
+        assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // c100.MMA_K
+        assert ptx.count("tcgen05.alloc.cta_group::1") == 1
+        assert ("bar.sync" in ptx) == bool(cfg.col_stats)  # the column statistics' barrier
+        assert ("multicast::cluster" in ptx) == cfg.multicast
+        assert ".local" not in ptx and "wgmma" not in ptx and "mma.sync" not in ptx
+        res = _ptxas_spills(ptx, "sm_100a")
+        if res is not None:
+            assert res[:2] == (0, 0), f"{cfg}: spills {res}"

@@ -33,16 +33,16 @@ def test_tmem_ledger(d):
     assert cfg.tmem_alloc_columns in (32, 64, 128, 256, 512)
     assert cfg.tmem_columns_used <= cfg.tmem_alloc_columns
     spans = {name: (c, c + w) for name, c, w in regions}
-    for a in ("S0", "S1", "O"):  # S0, S1 and O are disjoint
-        for b in ("S0", "S1", "O"):
+    for a in ("S0", "S1", "acc"):  # S0, S1 and O are disjoint
+        for b in ("S0", "S1", "acc"):
             if a < b:
                 assert spans[a][1] <= spans[b][0] or spans[b][1] <= spans[a][0], (a, b)
     for i in (0, 1):  # P[i] (16-bit, two per column) lies inside S[i]
         lo, hi = spans[f"P{i}"]
         assert spans[f"S{i}"][0] <= lo and hi <= spans[f"S{i}"][1]
         assert hi - lo == cfg.tile_n // 2
-    assert spans["O"][1] - spans["O"][0] == cfg.dv_cta >= -(-cfg.dv // cfg.o_split)
-    assert cfg.dv_cta % 16 == 0 and cfg.dv_cta <= c100.MAX_MMA_N
+    assert spans["acc"][1] - spans["acc"][0] == cfg.acc_cta >= -(-cfg.acc_dim // cfg.o_split)
+    assert cfg.acc_cta % 16 == 0 and cfg.acc_cta <= c100.MAX_MMA_N
 
 
 @pytest.mark.parametrize("d,dv", [(d, None) for d in HEAD_DIMS] + [(576, 512), (512, 128)])
@@ -67,6 +67,40 @@ def test_can_implement_rejects():
     with pytest.raises(ValueError, match="window"):
         c100.plan_fwd(AttnProblem(dtype="bf16", batch=1, heads_q=1, heads_kv=1, seqlen_q=8,
                                   seqlen_kv=8, head_dim=512, head_dim_v=512, window_lo=-4))
+
+
+def bwd_plans(d, dv=None, multicast=True):
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=8, heads_kv=2, seqlen_q=1000,
+                    seqlen_kv=1000, head_dim=d, head_dim_v=dv or d)
+    return c100.plan_bwd(p, multicast=multicast)
+
+
+@pytest.mark.parametrize("d,dv", [(d, None) for d in HEAD_DIMS] + [(576, 512)])
+def test_backward_plans(d, dv):
+    """dQ, dK (two products: S and dP fill both score buffers, no lookahead) and dV (one, as
+    the forward) fit TMEM, smem and the register budget; accumulators as wide as their
+    gradients."""
+    dq, dk, dv_ = bwd_plans(d, dv)
+    assert (dq.acc_dim, dk.acc_dim, dv_.acc_dim) == (d, d, dv or d)
+    assert dq.products == dk.products == (d, dv or d) and dv_.products == (d,)
+    assert not dq.rows_are_keys and dk.rows_are_keys and dv_.rows_are_keys
+    assert (dq.col_stats, dk.col_stats, dv_.col_stats) == (0, 2, 1)
+    for cfg in (dq, dk, dv_):
+        assert c100.can_implement(cfg) is None and cfg.smem_bytes() <= c100.SMEM_CAPACITY
+        assert cfg.tmem_columns_used <= c100.TMEM_COLUMNS
+        assert cfg.lookahead == (1 if cfg is dv_ else 0)
+        assert cfg.score_bufs == (2 if cfg is dv_ else 1)
+        names = [n for n, *_ in cfg.tmem_regions()]
+        assert names == (["S0", "P0", "S1", "P1", "acc"] if cfg is dv_
+                         else ["S", "dS", "dP", "acc"])
+
+
+@pytest.mark.parametrize("d", [264, 512, 1024])
+def test_protocol_model_backward(d):
+    for cfg in bwd_plans(d):
+        for blocks in (0, 1, 2, 7, 20):
+            for seed in range(6):
+                protocol.run(cfg, blocks, seed)
 
 
 @pytest.mark.parametrize("multicast", [True, False])
@@ -111,7 +145,7 @@ class _FewerArrivals(protocol.Model):
 
     def __init__(self, cfg, blocks, seed):
         super().__init__(cfg, blocks, seed)
-        for i in (0, 1):
+        for i in range(cfg.score_bufs):
             self.bars[self.bar(0, "p_full", i)].count += 1
 
 
@@ -134,46 +168,8 @@ class _PeerDoesNotExpect(protocol.Model):
     """A fault of the cluster: only the chunk's owner posts the stage's expected bytes; the
     peers' phases complete on the arrival alone, before the data lands."""
 
-    def __init__(self, cfg, blocks, seed):
-        super().__init__(cfg, blocks, seed)
-        self._owner = super().owner
-
-    def load(self, r):
-        cfg = self.cfg
-        qk = 0
-        for n in range(self.blocks + 1):
-            if n < self.blocks:
-                for c in range(cfg.num_k_chunks):
-                    s, rnd = qk % cfg.qk_stages, qk // cfg.qk_stages
-                    while rnd and not self.done(self.bar(r, "qk_empty", s), rnd - 1):
-                        yield
-                    full = self.bar(r, "qk_full", s)
-                    self.bars[full].arrive(full, protocol.STAGE_BYTES if self.owner(c) == r
-                                           else 0)
-                    if self.owner(c) == r:
-                        for dst in range(self.ctas):
-                            self.tma.append((f"{dst}:qk{s}", ("qk", n, c),
-                                             self.bar(dst, "qk_full", s)))
-                    qk += 1
-                    yield
-            if n:  # V as the kernel loads it
-                yield from _v_loads(self, r, n)
-
-
-def _v_loads(model, r, n):
-    """The V stages of block n - 1 as `Model.load` issues them (the faults above change only
-    the QK ring)."""
-    cfg = model.cfg
-    v0 = (n - 1) * cfg.v_blocks_per_tile
-    for j in range(cfg.v_blocks_per_tile):
-        v = v0 + j
-        s, rnd = v % cfg.v_stages, v // cfg.v_stages
-        while rnd and not model.done(model.bar(r, "v_empty", s), rnd - 1):
-            yield
-        full = model.bar(r, "v_full", s)
-        model.bars[full].arrive(full, protocol.STAGE_BYTES)
-        model.tma.append((f"{r}:v{s}", ("v", n - 1, j), full))
-        yield
+    def expected(self, cta, chunk):
+        return protocol.STAGE_BYTES if self.owner(chunk) == cta else 0
 
 
 @pytest.mark.parametrize("fault,multicast", [
@@ -182,6 +178,15 @@ def _v_loads(model, r, n):
     (_LocalRelease, True), (_PeerDoesNotExpect, True)])
 def test_protocol_model_catches_faults(fault, multicast):
     cfg = plan(512, multicast=multicast)
+    with pytest.raises(protocol.ProtocolError):
+        for seed in range(40):
+            fault(cfg, 9, seed).run(max_steps=20000)
+
+
+@pytest.mark.parametrize("fault", [_NoEmptyWait, _LocalRelease, _FewerArrivals])
+def test_protocol_model_catches_faults_in_the_backward(fault):
+    """The two-product form (dK: S and dP per block, no lookahead) too."""
+    cfg = bwd_plans(512)[1]
     with pytest.raises(protocol.ProtocolError):
         for seed in range(40):
             fault(cfg, 9, seed).run(max_steps=20000)

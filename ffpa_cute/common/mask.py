@@ -128,3 +128,14 @@ def apply_mask_transposed(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, m_block: 
                 bad = bad | (j < q + window_lo)
             if bad:
                 acc_S_mn[r, c] = -cutlass.Float32.inf
+
+
+@cute.jit
+def mask_row(acc: cute.Tensor, coords: cute.Tensor, lo, hi):
+    """-inf where an element's tile-local column (coords[e][1]) lies outside [lo, hi): for
+    fragments whose thread owns (part of) one row, as the sm100 kernels' (TMEM lane = row);
+    the caller derives lo / hi from the rule above for its row."""
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        col = coords[e][1]
+        if col < lo or col >= hi:
+            acc[e] = -cutlass.Float32.inf

@@ -11,18 +11,18 @@ selfcheck.py's canary.
 # per row and one column per output column, so O[128 x D] alone fills TMEM at D = 512; beside
 # it the score tiles S[128 x 128] need 128 columns each. This first design therefore splits O's
 # columns over `o_split` = ceil(Dv / 256) CTAs per row tile (as the sm90 kernel does above
-# D = 512), each owning `dv_cta` <= 256 columns and recomputing S = Q K^T in full:
+# D = 512), each owning `acc_cta` <= 256 columns and recomputing S = Q K^T in full:
 #
 #   columns [0, 128)    S[0]  (fp32), P[0] (16-bit, packed two per column) over its last 64
 #   columns [128, 256)  S[1], P[1]: two score buffers, so QK[n+1] runs while softmax[n] does
-#   columns [256, 256 + dv_cta)  O (fp32)
+#   columns [256, 256 + acc_cta)  O (fp32)
 #
 # executing (o_split + 1) / 2 GEMM units per counted unit (1.5 at D <= 512, 2 at <= 768, 2.5
 # at <= 1024; docs/design.md section 7 has the predicted TFLOPS per D). The o_split CTAs of a
 # row tile form a cluster that multicasts the Q and K chunks (`multicast`): L2 serves them once
 # per row tile, which the prediction says is what keeps D = 512 tensor-bound.
 # Shared memory: a QK ring (a [128 x 64] Q chunk beside each [128 x 64] K chunk, 32 KB at 16
-# bits: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring ([64 x dv_cta]
+# bits: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring ([64 x acc_cta]
 # stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem (it stays in TMEM
 # and feeds the PV MMA as its A operand) and no O staging (the epilogue stores from registers).
 # =====================================================================================
@@ -72,7 +72,7 @@ class FwdConfigSm100:
     causal:     causal masking (the diagonal offset is a runtime argument: both alignments)
     head_dim_v: Dv when it differs from D (MLA-absorbed 576 / 512), else None
     qk_stages:  depth of the QK ring ([128 x 64] Q and K chunks per stage)
-    v_stages:   depth of the V ring ([64 x dv_cta] per stage)
+    v_stages:   depth of the V ring ([64 x acc_cta] per stage)
     multicast:  the o_split CTAs of a row tile form a cluster and share their (identical) Q and
                 K chunks: chunk c of each block is loaded by CTA c % o_split and multicast to
                 every CTA of the cluster, so L2 serves Q and K once per row tile instead of
@@ -109,22 +109,66 @@ class FwdConfigSm100:
     def dv(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
+    # ------------------------------------------------------------------ the kernel's shape
+    # (the backward's configs below change these: which products score a block, what the
+    # accumulator holds)
+    @property
+    def products(self) -> tuple[int, ...]:
+        """Contraction dims of the score products of a block, in ring order: S = Q K^T over D
+        here (dK / dQ add dP over Dv)."""
+        return (self.head_dim,)
+
+    @property
+    def acc_dim(self) -> int:
+        """Columns of the accumulator (and of the output): O's Dv here."""
+        return self.dv
+
+    @property
+    def rows_are_keys(self) -> bool:
+        """Whether the CTA's 128 rows are keys and the blocks queries (dV, dK)."""
+        return False
+
+    @property
+    def rescales_acc(self) -> bool:
+        """Whether the softmax threads rescale the accumulator in TMEM between blocks (the
+        forward's online softmax; the gradients take P from the LSE)."""
+        return type(self) is FwdConfigSm100
+
+    @property
+    def lookahead(self) -> int:
+        """Blocks the MMA thread scores ahead of its accumulator MMAs: 1 with one product (S
+        double-buffered: QK[n+1] runs while the softmax works on S[n]), 0 with two (S and dP
+        of one block fill both score buffers)."""
+        return 1 if len(self.products) == 1 else 0
+
+    @property
+    def score_bufs(self) -> int:
+        """Blocks in flight in the score buffers (the s_full / p_full barriers)."""
+        return 2 if len(self.products) == 1 else 1
+
+    @property
+    def product_chunks(self) -> tuple[int, ...]:
+        """QK-ring stages of each product per block ([128 x 64] chunks of its two operands;
+        TMA zero-fills the last chunk's columns past the dim)."""
+        return tuple(-(-d // K_CHUNK) for d in self.products)
+
     @property
     def num_k_chunks(self) -> int:
         """QK-ring stages per block."""
-        return -(-self.head_dim // K_CHUNK)
+        return sum(self.product_chunks)
 
     @property
     def o_split(self) -> int:
-        """CTAs per row tile, each owning `dv_cta` of O's columns (TMEM holds <= 256 beside
-        the two score buffers)."""
-        return -(-self.dv // MAX_MMA_N)
+        """CTAs per row tile, each owning `acc_cta` of the accumulator's columns (TMEM holds
+        <= 256 beside the two score buffers)."""
+        return -(-self.acc_dim // MAX_MMA_N)
 
     @property
-    def dv_cta(self) -> int:
-        """O columns per CTA: Dv / o_split rounded up to a multiple of 16 (the PV MMA's N);
-        the last CTA's columns past Dv are computed from TMA's zeros and not stored."""
-        return -(-self.dv // (16 * self.o_split)) * 16
+    def acc_cta(self) -> int:
+        """Accumulator columns per CTA: acc_dim / o_split rounded up to a multiple of 16 (the
+        accumulator MMA's N); the last CTA's columns past acc_dim are computed from TMA's
+        zeros and not stored."""
+        return -(-self.acc_dim // (16 * self.o_split)) * 16
 
     @property
     def v_blocks_per_tile(self) -> int:
@@ -142,11 +186,15 @@ class FwdConfigSm100:
 
     # ------------------------------------------------------------------ TMEM
     def tmem_regions(self) -> list[tuple[str, int, int]]:
-        """(name, first column, columns) of every TMEM tensor; P[i] lies inside S[i]."""
+        """(name, first column, columns) of every TMEM tensor; P[i] (16-bit) lies inside S[i]
+        (two products: dS inside S, and dP in the second buffer)."""
         n, p = self.tile_n, self.tile_n * self.elem_bytes // 4
         (s0, s1), (p0, p1) = self.s_offset, self.p_offset
+        if len(self.products) == 2:
+            return [("S", s0, n), ("dS", p0, p), ("dP", s1, n),
+                    ("acc", self.o_offset, self.acc_cta)]
         return [("S0", s0, n), ("P0", p0, p), ("S1", s1, n), ("P1", p1, p),
-                ("O", self.o_offset, self.dv_cta)]
+                ("acc", self.o_offset, self.acc_cta)]
 
     @property
     def tmem_columns_used(self) -> int:
@@ -181,7 +229,7 @@ class FwdConfigSm100:
 
     @property
     def v_stage_bytes(self) -> int:
-        return V_ROWS * self.dv_cta * self.elem_bytes
+        return V_ROWS * self.acc_cta * self.elem_bytes
 
     def barriers(self) -> dict[str, tuple[int, int]]:
         """name -> (mbarriers, arrivals that complete a phase). The kernel allocates and
@@ -191,25 +239,36 @@ class FwdConfigSm100:
         `multicast`: a QK stage's bytes come from the CTA that owns its chunk);
         qk_empty / v_empty: the MMA warp's tcgen05.commit once the stage's MMAs have read it
         (`multicast`: every CTA of the cluster commits to every CTA's qk_empty);
-        s_full: tcgen05.commit after the last QK MMA of a block;
-        p_full: one arrival per softmax thread once P (and any O rescale) is in TMEM; it also
-        frees the score buffer for QK two blocks later;
-        o_done: tcgen05.commit after each block's PV MMAs (the softmax threads wait on it to
-        rescale O, and once for the epilogue)."""
+        s_full: tcgen05.commit after the last score MMA of a block (one per score buffer in
+        flight, `score_bufs`);
+        p_full: one arrival per softmax thread once P (dS; and any O rescale) is in TMEM; it
+        also frees the score buffers for the next block that uses them;
+        o_done: tcgen05.commit after each block's accumulator MMAs (the softmax threads wait on
+        it to rescale O, and once for the epilogue)."""
         softmax_threads = 32 * _role("softmax")[1]
         return {"qk_full": (self.qk_stages, 1),
                 "qk_empty": (self.qk_stages, self.cluster_size),
                 "v_full": (self.v_stages, 1), "v_empty": (self.v_stages, 1),
-                "s_full": (2, 1), "p_full": (2, softmax_threads), "o_done": (1, 1)}
+                "s_full": (self.score_bufs, 1), "p_full": (self.score_bufs, softmax_threads),
+                "o_done": (1, 1)}
+
+    @property
+    def col_stats(self) -> int:
+        """Per-query statistics the softmax threads stage in smem for each block when the
+        blocks are queries (dV: LSE; dK: LSE and Delta); 0 when rows are queries (their
+        statistics stay in registers)."""
+        return 0
 
     def smem_regions(self) -> list[tuple[str, int]]:
-        """(name, bytes) of the storage struct in order, each 1 KB aligned: barriers and the
-        TMEM base address, the Q and K halves of the QK ring, the V ring."""
-        bars = sum(n for n, _ in self.barriers().values()) * BARRIER_BYTES + 4
+        """(name, bytes) of the storage struct in order, each 1 KB aligned: the header
+        (barriers, the TMEM base address, two blocks' column statistics), the row and column
+        halves of the QK ring, the V ring (the accumulator's B operand)."""
+        header = -(-(sum(n for n, _ in self.barriers().values()) * BARRIER_BYTES + 4) // 16) * 16
+        header += 2 * self.col_stats * self.tile_n * 4
         chunk = K_CHUNK * self.elem_bytes
-        return [("barriers", bars), ("q", self.qk_stages * TILE_M * chunk),
-                ("k", self.qk_stages * self.tile_n * chunk),
-                ("v", self.v_stages * self.v_stage_bytes)]
+        return [("header", header), ("rows", self.qk_stages * TILE_M * chunk),
+                ("cols", self.qk_stages * self.tile_n * chunk),
+                ("acc_b", self.v_stages * self.v_stage_bytes)]
 
     def smem_bytes(self) -> int:
         return sum(_align(b) for _, b in self.smem_regions())
@@ -241,11 +300,11 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
         return (f"head_dim_v={cfg.head_dim_v}: None when equal to head_dim, else a multiple of "
                 f"8 in [64, {MAX_HEAD_DIM}]")
     if cfg.multicast and cfg.o_split < 2:
-        return "multicast needs O split over >= 2 CTAs (Dv > 256)"
+        return "multicast needs the accumulator split over >= 2 CTAs (its width > 256)"
     if cfg.qk_stages < 2 or cfg.v_stages < 2:
         return "qk_stages and v_stages must be >= 2"
-    if cfg.dv_cta > MAX_MMA_N:
-        return f"dv_cta={cfg.dv_cta} > {MAX_MMA_N} (the PV MMA's N)"
+    if cfg.acc_cta > MAX_MMA_N:
+        return f"acc_cta={cfg.acc_cta} > {MAX_MMA_N} (the accumulator MMA's N)"
     if cfg.tmem_columns_used > TMEM_COLUMNS:
         return f"TMEM plan needs {cfg.tmem_columns_used} columns, an SM has {TMEM_COLUMNS}"
     if cfg.smem_bytes() > SMEM_CAPACITY:
@@ -281,4 +340,100 @@ def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
     return make(max(qk for qk in range(3, 9) if fits(qk, v)), v)
 
 
-__all__ = ["FwdConfigSm100", "WARP_ROLES", "can_implement", "num_threads", "plan_fwd"]
+# ==================================================================================== backward
+# The gradient kernels run on the forward's skeleton with other operands in its roles (rows R,
+# columns C, the accumulator's B): dV = P^T dO with rows = keys (one product, S^T = K Q^T, and
+# P^T from each query's LSE), dK = dS^T Q and dQ = dS K with two products (S and dP = dO V^T,
+# dS = P (dP - Delta)) filling both score buffers, so a block's scores are not overlapped with
+# the previous block's accumulator MMAs (lookahead 0: no TMEM is left for a second pair).
+
+
+@dataclass(frozen=True)
+class BwdDVConfigSm100(FwdConfigSm100):
+    """dV[keys, Dv] = sum over query blocks of P^T dO: rows = a 128-key tile of the KV head,
+    blocks = 128-query blocks of each of its query heads, accumulator = dV's columns."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm100.bwd_sm100:FFPABwdDVSm100"
+
+    @property
+    def rows_are_keys(self) -> bool:
+        return True
+
+    @property
+    def col_stats(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class BwdDKConfigSm100(FwdConfigSm100):
+    """dK[keys, D] = scale * sum of dS^T Q: rows = keys, blocks = query blocks of the group's
+    heads; products S^T (K Q^T over D) and dP^T (V dO^T over Dv); accumulator = dK's columns."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm100.bwd_sm100:FFPABwdDKSm100"
+
+    @property
+    def products(self) -> tuple[int, ...]:
+        return (self.head_dim, self.dv)
+
+    @property
+    def acc_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def rows_are_keys(self) -> bool:
+        return True
+
+    @property
+    def col_stats(self) -> int:
+        return 2
+
+
+@dataclass(frozen=True)
+class BwdDQConfigSm100(FwdConfigSm100):
+    """dQ[queries, D] = scale * sum of dS K: rows = queries, blocks = key blocks (as the
+    forward's); products S (Q K^T over D) and dP (dO V^T over Dv); accumulator = dQ's
+    columns."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm100.bwd_sm100:FFPABwdDQSm100"
+
+    @property
+    def products(self) -> tuple[int, ...]:
+        return (self.head_dim, self.dv)
+
+    @property
+    def acc_dim(self) -> int:
+        return self.head_dim
+
+
+BWD_CONFIGS = {"dq": BwdDQConfigSm100, "dk": BwdDKConfigSm100, "dv": BwdDVConfigSm100}
+
+
+def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> list:
+    """The dQ, dK and dV configs for `problem` (as `plan_fwd`: 16-bit, no window, sinks or
+    one-launch varlen; the deepest rings that fit); raises ValueError with the reason."""
+    if problem.has_window or problem.has_sinks or problem.varlen:
+        raise ValueError("the sm100 backward has no sliding window, sinks or one-launch varlen "
+                         "yet")
+    dv = problem.head_dim_v
+    out = []
+    for kind in ("dq", "dk", "dv"):
+        cls = BWD_CONFIGS[kind]
+        base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                    causal=problem.right_bounded,
+                    head_dim_v=None if dv == problem.head_dim else dv)
+        acc = cls(**base).acc_dim
+        base["multicast"] = multicast and acc > MAX_MMA_N
+
+        def make(qk, v, base=base, cls=cls):
+            return cls(**base, qk_stages=qk, v_stages=v)
+
+        v = next((v for v in (4, 3, 2) if can_implement(make(3, v)) is None), None)
+        if v is None:
+            raise ValueError(can_implement(make(3, 2)))
+        out.append(make(max(q for q in range(3, 9) if can_implement(make(q, v)) is None), v))
+    return out
+
+
+__all__ = ["BWD_CONFIGS", "BwdDKConfigSm100", "BwdDQConfigSm100", "BwdDVConfigSm100",
+           "FwdConfigSm100", "WARP_ROLES", "can_implement", "num_threads", "plan_bwd",
+           "plan_fwd"]
