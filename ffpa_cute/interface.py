@@ -340,7 +340,11 @@ def _backward_route(problem: AttnProblem, device) -> str:
     """What the backward of a kernel-served forward runs (the autograd path's own decision)."""
     plan = dispatch.plan_bwd(problem, device)
     if plan.reason is None:
-        return f"{plan.family} backward kernels (dQ, dK, dV){selfcheck.status(plan, device)}"
+        family = dispatch.FAMILIES.get(plan.family)  # (None: the tests' stand-ins)
+        names = ", ".join(cls.__name__ for cls, _ in plan.jobs[1:])
+        what = f" [{names}: {family.verified}]" if family is not None and names else ""
+        return (f"{plan.family} backward kernels (dQ, dK, dV){what}"
+                f"{selfcheck.status(plan, device)}")
     math = problem.has_window or problem.has_sinks
     return f"{'torch math' if math else 'SDPA recompute'} ({plan.reason})"
 

@@ -1,7 +1,7 @@
-"""What the first-use self-check costs (ffpa_cute/selfcheck.py): the canary of each
-configuration, timed on the device with its kernel already compiled, and whether the real
-kernels pass it (no false alarm). On a target the family never ran on, this is paid once per
-configuration and process, on that configuration's first call.
+"""What the first-use self-check costs (ffpa_cute/selfcheck.py): the canary of each forward
+configuration and of each backward plan (Delta, dQ, dK, dV), timed on the device with the
+kernels already compiled, and whether the real kernels pass it (no false alarm). On a target
+the family never ran on, this is paid once per configuration and process, on its first call.
 
     python -m perf.selfcheck_cost --precompile DIR   # CPU box: the kernels the canaries run
     python -m perf.selfcheck_cost --out FILE         # GPU: the canary times (ms) and results
@@ -37,11 +37,21 @@ def _plans():
             for name, prob in _problems()]
 
 
+def _bwd_plans():
+    """The backward plans of the problems that train (not the decode)."""
+    return [(name, dispatch.plan_bwd(prob, target=TARGET, opts=Options(self_check="always")))
+            for name, prob in _problems() if prob.seqlen_q > 1]
+
+
 def jobs():
     out = []
     for _, plan in _plans():
         canary = dispatch.plan_fwd(selfcheck.canary_problem(plan), target=TARGET)
         out += [(plan.kernel_cls, plan.cfg), (canary.kernel_cls, canary.cfg)]
+    for _, plan in _bwd_plans():
+        canary = dispatch.plan_bwd(
+            selfcheck.canary_problem(plan, packed=False, requires_grad=True), target=TARGET)
+        out += plan.jobs + canary.jobs
     return out
 
 
@@ -49,18 +59,20 @@ def run(dev, flush):
     import torch
 
     res = {}
-    for name, plan in _plans():
-        selfcheck._canary(plan, dev)  # warm: compile / load the kernel and the reference path
+    runs = [(name, plan, selfcheck._canary) for name, plan in _plans()] + [
+        (f"{name} backward", plan, selfcheck._canary_bwd) for name, plan in _bwd_plans()]
+    for name, plan, canary in runs:
+        canary(plan, dev)  # warm: compile / load the kernels and the reference path
         torch.cuda.synchronize(dev)
         times, results = [], []
         for _ in range(5):
             t = time.perf_counter()
-            results.append(selfcheck._canary(plan, dev))
+            results.append(canary(plan, dev))
             torch.cuda.synchronize(dev)
             times.append((time.perf_counter() - t) * 1e3)
         res[name] = {"canary_ms": sorted(times)[len(times) // 2], "min_ms": min(times),
                      "passed": all(r is None for r in results), "reason": results[0]}
-        print(f"{name:28s} canary {res[name]['canary_ms']:.2f} ms (min {min(times):.2f}), "
+        print(f"{name:37s} canary {res[name]['canary_ms']:.2f} ms (min {min(times):.2f}), "
               f"passed={res[name]['passed']}")
     return res
 

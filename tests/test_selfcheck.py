@@ -221,3 +221,17 @@ def test_the_backward_canary_on_the_device(seed, family, monkeypatch, caplog):
         assert any("self-check failed" in r.getMessage() for r in caplog.records)
         assert all(rel_err(g, r) <= b for g, r, b in zip(got, ref, bounds))  # the recompute
     ffpa_cute.interface._clear_caches()
+
+
+@pytest.mark.parametrize("target,kernels", [
+    ("sm_100a", "FFPABwdDQSm100, FFPABwdDKSm100, FFPABwdDVSm100"),
+    ("sm_120a", "FFPABwdDQSm80, FFPABwdDKSm80, FFPABwdDVSm80")])
+def test_explain_names_never_run_backward_kernels(target, kernels, monkeypatch):
+    """explain()'s backward route on a never-run family names its kernels, says they are
+    compile-verified only, and that a canary runs on first use."""
+    monkeypatch.setattr(dispatch, "current_arch", lambda device=None: target)
+    selfcheck.clear()
+    route = ffpa_cute.interface._backward_route(prob(requires_grad=True),
+                                                torch.device("cuda", 0))
+    assert kernels in route and "compile-verified only, never run" in route
+    assert "self-check pending" in route

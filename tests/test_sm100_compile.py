@@ -72,7 +72,8 @@ def test_sm100_forward_without_multicast_compiles():
     assert "tcgen05.mma.cta_group::1.kind::f16" in ptx
 
 
-BWD_CASES = [(264, True, None), (512, False, None), (576, True, 512), (1024, False, None)]
+BWD_CASES = [(264, True, None), (320, False, None), (512, False, None), (576, True, 512),
+             (768, True, None), (1024, False, None)]
 
 
 @pytest.mark.parametrize("d,causal,dv", BWD_CASES)
