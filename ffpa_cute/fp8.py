@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from . import dispatch, launch
+from . import dispatch, launch, selfcheck
 from . import options as _options
 from .problem import AttnProblem, dtype_name
 
@@ -117,8 +117,12 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     q, k = launch.kernel_ready(q), launch.kernel_ready(k)
     (q, k, _, o, lse_k), offset = launch.kernel_args(plan, q, k, v, out, lse)
-    tensors = dict(q=launch.kernel_ready(q), k=k, vt=_transposed_v(v), o=o, lse=lse_k,
-                   q_descale=qd, k_descale=kd, v_descale=vd)
+    # V as the kernel reads it: transposed for the sm90 WGMMA ("vt"), as it lies for sm100's
+    # N-major tcgen05 operand ("v")
+    vin = (dict(vt=_transposed_v(v)) if "vt" in plan.kernel_cls.OPERANDS
+           else dict(v=launch.kernel_ready(v)))
+    tensors = dict(q=launch.kernel_ready(q), k=k, o=o, lse=lse_k, q_descale=qd, k_descale=kd,
+                   v_descale=vd, **vin)
     launch.run_job(plan.kernel_cls, plan.cfg, tensors,
                    dict(softmax_scale=p.softmax_scale, causal_offset=offset))
     return out, lse
@@ -141,17 +145,19 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
         out_dtype=dtype_name(want))
     empty = q.numel() == 0 or k.shape[2] == 0
     plan = None if empty else dispatch.plan_fwd(problem, q.device)
+    # a kernel never run on this target proves itself on a canary first (selfcheck.py)
+    reason = None if plan is None else plan.reason or selfcheck.reason(plan, q.device)
     qd, kd, vd = (descale_bh(d, n, b, hkv, q.device)
                   for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
-    if plan is not None and plan.reason is None:
+    if plan is not None and reason is None:
         with torch.cuda.device(q.device):
             return run_kernel(plan, q, k, v, qd, kd, vd, want)
     if plan is not None:
         if _options.current().strict if strict is None else strict:
-            raise NotImplementedError(plan.reason)
-        if plan.reason not in _LOGGED:
-            _LOGGED.add(plan.reason)
-            log.warning("FP8 attention dequantised to bf16: %s", plan.reason)
+            raise NotImplementedError(reason)
+        if reason not in _LOGGED:
+            _LOGGED.add(reason)
+            log.warning("FP8 attention dequantised to bf16: %s", reason)
     g = q.shape[1] // hkv
     deq = [(t.float() * d.repeat_interleave(r, dim=1)[..., None, None]).to(torch.bfloat16)
            for t, d, r in ((q, qd, g), (k, kd, 1), (v, vd, 1))]

@@ -235,3 +235,37 @@ def test_explain_names_never_run_backward_kernels(target, kernels, monkeypatch):
                                                 torch.device("cuda", 0))
     assert kernels in route and "compile-verified only, never run" in route
     assert "self-check pending" in route
+
+
+@pytest.mark.gpu
+def test_the_fp8_canary_on_the_device(seed, monkeypatch, caplog):
+    """On the H200, with `self_check="always"`: the sm90 e4m3 kernel passes its canary (inputs
+    quantised per tensor, against float32 on the dequantised inputs within FP8_TOL); an
+    injected 5% fault is caught on the first call, which then runs the dequantised bf16
+    route."""
+    if dispatch.current_arch() != "sm_90a":
+        pytest.skip("the FP8 kernel runs on sm_90 here")
+    from ffpa_cute import fp8
+
+    x = [torch.randn(1, 4, n, 512, device="cuda") for n in (129, 1000, 1000)]
+    (q, qd), (k, kd), (v, vd) = (fp8.quantize_fp8(t) for t in x)
+    deq = [t.float() * d for t, d in ((q, qd), (k, kd), (v, vd))]
+    ref = attention_ref(*deq, causal=True)[0]
+
+    def call():
+        return ffpa_cute.attention(q, k, v, is_causal=True, q_descale=qd, k_descale=kd,
+                                   v_descale=vd)
+
+    with ffpa_cute.options.use(self_check="always"):
+        ffpa_cute.interface._clear_caches()
+        assert rel_err(call(), ref) <= selfcheck.FP8_TOL
+        assert not any("self-check" in r.getMessage() for r in caplog.records)
+        ffpa_cute.interface._clear_caches()
+        real = fp8.run_kernel
+        monkeypatch.setattr(fp8, "run_kernel",
+                            lambda *a: (lambda o, lse: (o * 1.05, lse))(*real(*a)))
+        caplog.set_level(logging.WARNING, logger="ffpa_cute")
+        out = call()
+        assert any("self-check failed" in r.getMessage() for r in caplog.records)
+        assert rel_err(out, ref) <= 1e-2  # the dequantised bf16 route
+    ffpa_cute.interface._clear_caches()

@@ -37,9 +37,9 @@ def test_sm100_forward_compiles_with_tcgen05(d, causal, dv, dtype):
     # QK: both operands from smem descriptors; PV: A (P) from TMEM ("[%r..]")
     ss = [m for m in mmas if not m[1].startswith("[")]
     ts = [m for m in mmas if m[1].startswith("[")]
-    k_blocks = c100.K_CHUNK // c100.MMA_K
+    k_blocks = cfg.k_chunk // cfg.mma_k
     assert len(ss) == cfg.num_k_chunks * k_blocks, len(ss)
-    assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // c100.MMA_K, len(ts)
+    assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // cfg.mma_k, len(ts)
     assert ptx.count("tcgen05.alloc.cta_group::1") == 1
     assert ptx.count("tcgen05.dealloc.cta_group::1") == 1
     assert "tcgen05.ld.sync.aligned.32x32b" in ptx and "tcgen05.st.sync.aligned.32x32b" in ptx
@@ -90,10 +90,10 @@ def test_sm100_backward_compiles_with_tcgen05(d, causal, dv):
         mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* (\[%r\d+\]), (\S+),", ptx)
         ss = [m for m in mmas if not m[1].startswith("[")]
         ts = [m for m in mmas if m[1].startswith("[")]
-        k_blocks = c100.K_CHUNK // c100.MMA_K
+        k_blocks = cfg.k_chunk // cfg.mma_k
         assert len(ss) == cfg.num_k_chunks * k_blocks and len(cfg.products) == (
             1 if cls.__name__ == "FFPABwdDVSm100" else 2)
-        assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // c100.MMA_K
+        assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // cfg.mma_k
         assert ptx.count("tcgen05.alloc.cta_group::1") == 1
         assert ("bar.sync" in ptx) == bool(cfg.col_stats)  # the column statistics' barrier
         assert ("multicast::cluster" in ptx) == cfg.multicast
@@ -101,3 +101,27 @@ def test_sm100_backward_compiles_with_tcgen05(d, causal, dv):
         res = _ptxas_spills(ptx, "sm_100a")
         if res is not None:
             assert res[:2] == (0, 0), f"{cfg}: spills {res}"
+
+
+@pytest.mark.parametrize("d,causal", [(320, False), (512, True), (1024, False)])
+def test_sm100_fp8_forward_compiles_with_f8f6f4(d, causal):
+    """The e4m3 forward: kind::f8f6f4 MMAs (K = 32) on 128-column chunks, P rounded to e4m3
+    (satfinite) into TMEM, V read N-major (no transpose), bf16 out, no spills."""
+    problem = AttnProblem(dtype="e4m3", batch=1, heads_q=8, heads_kv=2, seqlen_q=1000,
+                          seqlen_kv=1000, head_dim=d, head_dim_v=d, causal=causal,
+                          out_dtype="bf16")
+    plan = dispatch.plan_fwd(problem, target="sm_100a")
+    assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100FP8"
+    cfg = plan.cfg
+    assert (cfg.k_chunk, cfg.mma_k) == (128, 32) and "v" in plan.kernel_cls.OPERANDS
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f8f6f4\S* (\[%r\d+\]), (\S+),", ptx)
+    ss = [m for m in mmas if not m[1].startswith("[")]
+    ts = [m for m in mmas if m[1].startswith("[")]
+    assert len(ss) == cfg.num_k_chunks * cfg.k_chunk // cfg.mma_k
+    assert len(ts) == cfg.v_blocks_per_tile * c100.V_ROWS // cfg.mma_k
+    assert "kind::f16" not in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_100a")
+    if res is not None:
+        assert res[:2] == (0, 0), f"{cfg}: spills {res}"

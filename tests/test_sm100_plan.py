@@ -190,3 +190,22 @@ def test_protocol_model_catches_faults_in_the_backward(fault):
     with pytest.raises(protocol.ProtocolError):
         for seed in range(40):
             fault(cfg, 9, seed).run(max_steps=20000)
+
+
+@pytest.mark.parametrize("d", [272, 320, 512, 576, 1024])
+def test_fp8_plans(d):
+    """The e4m3 forward: 128-column chunks, P in e4m3 (32 TMEM columns inside its S), the
+    accumulator N a multiple of 32, the budgets met; the protocol model passes."""
+    p = AttnProblem(dtype="e4m3", batch=1, heads_q=8, heads_kv=2, seqlen_q=1000,
+                    seqlen_kv=1000, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    cfg = c100.plan_fwd(p)
+    assert isinstance(cfg, c100.FwdFP8ConfigSm100) and cfg.out_dtype == "bf16"
+    assert (cfg.k_chunk, cfg.mma_k) == (128, 32) and cfg.acc_cta % 32 == 0
+    spans = {name: (c, c + w) for name, c, w in cfg.tmem_regions()}
+    assert spans["P0"][1] - spans["P0"][0] == cfg.tile_n // 4
+    assert c100.can_implement(cfg) is None and cfg.smem_bytes() <= c100.SMEM_CAPACITY
+    assert cfg.tmem_columns_used <= c100.TMEM_COLUMNS and cfg.rescales_acc
+    for blocks in (0, 3, 11):
+        protocol.run(cfg, blocks, seed=blocks)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        c100.plan_fwd(dataclasses.replace(p, head_dim=264, head_dim_v=264))

@@ -39,12 +39,13 @@ ARCH = "sm_100a"
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_100a (227 KB)
 TMEM_LANES, TMEM_COLUMNS = 128, 512  # per SM, 32-bit cells
 DTYPES = ("bf16", "fp16")
-ELEM_BYTES = {"bf16": 2, "fp16": 2}
+FP8_DTYPES = ("e4m3",)
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 TILE_M = 128  # query rows per CTA: one TMEM lane per row (tcgen05 M = 128, cta_group::1)
 MAX_MMA_N = 256  # tcgen05.mma kind::f16 with M = 128: N a multiple of 16 in [16, 256]
-MMA_K = 16  # K of one kind::f16 instruction
-K_CHUNK = 64  # head-dim columns per QK-ring stage: one 128-byte swizzle atom at 16 bits
+CHUNK_BYTES = 128  # head-dim bytes per QK-ring stage row: one 128-byte swizzle atom
+MMA_K_BYTES = 32  # K bytes of one tcgen05.mma (kind::f16: 16 elements; kind::f8f6f4: 32)
 V_ROWS = 64  # keys per V-ring stage
 BARRIER_BYTES = 8
 
@@ -103,7 +104,18 @@ class FwdConfigSm100:
 
     @property
     def elem_bytes(self) -> int:
+        """Bytes per element of the operands (Q, K, V, P)."""
         return ELEM_BYTES[self.dtype]
+
+    @property
+    def k_chunk(self) -> int:
+        """Head-dim columns per QK-ring stage: 64 at 16 bits, 128 at 8."""
+        return CHUNK_BYTES // self.elem_bytes
+
+    @property
+    def mma_k(self) -> int:
+        """K of one tcgen05.mma: 16 at 16 bits, 32 at 8."""
+        return MMA_K_BYTES // self.elem_bytes
 
     @property
     def dv(self) -> int:
@@ -132,7 +144,7 @@ class FwdConfigSm100:
     def rescales_acc(self) -> bool:
         """Whether the softmax threads rescale the accumulator in TMEM between blocks (the
         forward's online softmax; the gradients take P from the LSE)."""
-        return type(self) is FwdConfigSm100
+        return not isinstance(self, tuple(BWD_CONFIGS.values()))
 
     @property
     def lookahead(self) -> int:
@@ -150,7 +162,7 @@ class FwdConfigSm100:
     def product_chunks(self) -> tuple[int, ...]:
         """QK-ring stages of each product per block ([128 x 64] chunks of its two operands;
         TMA zero-fills the last chunk's columns past the dim)."""
-        return tuple(-(-d // K_CHUNK) for d in self.products)
+        return tuple(-(-d // self.k_chunk) for d in self.products)
 
     @property
     def num_k_chunks(self) -> int:
@@ -166,9 +178,11 @@ class FwdConfigSm100:
     @property
     def acc_cta(self) -> int:
         """Accumulator columns per CTA: acc_dim / o_split rounded up to a multiple of 16 (the
-        accumulator MMA's N); the last CTA's columns past acc_dim are computed from TMA's
-        zeros and not stored."""
-        return -(-self.acc_dim // (16 * self.o_split)) * 16
+        accumulator MMA's N; 32 at 8 bits, the narrowest swizzle atom of the N-major B
+        operand); the last CTA's columns past acc_dim are computed from TMA's zeros and not
+        stored."""
+        step = 16 if self.elem_bytes == 2 else 32
+        return -(-self.acc_dim // (step * self.o_split)) * step
 
     @property
     def v_blocks_per_tile(self) -> int:
@@ -225,7 +239,7 @@ class FwdConfigSm100:
     # ------------------------------------------------------------------ shared memory
     @property
     def qk_stage_bytes(self) -> int:
-        return (TILE_M + self.tile_n) * K_CHUNK * self.elem_bytes
+        return (TILE_M + self.tile_n) * CHUNK_BYTES
 
     @property
     def v_stage_bytes(self) -> int:
@@ -265,13 +279,27 @@ class FwdConfigSm100:
         halves of the QK ring, the V ring (the accumulator's B operand)."""
         header = -(-(sum(n for n, _ in self.barriers().values()) * BARRIER_BYTES + 4) // 16) * 16
         header += 2 * self.col_stats * self.tile_n * 4
-        chunk = K_CHUNK * self.elem_bytes
-        return [("header", header), ("rows", self.qk_stages * TILE_M * chunk),
-                ("cols", self.qk_stages * self.tile_n * chunk),
+        return [("header", header), ("rows", self.qk_stages * TILE_M * CHUNK_BYTES),
+                ("cols", self.qk_stages * self.tile_n * CHUNK_BYTES),
                 ("acc_b", self.v_stages * self.v_stage_bytes)]
 
     def smem_bytes(self) -> int:
         return sum(_align(b) for _, b in self.smem_regions())
+
+
+@dataclass(frozen=True)
+class FwdFP8ConfigSm100(FwdConfigSm100):
+    """Compile key of the FP8 forward (`FFPAFwdSm100FP8`): the forward's fields with dtype
+    "e4m3" (Q, K, V and P in e4m3, tcgen05.mma kind::f8f6f4 with K = 32, fp32 accumulation;
+    QK-ring chunks of 128 columns) and the output's dtype. P <= 2^RESCALE_THRESHOLD = 256 by
+    the frame rule (e4m3's largest finite value is 448: no saturation).
+
+    out_dtype: "bf16" | "fp16", the dtype of O (LSE stays fp32).
+    """
+
+    out_dtype: str = "bf16"
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100FP8"
 
 
 def _role(name: str) -> tuple[int, int, int]:
@@ -291,7 +319,14 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
     """None when the kernel can be built for cfg, else the reason."""
     if cfg.arch != ARCH:
         return f"arch {cfg.arch!r}: tcgen05 and TMEM need {ARCH}"
-    if cfg.dtype not in DTYPES:
+    if isinstance(cfg, FwdFP8ConfigSm100):
+        if cfg.dtype not in FP8_DTYPES or cfg.out_dtype not in DTYPES:
+            return (f"dtype {cfg.dtype!r} / out_dtype {cfg.out_dtype!r}: the FP8 forward takes "
+                    f"{FP8_DTYPES} in and gives {DTYPES}")
+        if cfg.head_dim % 16 or cfg.dv % 16:
+            return (f"head_dim={cfg.head_dim}, head_dim_v={cfg.dv}: the FP8 forward needs "
+                    "multiples of 16 (16-byte rows for TMA)")
+    elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
@@ -323,13 +358,16 @@ def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
     if problem.has_window or problem.has_sinks or problem.varlen:
         raise ValueError("the sm100 forward has no sliding window, sinks or one-launch varlen yet")
     dv = problem.head_dim_v
+    fp8 = problem.dtype in FP8_DTYPES
+    cls = FwdFP8ConfigSm100 if fp8 else FwdConfigSm100
+    extra = dict(out_dtype=problem.out_dtype or "bf16") if fp8 else {}
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.right_bounded,
+                causal=problem.right_bounded, **extra,
                 head_dim_v=None if dv == problem.head_dim else dv,
                 multicast=multicast and dv > MAX_MMA_N)  # a cluster needs o_split >= 2
 
     def make(qk, v):
-        return FwdConfigSm100(**base, qk_stages=qk, v_stages=v)
+        return cls(**base, qk_stages=qk, v_stages=v)
 
     def fits(qk, v):
         return can_implement(make(qk, v)) is None
@@ -435,5 +473,5 @@ def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
 
 
 __all__ = ["BWD_CONFIGS", "BwdDKConfigSm100", "BwdDQConfigSm100", "BwdDVConfigSm100",
-           "FwdConfigSm100", "WARP_ROLES", "can_implement", "num_threads", "plan_bwd",
-           "plan_fwd"]
+           "FwdConfigSm100", "FwdFP8ConfigSm100", "WARP_ROLES", "can_implement", "num_threads",
+           "plan_bwd", "plan_fwd"]

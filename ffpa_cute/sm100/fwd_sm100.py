@@ -24,9 +24,9 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
-from ..common.tensors import LOG2_E
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_tensor
 from .config import RESCALE_THRESHOLD
 from .skeleton_sm100 import Ctx, RingSkeletonSm100, Roles
 
@@ -52,17 +52,20 @@ class FFPAFwdSm100(RingSkeletonSm100):
 
     @cute.jit
     def _init_state(self, ctx: Ctx):
-        """(running max of the raw scores: the frame P is taken in, row sum)."""
-        state = cute.make_rmem_tensor((2,), Float32)
+        """(running max of the raw scores: the frame P is taken in, row sum, the scores'
+        scale in log2 units, O's final factor): the last two carry the FP8 descales."""
+        state = cute.make_rmem_tensor((4,), Float32)
         state[0] = -Float32.inf
         state[1] = Float32(0.0)
+        state[2] = ctx.scale_log2
+        state[3] = Float32(1.0)
         return state
 
     @cute.jit
     def _score_step(self, ctx: Ctx, state, i, tSr, tDPr, tScS, tPr):
-        """Row max, the frame move (and O rescale) past the threshold, P = exp2 in 16 bits,
-        row sum."""
-        scale_log2 = ctx.scale_log2
+        """Row max, the frame move (and O rescale) past the threshold, P = exp2 in the operand
+        dtype (<= 2^RESCALE_THRESHOLD), row sum."""
+        scale_log2 = state[2]
         m_run = state[0]
         blk_max = tSr[0]
         for e in cutlass.range_constexpr(1, cute.size(tSr)):
@@ -88,7 +91,12 @@ class FFPAFwdSm100(RingSkeletonSm100):
         for e in cutlass.range_constexpr(cute.size(tSr)):
             p = cute.math.exp2(tSr[e] * scale_log2 - m_scaled, fastmath=True)
             row_sum += p
-            tPr[e] = p.to(self.dtype)
+            if const_expr(self.dtype.width == 16):
+                tPr[e] = p.to(self.dtype)
+            else:  # e4m3 converts in pairs: P in place of S, converted below
+                tSr[e] = p
+        if const_expr(self.dtype.width != 16):
+            tPr.store(tSr.load().to(self.dtype))
         state[0] = m_run
         state[1] = state[1] * factor + row_sum
 
@@ -111,14 +119,51 @@ class FFPAFwdSm100(RingSkeletonSm100):
         m_run, l_run = state[0], state[1]
         inv = Float32(0.0)
         if l_run > Float32(0.0):
-            inv = cute.arch.rcp_approx(l_run)
+            inv = cute.arch.rcp_approx(l_run) * state[3]
         self._store_acc(ctx, inv, n_blocks > 0)
         if ctx.o_part == 0 and ctx.row < ctx.seqlen_r:
             lse = -Float32.inf
             if l_run > Float32(0.0):
-                lse = (m_run * ctx.scale_log2
+                lse = (m_run * state[2]
                        + cute.math.log2(l_run, fastmath=True)) * (1.0 / LOG2_E)
             ctx.stats[0][ctx.batch, ctx.head, ctx.row] = lse
 
 
-__all__ = ["FFPAFwdSm100"]
+class FFPAFwdSm100FP8(FFPAFwdSm100):
+    """The forward for e4m3 Q, K, V (`FwdFP8ConfigSm100`): tcgen05.mma kind::f8f6f4 (K = 32)
+    on 128-column chunks of D, P in e4m3 in TMEM (32 columns per buffer), V read as it lies
+    ([N, Dv], the N-major B operand: no transpose). The descales (per (batch, KV head), fp32)
+    fold into the scores' scale (q_descale * k_descale) and O's final factor (v_descale); the
+    frame rule keeps P <= 2^8 = 256 < 448, e4m3's largest finite value. O in out_dtype, LSE
+    fp32 of the dequantised scores."""
+
+    OPERANDS = ("q", "k", "v", "o", "lse", "q_descale", "k_descale", "v_descale")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """q, k, v (e4m3), o (out_dtype), lse, then three (B, Hkv) fp32 descales."""
+        e4m3, out = CUTLASS_DTYPES[cfg.dtype], CUTLASS_DTYPES[cfg.out_dtype]
+        qkv = [fake_tensor(e4m3, 4, 16) for _ in range(3)]
+        return (*qkv, fake_tensor(out, 4, 8), fake_tensor(Float32, 3, 1),
+                *(fake_tensor(Float32, 2, 1) for _ in range(3)))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        """q, k, v: (B, H, N, D) e4m3; o: (B, Hq, Nq, Dv) out_dtype; lse: (B, Hq, Nq) fp32;
+        descales: (B, Hkv) fp32."""
+        self._launch(Roles(rows=mQ, cols=mK, rows2=None, cols2=None, acc_b=mV, out=mO),
+                     (mLSE, mQd, mKd, mVd), softmax_scale, causal_offset, stream)
+
+    @cute.jit
+    def _init_state(self, ctx: Ctx):
+        """The forward's state with the descales of this (batch, KV head) folded in."""
+        state = super()._init_state(ctx)
+        _, mQd, mKd, mVd = ctx.stats
+        state[2] = ctx.scale_log2 * mQd[ctx.batch, ctx.head_c] * mKd[ctx.batch, ctx.head_c]
+        state[3] = mVd[ctx.batch, ctx.head_c]
+        return state
+
+
+__all__ = ["FFPAFwdSm100", "FFPAFwdSm100FP8"]

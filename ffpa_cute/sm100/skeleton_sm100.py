@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..common.mask import mask_row
 from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhnd
-from .config import K_CHUNK, TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
+from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
 SOFTMAX_FIRST, SOFTMAX_WARPS, _ = _role("softmax")
 MMA_WARP, LOAD_WARP = _role("mma")[0], _role("load")[0]
@@ -83,6 +83,7 @@ class Ctx(NamedTuple):
     scale_log2: Float32
     softmax_scale: Float32
     causal_offset: Int32
+    head_c: Int32       # C's head when one serves the whole tile (rows are queries)
     tOtO: cute.Tensor   # the accumulator in TMEM
     mOut: cute.Tensor
     stats: object       # the kernel's statistics tensors (LSE, Delta), or None
@@ -97,8 +98,9 @@ class RingSkeletonSm100(KernelEntry):
         if reason:
             raise ValueError(f"{type(self).__name__}: {reason}")
         self.cfg = cfg
-        self.dtype = CUTLASS_DTYPES[cfg.dtype]
-        self.qk_tiler = (TILE_M, cfg.tile_n, K_CHUNK)  # one QK-ring stage
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]  # the operands' (Q, K, V, P)
+        self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]
+        self.qk_tiler = (TILE_M, cfg.tile_n, cfg.k_chunk)  # one QK-ring stage
         self.pv_tiler = (TILE_M, cfg.acc_cta, V_ROWS)  # one V-ring stage
         self.p_tiler = (TILE_M, cfg.acc_cta, cfg.tile_n)  # P / dS of one block
 
@@ -125,7 +127,7 @@ class RingSkeletonSm100(KernelEntry):
         r1 = aligned_bhnd(roles.rows, dims[0], self.dtype)
         c1 = aligned_bhnd(roles.cols, dims[0], self.dtype)
         acc_b = aligned_bhnd(roles.acc_b, cfg.acc_dim, self.dtype)
-        out = aligned_bhnd(roles.out, cfg.acc_dim, self.dtype)
+        out = aligned_bhnd(roles.out, cfg.acc_dim, self.out_dtype)
         qk, pv = self._tiled_mmas()
         sR_l = sm100_utils.make_smem_layout_a(qk, self.qk_tiler, self.dtype, cfg.qk_stages)
         sC_l = sm100_utils.make_smem_layout_b(qk, self.qk_tiler, self.dtype, cfg.qk_stages)
@@ -382,7 +384,8 @@ class RingSkeletonSm100(KernelEntry):
         cfg = self.cfg
         tSrR, tSrC = qk.make_fragment_A(sR), qk.make_fragment_B(sC)
         tOrB = pv.make_fragment_B(sB)
-        k_blocks = cute.size(tSrR, mode=[2])  # MMA instructions per ring stage (64 / 16)
+        k_blocks = cute.size(tSrR, mode=[2])  # score MMAs per QK stage (128 bytes / 32)
+        b_blocks = cute.size(tOrB, mode=[2])  # accumulator MMAs per B stage (64 keys / mma_k)
         nbuf = cfg.score_bufs
         qk_i = Int32(0)
         v_i = Int32(0)
@@ -411,10 +414,10 @@ class RingSkeletonSm100(KernelEntry):
                 for j in cutlass.range_constexpr(cfg.v_blocks_per_tile):
                     s = v_i % cfg.v_stages
                     cute.arch.mbarrier_wait(bars["v_full"] + s, (v_i // cfg.v_stages) & 1)
-                    for kb in cutlass.range_constexpr(k_blocks):
+                    for kb in cutlass.range_constexpr(b_blocks):
                         # the first block's first MMA overwrites the accumulator
                         pv.set(tcgen05.Field.ACCUMULATE, b > 0 if j == 0 and kb == 0 else True)
-                        cute.gemm(pv, tOtO, tOrP[None, None, j * k_blocks + kb, b % nbuf],
+                        cute.gemm(pv, tOtO, tOrP[None, None, j * b_blocks + kb, b % nbuf],
                                   tOrB[None, None, kb, s], tOtO)
                     with cute.arch.elect_one():
                         tcgen05.commit(bars["v_empty"] + s)
@@ -438,12 +441,13 @@ class RingSkeletonSm100(KernelEntry):
             s0).get_slice(tidx)
         tScS = ld_s.partition_D(thr_qk.partition_C(cute.make_identity_tensor((TILE_M, n)))[
             (None, None), 0, 0])
-        p_cols = n * self.dtype.width // 32  # P's TMEM columns
+        p_cols = n * self.dtype.width // 32  # P's TMEM columns (64 at 16 bits, 32 at 8)
         p0 = cute.make_tensor(s0.iterator + (cfg.p_offset[0] - cfg.s_offset[0]),
                               cute.composition(s0.layout, cute.make_layout((TILE_M, p_cols))))
-        st_p = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)), Float32),
-            p0).get_slice(tidx)
+        pieces = cute.size(tScS, mode=[2])  # the 32-column pieces of a row of scores
+        st_p = tcgen05.make_tmem_copy(   # one piece's P per store
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(
+                tcgen05.copy.Repetition(p_cols // pieces)), Float32), p0).get_slice(tidx)
         tPr_f32 = cute.make_rmem_tensor(
             st_p.partition_S(cute.make_identity_tensor((TILE_M, p_cols))).shape, Float32)
         s_stride = cfg.s_offset[1] - cfg.s_offset[0]
@@ -451,7 +455,7 @@ class RingSkeletonSm100(KernelEntry):
 
         ctx = Ctx(bars, tidx, m_block * TILE_M + tScS[0][0], m_block, o_part, head, batch,
                   seqlen_r, seqlen_c, softmax_scale * 1.4426950408889634, softmax_scale,
-                  causal_offset, tOtO, mOut, stats, sStat)
+                  causal_offset, walk[3], tOtO, mOut, stats, sStat)
         state = self._init_state(ctx)
         n_blocks = walk[0]
         for i in cutlass.range(n_blocks, unroll=1):
@@ -543,8 +547,8 @@ class RingSkeletonSm100(KernelEntry):
                 cute.arch.fence_view_async_tmem_load()
             else:
                 reg.fill(0.0)
-            out = cute.make_rmem_tensor((EPI_COLS,), self.dtype)
-            out.store((reg.load() * factor).to(self.dtype))
+            out = cute.make_rmem_tensor((EPI_COLS,), self.out_dtype)
+            out.store((reg.load() * factor).to(self.out_dtype))
             for v8 in cutlass.range_constexpr(EPI_COLS // vec):
                 col = col0 + c * EPI_COLS + v8 * vec
                 if row < ctx.seqlen_r and col < cfg.acc_dim:
