@@ -13,11 +13,12 @@ from .fp8 import quantize_fp8
 from .interface import attention, explain, patch_sdpa, unpatch_sdpa
 from .kvcache import attention_with_kvcache
 from .merge import merge_attention
+from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from .options import Options
 from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["Options", "attention", "attention_with_kvcache", "explain", "merge_attention",
-           "options", "patch_sdpa", "quantize_fp8", "unpatch_sdpa", "varlen_attention",
-           "__version__"]
+__all__ = ["NVFP4Tensor", "Options", "attention", "attention_with_kvcache", "dequantize_nvfp4",
+           "explain", "merge_attention", "options", "patch_sdpa", "quantize_fp8",
+           "quantize_nvfp4", "unpatch_sdpa", "varlen_attention", "__version__"]

@@ -432,9 +432,10 @@ def test_import_is_light():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0.1.0", "False", "False"], out.stdout
-    assert ffpa_cute.__all__ == ["Options", "attention", "attention_with_kvcache", "explain",
-                                 "merge_attention", "options", "patch_sdpa", "quantize_fp8",
-                                 "unpatch_sdpa", "varlen_attention", "__version__"]
+    assert ffpa_cute.__all__ == ["NVFP4Tensor", "Options", "attention", "attention_with_kvcache",
+                                 "dequantize_nvfp4", "explain", "merge_attention", "options",
+                                 "patch_sdpa", "quantize_fp8", "quantize_nvfp4", "unpatch_sdpa",
+                                 "varlen_attention", "__version__"]
 
 
 def test_eager_calls_skip_the_custom_op_dispatcher(seed, fake_kernel, monkeypatch):
