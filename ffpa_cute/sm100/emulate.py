@@ -1,0 +1,78 @@
+"""The sm100 forward's arithmetic, step for step, in torch: what `FFPAFwdSm100` (and its FP8
+form) computes, for the CPU tests of a kernel that never ran (no sm_100 GPU here).
+
+Per 128-row tile it walks the KV blocks of 128 keys from the causal / Nkv bound down to 0 (the
+kernels' order), and per row: the block's raw max; the frame (running max) moves only when the
+max grew by more than RESCALE_THRESHOLD in log2 units, and then O and the row sum are rescaled;
+P = exp2(s * scale_log2 - frame * scale_log2) in fp32, rounded to the operand dtype (bf16 /
+fp16, or e4m3) for the P V product while the row sum adds the unrounded P; finally O / row_sum
+and LSE = (frame * scale_log2 + log2(row_sum)) ln 2. tests/test_sm100_emulate.py checks it
+against float64 and checks the bound the FP8 path relies on: P <= 2^RESCALE_THRESHOLD < 448.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RESCALE_THRESHOLD, TILE_M
+
+TILE_N = 128
+LOG2_E = 1.4426950408889634
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+            causal_offset: int | None = None, scale: float | None = None,
+            p_dtype: torch.dtype = torch.bfloat16, record: dict | None = None):
+    """(out fp32 [B, Hq, Nq, Dv], lse fp32 [B, Hq, Nq]) as the kernel computes them, for
+    q [B, Hq, Nq, D], k / v [B, Hkv, Nkv, D | Dv] (GQA by head // (Hq / Hkv)). `p_dtype`: the
+    P operand's dtype (torch.float8_e4m3fn for the FP8 form). `record`: if given, receives
+    "p_max" (the largest P before rounding) and "rescales" (frame moves after a first one)."""
+    b, hq, nq, d = q.shape
+    nkv = k.shape[2]
+    g = hq // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    sl2 = scale * LOG2_E
+    offset = nkv - nq if causal_offset is None else causal_offset
+    out = torch.zeros(b, hq, nq, v.shape[-1])
+    lse = torch.full((b, hq, nq), -math.inf)
+    p_max, rescales = 0.0, 0
+    for m0 in range(0, nq, TILE_M):
+        rows = torch.arange(m0, min(m0 + TILE_M, nq))
+        n_max = -(-nkv // TILE_N)
+        if causal:
+            n_max = min(n_max, -(-max(m0 + TILE_M + offset, 0) // TILE_N))
+        qt = q[:, :, rows].float()
+        kk = k.float().repeat_interleave(g, 1)
+        vv = v.float().repeat_interleave(g, 1)
+        frame = torch.full((b, hq, len(rows)), -math.inf)
+        rowsum = torch.zeros(b, hq, len(rows))
+        o = torch.zeros(b, hq, len(rows), v.shape[-1])
+        for i in range(n_max):
+            n = n_max - 1 - i
+            cols = torch.arange(n * TILE_N, min((n + 1) * TILE_N, nkv))
+            s = qt @ kk[:, :, cols].transpose(-1, -2)
+            if causal:
+                s = s.masked_fill(cols[None, :] > rows[:, None] + offset, -math.inf)
+            new = torch.maximum(frame, s.amax(-1))
+            grow = (new - frame) * sl2 > RESCALE_THRESHOLD  # NaN (-inf - -inf): no
+            factor = torch.where(grow, torch.exp2((frame - new) * sl2), torch.ones_like(new))
+            if i > 0:
+                rescales += int((grow & (frame > -math.inf)).sum())
+            frame = torch.where(grow, new, frame)
+            shift = torch.where(frame > -math.inf, frame * sl2, torch.zeros_like(frame))
+            p = torch.exp2(s * sl2 - shift[..., None])
+            p_max = max(p_max, float(p.max()))
+            rowsum = rowsum * factor + p.sum(-1)
+            o = o * factor[..., None] + p.to(p_dtype).float() @ vv[:, :, cols]
+        inv = torch.where(rowsum > 0, 1.0 / rowsum, torch.zeros_like(rowsum))
+        out[:, :, rows] = o * inv[..., None]
+        lse[:, :, rows] = torch.where(rowsum > 0, (frame * sl2 + torch.log2(rowsum)) / LOG2_E,
+                                      torch.full_like(rowsum, -math.inf))
+    if record is not None:
+        record.update(p_max=p_max, rescales=rescales)
+    return out, lse
+
+
+__all__ = ["forward"]

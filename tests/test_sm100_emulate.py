@@ -1,0 +1,72 @@
+"""The sm100 forward's arithmetic (ffpa_cute/sm100/emulate.py, step for step as the kernel does
+it: block order, the frame that moves only past RESCALE_THRESHOLD, P rounded for P V while the
+row sum keeps it unrounded) against float64 on the CPU: the algorithm of a kernel that never
+ran (no sm_100 GPU here) is right, and the FP8 form's P cannot saturate e4m3."""
+
+import math
+
+import pytest
+import torch
+
+from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
+from ffpa_cute.sm100 import emulate
+from ffpa_cute.sm100.config import RESCALE_THRESHOLD
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+@pytest.mark.parametrize("nq,nkv,causal,hq,hkv", [
+    (129, 129, False, 2, 2), (7, 1000, True, 4, 1), (300, 257, True, 2, 2), (1, 300, False, 2, 1),
+    (200, 70, True, 2, 2)])  # causal with Nq > Nkv: the first rows see no key
+def test_matches_float64_within_the_bf16_bound(nq, nkv, causal, hq, hkv):
+    g = torch.Generator().manual_seed(nq + nkv)
+    q = torch.randn(1, hq, nq, 64, generator=g).bfloat16()
+    k = torch.randn(1, hkv, nkv, 64, generator=g).bfloat16()
+    v = torch.randn(1, hkv, nkv, 64, generator=g).bfloat16()
+    out, lse = emulate.forward(q, k, v, causal=causal)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    base, _ = attention_same_dtype(q, k, v, causal=causal)
+    assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+    assert rel_err(lse, ref_lse) <= 1e-5  # -inf rows equal; the rest fp32-exact
+    if causal and nq > nkv:
+        assert torch.isinf(lse[..., : nq - nkv]).all() and (out[..., : nq - nkv, :] == 0).all()
+
+
+def _ramp(n, steps):
+    """Scores rising by `steps` (log2 units of the scaled score) from the last key to the
+    first: the kernel walks the blocks from the last, so each block's max exceeds the last
+    one's (negated: falling along the walk, the max met first)."""
+    return torch.linspace(steps, 0, n)
+
+
+@pytest.mark.parametrize("pattern,min_p_max", [
+    ("sink", 1.0), ("rising_along_walk", 128.0), ("max_first", 1.0), ("long", 200.0)])
+def test_fp8_p_never_exceeds_the_threshold_bound(pattern, min_p_max):
+    """P <= 2^RESCALE_THRESHOLD = 256 < 448 (e4m3's largest finite value) whatever the order
+    in which the row's max appears: a few huge-score sink columns (40 above the rest) among
+    the first keys (visited last), scores rising along the walk (the frame lags below the
+    max by up to the threshold: P approaches 2^8; `min_p_max` checks that the case really
+    reaches it), the max met first, and 64K keys rising along the walk (hundreds of frame
+    moves). The FP8 result stays finite and within 4% of float64 (e4m3's P rounding, ~2-3%
+    on flat rows of many keys)."""
+    d, nkv = 64, 65536 if pattern == "long" else 4096
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 1, 4, d, generator=g)
+    k = torch.randn(1, 1, nkv, d, generator=g) * 0.3
+    v = torch.randn(1, 1, nkv, d, generator=g)
+    scale = 1.0 / math.sqrt(d)
+    # shape the scores through a key component along q's direction
+    unit = q[0, 0].mean(0) / q[0, 0].mean(0).norm()
+    bias = {"sink": torch.where(torch.arange(nkv) < 4, 40.0, 0.0),
+            "rising_along_walk": _ramp(nkv, 60.0),
+            "max_first": -_ramp(nkv, 60.0),
+            "long": _ramp(nkv, 1000.0)}[pattern]
+    k = k + (bias / (scale * LOG2_E * q[0, 0].mean(0).norm()))[None, None, :, None] * unit
+    rec = {}
+    out, _ = emulate.forward(q, k, v, p_dtype=torch.float8_e4m3fn, record=rec)
+    assert min_p_max <= rec["p_max"] <= 2 ** RESCALE_THRESHOLD < E4M3_MAX
+    ref, _ = attention_ref(q, k, v)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= 4e-2
+
+
+LOG2_E = 1.4426950408889634
