@@ -14,11 +14,9 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 |                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
-| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (16-bit, e4m3) and     |
-|                      |                 |        | dQ / dK / dV                              |
-|                      |                 |        | (compile-verified only, never run: a      |
-|                      |                 |        | canary checks each config on first use,   |
-|                      |                 |        | selfcheck.py)                             |
+| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (16-bit, e4m3), dQ /   |
+|                      |                 |        | dK / dV (compile-verified only, never     |
+|                      |                 |        | run: canaried on first use, selfcheck.py) |
 | 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd + bwd, 99 KB plan (never run; |
 |                      |                 |        | canaried likewise)                        |
 
@@ -118,13 +116,7 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
 
 
 def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 forward (16-bit; no window, sinks or one-launch varlen yet)."""
-    return sm100_config.plan_fwd(p, target)
-
-
-def _sm100_fp8_fwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 forward with e4m3 operands (kind::f8f6f4; no window or sinks)."""
-    _no_window_sinks(p, "FP8")
+    """The tcgen05 forward, 16-bit or e4m3 (no window, sinks or one-launch varlen yet)."""
     return sm100_config.plan_fwd(p, target)
 
 
@@ -166,7 +158,7 @@ FAMILIES = {
                    verified_targets=("sm_90a",), decode={"16bit": _sm90_decode}),
     "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward and dQ / dK / dV",
                     "compile-verified only, never run",
-                    fwd={"16bit": _sm100_fwd, "fp8": _sm100_fp8_fwd, "fp4": None},
+                    fwd={"16bit": _sm100_fwd, "fp8": _sm100_fwd, "fp4": None},
                     bwd={"16bit": _sm100_bwd}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",

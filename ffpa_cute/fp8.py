@@ -24,12 +24,15 @@ import torch
 
 from . import dispatch, launch, selfcheck
 from . import options as _options
-from .problem import AttnProblem, dtype_name
+from .problem import DTYPE_NAMES, AttnProblem, dtype_name
 
 log = logging.getLogger("ffpa_cute")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = {None: torch.bfloat16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 _LOGGED: set = set()
+# an FP8 kernel's error on the dequantised inputs (P in e4m3: ~2%): the FP8 GPU tests' bound,
+# and the first-use canary's (`canary`)
+FP8_TOL = 3e-2
 
 
 def is_fp8(t) -> bool:
@@ -128,6 +131,34 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):
     return out, lse
 
 
+def canary(plan, cplan, device) -> str | None:
+    """The canary of an FP8 forward configuration: random inputs quantised per tensor
+    (`quantize_fp8`), the kernel against the float32 reference on the dequantised inputs,
+    within FP8_TOL."""
+    from .reference import attention_ref, rel_err
+
+    cp = cplan.problem
+    names = {v: k for k, v in DTYPE_NAMES.items()}
+    e4m3, out_dtype = names[cp.dtype], names[cp.out_dtype or "bf16"]
+    gen = torch.Generator(device=device).manual_seed(1234)
+    x = [torch.randn(1, h, n, d, device=device, generator=gen) for h, n, d in (
+        (cp.heads_q, cp.seqlen_q, cp.head_dim), (1, cp.seqlen_kv, cp.head_dim),
+        (1, cp.seqlen_kv, cp.head_dim_v))]
+    q8, k8, v8 = (quantize_fp8(t, dtype=e4m3) for t in x)
+    qd, kd, vd = (descale_bh(d, "descale", 1, 1, device) for _, d in (q8, k8, v8))
+    with torch.cuda.device(device):
+        out, _ = run_kernel(cplan, q8[0], k8[0], v8[0], qd, kd, vd, out_dtype)
+    deq = [t.float() * d for t, d in (q8, k8, v8)]
+    ref, _ = attention_ref(*deq, causal=cp.causal, causal_offset=cp.causal_offset,
+                           scale=cp.softmax_scale, upcast=torch.float32)
+    err = rel_err(out, ref)
+    if not err <= FP8_TOL:  # NaN fails too
+        return (f"self-check failed for the {plan.family} FP8 kernel on {plan.target} "
+                f"({type(plan.cfg).__name__}): canary error {err:.3g} > {FP8_TOL}; this "
+                "configuration falls back (dequantised to bf16) in this process")
+    return None
+
+
 def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout_p: float,
                   scale, strict, dense, q_descale=None, k_descale=None, v_descale=None,
                   out_dtype=None):
@@ -146,7 +177,7 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
     empty = q.numel() == 0 or k.shape[2] == 0
     plan = None if empty else dispatch.plan_fwd(problem, q.device)
     # a kernel never run on this target proves itself on a canary first (selfcheck.py)
-    reason = None if plan is None else plan.reason or selfcheck.reason(plan, q.device)
+    reason = None if plan is None else plan.reason or selfcheck.reason(plan, q.device, canary)
     qd, kd, vd = (descale_bh(d, n, b, hkv, q.device)
                   for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
     if plan is not None and reason is None:
@@ -165,4 +196,4 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
     return out.to(want), lse.float()
 
 
-__all__ = ["attention_fp8", "is_fp8", "quantize_fp8"]
+__all__ = ["FP8_TOL", "attention_fp8", "canary", "is_fp8", "quantize_fp8"]

@@ -35,7 +35,7 @@ from . import dispatch, fp8, launch, nested, ops, selfcheck
 from . import options as _options
 from .fallback import fallback_details, native_attention, native_attention_lse, native_sdpa
 from .math_attention import math_attention
-from .nvfp4 import NVFP4Tensor
+from .nvfp4 import NO_NVFP4_KERNEL, NVFP4Tensor
 from .problem import AttnProblem
 from .validate import check_args, check_return_lse, check_window_sinks, resolve_mask, window_bounds
 
@@ -263,15 +263,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
-
-    NVFP4 (`ffpa_cute.nvfp4.NVFP4Tensor` inputs) has no kernel yet on any family: such a call
-    raises NotImplementedError saying what exists.
+    NVFP4Tensor inputs: no kernel yet on any family (NotImplementedError says what exists).
     """
     if type(q) is NVFP4Tensor or type(k) is NVFP4Tensor or type(v) is NVFP4Tensor:
-        raise NotImplementedError(
-            "NVFP4 attention has no kernel yet on any GPU family (FP8 e4m3 has: sm90, run on "
-            "an H200; sm100, compile-verified only). Dequantize (NVFP4Tensor.dequantize()) and "
-            "call attention in bf16, or quantize to FP8 with ffpa_cute.quantize_fp8.")
+        raise NotImplementedError(NO_NVFP4_KERNEL)
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
     if nested.is_nested(q) or nested.is_nested(k) or nested.is_nested(v):
         return nested.per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, dict(
@@ -349,11 +344,9 @@ def _backward_route(problem: AttnProblem, device) -> str:
     """What the backward of a kernel-served forward runs (the autograd path's own decision)."""
     plan = dispatch.plan_bwd(problem, device)
     if plan.reason is None:
-        family = dispatch.FAMILIES.get(plan.family)  # (None: the tests' stand-ins)
-        names = ", ".join(cls.__name__ for cls, _ in plan.jobs[1:])
-        what = f" [{names}: {family.verified}]" if family is not None and names else ""
-        return (f"{plan.family} backward kernels (dQ, dK, dV){what}"
-                f"{selfcheck.status(plan, device)}")
+        fam, names = dispatch.FAMILIES.get(plan.family), [c.__name__ for c, _ in plan.jobs[1:]]
+        what = f" [{', '.join(names)}: {fam.verified}]" if fam and names else ""  # (not fakes)
+        return f"{plan.family} backward kernels (dQ, dK, dV){what}{selfcheck.status(plan, device)}"
     math = problem.has_window or problem.has_sinks
     return f"{'torch math' if math else 'SDPA recompute'} ({plan.reason})"
 

@@ -33,6 +33,10 @@ E4M3_MAX = 448.0
 # magnitudes of codes 0..7, and the midpoints between neighbours (the rounding boundaries)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
+NO_NVFP4_KERNEL = ("NVFP4 attention has no kernel yet on any GPU family (FP8 e4m3 has: sm90, "
+                   "run on an H200; sm100, compile-verified only). Dequantize "
+                   "(NVFP4Tensor.dequantize()) and call attention in bf16, or quantize to FP8 "
+                   "with ffpa_cute.quantize_fp8.")
 
 
 @dataclass(frozen=True)
@@ -105,5 +109,5 @@ def is_nvfp4(x) -> bool:
     return isinstance(x, NVFP4Tensor)
 
 
-__all__ = ["NVFP4Tensor", "decode_e2m1", "dequantize_nvfp4", "encode_e2m1", "is_nvfp4",
+__all__ = ["NO_NVFP4_KERNEL", "NVFP4Tensor", "decode_e2m1", "dequantize_nvfp4", "encode_e2m1", "is_nvfp4",
            "quantize_nvfp4"]

@@ -18,8 +18,7 @@ import math
 
 import torch
 
-__all__ = ["attention_grads", "attention_quantized", "attention_ref", "attention_same_dtype",
-           "rel_err"]
+__all__ = ["attention_grads", "attention_ref", "attention_same_dtype", "rel_err"]
 
 
 def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -127,45 +126,3 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
         return 0.0 if num == 0.0 else math.inf
     return num / denom
 
-
-def attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
-                        causal: bool = False, scale: float | None = None):
-    """What an FP8 / NVFP4 attention kernel computes, emulated in float64: (out, (q, k, v)
-    dequantised). fmt "e4m3": q, k, v quantised per tensor (`fp8.quantize_fp8`), P in e4m3 in
-    the kernels' frame (P = exp(s - m) * 2^8 <= 256 < 448, the largest finite e4m3); "nvfp4":
-    q, k quantised in 16-element blocks along D and V along the keys (the P V product's
-    contraction), P in NVFP4 blocks of 16 keys (tensor scale 1 / (6 * 448): P <= 1 gives block
-    scales <= 448). The row sums are of the unrounded P, as the kernels keep them in fp32.
-    Compare `out` with `attention_ref` on the dequantised inputs for the kernel's own error, on
-    the original inputs for the total."""
-    from . import fp8, nvfp4
-
-    if fmt == "e4m3":
-        deq = [(t8.double() * d.double()) for t8, d in (fp8.quantize_fp8(t) for t in (q, k, v))]
-    elif fmt == "nvfp4":
-        deq = [nvfp4.quantize_nvfp4(t).dequantize(torch.float64) for t in (q, k)]
-        deq.append(nvfp4.quantize_nvfp4(v.transpose(-1, -2)).dequantize(torch.float64)
-                   .transpose(-1, -2))
-    else:
-        raise ValueError(f"fmt must be 'e4m3' or 'nvfp4', got {fmt!r}")
-    qd = deq[0]
-    kd, vd = _expand_kv(*deq)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
-    if causal:
-        nq, nkv = q.shape[-2], k.shape[-2]
-        rows = torch.arange(nq).unsqueeze(-1)
-        s = s.masked_fill(torch.arange(nkv) > rows + nkv - nq, float("-inf"))
-    p = torch.exp(s - s.amax(-1, keepdim=True)).nan_to_num(0.0)
-    rowsum = p.sum(-1, keepdim=True)
-    if fmt == "e4m3":
-        pq = (p * 256).to(torch.float8_e4m3fn).double() / 256
-    else:
-        blocks = p.reshape(*p.shape[:-1], -1, nvfp4.BLOCK)
-        ts = 1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
-        bs = (blocks.amax(-1) / nvfp4.E2M1_MAX / ts).to(torch.float8_e4m3fn).double()
-        scl = bs[..., None] * ts
-        codes = nvfp4.encode_e2m1(torch.where(scl > 0, blocks / torch.where(scl > 0, scl, 1), 0))
-        pq = (nvfp4.decode_e2m1(codes, torch.float64) * scl).reshape(p.shape)
-    out = torch.matmul(pq, vd) / torch.where(rowsum > 0, rowsum, 1.0)
-    return out, tuple(deq)

@@ -13,9 +13,9 @@ raise, in strict mode), and the reason is logged once. The cost is one canary pe
 per process (a few ms after the kernel's compile); `Options.self_check="off"` skips it,
 `"always"` checks every family (what the H200 tests use to prove the mechanism).
 
-An FP8 forward configuration's canary quantises its random inputs per tensor and compares with
-the float32 reference on the dequantised inputs within FP8_TOL (`_canary_fp8`); on a failure the
-call takes the dequantised bf16 route.
+An FP8 forward configuration's canary (`fp8.canary`, passed to `reason` by the FP8 route)
+quantises its random inputs per tensor and compares with the float32 reference on the
+dequantised inputs within fp8.FP8_TOL; on a failure the call takes the dequantised bf16 route.
 
 The backward's kernels (Delta, dQ, dK, dV) are canaried the same way on their first use
 (`bwd_reason`): the same small problem with a random dO, against gradients written out in
@@ -38,8 +38,6 @@ from .problem import DTYPE_NAMES, AttnProblem
 
 CANARY_SEQLEN_Q, CANARY_SEQLEN_KV = 67, 200  # odd, several KV blocks, a partial last block
 _FP8 = ("e4m3", "e5m2")
-# an FP8 kernel's error on the dequantised inputs (P in e4m3: ~2%): the FP8 GPU tests' bound
-FP8_TOL = 3e-2
 _RESULTS: dict = {}  # (family, cfg or cfgs, device) -> None (passed) or the failure reason
 log = logging.getLogger("ffpa_cute")
 
@@ -80,8 +78,9 @@ def _base_cfg(cfg):
     return dataclasses.replace(cfg, **fields) if fields else cfg
 
 
-def _canary(plan, device) -> str | None:
-    """Run the canary of `plan`'s configuration; None when it passes, else the reason."""
+def _canary(plan, device, canary=None) -> str | None:
+    """Run the canary of `plan`'s configuration (through `canary(plan, cplan, device)` when
+    given); None when it passes, else the reason."""
     from .reference import attention_ref, attention_same_dtype, rel_err
 
     cp = canary_problem(plan)
@@ -90,8 +89,10 @@ def _canary(plan, device) -> str | None:
     if cplan.reason is not None or cplan.cfg != base:
         return None if cplan.cfg == base else (
             f"self-check could not build a canary for {plan.cfg}: it planned {cplan.cfg}")
+    if canary is not None:
+        return canary(plan, cplan, device)
     if cp.dtype in _FP8:
-        return _canary_fp8(plan, cplan, device)
+        return f"self-check: no canary given for the FP8 configuration {plan.cfg}"
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[cp.dtype]
     gen = torch.Generator(device=device).manual_seed(1234)
 
@@ -111,36 +112,6 @@ def _canary(plan, device) -> str | None:
         return (f"self-check failed for the {plan.family} kernel on {plan.target} "
                 f"({type(plan.cfg).__name__}): canary error {err:.3g} > {bound:.3g}; this "
                 "configuration falls back to SDPA in this process")
-    return None
-
-
-def _canary_fp8(plan, cplan, device) -> str | None:
-    """The canary of an FP8 forward configuration: random inputs quantised per tensor
-    (`fp8.quantize_fp8`), the kernel against the float32 reference on the dequantised inputs,
-    within FP8_TOL."""
-    from . import fp8
-    from .reference import attention_ref, rel_err
-
-    cp = cplan.problem
-    names = {v: k for k, v in DTYPE_NAMES.items()}
-    e4m3, out_dtype = names[cp.dtype], names[cp.out_dtype or "bf16"]
-    gen = torch.Generator(device=device).manual_seed(1234)
-    x = [torch.randn(1, h, n, d, device=device, generator=gen) for h, n, d in (
-        (cp.heads_q, cp.seqlen_q, cp.head_dim), (1, cp.seqlen_kv, cp.head_dim),
-        (1, cp.seqlen_kv, cp.head_dim_v))]
-    q8, k8, v8 = (fp8.quantize_fp8(t, dtype=e4m3) for t in x)
-    qd, kd, vd = (fp8.descale_bh(d, "descale", 1, 1, device) for _, d in (q8, k8, v8))
-    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on:
-        out, _ = fp8.run_kernel(cplan, q8[0], k8[0], v8[0], qd, kd, vd, out_dtype)
-    deq = [t.float() * d for t, d in (q8, k8, v8)]
-    ref, _ = attention_ref(*deq, causal=cp.causal, causal_offset=cp.causal_offset,
-                           scale=cp.softmax_scale, upcast=torch.float32)
-    err = rel_err(out, ref)
-    if not err <= FP8_TOL:  # NaN fails too
-        return (f"self-check failed for the {plan.family} FP8 kernel on {plan.target} "
-                f"({type(plan.cfg).__name__}): canary error {err:.3g} > {FP8_TOL}; this "
-                "configuration falls back (dequantised to bf16) in this process")
     return None
 
 
@@ -194,14 +165,15 @@ def bwd_reason(plan, device: torch.device, opts=None) -> str | None:
     return _RESULTS[key]
 
 
-def reason(plan, device: torch.device) -> str | None:
+def reason(plan, device: torch.device, canary=None) -> str | None:
     """None when `plan` may serve calls on `device` (checked, or no check needed), else why
-    not; runs the canary on the first call of each configuration."""
+    not; runs the canary on the first call of each configuration: `canary(plan, cplan,
+    device)` when given (FP8: fp8.canary), else the 16-bit one."""
     if not needed(plan):
         return None
     key = (plan.family, plan.cfg, str(device))
-    if key not in _RESULTS:
-        _RESULTS[key] = _canary(plan, device)  # a failure is logged once, as the fallback reason
+    if key not in _RESULTS:  # a failure is logged once, as the fallback reason
+        _RESULTS[key] = _canary(plan, device, canary)
     return _RESULTS[key]
 
 

@@ -239,8 +239,9 @@ def test_explain_names_never_run_backward_kernels(target, kernels, monkeypatch):
 
 @pytest.mark.gpu
 def test_the_fp8_canary_on_the_device(seed, monkeypatch, caplog):
-    """On the H200, with `self_check="always"`: the sm90 e4m3 kernel passes its canary (inputs
-    quantised per tensor, against float32 on the dequantised inputs within FP8_TOL); an
+    """On the H200, with `self_check="always"`: the sm90 e4m3 kernel passes its canary
+    (`fp8.canary`: inputs quantised per tensor, against float32 on the dequantised inputs
+    within fp8.FP8_TOL); an
     injected 5% fault is caught on the first call, which then runs the dequantised bf16
     route."""
     if dispatch.current_arch() != "sm_90a":
@@ -258,7 +259,7 @@ def test_the_fp8_canary_on_the_device(seed, monkeypatch, caplog):
 
     with ffpa_cute.options.use(self_check="always"):
         ffpa_cute.interface._clear_caches()
-        assert rel_err(call(), ref) <= selfcheck.FP8_TOL
+        assert rel_err(call(), ref) <= fp8.FP8_TOL
         assert not any("self-check" in r.getMessage() for r in caplog.records)
         ffpa_cute.interface._clear_caches()
         real = fp8.run_kernel

@@ -235,7 +235,7 @@ class RingSkeletonSm100(KernelEntry):
                                 thr_qk.make_fragment_C(cute.append(s_shape, 2)).layout)
         o_shape = thr_pv.partition_shape_C(self.pv_tiler[:2])
         tOtO = cute.make_tensor(tmem + cfg.o_offset, thr_pv.make_fragment_C(o_shape).layout)
-        p_ratio = Float32.width // self.dtype.width  # 16-bit elements per TMEM column
+        p_ratio = Float32.width // self.dtype.width  # P elements per TMEM column (2 or 4)
         tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_l.outer))[None, None, None, 0]
         tOrP = cute.make_tensor(
             tOrP.iterator + cfg.p_offset[0] * p_ratio,
@@ -312,8 +312,8 @@ class RingSkeletonSm100(KernelEntry):
         n_blocks = walk[0]
 
         def parts(tma_r, gR, tma_c, gC):
-            """TMA partitions of one product: R's chunks of this row tile (TMA, chunk), and C's
-            (TMA, head, block, chunk) viewed per head and block on use."""
+            """TMA partitions of one product's R chunks of this row tile: (smem (TMA, stage),
+            gmem (TMA, chunk)); C's are partitioned per block on use (its head may change)."""
             gr = cute.local_tile(gR[None, None, head, batch], cute.select(self.qk_tiler, [0, 2]),
                                  (m_block, None))
             tRs, tRg = cpasync.tma_partition(tma_r, 0, one, cute.group_modes(sR, 0, 3),
