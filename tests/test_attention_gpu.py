@@ -363,12 +363,12 @@ def test_backward_kernels(seed, family, d, mode, nq, nkv, ratio):
 @pytest.mark.parametrize("mode,nq,nkv,ratio", [("bottom_right", 129, 1000, 4),
                                                ("none", 1000, 1000, 1)])
 @pytest.mark.parametrize("d,fwd,bwd", [(1024, "FFPAFwdSm90", "FFPABwdDQSm90"),
-                                       (1016, "FFPAFwdSm90", "FFPABwdDQSm80")])
+                                       (1016, "FFPAFwdSm90", "FFPABwdDQSm90")])
 def test_backward_above_512(seed, mode, nq, nkv, ratio, d, fwd, bwd):
     """sm90 family above 512: at D = 1024 the WGMMA forward (O split over a CTA pair) feeds
-    the WGMMA backward (gradient split over two CTAs); at D = 1016 (not a multiple of 16) the
-    WGMMA forward (the second CTA owning 8 columns past D) feeds the Split-D backward compiled
-    for sm_90a."""
+    the WGMMA backward (gradient split over two CTAs); at D = 1016 (not a multiple of 16) both
+    are the WGMMA kernels too, the second CTA of each pair owning 8 columns past D (55f5935:
+    the Split-D backward no longer serves the sm90 family)."""
     with sm90_only():
         p = AttnProblem(dtype="bf16", batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=mode != "none",
