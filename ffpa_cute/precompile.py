@@ -86,7 +86,7 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
     jobs = []
     for plan in plans_for(target, head_dims, dtypes, causals):
         jobs.append((plan.kernel_cls, plan.cfg))
-        if plan.problem.dtype == "e4m3":
+        if "vt" in plan.kernel_cls.OPERANDS:  # sm90's FP8 kernel reads V transposed
             t = TransposeConfig(target, plan.problem.head_dim_v)
             if (dispatch.kernel_class(t), t) not in jobs:
                 jobs.append((dispatch.kernel_class(t), t))
@@ -120,7 +120,7 @@ def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: boo
                 if getattr(cfg, "kv_dtype", None):
                     causal += f" cache={cfg.kv_dtype}"
                 bar.update(task, description=f"{target} {cls.__name__} D={cfg.head_dim} "
-                           f"{cfg.dtype}{causal}")
+                           f"{getattr(cfg, 'dtype', '')}{causal}")
                 cache.get(cls, cfg)
                 bar.advance(task)
     else:

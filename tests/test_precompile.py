@@ -85,3 +85,12 @@ def test_fp8_jobs_include_the_transpose_kernel():
                                                             (False,))]
     assert names == ["FFPAFwdSm90FP8", "Transpose8"]
     assert precompile.DTYPE_ALIASES["fp8"] == "e4m3"
+
+
+def test_fp8_jobs_take_the_transpose_only_where_the_kernel_reads_vt():
+    """--dtypes e4m3: sm_90a's FP8 kernel reads V transposed (the byte-transpose kernel is a
+    job), sm_100a's reads V as it lies (no transpose job)."""
+    names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512], ["e4m3"], (False,))]
+             for t in ("sm_90a", "sm_100a")}
+    assert names["sm_90a"] == ["FFPAFwdSm90FP8", "Transpose8"]
+    assert names["sm_100a"] == ["FFPAFwdSm100FP8"]
