@@ -1,4 +1,5 @@
-"""Compile key, resource plan and planner of the Blackwell tcgen05 forward (`FFPAFwdSm100`).
+"""Compile keys, resource plan and planners of the Blackwell tcgen05 kernels: the forward
+(`FFPAFwdSm100`, its e4m3 form) and the backward's dQ / dK / dV, all on `RingSkeletonSm100`.
 
 **Compile-verified only, never run**: no sm_100 GPU is available to the project. Everything here
 is what the host can prove without one: the TMEM ledger, the shared-memory plan, the warp roles
@@ -22,8 +23,8 @@ selfcheck.py's canary.
 # row tile form a cluster that multicasts the Q and K chunks (`multicast`): L2 serves them once
 # per row tile, which the prediction says is what keeps D = 512 tensor-bound.
 # Shared memory: a QK ring (a [128 x 64] Q chunk beside each [128 x 64] K chunk, 32 KB at 16
-# bits: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring ([64 x acc_cta]
-# stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem (it stays in TMEM
+# bits, [128 x 128] at 8: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring
+# ([64 x acc_cta] stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem (it stays in TMEM
 # and feeds the PV MMA as its A operand) and no O staging (the epilogue stores from registers).
 # =====================================================================================
 """
