@@ -7,7 +7,9 @@ cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v (int32 or int64, [B + 1], starting 
 comes back [Hq, total_q], FlashAttention's varlen `softmax_lse` shape.
 
 Two routes. cu_seqlens are read on the host first either way (validation: one device sync
-on CUDA).
+on CUDA), once per tensor: a cu_seqlens tensor passed again unchanged (the same object, no
+in-place write since: its version counter) reuses the bounds it gave, so the layers of a model
+sharing one cu_seqlens sync once per step, not once per layer.
 
 * One launch (`Options.varlen_launch`, the sm90 16-bit kernels): the packed tensors are passed
   as [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of the forward,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
+import weakref
 
 import torch
 
@@ -76,8 +79,26 @@ def _nothing():
     return contextlib.nullcontext()
 
 
+_BOUNDS: dict = {}  # id(cu) -> (weakref to cu, (version, total, max_seqlen, device), bounds)
+_BOUNDS_MAX = 64
+
+
 def sequence_bounds(name: str, cu, total: int, max_name: str, max_seqlen, device):
-    """[(start, end)] per sequence from a cumulative-lengths tensor, or raise naming it."""
+    """[(start, end)] per sequence from a cumulative-lengths tensor, or raise naming it. The
+    values are read (and checked) once per tensor and version (module docstring)."""
+    key = (getattr(cu, "_version", None), total, type(max_seqlen), max_seqlen, device)
+    hit = _BOUNDS.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == key:
+        return hit[2]
+    bounds = tuple(_read_bounds(name, cu, total, max_name, max_seqlen, device))
+    if len(_BOUNDS) >= _BOUNDS_MAX:
+        _BOUNDS.clear()
+    _BOUNDS[id(cu)] = (weakref.ref(cu), key, bounds)
+    return bounds
+
+
+def _read_bounds(name: str, cu, total: int, max_name: str, max_seqlen, device):
+    """`sequence_bounds` without the cache: the device sync and the checks."""
     if not isinstance(cu, torch.Tensor) or cu.dtype not in CU_DTYPES:
         raise TypeError(f"{name} must be an int32 or int64 tensor [B + 1], got "
                         f"{getattr(cu, 'dtype', type(cu).__name__)}")

@@ -220,3 +220,30 @@ def test_nested_tensor_errors(seed):
         attention(qn, kn, vn, attn_mask=torch.ones(3, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"same number of sequences, got 2, 1, 2"):
         attention(qn, jagged(k[:5], [5]), vn)
+
+
+def test_bounds_are_read_once_per_tensor_and_version(monkeypatch):
+    """cu_seqlens are read (a device sync on CUDA) once per tensor: passed again unchanged they
+    reuse the bounds; an in-place write (a new version) or another tensor reads again, and a
+    bad tensor still raises every time."""
+    from ffpa_cute import varlen
+
+    reads = []
+    real = varlen._read_bounds
+    monkeypatch.setattr(varlen, "_read_bounds", lambda *a: reads.append(a[1]) or real(*a))
+    varlen._BOUNDS.clear()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    dev = torch.device("cpu")
+    for _ in range(3):
+        assert varlen.sequence_bounds("cu", cu, 7, "m", 4, dev) == ((0, 3), (3, 7))
+    assert len(reads) == 1
+    cu[1] = 2  # in place: a new version
+    assert varlen.sequence_bounds("cu", cu, 7, "m", 5, dev) == ((0, 2), (2, 7))
+    assert len(reads) == 2
+    other = torch.tensor([0, 3, 7], dtype=torch.int32)
+    varlen.sequence_bounds("cu", other, 7, "m", 4, dev)
+    assert len(reads) == 3
+    bad = torch.tensor([0, 5, 3], dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="non-decreasing"):
+            varlen.sequence_bounds("cu", bad, 3, "m", 5, dev)
