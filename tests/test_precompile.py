@@ -54,6 +54,16 @@ def test_cli(tmp_path, capsys):
     assert len(list(tmp_path.rglob("*.o"))) == 1
 
 
+def test_cli_sm100_on_cpu(tmp_path, capsys):
+    """`precompile --arch sm_100` on the CPU box: the tcgen05 forward (bf16 and e4m3) exported
+    (compile-verified only: nothing here runs them)."""
+    assert precompile.main(["--arch", "sm_100", "--head-dims", "512", "--dtypes", "bf16,e4m3",
+                            "--causal", "yes", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 kernels for sm_100a" in out and "2 compiled" in out
+    assert len(list(tmp_path.rglob("*.o"))) == 2
+
+
 def test_plans_dedupe_and_skip_uncovered():
     plans = precompile.plans_for("sm_80", [512, 512, 128], ["bf16", "fp32"], (False, True))
     assert len(plans) == 2  # D=128 and fp32 have no kernel; duplicates collapse
