@@ -7,14 +7,14 @@ selfcheck.py's canary.
 One CTA = 128 rows R of one head (TMEM lane = row) and one of `o_split` column slices of the
 accumulator; blocks of 128 columns C stream past it. Per block the MMA thread forms the
 block's score products (`cfg.products`: S = R C^T over D, and for dK / dQ also dP = R2 C2^T over
-Dv) in the TMEM score buffers, the softmax threads turn them into a 16-bit operand (P, or dS)
-written back over the first buffer, and the MMA thread accumulates that operand times the
+Dv) in the TMEM score buffers, the softmax threads turn them into an operand in the kernel's
+dtype (P or dS; 16-bit, or e4m3 in the FP8 forward) written back over the first buffer, and the MMA thread accumulates that operand times the
 block's rows of the accumulator's B operand (V, dO, Q or K) into TMEM. The kernels differ only
 in their operands, block walk, score step and epilogue (the hooks below; fwd_sm100.py,
 bwd_sm100.py):
 
-  load (warp 5)     TMA: the block's QK-ring stages ([128 x 64] chunks of R and C per product,
-                    over its dim), then the [64 x acc_cta] stages of the B operand for the
+  load (warp 5)     TMA: the block's QK-ring stages ([128 rows x 128 bytes] chunks of R and C
+                    per product, over its dim), then the [64 x acc_cta] stages of the B operand for the
                     block whose accumulator MMAs come next. `multicast` (the planners'
                     default): the row tile's o_split CTAs are a cluster and chunk c is loaded
                     once, by CTA c % o_split, into every CTA's stage; each CTA's MMA thread
@@ -27,11 +27,11 @@ bwd_sm100.py):
                     issue order, so a score MMA that overwrites a buffer runs after the
                     accumulator MMA that read P from it.
   softmax (0 - 3)   thread t owns row t = TMEM lane t: scores -> registers (tcgen05.ld), mask,
-                    the kernel's score step, the 16-bit result back into TMEM (tcgen05.st),
+                    the kernel's score step, the result back into TMEM (tcgen05.st),
                     after the last block the epilogue (accumulator -> global memory).
 
-TMEM (config.tmem_regions): buffers [0, 128) and [128, 256) (S[0], S[1]; or S, dP), the 16-bit
-operand over the second half of the first, the accumulator at [256, 256 + acc_cta).
+TMEM (config.tmem_regions): buffers [0, 128) and [128, 256) (S[0], S[1]; or S, dP), P / dS
+over the second half of the first, the accumulator at [256, 256 + acc_cta).
 """
 
 from __future__ import annotations
