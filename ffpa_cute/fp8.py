@@ -24,7 +24,7 @@ import torch
 
 from . import dispatch, launch, selfcheck
 from . import options as _options
-from .problem import DTYPE_NAMES, AttnProblem, dtype_name
+from .problem import AttnProblem, dtype_name
 
 log = logging.getLogger("ffpa_cute")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -138,15 +138,11 @@ def canary(plan, cplan, device) -> str | None:
     from .reference import attention_ref, rel_err
 
     cp = cplan.problem
-    names = {v: k for k, v in DTYPE_NAMES.items()}
-    e4m3, out_dtype = names[cp.dtype], names[cp.out_dtype or "bf16"]
-    gen = torch.Generator(device=device).manual_seed(1234)
-    x = [torch.randn(1, h, n, d, device=device, generator=gen) for h, n, d in (
-        (cp.heads_q, cp.seqlen_q, cp.head_dim), (1, cp.seqlen_kv, cp.head_dim),
-        (1, cp.seqlen_kv, cp.head_dim_v))]
+    e4m3, out_dtype = selfcheck.DTYPES[cp.dtype], selfcheck.DTYPES[cp.out_dtype or "bf16"]
+    x = selfcheck.canary_inputs(cp, device, torch.float32, 1234)[:3]
     q8, k8, v8 = (quantize_fp8(t, dtype=e4m3) for t in x)
     qd, kd, vd = (descale_bh(d, "descale", 1, 1, device) for _, d in (q8, k8, v8))
-    with torch.cuda.device(device):
+    with selfcheck.on_device(device):
         out, _ = run_kernel(cplan, q8[0], k8[0], v8[0], qd, kd, vd, out_dtype)
     deq = [t.float() * d for t, d in (q8, k8, v8)]
     ref, _ = attention_ref(*deq, causal=cp.causal, causal_offset=cp.causal_offset,

@@ -78,16 +78,21 @@ def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return table[codes.long()]
 
 
-def quantize_nvfp4(x: torch.Tensor) -> NVFP4Tensor:
-    """`x` (floating, last dim a multiple of 16) in NVFP4 (module docstring)."""
+def quantize_nvfp4(x: torch.Tensor, tensor_scale: float | None = None) -> NVFP4Tensor:
+    """`x` (floating, last dim a multiple of 16) in NVFP4 (module docstring). `tensor_scale`:
+    a fixed tensor scale instead of amax / (6 * 448) (what a kernel quantising P on the fly
+    uses: it cannot know P's amax in advance)."""
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         raise TypeError("x must be a floating tensor (bf16 / fp16 / fp32)")
     if x.dim() == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"x's last dim must be a multiple of {BLOCK}, got shape "
                          f"{tuple(x.shape)}")
     xf = x.float()
-    amax = xf.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
-    tensor_scale = amax / (E2M1_MAX * E4M3_MAX)
+    if tensor_scale is None:
+        amax = xf.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+        tensor_scale = amax / (E2M1_MAX * E4M3_MAX)
+    else:
+        tensor_scale = torch.tensor(float(tensor_scale))
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     block_scale = (blocks.abs().amax(-1) / E2M1_MAX / tensor_scale).to(torch.float8_e4m3fn)
     scale = block_scale.float()[..., None] * tensor_scale

@@ -81,7 +81,7 @@ def _base_cfg(cfg):
 def _canary(plan, device, canary=None) -> str | None:
     """Run the canary of `plan`'s configuration (through `canary(plan, cplan, device)` when
     given); None when it passes, else the reason."""
-    from .reference import attention_ref, attention_same_dtype, rel_err
+    from .reference import attention_ref, attention_same_dtype
 
     cp = canary_problem(plan)
     cplan = dispatch.plan_fwd(cp, device)
@@ -93,33 +93,52 @@ def _canary(plan, device, canary=None) -> str | None:
         return canary(plan, cplan, device)
     if cp.dtype in _FP8:
         return f"self-check: no canary given for the FP8 configuration {plan.cfg}"
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}[cp.dtype]
-    gen = torch.Generator(device=device).manual_seed(1234)
-
-    def rnd(h, n, d):
-        return torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
-
-    q, k = rnd(cp.heads_q, cp.seqlen_q, cp.head_dim), rnd(1, cp.seqlen_kv, cp.head_dim)
-    v = rnd(1, cp.seqlen_kv, cp.head_dim_v)
-    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on:
+    q, k, v, _ = canary_inputs(cp, device, DTYPES[cp.dtype], 1234)
+    with on_device(device):
         out, _ = launch.run_fwd(cplan, q, k, v)
     args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale)
     ref, _ = attention_ref(q, k, v, upcast=torch.float32, **args)
     base, _ = attention_same_dtype(q, k, v, **args)
-    err, bound = rel_err(out, ref), 2 * rel_err(base, ref) + 1e-3
-    if not err <= bound:  # NaN fails too
+    miss = _miss(out, ref, base)
+    if miss is not None:
         return (f"self-check failed for the {plan.family} kernel on {plan.target} "
-                f"({type(plan.cfg).__name__}): canary error {err:.3g} > {bound:.3g}; this "
-                "configuration falls back to SDPA in this process")
+                f"({type(plan.cfg).__name__}): canary {miss}; this configuration falls back "
+                "to SDPA in this process")
     return None
+
+
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # "bf16" -> torch.bfloat16, ...
+
+
+def canary_inputs(cp: AttnProblem, device, dtype, seed: int):
+    """(q, k, v, dout) of canary problem `cp`: N(0, 1) in `dtype`, drawn in this order from
+    `seed` on `device` (one KV head)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((cp.heads_q, cp.seqlen_q, cp.head_dim), (1, cp.seqlen_kv, cp.head_dim),
+              (1, cp.seqlen_kv, cp.head_dim_v), (cp.heads_q, cp.seqlen_q, cp.head_dim_v))
+    return tuple(torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
+                 for h, n, d in shapes)
+
+
+def on_device(device):
+    """The CUDA device context of `device` (nothing on the CPU: the tests' fakes)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _miss(got, ref, same):
+    """None when rel_err(got, ref) <= 2 * rel_err(same, ref) + 1e-3 (torch in the inputs'
+    dtype: `same`), else "error E > bound B" (NaN misses too)."""
+    from .reference import rel_err
+
+    err, bound = rel_err(got, ref), 2 * rel_err(same, ref) + 1e-3
+    return None if err <= bound else f"error {err:.3g} > {bound:.3g}"
 
 
 def _canary_bwd(plan, device, opts=None) -> str | None:
     """Run the canary of a backward plan's kernels (planned under `opts`: the backward may run
     on autograd's thread, which does not see the forward's options); None when dq, dk and dv
     pass, else why."""
-    from .reference import attention_grads, attention_ref, rel_err
+    from .reference import attention_grads, attention_ref
 
     cp = canary_problem(plan, packed=False, requires_grad=True)
     cplan = dispatch.plan_bwd(cp, device, opts=opts)
@@ -127,27 +146,20 @@ def _canary_bwd(plan, device, opts=None) -> str | None:
     if cplan.reason is not None or cplan.cfgs != base:
         return (f"self-check could not build a backward canary for {plan.cfgs}: it planned "
                 f"{cplan.cfgs or cplan.reason}")
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}[cp.dtype]
-    gen = torch.Generator(device=device).manual_seed(4321)
-
-    def rnd(h, n, d):
-        return torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
-
-    q, k = rnd(cp.heads_q, cp.seqlen_q, cp.head_dim), rnd(1, cp.seqlen_kv, cp.head_dim)
-    v, dout = rnd(1, cp.seqlen_kv, cp.head_dim_v), rnd(cp.heads_q, cp.seqlen_q, cp.head_dim_v)
+    dtype = DTYPES[cp.dtype]
+    q, k, v, dout = canary_inputs(cp, device, dtype, 4321)
     args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale)
     out, lse = attention_ref(q, k, v, upcast=torch.float32, **args)
-    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on:
+    with on_device(device):
         got = launch.run_bwd(cplan, q, k, v, out.to(dtype), lse.float(), dout)
     ref = attention_grads(q, k, v, dout, dtype=torch.float32, **args)
     same = attention_grads(q, k, v, dout, dtype=dtype, **args)
     for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, same):
-        err, bound = rel_err(g, r), 2 * rel_err(b, r) + 1e-3
-        if not err <= bound:  # NaN fails too
+        miss = _miss(g, r, b)
+        if miss is not None:
             return (f"self-check failed for the {plan.family} backward on {plan.target}: "
-                    f"canary {name} error {err:.3g} > {bound:.3g}; its backward recomputes "
-                    "through SDPA in this process")
+                    f"canary {name} {miss}; its backward recomputes through SDPA in this "
+                    "process")
     return None
 
 
@@ -194,4 +206,5 @@ def clear() -> None:
     _RESULTS.clear()
 
 
-__all__ = ["bwd_reason", "canary_problem", "clear", "needed", "reason", "status"]
+__all__ = ["bwd_reason", "canary_inputs", "canary_problem", "clear", "needed", "on_device",
+           "reason", "status"]

@@ -49,12 +49,8 @@ def attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: 
     if fmt == "e4m3":
         pq = (p * 256).to(torch.float8_e4m3fn).double() / 256
     else:
-        blocks = p.reshape(*p.shape[:-1], -1, nvfp4.BLOCK)
-        ts = 1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
-        bs = (blocks.amax(-1) / nvfp4.E2M1_MAX / ts).to(torch.float8_e4m3fn).double()
-        scl = bs[..., None] * ts
-        codes = nvfp4.encode_e2m1(torch.where(scl > 0, blocks / torch.where(scl > 0, scl, 1), 0))
-        pq = (nvfp4.decode_e2m1(codes, torch.float64) * scl).reshape(p.shape)
+        pq = nvfp4.quantize_nvfp4(p, tensor_scale=1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
+        pq = pq.dequantize(torch.float64)
     out = torch.matmul(pq, vd) / torch.where(rowsum > 0, rowsum, 1.0)
     return out, tuple(deq)
 

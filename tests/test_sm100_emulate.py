@@ -11,6 +11,7 @@ import torch
 from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 from ffpa_cute.sm100 import emulate
 from ffpa_cute.sm100.config import RESCALE_THRESHOLD
+from ffpa_cute.sm100.emulate import LOG2_E
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -68,5 +69,3 @@ def test_fp8_p_never_exceeds_the_threshold_bound(pattern, min_p_max):
     ref, _ = attention_ref(q, k, v)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= 4e-2
 
-
-LOG2_E = 1.4426950408889634

@@ -42,4 +42,18 @@ class CombineConfig:
     KERNEL: ClassVar[str] = "ffpa_cute.common.combine:SplitCombine"
 
 
-__all__ = ["CombineConfig", "DeltaConfig", "TransposeConfig"]
+def deepest_rings(make, reason_of, min_k: int = 4):
+    """The ring depths the forward-shaped planners pick (sm90: min_k 4, sm100: 3): the deepest
+    V ring (4, 3, 2) that fits beside a min_k-deep score (K / QK) ring, then the deepest score
+    ring (min_k..8) beside it. `make(k, v)` builds the config, `reason_of` is its
+    can_implement; raises ValueError with the reason when none fits."""
+    def fits(k, v):
+        return reason_of(make(k, v)) is None
+
+    v = next((v for v in (4, 3, 2) if fits(min_k, v)), None)
+    if v is None:
+        raise ValueError(reason_of(make(min_k, 2)))
+    return make(max(k for k in range(min_k, 9) if fits(k, v)), v)
+
+
+__all__ = ["CombineConfig", "DeltaConfig", "TransposeConfig", "deepest_rings"]

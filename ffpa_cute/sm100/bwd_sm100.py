@@ -72,6 +72,13 @@ class _BwdSm100(RingSkeletonSm100):
         self._store_acc(ctx, ctx.softmax_scale if const_expr(self.OUT_SCALE) else Float32(1.0),
                         n_blocks > 0)
 
+    @cute.jit
+    def _p_col(self, ctx: Ctx, tSr, tScS, slot, e):
+        """P^T of score element e against its column's (query's) staged LSE: exp2(S^T
+        scale_log2 - LSE_c log2 e)."""
+        return cute.math.exp2(tSr[e] * ctx.scale_log2 - ctx.sStat[tScS[e][1], 0, slot],
+                              fastmath=True)
+
 
 class FFPABwdDVSm100(_BwdSm100):
     """dV: K the rows, Q the blocks, dO the accumulator's B operand, dV the output."""
@@ -91,55 +98,56 @@ class FFPABwdDVSm100(_BwdSm100):
 
     @cute.jit
     def _score_step(self, ctx: Ctx, state, i, tSr, tDPr, tScS, tPr):
-        """P^T[j, c] = exp2(S^T scale_log2 - LSE_c log2 e)."""
-        slot = i % 2
+        """P^T from the columns' LSE."""
         for e in cutlass.range_constexpr(cute.size(tSr)):
-            c = tScS[e][1]
-            p = cute.math.exp2(tSr[e] * ctx.scale_log2 - ctx.sStat[c, 0, slot], fastmath=True)
-            tPr[e] = p.to(self.dtype)
+            tPr[e] = self._p_col(ctx, tSr, tScS, i % 2, e).to(self.dtype)
 
 
-class FFPABwdDKSm100(_BwdSm100):
-    """dK: K the rows, Q the blocks (S^T = K Q^T), V and dO the second product (dP^T =
-    V dO^T), Q the accumulator's B operand, dK the output."""
+class _TwoProductBwd(_BwdSm100):
+    """dK and dQ: one entry (q, k, v, do, the gradient, lse, Delta), their operands in the
+    skeleton's roles given by `_roles` (the subclass's OPERANDS name the gradient)."""
 
-    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
     fake_inputs = staticmethod(fake_grad_args)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mGrad: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                  softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
-        """q, do: (B, Hq, Nq, D | Dv); k, v, dk: (B, Hkv, Nkv, D | Dv | D); lse, delta: (B,
-        Hq, Nq) fp32. Grid (ceil(Nkv / 128) * o_split, Hkv, B)."""
-        self._launch(Roles(rows=mK, cols=mQ, rows2=mV, cols2=mdO, acc_b=mQ, out=mdK),
-                     (mLSE, mDelta), softmax_scale, causal_offset, stream)
+        """q, do: (B, Hq, Nq, D | Dv); k, v: (B, Hkv, Nkv, D | Dv); the gradient: dK (B, Hkv,
+        Nkv, D) or dQ (B, Hq, Nq, D); lse, delta: (B, Hq, Nq) fp32. Grid (ceil(N_rows / 128)
+        * o_split, H_rows, B)."""
+        self._launch(self._roles(mQ, mK, mV, mdO, mGrad), (mLSE, mDelta), softmax_scale,
+                     causal_offset, stream)
+
+
+class FFPABwdDKSm100(_TwoProductBwd):
+    """dK: K the rows, Q the blocks (S^T = K Q^T), V and dO the second product (dP^T =
+    V dO^T), Q the accumulator's B operand, dK the output."""
+
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
+
+    @staticmethod
+    def _roles(q, k, v, do, dk):
+        return Roles(rows=k, cols=q, rows2=v, cols2=do, acc_b=q, out=dk)
 
     @cute.jit
     def _score_step(self, ctx: Ctx, state, i, tSr, tDPr, tScS, tPr):
         """dS^T[j, c] = P^T (dP^T - Delta_c), P^T from LSE_c."""
         slot = i % 2
         for e in cutlass.range_constexpr(cute.size(tSr)):
-            c = tScS[e][1]
-            p = cute.math.exp2(tSr[e] * ctx.scale_log2 - ctx.sStat[c, 0, slot], fastmath=True)
-            tPr[e] = (p * (tDPr[e] - ctx.sStat[c, 1, slot])).to(self.dtype)
+            delta = ctx.sStat[tScS[e][1], 1, slot]
+            tPr[e] = (self._p_col(ctx, tSr, tScS, slot, e) * (tDPr[e] - delta)).to(self.dtype)
 
 
-class FFPABwdDQSm100(_BwdSm100):
+class FFPABwdDQSm100(_TwoProductBwd):
     """dQ: Q the rows, K the blocks (S = Q K^T), dO and V the second product (dP = dO V^T),
     K the accumulator's B operand, dQ the output; the row's LSE and Delta in registers."""
 
     OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
-    fake_inputs = staticmethod(fake_grad_args)
 
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
-        """q, do, dq: (B, Hq, Nq, D | Dv | D); k, v: (B, Hkv, Nkv, D | Dv); lse, delta: (B,
-        Hq, Nq) fp32. Grid (ceil(Nq / 128) * o_split, Hq, B)."""
-        self._launch(Roles(rows=mQ, cols=mK, rows2=mdO, cols2=mV, acc_b=mK, out=mdQ),
-                     (mLSE, mDelta), softmax_scale, causal_offset, stream)
+    @staticmethod
+    def _roles(q, k, v, do, dq):
+        return Roles(rows=q, cols=k, rows2=do, cols2=v, acc_b=k, out=dq)
 
     @cute.jit
     def _init_state(self, ctx: Ctx):

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..common.config import deepest_rings
 from ..problem import AttnProblem
 
 ARCH = "sm_100a"
@@ -270,9 +271,9 @@ class FwdConfigSm100:
     @property
     def col_stats(self) -> int:
         """Per-query statistics the softmax threads stage in smem for each block when the
-        blocks are queries (dV: LSE; dK: LSE and Delta); 0 when rows are queries (their
-        statistics stay in registers)."""
-        return 0
+        blocks are queries (dV: LSE; dK, which has dP too: LSE and Delta); 0 when rows are
+        queries (their statistics stay in registers)."""
+        return len(self.products) if self.rows_are_keys else 0
 
     def smem_regions(self) -> list[tuple[str, int]]:
         """(name, bytes) of the storage struct in order, each 1 KB aligned: the header
@@ -367,16 +368,8 @@ def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
                 head_dim_v=None if dv == problem.head_dim else dv,
                 multicast=multicast and dv > MAX_MMA_N)  # a cluster needs o_split >= 2
 
-    def make(qk, v):
-        return cls(**base, qk_stages=qk, v_stages=v)
-
-    def fits(qk, v):
-        return can_implement(make(qk, v)) is None
-
-    v = next((v for v in (4, 3, 2) if fits(3, v)), None)
-    if v is None:
-        raise ValueError(can_implement(make(3, 2)))
-    return make(max(qk for qk in range(3, 9) if fits(qk, v)), v)
+    return deepest_rings(lambda qk, v: cls(**base, qk_stages=qk, v_stages=v), can_implement,
+                         min_k=3)
 
 
 # ==================================================================================== backward
@@ -387,61 +380,50 @@ def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
 # the previous block's accumulator MMAs (lookahead 0: no TMEM is left for a second pair).
 
 
+class _TwoProducts:
+    """dK's and dQ's shape: the scores S (over D) and dP (over Dv) per block, the
+    accumulator as wide as D."""
+
+    @property
+    def products(self) -> tuple[int, ...]:
+        return (self.head_dim, self.dv)
+
+    @property
+    def acc_dim(self) -> int:
+        return self.head_dim
+
+
+class _KeyRows:
+    """dV's and dK's walk: the CTA's rows are keys, the blocks queries."""
+
+    @property
+    def rows_are_keys(self) -> bool:
+        return True
+
+
 @dataclass(frozen=True)
-class BwdDVConfigSm100(FwdConfigSm100):
+class BwdDVConfigSm100(_KeyRows, FwdConfigSm100):
     """dV[keys, Dv] = sum over query blocks of P^T dO: rows = a 128-key tile of the KV head,
     blocks = 128-query blocks of each of its query heads, accumulator = dV's columns."""
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.bwd_sm100:FFPABwdDVSm100"
 
-    @property
-    def rows_are_keys(self) -> bool:
-        return True
-
-    @property
-    def col_stats(self) -> int:
-        return 1
-
 
 @dataclass(frozen=True)
-class BwdDKConfigSm100(FwdConfigSm100):
+class BwdDKConfigSm100(_KeyRows, _TwoProducts, FwdConfigSm100):
     """dK[keys, D] = scale * sum of dS^T Q: rows = keys, blocks = query blocks of the group's
     heads; products S^T (K Q^T over D) and dP^T (V dO^T over Dv); accumulator = dK's columns."""
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.bwd_sm100:FFPABwdDKSm100"
 
-    @property
-    def products(self) -> tuple[int, ...]:
-        return (self.head_dim, self.dv)
-
-    @property
-    def acc_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def rows_are_keys(self) -> bool:
-        return True
-
-    @property
-    def col_stats(self) -> int:
-        return 2
-
 
 @dataclass(frozen=True)
-class BwdDQConfigSm100(FwdConfigSm100):
+class BwdDQConfigSm100(_TwoProducts, FwdConfigSm100):
     """dQ[queries, D] = scale * sum of dS K: rows = queries, blocks = key blocks (as the
     forward's); products S (Q K^T over D) and dP (dO V^T over Dv); accumulator = dQ's
     columns."""
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.bwd_sm100:FFPABwdDQSm100"
-
-    @property
-    def products(self) -> tuple[int, ...]:
-        return (self.head_dim, self.dv)
-
-    @property
-    def acc_dim(self) -> int:
-        return self.head_dim
 
 
 BWD_CONFIGS = {"dq": BwdDQConfigSm100, "dk": BwdDKConfigSm100, "dv": BwdDVConfigSm100}
@@ -460,16 +442,9 @@ def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
         base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                     causal=problem.right_bounded,
                     head_dim_v=None if dv == problem.head_dim else dv)
-        acc = cls(**base).acc_dim
-        base["multicast"] = multicast and acc > MAX_MMA_N
-
-        def make(qk, v, base=base, cls=cls):
-            return cls(**base, qk_stages=qk, v_stages=v)
-
-        v = next((v for v in (4, 3, 2) if can_implement(make(3, v)) is None), None)
-        if v is None:
-            raise ValueError(can_implement(make(3, 2)))
-        out.append(make(max(q for q in range(3, 9) if can_implement(make(q, v)) is None), v))
+        base["multicast"] = multicast and cls(**base).acc_dim > MAX_MMA_N
+        out.append(deepest_rings(lambda qk, v, base=base, cls=cls: cls(
+            **base, qk_stages=qk, v_stages=v), can_implement, min_k=3))
     return out
 
 

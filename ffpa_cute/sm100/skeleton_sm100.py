@@ -44,7 +44,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from ..common.mask import mask_row
+from ..common.mask import mask_row, n_block_max
 from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhnd
 from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
@@ -287,10 +287,7 @@ class RingSkeletonSm100(KernelEntry):
                 n_low = cutlass.max(m_block * TILE_M - causal_offset, 0) // n
             n_per = cutlass.max(n_top - n_low, 0)
             return n_per * group, n_top, n_per, head * group
-        n_max = (seqlen_c + n - 1) // n
-        if const_expr(cfg.causal):
-            seen = cutlass.max((m_block + 1) * TILE_M + causal_offset, 0)
-            n_max = cutlass.min(n_max, (seen + n - 1) // n)
+        n_max = n_block_max(m_block, seqlen_c, causal_offset, TILE_M, n, cfg.causal)
         return n_max, n_max, cutlass.max(n_max, 1), head // group
 
     @cute.jit

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..common.config import deepest_rings
 from ..problem import AttnProblem
 
 SMEM_CAPACITY = 232448  # bytes per CTA on sm_90a
@@ -507,19 +508,6 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
             and not problem.varlen):
         base["persistent"] = True
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)
-
-
-def deepest_rings(make, reason_of):
-    """The ring depths the forward-shaped planners pick: the deepest V ring (4, 3, 2) that fits
-    beside a 4-deep K ring, then the deepest K ring (4..8) beside it. `make(k, v)` builds the
-    config, `reason_of` is its can_implement; raises ValueError with the reason when none fits."""
-    def fits(k, v):
-        return reason_of(make(k, v)) is None
-
-    v = next((v for v in (4, 3, 2) if fits(4, v)), None)
-    if v is None:
-        raise ValueError(reason_of(make(4, 2)))
-    return make(max(k for k in range(4, 9) if fits(k, v)), v)
 
 
 # ==================================================================================== backward
