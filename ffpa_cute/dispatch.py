@@ -9,7 +9,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 
 | capability           | target          | family | kernels                                   |
 |----------------------|-----------------|--------|-------------------------------------------|
-| 8.0 / 8.6 / 8.7 / 8.9| sm_80 .. sm_89  | sm80   | mma.sync Split-D, fwd + bwd               |
+| 8.0 / 8.6 / 8.7 / 8.9| sm_80 .. sm_89  | sm80   | mma.sync Split-D, fwd + bwd (e4m3 fwd on  |
+|                      |                 |        | sm_89)                                    |
 | 9.0                  | sm_90a          | sm90   | WGMMA + TMA fwd + bwd (Split-D compiled   |
 |                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
@@ -17,8 +18,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 | 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (16-bit, e4m3), dQ /   |
 |                      |                 |        | dK / dV (compile-verified only, never     |
 |                      |                 |        | run: canaried on first use, selfcheck.py) |
-| 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd + bwd, 99 KB plan (never run; |
-|                      |                 |        | canaried likewise)                        |
+| 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd (16-bit, e4m3) + bwd, 99 KB   |
+|                      |                 |        | plan (never run; canaried likewise)       |
 
 `Options.family` (env FFPA_CUTE_ARCH) forces a family on the device's own target, e.g. "sm80"
 runs the mma.sync kernels on an H200. Kernels never query the device; only this module does.
@@ -70,6 +71,7 @@ def _no_varlen(p: AttnProblem, family: str):
 
 
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
+    """The Split-D forward, 16-bit or (sm_89 and up) e4m3."""
     _no_varlen(p, "Split-D")
     return sm80_config.plan_fwd(p, target)
 
@@ -150,7 +152,7 @@ class Family:
 FAMILIES = {
     "sm80": Family("sm80", "ffpa_cute/sm80: mma.sync Split-D",
                    "run and tested on an H200 (compiled for sm_90a)",
-                   fwd={"16bit": _sm80_fwd, "fp8": None}, bwd={"16bit": _sm80_bwd},
+                   fwd={"16bit": _sm80_fwd, "fp8": _sm80_fwd}, bwd={"16bit": _sm80_bwd},
                    verified_targets=("sm_90a",)),
     "sm90": Family("sm90", "ffpa_cute/sm90: warp-specialised WGMMA + TMA",
                    "run and tested on an H200",
@@ -162,7 +164,7 @@ FAMILIES = {
                     bwd={"16bit": _sm100_bwd}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",
-                    fwd={"16bit": _sm120_fwd, "fp8": None, "fp4": None},
+                    fwd={"16bit": _sm120_fwd, "fp8": _sm120_fwd, "fp4": None},
                     bwd={"16bit": _sm80_bwd}),
 }
 

@@ -8,10 +8,11 @@ Semantics: the attention of the dequantised inputs x = x_fp8 * descale, with `at
 causal alignment, GQA and masks. Descales are fp32: a number, a 0-d / 1-element tensor, or a
 tensor of shape [B, Hkv] (per batch and KV head, FlashAttention-3's convention; for q too).
 
-Where the sm90 FP8 kernel serves the call (`dispatch` plans dtype "e4m3": e4m3 inputs, D a
-multiple of 16 in [272, 1024], Dv == D, no dense mask or dropout) it runs that kernel: V is
-written transposed first (Vt [B, Hkv, D, N], one pass over V, because the 8-bit WGMMA takes
-only K-major operands). Anything else dequantises to bf16 and runs the bf16 route (a logged
+Where an FP8 kernel serves the call (`dispatch` plans dtype "e4m3": e4m3 inputs, D a multiple
+of 16 in [272, 1024], Dv == D, no dense mask, dropout, window or sinks; the sm90 WGMMA kernel,
+the Split-D mma.sync kernel on sm_89 / sm_120, the sm100 tcgen05 kernel) it runs that kernel:
+for the first two V is written transposed first (Vt [B, Hkv, D, N], one pass over V, because
+their 8-bit products take only K-major operands). Anything else dequantises to bf16 and runs the bf16 route (a logged
 fallback; `strict` raises instead). Forward only: inputs that require grad are refused.
 """
 
@@ -95,13 +96,16 @@ def _check(q, k, v, descales, out_dtype):
 
 
 def _transposed_v(v: torch.Tensor) -> torch.Tensor:
-    """Vt [B, Hkv, Dv, N] with rows 16-byte aligned (N padded to 16 in the allocation), what the
-    8-bit P V WGMMA reads as its K-major operand: one pass of the byte-transpose kernel
-    (common/transpose.py) on CUDA, a torch copy elsewhere."""
+    """Vt [B, Hkv, Dv, N] with rows 16-byte aligned (N padded to 16 in the allocation, the
+    padding zeroed: the Split-D kernel's last 16-byte vector of a row may read it), what the
+    8-bit P V products (WGMMA, mma.sync) read as their K-major operand: one pass of the
+    byte-transpose kernel (common/transpose.py) on CUDA, a torch copy elsewhere."""
     from .common.config import TransposeConfig
 
     b, h, n, dv = v.shape
     buf = torch.empty(b, h, dv, -(-n // 16) * 16, dtype=v.dtype, device=v.device)
+    if buf.shape[-1] > n:
+        buf[..., n:].view(torch.uint8).zero_()
     if v.is_cuda and v.numel():
         cfg = TransposeConfig(dispatch.current_arch(v.device), dv)
         launch.run_job(dispatch.kernel_class(cfg), cfg,
@@ -120,8 +124,8 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     q, k = launch.kernel_ready(q), launch.kernel_ready(k)
     (q, k, _, o, lse_k), offset = launch.kernel_args(plan, q, k, v, out, lse)
-    # V as the kernel reads it: transposed for the sm90 WGMMA ("vt"), as it lies for sm100's
-    # N-major tcgen05 operand ("v")
+    # V as the kernel reads it: transposed for the sm90 WGMMA and the Split-D mma.sync
+    # ("vt"), as it lies for sm100's N-major tcgen05 operand ("v")
     vin = (dict(vt=_transposed_v(v)) if "vt" in plan.kernel_cls.OPERANDS
            else dict(v=launch.kernel_ready(v)))
     tensors = dict(q=launch.kernel_ready(q), k=k, o=o, lse=lse_k, q_descale=qd, k_descale=kd,

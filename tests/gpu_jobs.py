@@ -2,11 +2,12 @@
 lent GPU's minutes go to running, not compiling:
 
     CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache [--workers 2]
+                                                 [--sections fp8,varlen]
 
 A superset by construction: every head dim the GPU tests use, both dtypes and causal modes, under
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
-and backward, plus the Dv != D pairs, the FP8 forward with its transpose kernel, and the
-non-default variants the tests select (the CTA pair off above 512, dK without sequential score
+and backward, plus the Dv != D pairs, the FP8 forwards (WGMMA and Split-D) with their transpose
+kernel, and the non-default variants the tests select (the CTA pair off above 512, dK without sequential score
 products, one CTA per tile where the default is persistent, dV / dK with split head groups),
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
 varlen kernels with their per-sequence twins. A kernel the tests need that is missing
@@ -20,7 +21,7 @@ import sys
 
 HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
 DV_PAIRS = ((576, 512), (512, 320), (320, 256), (1024, 512), (768, 128))
-FP8_HEAD_DIMS = (320, 512, 768, 1024)
+FP8_HEAD_DIMS = (272, 320, 400, 512, 768, 1024)
 FEATURE_HEAD_DIMS = (320, 384, 512, 520, 576, 1024)
 # (window_lo, window_hi, causal, sinks): a left edge, a right edge, both, sinks alone and with
 FEATURE_FIELDS = ((-8, None, True, False), (-8, None, True, True), (-8, 4, False, False),
@@ -39,7 +40,13 @@ VARLEN_FIELDS = ((512, 512, True, None, None, False, "bf16"),
 TARGET = "sm_90a"
 
 
-def jobs() -> list:
+SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize")
+
+
+def jobs(sections=SECTIONS) -> list:
+    """The kernels of the named `SECTIONS` (main: every head dim, dtype and causal mode under
+    both families, forward and backward; sanitize: the compute-sanitizer workload's,
+    tests/sanitize.py; the others as the module docstring lists them)."""
     from ffpa_cute import dispatch
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
@@ -54,7 +61,7 @@ def jobs() -> list:
         return AttnProblem(dtype=dtype, batch=1, heads_q=2, heads_kv=2, seqlen_q=4096,
                            seqlen_kv=4096, head_dim=d, head_dim_v=dv, causal=causal)
 
-    for family in ("sm90", "sm80"):
+    for family in ("sm90", "sm80") if "main" in sections else ():
         opts = Options(family=family)
         for d in HEAD_DIMS:
             for dtype in ("bf16", "fp16"):
@@ -78,7 +85,7 @@ def jobs() -> list:
                         add([(dispatch.kernel_class(cfg), cfg)])
     from ffpa_cute.common.config import TransposeConfig
 
-    for d in FP8_HEAD_DIMS:  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt
+    for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt
         t = TransposeConfig(TARGET, d)
         add([(dispatch.kernel_class(t), t)])
         for causal in (False, True):
@@ -86,11 +93,12 @@ def jobs() -> list:
                 p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=4096,
                                 seqlen_kv=4096, head_dim=d, head_dim_v=d, causal=causal,
                                 out_dtype=out_dtype)
-                plan = dispatch.plan_fwd(p, target=TARGET, opts=Options())
-                add([(plan.kernel_cls, plan.cfg)])
+                for family in ("sm90", "sm80"):  # the WGMMA and the Split-D FP8 kernels
+                    plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family=family))
+                    add([(plan.kernel_cls, plan.cfg)])
     import dataclasses
 
-    for d in FEATURE_HEAD_DIMS:  # sliding window / sinks: every combination of the fields,
+    for d in FEATURE_HEAD_DIMS if "features" in sections else ():  # sliding window / sinks: every combination of the fields,
         for lo, hi, causal, sinks in FEATURE_FIELDS:  # both families
             p = dataclasses.replace(problem(d, d, "bf16", causal), window_lo=lo, window_hi=hi,
                                     has_sinks=sinks)
@@ -99,7 +107,7 @@ def jobs() -> list:
                 add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
                 bwd = dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs
                 add(bwd + _group_split_twins(bwd))
-    for d, dv in DECODE_DIMS:  # the split-KV decode, contiguous and paged; 16-bit or e4m3
+    for d, dv in DECODE_DIMS if "decode" in sections else ():  # the split-KV decode, contiguous and paged; 16-bit or e4m3
         for page in (None, 64, 128, 256):  # caches (bf16 queries; fp16 with an e4m3 cache)
             for dtype, kv, causal in (("bf16", None, False), ("bf16", "e4m3", False),
                                       ("fp16", "e4m3", False), ("bf16", None, True),
@@ -111,11 +119,11 @@ def jobs() -> list:
                 add([(plan.kernel_cls, plan.cfg)])
     from ffpa_cute.common.config import CombineConfig
 
-    for dv in sorted({dv for _, dv in DECODE_DIMS}):  # the decode's split combine
+    for dv in sorted({dv for _, dv in DECODE_DIMS}) if "decode" in sections else ():
         for dtype in ("bf16", "fp16"):
             c = CombineConfig(TARGET, dtype, dv)
             add([(dispatch.kernel_class(c), c)])
-    for d, dv, causal, lo, hi, sinks, dtype in VARLEN_FIELDS:
+    for d, dv, causal, lo, hi, sinks, dtype in VARLEN_FIELDS if "varlen" in sections else ():
         p = AttnProblem(dtype=dtype, batch=1, heads_q=4, heads_kv=2, seqlen_q=1000,
                         seqlen_kv=1000, head_dim=d, head_dim_v=dv, causal=causal,
                         window_lo=lo, window_hi=hi, has_sinks=sinks)
@@ -124,7 +132,7 @@ def jobs() -> list:
             add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
             bwd = dispatch.plan_bwd(q, target=TARGET, opts=Options()).jobs
             add(bwd + _group_split_twins(bwd))
-    for d, dv in DV_PAIRS:
+    for d, dv in DV_PAIRS if "dv" in sections else ():
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 p = problem(d, dv, dtype, causal)
@@ -133,6 +141,10 @@ def jobs() -> list:
                 if dtype == "bf16":
                     bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs
                     add(bwd + _group_split_twins(bwd))
+    if "sanitize" in sections:
+        from . import sanitize
+
+        add(sanitize.jobs(TARGET))
     return out
 
 
@@ -167,11 +179,11 @@ def _one_cta_per_tile(cfg) -> list:
 
 
 def _compile_part(args):
-    directory, part, parts = args
+    directory, part, parts, sections = args
     from ffpa_cute.cache import JitCache
 
     cache = JitCache(directory, disk=True)
-    for i, (cls, cfg) in enumerate(jobs()):
+    for i, (cls, cfg) in enumerate(jobs(sections)):
         if i % parts == part:
             cache.get(cls, cfg)
     return cache.stats.compiles
@@ -182,16 +194,22 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precompile", metavar="DIR", required=True)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma list of {', '.join(SECTIONS)} (default: all)")
     a = ap.parse_args(argv)
-    n = len(jobs())
+    sections = tuple(a.sections.split(","))
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}; accepted: {', '.join(SECTIONS)}")
+    n = len(jobs(sections))
     if a.workers > 1:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(a.workers) as pool:
-            compiled = sum(pool.map(_compile_part, [(a.precompile, i, a.workers)
+            compiled = sum(pool.map(_compile_part, [(a.precompile, i, a.workers, sections)
                                                     for i in range(a.workers)]))
     else:
-        compiled = _compile_part((a.precompile, 0, 1))
+        compiled = _compile_part((a.precompile, 0, 1, sections))
     print(f"{n} kernels for {TARGET} in {a.precompile}: {compiled} compiled")
     return 0
 

@@ -37,12 +37,19 @@ def kernels() -> dict:
     from ffpa_cute.sm80 import config as sm80_config
     from ffpa_cute.sm90 import config as sm90_config
 
+    import dataclasses
+
     out = {}
     for d, causal in ((320, False), (512, True), (1024, False)):
         plan = dispatch.plan_fwd(_problem(d, causal), target="sm_90a", opts=Options())
         out[f"sm90-fwd-d{d}-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
     cfg = sm80_config.plan_fwd(_problem(512, True), "sm_90a")  # the Split-D forward on sm_90a
     out["splitd-fwd-d512-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
+    for d, causal in ((512, True), (1024, False)):  # the Split-D FP8 forward (M4N2, M2N4)
+        p = dataclasses.replace(_problem(d, causal), dtype="e4m3", out_dtype="bf16")
+        cfg = sm80_config.plan_fwd(p, "sm_90a")
+        out[f"splitd-fp8-fwd-d{d}-{'causal' if causal else 'full'}-sm90a"] = (
+            dispatch.kernel_class(cfg), cfg)
     for d in (512, 1024):
         p = _problem(d, True)  # at 1024 the gradient on a CTA pair; G = 2: dK / dV split groups
         for name, plan in (("dq", sm90_config.plan_dq), ("dk", sm90_config.plan_dk),
@@ -58,7 +65,7 @@ def kernels() -> dict:
     out["delta-d512-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     cfg = CombineConfig("sm_90a", "bf16", 512)  # the decode's split combine
     out["combine-dv512-sm90a"] = (dispatch.kernel_class(cfg), cfg)
-    import dataclasses  # the framework features: a window's left edge, sinks, the decode
+    # the framework features: a window's left edge, sinks, the decode
 
     p = dataclasses.replace(_problem(512, True), window_lo=-1024, has_sinks=True)
     plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())

@@ -15,7 +15,7 @@ kernels (dK with sequential score products and with two accumulators, the gradie
 two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
 family) in their M8N1 / M4N2 / M2N4
 warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
-forward; a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
+forwards (WGMMA and Split-D); a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
 decode kernel on a paged and a contiguous cache, 16-bit and e4m3, and a causal chunk
 (`KV_CASES`); the one-launch varlen forward and backward over packed sequences of unequal
 query and key lengths, empty ones included (`VARLEN_CASES`).
@@ -72,6 +72,11 @@ CASES = [
     ("sm90 FP8 D512 GQA causal", "sm90", 1, 4, 2, 129, 333, 512, 512, "bottom_right", "e4m3",
      False),
     ("sm90 FP8 D1024 CTA pair", "sm90", 1, 2, 1, 65, 130, 1024, 1024, "none", "e4m3", False),
+    # the Split-D FP8 forward (M4N2, a partial last chunk; M2N4), Nkv not a multiple of 16
+    ("sm80 FP8 D400 GQA causal", "sm80", 1, 4, 2, 129, 333, 400, 400, "bottom_right", "e4m3",
+     False),
+    ("sm80 FP8 D1024 upper-left", "sm80", 1, 2, 1, 65, 130, 1024, 1024, "upper_left", "e4m3",
+     False),
 ]
 # (label, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the sliding window's left edge (blocks
 # skipped and masked) and sinks in the forward, the window in dQ / dK / dV

@@ -1,6 +1,8 @@
 """FP8 on the CPU: the quantizer, the API's contract (through its dequantising fallback: CPU
-tensors have no kernel), the planner, and the sm90 FP8 kernels' compile (e4m3 WGMMA in the PTX,
-no spills) at several head dims."""
+tensors have no kernel), the planner, and the FP8 kernels' compile (sm90: e4m3 WGMMA in the
+PTX; Split-D: e4m3 mma.sync for sm_89 / sm_90a / sm_120a; no spills) at several head dims."""
+
+import re
 
 import pytest
 import torch
@@ -124,3 +126,48 @@ def test_transpose_kernel_compiles(in_tmp):
     ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx and "ld.shared" in ptx
     assert ".local" not in ptx
+
+
+@pytest.mark.parametrize("target,d,layout", [("sm_89", 320, "m4n2"), ("sm_89", 1024, "m2n4"),
+                                             ("sm_120a", 512, "m4n2"), ("sm_121a", 1024, "m2n4")])
+def test_fp8_splitd_planner(target, d, layout):
+    """sm_89 (sm80 family) and sm_120 / sm_121 (sm120 family) plan the Split-D FP8 forward (P
+    through shared memory: never M8N1), inside the target's shared memory; D=264 (not a multiple
+    of 16), a window or sinks have no FP8 kernel; sm_80 has no e4m3 mma.sync."""
+    from ffpa_cute.sm80 import config as sm80_config
+
+    p = AttnProblem(dtype="e4m3", batch=1, heads_q=4, heads_kv=2, seqlen_q=7, seqlen_kv=7,
+                    head_dim=d, head_dim_v=d, out_dtype="fp16")
+    plan = dispatch.plan_fwd(p, target=target, opts=Options())
+    assert plan.reason is None, plan.reason
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm80FP8"
+    cfg = plan.cfg
+    assert cfg.warp_layout == layout and cfg.out_dtype == "fp16"
+    assert cfg.smem_bytes() <= sm80_config.SMEM_CAPACITY[target]
+    for bad in (dict(head_dim=264, head_dim_v=264), dict(window_lo=-128)):
+        q = AttnProblem(**{**p.__dict__, **bad})
+        assert dispatch.plan_fwd(q, target=target, opts=Options()).reason
+    assert "e4m3" in dispatch.plan_fwd(p, target="sm_80", opts=Options()).reason
+
+
+SPLITD_FP8_CASES = [("sm_89", 320, False), ("sm_90a", 512, True), ("sm_90a", 400, False),
+                    ("sm_120a", 512, True), ("sm_120a", 1024, False)]
+
+
+@pytest.mark.parametrize("target,d,causal", SPLITD_FP8_CASES)
+def test_fp8_splitd_compiles_with_e4m3_mma_sync(in_tmp, target, d, causal):
+    """The Split-D FP8 forward (sm_90a under `Options(family="sm80")`; D=400: a partial last
+    64-column chunk): mma.sync m16n8k32 e4m3 for both products and no 16-bit MMA, ldmatrix and
+    cp.async, P rounded to e4m3 by cvt, no local memory, no ptxas spills."""
+    p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
+    opts = Options(family="sm80") if target == "sm_90a" else Options()
+    plan = dispatch.plan_fwd(p, target=target, opts=opts)
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm80FP8"
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert f".target {target}" in ptx
+    mmas = set(re.findall(r"mma\.sync\.aligned\.\S+", ptx))
+    assert mmas == {"mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"}, mmas
+    assert "ldmatrix" in ptx and "cp.async" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "wgmma" not in ptx and "tcgen05" not in ptx and ".local" not in ptx
+    _no_spills(ptx, target, max_regs=255)

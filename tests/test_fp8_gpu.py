@@ -1,4 +1,6 @@
-"""The sm90 FP8 forward on a GPU (every test is @gpu; sm_90 only).
+"""The FP8 forwards on a GPU (every test is @gpu; sm_90 only): the sm90 WGMMA kernel and the
+Split-D mma.sync kernel (the sm80 family's, compiled for sm_90a: the code sm_89 and sm_120 run),
+each test over both through the `family` fixture.
 
 Reference: float64 attention of the *dequantised* inputs (x_fp8 * descale), so what is measured
 is the kernel's own error (P rounded to e4m3, 8-bit operand products, fp32 accumulation), not
@@ -22,10 +24,20 @@ E4M3 = torch.float8_e4m3fn
 TOL = 3e-2
 
 
+KERNELS = {"sm90": "FFPAFwdSm90FP8", "sm80": "FFPAFwdSm80FP8"}
+
+
 @pytest.fixture(autouse=True)
 def _sm90():
     if dispatch.current_arch() != "sm_90a":
         pytest.skip("the FP8 kernel is sm_90 only")
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def family(request):
+    """The kernel family the test runs under (sm80: the Split-D FP8 kernel on the H200)."""
+    with ffpa_cute.options.use(family=request.param):
+        yield request.param
 
 
 def quantized(b, hq, hkv, nq, nkv, d, outliers=0.0, seed_shift=0):
@@ -68,26 +80,27 @@ def errors(out, ref):
 
 CASES = [(512, "none", 1000, 1000, 1), (512, "bottom_right", 129, 1000, 4),
          (320, "upper_left", 1000, 1000, 1), (1024, "bottom_right", 1000, 1000, 8),
-         (768, "none", 7, 4097, 1), (1024, "none", 1, 129, 16), (512, "bottom_right", 1000, 129, 2)]
+         (768, "none", 7, 4097, 1), (1024, "none", 1, 129, 16), (512, "bottom_right", 1000, 129, 2),
+         (400, "bottom_right", 77, 333, 4), (272, "none", 129, 1000, 1)]
 
 
 @pytest.mark.parametrize("d,mode,nq,nkv,ratio", CASES)
-def test_fp8_forward_matches_float64(seed, d, mode, nq, nkv, ratio):
+def test_fp8_forward_matches_float64(seed, family, d, mode, nq, nkv, ratio):
     hkv = 2
     q8, k8, v8, ds, (qr, kr, vr) = quantized(1, hkv * ratio, hkv, nq, nkv, d)
-    assert "FFPAFwdSm90FP8" in ffpa_cute.explain(q8, k8, v8, enable_gqa=ratio > 1)
+    assert KERNELS[family] in ffpa_cute.explain(q8, k8, v8, enable_gqa=ratio > 1)
     out = run(q8, k8, v8, ds, mode)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     off = {"none": 0, "bottom_right": nkv - nq, "upper_left": 0}[mode]
     ref, _ = attention_ref(qr, kr, vr, causal=mode != "none", causal_offset=off)
     err, rmse = errors(out, ref)
-    print(f"fp8 d{d} {mode} {nq}x{nkv} g{ratio}: rel err {err:.3g}, RMSE {rmse:.3g}")
+    print(f"fp8 {family} d{d} {mode} {nq}x{nkv} g{ratio}: rel err {err:.3g}, RMSE {rmse:.3g}")
     assert err <= TOL, (err, rmse)
     if mode == "bottom_right" and nq > nkv:  # rows that see no key are exactly 0
         assert (out[:, :, : nq - nkv] == 0).all()
 
 
-def test_fp8_fp16_out_and_lse(seed):
+def test_fp8_fp16_out_and_lse(seed, family):
     """out_dtype fp16; the LSE (the kernel's, through run_kernel) within 1e-2 of float64."""
     from ffpa_cute import fp8
     from ffpa_cute.problem import AttnProblem
@@ -98,23 +111,24 @@ def test_fp8_fp16_out_and_lse(seed):
     assert out.dtype == torch.float16 and rel_err(out, ref) <= TOL
     p = AttnProblem.from_tensors(q8, k8, v8, causal=True)
     plan = dispatch.plan_fwd(AttnProblem(**{**p.__dict__, "out_dtype": "fp16"}), q8.device)
+    assert plan.kernel_cls.__name__ == KERNELS[family]
     _, lse = fp8.run_kernel(plan, q8, k8, v8, *(d.contiguous() for d in ds), torch.float16)
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-2
 
 
-def test_fp8_outlier_experiment_rmse(seed):
+def test_fp8_outlier_experiment_rmse(seed, family):
     """FlashAttention-3's accuracy experiment: N(0,1) inputs with 0.1% of entries from N(0,10),
     at D=512 (FA3 reports RMSE 9.1e-3 for its FP8 path there)."""
     q8, k8, v8, ds, (qr, kr, vr) = quantized(1, 8, 8, 4096, 4096, 512, outliers=1e-3)
     out = run(q8, k8, v8, ds)
     ref, _ = attention_ref(qr, kr, vr)
     err, rmse = errors(out, ref)
-    print(f"fp8 outlier experiment D=512: rel err {err:.3g}, RMSE {rmse:.3g}")
+    print(f"fp8 {family} outlier experiment D=512: rel err {err:.3g}, RMSE {rmse:.3g}")
     assert rmse <= 9.1e-3 and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("gap", [30.0, 12.0])
-def test_fp8_sink_columns(seed, gap):
+def test_fp8_sink_columns(seed, family, gap):
     """A few "sink" keys score `gap` above the rest (30: the rest is negligible; 12: each other
     key is ~2^-17 of a sink but together they carry real mass, which a P scaled to the row's
     running max would flush to zero): no inf / NaN, same error bound."""
@@ -134,18 +148,18 @@ def test_fp8_sink_columns(seed, gap):
     out = run(q8, k8, v8, (qd.float(), kd.float(), ds[2]))
     ref, _ = attention_ref(qr, kr, vr)
     err, rmse = errors(out, ref)
-    print(f"fp8 sinks gap {gap}: rel err {err:.3g}, RMSE {rmse:.3g}")
+    print(f"fp8 {family} sinks gap {gap}: rel err {err:.3g}, RMSE {rmse:.3g}")
     assert torch.isfinite(out).all() and err <= TOL
 
 
-def test_fp8_long_sequence(seed):
+def test_fp8_long_sequence(seed, family):
     """N = 64K keys: the error bound on 256 sampled query rows (float64 against every key)."""
     b, h, n, d = 1, 2, 65536, 512
     q8, k8, v8, ds, (qr, kr, vr) = quantized(b, h, h, n, n, d)
     out = run(q8, k8, v8, ds, "bottom_right")  # Nq == Nkv: query i sees keys 0..i
     rows = torch.randperm(n, device="cuda")[:256].sort().values
     err, rmse = errors(out[:, :, rows], _causal_rows(qr, kr, vr, rows))
-    print(f"fp8 N=64K causal, 256 rows: rel err {err:.3g}, RMSE {rmse:.3g}")
+    print(f"fp8 {family} N=64K causal, 256 rows: rel err {err:.3g}, RMSE {rmse:.3g}")
     assert torch.isfinite(out).all() and err <= TOL
 
 
@@ -170,7 +184,7 @@ def test_fp8_transpose_kernel(seed):
         assert torch.equal(vt.view(torch.uint8), v.transpose(-1, -2).view(torch.uint8))
 
 
-def test_fp8_strided_and_packed_decode(seed):
+def test_fp8_strided_and_packed_decode(seed, family):
     """Decode with MQA (query heads packed into rows) and a non-contiguous q."""
     q8, k8, v8, ds, (qr, kr, vr) = quantized(2, 32, 1, 1, 4097, 512)
     qs = q8.transpose(1, 2).contiguous().transpose(1, 2)  # [B, N, H, D] storage

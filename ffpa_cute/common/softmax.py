@@ -36,6 +36,11 @@ import cutlass
 import cutlass.cute as cute
 
 LN2 = math.log(2.0)
+# P of the FP8 forwards: each block's probabilities in its own frame, scaled by 2^8 (at most 256,
+# under e4m3's 448); the frame at most 2^64 below the row's running max (Note [FP8 P: the
+# block's own frame])
+P_BIAS_LOG2 = 8.0
+FRAME_FLOOR_LOG2 = 64.0
 
 
 def mn_view(acc: cute.Tensor) -> cute.Tensor:

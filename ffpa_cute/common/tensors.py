@@ -44,6 +44,17 @@ def fake_args(cfg) -> tuple:
     return (*qkvo, fake_tensor(cutlass.Float32, 3, 1))
 
 
+def fake_fp8_args(cfg) -> tuple:
+    """Stand-ins for an FP8 forward's (q, k, vt, o, lse, q_descale, k_descale, v_descale):
+    q, k [B, H, N, D] and vt [B, H, D, N] e4m3 (16-byte aligned, unit last stride, outer
+    strides multiples of 16 elements), o [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32, the
+    descales [B, Hkv] fp32."""
+    f8, out = CUTLASS_DTYPES[cfg.dtype], CUTLASS_DTYPES[cfg.out_dtype]
+    q, k, vt = (fake_tensor(f8, 4, 16) for _ in range(3))
+    return (q, k, vt, fake_tensor(out, 4, 8), fake_tensor(cutlass.Float32, 3, 1),
+            *(fake_tensor(cutlass.Float32, 2, 1) for _ in range(3)))
+
+
 def fake_cu(cfg) -> tuple:
     """Stand-ins for a `varlen` config's cumulative sequence lengths (rows', then columns':
     int32 [B + 1] each), else (None, None)."""

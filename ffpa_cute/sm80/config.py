@@ -106,9 +106,61 @@ class FwdConfigSm80:
         return self.head_dim // (2 * self.warp_n)
 
 
+@dataclass(frozen=True)
+class FwdFP8ConfigSm80(FwdConfigSm80):
+    """Compile key of the FP8 Split-D forward (`FFPAFwdSm80FP8`): the forward's fields with
+    dtype "e4m3" (Q, K, Vt and P in e4m3, mma.sync m16n8k32, fp32 accumulation; sm_89 and up)
+    and the output's dtype.
+
+    out_dtype: "bf16" | "fp16", the dtype of O (LSE stays fp32).
+
+    P goes through shared memory (warp_n > 1: the 8-bit A fragment's k order is not the C
+    fragment's), so the layouts are M4N2 and M2N4. O is staged for its stores in the Q buffer,
+    sized for O (out_dtype is twice e4m3's width)."""
+
+    out_dtype: str = "bf16"
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm80.fwd_sm80:FFPAFwdSm80FP8"
+
+    def smem_bytes(self) -> int:
+        """Q / O staging (tile_m x D in out_dtype), the ring of [64 x 64] e4m3 chunks (K, and
+        Vt's [64 dims x 64 keys]), P (tile_m x 64 e4m3) and row statistics."""
+        staging = self.tile_m * self.hdim_padded * 2
+        ring = self.num_stages * self.tile_n * self.tile_hdim
+        p = self.tile_m * 64
+        return staging + ring + p + self.warp_n * self.tile_m * 4 + 3 * 1024
+
+
+# FP8 mma.sync (e4m3 x e4m3 -> f32, m16n8k32) exists from sm_89 on
+FP8_ARCHS = ("sm_89", "sm_90a", "sm_120a", "sm_121a")
+FP8_OUT_DTYPES = ("bf16", "fp16")
+
+
+def _fp8_reason(cfg: FwdFP8ConfigSm80) -> str | None:
+    """The FP8 forward's own constraints (None: met)."""
+    if cfg.dtype != "e4m3":
+        return f"dtype {cfg.dtype!r}: the FP8 Split-D forward reads e4m3"
+    if cfg.out_dtype not in FP8_OUT_DTYPES:
+        return f"out_dtype {cfg.out_dtype!r} not in {FP8_OUT_DTYPES}"
+    if cfg.arch not in FP8_ARCHS:
+        return f"arch {cfg.arch!r} has no e4m3 mma.sync (needs one of {FP8_ARCHS})"
+    if cfg.head_dim % 16:
+        return (f"head_dim={cfg.head_dim}: the FP8 Split-D forward needs a multiple of 16 "
+                "(its 16-byte row vectors)")
+    if cfg.warp_n == 1:
+        return "the FP8 Split-D forward passes P through shared memory: warp_n must be > 1"
+    if cfg.window or cfg.sinks:
+        return "the FP8 Split-D forward has no sliding window or sinks"
+    return None
+
+
 def can_implement(cfg: FwdConfigSm80) -> str | None:
     """None when the kernel can be built for cfg, else the reason (mirrors the docstring)."""
-    if cfg.dtype not in DTYPES:
+    if isinstance(cfg, FwdFP8ConfigSm80):
+        reason = _fp8_reason(cfg)
+        if reason:
+            return reason
+    elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
@@ -145,16 +197,21 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
     if problem.head_dim_v != problem.head_dim:
         raise ValueError(f"head_dim_v={problem.head_dim_v} != head_dim={problem.head_dim}: "
                          "the Split-D kernels need equal head dims")
+    fp8 = problem.dtype == "e4m3"
     layout = warp_layout or pick_warp_layout(problem.head_dim)
+    if fp8 and layout == "m8n1":
+        layout = "m4n2"  # P through shared memory (FwdFP8ConfigSm80)
+    cls, extra = ((FwdFP8ConfigSm80, dict(out_dtype=problem.out_dtype or "bf16")) if fp8
+                  else (FwdConfigSm80, {}))
     cfg = None
     # The deepest ring that fits: 4 stages is worth +10% (D=512) to +30% (D=1024) over 3 on the
     # H200, and is spill-free on every target since loads stopped carrying per-vector predicates
     # (fwd_sm80.py, `_load_tile`); tests/test_kernels_compile.py checks ptxas's report.
     for stages in (4, 3, 2):
-        cfg = FwdConfigSm80(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                            causal=problem.right_bounded, warp_layout=layout, num_stages=stages,
-                            tile_n=32 if layout == "m8n1" else 64,
-                            window=problem.window_lo is not None, sinks=problem.has_sinks)
+        cfg = cls(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                  causal=problem.right_bounded, warp_layout=layout, num_stages=stages,
+                  tile_n=32 if layout == "m8n1" else 64,
+                  window=problem.window_lo is not None, sinks=problem.has_sinks, **extra)
         if cfg.smem_bytes() <= SMEM_CAPACITY.get(arch, 0):
             break
     if warp_layout is None and can_implement(cfg) and layout == "m8n1":

@@ -48,9 +48,9 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
-from ..common.softmax import OnlineSoftmax, mn_view
-from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
-                              fake_tensor)
+from ..common.softmax import FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax, mn_view
+from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd,
+                              fake_args, fake_fp8_args, fake_tensor)
 from .config import FwdConfigSm80, can_implement
 
 
@@ -99,6 +99,7 @@ class FFPAFwdSm80(KernelEntry):
             raise ValueError(f"{type(self).__name__}: {reason}")
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]
         self.tile_m, self.tile_n, self.tile_hdim = cfg.tile_m, cfg.tile_n, cfg.tile_hdim
         self.num_chunks = cfg.num_hdim_chunks
         self.num_stages = cfg.num_stages
@@ -126,11 +127,14 @@ class FFPAFwdSm80(KernelEntry):
             permutation_mnk=(self.warp_m * 16, self.warp_n * 16, 16),
         )
 
-    def _gmem_tiled_copy(self, async_copy: bool):
-        elems = 128 // self.dtype.width  # 8 elements = 16 bytes per thread per copy
+    def _gmem_tiled_copy(self, async_copy: bool, dtype=None):
+        """16 bytes per thread per copy over [rows, tile_hdim] tiles of `dtype` (the
+        operands' by default)."""
+        dtype = dtype or self.dtype
+        elems = 128 // dtype.width
         op = (cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL) if async_copy
               else cute.nvgpu.CopyUniversalOp())
-        atom = cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128)
+        atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
         cols = self.tile_hdim // elems
         thr = cute.make_layout((self.num_threads // cols, cols), stride=(cols, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
@@ -158,8 +162,8 @@ class FFPAFwdSm80(KernelEntry):
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, causal_offset,
             sQ_layout, sKV_layout, sP_layout, sStat_layout,
-            self._gmem_tiled_copy(True), self._gmem_tiled_copy(False), self._tiled_mma(),
-            SharedStorage, features_of(self.cfg, window_lo, mSinks),
+            self._gmem_tiled_copy(True), self._gmem_tiled_copy(False, self.out_dtype),
+            self._tiled_mma(), SharedStorage, features_of(self.cfg, window_lo, mSinks),
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -188,6 +192,9 @@ class FFPAFwdSm80(KernelEntry):
     # phase is the accumulator's B operand (transposed chunks, A = P from the softmax hook).
     # The forward is rows (Q,), cols (K, V), num_scores 1.
     num_scores = 1
+    # the accumulator's B chunks lie in the ring as [tile_n, tile_hdim] (False: ldmatrix
+    # transposes them) or already K-major as [tile_hdim, tile_n] (True: the FP8 forward's Vt)
+    B_K_MAJOR = False
 
     @cute.jit
     def _mainloop(self, rows, cols, mO: cute.Tensor, stats, scale_log2: cutlass.Float32,
@@ -229,9 +236,11 @@ class FFPAFwdSm80(KernelEntry):
         cKV = cute.local_tile(idKV, (self.tile_n, self.tile_hdim), (None, None))
 
         thr_copy = gmem_copy_in.get_slice(tidx)
-        tQgQ = thr_copy.partition_S(gQ)     # (CPY, CPY_M, CPY_K, C)
-        tQsQ = thr_copy.partition_D(sQ)     # (CPY, CPY_M, CPY_K, C)
-        tQcQ = thr_copy.partition_S(cQ)
+        rows_copy = self._rows_copy(gmem_copy_in)
+        thr_rows_copy = rows_copy.get_slice(tidx)
+        tQgQ = thr_rows_copy.partition_S(gQ)     # (CPY, CPY_M, CPY_K, C)
+        tQsQ = thr_rows_copy.partition_D(sQ)     # (CPY, CPY_M, CPY_K, C)
+        tQcQ = thr_rows_copy.partition_S(cQ)
         # per ring phase (CPY, CPY_N, CPY_K, n_blocks, C)
         tCg = None if gCols is None else [thr_copy.partition_S(g) for g in gCols]
         tKVcKV = thr_copy.partition_S(cKV)  # (CPY, CPY_N, CPY_K, n_blocks, C)
@@ -266,8 +275,8 @@ class FFPAFwdSm80(KernelEntry):
         # ldmatrix copies smem -> registers
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                    self.dtype)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
-                                     self.dtype)
+        ldsm_t = cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=not self.B_K_MAJOR, num_matrices=4), self.dtype)
         s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
         s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
         s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
@@ -286,7 +295,8 @@ class FFPAFwdSm80(KernelEntry):
             tidx=tidx, batch=batch, head=head, m_block=m_block, seqlen_q=seqlen_q,
             seqlen_k=seqlen_k, hdim=hdim, warp_n_idx=warp_n_idx, lane=lane, cta_sync=cta_sync,
             rows=rows, cols=cols, mO=mO, stats=stats, scale_log2=scale_log2,
-            causal_offset=causal_offset, sQ=sQ, sKV=sKV, sP=sP, sStat=sStat, sRow2=sRow2,
+            causal_offset=causal_offset, sQ=sQ, sO=self._staging(storage, sQ), sKV=sKV, sP=sP,
+            sStat=sStat, sRow2=sRow2,
             gmem_copy_in=gmem_copy_in, gmem_copy_out=gmem_copy_out, thr_copy=thr_copy, tCg=tCg,
             tKVcKV=tKVcKV, tKVsKV=tKVsKV, thr_mma=thr_mma, acc_S=acc_S, acc_S_mn=acc_S_mn,
             acc_2=acc_2, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, row_idx=row_idx,
@@ -300,7 +310,7 @@ class FFPAFwdSm80(KernelEntry):
 
         # ///// prologue: the resident rows (all chunks) join the first ring group
         for c in cutlass.range_constexpr(C):
-            self._load_tile(gmem_copy_in, tQgQ[None, None, None, c], tQsQ[None, None, None, c],
+            self._load_tile(rows_copy, tQgQ[None, None, None, c], tQsQ[None, None, None, c],
                             tQcQ[None, None, None, c], seqlen_q, self.tile_m,
                             m_block * self.tile_m, c)
         for s in cutlass.range_constexpr(self.num_stages - 1):
@@ -403,6 +413,14 @@ class FFPAFwdSm80(KernelEntry):
     def _block_start(self, ctx, blk_head, n_block):
         """Per-block setup before the first score chunk (nothing in the forward)."""
         pass
+
+    def _rows_copy(self, gmem_copy_in: cute.TiledCopy) -> cute.TiledCopy:
+        """The tiled copy of the resident rows' chunks: the ring's."""
+        return gmem_copy_in
+
+    def _staging(self, storage, sQ: cute.Tensor) -> cute.Tensor:
+        """Where the epilogue stages the accumulator for its stores: the Q buffer."""
+        return sQ
 
     def _transposed(self, sV_chunk: cute.Tensor) -> cute.Tensor:
         """(tile_n, tile_hdim) V chunk seen as (tile_hdim, tile_n): the B operand of P V."""
@@ -511,13 +529,14 @@ class FFPAFwdSm80(KernelEntry):
 
     @cute.jit
     def _store_acc(self, ctx, acc_O):
-        """acc_O (C chunks, fp32) -> input dtype -> the Q buffer (free: the last score step
-        precedes the last barrier) -> 128-bit stores of rows < seqlen_q, columns < D."""
+        """acc_O (C chunks, fp32) -> out dtype -> the staging buffer (`_staging`: the Q buffer,
+        free: the last score step precedes the last barrier) -> 128-bit stores of rows <
+        seqlen_q, columns < D."""
         C = self.num_chunks
-        sQ, mO, seqlen_q, hdim = ctx.sQ, ctx.mO, ctx.seqlen_q, ctx.hdim
+        sQ, mO, seqlen_q, hdim = ctx.sO, ctx.mO, ctx.seqlen_q, ctx.hdim
         for c in cutlass.range_constexpr(C):
-            rO = cute.make_fragment_like(acc_O[c], self.dtype)
-            rO.store(acc_O[c].load().to(self.dtype))
+            rO = cute.make_fragment_like(acc_O[c], self.out_dtype)
+            rO.store(acc_O[c].load().to(self.out_dtype))
             cute.autovec_copy(rO, ctx.thr_mma.partition_C(sQ[None, None, c]))
         ctx.cta_sync.arrive_and_wait()
         gO = cute.local_tile(mO[ctx.batch, ctx.head, None, None], (self.tile_m, self.tile_hdim),
@@ -538,4 +557,175 @@ class FFPAFwdSm80(KernelEntry):
                         cute.autovec_copy(tOsO[None, m, k, c], vec)
                         cute.copy(gmem_copy_out, vec, tOgO[None, m, k, c])
 
-__all__ = ["FFPAFwdSm80"]
+
+class FFPAFwdSm80FP8(FFPAFwdSm80):
+    """The Split-D forward for e4m3 Q, K, V (`FwdFP8ConfigSm80`): the 16-bit forward's skeleton
+    with 8-bit operands, for the GPUs with e4m3 mma.sync and no WGMMA / tcgen05 FP8 of ours
+    (sm_89, sm_120 / sm_121; on sm_90a it runs under `Options(family="sm80")`).
+
+    Per CTA, as `FFPAFwdSm80` with these differences:
+      1. Q, K, Vt and P in e4m3 in shared memory, [rows x 64] chunks of 64-byte rows
+         (Swizzle<2,4,3>: ldmatrix's 8 rows x 16 bytes and the 16-byte cp.async conflict-free);
+         every product is mma.sync m16n8k32 e4m3 (fp32 accumulation), its operands loaded by
+         ldmatrix unchanged (an 8-bit K-major fragment has the byte layout of a 16-bit one).
+      2. V arrives transposed, Vt [B, Hkv, D, N] (the host's one pass: fp8.py), because both
+         operands of the 8-bit mma.sync are K-major: a ring chunk of Vt is [64 dims x 64 keys],
+         the B operand of P V as it lies. Keys past Nkv are zero: the chunk crossing Nkv is
+         loaded with per-vector predicates, and the host zeroes Vt's row padding (N rounded up to
+         16) that the last vector may read.
+      3. The scores' scale carries q_descale * k_descale (per (batch, KV head)); P = exp2(s *
+         scale_log2 - frame + 8) in each block's own frame (at most 256 < 448: no e4m3
+         saturation; common/softmax.py, Note [FP8 P: the block's own frame]), rounded to e4m3
+         into shared memory (the 8-bit A fragment's k order differs from the C fragment's, so P
+         never stays in registers: M4N2 / M2N4 only).
+      4. O / row_sum * v_descale in out_dtype, staged in the Q buffer (sized for O); LSE fp32.
+
+    Constraints (`config.can_implement`): sm_89 / sm_90a / sm_120a / sm_121a; e4m3 in, bf16 /
+    fp16 out; D a multiple of 16 in [272, 1024]; Dv == D; no window or sinks. Run and tested
+    on an H200 (compiled for sm_90a); sm_89 and sm_120 builds are compile-verified only."""
+
+    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale")
+    SCALARS = ("softmax_scale", "causal_offset")
+    fake_inputs = staticmethod(fake_fp8_args)
+    B_K_MAJOR = True
+
+    def _smem_layouts(self):
+        # 64 e4m3 = 64 B per row: Swizzle<2,4,3> moves each 16-byte chunk by row bits 1-2
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(2, 4, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
+        sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
+        sP = cute.tile_to_shape(atom, (self.tile_m, 64), (0, 1))
+        sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
+        return sQ, sKV, sP, sStat
+
+    def _staging_layout(self):
+        """O in out_dtype over the Q buffer: the 16-bit forward's Q layout."""
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        return cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks),
+                                  (0, 1, 2))
+
+    def _tiled_mma(self):
+        return cute.make_tiled_mma(
+            warp.MmaFP8Op(self.dtype, cutlass.Float32, (16, 8, 32)),
+            (self.warp_m, self.warp_n, 1),
+            permutation_mnk=(self.warp_m * 16, self.warp_n * 16, 32),
+        )
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 softmax_scale: cutlass.Float32, causal_offset: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """q, k: (B, H, N, D) e4m3; vt: (B, Hkv, D, Nkv) e4m3; o: (B, Hq, Nq, D) out_dtype;
+        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq, B)."""
+        D = self.cfg.head_dim
+        mQ, mK = aligned_bhnd(mQ, D, self.dtype), aligned_bhnd(mK, D, self.dtype)
+        mVt, mO = aligned_bhdn(mVt, D, self.dtype), aligned_bhnd(mO, D, self.out_dtype)
+        sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
+        staging_bytes = cute.cosize(self._staging_layout()) * self.out_dtype.width // 8
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, staging_bytes], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sStat: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 16]
+
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
+                cute.size(mQ.shape[0]))
+        self.kernel(
+            mQ, mK, mVt, mO, (mLSE, mQd, mKd, mVd), softmax_scale * LOG2_E, causal_offset,
+            sQ_layout, sKV_layout, sP_layout, sStat_layout,
+            self._gmem_tiled_copy(True), self._gmem_tiled_copy(False, self.out_dtype),
+            self._tiled_mma(), SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1],
+                 smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
+               stats, scale_log2: cutlass.Float32, causal_offset: cutlass.Int32,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+               gmem_copy_in: cute.TiledCopy, gmem_copy_out: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        # resident rows Q; ring phases K (scores) then Vt (accumulator B operand); output O;
+        # stats (LSE, q / k / v descales)
+        self._mainloop((mQ,), (mK, mVt), mO, stats, scale_log2, causal_offset,
+                       sQ_layout, sKV_layout, sP_layout, sStat_layout,
+                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage, None)
+
+    def _rows_copy(self, gmem_copy_in: cute.TiledCopy) -> cute.TiledCopy:
+        """Q's chunks: 16-byte vectors cover num_threads * 16 bytes = 64 rows of 64 bytes per
+        copy, more than M2N4's 32-row tile; there each thread copies 8 bytes (cp.async.ca)."""
+        if cutlass.const_expr(self.num_threads * 16 <= self.tile_m * self.tile_hdim):
+            return gmem_copy_in
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
+                                   self.dtype, num_bits_per_copy=64)
+        cols = self.tile_hdim // 8
+        thr = cute.make_layout((self.num_threads // cols, cols), stride=(cols, 1))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+
+    def _staging(self, storage, sQ: cute.Tensor) -> cute.Tensor:
+        """The Q buffer (sized for O) seen as O's out_dtype staging tiles."""
+        ptr = cute.recast_ptr(storage.sQ.data_ptr(), dtype=self.out_dtype)
+        return cute.make_tensor(ptr, self._staging_layout())
+
+    def _transposed(self, sV_chunk: cute.Tensor) -> cute.Tensor:
+        """A Vt chunk is (tile_hdim, tile_n) already: the B operand of P V as it lies."""
+        return sV_chunk
+
+    def _col_tiles(self, cols, batch, head_kv):
+        """K's (tile_n, tile_hdim, n_blocks, C) tiles and Vt's (tile_hdim, tile_n, n_blocks,
+        C) tiles."""
+        gK = cute.local_tile(cols[0][batch, head_kv, None, None],
+                             (self.tile_n, self.tile_hdim), (None, None))
+        gVt = cute.local_tile(cols[1][batch, head_kv, None, None],
+                              (self.tile_hdim, self.tile_n), (None, None))
+        return [gK, cute.make_tensor(gVt.iterator, cute.select(gVt.layout, mode=[0, 1, 3, 2]))]
+
+    @cute.jit
+    def _load_ring_step(self, ctx, head, n_block: cutlass.Int32, step: cutlass.Constexpr,
+                        slot: cutlass.Int32):
+        """K chunks as the 16-bit forward loads them; Vt chunk `step - C` of block n_block:
+        rows (dims) past D and vectors whose first key is past Nkv zero-filled, on the chunk
+        that crosses D and the block that crosses Nkv only."""
+        C = self.num_chunks
+        if cutlass.const_expr(step < C):
+            FFPAFwdSm80._load_ring_step(self, ctx, head, n_block, step, slot)
+        else:
+            chunk = step - C
+            src = ctx.tCg[1][None, None, None, n_block, chunk]
+            dst = ctx.tKVsKV[None, None, None, slot]
+            coord = ctx.thr_copy.partition_S(cute.local_tile(
+                cute.make_identity_tensor((ctx.hdim, ctx.seqlen_k)),
+                (self.tile_hdim, self.tile_n), (chunk, n_block)))
+            edge = n_block * self.tile_n + self.tile_n > ctx.seqlen_k
+            if cutlass.const_expr(chunk == C - 1 and self.cfg.head_dim % self.tile_hdim != 0):
+                edge = True
+            if edge:
+                for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+                    for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                        rc = coord[0, m, k]
+                        if rc[0] < ctx.hdim and rc[1] < ctx.seqlen_k:
+                            cute.copy(ctx.gmem_copy_in, src[None, m, k], dst[None, m, k])
+                        else:
+                            dst[None, m, k].fill(0)
+            else:
+                cute.copy(ctx.gmem_copy_in, src, dst)
+
+    @cute.jit
+    def _row_state(self, ctx):
+        """The online softmax with P in each block's frame, the scores' scale times q_descale *
+        k_descale, and 1 / row_sum times v_descale (this (batch, KV head)'s)."""
+        _, mQd, mKd, mVd = ctx.stats
+        head_kv = ctx.head // (ctx.rows[0].shape[1] // ctx.cols[0].shape[1])
+        qk = mQd[ctx.batch, head_kv] * mKd[ctx.batch, head_kv]
+        return OnlineSoftmax(cute.size(ctx.acc_S_mn, mode=[0]), ctx.scale_log2 * qk,
+                             p_bias_log2=P_BIAS_LOG2, frame_floor_log2=FRAME_FLOOR_LOG2,
+                             out_scale=mVd[ctx.batch, head_kv])
+
+
+__all__ = ["FFPAFwdSm80", "FFPAFwdSm80FP8"]

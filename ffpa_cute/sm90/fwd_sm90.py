@@ -70,8 +70,8 @@ import cutlass.cute as cute
 import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 from cutlass import Float32, Int32, const_expr
 
-from ..common.softmax import OnlineSoftmax
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_cu, fake_tensor
+from ..common.softmax import FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_cu, fake_fp8_args, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
 from .ring_context import Roles, ScoreFrags, ScoreIO, ScoreStep, Tile
 from .skeleton_sm90 import RingSkeletonSm90
@@ -240,30 +240,12 @@ class FFPAFwdSm90(RingSkeletonSm90):
         return lse
 
 
-# P of the FP8 forward: each block's probabilities in its own frame, scaled by 2^8 (at most 256,
-# under e4m3's 448); the frame at most 2^64 below the row's running max (common/softmax.py,
-# Note [FP8 P: the block's own frame])
-P_BIAS_LOG2 = 8.0
-FRAME_FLOOR_LOG2 = 64.0
-
-
 class Descales(NamedTuple):
     """The FP8 forward's dequantisation factors, [B, Hkv] fp32 each: x = x_fp8 * descale."""
 
     q: cute.Tensor
     k: cute.Tensor
     v: cute.Tensor
-
-
-def fake_fp8_args(cfg) -> tuple:
-    """Stand-ins for the FP8 forward's (q, k, vt, o, lse, q_descale, k_descale, v_descale):
-    q, k [B, H, N, D] and vt [B, H, D, N] e4m3 (16-byte aligned, unit last stride, outer
-    strides multiples of 16 elements), o [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32, the
-    descales [B, Hkv] fp32."""
-    f8, out = CUTLASS_DTYPES[cfg.dtype], CUTLASS_DTYPES[cfg.out_dtype]
-    q, k, vt = (fake_tensor(f8, 4, 16) for _ in range(3))
-    return (q, k, vt, fake_tensor(out, 4, 8), fake_tensor(Float32, 3, 1),
-            *(fake_tensor(Float32, 2, 1) for _ in range(3)))
 
 
 class FFPAFwdSm90FP8(FFPAFwdSm90):
@@ -311,4 +293,4 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
                              frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv])
 
 
-__all__ = ["Descales", "FFPAFwdSm90", "FFPAFwdSm90FP8", "fake_fp8_args"]
+__all__ = ["Descales", "FFPAFwdSm90", "FFPAFwdSm90FP8"]
