@@ -195,6 +195,9 @@ class FFPAFwdSm80(KernelEntry):
     # the accumulator's B chunks lie in the ring as [tile_n, tile_hdim] (False: ldmatrix
     # transposes them) or already K-major as [tile_hdim, tile_n] (True: the FP8 forward's Vt)
     B_K_MAJOR = False
+    # the operands load from shared memory by ldmatrix (False: the kernel's `_score_mma` /
+    # `_pv_mma` load them their own way)
+    LDMATRIX = True
 
     @cute.jit
     def _mainloop(self, rows, cols, mO: cute.Tensor, stats, scale_log2: cutlass.Float32,
@@ -272,16 +275,19 @@ class FFPAFwdSm80(KernelEntry):
         for r in cutlass.range_constexpr(num_rows):
             row_idx[r] = tScS_mn[r, 0][0]
 
-        # ldmatrix copies smem -> registers
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                   self.dtype)
-        ldsm_t = cute.make_copy_atom(
-            warp.LdMatrix8x8x16bOp(transpose=not self.B_K_MAJOR, num_matrices=4), self.dtype)
-        s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
-        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
-        s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
-        tSrQ_v, tSrK_v = s2r_A.retile(tSrQ), s2r_B.retile(tSrK)
-        tOrVt_v = s2r_B.retile(tOrVt)
+        # ldmatrix copies smem -> registers (kernels whose operands ldmatrix cannot load,
+        # LDMATRIX False, copy in their `_score_mma` / `_pv_mma`)
+        s2r_A = s2r_B = s2r_Bt = tSrQ_v = tSrK_v = tOrVt_v = tOrP_v = tOsP = None
+        if cutlass.const_expr(self.LDMATRIX):
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                       self.dtype)
+            ldsm_t = cute.make_copy_atom(
+                warp.LdMatrix8x8x16bOp(transpose=not self.B_K_MAJOR, num_matrices=4), self.dtype)
+            s2r_A = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+            s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+            s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+            tSrQ_v, tSrK_v = s2r_A.retile(tSrQ), s2r_B.retile(tSrK)
+            tOrVt_v = s2r_B.retile(tOrVt)
         # P in the input dtype. With warp_n == 1 a warp holds whole rows of P, so its C fragment
         # is reused directly as the A operand of P V (FA-2); otherwise P goes through sP.
         rP = cute.make_fragment_like(acc_S, self.dtype)
@@ -289,7 +295,8 @@ class FFPAFwdSm80(KernelEntry):
             tOrP = self._c_frag_as_a(rP)                                         # (MMA, MMA_M, MMA_K)
         else:
             tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))              # (MMA, MMA_M, MMA_K)
-            tOrP_v, tOsP = s2r_A.retile(tOrP), s2r_A.partition_S(sP)
+            if cutlass.const_expr(self.LDMATRIX):
+                tOrP_v, tOsP = s2r_A.retile(tOrP), s2r_A.partition_S(sP)
 
         ctx = SimpleNamespace(
             tidx=tidx, batch=batch, head=head, m_block=m_block, seqlen_q=seqlen_q,
@@ -301,7 +308,10 @@ class FFPAFwdSm80(KernelEntry):
             tKVcKV=tKVcKV, tKVsKV=tKVsKV, thr_mma=thr_mma, acc_S=acc_S, acc_S_mn=acc_S_mn,
             acc_2=acc_2, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, row_idx=row_idx,
             rP=rP, window_lo=None if features is None else features.window_lo,
-            sinks=None if features is None else features.sinks)
+            sinks=None if features is None else features.sinks, storage=storage,
+            tiled_mma=tiled_mma, s2r_A=s2r_A, s2r_B=s2r_B, s2r_Bt=s2r_Bt, tSrQ=tSrQ, tSrK=tSrK,
+            tSrQ_v=tSrQ_v, tSrK_v=tSrK_v, tOrVt=tOrVt, tOrVt_v=tOrVt_v, tOrP=tOrP,
+            tOrP_v=tOrP_v, tOsP=tOsP)
         ctx.state = self._row_state(ctx)  # forward: the online softmax
 
         # ///// block sequence (forward: KV blocks in reverse, the residue / diagonal one first)
@@ -342,29 +352,40 @@ class FFPAFwdSm80(KernelEntry):
                     acc = acc_S if j < C else acc_2
                     if cutlass.const_expr(j % C == 0):
                         acc.fill(0.0)
-                    tSsQ = s2r_A.partition_S(self._score_rows(ctx, j, slot))
-                    tSsK = s2r_B.partition_S(sKV[None, None, slot])
-                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                        cute.copy(s2r_A, tSsQ[None, None, k], tSrQ_v[None, None, k])
-                        cute.copy(s2r_B, tSsK[None, None, k], tSrK_v[None, None, k])
-                        cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+                    self._score_mma(ctx, acc, j, slot)
                     if cutlass.const_expr(j == S * C - 1):
                         self._softmax_step(ctx, blk_head, n_block)
                 else:
                     # ---- O[:, chunk] += P B[:, chunk]  (P was written before this step's barrier)
-                    if cutlass.const_expr(j == S * C and self.warp_n > 1):
-                        cute.copy(s2r_A, tOsP, tOrP_v)
-                    tOsVt = s2r_Bt.partition_S(self._transposed(sKV[None, None, slot]))
-                    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                        cute.copy(s2r_Bt, tOsVt[None, None, k], tOrVt_v[None, None, k])
-                        cute.gemm(tiled_mma, acc_O[j - S * C], tOrP[None, None, k],
-                                  tOrVt[None, None, k], acc_O[j - S * C])
+                    self._pv_mma(ctx, acc_O[j - S * C], j == S * C, slot)
         cute.arch.cp_async_wait_group(0)
 
         # ///// epilogue
         self._epilogue(ctx)
 
     # ---------------------------------------------------------------- skeleton hooks (forward)
+    @cute.jit
+    def _score_mma(self, ctx, acc, j: cutlass.Constexpr, slot):
+        """acc += score chunk j's rows (`_score_rows`) times the ring slot's chunk^T: ldmatrix
+        both, one mma.sync per k step."""
+        tSsQ = ctx.s2r_A.partition_S(self._score_rows(ctx, j, slot))
+        tSsK = ctx.s2r_B.partition_S(ctx.sKV[None, None, slot])
+        for k in cutlass.range_constexpr(cute.size(ctx.tSrQ, mode=[2])):
+            cute.copy(ctx.s2r_A, tSsQ[None, None, k], ctx.tSrQ_v[None, None, k])
+            cute.copy(ctx.s2r_B, tSsK[None, None, k], ctx.tSrK_v[None, None, k])
+            cute.gemm(ctx.tiled_mma, acc, ctx.tSrQ[None, None, k], ctx.tSrK[None, None, k], acc)
+
+    @cute.jit
+    def _pv_mma(self, ctx, acc, first: cutlass.Constexpr, slot):
+        """acc (an O chunk) += P times the ring slot's B chunk; the block's `first` B chunk
+        loads P from sP first (warp_n > 1)."""
+        if cutlass.const_expr(first and self.warp_n > 1):
+            cute.copy(ctx.s2r_A, ctx.tOsP, ctx.tOrP_v)
+        tOsVt = ctx.s2r_Bt.partition_S(self._transposed(ctx.sKV[None, None, slot]))
+        for k in cutlass.range_constexpr(cute.size(ctx.tOrP, mode=[2])):
+            cute.copy(ctx.s2r_Bt, tOsVt[None, None, k], ctx.tOrVt_v[None, None, k])
+            cute.gemm(ctx.tiled_mma, acc, ctx.tOrP[None, None, k], ctx.tOrVt[None, None, k], acc)
+
     @cute.jit
     def _tile_index(self, bidx, grid_m):
         """Row tile of this CTA: longest tiles first under causal (bottom-right)."""
