@@ -18,8 +18,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 | 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (16-bit, e4m3), dQ /   |
 |                      |                 |        | dK / dV (compile-verified only, never     |
 |                      |                 |        | run: canaried on first use, selfcheck.py) |
-| 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd (16-bit, e4m3) + bwd, 99 KB   |
-|                      |                 |        | plan (never run; canaried likewise)       |
+| 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd (16-bit, e4m3, NVFP4) + bwd,  |
+|                      |                 |        | 99 KB plan (never run; canaried likewise) |
 
 `Options.family` (env FFPA_CUTE_ARCH) forces a family on the device's own target, e.g. "sm80"
 runs the mma.sync kernels on an H200. Kernels never query the device; only this module does.
@@ -164,7 +164,7 @@ FAMILIES = {
                     bwd={"16bit": _sm100_bwd}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",
-                    fwd={"16bit": _sm120_fwd, "fp8": _sm120_fwd, "fp4": None},
+                    fwd={"16bit": _sm120_fwd, "fp8": _sm120_fwd, "fp4": _sm120_fwd},
                     bwd={"16bit": _sm80_bwd}),
 }
 

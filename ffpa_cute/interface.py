@@ -31,11 +31,10 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, fp8, launch, nested, ops, selfcheck
+from . import dispatch, fp8, launch, nested, nvfp4, ops, selfcheck
 from . import options as _options
 from .fallback import fallback_details, native_attention, native_attention_lse, native_sdpa
 from .math_attention import math_attention
-from .nvfp4 import NO_NVFP4_KERNEL, NVFP4Tensor
 from .problem import AttnProblem
 from .validate import check_args, check_return_lse, check_window_sinks, resolve_mask, window_bounds
 
@@ -263,10 +262,11 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
-    NVFP4Tensor inputs: no kernel yet on any family (NotImplementedError says what exists).
+    NVFP4Tensor inputs (v: V^T's): the sm_120 kernel, else NotImplementedError (nvfp4.py).
     """
-    if type(q) is NVFP4Tensor or type(k) is NVFP4Tensor or type(v) is NVFP4Tensor:
-        raise NotImplementedError(NO_NVFP4_KERNEL)
+    if nvfp4.NVFP4Tensor in (type(q), type(k), type(v)):
+        return nvfp4.attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                     return_lse, out_dtype)
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
     if nested.is_nested(q) or nested.is_nested(k) or nested.is_nested(v):
         return nested.per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, dict(

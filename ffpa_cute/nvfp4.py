@@ -1,8 +1,17 @@
-"""NVFP4: the quantizer, dequantizer and container the FP4 attention kernels are to read, in
-torch, bit-exact with the format. **No FP4 attention kernel exists yet** on any family:
-`attention` with `NVFP4Tensor` inputs raises NotImplementedError naming what exists (there is
-no meaningful fallback for packed FP4 inside a kernel route; dequantize and call the 16-bit
-path if that is what you want).
+"""NVFP4: the quantizer, dequantizer and container the FP4 attention kernel reads (in torch,
+bit-exact with the format), and `attention`'s NVFP4 route.
+
+    q4, k4 = ffpa_cute.quantize_nvfp4(q), ffpa_cute.quantize_nvfp4(k)     # [B, H, N, D]
+    v4 = ffpa_cute.quantize_nvfp4(v.transpose(-1, -2))                    # V^T: [B, Hkv, D, N]
+    out = ffpa_cute.attention(q4, k4, v4, is_causal=True)                # bf16 (out_dtype=)
+
+V is given as the NVFP4 of V^T: its 16-element scale blocks must run along the keys (P V's
+contraction). If Nkv is not a multiple of 16, pad V with zero keys to the next multiple first.
+The kernel: `FFPAFwdSm80FP4` (sm_120a / sm_121a, the block-scaled mma.sync kind::mxf4nvf4;
+**compile-verified only, never run**: each configuration first passes a canary on the GPU,
+`canary`). Everywhere else NVFP4 inputs raise NotImplementedError naming what exists (there is
+no meaningful fallback for packed FP4; dequantize and call the 16-bit path if that is what you
+want). Forward only; D a multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
 
 The format (NVIDIA NVFP4, the operand of sm_100a's `tcgen05.mma kind::mxf4nvf4` with 16-element
 scale blocks and of sm_120a's block-scaled mma.sync):
@@ -33,10 +42,14 @@ E4M3_MAX = 448.0
 # magnitudes of codes 0..7, and the midpoints between neighbours (the rounding boundaries)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
-NO_NVFP4_KERNEL = ("NVFP4 attention has no kernel yet on any GPU family (FP8 e4m3 has: sm90, "
-                   "run on an H200; sm100, compile-verified only). Dequantize "
-                   "(NVFP4Tensor.dequantize()) and call attention in bf16, or quantize to FP8 "
-                   "with ffpa_cute.quantize_fp8.")
+NO_NVFP4_KERNEL = ("NVFP4 attention has a kernel only on sm_120 / sm_121 GPUs (the Split-D "
+                   "block-scaled mma.sync, compile-verified only; FP8 e4m3 has kernels on sm90 "
+                   "(run on an H200), sm_89 / sm_120 (Split-D) and sm100 (compile-verified "
+                   "only)). Dequantize (NVFP4Tensor.dequantize()) and call attention in bf16, or "
+                   "quantize to FP8 with ffpa_cute.quantize_fp8.")
+# the canary's bound on the kernel's error against float32 attention of the dequantised
+# inputs: P rounded to E2M1 costs ~9% at D=512 (docs/design.md, perf.quant_error)
+FP4_TOL = 0.2
 
 
 @dataclass(frozen=True)
@@ -114,5 +127,122 @@ def is_nvfp4(x) -> bool:
     return isinstance(x, NVFP4Tensor)
 
 
-__all__ = ["NO_NVFP4_KERNEL", "NVFP4Tensor", "decode_e2m1", "dequantize_nvfp4", "encode_e2m1", "is_nvfp4",
-           "quantize_nvfp4"]
+def _check(q, k, v, out_dtype):
+    """Raise for NVFP4 inputs the kernel route cannot take as given (module docstring)."""
+    if not (is_nvfp4(q) and is_nvfp4(k) and is_nvfp4(v)):
+        raise TypeError("NVFP4 attention needs q, k and v as NVFP4Tensor (quantize_nvfp4)")
+    if out_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        raise ValueError("NVFP4 attention takes q, k [B, H, N, D] and v = V^T [B, Hkv, D, N]")
+    (b, hq, _, d), (bk, hkv, nkv, dk), (bv, hv, dv, nv) = q.shape, k.shape, v.shape
+    if (b, d) != (bk, dk) or (b, hkv, d) != (bv, hv, dv) or hq % hkv:
+        raise ValueError(f"NVFP4 shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v (V^T) {tuple(v.shape)}; need the same B and D, Hq a multiple of "
+                         "Hkv, v as [B, Hkv, D, N]")
+    if not nkv <= nv < nkv + 16:
+        raise ValueError(f"v must be the NVFP4 of V^T with Nkv = {nkv} keys (padded to a "
+                         f"multiple of 16 at most), got {nv}: quantize_nvfp4(v.transpose(-1, -2))")
+
+
+def prepare_v(v: NVFP4Tensor, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """V^T's codes and scales as the kernel reads them (uint8): the keys zero-padded to a
+    multiple of 64 (a whole KV block; zero scales make zero values)."""
+    b, h, dv, _ = v.shape
+    npad = -(-nkv // 64) * 64
+    data = torch.zeros(b, h, dv, npad // 2, dtype=torch.uint8, device=v.device)
+    scales = torch.zeros(b, h, dv, npad // BLOCK, dtype=torch.uint8, device=v.device)
+    data[..., : v.data.shape[-1]] = v.data
+    scales[..., : v.block_scale.shape[-1]] = v.block_scale.view(torch.uint8)
+    return data, scales
+
+
+def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
+    """(out [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32) from the NVFP4 kernel's plan."""
+    from . import fp8, launch
+
+    p = plan.problem
+    (b, hq, nq, d), hkv = q.shape, k.shape[1]
+    out = torch.empty(b, hq, nq, d, dtype=out_dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    qd, qs = q.data, q.block_scale.view(torch.uint8)
+    o, lse_k, offset = out, lse, p.right_edge
+    if plan.packed:  # GQA rows packed: [B, Hkv, G * Nq, .] (no row is masked)
+        qd, qs = qd.reshape(b, hkv, -1, qd.shape[-1]), qs.reshape(b, hkv, -1, qs.shape[-1])
+        o, lse_k, offset = out.view(b, hkv, -1, d), lse.view(b, hkv, -1), 0
+    vd, vs = prepare_v(v, k.shape[2])
+    tensors = dict(q=launch.kernel_ready(qd), q_sf=qs.contiguous(),
+                   k=launch.kernel_ready(k.data),
+                   k_sf=k.block_scale.view(torch.uint8).contiguous(), v=vd, v_sf=vs, o=o,
+                   lse=lse_k)
+    for name, t in (("q_descale", q), ("k_descale", k), ("v_descale", v)):
+        tensors[name] = fp8.descale_bh(t.tensor_scale, name, b, hkv, q.device)
+    launch.run_job(plan.kernel_cls, plan.cfg, tensors,
+                   dict(softmax_scale=p.softmax_scale, causal_offset=offset))
+    return out, lse
+
+
+def problem_of(q: NVFP4Tensor, k: NVFP4Tensor, *, causal: bool, offset: int, scale,
+               out_dtype):
+    """The AttnProblem of an NVFP4 call (dtype "nvfp4")."""
+    from .problem import AttnProblem, dtype_name
+
+    (b, hq, nq, d), (_, hkv, nkv, _) = q.shape, k.shape
+    return AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                       seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
+                       causal_offset=offset if causal else 0,
+                       scale=None if scale is None else float(scale),
+                       device_type=q.device.type, out_dtype=dtype_name(out_dtype))
+
+
+def canary(plan, cplan, device) -> str | None:
+    """The canary of an NVFP4 configuration: random inputs quantised (`quantize_nvfp4`), the
+    kernel against float32 attention of the dequantised inputs, within FP4_TOL."""
+    from . import selfcheck
+    from .reference import attention_ref, rel_err
+
+    cp = cplan.problem
+    out_dtype = selfcheck.DTYPES[cp.out_dtype or "bf16"]
+    x = selfcheck.canary_inputs(cp, device, torch.float32, 1234)[:3]
+    q4, k4 = quantize_nvfp4(x[0]), quantize_nvfp4(x[1])
+    vpad = torch.nn.functional.pad(x[2], (0, 0, 0, -cp.seqlen_kv % BLOCK))  # zero keys
+    v4 = quantize_nvfp4(vpad.transpose(-1, -2))
+    with selfcheck.on_device(device):
+        out, _ = run_kernel(cplan, q4, k4, v4, out_dtype)
+    deq = [q4.dequantize(), k4.dequantize(),
+           v4.dequantize().transpose(-1, -2)[..., : cp.seqlen_kv, :]]
+    ref, _ = attention_ref(*deq, causal=cp.causal, causal_offset=cp.causal_offset,
+                           scale=cp.softmax_scale, upcast=torch.float32)
+    err = rel_err(out, ref)
+    if not err <= FP4_TOL:  # NaN fails too
+        return (f"self-check failed for the {plan.family} NVFP4 kernel on {plan.target} "
+                f"({type(plan.cfg).__name__}): canary error {err:.3g} > {FP4_TOL}")
+    return None
+
+
+def attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale, return_lse, out_dtype):
+    """`attention` for NVFP4 inputs (module docstring): out in out_dtype (bf16 by default)
+    [and lse fp32] from the kernel where one serves the call, else NotImplementedError naming
+    what exists (a failed canary too: there is no fallback for packed FP4, so `strict` changes
+    nothing)."""
+    from . import dispatch, selfcheck
+    from .validate import resolve_mask
+
+    _check(q, k, v, out_dtype)
+    causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[2], k.shape[2], False)
+    if mask is not None or dropout_p:
+        raise NotImplementedError("NVFP4 attention has no dense mask or dropout (is_causal "
+                                  "and causal_upper_left / causal_lower_right only)")
+    out_dtype = out_dtype or torch.bfloat16
+    problem = problem_of(q, k, causal=causal, offset=offset, scale=scale, out_dtype=out_dtype)
+    plan = dispatch.plan_fwd(problem, q.device)
+    reason = plan.reason or selfcheck.reason(plan, q.device, canary)
+    if reason is not None:
+        raise NotImplementedError(f"{reason}. {NO_NVFP4_KERNEL}")
+    with torch.cuda.device(q.device):
+        out, lse = run_kernel(plan, q, k, v, out_dtype)
+    return (out, lse) if return_lse else out
+
+__all__ = ["FP4_TOL", "NO_NVFP4_KERNEL", "NVFP4Tensor", "attention_nvfp4", "canary",
+           "decode_e2m1", "dequantize_nvfp4", "encode_e2m1", "is_nvfp4", "prepare_v",
+           "quantize_nvfp4", "run_kernel"]

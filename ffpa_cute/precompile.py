@@ -29,7 +29,7 @@ ARCH_ALIASES = {"sm_80": "sm_80", "sm80": "sm_80", "sm_86": "sm_86", "sm_89": "s
                 "sm_100": "sm_100a", "sm_100a": "sm_100a", "sm_120": "sm_120a",
                 "sm_120a": "sm_120a", "sm120": "sm_120a", "sm_121a": "sm_121a"}
 ALL_HEAD_DIMS = tuple(range(dispatch.MIN_HEAD_DIM, dispatch.MAX_HEAD_DIM + 1, 8))
-DTYPE_ALIASES = {"fp8": "e4m3"}
+DTYPE_ALIASES = {"fp8": "e4m3", "fp4": "nvfp4"}
 
 
 def normalize_arch(arch: str) -> str:
@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="320,384,448,512,576,640,768,1024",
                     help="comma list, or 'all' for every multiple of 8 in [264, 1024]")
     ap.add_argument("--dtypes", default="bf16,fp16",
-                    help="bf16, fp16, fp8 (e4m3 in, bf16 out: the FP8 forward)")
+                    help="bf16, fp16, fp8 (e4m3 in, bf16 out: the FP8 forwards), fp4 (nvfp4 in, "
+                         "bf16 out: sm_120's NVFP4 forward)")
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--backward", action="store_true",

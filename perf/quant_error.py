@@ -24,8 +24,10 @@ def attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: 
     dequantised). fmt "e4m3": q, k, v quantised per tensor (`fp8.quantize_fp8`), P in e4m3 in
     the kernels' frame (P = exp(s - m) * 2^8 <= 256 < 448, the largest finite e4m3); "nvfp4":
     q, k quantised in 16-element blocks along D and V along the keys (the P V product's
-    contraction), P in NVFP4 blocks of 16 keys (tensor scale 1 / (6 * 448): P <= 1 gives block
-    scales <= 448). The row sums are of the unrounded P, as the kernels keep them in fp32.
+    contraction), P as the sm_120 kernel (FFPAFwdSm80FP4) rounds it: in each 64-key block's own
+    frame, P = exp(s - block max) * 2^8 <= 256, in NVFP4 blocks of 16 keys with tensor scale 1
+    (block scales <= 256 / 6 < 448). The row sums are of the unrounded P, as the kernels keep
+    them in fp32.
     Compare `out` with `attention_ref` on the dequantised inputs for the kernel's own error, on
     the original inputs for the total."""
     if fmt == "e4m3":
@@ -49,10 +51,21 @@ def attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: 
     if fmt == "e4m3":
         pq = (p * 256).to(torch.float8_e4m3fn).double() / 256
     else:
-        pq = nvfp4.quantize_nvfp4(p, tensor_scale=1.0 / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
-        pq = pq.dequantize(torch.float64)
+        pq = _nvfp4_p(p)
     out = torch.matmul(pq, vd) / torch.where(rowsum > 0, rowsum, 1.0)
     return out, tuple(deq)
+
+
+def _nvfp4_p(p: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """P (row max 1) rounded as FFPAFwdSm80FP4 rounds it: each `block`-key block in its own
+    frame scaled to 2^8 at its max, NVFP4 with tensor scale 1, back in the row's frame."""
+    nkv = p.shape[-1]
+    pad = -nkv % block
+    blocks = torch.nn.functional.pad(p, (0, pad)).unflatten(-1, (-1, block))
+    top = blocks.amax(-1, keepdim=True)
+    framed = torch.where(top > 0, blocks / torch.where(top > 0, top, 1.0), 0.0) * 2.0 ** 8
+    rounded = nvfp4.quantize_nvfp4(framed, tensor_scale=1.0).dequantize(torch.float64)
+    return (rounded * top / 2.0 ** 8).flatten(-2)[..., :nkv]
 
 
 def _draw(shape, outliers: float, gen):

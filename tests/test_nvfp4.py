@@ -72,7 +72,9 @@ def test_bad_input_and_no_kernel():
     with pytest.raises(TypeError):
         nvfp4.quantize_nvfp4(torch.arange(16))
     t = nvfp4.quantize_nvfp4(torch.randn(1, 2, 8, 64))
-    with pytest.raises(NotImplementedError, match="NVFP4 attention has no kernel"):
+    with pytest.raises(NotImplementedError, match="NVFP4 attention has a kernel only on sm_120"):
+        ffpa_cute.attention(t, t, nvfp4.quantize_nvfp4(torch.randn(1, 2, 64, 8 + 8)))
+    with pytest.raises(ValueError, match="V\\^T"):  # v not given transposed
         ffpa_cute.attention(t, t, t)
 
 
@@ -88,3 +90,102 @@ def test_quantized_attention_reference_errors():
     assert 0.01 < e4m3[0] < 0.04 and 0.05 < fp4[0] < 0.15
     assert bf16 < e4m3[2] < fp4[2]
     assert res[("N(0,1) + 0.1% N(0,10)", "e4m3")][1] < 9.1e-3  # FA3's FP8 RMSE, own error
+
+
+@pytest.mark.parametrize("target,d,layout", [("sm_120a", 320, "m4n2"), ("sm_120a", 512, "m4n2"),
+                                             ("sm_121a", 1024, "m2n4")])
+def test_nvfp4_planner_and_budget(target, d, layout):
+    """(sm120, fp4) plans the Split-D NVFP4 forward inside 99 KB (P through shared memory:
+    never M8N1); D not a multiple of 64 and every other family refuse it with a reason."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.sm80 import config as sm80_config
+
+    p = AttnProblem(dtype="nvfp4", batch=1, heads_q=4, heads_kv=1, seqlen_q=7, seqlen_kv=7,
+                    head_dim=d, head_dim_v=d, causal=True, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target=target, opts=Options())
+    assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm80FP4"
+    assert plan.cfg.warp_layout == layout
+    assert plan.cfg.smem_bytes() <= sm80_config.SMEM_CAPACITY[target]
+    for dd in range(320, 1025, 64):  # every D the kernel takes fits 99 KB
+        q = AttnProblem(**{**p.__dict__, "head_dim": dd, "head_dim_v": dd})
+        assert dispatch.plan_fwd(q, target=target, opts=Options()).reason is None, dd
+    bad = AttnProblem(**{**p.__dict__, "head_dim": 336, "head_dim_v": 336})
+    assert "multiple of 64" in dispatch.plan_fwd(bad, target=target, opts=Options()).reason
+    for other in ("sm_80", "sm_89", "sm_90a", "sm_100a"):
+        assert "no nvfp4 forward" in dispatch.plan_fwd(p, target=other, opts=Options()).reason
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx next to the working directory
+
+
+@pytest.mark.parametrize("d,causal", [(320, True), (512, False), (1024, True)])
+def test_nvfp4_kernel_compiles_with_block_scaled_mma(in_tmp, d, causal):
+    """The NVFP4 forward for sm_120a: only the block-scaled mma.sync kind::mxf4nvf4 with E4M3
+    scales (scale_vec::4X: one per 16 elements), P rounded to E2M1 and its scales to E4M3 by
+    cvt, scale words by 4-byte cp.async, no local memory, no ptxas spills."""
+    import re
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from test_kernels_compile import _no_spills
+
+    p = AttnProblem(dtype="nvfp4", batch=1, heads_q=2, heads_kv=2, seqlen_q=1, seqlen_kv=1,
+                    head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_120a", opts=Options())
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert ".target sm_120a" in ptx
+    mmas = set(re.findall(r"mma\.sync\.aligned\.\S+", ptx))
+    assert mmas == {"mma.sync.aligned.kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64.row.col"
+                    ".f32.e2m1.e2m1.f32.ue4m3"}, mmas
+    assert "cvt.rn.satfinite.e2m1x2.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert re.search(r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], 4", ptx)
+    assert "wgmma" not in ptx and "tcgen05" not in ptx and ".local" not in ptx
+    _no_spills(ptx, "sm_120a", max_regs=255)
+
+
+def test_precompile_jobs_for_fp4():
+    """--dtypes fp4 on sm_120a: the NVFP4 forward, no transpose job (the host quantises V^T)."""
+    from ffpa_cute import precompile
+
+    names = [cls.__name__ for cls, _ in precompile.jobs_for("sm_120a", [512], ["nvfp4"],
+                                                            (False,))]
+    assert names == ["FFPAFwdSm80FP4"]
+    assert precompile.DTYPE_ALIASES["fp4"] == "nvfp4"
+
+
+def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch):
+    """`nvfp4.canary` (the first-use self-check of the never-run NVFP4 kernel) on the CPU with
+    the kernel replaced: float32 attention of the dequantised inputs passes, a wrong result
+    (keys shifted by one) fails with the reason."""
+    from ffpa_cute import dispatch, selfcheck
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.reference import attention_ref
+
+    p = AttnProblem(dtype="nvfp4", batch=1, heads_q=4, heads_kv=1, seqlen_q=300,
+                    seqlen_kv=300, head_dim=512, head_dim_v=512, causal=True, causal_offset=0,
+                    out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_120a", opts=Options())
+    cplan = dispatch.plan_fwd(selfcheck.canary_problem(plan), target="sm_120a", opts=Options())
+    assert cplan.cfg == plan.cfg
+    cp = cplan.problem
+
+    def fake(shift):
+        def run(plan_, q4, k4, v4, out_dtype):
+            vd = v4.dequantize().transpose(-1, -2)[..., : k4.shape[2], :]
+            vd = torch.roll(vd, shift, dims=2)
+            out, lse = attention_ref(q4.dequantize(), k4.dequantize(), vd, causal=cp.causal,
+                                     causal_offset=cp.causal_offset, upcast=torch.float32)
+            return out.to(out_dtype), lse
+        return run
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(nvfp4, "run_kernel", fake(0))
+    assert nvfp4.canary(plan, cplan, cpu) is None
+    monkeypatch.setattr(nvfp4, "run_kernel", fake(1))
+    assert "canary error" in nvfp4.canary(plan, cplan, cpu)

@@ -17,7 +17,8 @@ import cutlass.cute.runtime  # noqa: F401  (make_fake_tensor, make_fake_stream)
 from .compat import compile_target
 
 CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16,
-                  "e4m3": cutlass.Float8E4M3FN, "fp32": cutlass.Float32}
+                  "e4m3": cutlass.Float8E4M3FN, "nvfp4": cutlass.Float4E2M1FN,
+                  "fp32": cutlass.Float32}
 LOG2_E = 1.4426950408889634
 # what `KernelEntry.compile` always passes to cute.compile: the TVM-FFI calling convention
 TVM_FFI = "--enable-tvm-ffi"

@@ -131,9 +131,55 @@ class FwdFP8ConfigSm80(FwdConfigSm80):
         return staging + ring + p + self.warp_n * self.tile_m * 4 + 3 * 1024
 
 
+@dataclass(frozen=True)
+class FwdFP4ConfigSm80(FwdFP8ConfigSm80):
+    """Compile key of the NVFP4 Split-D forward (`FFPAFwdSm80FP4`, sm_120a / sm_121a: the
+    block-scaled mma.sync kind::mxf4nvf4 m16n8k64, E2M1 operands with one E4M3 scale per 16
+    elements along K): dtype "nvfp4" for Q, K, Vt and P, and the output's dtype.
+
+    Per chunk of 64 elements each operand row carries 32 bytes of codes and one 4-byte word of
+    scales (4 blocks), so the ring holds [64 x 64] code chunks beside [64] scale words, and Q's
+    scales stay resident beside Q. Compile-verified only, never run."""
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm80.fwd_sm80:FFPAFwdSm80FP4"
+
+    def smem_bytes(self) -> int:
+        """Q / O staging (tile_m x D in out_dtype), the ring's code chunks (half a byte per
+        element) and scale words, Q's scales, P's codes and scales, row statistics; each region
+        1 KB aligned at most."""
+        staging = self.tile_m * self.hdim_padded * 2
+        ring = self.num_stages * self.tile_n * self.tile_hdim // 2
+        ring_scales = self.num_stages * self.tile_n * 4
+        q_scales = self.tile_m * self.hdim_padded // 16
+        p = self.tile_m * 64 // 2 + self.tile_m * 4
+        return (staging + ring + ring_scales + q_scales + p + self.warp_n * self.tile_m * 4
+                + 7 * 1024)
+
+
 # FP8 mma.sync (e4m3 x e4m3 -> f32, m16n8k32) exists from sm_89 on
 FP8_ARCHS = ("sm_89", "sm_90a", "sm_120a", "sm_121a")
 FP8_OUT_DTYPES = ("bf16", "fp16")
+# the block-scaled mma.sync (kind::mxf4nvf4) is sm_120a / sm_121a's
+FP4_ARCHS = ("sm_120a", "sm_121a")
+
+
+def _fp4_reason(cfg: FwdFP4ConfigSm80) -> str | None:
+    """The NVFP4 forward's own constraints (None: met)."""
+    if cfg.dtype != "nvfp4":
+        return f"dtype {cfg.dtype!r}: the NVFP4 Split-D forward reads nvfp4"
+    if cfg.out_dtype not in FP8_OUT_DTYPES:
+        return f"out_dtype {cfg.out_dtype!r} not in {FP8_OUT_DTYPES}"
+    if cfg.arch not in FP4_ARCHS:
+        return (f"arch {cfg.arch!r} has no block-scaled FP4 mma.sync (needs one of "
+                f"{FP4_ARCHS}; sm_100a's NVFP4 is tcgen05's)")
+    if cfg.head_dim % 64:
+        return (f"head_dim={cfg.head_dim}: the NVFP4 Split-D forward needs a multiple of 64 "
+                "(one 4-byte word of block scales per 64-element chunk)")
+    if cfg.warp_n == 1:
+        return "the NVFP4 Split-D forward passes P through shared memory: warp_n must be > 1"
+    if cfg.window or cfg.sinks:
+        return "the NVFP4 Split-D forward has no sliding window or sinks"
+    return None
 
 
 def _fp8_reason(cfg: FwdFP8ConfigSm80) -> str | None:
@@ -157,7 +203,7 @@ def _fp8_reason(cfg: FwdFP8ConfigSm80) -> str | None:
 def can_implement(cfg: FwdConfigSm80) -> str | None:
     """None when the kernel can be built for cfg, else the reason (mirrors the docstring)."""
     if isinstance(cfg, FwdFP8ConfigSm80):
-        reason = _fp8_reason(cfg)
+        reason = (_fp4_reason if isinstance(cfg, FwdFP4ConfigSm80) else _fp8_reason)(cfg)
         if reason:
             return reason
     elif cfg.dtype not in DTYPES:
@@ -197,11 +243,11 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
     if problem.head_dim_v != problem.head_dim:
         raise ValueError(f"head_dim_v={problem.head_dim_v} != head_dim={problem.head_dim}: "
                          "the Split-D kernels need equal head dims")
-    fp8 = problem.dtype == "e4m3"
+    quantized = {"e4m3": FwdFP8ConfigSm80, "nvfp4": FwdFP4ConfigSm80}.get(problem.dtype)
     layout = warp_layout or pick_warp_layout(problem.head_dim)
-    if fp8 and layout == "m8n1":
+    if quantized and layout == "m8n1":
         layout = "m4n2"  # P through shared memory (FwdFP8ConfigSm80)
-    cls, extra = ((FwdFP8ConfigSm80, dict(out_dtype=problem.out_dtype or "bf16")) if fp8
+    cls, extra = ((quantized, dict(out_dtype=problem.out_dtype or "bf16")) if quantized
                   else (FwdConfigSm80, {}))
     cfg = None
     # The deepest ring that fits: 4 stages is worth +10% (D=512) to +30% (D=1024) over 3 on the

@@ -46,9 +46,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.utils import blackwell_helpers as bh
 
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
-from ..common.softmax import FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax, mn_view
+from ..common.softmax import (FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax, mn_view,
+                              quad_allreduce_max)
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd,
                               fake_args, fake_fp8_args, fake_tensor)
 from .config import FwdConfigSm80, can_implement
@@ -323,6 +325,7 @@ class FFPAFwdSm80(KernelEntry):
             self._load_tile(rows_copy, tQgQ[None, None, None, c], tQsQ[None, None, None, c],
                             tQcQ[None, None, None, c], seqlen_q, self.tile_m,
                             m_block * self.tile_m, c)
+        self._prologue(ctx)
         for s in cutlass.range_constexpr(self.num_stages - 1):
             if s // steps < seq.num_iters:
                 h_p, n_p = self._block(seq, s // steps)
@@ -435,6 +438,14 @@ class FFPAFwdSm80(KernelEntry):
         """Per-block setup before the first score chunk (nothing in the forward)."""
         pass
 
+    def _prologue(self, ctx):
+        """Loads beside the resident rows' (they join the first cp.async group): none."""
+        return None
+
+    def _fill_zero(self, t: cute.Tensor):
+        """Zero a vector of shared memory that a predicated load skips."""
+        t.fill(0)
+
     def _rows_copy(self, gmem_copy_in: cute.TiledCopy) -> cute.TiledCopy:
         """The tiled copy of the resident rows' chunks: the ring's."""
         return gmem_copy_in
@@ -471,7 +482,7 @@ class FFPAFwdSm80(KernelEntry):
                     if ok:
                         cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
                     else:
-                        dst[None, m, k].fill(0)
+                        self._fill_zero(dst[None, m, k])
         else:
             for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
                 for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
@@ -479,7 +490,7 @@ class FFPAFwdSm80(KernelEntry):
                         if coord[0, m, k][1] < self.cfg.head_dim:
                             cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
                         else:
-                            dst[None, m, k].fill(0)
+                            self._fill_zero(dst[None, m, k])
                     else:
                         cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
 
@@ -643,27 +654,39 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
         lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq, B)."""
         D = self.cfg.head_dim
         mQ, mK = aligned_bhnd(mQ, D, self.dtype), aligned_bhnd(mK, D, self.dtype)
-        mVt, mO = aligned_bhdn(mVt, D, self.dtype), aligned_bhnd(mO, D, self.out_dtype)
-        sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
-        staging_bytes = cute.cosize(self._staging_layout()) * self.out_dtype.width // 8
+        mVt = aligned_bhdn(mVt, D, self.dtype)
+        self._launch_quantized(mQ, mK, mVt, mO, (mLSE, mQd, mKd, mVd), softmax_scale,
+                               causal_offset, stream)
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, staging_bytes], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            sStat: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 16]
-
+    @cute.jit
+    def _launch_quantized(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor,
+                          mO: cute.Tensor, stats, softmax_scale: cutlass.Float32,
+                          causal_offset: cutlass.Int32, stream: cuda.CUstream):
+        """The shared-memory struct (`_storage_fields`), the grid (m_blocks, Hq, B) and the
+        launch, for q / k / vt already in the kernel's dtype; stats = (LSE, the descales[,
+        the block scales])."""
+        mO = aligned_bhnd(mO, self.cfg.head_dim, self.out_dtype)
+        layouts = self._smem_layouts()
+        fields = self._storage_fields(*layouts)
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
                 cute.size(mQ.shape[0]))
         self.kernel(
-            mQ, mK, mVt, mO, (mLSE, mQd, mKd, mVd), softmax_scale * LOG2_E, causal_offset,
-            sQ_layout, sKV_layout, sP_layout, sStat_layout,
-            self._gmem_tiled_copy(True), self._gmem_tiled_copy(False, self.out_dtype),
+            mQ, mK, mVt, mO, stats, softmax_scale * LOG2_E, causal_offset, *layouts,
+            self._vector_copy(self.tile_n), self._gmem_tiled_copy(False, self.out_dtype),
             self._tiled_mma(), SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
+        """The shared-memory regions: the Q buffer (sized for O's staging), the ring, P, the row
+        statistics."""
+        mem, align = cute.struct.MemRange, cute.struct.Align
+        staging_bytes = cute.cosize(self._staging_layout()) * self.out_dtype.width // 8
+        return {"sQ": align[mem[self.dtype, staging_bytes * 8 // self.dtype.width], 1024],
+                "sKV": align[mem[self.dtype, cute.cosize(sKV_layout)], 1024],
+                "sP": align[mem[self.dtype, cute.cosize(sP_layout)], 1024],
+                "sStat": align[mem[cutlass.Float32, cute.cosize(sStat_layout)], 16]}
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
@@ -678,16 +701,24 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
                        sQ_layout, sKV_layout, sP_layout, sStat_layout,
                        gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage, None)
 
-    def _rows_copy(self, gmem_copy_in: cute.TiledCopy) -> cute.TiledCopy:
-        """Q's chunks: 16-byte vectors cover num_threads * 16 bytes = 64 rows of 64 bytes per
-        copy, more than M2N4's 32-row tile; there each thread copies 8 bytes (cp.async.ca)."""
-        if cutlass.const_expr(self.num_threads * 16 <= self.tile_m * self.tile_hdim):
-            return gmem_copy_in
+    def _vector_copy(self, rows: int) -> cute.TiledCopy:
+        """cp.async of [rows, tile_hdim] chunks by all threads at once: 16-byte vectors where
+        the chunk has num_threads * 16 bytes or more (the 16-bit forward's copy), else as wide
+        as the chunk allows (8 or 4 bytes, cp.async.ca): 16-byte vectors of 256 threads cover
+        64 rows of 64 bytes, more than M2N4's 32-row Q tile or a 4-bit chunk."""
+        bits = min(128, rows * self.tile_hdim * self.dtype.width // self.num_threads)
+        if cutlass.const_expr(bits == 128):
+            return self._gmem_tiled_copy(True)
+        elems = bits // self.dtype.width
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
-                                   self.dtype, num_bits_per_copy=64)
-        cols = self.tile_hdim // 8
+                                   self.dtype, num_bits_per_copy=bits)
+        cols = self.tile_hdim // elems
         thr = cute.make_layout((self.num_threads // cols, cols), stride=(cols, 1))
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    def _rows_copy(self, gmem_copy_in: cute.TiledCopy) -> cute.TiledCopy:
+        """Q's chunks (`_vector_copy` of tile_m rows)."""
+        return self._vector_copy(self.tile_m)
 
     def _staging(self, storage, sQ: cute.Tensor) -> cute.Tensor:
         """The Q buffer (sized for O) seen as O's out_dtype staging tiles."""
@@ -733,7 +764,7 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
                         if rc[0] < ctx.hdim and rc[1] < ctx.seqlen_k:
                             cute.copy(ctx.gmem_copy_in, src[None, m, k], dst[None, m, k])
                         else:
-                            dst[None, m, k].fill(0)
+                            self._fill_zero(dst[None, m, k])
             else:
                 cute.copy(ctx.gmem_copy_in, src, dst)
 
@@ -741,7 +772,7 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
     def _row_state(self, ctx):
         """The online softmax with P in each block's frame, the scores' scale times q_descale *
         k_descale, and 1 / row_sum times v_descale (this (batch, KV head)'s)."""
-        _, mQd, mKd, mVd = ctx.stats
+        mQd, mKd, mVd = ctx.stats[1], ctx.stats[2], ctx.stats[3]
         head_kv = ctx.head // (ctx.rows[0].shape[1] // ctx.cols[0].shape[1])
         qk = mQd[ctx.batch, head_kv] * mKd[ctx.batch, head_kv]
         return OnlineSoftmax(cute.size(ctx.acc_S_mn, mode=[0]), ctx.scale_log2 * qk,
@@ -749,4 +780,247 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
                              out_scale=mVd[ctx.batch, head_kv])
 
 
-__all__ = ["FFPAFwdSm80", "FFPAFwdSm80FP8"]
+class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
+    """The Split-D forward for NVFP4 Q, K, Vt (`FwdFP4ConfigSm80`, sm_120a / sm_121a): the FP8
+    forward's skeleton with the block-scaled mma.sync kind::mxf4nvf4 m16n8k64 (E2M1 operands,
+    one unsigned E4M3 scale per 16 elements along K, fp32 accumulation).
+
+    **Compile-verified only, never run** (no sm_120 GPU here): CI compiles it for sm_120a and
+    checks its PTX; on such a GPU each configuration first passes selfcheck.py's canary.
+
+    Per CTA, as `FFPAFwdSm80FP8` with these differences:
+      1. Operands as ffpa_cute/nvfp4.py encodes them: codes two per byte (uint8 [..., D / 2]),
+         block scales one byte per 16 elements (uint8 [..., D / 16]) read as 4-byte words, one
+         word per 64-element chunk of a row; V as the NVFP4 of V^T (Vt [B, Hkv, D, Npad], its
+         blocks along the keys, P V's contraction; Npad a multiple of 64, zero past Nkv).
+      2. Shared memory: Q's codes (tile_m x D / 2 bytes) and scale words (tile_m x D / 64)
+         resident; the ring's [64 x 64] code chunks (32-byte rows, Swizzle<1,5,3>: the 8 rows
+         a warp reads at one k are conflict-free) beside one scale word per chunk row. The
+         operands reach registers by 32-bit shared loads (ldmatrix moves 16-bit pairs; an E2M1
+         fragment is 8 codes per register), the scales by the fragment layouts of CUTLASS's
+         SM120 block-scaled traits (`cutlass.utils.blackwell_helpers.thrfrg_SFA` / `_SFB`).
+      3. The warps tile N by the permutation (8, warp_n, 2):(1, 16, 8), so each warp owns whole
+         16-column blocks: P's scale blocks are reduced within a quad, no exchange.
+      4. P = exp2(s * scale_log2 - frame + 8) <= 256 (the FP8 frame) is quantised per 16 keys
+         as ffpa_cute.nvfp4 does with tensor scale 1: scale = e4m3(amax / 6) (<= 42.7, inside
+         E4M3), code = e2m1(p / scale) (satfinite: at most 6; a block whose amax / 6 rounds to
+         0 is all zero, i.e. below 2^-10 * 6 of 256). The row sum uses P before rounding.
+      5. The descales (q_descale, k_descale, v_descale: NVFP4's per-tensor scales, [B, Hkv]
+         fp32) fold into the scores' scale and O's final factor as in the FP8 forward.
+
+    Constraints (`config.can_implement`): sm_120a / sm_121a; D a multiple of 64 in [320,
+    1024]; Dv == D; bf16 / fp16 out; no window or sinks."""
+
+    # v / v_sf: the NVFP4 codes and scales of V^T (nvfp4.py's `prepare_v`)
+    OPERANDS = ("q", "q_sf", "k", "k_sf", "v", "v_sf", "o", "lse", "q_descale", "k_descale",
+                "v_descale")
+    LDMATRIX = False
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """q, q_sf, k, k_sf, v, v_sf (uint8, rows 16-byte aligned for the codes, 4-byte for
+        the scales), o (out_dtype), lse, then three (B, Hkv) fp32 descales."""
+        u8, f32 = cutlass.Uint8, cutlass.Float32
+        ops = [fake_tensor(u8, 4, 16 if i % 2 == 0 else 4) for i in range(6)]
+        return (*ops, fake_tensor(CUTLASS_DTYPES[cfg.out_dtype], 4, 8), fake_tensor(f32, 3, 1),
+                *(fake_tensor(f32, 2, 1) for _ in range(3)))
+
+    def _smem_layouts(self):
+        # 64 E2M1 = 32 B per row: Swizzle<1,5,3> moves each 16-byte half by row bit 2
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(1, 5, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
+        sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
+        sP = cute.tile_to_shape(atom, (self.tile_m, 64), (0, 1))
+        sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
+        return sQ, sKV, sP, sStat
+
+    def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
+        """The FP8 forward's regions plus the scale words: Q's (tile_m x C), the ring's (tile_n
+        x stages) and P's (tile_m, 4 blocks of 16 keys each)."""
+        mem, align = cute.struct.MemRange, cute.struct.Align
+        fields = super()._storage_fields(sQ_layout, sKV_layout, sP_layout, sStat_layout)
+        fields["sSFQ"] = align[mem[cutlass.Int32, self.tile_m * self.num_chunks], 16]
+        fields["sSF"] = align[mem[cutlass.Int32, self.tile_n * self.num_stages], 16]
+        fields["sSFP"] = align[mem[cutlass.Int32, self.tile_m], 16]
+        return fields
+
+    def _tiled_mma(self):
+        # N permuted so that warp w owns columns [16w, 16w + 16) of every 16 * warp_n: whole
+        # scale blocks of P per warp
+        perm_n = cute.make_layout((8, self.warp_n, 2), stride=(1, 16, 8))
+        return cute.make_tiled_mma(
+            warp.MmaMXF4NVF4Op(self.dtype, cutlass.Float32, cutlass.Float8E4M3FN),
+            (self.warp_m, self.warp_n, 1),
+            permutation_mnk=(self.warp_m * 16, perm_n, 64),
+        )
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mQsf: cute.Tensor, mK: cute.Tensor, mKsf: cute.Tensor,
+                 mVt: cute.Tensor, mVtsf: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 softmax_scale: cutlass.Float32, causal_offset: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """q, k: (B, H, N, D / 2) uint8 codes, q_sf, k_sf: (B, H, N, D / 16) uint8 scales; v:
+        V^T's codes (B, Hkv, D, Npad / 2), v_sf: its scales (B, Hkv, D, Npad / 16); o: (B, Hq,
+        Nq, D) out_dtype;
+        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq, B)."""
+        D = self.cfg.head_dim
+        mQ = aligned_bhnd(cute.recast_tensor(mQ, self.dtype), D, self.dtype)
+        mK = aligned_bhnd(cute.recast_tensor(mK, self.dtype), D, self.dtype)
+        mVt = aligned_bhdn(cute.recast_tensor(mVt, self.dtype), D, self.dtype)
+        words = [cute.recast_tensor(t, cutlass.Int32) for t in (mQsf, mKsf, mVtsf)]
+        self._launch_quantized(mQ, mK, mVt, mO, (mLSE, mQd, mKd, mVd, *words), softmax_scale,
+                               causal_offset, stream)
+
+    # ---------------------------------------------------------------- scales
+    def _fill_zero(self, t: cute.Tensor):
+        """Zero a vector of 4-bit codes (through its bytes: no 4-bit fill)."""
+        cute.recast_tensor(t, cutlass.Uint8).fill(0)
+
+    def _sf_view(self, words: cute.Tensor, rows: int, word) -> cute.Tensor:
+        """One 64-element chunk's E4M3 scales of `rows` rows, as the MMA partitions them: (rows,
+        64) element coordinates, stride 0 within each 16-element block. `words`: the rows'
+        scale words (rows, ...), `word` the chunk's column among them."""
+        ptr = cute.recast_ptr(words[None, word].iterator, dtype=cutlass.Float8E4M3FN)
+        row_stride = words.layout.stride[0] * 4
+        return cute.make_tensor(ptr, cute.make_layout((rows, (16, 4)),
+                                                      stride=(row_stride, (0, 1))))
+
+    def _sf_partition(self, ctx, view: cute.Tensor, operand: str) -> cute.Tensor:
+        """This thread's scales of `view` for `operand` "A" or "B": (V, MMA_M | MMA_N, MMA_K),
+        the layouts of CUTLASS's SM120 block-scaled MMA traits."""
+        thrfrg = bh.thrfrg_SFA if operand == "A" else bh.thrfrg_SFB
+        tiled = cute.make_tensor(view.iterator, thrfrg(view.layout, ctx.tiled_mma))
+        v = ctx.tiled_mma.thr_layout_vmnk.get_flat_coord(ctx.tidx)
+        mode = (v[1], v[3]) if operand == "A" else (v[2], v[3])
+        part = cute.group_modes(cute.flatten(tiled[(v[0], mode), (None, None)]), 0, 2)
+        if cutlass.const_expr(cute.rank(part) == 4):  # B's N permuted in two modes: regroup
+            part = cute.group_modes(part, 1, 3)
+        return part
+
+    @cute.jit
+    def _sf_load(self, ctx, view: cute.Tensor, operand: str):
+        """This thread's scale registers of `view` (one 32-bit word per atom row / column)."""
+        part = self._sf_partition(ctx, view, operand)
+        frag = cute.make_fragment_like(part)
+        cute.autovec_copy(part, frag)
+        return frag
+
+    @cute.jit
+    def _cp_word(self, src: cute.Tensor, dst: cute.Tensor, ok):
+        """One 4-byte scale word by cp.async (src, dst: 1-element Int32 tensors), 0 if not ok."""
+        if ok:
+            atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Int32,
+                num_bits_per_copy=32)
+            cute.copy(atom, src, dst)
+        else:
+            dst.fill(0)
+
+    @cute.jit
+    def _prologue(self, ctx):
+        """Q's scale words (tile_m x C) join the first cp.async group; P's scale fragment
+        registers are allocated."""
+        ctx.sfp = cute.make_fragment_like(self._sf_partition(
+            ctx, self._sf_view(self._p_scale_words(ctx), self.tile_m, 0), "A"))
+        C = self.num_chunks
+        mQsf = ctx.stats[4]
+        sSFQ = ctx.storage.sSFQ.get_tensor(cute.make_layout((self.tile_m, C), stride=(C, 1)))
+        words = self.tile_m * C
+        for i in cutlass.range_constexpr(-(-words // self.num_threads)):
+            idx = ctx.tidx + i * self.num_threads
+            if idx < words:
+                r, c = idx // C, idx % C
+                row = ctx.m_block * self.tile_m + r
+                src = cute.local_tile(mQsf[ctx.batch, ctx.head, None, None], (1, 1),
+                                      (cutlass.min(row, ctx.seqlen_q - 1), c))
+                self._cp_word(src, cute.local_tile(sSFQ, (1, 1), (r, c)), row < ctx.seqlen_q)
+
+    @cute.jit
+    def _load_ring_step(self, ctx, head, n_block: cutlass.Int32, step: cutlass.Constexpr,
+                        slot: cutlass.Int32):
+        """The FP8 forward's code chunk, then its rows' scale words (threads 0 .. tile_n-1, one
+        word each): K's rows (keys past Nkv: 0), or Vt's rows (dims) at the block's word."""
+        FFPAFwdSm80FP8._load_ring_step(self, ctx, head, n_block, step, slot)
+        C = self.num_chunks
+        sSF = ctx.storage.sSF.get_tensor(
+            cute.make_layout((self.tile_n, self.num_stages), stride=(1, self.tile_n)))
+        dst = cute.local_tile(sSF, (1, 1), (ctx.tidx, slot))
+        if ctx.tidx < self.tile_n:
+            if cutlass.const_expr(step < C):
+                row = n_block * self.tile_n + ctx.tidx
+                src = cute.local_tile(ctx.stats[5][ctx.batch, head, None, None], (1, 1),
+                                      (cutlass.min(row, ctx.seqlen_k - 1), step))
+                self._cp_word(src, dst, row < ctx.seqlen_k)
+            else:
+                src = cute.local_tile(ctx.stats[6][ctx.batch, head, None, None], (1, 1),
+                                      ((step - C) * self.tile_hdim + ctx.tidx, n_block))
+                self._cp_word(src, dst, True)
+
+    def _slot_scales(self, ctx, slot) -> cute.Tensor:
+        """The ring slot's scale words as an E4M3 (tile_n, 64) view."""
+        sSF = ctx.storage.sSF.get_tensor(
+            cute.make_layout((self.tile_n, self.num_stages), stride=(1, self.tile_n)))
+        return self._sf_view(sSF, self.tile_n, slot)
+
+    # ---------------------------------------------------------------- products
+    @cute.jit
+    def _score_mma(self, ctx, acc, j: cutlass.Constexpr, slot):
+        """acc += Q chunk j K_chunk^T, both scaled by their blocks."""
+        C = self.num_chunks
+        sSFQ = ctx.storage.sSFQ.get_tensor(cute.make_layout((self.tile_m, C), stride=(C, 1)))
+        cute.autovec_copy(ctx.thr_mma.partition_A(self._score_rows(ctx, j, slot)), ctx.tSrQ)
+        cute.autovec_copy(ctx.thr_mma.partition_B(ctx.sKV[None, None, slot]), ctx.tSrK)
+        sfa = self._sf_load(ctx, self._sf_view(sSFQ, self.tile_m, j), "A")
+        sfb = self._sf_load(ctx, self._slot_scales(ctx, slot), "B")
+        cute.gemm(ctx.tiled_mma, acc, (ctx.tSrQ, sfa), (ctx.tSrK, sfb), acc)
+
+    @cute.jit
+    def _pv_mma(self, ctx, acc, first: cutlass.Constexpr, slot):
+        """acc (an O chunk) += P Vt_chunk^T, both scaled by their blocks; the block's first
+        chunk loads P's codes and scales."""
+        if cutlass.const_expr(first):
+            cute.autovec_copy(ctx.thr_mma.partition_A(ctx.sP), ctx.tOrP)
+            sfp = self._sf_load(ctx, self._sf_view(self._p_scale_words(ctx), self.tile_m, 0),
+                                "A")
+            cute.autovec_copy(sfp, ctx.sfp)
+        cute.autovec_copy(ctx.thr_mma.partition_B(ctx.sKV[None, None, slot]), ctx.tOrVt)
+        sfb = self._sf_load(ctx, self._slot_scales(ctx, slot), "B")
+        cute.gemm(ctx.tiled_mma, acc, (ctx.tOrP, ctx.sfp), (ctx.tOrVt, sfb), acc)
+
+    def _p_scale_words(self, ctx) -> cute.Tensor:
+        return ctx.storage.sSFP.get_tensor(cute.make_layout((self.tile_m, 1), stride=(1, 1)))
+
+    @cute.jit
+    def _store_p(self, ctx):
+        """P (fp32, <= 2^8) -> NVFP4 per 16 keys (class docstring, 4.): the scales to sSFP by
+        each quad's first thread, the codes to sP."""
+        acc = ctx.acc_S_mn
+        sSFP = cute.make_tensor(
+            cute.recast_ptr(self._p_scale_words(ctx).iterator, dtype=cutlass.Float8E4M3FN),
+            cute.make_layout((self.tile_m, 4), stride=(4, 1)))
+        rnd = cute.make_rmem_tensor((2,), cutlass.Float32)
+        rnd8 = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            for b in cutlass.range_constexpr(cute.size(acc, mode=[1]) // 4):
+                amax = acc[r, 4 * b]
+                for e in cutlass.range_constexpr(1, 4):
+                    amax = cute.arch.fmax(amax, acc[r, 4 * b + e])
+                amax = quad_allreduce_max(amax)
+                rnd[0] = amax * (1.0 / 6.0)
+                rnd[1] = cutlass.Float32(0.0)
+                rnd8.store(rnd.load().to(cutlass.Float8E4M3FN))
+                rnd.store(rnd8.load().to(cutlass.Float32))
+                inv = cutlass.Float32(0.0)
+                if rnd[0] > cutlass.Float32(0.0):
+                    inv = cute.arch.rcp_approx(rnd[0])
+                for e in cutlass.range_constexpr(4):
+                    acc[r, 4 * b + e] = acc[r, 4 * b + e] * inv
+                if ctx.lane % 4 == 0:
+                    sSFP[ctx.row_idx[r], ctx.tScS_mn[r, 4 * b][1] // 16] = rnd8[0]
+        ctx.rP.store(ctx.acc_S.load().to(self.dtype))
+        cute.autovec_copy(ctx.rP, ctx.thr_mma.partition_C(ctx.sP))
+
+
+__all__ = ["FFPAFwdSm80", "FFPAFwdSm80FP4", "FFPAFwdSm80FP8"]

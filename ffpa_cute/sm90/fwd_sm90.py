@@ -71,7 +71,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
 from cutlass import Float32, Int32, const_expr
 
 from ..common.softmax import FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_cu, fake_fp8_args, fake_tensor
+from ..common.tensors import LOG2_E, fake_args, fake_cu, fake_fp8_args, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
 from .ring_context import Roles, ScoreFrags, ScoreIO, ScoreStep, Tile
 from .skeleton_sm90 import RingSkeletonSm90
