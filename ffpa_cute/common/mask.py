@@ -45,6 +45,25 @@ def n_block_min(m_block: cutlass.Int32, window_lo, tile_m: cutlass.Constexpr,
 
 
 @cute.jit
+def query_block_range(k_block: cutlass.Int32, seqlen_q: cutlass.Int32,
+                      causal_offset: cutlass.Int32, window_lo, tile_k: cutlass.Constexpr,
+                      tile_q: cutlass.Constexpr, causal: cutlass.Constexpr):
+    """(n_top, n_low): the query blocks n_low .. n_top-1 a key tile must visit (the gradient
+    kernels whose rows are keys: dV, dK). All of them; under causal from the block of the first
+    query that sees the tile's first key (i >= k_block * tile_k - offset); under a window's
+    left edge up to the block of the last query that sees its last key (i <= last key -
+    window_lo). Blocks outside are skipped, not masked."""
+    n_top = (seqlen_q + tile_q - 1) // tile_q
+    if cutlass.const_expr(window_lo is not None):
+        seen = cutlass.max((k_block + 1) * tile_k - window_lo, 0)  # queries <= last
+        n_top = cutlass.min(n_top, (seen + tile_q - 1) // tile_q)
+    n_low = 0
+    if cutlass.const_expr(causal):
+        n_low = cutlass.max(k_block * tile_k - causal_offset, 0) // tile_q
+    return n_top, n_low
+
+
+@cute.jit
 def block_needs_mask(m_block: cutlass.Int32, n_block: cutlass.Int32, seqlen_k: cutlass.Int32,
                      causal_offset: cutlass.Int32, tile_m: cutlass.Constexpr,
                      tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, window_lo=None,

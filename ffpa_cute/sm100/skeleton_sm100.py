@@ -44,7 +44,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from ..common.mask import mask_row, n_block_max
+from ..common.mask import mask_row, n_block_max, query_block_range
 from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhnd
 from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
@@ -281,10 +281,8 @@ class RingSkeletonSm100(KernelEntry):
         of the tile (causal: i >= j - offset) to the last."""
         cfg, n = self.cfg, self.cfg.tile_n
         if const_expr(cfg.rows_are_keys):
-            n_top = (seqlen_c + n - 1) // n
-            n_low = 0
-            if const_expr(cfg.causal):
-                n_low = cutlass.max(m_block * TILE_M - causal_offset, 0) // n
+            n_top, n_low = query_block_range(m_block, seqlen_c, causal_offset, None, TILE_M, n,
+                                             cfg.causal)
             n_per = cutlass.max(n_top - n_low, 0)
             return n_per * group, n_top, n_per, head * group
         n_max = n_block_max(m_block, seqlen_c, causal_offset, TILE_M, n, cfg.causal)

@@ -72,7 +72,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.mask import apply_mask, block_needs_mask
+from ..common.mask import apply_mask, block_needs_mask, query_block_range
 from ..common.softmax import mn_view
 from ..common.tensors import LOG2_E, fake_args, fake_grad_args
 from .config import BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement
@@ -245,13 +245,8 @@ class _TransposedSm80(_BwdSm80):
         """Per query head the blocks n_top-1 .. n_low: all of them, under causal those holding
         a query i >= (first key of the tile) - offset, under a window's left edge those holding
         a query i <= (last key of the tile) - window_lo."""
-        n_top = (seqlen_k + self.tile_n - 1) // self.tile_n
-        if cutlass.const_expr(window_lo is not None):
-            seen = cutlass.max((m_block + 1) * self.tile_m - window_lo, 0)  # queries <= last
-            n_top = cutlass.min(n_top, (seen + self.tile_n - 1) // self.tile_n)
-        n_low = 0
-        if cutlass.const_expr(self.causal):
-            n_low = cutlass.max(m_block * self.tile_m - causal_offset, 0) // self.tile_n
+        n_top, n_low = query_block_range(m_block, seqlen_k, causal_offset, window_lo,
+                                         self.tile_m, self.tile_n, self.causal)
         per_head = cutlass.max(n_top - n_low, 0)
         return BlockSeq(n_top, per_head * group, head0, cutlass.max(per_head, 1))
 

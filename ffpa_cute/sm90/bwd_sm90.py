@@ -55,7 +55,7 @@ import cutlass.pipeline  # noqa: F401  (NamedBarrier)
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
-from ..common.mask import apply_mask_transposed, transposed_needs_mask
+from ..common.mask import apply_mask_transposed, query_block_range, transposed_needs_mask
 from ..common.softmax import mn_view
 from ..common.tensors import (LOG2_E, aligned_bhnd, fake_args, fake_cu, fake_grad_args,
                               fake_tensor)
@@ -140,14 +140,8 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         """Per query head, the blocks n_top-1 .. n_top-n_per: all of them, under causal those
         holding a query i >= (first key of the tile) - offset, under a window's left edge those
         holding a query i <= (last key of the tile) - window_lo; n_count = group * n_per."""
-        m_block, seqlen_c = tile.m_block, tile.seqlen_c
-        n_top = (seqlen_c + self.tile_n - 1) // self.tile_n
-        if cutlass.const_expr(tile.window_lo is not None):
-            seen = cutlass.max((m_block + 1) * TILE_M - tile.window_lo, 0)  # queries <= last
-            n_top = cutlass.min(n_top, (seen + self.tile_n - 1) // self.tile_n)
-        n_low = 0
-        if cutlass.const_expr(self.causal):
-            n_low = cutlass.max(m_block * TILE_M - tile.causal_offset, 0) // self.tile_n
+        n_top, n_low = query_block_range(tile.m_block, tile.seqlen_c, tile.causal_offset,
+                                         tile.window_lo, TILE_M, self.tile_n, self.causal)
         return n_top, cutlass.max(n_top - n_low, 0) * group
 
     @cute.jit
