@@ -9,7 +9,8 @@ causal alignment, GQA and masks. Descales are fp32: a number, a 0-d / 1-element 
 tensor of shape [B, Hkv] (per batch and KV head, FlashAttention-3's convention; for q too).
 
 Where an FP8 kernel serves the call (`dispatch` plans dtype "e4m3": e4m3 inputs, D a multiple
-of 16 in [272, 1024], Dv == D, no dense mask, dropout, window or sinks; the sm90 WGMMA kernel,
+of 16 in [272, 1024], Dv == D, no dense mask or dropout; a sliding window and sinks on the sm90
+and Split-D kernels (forward only: sinks must not require grad); the sm90 WGMMA kernel,
 the Split-D mma.sync kernel on sm_89 / sm_120, the sm100 tcgen05 kernel) it runs that kernel:
 for the first two V is written transposed first (Vt [B, Hkv, D, N], one pass over V, because
 their 8-bit products take only K-major operands). Anything else dequantises to bf16 and runs the bf16 route (a logged
@@ -116,8 +117,9 @@ def _transposed_v(v: torch.Tensor) -> torch.Tensor:
     return buf[..., :n]
 
 
-def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):
-    """(out [B, Hq, Nq, Dv] out_dtype, lse [B, Hq, Nq] fp32) from the FP8 kernel's plan."""
+def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype, sinks=None):
+    """(out [B, Hq, Nq, Dv] out_dtype, lse [B, Hq, Nq] fp32) from the FP8 kernel's plan
+    (sinks: the [Hq] logits of a plan with sinks; the window's left edge is the problem's)."""
     p = plan.problem
     b, hq, nq, _ = q.shape
     out = torch.empty(b, hq, nq, p.head_dim_v, dtype=out_dtype, device=q.device)
@@ -129,9 +131,9 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype):
     vin = (dict(vt=_transposed_v(v)) if "vt" in plan.kernel_cls.OPERANDS
            else dict(v=launch.kernel_ready(v)))
     tensors = dict(q=launch.kernel_ready(q), k=k, o=o, lse=lse_k, q_descale=qd, k_descale=kd,
-                   v_descale=vd, **vin)
-    launch.run_job(plan.kernel_cls, plan.cfg, tensors,
-                   dict(softmax_scale=p.softmax_scale, causal_offset=offset))
+                   v_descale=vd, sinks=None if sinks is None else sinks.float().contiguous(),
+                   **vin)
+    launch.run_job(plan.kernel_cls, plan.cfg, tensors, launch.kernel_scalars(p, offset))
     return out, lse
 
 
@@ -161,18 +163,23 @@ def canary(plan, cplan, device) -> str | None:
 
 def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout_p: float,
                   scale, strict, dense, q_descale=None, k_descale=None, v_descale=None,
-                  out_dtype=None):
+                  out_dtype=None, bounds=None, sinks=None):
     """FP8 attention on [B, H, N, D] tensors (4-D; `interface` reshapes other ranks): the
     kernel where one serves the problem, else `dense(q, k, v)` (the 16-bit route with the
-    call's mask arguments, returning (out, lse)) on the inputs dequantised to bf16. Returns
-    (out in out_dtype (bf16 by default), lse fp32)."""
+    call's mask, window and sinks arguments, returning (out, lse)) on the inputs dequantised to
+    bf16. bounds: the window's (lo, hi) (`validate.window_bounds`), or None; sinks: [Hq]
+    logits, or None. Returns (out in out_dtype (bf16 by default), lse fp32)."""
     descales = (q_descale, k_descale, v_descale)
     _check(q, k, v, descales, out_dtype)
+    if sinks is not None and sinks.requires_grad:
+        raise NotImplementedError("sinks must not require grad with FP8 inputs (FP8 is "
+                                  "forward-only)")
     want = OUT_DTYPES[out_dtype]
     b, hkv = q.shape[0], k.shape[1]
     problem = dataclasses.replace(
         AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset, scale=scale,
-                                 has_mask=has_mask, dropout_p=dropout_p),
+                                 has_mask=has_mask, dropout_p=dropout_p, bounds=bounds,
+                                 has_sinks=sinks is not None),
         out_dtype=dtype_name(want))
     empty = q.numel() == 0 or k.shape[2] == 0
     plan = None if empty else dispatch.plan_fwd(problem, q.device)
@@ -182,7 +189,7 @@ def attention_fp8(q, k, v, *, causal: bool, offset: int, has_mask: bool, dropout
                   for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
     if plan is not None and reason is None:
         with torch.cuda.device(q.device):
-            return run_kernel(plan, q, k, v, qd, kd, vd, want)
+            return run_kernel(plan, q, k, v, qd, kd, vd, want, sinks)
     if plan is not None:
         if _options.current().strict if strict is None else strict:
             raise NotImplementedError(reason)

@@ -282,34 +282,34 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if err is not None:
         raise err
     if fp8.is_fp8(q) or fp8_args != (None,) * 4:
-        if window is not None or sinks is not None:
-            raise NotImplementedError("window and sinks are not available with FP8 inputs yet; "
-                                      "dequantise (x_fp8.float() * descale) and pass 16-bit")
         return _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, return_lse,
-                              *fp8_args)
+                              *fp8_args, window, sinks)
     return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, upper_left=False,
                       strict=None if strict is None else bool(strict), level=logging.WARNING,
                       fast_key=key, return_lse=return_lse, window=window, sinks=sinks)
 
 
 def _attention_fp8(q, k, v, attn_mask, dropout_p, is_causal, scale, strict, return_lse,
-                   q_descale, k_descale, v_descale, out_dtype):
+                   q_descale, k_descale, v_descale, out_dtype, window, sinks):
     """`attention` for FP8 inputs: the FP8 kernel, else the 16-bit route on dequantised
-    inputs (fp8.attention_fp8)."""
+    inputs (fp8.attention_fp8); a window and sinks as for 16-bit inputs."""
     if not fp8.is_fp8(q):
         raise TypeError("q_descale, k_descale, v_descale and out_dtype are for FP8 inputs "
                         f"(torch.float8_e4m3fn / float8_e5m2); q is {q.dtype}")
-    causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], False)
+    causal, offset, mask, bounds, _ = _problem(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                               False, window, sinks)
     shape = q.shape
 
     def dense(qb, kb, vb):
         return _attention(qb, kb, vb, attn_mask, dropout_p, is_causal, scale, upper_left=False,
-                          strict=strict, level=logging.WARNING, return_lse=True)
+                          strict=strict, level=logging.WARNING, return_lse=True, window=window,
+                          sinks=sinks)
 
     out, lse = fp8.attention_fp8(_as4d(q), _as4d(k), _as4d(v), causal=causal, offset=offset if causal else 0,
                                  has_mask=mask is not None, dropout_p=dropout_p, scale=scale,
                                  strict=strict, dense=dense, q_descale=q_descale,
-                                 k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+                                 k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+                                 bounds=bounds, sinks=sinks)
     if q.dim() != 4:
         out, lse = out.reshape(*shape[:-1], out.shape[-1]), lse.reshape(shape[:-1])
     return (out, lse) if return_lse else out

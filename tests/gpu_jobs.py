@@ -83,6 +83,8 @@ def jobs(sections=SECTIONS) -> list:
                     if family == "sm90" and d <= 512:  # dK without sequential score products
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
                         add([(dispatch.kernel_class(cfg), cfg)])
+    import dataclasses
+
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt
@@ -96,8 +98,14 @@ def jobs(sections=SECTIONS) -> list:
                 for family in ("sm90", "sm80"):  # the WGMMA and the Split-D FP8 kernels
                     plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family=family))
                     add([(plan.kernel_cls, plan.cfg)])
-    import dataclasses
-
+                    for lo, hi, sinks in ((-8, None, True), (-8, 4, True), (-8, 4, False),
+                                          (None, None, True)):  # window / sinks
+                        if out_dtype == "bf16" and (hi is None or not causal):
+                            q = dataclasses.replace(p, window_lo=lo, window_hi=hi,
+                                                    has_sinks=sinks)
+                            plan = dispatch.plan_fwd(q, target=TARGET,
+                                                     opts=Options(family=family))
+                            add([(plan.kernel_cls, plan.cfg)])
     for d in FEATURE_HEAD_DIMS if "features" in sections else ():  # sliding window / sinks: every combination of the fields,
         for lo, hi, causal, sinks in FEATURE_FIELDS:  # both families
             p = dataclasses.replace(problem(d, d, "bf16", causal), window_lo=lo, window_hi=hi,

@@ -88,6 +88,14 @@ FEATURE_CASES = [
     ("D520 window + sinks causal (the CTA pair, forward and backward)", 1, 2, 1, 65, 200, 520, True,
      (50, 0), True),
 ]
+# (label, family, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the FP8 forwards (e4m3 in,
+# forward only) with a window and sinks
+FP8_FEATURE_CASES = [
+    ("sm90 FP8 D512 window + sinks causal GQA", "sm90", 1, 4, 2, 129, 333, 512, True, (64, 0),
+     True),
+    ("sm80 FP8 D400 window both sides + sinks", "sm80", 1, 2, 1, 65, 300, 400, False, (40, 20),
+     True),
+]
 # (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None, cache dtype, Nq): the
 # split-KV decode (an e4m3 cache: its stages converted to bf16 in smem; Nq > 1: a causal chunk)
 KV_CASES = [
@@ -106,7 +114,8 @@ VARLEN_CASES = [
      (64, 0), True),
 ]
 
-N_CASES = len(CASES) + len(FEATURE_CASES) + len(KV_CASES) + len(VARLEN_CASES)
+N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
+           + len(VARLEN_CASES))
 
 
 def _problem(case):
@@ -155,6 +164,21 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
         out += [j for j in todo if j not in out]
+    for _, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in FP8_FEATURE_CASES:
+        left, right = window
+        p = AttnProblem(dtype="e4m3", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=right is not None,
+                        causal_offset=nkv - nq if causal or right is not None else 0,
+                        window_lo=nkv - nq - left,
+                        window_hi=None if right is None else nkv - nq + right,
+                        has_sinks=sinks, out_dtype="bf16")
+        plan = dispatch.plan_fwd(p, target=target, opts=Options(family=family))
+        assert plan.reason is None, plan.reason
+        from ffpa_cute.common.config import TransposeConfig
+
+        t = TransposeConfig(target, d)
+        out += [j for j in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(t), t))
+                if j not in out]
     for _, b, hq, hkv, n, d, dv, page, kv, nq in KV_CASES:
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv,
                         seqlen_q=hq // hkv * nq, seqlen_kv=n, head_dim=d, head_dim_v=dv,
@@ -221,6 +245,17 @@ def workload() -> int:
         out = ffpa_cute.attention(q, k, v, strict=True, **kw)
         assert "kernels (dQ, dK, dV)" in route, (label, route)
         out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {route[:160]}", flush=True)
+    for label, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in FP8_FEATURE_CASES:
+        x = [torch.randn(b, h, n, d, device="cuda") for h, n in ((hq, nq), (hkv, nkv), (hkv, nkv))]
+        (q, qd), (k, kd), (v, vd) = (ffpa_cute.quantize_fp8(t) for t in x)
+        kw = dict(is_causal=causal, enable_gqa=hq != hkv, window=window,
+                  sinks=torch.randn(hq, device="cuda") if sinks else None)
+        with ffpa_cute.options.use(family=family):
+            route = ffpa_cute.explain(q, k, v, **kw)
+            ffpa_cute.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, strict=True,
+                                **kw)
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
     from ffpa_cute import decode

@@ -133,7 +133,8 @@ def test_transpose_kernel_compiles(in_tmp):
 def test_fp8_splitd_planner(target, d, layout):
     """sm_89 (sm80 family) and sm_120 / sm_121 (sm120 family) plan the Split-D FP8 forward (P
     through shared memory: never M8N1), inside the target's shared memory; D=264 (not a multiple
-    of 16), a window or sinks have no FP8 kernel; sm_80 has no e4m3 mma.sync."""
+    of 16) has no FP8 kernel; a window and sinks plan the same kernel with those fields; sm_80
+    has no e4m3 mma.sync."""
     from ffpa_cute.sm80 import config as sm80_config
 
     p = AttnProblem(dtype="e4m3", batch=1, heads_q=4, heads_kv=2, seqlen_q=7, seqlen_kv=7,
@@ -144,9 +145,11 @@ def test_fp8_splitd_planner(target, d, layout):
     cfg = plan.cfg
     assert cfg.warp_layout == layout and cfg.out_dtype == "fp16"
     assert cfg.smem_bytes() <= sm80_config.SMEM_CAPACITY[target]
-    for bad in (dict(head_dim=264, head_dim_v=264), dict(window_lo=-128)):
-        q = AttnProblem(**{**p.__dict__, **bad})
-        assert dispatch.plan_fwd(q, target=target, opts=Options()).reason
+    q = AttnProblem(**{**p.__dict__, "head_dim": 264, "head_dim_v": 264})
+    assert dispatch.plan_fwd(q, target=target, opts=Options()).reason
+    q = AttnProblem(**{**p.__dict__, "window_lo": -128, "has_sinks": True})
+    ws = dispatch.plan_fwd(q, target=target, opts=Options())
+    assert ws.reason is None and ws.cfg.window and ws.cfg.sinks
     assert "e4m3" in dispatch.plan_fwd(p, target="sm_80", opts=Options()).reason
 
 

@@ -209,10 +209,9 @@ def test_sm90_plans_window_and_sinks(fields, cfg):
 
 
 @pytest.mark.parametrize("fields", [dict(window_lo=-3), dict(window_hi=0), dict(has_sinks=True)])
-def test_splitd_plans_them_fp8_refuses(fields):
+def test_splitd_and_fp8_plan_them(fields):
     """The Split-D kernels (sm80 family, forced or on sm_120a) take the window and sinks as the
-    sm90 ones do; the FP8 planner has
-    neither: a reason, never a config."""
+    sm90 ones do; so do the FP8 kernels (sm90 WGMMA, Split-D)."""
     import dataclasses
 
     from ffpa_cute.options import Options
@@ -226,8 +225,11 @@ def test_splitd_plans_them_fp8_refuses(fields):
         assert plan.cfg.causal == ("window_hi" in fields)
     bwd = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm80"))
     assert bwd.reason is None and all(not c.sinks for c in bwd.cfgs[1:])
-    fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3"), target="sm_90a")
-    assert "no sliding window or sinks" in fp8.reason
+    for opts in (Options(), Options(family="sm80")):
+        fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3"), target="sm_90a",
+                                opts=opts)
+        assert fp8.reason is None and "FP8" in fp8.kernel_cls.__name__
+        assert fp8.cfg.window == ("window_lo" in fields) and fp8.cfg.sinks == p.has_sinks
 
 
 @pytest.mark.parametrize("kw", [dict(window=(4, 0)), dict(window=(3, 5)),
@@ -342,12 +344,20 @@ def test_errors_name_the_argument(kw, exc, pattern):
         explain(Q, K, K, **kw)
 
 
-def test_fp8_with_window_or_sinks_is_not_implemented(seed):
+def test_fp8_with_window_or_sinks_is_the_dequantised_call(seed):
+    """FP8 inputs with a window or sinks: the attention of the dequantised inputs with them
+    (on the CPU through the bf16 route); sinks that require grad are refused (FP8 is
+    forward-only)."""
     (q8, qd), (k8, kd) = quantize_fp8(Q), quantize_fp8(K)
-    for kw in (dict(window=(2, 0)), dict(sinks=torch.zeros(4))):
-        with pytest.raises(NotImplementedError, match="window and sinks are not available with "
-                                                      "FP8"):
-            attention(q8, k8, k8, q_descale=qd, k_descale=kd, v_descale=kd, **kw)
+    qb, kb = ((t.float() * d).to(torch.bfloat16) for t, d in ((q8, qd), (k8, kd)))
+    for kw in (dict(window=(2, 0)), dict(sinks=torch.randn(4)),
+               dict(window=(3, None), sinks=torch.randn(4), is_causal=True)):
+        got = attention(q8, k8, k8, q_descale=qd, k_descale=kd, v_descale=kd, **kw)
+        want = attention(qb, kb, kb, **kw)
+        assert torch.equal(got, want)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        attention(q8, k8, k8, q_descale=qd, k_descale=kd, v_descale=kd,
+                  sinks=torch.zeros(4, requires_grad=True))
 
 
 def test_torch_compile_fullgraph(seed):

@@ -219,7 +219,10 @@ class OnlineSoftmax:
         -inf), O *= 2^(m - top) / sum', LSE = (top + log2(sum')) ln 2. A row with no key: O 0,
         LSE = the sink."""
         for r in cutlass.range_constexpr(self.num_rows):
-            m = self.row_max[r] * self.scale_log2
+            if cutlass.const_expr(self.framed):  # the sum's frame: P carried 2^bias
+                m = self.row_max[r] - self.p_bias_log2
+            else:
+                m = self.row_max[r] * self.scale_log2
             top = cute.arch.fmax(m, sink_log2)
             inv = cutlass.Float32(0.0)
             lse[r] = -cutlass.Float32.inf

@@ -195,8 +195,6 @@ def _fp8_reason(cfg: FwdFP8ConfigSm80) -> str | None:
                 "(its 16-byte row vectors)")
     if cfg.warp_n == 1:
         return "the FP8 Split-D forward passes P through shared memory: warp_n must be > 1"
-    if cfg.window or cfg.sinks:
-        return "the FP8 Split-D forward has no sliding window or sinks"
     return None
 
 
@@ -224,7 +222,7 @@ def can_implement(cfg: FwdConfigSm80) -> str | None:
         return f"needs {cfg.smem_bytes()} B of smem, {cfg.arch} has {SMEM_CAPACITY[cfg.arch]}"
     if cfg.o_registers() > 160:
         return f"O needs {cfg.o_registers()} registers per thread with {cfg.warp_layout} (> 160)"
-    if cfg.sinks and type(cfg) is not FwdConfigSm80:
+    if cfg.sinks and type(cfg) in BWD_CONFIGS.values():
         return "sinks is the forward's field (the gradient kernels read it through the LSE)"
     return None
 

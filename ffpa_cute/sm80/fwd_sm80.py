@@ -616,10 +616,16 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
     fp16 out; D a multiple of 16 in [272, 1024]; Dv == D; no window or sinks. Run and tested
     on an H200 (compiled for sm_90a); sm_89 and sm_120 builds are compile-verified only."""
 
-    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale")
-    SCALARS = ("softmax_scale", "causal_offset")
-    fake_inputs = staticmethod(fake_fp8_args)
+    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
     B_K_MAJOR = True
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """The FP8 stand-ins (`fake_fp8_args`), then sinks: an [Hq] fp32 stand-in with
+        `sinks`, else None."""
+        return (*fake_fp8_args(cfg),
+                fake_tensor(cutlass.Float32, 1, 1) if cfg.sinks else None)
 
     def _smem_layouts(self):
         # 64 e4m3 = 64 B per row: Swizzle<2,4,3> moves each 16-byte chunk by row bits 1-2
@@ -648,23 +654,24 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
-                 softmax_scale: cutlass.Float32, causal_offset: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 mSinks, softmax_scale: cutlass.Float32, causal_offset: cutlass.Int32,
+                 window_lo: cutlass.Int32, stream: cuda.CUstream):
         """q, k: (B, H, N, D) e4m3; vt: (B, Hkv, D, Nkv) e4m3; o: (B, Hq, Nq, D) out_dtype;
-        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq, B)."""
+        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32; sinks: (Hq,) fp32 with `sinks`, else
+        None; window_lo: read with `window`. Grid (m_blocks, Hq, B)."""
         D = self.cfg.head_dim
         mQ, mK = aligned_bhnd(mQ, D, self.dtype), aligned_bhnd(mK, D, self.dtype)
         mVt = aligned_bhdn(mVt, D, self.dtype)
         self._launch_quantized(mQ, mK, mVt, mO, (mLSE, mQd, mKd, mVd), softmax_scale,
-                               causal_offset, stream)
+                               causal_offset, stream, features_of(self.cfg, window_lo, mSinks))
 
     @cute.jit
     def _launch_quantized(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor,
                           mO: cute.Tensor, stats, softmax_scale: cutlass.Float32,
-                          causal_offset: cutlass.Int32, stream: cuda.CUstream):
+                          causal_offset: cutlass.Int32, stream: cuda.CUstream, features=None):
         """The shared-memory struct (`_storage_fields`), the grid (m_blocks, Hq, B) and the
         launch, for q / k / vt already in the kernel's dtype; stats = (LSE, the descales[,
-        the block scales])."""
+        the block scales]); features: the window's left edge and sinks (`features_of`)."""
         mO = aligned_bhnd(mO, self.cfg.head_dim, self.out_dtype)
         layouts = self._smem_layouts()
         fields = self._storage_fields(*layouts)
@@ -674,7 +681,7 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
         self.kernel(
             mQ, mK, mVt, mO, stats, softmax_scale * LOG2_E, causal_offset, *layouts,
             self._vector_copy(self.tile_n), self._gmem_tiled_copy(False, self.out_dtype),
-            self._tiled_mma(), SharedStorage,
+            self._tiled_mma(), SharedStorage, features,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -694,12 +701,12 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
                gmem_copy_in: cute.TiledCopy, gmem_copy_out: cute.TiledCopy,
-               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, features):
         # resident rows Q; ring phases K (scores) then Vt (accumulator B operand); output O;
-        # stats (LSE, q / k / v descales)
+        # stats (LSE, q / k / v descales[, block scales]); features (window, sinks) or None
         self._mainloop((mQ,), (mK, mVt), mO, stats, scale_log2, causal_offset,
                        sQ_layout, sKV_layout, sP_layout, sStat_layout,
-                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage, None)
+                       gmem_copy_in, gmem_copy_out, tiled_mma, SharedStorage, features)
 
     def _vector_copy(self, rows: int) -> cute.TiledCopy:
         """cp.async of [rows, tile_hdim] chunks by all threads at once: 16-byte vectors where
@@ -814,6 +821,7 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
     # v / v_sf: the NVFP4 codes and scales of V^T (nvfp4.py's `prepare_v`)
     OPERANDS = ("q", "q_sf", "k", "k_sf", "v", "v_sf", "o", "lse", "q_descale", "k_descale",
                 "v_descale")
+    SCALARS = ("softmax_scale", "causal_offset")
     LDMATRIX = False
 
     @staticmethod

@@ -422,8 +422,6 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         if cfg.head_dim % 16 or cfg.head_dim_v is not None:
             return (f"head_dim={cfg.head_dim}: the FP8 forward needs a multiple of 16 (16-byte "
                     "rows for TMA) and head_dim_v == head_dim")
-        if cfg.window or cfg.sinks:
-            return "the FP8 forward has no sliding window or sinks yet"
     elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:

@@ -159,13 +159,17 @@ class FFPAFwdSm90(RingSkeletonSm90):
         """After the last block: factor = 1 / row_sum (0 for empty rows; with `sinks` the
         head's sink joins the sum, Note [Sinks] in common/softmax.py); returns the LSE."""
         sink_log2 = None
-        if const_expr(self.cfg.sinks):  # extra: the [Hq] sink logits
-            sink_log2 = io.extra[tile.head] * LOG2_E
+        if const_expr(self.cfg.sinks):  # the [Hq] sink logits
+            sink_log2 = self._sinks(io.extra)[tile.head] * LOG2_E
         if const_expr(self.kv_pair):
             lse = self._final_factors_pair(tile, io, frags, n_iter, sink_log2)
         else:
             lse = self._final_factors_one(frags, sink_log2)
         return lse
+
+    def _sinks(self, extra):
+        """The [Hq] sink logits among the kernel's extra operands (the forward's: all of it)."""
+        return extra
 
     @cute.jit
     def _final_factors_one(self, frags: ScoreFrags, sink_log2):
@@ -241,11 +245,13 @@ class FFPAFwdSm90(RingSkeletonSm90):
 
 
 class Descales(NamedTuple):
-    """The FP8 forward's dequantisation factors, [B, Hkv] fp32 each: x = x_fp8 * descale."""
+    """The FP8 forward's dequantisation factors, [B, Hkv] fp32 each: x = x_fp8 * descale; and
+    the [Hq] sink logits with `sinks` (else None)."""
 
     q: cute.Tensor
     k: cute.Tensor
     v: cute.Tensor
+    sinks: object = None
 
 
 class FFPAFwdSm90FP8(FFPAFwdSm90):
@@ -270,18 +276,30 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
     in [272, 1024] (264 is not a multiple of 16); Dv == D.
     """
 
-    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale")
-    SCALARS = ("softmax_scale", "causal_offset")
-    fake_inputs = staticmethod(fake_fp8_args)
+    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """The FP8 stand-ins (`fake_fp8_args`), then sinks: an [Hq] fp32 stand-in with
+        `sinks`, else None."""
+        return (*fake_fp8_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+                 mSinks, softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
         """q, k: (B, H, N, D) e4m3; vt: (B, Hkv, D, Nkv) e4m3; o: (B, Hq, Nq, D) out_dtype;
-        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32."""
+        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32; sinks: (Hq,) fp32 with `sinks`, else
+        None; window_lo: read with `window`."""
         self._launch(Roles(rows=mQ, cols=mK, acc_b=mVt, out=mO), mLSE, softmax_scale,
-                     causal_offset, stream, Descales(mQd, mKd, mVd))
+                     causal_offset, stream,
+                     Descales(mQd, mKd, mVd, mSinks if const_expr(self.cfg.sinks) else None),
+                     window_lo)
+
+    def _sinks(self, extra):
+        return extra.sinks
 
     @cute.jit
     def _make_softmax(self, num_rows: cutlass.Constexpr, tile: Tile, extra: Descales):
