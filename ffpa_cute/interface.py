@@ -254,7 +254,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     the *scaled* scores: row i's softmax denominator becomes sum_j exp(s_ij) + exp(sinks[h]);
     gradients flow to sinks; lse includes the sink term (a row with no key: out 0, lse =
     sink). The 16-bit kernels (sm90, Split-D) serve both (eager calls), blocks outside the
-    window skipped; elsewhere exact torch math (logged; strict raises). Not with dropout or FP8.
+    window skipped; FP8 too (forward); elsewhere exact torch math (logged). Not with dropout.
 
     q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout): one call
     per sequence, out (and lse) on q's offsets (`ffpa_cute.nested`).
