@@ -189,3 +189,41 @@ def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch):
     assert nvfp4.canary(plan, cplan, cpu) is None
     monkeypatch.setattr(nvfp4, "run_kernel", fake(1))
     assert "canary error" in nvfp4.canary(plan, cplan, cpu)
+
+
+def test_nvfp4_host_feeds_the_kernel_its_operands(monkeypatch):
+    """`nvfp4.run_kernel` (CPU, the launch replaced): every operand the kernel names, with the
+    dtype, shape and stride divisibility its compile-time stand-ins assume (codes uint8 with
+    16-byte rows, scales uint8 with 4-byte rows, V^T's keys padded to 64 with zeros, descales
+    [B, Hkv] fp32), GQA rows packed where the plan packs them."""
+    from ffpa_cute import dispatch, launch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    b, hq, hkv, nq, nkv, d = 2, 8, 2, 3, 100, 320
+    q4 = nvfp4.quantize_nvfp4(torch.randn(b, hq, nq, d))
+    k4 = nvfp4.quantize_nvfp4(torch.randn(b, hkv, nkv, d))
+    v4 = nvfp4.quantize_nvfp4(torch.nn.functional.pad(torch.randn(b, hkv, nkv, d),
+                                                      (0, 0, 0, 12)).transpose(-1, -2))
+    p = AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                    seqlen_kv=nkv, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_120a", opts=Options())
+    seen = {}
+    monkeypatch.setattr(launch, "run_job", lambda cls, cfg, t, s: seen.update(t, **s))
+    out, lse = nvfp4.run_kernel(plan, q4, k4, v4, torch.bfloat16)
+    assert out.shape == (b, hq, nq, d) and lse.shape == (b, hq, nq)
+    assert set(plan.kernel_cls.OPERANDS) <= set(seen)
+    rows = hq // hkv * nq if plan.packed else nq
+    heads = hkv if plan.packed else hq
+    expect = {"q": (b, heads, rows, d // 2), "q_sf": (b, heads, rows, d // 16),
+              "k": (b, hkv, nkv, d // 2), "k_sf": (b, hkv, nkv, d // 16),
+              "v": (b, hkv, d, 64), "v_sf": (b, hkv, d, 8)}
+    for name, shape in expect.items():
+        t = seen[name]
+        assert t.dtype == torch.uint8 and tuple(t.shape) == shape, (name, t.shape)
+        div = 16 if name in ("q", "k", "v") else 4
+        assert t.stride(-1) == 1 and all(s % div == 0 for s in t.stride()[:-1]), name
+    assert (seen["v"][..., 56:] == 0).all() and (seen["v_sf"][..., 7:] == 0).all()
+    for name in ("q_descale", "k_descale", "v_descale"):
+        assert seen[name].dtype == torch.float32 and seen[name].shape == (b, hkv)
+    assert seen["softmax_scale"] == pytest.approx(d ** -0.5)
