@@ -156,52 +156,40 @@ class FwdFP4ConfigSm80(FwdFP8ConfigSm80):
                 + 7 * 1024)
 
 
-# FP8 mma.sync (e4m3 x e4m3 -> f32, m16n8k32) exists from sm_89 on
+# the quantized forwards: (their mma.sync's archs, D's multiple and why) per dtype: e4m3 x
+# e4m3 -> f32 m16n8k32 from sm_89 on; the block-scaled kind::mxf4nvf4 on sm_120a / sm_121a
 FP8_ARCHS = ("sm_89", "sm_90a", "sm_120a", "sm_121a")
-FP8_OUT_DTYPES = ("bf16", "fp16")
-# the block-scaled mma.sync (kind::mxf4nvf4) is sm_120a / sm_121a's
 FP4_ARCHS = ("sm_120a", "sm_121a")
+QUANTIZED = {"e4m3": ("FP8", FP8_ARCHS, 16, "its 16-byte row vectors"),
+             "nvfp4": ("NVFP4", FP4_ARCHS, 64,
+                       "one 4-byte word of block scales per 64-element chunk")}
+QUANTIZED_OUT_DTYPES = ("bf16", "fp16")
 
 
-def _fp4_reason(cfg: FwdFP4ConfigSm80) -> str | None:
-    """The NVFP4 forward's own constraints (None: met)."""
-    if cfg.dtype != "nvfp4":
-        return f"dtype {cfg.dtype!r}: the NVFP4 Split-D forward reads nvfp4"
-    if cfg.out_dtype not in FP8_OUT_DTYPES:
-        return f"out_dtype {cfg.out_dtype!r} not in {FP8_OUT_DTYPES}"
-    if cfg.arch not in FP4_ARCHS:
-        return (f"arch {cfg.arch!r} has no block-scaled FP4 mma.sync (needs one of "
-                f"{FP4_ARCHS}; sm_100a's NVFP4 is tcgen05's)")
-    if cfg.head_dim % 64:
-        return (f"head_dim={cfg.head_dim}: the NVFP4 Split-D forward needs a multiple of 64 "
-                "(one 4-byte word of block scales per 64-element chunk)")
+def _quantized_reason(cfg: FwdFP8ConfigSm80) -> str | None:
+    """The FP8 / NVFP4 forward's own constraints (None: met)."""
+    want = "nvfp4" if isinstance(cfg, FwdFP4ConfigSm80) else "e4m3"
+    name, archs, multiple, why = QUANTIZED[want]
+    if cfg.dtype != want:
+        return f"dtype {cfg.dtype!r}: the {name} Split-D forward reads {want}"
+    if cfg.out_dtype not in QUANTIZED_OUT_DTYPES:
+        return f"out_dtype {cfg.out_dtype!r} not in {QUANTIZED_OUT_DTYPES}"
+    if cfg.arch not in archs:
+        return f"arch {cfg.arch!r} has no {want} mma.sync (needs one of {archs})"
+    if cfg.head_dim % multiple:
+        return (f"head_dim={cfg.head_dim}: the {name} Split-D forward needs a multiple of "
+                f"{multiple} ({why})")
     if cfg.warp_n == 1:
-        return "the NVFP4 Split-D forward passes P through shared memory: warp_n must be > 1"
-    if cfg.window or cfg.sinks:
+        return f"the {name} Split-D forward passes P through shared memory: warp_n must be > 1"
+    if want == "nvfp4" and (cfg.window or cfg.sinks):
         return "the NVFP4 Split-D forward has no sliding window or sinks"
-    return None
-
-
-def _fp8_reason(cfg: FwdFP8ConfigSm80) -> str | None:
-    """The FP8 forward's own constraints (None: met)."""
-    if cfg.dtype != "e4m3":
-        return f"dtype {cfg.dtype!r}: the FP8 Split-D forward reads e4m3"
-    if cfg.out_dtype not in FP8_OUT_DTYPES:
-        return f"out_dtype {cfg.out_dtype!r} not in {FP8_OUT_DTYPES}"
-    if cfg.arch not in FP8_ARCHS:
-        return f"arch {cfg.arch!r} has no e4m3 mma.sync (needs one of {FP8_ARCHS})"
-    if cfg.head_dim % 16:
-        return (f"head_dim={cfg.head_dim}: the FP8 Split-D forward needs a multiple of 16 "
-                "(its 16-byte row vectors)")
-    if cfg.warp_n == 1:
-        return "the FP8 Split-D forward passes P through shared memory: warp_n must be > 1"
     return None
 
 
 def can_implement(cfg: FwdConfigSm80) -> str | None:
     """None when the kernel can be built for cfg, else the reason (mirrors the docstring)."""
     if isinstance(cfg, FwdFP8ConfigSm80):
-        reason = (_fp4_reason if isinstance(cfg, FwdFP4ConfigSm80) else _fp8_reason)(cfg)
+        reason = _quantized_reason(cfg)
         if reason:
             return reason
     elif cfg.dtype not in DTYPES:

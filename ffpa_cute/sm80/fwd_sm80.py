@@ -613,8 +613,9 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
       4. O / row_sum * v_descale in out_dtype, staged in the Q buffer (sized for O); LSE fp32.
 
     Constraints (`config.can_implement`): sm_89 / sm_90a / sm_120a / sm_121a; e4m3 in, bf16 /
-    fp16 out; D a multiple of 16 in [272, 1024]; Dv == D; no window or sinks. Run and tested
-    on an H200 (compiled for sm_90a); sm_89 and sm_120 builds are compile-verified only."""
+    fp16 out; D a multiple of 16 in [272, 1024]; Dv == D; a sliding window and sinks as in the
+    16-bit forward (`features`). Run and tested on an H200 (compiled for sm_90a); sm_89 and
+    sm_120 builds are compile-verified only."""
 
     OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")

@@ -273,7 +273,8 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
          out_dtype; LSE in fp32 (natural log).
 
     Constraints (`config.can_implement`): sm_90a; e4m3 in, bf16 / fp16 out; D a multiple of 16
-    in [272, 1024] (264 is not a multiple of 16); Dv == D.
+    in [272, 1024] (264 is not a multiple of 16); Dv == D. A sliding window and sinks as in the
+    16-bit forward (the sinks ride in `Descales`).
     """
 
     OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
