@@ -139,8 +139,8 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype, sinks=None):
 
 def canary(plan, cplan, device) -> str | None:
     """The canary of an FP8 forward configuration: random inputs quantised per tensor
-    (`quantize_fp8`), the kernel against the float32 reference on the dequantised inputs,
-    within FP8_TOL."""
+    (`quantize_fp8`), the kernel against the float32 reference on the dequantised inputs
+    (with the canary's window and sinks where the configuration has them), within FP8_TOL."""
     from .reference import attention_ref, rel_err
 
     cp = cplan.problem
@@ -148,11 +148,13 @@ def canary(plan, cplan, device) -> str | None:
     x = selfcheck.canary_inputs(cp, device, torch.float32, 1234)[:3]
     q8, k8, v8 = (quantize_fp8(t, dtype=e4m3) for t in x)
     qd, kd, vd = (descale_bh(d, "descale", 1, 1, device) for _, d in (q8, k8, v8))
+    sinks = selfcheck.canary_sinks(cp, device)
     with selfcheck.on_device(device):
-        out, _ = run_kernel(cplan, q8[0], k8[0], v8[0], qd, kd, vd, out_dtype)
+        out, _ = run_kernel(cplan, q8[0], k8[0], v8[0], qd, kd, vd, out_dtype, sinks)
     deq = [t.float() * d for t, d in (q8, k8, v8)]
     ref, _ = attention_ref(*deq, causal=cp.causal, causal_offset=cp.causal_offset,
-                           scale=cp.softmax_scale, upcast=torch.float32)
+                           scale=cp.softmax_scale, upcast=torch.float32,
+                           window_lo=cp.window_lo, sinks=sinks)
     err = rel_err(out, ref)
     if not err <= FP8_TOL:  # NaN fails too
         return (f"self-check failed for the {plan.family} FP8 kernel on {plan.target} "

@@ -31,21 +31,28 @@ def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
 
 
-def _attention_math(q, k, v, causal, causal_offset, scale, compute_dtype):
-    """Softmax(q k^T * scale) v in `compute_dtype`; returns (out, lse) in that dtype."""
+def _attention_math(q, k, v, causal, causal_offset, scale, compute_dtype, window_lo=None,
+                    sinks=None):
+    """Softmax(q k^T * scale) v in `compute_dtype`; returns (out, lse) in that dtype.
+    window_lo: row i sees key j only if j >= i + window_lo; sinks: [Hq] logits joining each
+    row's denominator and lse (Note [Sinks] in common/softmax.py)."""
     nq, nkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     k, v = _expand_kv(q, k, v)
     q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    rows = torch.arange(nq, device=q.device).unsqueeze(-1)
+    cols = torch.arange(nkv, device=q.device)
     if causal:
         offset = nkv - nq if causal_offset is None else int(causal_offset)
-        rows = torch.arange(nq, device=q.device).unsqueeze(-1)
-        cols = torch.arange(nkv, device=q.device)
         scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+    if window_lo is not None:
+        scores = scores.masked_fill(cols < rows + int(window_lo), float("-inf"))
     # logsumexp is computed in at least fp32 even for the same-dtype path (torch's softmax does the
     # same internally); the probabilities are then rounded to compute_dtype before the PV matmul.
     lse = torch.logsumexp(scores.float() if scores.element_size() < 4 else scores, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(lse.dtype).unsqueeze(-1).expand_as(lse))
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
     probs = probs.masked_fill(empty.unsqueeze(-1), 0.0)
@@ -55,24 +62,28 @@ def _attention_math(q, k, v, causal, causal_offset, scale, compute_dtype):
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   causal_offset: int | None = None, scale: float | None = None,
-                  upcast: torch.dtype = torch.float64):
+                  upcast: torch.dtype = torch.float64, *, window_lo: int | None = None,
+                  sinks: torch.Tensor | None = None):
     """Ground-truth attention on `upcast` copies of the inputs.
 
     q [..., Hq, Nq, D], k [..., Hkv, Nkv, D], v [..., Hkv, Nkv, Dv] with Hq % Hkv == 0.
     Returns (out [..., Hq, Nq, Dv], lse [..., Hq, Nq]) both in `upcast` (kept high precision so
     the caller chooses when to round); lse is the natural-log logsumexp of the scaled scores.
+    window_lo: a sliding window's left edge (row i sees key j only if j >= i + window_lo);
+    sinks: [Hq] logits in each row's denominator (rows with no key: out 0, lse the sink).
     """
-    return _attention_math(q, k, v, causal, causal_offset, scale, upcast)
+    return _attention_math(q, k, v, causal, causal_offset, scale, upcast, window_lo, sinks)
 
 
 def attention_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                         causal_offset: int | None = None, scale: float | None = None):
+                         causal_offset: int | None = None, scale: float | None = None, *,
+                         window_lo: int | None = None, sinks: torch.Tensor | None = None):
     """The same math as `attention_ref` carried out in the inputs' dtype ("what torch gets").
 
     Used as the error baseline: a kernel is accepted when its error against `attention_ref` is at
     most ~2x this function's error, plus a small noise floor.
     """
-    return _attention_math(q, k, v, causal, causal_offset, scale, q.dtype)
+    return _attention_math(q, k, v, causal, causal_offset, scale, q.dtype, window_lo, sinks)
 
 
 def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,

@@ -37,6 +37,7 @@ from . import options as _options
 from .problem import DTYPE_NAMES, AttnProblem
 
 CANARY_SEQLEN_Q, CANARY_SEQLEN_KV = 67, 200  # odd, several KV blocks, a partial last block
+CANARY_WINDOW_LEFT = 40  # a window's left edge: 64-key blocks skipped, 128-key blocks masked
 _FP8 = ("e4m3", "e5m2")
 _RESULTS: dict = {}  # (family, cfg or cfgs, device) -> None (passed) or the failure reason
 log = logging.getLogger("ffpa_cute")
@@ -54,21 +55,36 @@ def needed(plan, opts=None) -> bool:
     return opts.self_check == "always" or plan.target not in family.verified_targets
 
 
-def canary_problem(plan, packed: bool | None = None, requires_grad: bool = False) -> AttnProblem:
+def canary_problem(plan, packed: bool | None = None, requires_grad: bool = False,
+                   features: bool = True) -> AttnProblem:
     """A small problem that plans the same kernel configuration as `plan`: the same dtype,
     head dims, causal mode and GQA ratio (at most 8 query heads per KV head), packed rows when
-    `plan` packs them (one query row: decode), else 67 query rows against 200 keys; without a
-    window or sinks (the canary's reference has neither: it checks the configuration's code
-    without them, `_base_cfg`)."""
+    `plan` packs them (one query row: decode), else 67 query rows against 200 keys. With
+    `features`, the plan's sliding window (as a left edge CANARY_WINDOW_LEFT keys behind the
+    bottom-right frame: blocks skipped and masked; a right edge is the causal rule) and sinks;
+    without (the backward's canary: its reference has neither), none (`_base_cfg`)."""
     p = plan.problem
     g = min(p.qhead_per_kvhead, 8)
     nq = 1 if (plan.packed if packed is None else packed) else CANARY_SEQLEN_Q
+    frame = CANARY_SEQLEN_KV - nq
+    window = features and p.window_lo is not None
     return dataclasses.replace(p, batch=1, heads_q=g, heads_kv=1, seqlen_q=nq,
                                seqlen_kv=CANARY_SEQLEN_KV,
                                causal=p.right_bounded,
-                               causal_offset=CANARY_SEQLEN_KV - nq if p.right_bounded else 0,
-                               requires_grad=requires_grad, window_lo=None,
-                               window_hi=None, has_sinks=False)
+                               causal_offset=frame if p.right_bounded else 0,
+                               requires_grad=requires_grad,
+                               window_lo=frame - CANARY_WINDOW_LEFT if window else None,
+                               window_hi=None, has_sinks=features and p.has_sinks)
+
+
+def canary_sinks(cp: AttnProblem, device):
+    """The canary's [Hq] sink logits (None without sinks): N(0, 4), the first 6 above zero."""
+    if not cp.has_sinks:
+        return None
+    gen = torch.Generator(device=device).manual_seed(99)
+    sinks = torch.randn(cp.heads_q, device=device, generator=gen) * 2
+    sinks[0] = 6.0
+    return sinks
 
 
 def _base_cfg(cfg):
@@ -85,18 +101,19 @@ def _canary(plan, device, canary=None) -> str | None:
 
     cp = canary_problem(plan)
     cplan = dispatch.plan_fwd(cp, device)
-    base = _base_cfg(plan.cfg)
-    if cplan.reason is not None or cplan.cfg != base:
-        return None if cplan.cfg == base else (
-            f"self-check could not build a canary for {plan.cfg}: it planned {cplan.cfg}")
+    if cplan.reason is not None or cplan.cfg != plan.cfg:
+        return (f"self-check could not build a canary for {plan.cfg}: it planned "
+                f"{cplan.cfg or cplan.reason}")
     if canary is not None:
         return canary(plan, cplan, device)
     if cp.dtype in _FP8:
         return f"self-check: no canary given for the FP8 configuration {plan.cfg}"
     q, k, v, _ = canary_inputs(cp, device, DTYPES[cp.dtype], 1234)
+    sinks = canary_sinks(cp, device)
     with on_device(device):
-        out, _ = launch.run_fwd(cplan, q, k, v)
-    args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale)
+        out, _ = launch.run_fwd(cplan, q, k, v, sinks)
+    args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale,
+                window_lo=cp.window_lo, sinks=sinks)
     ref, _ = attention_ref(q, k, v, upcast=torch.float32, **args)
     base, _ = attention_same_dtype(q, k, v, **args)
     miss = _miss(out, ref, base)
@@ -140,7 +157,7 @@ def _canary_bwd(plan, device, opts=None) -> str | None:
     pass, else why."""
     from .reference import attention_grads, attention_ref
 
-    cp = canary_problem(plan, packed=False, requires_grad=True)
+    cp = canary_problem(plan, packed=False, requires_grad=True, features=False)
     cplan = dispatch.plan_bwd(cp, device, opts=opts)
     base = tuple(_base_cfg(c) for c in plan.cfgs)
     if cplan.reason is not None or cplan.cfgs != base:
@@ -206,5 +223,6 @@ def clear() -> None:
     _RESULTS.clear()
 
 
-__all__ = ["bwd_reason", "canary_inputs", "canary_problem", "clear", "needed", "on_device",
+__all__ = ["bwd_reason", "canary_inputs", "canary_problem", "canary_sinks", "clear", "needed",
+           "on_device",
            "reason", "status"]

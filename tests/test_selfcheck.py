@@ -16,8 +16,8 @@ from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_grads, attention_ref, rel_err
 
 
-def prob(d=512, hq=4, hkv=4, nq=7, nkv=7, causal=False, dv=None, **kw):
-    return AttnProblem(dtype="bf16", batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+def prob(d=512, hq=4, hkv=4, nq=7, nkv=7, causal=False, dv=None, dtype="bf16", **kw):
+    return AttnProblem(dtype=dtype, batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
                        seqlen_kv=nkv, head_dim=d, head_dim_v=dv or d, causal=causal,
                        causal_offset=nkv - nq if causal else 0, **kw)
 
@@ -38,9 +38,15 @@ def test_which_plans_need_the_canary(target, family, needed):
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True, nq=129, nkv=1000),
                                 dict(hq=128, hkv=1, nq=1, nkv=4097),  # packed MQA decode
                                 dict(d=1024, causal=True), dict(d=576, dv=512),
-                                dict(d=520)])
+                                dict(d=520), dict(window_lo=-40, has_sinks=True),
+                                dict(causal=True, nq=129, nkv=1000, window_lo=771),
+                                dict(d=1024, has_sinks=True),
+                                dict(dtype="e4m3", out_dtype="bf16", window_lo=-3,
+                                     has_sinks=True)])
 @pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
 def test_the_canary_plans_the_same_configuration(kw, target):
+    """The canary's problem plans the plan's configuration, its sliding window and sinks
+    included (so the code that serves such calls is the code the canary ran)."""
     plan = dispatch.plan_fwd(prob(**kw), target=target, opts=Options())
     if plan.reason is not None:  # (Dv != D has no sm120 kernel)
         return
@@ -48,6 +54,8 @@ def test_the_canary_plans_the_same_configuration(kw, target):
     assert canary.cfg == plan.cfg and canary.packed == plan.packed
     cp = selfcheck.canary_problem(plan)
     assert cp.batch == 1 and cp.seqlen_kv == selfcheck.CANARY_SEQLEN_KV
+    assert (cp.window_lo is not None) == ("window_lo" in kw) and cp.has_sinks == plan.problem.has_sinks
+    assert not selfcheck.canary_problem(plan, features=False).has_window
 
 
 @pytest.fixture
@@ -75,8 +83,8 @@ def test_a_right_kernel_passes_once_and_serves(seed, fakes):
 def test_a_wrong_kernel_is_caught_and_falls_back(seed, fakes, monkeypatch, caplog):
     real = launch.run_fwd
 
-    def wrong(plan, q, k, v):  # an injected fault: a wrong softmax scale's worth of error
-        out, lse = real(plan, q, k, v)
+    def wrong(plan, q, k, v, sinks=None):  # an injected fault: 5% off
+        out, lse = real(plan, q, k, v, sinks)
         return out * 1.05, lse
 
     monkeypatch.setattr(launch, "run_fwd", wrong)
@@ -90,6 +98,25 @@ def test_a_wrong_kernel_is_caught_and_falls_back(seed, fakes, monkeypatch, caplo
     with pytest.raises(NotImplementedError, match="self-check failed"):
         ffpa_cute.attention(q, k, v, is_causal=True, enable_gqa=True, strict=True)
     assert "self-check failed" in explain(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_window_and_sinks_are_canaried_with_them(seed, fakes, monkeypatch, caplog):
+    """A call with a sliding window and sinks: its canary runs the same configuration with a
+    window and sinks (against the reference with both) and passes with a right kernel; a fault
+    that only shows with sinks (their logits ignored) is caught and the call falls back."""
+    q, k, v = qkv(nq=9, nkv=130)
+    sinks = torch.randn(4) * 2
+    kw = dict(is_causal=True, enable_gqa=True, window=(20, 0), sinks=sinks)
+    ffpa_cute.attention(q, k, v, **kw)
+    canary = fakes.fwd_calls[0]
+    assert canary.seqlen_kv == 200 and canary.has_window and canary.has_sinks
+    real = launch.run_fwd
+    monkeypatch.setattr(launch, "run_fwd", lambda plan, q, k, v, sinks=None: real(
+        plan, q, k, v, None if sinks is None else sinks - 30.0))  # the sinks lost
+    selfcheck.clear()
+    caplog.set_level(logging.WARNING, logger="ffpa_cute")
+    with pytest.raises(NotImplementedError, match="self-check failed"):
+        ffpa_cute.attention(q, k, v, strict=True, **kw)
 
 
 def test_off_runs_no_canary(seed, fakes):
@@ -106,6 +133,29 @@ def test_the_option_is_validated():
     assert from_env({"FFPA_CUTE_SELF_CHECK": "off"}).self_check == "off"
     with pytest.raises(ValueError, match="FFPA_CUTE_SELF_CHECK"):
         from_env({"FFPA_CUTE_SELF_CHECK": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+@pytest.mark.parametrize("dtype", ["bf16", "e4m3"])
+def test_window_and_sinks_canaries_pass_on_the_device(seed, family, dtype):
+    """On the H200 with `self_check="always"`: a call with a sliding window and sinks runs its
+    canary with both (16-bit and FP8, both families) and the real kernels pass it."""
+    x = [torch.randn(1, 4, n, 512, device="cuda") for n in (129, 1000, 1000)]
+    kw = dict(is_causal=True, window=(100, 0), sinks=torch.randn(4, device="cuda"))
+    if dtype == "e4m3":
+        (q, qd), (k, kd), (v, vd) = (ffpa_cute.quantize_fp8(t) for t in x)
+        kw.update(q_descale=qd, k_descale=kd, v_descale=vd)
+    else:
+        q, k, v = (t.to(torch.bfloat16) for t in x)
+    with ffpa_cute.options.use(self_check="always", family=family):
+        selfcheck.clear()
+        ffpa_cute.interface._clear_caches()
+        ffpa_cute.attention(q, k, v, strict=True, **kw)
+        assert selfcheck._RESULTS and all(r is None for r in selfcheck._RESULTS.values())
+        assert any(key[1].window and key[1].sinks for key in selfcheck._RESULTS)
+    selfcheck.clear()
+    ffpa_cute.interface._clear_caches()
 
 
 @pytest.mark.gpu
