@@ -112,7 +112,8 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
 
 
 def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 forward, 16-bit or e4m3 (no window, sinks or one-launch varlen yet)."""
+    """The tcgen05 forward, 16-bit (a sliding window and sinks too) or e4m3 (no one-launch
+    varlen yet)."""
     return sm100_config.plan_fwd(p, target)
 
 

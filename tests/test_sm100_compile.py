@@ -61,6 +61,24 @@ def test_sm100_forward_compiles_with_tcgen05(d, causal, dv, dtype):
         assert regs <= dict((r, n) for r, *_, n in c100.WARP_ROLES)["softmax"]
 
 
+@pytest.mark.parametrize("d,window_hi,sinks", [(512, 0, True), (1024, None, True),
+                                               (320, 16, False)])
+def test_sm100_forward_with_window_and_sinks_compiles(d, window_hi, sinks):
+    """The 16-bit tcgen05 forward with a sliding window's left edge (and a right edge as the
+    causal rule) and sinks: builds with the same instructions, no local memory, no spills."""
+    import dataclasses
+
+    p = dataclasses.replace(_problem(d, window_hi is not None), window_lo=-100,
+                            window_hi=window_hi, has_sinks=sinks)
+    plan = dispatch.plan_fwd(p, target="sm_100a")
+    assert plan.reason is None and plan.cfg.window and plan.cfg.sinks == sinks
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_100a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0, res
+
+
 def test_sm100_forward_without_multicast_compiles():
     """The unshared form (each CTA loads its own Q and K) stays buildable: one config key."""
     import dataclasses

@@ -33,6 +33,27 @@ def test_matches_float64_within_the_bf16_bound(nq, nkv, causal, hq, hkv):
         assert torch.isinf(lse[..., : nq - nkv]).all() and (out[..., : nq - nkv, :] == 0).all()
 
 
+@pytest.mark.parametrize("nq,nkv,causal,window_lo,sinks", [
+    (300, 700, True, 400 - 100, True),    # window 100 behind the bottom-right frame, causal
+    (129, 600, False, 300, False),        # left edge only: blocks skipped and masked
+    (200, 70, True, -500, True),          # the window reaches past key 0; rows with no key
+    (64, 300, False, None, True)])        # sinks alone
+def test_window_and_sinks_match_float64(nq, nkv, causal, window_lo, sinks):
+    """The window's block skipping and masks, and the sinks' final factors, as the sm100
+    forward does them: within the bf16 bound of float64; a row with no key gives 0 and the
+    sink as its LSE."""
+    g = torch.Generator().manual_seed(nq * nkv)
+    q = torch.randn(1, 2, nq, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 1, nkv, 64, generator=g).bfloat16() for _ in range(2))
+    snk = torch.tensor([6.0, -1.0]) if sinks else None
+    kw = dict(causal=causal, window_lo=window_lo, sinks=snk)
+    out, lse = emulate.forward(q, k, v, **kw)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    base, _ = attention_same_dtype(q, k, v, **kw)
+    assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+    assert rel_err(lse, ref_lse) <= 1e-5
+
+
 def _ramp(n, steps):
     """Scores rising by `steps` (log2 units of the scaled score) from the last key to the
     first: the kernel walks the blocks from the last, so each block's max exceeds the last

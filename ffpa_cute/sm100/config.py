@@ -81,6 +81,11 @@ class FwdConfigSm100:
                 every CTA of the cluster, so L2 serves Q and K once per row tile instead of
                 o_split times; a stage is refilled only after every CTA's MMAs released it
                 (each MMA thread's tcgen05.commit arrives on all the cluster's qk_empty)
+    window:     a sliding window's left edge (a runtime argument; blocks left of it skipped,
+                the crossing ones masked); the right edge is `causal` at min(offset, right).
+                The 16-bit forward's field.
+    sinks:      a per-query-head sink logit in each row's denominator and LSE (a runtime [Hq]
+                fp32 tensor). The 16-bit forward's field.
     """
 
     arch: str
@@ -91,6 +96,8 @@ class FwdConfigSm100:
     qk_stages: int = 3
     v_stages: int = 2
     multicast: bool = False
+    window: bool = False
+    sinks: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100"
 
@@ -348,25 +355,29 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
         return f"needs {cfg.smem_bytes()} B of smem, {ARCH} has {SMEM_CAPACITY}"
     if sum(32 * w * r for _, _, w, r in WARP_ROLES) > REGISTER_FILE:
         return "the warp roles' registers exceed the register file"
+    if (cfg.window or cfg.sinks) and type(cfg) is not FwdConfigSm100:
+        return "window and sinks are the 16-bit forward's fields"
     return None
 
 
 def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> FwdConfigSm100:
-    """The config for `problem` (16-bit, no window, sinks or one-launch varlen); raises
-    ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
+    """The config for `problem` (16-bit with a sliding window and sinks, or e4m3 without; no
+    one-launch varlen); raises ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
     (4, 3, 2) beside a 3-deep QK ring, then the deepest QK ring beside it. `multicast`: share
     Q and K over the row tile's cluster (the default: the design's prediction says the
     unshared form is L2-bound, docs/design.md section 7)."""
-    if problem.has_window or problem.has_sinks or problem.varlen:
-        raise ValueError("the sm100 forward has no sliding window, sinks or one-launch varlen yet")
-    dv = problem.head_dim_v
     fp8 = problem.dtype in FP8_DTYPES
+    if problem.varlen or (fp8 and (problem.has_window or problem.has_sinks)):
+        raise ValueError("the sm100 forward has no one-launch varlen, and its FP8 form no "
+                         "sliding window or sinks, yet")
+    dv = problem.head_dim_v
     cls = FwdFP8ConfigSm100 if fp8 else FwdConfigSm100
     extra = dict(out_dtype=problem.out_dtype or "bf16") if fp8 else {}
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded, **extra,
                 head_dim_v=None if dv == problem.head_dim else dv,
-                multicast=multicast and dv > MAX_MMA_N)  # a cluster needs o_split >= 2
+                multicast=multicast and dv > MAX_MMA_N,  # a cluster needs o_split >= 2
+                window=problem.window_lo is not None, sinks=problem.has_sinks)
 
     return deepest_rings(lambda qk, v: cls(**base, qk_stages=qk, v_stages=v), can_implement,
                          min_k=3)

@@ -6,7 +6,9 @@ kernels' order), and per row: the block's raw max; the frame (running max) moves
 max grew by more than RESCALE_THRESHOLD in log2 units, and then O and the row sum are rescaled;
 P = exp2(s * scale_log2 - frame * scale_log2) in fp32, rounded to the operand dtype (bf16 /
 fp16, or e4m3) for the P V product while the row sum adds the unrounded P; finally O / row_sum
-and LSE = (frame * scale_log2 + log2(row_sum)) ln 2. tests/test_sm100_emulate.py checks it
+and LSE = (frame * scale_log2 + log2(row_sum)) ln 2. A sliding window's left edge skips the
+blocks left of the tile's first row and masks the crossing ones; sinks join the final factors
+in the frame max(row frame, sink). tests/test_sm100_emulate.py checks it
 against float64 and checks the bound the FP8 path relies on: P <= 2^RESCALE_THRESHOLD < 448.
 """
 
@@ -24,11 +26,13 @@ LOG2_E = 1.4426950408889634
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             causal_offset: int | None = None, scale: float | None = None,
-            p_dtype: torch.dtype = torch.bfloat16, record: dict | None = None):
+            p_dtype: torch.dtype = torch.bfloat16, record: dict | None = None,
+            window_lo: int | None = None, sinks: torch.Tensor | None = None):
     """(out fp32 [B, Hq, Nq, Dv], lse fp32 [B, Hq, Nq]) as the kernel computes them, for
     q [B, Hq, Nq, D], k / v [B, Hkv, Nkv, D | Dv] (GQA by head // (Hq / Hkv)). `p_dtype`: the
     P operand's dtype (torch.float8_e4m3fn for the FP8 form). `record`: if given, receives
-    "p_max" (the largest P before rounding) and "rescales" (frame moves after a first one)."""
+    "p_max" (the largest P before rounding) and "rescales" (frame moves after a first one).
+    window_lo: query i sees key j only if j >= i + window_lo; sinks: [Hq] logits."""
     b, hq, nq, d = q.shape
     nkv = k.shape[2]
     g = hq // k.shape[1]
@@ -43,18 +47,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         n_max = -(-nkv // TILE_N)
         if causal:
             n_max = min(n_max, -(-max(m0 + TILE_M + offset, 0) // TILE_N))
+        n_min = 0 if window_lo is None else max(m0 + window_lo, 0) // TILE_N
         qt = q[:, :, rows].float()
         kk = k.float().repeat_interleave(g, 1)
         vv = v.float().repeat_interleave(g, 1)
         frame = torch.full((b, hq, len(rows)), -math.inf)
         rowsum = torch.zeros(b, hq, len(rows))
         o = torch.zeros(b, hq, len(rows), v.shape[-1])
-        for i in range(n_max):
+        for i in range(max(n_max - n_min, 0)):
             n = n_max - 1 - i
             cols = torch.arange(n * TILE_N, min((n + 1) * TILE_N, nkv))
             s = qt @ kk[:, :, cols].transpose(-1, -2)
             if causal:
                 s = s.masked_fill(cols[None, :] > rows[:, None] + offset, -math.inf)
+            if window_lo is not None:
+                s = s.masked_fill(cols[None, :] < rows[:, None] + window_lo, -math.inf)
             new = torch.maximum(frame, s.amax(-1))
             grow = (new - frame) * sl2 > RESCALE_THRESHOLD  # NaN (-inf - -inf): no
             factor = torch.where(grow, torch.exp2((frame - new) * sl2), torch.ones_like(new))
@@ -66,10 +73,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
             p_max = max(p_max, float(p.max()))
             rowsum = rowsum * factor + p.sum(-1)
             o = o * factor[..., None] + p.to(p_dtype).float() @ vv[:, :, cols]
-        inv = torch.where(rowsum > 0, 1.0 / rowsum, torch.zeros_like(rowsum))
-        out[:, :, rows] = o * inv[..., None]
-        lse[:, :, rows] = torch.where(rowsum > 0, (frame * sl2 + torch.log2(rowsum)) / LOG2_E,
-                                      torch.full_like(rowsum, -math.inf))
+        if sinks is None:
+            inv = torch.where(rowsum > 0, 1.0 / rowsum, torch.zeros_like(rowsum))
+            out[:, :, rows] = o * inv[..., None]
+            lse[:, :, rows] = torch.where(rowsum > 0,
+                                          (frame * sl2 + torch.log2(rowsum)) / LOG2_E,
+                                          torch.full_like(rowsum, -math.inf))
+        else:  # the sink in the frame top = max(row frame, sink)
+            m = frame * sl2
+            sink = (sinks.float() * LOG2_E)[None, :, None].expand_as(m)
+            top = torch.maximum(m, sink)
+            a = torch.exp2(m - top)
+            s_tot = rowsum * a + torch.exp2(sink - top)
+            out[:, :, rows] = o * (a / s_tot)[..., None]
+            lse[:, :, rows] = (top + torch.log2(s_tot)) / LOG2_E
     if record is not None:
         record.update(p_max=p_max, rescales=rescales)
     return out, lse

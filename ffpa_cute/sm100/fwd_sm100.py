@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_tensor
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_tensor
 from .config import RESCALE_THRESHOLD
 from .skeleton_sm100 import Ctx, RingSkeletonSm100, Roles
 
@@ -38,17 +38,25 @@ class FFPAFwdSm100(RingSkeletonSm100):
     causal / Nkv bound of the tile first), each as QK[n] -> softmax[n] -> PV[n] on the
     skeleton's roles. Constraints: `config.can_implement`."""
 
-    OPERANDS = ("q", "k", "v", "o", "lse")
-    SCALARS = ("softmax_scale", "causal_offset")
+    OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, else
+        None."""
+        return (*fake_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 stream: cuda.CUstream):
-        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32 (written). Grid (ceil(Nq / 128) *
-        o_split, Hq, B), 192 threads; clusters of o_split CTAs along x with `multicast`."""
+                 mLSE: cute.Tensor, mSinks, softmax_scale: Float32, causal_offset: Int32,
+                 window_lo: Int32, stream: cuda.CUstream):
+        """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32 (written); sinks: (Hq,) fp32 with
+        `sinks`, else None; window_lo: read with `window`. Grid (ceil(Nq / 128) * o_split,
+        Hq, B), 192 threads; clusters of o_split CTAs along x with `multicast`."""
         self._launch(Roles(rows=mQ, cols=mK, rows2=None, cols2=None, acc_b=mV, out=mO),
-                     (mLSE,), softmax_scale, causal_offset, stream)
+                     (mLSE, mSinks) if const_expr(self.cfg.sinks) else (mLSE,), softmax_scale,
+                     causal_offset, stream, window_lo)
 
     @cute.jit
     def _init_state(self, ctx: Ctx):
@@ -115,17 +123,28 @@ class FFPAFwdSm100(RingSkeletonSm100):
     @cute.jit
     def _epilogue(self, ctx: Ctx, state, n_blocks):
         """O / row_sum (0 for a row that saw no key), LSE (natural log; -inf there) by the
-        first column slice's CTA."""
+        first column slice's CTA. With `sinks` the head's sink joins the sum in the frame
+        top = max(row frame, sink) (Note [Sinks] in common/softmax.py): a row with no key
+        gives O = 0 and LSE = the sink."""
         m_run, l_run = state[0], state[1]
         inv = Float32(0.0)
-        if l_run > Float32(0.0):
-            inv = cute.arch.rcp_approx(l_run) * state[3]
-        self._store_acc(ctx, inv, n_blocks > 0)
-        if ctx.o_part == 0 and ctx.row < ctx.seqlen_r:
-            lse = -Float32.inf
+        lse = -Float32.inf
+        if const_expr(self.cfg.sinks):
+            sink_log2 = ctx.stats[1][ctx.head] * LOG2_E
+            m = m_run * state[2]  # -inf for a row that saw no key
+            top = cute.arch.fmax(m, sink_log2)
+            if top != -Float32.inf:
+                a = cute.math.exp2(m - top, fastmath=True)
+                s = l_run * a + cute.math.exp2(sink_log2 - top, fastmath=True)
+                inv = a * cute.arch.rcp_approx(s) * state[3]
+                lse = (top + cute.math.log2(s, fastmath=True)) * (1.0 / LOG2_E)
+        else:
             if l_run > Float32(0.0):
+                inv = cute.arch.rcp_approx(l_run) * state[3]
                 lse = (m_run * state[2]
                        + cute.math.log2(l_run, fastmath=True)) * (1.0 / LOG2_E)
+        self._store_acc(ctx, inv, n_blocks > 0)
+        if ctx.o_part == 0 and ctx.row < ctx.seqlen_r:
             ctx.stats[0][ctx.batch, ctx.head, ctx.row] = lse
 
 
@@ -138,6 +157,7 @@ class FFPAFwdSm100FP8(FFPAFwdSm100):
     fp32 of the dequantised scores."""
 
     OPERANDS = ("q", "k", "v", "o", "lse", "q_descale", "k_descale", "v_descale")
+    SCALARS = ("softmax_scale", "causal_offset")
 
     @staticmethod
     def fake_inputs(cfg):

@@ -44,7 +44,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from ..common.mask import mask_row, n_block_max, query_block_range
+from ..common.mask import mask_row, n_block_max, n_block_min, query_block_range
 from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhnd
 from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
@@ -84,6 +84,7 @@ class Ctx(NamedTuple):
     softmax_scale: Float32
     causal_offset: Int32
     head_c: Int32       # C's head when one serves the whole tile (rows are queries)
+    window_lo: Int32    # a window's left edge: query i sees key j >= i + window_lo (`window`)
     tOtO: cute.Tensor   # the accumulator in TMEM
     mOut: cute.Tensor
     stats: object       # the kernel's statistics tensors (LSE, Delta), or None
@@ -118,10 +119,11 @@ class RingSkeletonSm100(KernelEntry):
     # ------------------------------------------------------------------ host side
     @cute.jit
     def _launch(self, roles: Roles, stats, softmax_scale: Float32, causal_offset: Int32,
-                stream):
+                stream, window_lo: Int32 = 0):
         """TMA atoms, the storage struct, the grid (ceil(N_R / 128) * o_split, H_R, B) and the
         launch (clusters of o_split CTAs along x with `multicast`). `stats`: the tensors the
-        hooks read (LSE, Delta; the forward's LSE output), or None."""
+        hooks read (LSE, Delta; the forward's LSE output and sinks), or None. `window_lo`: read
+        with `window`."""
         cfg = self.cfg
         dims = cfg.products
         r1 = aligned_bhnd(roles.rows, dims[0], self.dtype)
@@ -166,7 +168,7 @@ class RingSkeletonSm100(KernelEntry):
                 cute.size(out.shape[0]))
         self.kernel(qk, pv, (tma_r1, gR1, tma_c1, gC1), second, (tma_b, gB), out, stats,
                     c1.shape[2], c1.shape[1], r1.shape[2], softmax_scale, causal_offset,
-                    sR_l, sC_l, sB_l, tP_l, Storage).launch(
+                    window_lo, sR_l, sC_l, sB_l, tP_l, Storage).launch(
             grid=grid, block=[num_threads(), 1, 1], smem=Storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1,
             **({"cluster": [cfg.cluster_size, 1, 1]} if const_expr(cfg.multicast) else {}))
@@ -189,7 +191,8 @@ class RingSkeletonSm100(KernelEntry):
     @cute.kernel
     def kernel(self, qk: cute.TiledMma, pv: cute.TiledMma, first, second, acc_b,
                mOut: cute.Tensor, stats, seqlen_c: Int32, heads_c: Int32, seqlen_r: Int32,
-               softmax_scale: Float32, causal_offset: Int32, sR_l: cute.ComposedLayout,
+               softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+               sR_l: cute.ComposedLayout,
                sC_l: cute.ComposedLayout, sB_l: cute.ComposedLayout,
                tP_l: cute.ComposedLayout, Storage: cutlass.Constexpr):
         cfg = self.cfg
@@ -245,7 +248,7 @@ class RingSkeletonSm100(KernelEntry):
         # the block walk: the heads of C this row tile meets (G = the GQA group) and its blocks
         group = (heads_c // mOut.shape[1] if const_expr(cfg.rows_are_keys)
                  else mOut.shape[1] // heads_c)
-        walk = self._walk(m_block, seqlen_r, seqlen_c, causal_offset, head, group)
+        walk = self._walk(m_block, seqlen_r, seqlen_c, causal_offset, head, group, window_lo)
 
         if warp == LOAD_WARP:
             self._load(first, second, acc_b, sR, sC, sB, thr_qk, thr_pv, bars, m_block, o_part,
@@ -259,7 +262,7 @@ class RingSkeletonSm100(KernelEntry):
                     cute.make_layout((cfg.tile_n, cfg.col_stats, 2)))
             self._softmax(tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                           seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat,
-                          walk)
+                          walk, window_lo)
 
         # every TMEM read done; with `multicast` also every peer's copies into and commits to
         # this CTA's shared memory (each peer consumed every stage before its epilogue)
@@ -273,10 +276,11 @@ class RingSkeletonSm100(KernelEntry):
 
     # ------------------------------------------------------------------ the block walk
     @cute.jit
-    def _walk(self, m_block, seqlen_r, seqlen_c, causal_offset, head, group):
+    def _walk(self, m_block, seqlen_r, seqlen_c, causal_offset, head, group, window_lo):
         """(blocks, n_top, n_per, first C head): block i is C block n_top - 1 - i % n_per of C
         head `first + i // n_per`. Rows are queries: one C head (the KV head), the key blocks
-        up to the causal bound of the tile, highest first. Rows are keys (dV, dK): each of the
+        up to the causal bound of the tile, highest first, down to the first one a window's
+        left edge lets the tile's first row see (`window`; those below are skipped). Rows are keys (dV, dK): each of the
         group's query heads, the query blocks from the first that holds a query seeing a key
         of the tile (causal: i >= j - offset) to the last."""
         cfg, n = self.cfg, self.cfg.tile_n
@@ -286,7 +290,10 @@ class RingSkeletonSm100(KernelEntry):
             n_per = cutlass.max(n_top - n_low, 0)
             return n_per * group, n_top, n_per, head * group
         n_max = n_block_max(m_block, seqlen_c, causal_offset, TILE_M, n, cfg.causal)
-        return n_max, n_max, cutlass.max(n_max, 1), head // group
+        count = n_max
+        if const_expr(cfg.window):
+            count = cutlass.max(n_max - n_block_min(m_block, window_lo, TILE_M, n), 0)
+        return count, n_max, cutlass.max(count, 1), head // group
 
     @cute.jit
     def _block(self, walk, i):
@@ -423,7 +430,8 @@ class RingSkeletonSm100(KernelEntry):
     # ------------------------------------------------------------------ softmax threads
     @cute.jit
     def _softmax(self, tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
-                 seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat, walk):
+                 seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat, walk,
+                 window_lo):
         """Per block: wait for its scores, load them (two products: S and dP 32 columns at a
         time), mask, the kernel's score step (`_score_step`, which fills the 16-bit operand for
         the columns it is given), store it over buffer 0 / i % 2, publish it; then
@@ -450,7 +458,7 @@ class RingSkeletonSm100(KernelEntry):
 
         ctx = Ctx(bars, tidx, m_block * TILE_M + tScS[0][0], m_block, o_part, head, batch,
                   seqlen_r, seqlen_c, softmax_scale * 1.4426950408889634, softmax_scale,
-                  causal_offset, walk[3], tOtO, mOut, stats, sStat)
+                  causal_offset, walk[3], window_lo, tOtO, mOut, stats, sStat)
         state = self._init_state(ctx)
         n_blocks = walk[0]
         for i in cutlass.range(n_blocks, unroll=1):
@@ -506,8 +514,11 @@ class RingSkeletonSm100(KernelEntry):
             hi = ctx.seqlen_c - col0
             if const_expr(cfg.causal):
                 hi = cutlass.min(hi, ctx.row + ctx.causal_offset + 1 - col0)
-            if hi < n:
-                mask_row(tSr, tScS, Int32(0), hi)
+            lo = Int32(0)
+            if const_expr(cfg.window):
+                lo = ctx.row + ctx.window_lo - col0  # j >= i + window_lo
+            if lo > 0 or hi < n:
+                mask_row(tSr, tScS, lo, hi)
 
     # ------------------------------------------------------------------ the epilogue's store
     @cute.jit
