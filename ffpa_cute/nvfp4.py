@@ -133,6 +133,9 @@ def _check(q, k, v, out_dtype):
         raise TypeError("NVFP4 attention needs q, k and v as NVFP4Tensor (quantize_nvfp4)")
     if out_dtype not in (None, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
         raise ValueError("NVFP4 attention takes q, k [B, H, N, D] and v = V^T [B, Hkv, D, N]")
     (b, hq, _, d), (bk, hkv, nkv, dk), (bv, hv, dv, nv) = q.shape, k.shape, v.shape

@@ -34,6 +34,11 @@ Constraints (mirrored by `config.can_implement`):
 * dtype bf16 or fp16; D a multiple of 8 in [264, 1024] (the last chunk is zero-padded in smem);
 * the last mode of q, k, v, o has stride 1 and every other stride is a multiple of 8 elements;
 * Hq % Hkv == 0.
+
+The quantized forwards are subclasses on the same skeleton (their hooks: operand layouts, the
+MMA, the loads, P's rounding): `FFPAFwdSm80FP8` (e4m3, mma.sync m16n8k32; sm_89 / sm_120, run
+on the H200 as sm_90a code) and `FFPAFwdSm80FP4` (NVFP4, the block-scaled mma.sync of sm_120a;
+compile-verified only, never run).
 """
 
 from __future__ import annotations
