@@ -88,9 +88,11 @@ def attention_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 
 def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     causal: bool = False, causal_offset: int | None = None,
-                    scale: float | None = None, dtype: torch.dtype = torch.float64):
+                    scale: float | None = None, dtype: torch.dtype = torch.float64, *,
+                    window_lo: int | None = None, sinks: torch.Tensor | None = None):
     """(dq, dk, dv) of `attention_ref`'s output for `dout`, written out (no autograd) in `dtype`:
     dS = P (dP - Delta), Delta = rowsum(dO * O); dk, dv summed over each KV head's query heads.
+    window_lo / sinks as in `attention_ref` (the sinks' own gradient is not computed).
 
     Written out because autograd through a softmax row that sees no key gives NaN (our kernels,
     like the forward, treat such rows as P = 0); float64 is truth, the inputs' dtype gives the
@@ -101,13 +103,22 @@ def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     k, v = _expand_kv(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    nq, nkv = q.shape[-2], k.shape[-2]
+    rows = torch.arange(nq, device=q.device).unsqueeze(-1)
+    cols = torch.arange(nkv, device=q.device)
     if causal:
-        nq, nkv = q.shape[-2], k.shape[-2]
         offset = nkv - nq if causal_offset is None else int(causal_offset)
-        rows = torch.arange(nq, device=q.device).unsqueeze(-1)
-        s = s.masked_fill(torch.arange(nkv, device=q.device) > rows + offset, float("-inf"))
+        s = s.masked_fill(cols > rows + offset, float("-inf"))
+    if window_lo is not None:
+        s = s.masked_fill(cols < rows + int(window_lo), float("-inf"))
     # softmax in at least fp32 (as torch's), rounded to dtype; rows that see no key: P = 0
-    p = torch.softmax(s if s.element_size() >= 4 else s.float(), dim=-1).nan_to_num(0.0)
+    sf = s if s.element_size() >= 4 else s.float()
+    if sinks is None:
+        p = torch.softmax(sf, dim=-1).nan_to_num(0.0)
+    else:  # P = exp(s - lse), the lse with the sink in its denominator
+        lse = torch.logaddexp(torch.logsumexp(sf, dim=-1),
+                              sinks.to(sf.dtype).unsqueeze(-1).expand(sf.shape[:-1]))
+        p = torch.exp(sf - lse.unsqueeze(-1))
     p = p.to(dtype)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     dp = torch.matmul(dout, v.transpose(-1, -2))

@@ -55,26 +55,24 @@ def needed(plan, opts=None) -> bool:
     return opts.self_check == "always" or plan.target not in family.verified_targets
 
 
-def canary_problem(plan, packed: bool | None = None, requires_grad: bool = False,
-                   features: bool = True) -> AttnProblem:
+def canary_problem(plan, packed: bool | None = None, requires_grad: bool = False) -> AttnProblem:
     """A small problem that plans the same kernel configuration as `plan`: the same dtype,
     head dims, causal mode and GQA ratio (at most 8 query heads per KV head), packed rows when
-    `plan` packs them (one query row: decode), else 67 query rows against 200 keys. With
-    `features`, the plan's sliding window (as a left edge CANARY_WINDOW_LEFT keys behind the
-    bottom-right frame: blocks skipped and masked; a right edge is the causal rule) and sinks;
-    without (the backward's canary: its reference has neither), none (`_base_cfg`)."""
+    `plan` packs them (one query row: decode), else 67 query rows against 200 keys; the plan's
+    sliding window (as a left edge CANARY_WINDOW_LEFT keys behind the bottom-right frame: blocks
+    skipped and masked; a right edge is the causal rule) and sinks."""
     p = plan.problem
     g = min(p.qhead_per_kvhead, 8)
     nq = 1 if (plan.packed if packed is None else packed) else CANARY_SEQLEN_Q
     frame = CANARY_SEQLEN_KV - nq
-    window = features and p.window_lo is not None
+    window = p.window_lo is not None
     return dataclasses.replace(p, batch=1, heads_q=g, heads_kv=1, seqlen_q=nq,
                                seqlen_kv=CANARY_SEQLEN_KV,
                                causal=p.right_bounded,
                                causal_offset=frame if p.right_bounded else 0,
                                requires_grad=requires_grad,
                                window_lo=frame - CANARY_WINDOW_LEFT if window else None,
-                               window_hi=None, has_sinks=features and p.has_sinks)
+                               window_hi=None, has_sinks=p.has_sinks)
 
 
 def canary_sinks(cp: AttnProblem, device):
@@ -85,13 +83,6 @@ def canary_sinks(cp: AttnProblem, device):
     sinks = torch.randn(cp.heads_q, device=device, generator=gen) * 2
     sinks[0] = 6.0
     return sinks
-
-
-def _base_cfg(cfg):
-    """cfg without a window's left edge or sinks: what the canary problem plans (a window's
-    right edge is the causal rule, which the canary keeps)."""
-    fields = {f: False for f in ("window", "sinks") if getattr(cfg, f, False)}
-    return dataclasses.replace(cfg, **fields) if fields else cfg
 
 
 def _canary(plan, device, canary=None) -> str | None:
@@ -157,15 +148,16 @@ def _canary_bwd(plan, device, opts=None) -> str | None:
     pass, else why."""
     from .reference import attention_grads, attention_ref
 
-    cp = canary_problem(plan, packed=False, requires_grad=True, features=False)
+    cp = canary_problem(plan, packed=False, requires_grad=True)
     cplan = dispatch.plan_bwd(cp, device, opts=opts)
-    base = tuple(_base_cfg(c) for c in plan.cfgs)
-    if cplan.reason is not None or cplan.cfgs != base:
+    if cplan.reason is not None or cplan.cfgs != plan.cfgs:
         return (f"self-check could not build a backward canary for {plan.cfgs}: it planned "
                 f"{cplan.cfgs or cplan.reason}")
     dtype = DTYPES[cp.dtype]
     q, k, v, dout = canary_inputs(cp, device, dtype, 4321)
-    args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale)
+    # the window's and sinks' effect reaches the kernels through the lse (and the masks)
+    args = dict(causal=cp.causal, causal_offset=cp.causal_offset, scale=cp.softmax_scale,
+                window_lo=cp.window_lo, sinks=canary_sinks(cp, device))
     out, lse = attention_ref(q, k, v, upcast=torch.float32, **args)
     with on_device(device):
         got = launch.run_bwd(cplan, q, k, v, out.to(dtype), lse.float(), dout)
