@@ -150,14 +150,18 @@ def _check(q, k, v, out_dtype):
 
 def prepare_v(v: NVFP4Tensor, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """V^T's codes and scales as the kernel reads them (uint8): the keys zero-padded to a
-    multiple of 64 (a whole KV block; zero scales make zero values)."""
-    b, h, dv, _ = v.shape
+    multiple of 64 (a whole KV block; zero scales make zero values). Already padded
+    contiguous tensors are passed as they are (no copy)."""
+    b, h, dv, nv = v.shape
     npad = -(-nkv // 64) * 64
+    scales = v.block_scale.view(torch.uint8)
+    if nv == npad and v.data.is_contiguous() and scales.is_contiguous():
+        return v.data, scales
     data = torch.zeros(b, h, dv, npad // 2, dtype=torch.uint8, device=v.device)
-    scales = torch.zeros(b, h, dv, npad // BLOCK, dtype=torch.uint8, device=v.device)
+    padded = torch.zeros(b, h, dv, npad // BLOCK, dtype=torch.uint8, device=v.device)
     data[..., : v.data.shape[-1]] = v.data
-    scales[..., : v.block_scale.shape[-1]] = v.block_scale.view(torch.uint8)
-    return data, scales
+    padded[..., : scales.shape[-1]] = scales
+    return data, padded
 
 
 def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):

@@ -104,17 +104,10 @@ class _BwdSm80(FFPAFwdSm80):
         mR1, mR2, mC1, mC2, mC3, mOut = [self._aligned(t)
                                          for t in (mR1, mR2, mC1, mC2, mC3, mOut)]
         sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
-        sRow2_layout = self._row_ring_layout()
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            sStat: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 16]
-            sRow2: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sRow2_layout)], 1024]
+        fields = self._storage_fields(sQ_layout, sKV_layout, sP_layout, sStat_layout)
+        fields["sRow2"] = cute.struct.Align[
+            cute.struct.MemRange[self.dtype, cute.cosize(self._row_ring_layout())], 1024]
+        SharedStorage = self._shared_storage(fields)
 
         grid = (cute.ceil_div(mR1.shape[2], self.tile_m), cute.size(mR1.shape[1]),
                 cute.size(mR1.shape[0]))
@@ -128,8 +121,7 @@ class _BwdSm80(FFPAFwdSm80):
 
     def _row_ring_layout(self):
         """(tile_m, tile_hdim, stages) for two score products, else an 8-row stand-in."""
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        atom = self._chunk_atom()
         if self.num_scores == 2:
             return cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_stages),
                                       (0, 1, 2))

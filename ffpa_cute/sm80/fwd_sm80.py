@@ -115,10 +115,15 @@ class FFPAFwdSm80(KernelEntry):
         self.causal = cfg.causal
 
     # ---------------------------------------------------------------- layouts, MMA, storage
+    def _chunk_atom(self, swizzle=None):
+        """8 rows x 64 elements of a [rows x 64] chunk, swizzled (`SMEM_SWIZZLE`, in elements)
+        so that ldmatrix's / a warp's 8 rows x 16 bytes and the 16-byte cp.async hit every
+        bank once."""
+        return cute.make_composed_layout(cute.make_swizzle(*(swizzle or self.SMEM_SWIZZLE)), 0,
+                                         cute.make_layout((8, 64), stride=(64, 1)))
+
     def _smem_layouts(self):
-        # 64 bf16 = 128 B per row: Swizzle<3,3,3> makes ldmatrix and 128-bit cp.async conflict-free
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+        atom = self._chunk_atom()
         sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
         sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
         # P goes through smem only when warp_n > 1 (else an 8-row stand-in keeps the struct fixed)
@@ -134,14 +139,14 @@ class FFPAFwdSm80(KernelEntry):
             permutation_mnk=(self.warp_m * 16, self.warp_n * 16, 16),
         )
 
-    def _gmem_tiled_copy(self, async_copy: bool, dtype=None):
-        """16 bytes per thread per copy over [rows, tile_hdim] tiles of `dtype` (the
-        operands' by default)."""
+    def _gmem_tiled_copy(self, async_copy: bool, dtype=None, bits: int = 128):
+        """`bits` per thread per copy over [rows, tile_hdim] tiles of `dtype` (the operands' by
+        default); below 16 bytes cp.async takes the .ca form (.cg is 16-byte only)."""
         dtype = dtype or self.dtype
-        elems = 128 // dtype.width
-        op = (cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL) if async_copy
-              else cute.nvgpu.CopyUniversalOp())
-        atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
+        elems = bits // dtype.width
+        mode = cpasync.LoadCacheMode.GLOBAL if bits == 128 else cpasync.LoadCacheMode.ALWAYS
+        op = cpasync.CopyG2SOp(cache_mode=mode) if async_copy else cute.nvgpu.CopyUniversalOp()
+        atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
         cols = self.tile_hdim // elems
         thr = cute.make_layout((self.num_threads // cols, cols), stride=(cols, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
@@ -155,14 +160,8 @@ class FFPAFwdSm80(KernelEntry):
         None; window_lo: read with `window`. Launch grid = (m_blocks, Hq, B)."""
         mQ, mK, mV, mO = [self._aligned(t) for t in (mQ, mK, mV, mO)]
         sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            sStat: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float32, cute.cosize(sStat_layout)], 16]
+        SharedStorage = self._shared_storage(
+            self._storage_fields(sQ_layout, sKV_layout, sP_layout, sStat_layout))
 
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
                 cute.size(mQ.shape[0]))
@@ -173,6 +172,20 @@ class FFPAFwdSm80(KernelEntry):
             self._tiled_mma(), SharedStorage, features_of(self.cfg, window_lo, mSinks),
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
+        """The shared-memory regions in order: the resident rows (Q), the chunk ring, P, the
+        row statistics (each 1 KB aligned, the statistics 16 B)."""
+        mem, align = cute.struct.MemRange, cute.struct.Align
+        return {"sQ": align[mem[self.dtype, cute.cosize(sQ_layout)], 1024],
+                "sKV": align[mem[self.dtype, cute.cosize(sKV_layout)], 1024],
+                "sP": align[mem[self.dtype, cute.cosize(sP_layout)], 1024],
+                "sStat": align[mem[cutlass.Float32, cute.cosize(sStat_layout)], 16]}
+
+    @staticmethod
+    def _shared_storage(fields: dict):
+        """The storage struct of `fields` (name -> MemRange type, in order)."""
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _aligned(self, t: cute.Tensor) -> cute.Tensor:
         return aligned_bhnd(t, self.cfg.head_dim, self.dtype)
@@ -199,6 +212,8 @@ class FFPAFwdSm80(KernelEntry):
     # phase is the accumulator's B operand (transposed chunks, A = P from the softmax hook).
     # The forward is rows (Q,), cols (K, V), num_scores 1.
     num_scores = 1
+    # the chunk atom's swizzle: 64 bf16 = 128 B per row, Swizzle<3,3,3>
+    SMEM_SWIZZLE = (3, 3, 3)
     # the accumulator's B chunks lie in the ring as [tile_n, tile_hdim] (False: ldmatrix
     # transposes them) or already K-major as [tile_hdim, tile_n] (True: the FP8 forward's Vt)
     B_K_MAJOR = False
@@ -625,6 +640,7 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
     OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
     B_K_MAJOR = True
+    SMEM_SWIZZLE = (2, 4, 3)  # 64 e4m3 = 64 B per row: 16-byte chunks moved by row bits 1-2
 
     @staticmethod
     def fake_inputs(cfg):
@@ -633,22 +649,10 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
         return (*fake_fp8_args(cfg),
                 fake_tensor(cutlass.Float32, 1, 1) if cfg.sinks else None)
 
-    def _smem_layouts(self):
-        # 64 e4m3 = 64 B per row: Swizzle<2,4,3> moves each 16-byte chunk by row bits 1-2
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(2, 4, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
-        sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
-        sP = cute.tile_to_shape(atom, (self.tile_m, 64), (0, 1))
-        sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
-        return sQ, sKV, sP, sStat
-
     def _staging_layout(self):
         """O in out_dtype over the Q buffer: the 16-bit forward's Q layout."""
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        return cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks),
-                                  (0, 1, 2))
+        return cute.tile_to_shape(self._chunk_atom(FFPAFwdSm80.SMEM_SWIZZLE),
+                                  (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
 
     def _tiled_mma(self):
         return cute.make_tiled_mma(
@@ -680,8 +684,7 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
         the block scales]); features: the window's left edge and sinks (`features_of`)."""
         mO = aligned_bhnd(mO, self.cfg.head_dim, self.out_dtype)
         layouts = self._smem_layouts()
-        fields = self._storage_fields(*layouts)
-        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        SharedStorage = self._shared_storage(self._storage_fields(*layouts))
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
                 cute.size(mQ.shape[0]))
         self.kernel(
@@ -692,14 +695,12 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
     def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
-        """The shared-memory regions: the Q buffer (sized for O's staging), the ring, P, the row
-        statistics."""
-        mem, align = cute.struct.MemRange, cute.struct.Align
-        staging_bytes = cute.cosize(self._staging_layout()) * self.out_dtype.width // 8
-        return {"sQ": align[mem[self.dtype, staging_bytes * 8 // self.dtype.width], 1024],
-                "sKV": align[mem[self.dtype, cute.cosize(sKV_layout)], 1024],
-                "sP": align[mem[self.dtype, cute.cosize(sP_layout)], 1024],
-                "sStat": align[mem[cutlass.Float32, cute.cosize(sStat_layout)], 16]}
+        """The 16-bit forward's regions with the Q buffer sized for O's staging (out_dtype is
+        wider than the operands)."""
+        fields = super()._storage_fields(sQ_layout, sKV_layout, sP_layout, sStat_layout)
+        elems = cute.cosize(self._staging_layout()) * self.out_dtype.width // self.dtype.width
+        fields["sQ"] = cute.struct.Align[cute.struct.MemRange[self.dtype, elems], 1024]
+        return fields
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
@@ -720,14 +721,7 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
         as the chunk allows (8 or 4 bytes, cp.async.ca): 16-byte vectors of 256 threads cover
         64 rows of 64 bytes, more than M2N4's 32-row Q tile or a 4-bit chunk."""
         bits = min(128, rows * self.tile_hdim * self.dtype.width // self.num_threads)
-        if cutlass.const_expr(bits == 128):
-            return self._gmem_tiled_copy(True)
-        elems = bits // self.dtype.width
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
-                                   self.dtype, num_bits_per_copy=bits)
-        cols = self.tile_hdim // elems
-        thr = cute.make_layout((self.num_threads // cols, cols), stride=(cols, 1))
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+        return self._gmem_tiled_copy(True, bits=bits)
 
     def _rows_copy(self, gmem_copy_in: cute.TiledCopy) -> cute.TiledCopy:
         """Q's chunks (`_vector_copy` of tile_m rows)."""
@@ -829,6 +823,7 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
                 "v_descale")
     SCALARS = ("softmax_scale", "causal_offset")
     LDMATRIX = False
+    SMEM_SWIZZLE = (1, 5, 3)  # 64 E2M1 = 32 B per row: each 16-byte half moved by row bit 2
 
     @staticmethod
     def fake_inputs(cfg):
@@ -838,16 +833,6 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
         ops = [fake_tensor(u8, 4, 16 if i % 2 == 0 else 4) for i in range(6)]
         return (*ops, fake_tensor(CUTLASS_DTYPES[cfg.out_dtype], 4, 8), fake_tensor(f32, 3, 1),
                 *(fake_tensor(f32, 2, 1) for _ in range(3)))
-
-    def _smem_layouts(self):
-        # 64 E2M1 = 32 B per row: Swizzle<1,5,3> moves each 16-byte half by row bit 2
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(1, 5, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        sQ = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim, self.num_chunks), (0, 1, 2))
-        sKV = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
-        sP = cute.tile_to_shape(atom, (self.tile_m, 64), (0, 1))
-        sStat = cute.make_layout((self.warp_n, self.tile_m), stride=(self.tile_m, 1))
-        return sQ, sKV, sP, sStat
 
     def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
         """The FP8 forward's regions plus the scale words: Q's (tile_m x C), the ring's (tile_n
@@ -877,8 +862,8 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
                  stream: cuda.CUstream):
         """q, k: (B, H, N, D / 2) uint8 codes, q_sf, k_sf: (B, H, N, D / 16) uint8 scales; v:
         V^T's codes (B, Hkv, D, Npad / 2), v_sf: its scales (B, Hkv, D, Npad / 16); o: (B, Hq,
-        Nq, D) out_dtype;
-        lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq, B)."""
+        Nq, D) out_dtype; lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq,
+        B)."""
         D = self.cfg.head_dim
         mQ = aligned_bhnd(cute.recast_tensor(mQ, self.dtype), D, self.dtype)
         mK = aligned_bhnd(cute.recast_tensor(mK, self.dtype), D, self.dtype)
@@ -939,8 +924,7 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
         ctx.sfp = cute.make_fragment_like(self._sf_partition(
             ctx, self._sf_view(self._p_scale_words(ctx), self.tile_m, 0), "A"))
         C = self.num_chunks
-        mQsf = ctx.stats[4]
-        sSFQ = ctx.storage.sSFQ.get_tensor(cute.make_layout((self.tile_m, C), stride=(C, 1)))
+        mQsf, sSFQ = ctx.stats[4], self._q_scale_words(ctx)
         words = self.tile_m * C
         for i in cutlass.range_constexpr(-(-words // self.num_threads)):
             idx = ctx.tidx + i * self.num_threads
@@ -958,9 +942,7 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
         word each): K's rows (keys past Nkv: 0), or Vt's rows (dims) at the block's word."""
         FFPAFwdSm80FP8._load_ring_step(self, ctx, head, n_block, step, slot)
         C = self.num_chunks
-        sSF = ctx.storage.sSF.get_tensor(
-            cute.make_layout((self.tile_n, self.num_stages), stride=(1, self.tile_n)))
-        dst = cute.local_tile(sSF, (1, 1), (ctx.tidx, slot))
+        dst = cute.local_tile(self._ring_scale_words(ctx), (1, 1), (ctx.tidx, slot))
         if ctx.tidx < self.tile_n:
             if cutlass.const_expr(step < C):
                 row = n_block * self.tile_n + ctx.tidx
@@ -972,21 +954,31 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
                                       ((step - C) * self.tile_hdim + ctx.tidx, n_block))
                 self._cp_word(src, dst, True)
 
+    def _q_scale_words(self, ctx) -> cute.Tensor:
+        """Q's resident scale words: (tile_m, C), one per 64-element chunk of a row."""
+        C = self.num_chunks
+        return ctx.storage.sSFQ.get_tensor(cute.make_layout((self.tile_m, C), stride=(C, 1)))
+
+    def _ring_scale_words(self, ctx) -> cute.Tensor:
+        """The ring's scale words: (tile_n, stages), one per row of a chunk."""
+        return ctx.storage.sSF.get_tensor(
+            cute.make_layout((self.tile_n, self.num_stages), stride=(1, self.tile_n)))
+
+    def _p_scale_words(self, ctx) -> cute.Tensor:
+        """P's scale words: (tile_m, 1), the 4 blocks of 16 keys of a row."""
+        return ctx.storage.sSFP.get_tensor(cute.make_layout((self.tile_m, 1), stride=(1, 1)))
+
     def _slot_scales(self, ctx, slot) -> cute.Tensor:
         """The ring slot's scale words as an E4M3 (tile_n, 64) view."""
-        sSF = ctx.storage.sSF.get_tensor(
-            cute.make_layout((self.tile_n, self.num_stages), stride=(1, self.tile_n)))
-        return self._sf_view(sSF, self.tile_n, slot)
+        return self._sf_view(self._ring_scale_words(ctx), self.tile_n, slot)
 
     # ---------------------------------------------------------------- products
     @cute.jit
     def _score_mma(self, ctx, acc, j: cutlass.Constexpr, slot):
         """acc += Q chunk j K_chunk^T, both scaled by their blocks."""
-        C = self.num_chunks
-        sSFQ = ctx.storage.sSFQ.get_tensor(cute.make_layout((self.tile_m, C), stride=(C, 1)))
         cute.autovec_copy(ctx.thr_mma.partition_A(self._score_rows(ctx, j, slot)), ctx.tSrQ)
         cute.autovec_copy(ctx.thr_mma.partition_B(ctx.sKV[None, None, slot]), ctx.tSrK)
-        sfa = self._sf_load(ctx, self._sf_view(sSFQ, self.tile_m, j), "A")
+        sfa = self._sf_load(ctx, self._sf_view(self._q_scale_words(ctx), self.tile_m, j), "A")
         sfb = self._sf_load(ctx, self._slot_scales(ctx, slot), "B")
         cute.gemm(ctx.tiled_mma, acc, (ctx.tSrQ, sfa), (ctx.tSrK, sfb), acc)
 
@@ -996,15 +988,11 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
         chunk loads P's codes and scales."""
         if cutlass.const_expr(first):
             cute.autovec_copy(ctx.thr_mma.partition_A(ctx.sP), ctx.tOrP)
-            sfp = self._sf_load(ctx, self._sf_view(self._p_scale_words(ctx), self.tile_m, 0),
-                                "A")
-            cute.autovec_copy(sfp, ctx.sfp)
+            cute.autovec_copy(self._sf_partition(
+                ctx, self._sf_view(self._p_scale_words(ctx), self.tile_m, 0), "A"), ctx.sfp)
         cute.autovec_copy(ctx.thr_mma.partition_B(ctx.sKV[None, None, slot]), ctx.tOrVt)
         sfb = self._sf_load(ctx, self._slot_scales(ctx, slot), "B")
         cute.gemm(ctx.tiled_mma, acc, (ctx.tOrP, ctx.sfp), (ctx.tOrVt, sfb), acc)
-
-    def _p_scale_words(self, ctx) -> cute.Tensor:
-        return ctx.storage.sSFP.get_tensor(cute.make_layout((self.tile_m, 1), stride=(1, 1)))
 
     @cute.jit
     def _store_p(self, ctx):
