@@ -15,8 +15,8 @@ is None has no kernel yet: the call falls back to SDPA with that reason.
 |                      |                 |        | for sm_90a where they do not build);      |
 |                      |                 |        | split-KV decode (`plan_decode`; 16-bit or |
 |                      |                 |        | FP8 e4m3 cache under 16-bit queries)      |
-| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (16-bit, e4m3), dQ /   |
-|                      |                 |        | dK / dV (compile-verified only, never     |
+| 10.0                 | sm_100a         | sm100  | tcgen05 + TMEM fwd (16-bit, e4m3, NVFP4), |
+|                      |                 |        | dQ / dK / dV (compile-verified only, never|
 |                      |                 |        | run: canaried on first use, selfcheck.py) |
 | 12.0 / 12.1          | sm_120a/121a    | sm120  | Split-D fwd (16-bit, e4m3, NVFP4) + bwd,  |
 |                      |                 |        | 99 KB plan (never run; canaried likewise) |
@@ -112,8 +112,8 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
 
 
 def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 forward, 16-bit (a sliding window and sinks too) or e4m3 (no one-launch
-    varlen yet)."""
+    """The tcgen05 forward, 16-bit (a sliding window and sinks too), e4m3 or NVFP4 (no
+    one-launch varlen yet)."""
     return sm100_config.plan_fwd(p, target)
 
 
@@ -155,7 +155,7 @@ FAMILIES = {
                    verified_targets=("sm_90a",), decode={"16bit": _sm90_decode}),
     "sm100": Family("sm100", "ffpa_cute/sm100: tcgen05 + TMEM forward and dQ / dK / dV",
                     "compile-verified only, never run",
-                    fwd={"16bit": _sm100_fwd, "fp8": _sm100_fwd, "fp4": None},
+                    fwd={"16bit": _sm100_fwd, "fp8": _sm100_fwd, "fp4": _sm100_fwd},
                     bwd={"16bit": _sm100_bwd}),
     "sm120": Family("sm120", "ffpa_cute/sm120: the Split-D kernels under a 99 KB plan",
                     "compile-verified only, never run",

@@ -7,9 +7,9 @@ bit-exact with the format), and `attention`'s NVFP4 route.
 
 V is given as the NVFP4 of V^T: its 16-element scale blocks must run along the keys (P V's
 contraction). If Nkv is not a multiple of 16, pad V with zero keys to the next multiple first.
-The kernel: `FFPAFwdSm80FP4` (sm_120a / sm_121a, the block-scaled mma.sync kind::mxf4nvf4;
-**compile-verified only, never run**: each configuration first passes a canary on the GPU,
-`canary`). Everywhere else NVFP4 inputs raise NotImplementedError naming what exists (there is
+The kernels: `FFPAFwdSm100FP4` (sm_100a, tcgen05.mma kind::mxf4nvf4) and `FFPAFwdSm80FP4`
+(sm_120a / sm_121a, the block-scaled mma.sync kind::mxf4nvf4); **compile-verified only, never
+run**: each configuration first passes a canary on the GPU (`canary`). Everywhere else NVFP4 inputs raise NotImplementedError naming what exists (there is
 no meaningful fallback for packed FP4; dequantize and call the 16-bit path if that is what you
 want). Forward only; D a multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
 
@@ -26,8 +26,11 @@ scale blocks and of sm_120a's block-scaled mma.sync):
   tensor      fp32 per tensor, amax / (6 * 448), so every block scale fits E4M3 (max 448).
   scale       x ~= value(code) * block_scale * tensor_scale.
 
-Layouts: `data` uint8 [..., D / 2], `block_scale` float8_e4m3fn [..., D / 16] row-major (the
-kernels' TMA reads it as is and re-tiles it in shared memory), `tensor_scale` a 0-d fp32 tensor.
+Layouts: `data` uint8 [..., D / 2], `block_scale` float8_e4m3fn [..., D / 16] row-major,
+`tensor_scale` a 0-d fp32 tensor. The sm_120 kernel reads the scales as they are (4-byte words);
+the sm_100 kernel reads them re-tiled by `blocked_scales` (once per call, on the GPU), the layout
+tcgen05's scale-factor copies take: per 128-row atom and 64-element K-block, 512 contiguous
+bytes, row r's 4 scales at byte 16 (r % 32) + 4 (r // 32).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ E4M3_MAX = 448.0
 # magnitudes of codes 0..7, and the midpoints between neighbours (the rounding boundaries)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
-NO_NVFP4_KERNEL = ("NVFP4 attention has a kernel only on sm_120 / sm_121 GPUs (the Split-D "
-                   "block-scaled mma.sync, compile-verified only; FP8 e4m3 has kernels on sm90 "
-                   "(run on an H200), sm_89 / sm_120 (Split-D) and sm100 (compile-verified "
-                   "only)). Dequantize (NVFP4Tensor.dequantize()) and call attention in bf16, or "
+NO_NVFP4_KERNEL = ("NVFP4 attention has kernels only on sm_100 / sm_103 (tcgen05 "
+                   "kind::mxf4nvf4) and sm_120 / sm_121 (the Split-D block-scaled mma.sync) "
+                   "GPUs, both compile-verified only; FP8 e4m3 has kernels on sm90 (run on an "
+                   "H200), sm_89 / sm_120 (Split-D) and sm100 (compile-verified only). "
+                   "Dequantize (NVFP4Tensor.dequantize()) and call attention in bf16, or "
                    "quantize to FP8 with ffpa_cute.quantize_fp8.")
 # the canary's bound on the kernel's error against float32 attention of the dequantised
 # inputs: P rounded to E2M1 costs ~9% at D=512 (docs/design.md, perf.quant_error)
@@ -148,12 +152,38 @@ def _check(q, k, v, out_dtype):
                          f"multiple of 16 at most), got {nv}: quantize_nvfp4(v.transpose(-1, -2))")
 
 
-def prepare_v(v: NVFP4Tensor, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """V^T's codes and scales as the kernel reads them (uint8): the keys zero-padded to a
-    multiple of 64 (a whole KV block; zero scales make zero values). Already padded
-    contiguous tensors are passed as they are (no copy)."""
+ATOM_ROWS, ATOM_BYTES = 128, 512  # a scale-factor atom: 128 rows x 4 scales (64 elements)
+
+
+def blocked_scales(scales: torch.Tensor, rows: int | None = None,
+                   k_multiple: int = 1) -> torch.Tensor:
+    """Row-major block scales [..., R, K / 16] (uint8 or float8_e4m3fn) in the sm_100
+    kernel's blocked layout (module docstring): uint8 [..., Ra, Kb * 512] with Ra = rows / 128
+    atoms (rows: R rounded up to 128 unless given, a multiple of 128 >= R) and Kb the
+    64-element K-blocks rounded up to a multiple of `k_multiple`; zero where padded (zero
+    scales make zero values)."""
+    *lead, r, ks = scales.shape
+    rows = -(-r // ATOM_ROWS) * ATOM_ROWS if rows is None else rows
+    if rows % ATOM_ROWS or rows < r:
+        raise ValueError(f"rows={rows} must be a multiple of {ATOM_ROWS} and >= {r}")
+    kb = -(-ks // 4)
+    kb = -(-kb // k_multiple) * k_multiple
+    padded = torch.zeros(*lead, rows, kb * 4, dtype=torch.uint8, device=scales.device)
+    padded[..., :r, :ks] = scales.view(torch.uint8)
+    # row = 32 m1 + m0 of its atom, scale = 4 k + k1: byte 16 m0 + 4 m1 + k1 of atom block k
+    t = padded.reshape(*lead, rows // ATOM_ROWS, 4, 32, kb, 4)
+    n = len(lead)
+    t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    return t.reshape(*lead, rows // ATOM_ROWS, kb * ATOM_BYTES).contiguous()
+
+
+def prepare_v(v: NVFP4Tensor, nkv: int, keys_multiple: int = 64
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """V^T's codes and scales as the kernels read them (uint8): the keys zero-padded to a
+    multiple of `keys_multiple` (a whole KV block; zero scales make zero values). Already
+    padded contiguous tensors are passed as they are (no copy)."""
     b, h, dv, nv = v.shape
-    npad = -(-nkv // 64) * 64
+    npad = -(-nkv // keys_multiple) * keys_multiple
     scales = v.block_scale.view(torch.uint8)
     if nv == npad and v.data.is_contiguous() and scales.is_contiguous():
         return v.data, scales
@@ -167,6 +197,7 @@ def prepare_v(v: NVFP4Tensor, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
     """(out [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32) from the NVFP4 kernel's plan."""
     from . import fp8, launch
+    from .sm100.config import FwdFP4ConfigSm100
 
     p = plan.problem
     (b, hq, nq, d), hkv = q.shape, k.shape[1]
@@ -177,10 +208,16 @@ def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
     if plan.packed:  # GQA rows packed: [B, Hkv, G * Nq, .] (no row is masked)
         qd, qs = qd.reshape(b, hkv, -1, qd.shape[-1]), qs.reshape(b, hkv, -1, qs.shape[-1])
         o, lse_k, offset = out.view(b, hkv, -1, d), lse.view(b, hkv, -1), 0
-    vd, vs = prepare_v(v, k.shape[2])
+    ks = k.block_scale.view(torch.uint8)
+    if isinstance(plan.cfg, FwdFP4ConfigSm100):  # blocked scales, whole 128-key blocks
+        vd, vs = prepare_v(v, k.shape[2], keys_multiple=128)
+        chunk = plan.cfg.k_chunk // 64  # K-blocks per QK stage
+        qs, ks = blocked_scales(qs, k_multiple=chunk), blocked_scales(ks, k_multiple=chunk)
+        vs = blocked_scales(vs, rows=plan.cfg.vt_scale_rows())
+    else:
+        vd, vs = prepare_v(v, k.shape[2])
     tensors = dict(q=launch.kernel_ready(qd), q_sf=qs.contiguous(),
-                   k=launch.kernel_ready(k.data),
-                   k_sf=k.block_scale.view(torch.uint8).contiguous(), v=vd, v_sf=vs, o=o,
+                   k=launch.kernel_ready(k.data), k_sf=ks.contiguous(), v=vd, v_sf=vs, o=o,
                    lse=lse_k)
     for name, t in (("q_descale", q), ("k_descale", k), ("v_descale", v)):
         tensors[name] = fp8.descale_bh(t.tensor_scale, name, b, hkv, q.device)
@@ -250,6 +287,7 @@ def attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale, return_lse,
         out, lse = run_kernel(plan, q, k, v, out_dtype)
     return (out, lse) if return_lse else out
 
-__all__ = ["FP4_TOL", "NO_NVFP4_KERNEL", "NVFP4Tensor", "attention_nvfp4", "canary",
+__all__ = ["FP4_TOL", "NO_NVFP4_KERNEL", "NVFP4Tensor", "attention_nvfp4", "blocked_scales",
+           "canary",
            "decode_e2m1", "dequantize_nvfp4", "encode_e2m1", "is_nvfp4", "prepare_v",
            "quantize_nvfp4", "run_kernel"]

@@ -72,7 +72,7 @@ def test_bad_input_and_no_kernel():
     with pytest.raises(TypeError):
         nvfp4.quantize_nvfp4(torch.arange(16))
     t = nvfp4.quantize_nvfp4(torch.randn(1, 2, 8, 64))
-    with pytest.raises(NotImplementedError, match="NVFP4 attention has a kernel only on sm_120"):
+    with pytest.raises(NotImplementedError, match="NVFP4 attention has kernels only on sm_100"):
         ffpa_cute.attention(t, t, nvfp4.quantize_nvfp4(torch.randn(1, 2, 64, 8 + 8)))
     with pytest.raises(ValueError, match="V\\^T"):  # v not given transposed
         ffpa_cute.attention(t, t, t)
@@ -113,7 +113,7 @@ def test_nvfp4_planner_and_budget(target, d, layout):
         assert dispatch.plan_fwd(q, target=target, opts=Options()).reason is None, dd
     bad = AttnProblem(**{**p.__dict__, "head_dim": 336, "head_dim_v": 336})
     assert "multiple of 64" in dispatch.plan_fwd(bad, target=target, opts=Options()).reason
-    for other in ("sm_80", "sm_89", "sm_90a", "sm_100a"):
+    for other in ("sm_80", "sm_89", "sm_90a"):
         assert "no nvfp4 forward" in dispatch.plan_fwd(p, target=other, opts=Options()).reason
 
 
@@ -148,17 +148,78 @@ def test_nvfp4_kernel_compiles_with_block_scaled_mma(in_tmp, d, causal):
     _no_spills(ptx, "sm_120a", max_regs=255)
 
 
-def test_precompile_jobs_for_fp4():
-    """--dtypes fp4 on sm_120a: the NVFP4 forward, no transpose job (the host quantises V^T)."""
+@pytest.mark.parametrize("d,causal", [(320, True), (512, False), (1024, True)])
+def test_sm100_nvfp4_kernel_compiles_with_block_scaled_tcgen05(in_tmp, d, causal):
+    """The NVFP4 forward for sm_100a: only tcgen05.mma kind::mxf4nvf4 with 16-element E4M3
+    scale blocks (QK: 4 per 256-element chunk; PV: one per 64-key V stage, A = P from shared
+    memory), each stage's scales copied to TMEM by tcgen05.cp before its MMAs (Q's and K's 4
+    K-blocks per chunk, P's 2 per block, V^T's 2 atoms per stage), scales loaded by bulk
+    copies beside the TMA codes (multicast over the cluster with them), P rounded to E2M1
+    and its scales to E4M3 by cvt and fenced for the async proxy; no local memory, no
+    spills."""
+    import re
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from test_kernels_compile import _no_spills
+
+    p = AttnProblem(dtype="nvfp4", batch=1, heads_q=2, heads_kv=2, seqlen_q=1000,
+                    seqlen_kv=1000, head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_100a", opts=Options())
+    assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100FP4"
+    cfg = plan.cfg
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    assert ".target sm_100a" in ptx
+    mmas = re.findall(r"tcgen05\.mma\.\S+", ptx)
+    assert set(mmas) == {"tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"
+                         ".collector::a::discard"}, set(mmas)
+    # the chunk loop is a loop (unrolled, every chunk's scale pointers would not fit the
+    # registers at D = 1024): one chunk's 4 QK MMAs, the two V stages' PV MMAs
+    chunks = -(-d // 256)
+    assert len(mmas) == 4 + 2
+    assert ptx.count("tcgen05.cp.cta_group::1.32x128b.warpx4") == 8 + 2 + 2 * 2
+    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    assert ptx.count(bulk + ".multicast::cluster") == 2 * chunks  # Q's, K's scales
+    assert ptx.count(bulk + " ") + ptx.count(bulk + ";") >= 2  # V^T's two atoms
+    assert "cvt.rn.satfinite.e2m1x2.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "wgmma" not in ptx and "mma.sync" not in ptx and ".local" not in ptx
+    _no_spills(ptx, "sm_100a", max_regs=255)
+
+
+def test_blocked_scales_is_the_tcgen05_atom_layout():
+    """`blocked_scales`: row r, scale s of a [.., R, K / 16] tensor at byte 16 (r % 32) +
+    4 (r // 32 % 4) + s % 4 of the 512-byte block (r // 128, s // 4) (CUTLASS's
+    BlockScaledBasicChunk ((32, 4), (16, 4)):((16, 4), (0, 1)), K-blocks innermost), zero
+    where padded (rows to `rows`, K-blocks to a multiple of k_multiple)."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randint(1, 120, (2, 3, 300, 20), dtype=torch.uint8, generator=g)
+    b = nvfp4.blocked_scales(s, k_multiple=4)
+    assert b.shape == (2, 3, 3, 8 * 512) and b.dtype == torch.uint8
+    r, k = torch.meshgrid(torch.arange(300), torch.arange(20), indexing="ij")
+    off = (k // 4) * 512 + 16 * (r % 32) + 4 * (r // 32 % 4) + k % 4
+    assert torch.equal(b[:, :, r // 128, off], s)
+    assert int(b.sum()) == int(s.sum())  # every other byte is padding, zero
+    assert nvfp4.blocked_scales(s, rows=640).shape == (2, 3, 5, 5 * 512)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        nvfp4.blocked_scales(s, rows=200)
+
+
+@pytest.mark.parametrize("target,kernel", [("sm_120a", "FFPAFwdSm80FP4"),
+                                           ("sm_100a", "FFPAFwdSm100FP4")])
+def test_precompile_jobs_for_fp4(target, kernel):
+    """--dtypes fp4: the NVFP4 forward, no transpose job (the host quantises V^T)."""
     from ffpa_cute import precompile
 
-    names = [cls.__name__ for cls, _ in precompile.jobs_for("sm_120a", [512], ["nvfp4"],
+    names = [cls.__name__ for cls, _ in precompile.jobs_for(target, [512], ["nvfp4"],
                                                             (False,))]
-    assert names == ["FFPAFwdSm80FP4"]
+    assert names == [kernel]
     assert precompile.DTYPE_ALIASES["fp4"] == "nvfp4"
 
 
-def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch):
+@pytest.mark.parametrize("target", ["sm_120a", "sm_100a"])
+def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch, target):
     """`nvfp4.canary` (the first-use self-check of the never-run NVFP4 kernel) on the CPU with
     the kernel replaced: float32 attention of the dequantised inputs passes, a wrong result
     (keys shifted by one) fails with the reason."""
@@ -170,8 +231,8 @@ def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch):
     p = AttnProblem(dtype="nvfp4", batch=1, heads_q=4, heads_kv=1, seqlen_q=300,
                     seqlen_kv=300, head_dim=512, head_dim_v=512, causal=True, causal_offset=0,
                     out_dtype="bf16")
-    plan = dispatch.plan_fwd(p, target="sm_120a", opts=Options())
-    cplan = dispatch.plan_fwd(selfcheck.canary_problem(plan), target="sm_120a", opts=Options())
+    plan = dispatch.plan_fwd(p, target=target, opts=Options())
+    cplan = dispatch.plan_fwd(selfcheck.canary_problem(plan), target=target, opts=Options())
     assert cplan.cfg == plan.cfg
     cp = cplan.problem
 
@@ -227,3 +288,42 @@ def test_nvfp4_host_feeds_the_kernel_its_operands(monkeypatch):
     for name in ("q_descale", "k_descale", "v_descale"):
         assert seen[name].dtype == torch.float32 and seen[name].shape == (b, hkv)
     assert seen["softmax_scale"] == pytest.approx(d ** -0.5)
+
+
+def test_sm100_nvfp4_host_feeds_the_kernel_blocked_scales(monkeypatch):
+    """`nvfp4.run_kernel` for the sm_100 kernel (CPU, the launch replaced): the scales in the
+    blocked layout (Q's and K's K-blocks padded to whole 256-element chunks, V^T's rows to
+    the config's `vt_scale_rows`), V^T's keys padded to whole 128-key blocks with zeros, the
+    strides the stand-ins assume (16-byte rows), GQA rows packed where the plan packs them."""
+    from ffpa_cute import dispatch, launch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    b, hq, hkv, nq, nkv, d = 2, 4, 2, 130, 100, 320
+    q4 = nvfp4.quantize_nvfp4(torch.randn(b, hq, nq, d))
+    k4 = nvfp4.quantize_nvfp4(torch.randn(b, hkv, nkv, d))
+    v4 = nvfp4.quantize_nvfp4(torch.nn.functional.pad(torch.randn(b, hkv, nkv, d),
+                                                      (0, 0, 0, 12)).transpose(-1, -2))
+    p = AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                    seqlen_kv=nkv, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_100a", opts=Options())
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm100FP4"
+    rows, heads = (hq // hkv * nq, hkv) if plan.packed else (nq, hq)
+    seen = {}
+    monkeypatch.setattr(launch, "run_job", lambda cls, cfg, t, s: seen.update(t, **s))
+    nvfp4.run_kernel(plan, q4, k4, v4, torch.bfloat16)
+    assert set(plan.kernel_cls.OPERANDS) <= set(seen)
+    rows_v = plan.cfg.vt_scale_rows()
+    expect = {"q": (b, heads, rows, d // 2), "q_sf": (b, heads, -(-rows // 128), 8 * 512),
+              "k": (b, hkv, nkv, d // 2), "k_sf": (b, hkv, 1, 8 * 512),
+              "v": (b, hkv, d, 64), "v_sf": (b, hkv, rows_v // 128, 2 * 512)}
+    for name, shape in expect.items():
+        t = seen[name]
+        assert t.dtype == torch.uint8 and tuple(t.shape) == shape, (name, t.shape)
+        assert t.stride(-1) == 1 and all(s % 16 == 0 for s in t.stride()[:-1]), name
+    q_sf = q4.block_scale.reshape(b, heads, rows, d // 16)
+    assert torch.equal(seen["q_sf"], nvfp4.blocked_scales(q_sf, k_multiple=4))
+    assert (seen["v"][..., 56:] == 0).all()
+    vs = torch.zeros(b, hkv, d, 8, dtype=torch.uint8)
+    vs[..., :7] = v4.block_scale.view(torch.uint8)
+    assert torch.equal(seen["v_sf"], nvfp4.blocked_scales(vs, rows=rows_v))

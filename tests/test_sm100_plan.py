@@ -211,3 +211,39 @@ def test_fp8_plans(d):
         protocol.run(cfg, blocks, seed=blocks)
     with pytest.raises(ValueError, match="multiples of 16"):
         c100.plan_fwd(dataclasses.replace(p, head_dim=264, head_dim_v=264))
+
+
+@pytest.mark.parametrize("d", range(320, 1025, 64))
+def test_nvfp4_plans(d):
+    """The NVFP4 forward at every D it takes: 256-element chunks (K = 64 per MMA), O in
+    192-column slices (o_split = ceil(D / 192)), TMEM's S buffers, scale regions and O
+    disjoint inside 512 columns, smem inside sm_100a's (P and every stage's scales included),
+    V^T's scale rows covering the two atoms of every slice; the protocol model passes (P's
+    buffer moves from TMEM to shared memory with the same lifetime: written after s_full,
+    read by the PV MMAs)."""
+    p = AttnProblem(dtype="nvfp4", batch=1, heads_q=8, heads_kv=2, seqlen_q=1000,
+                    seqlen_kv=1000, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    cfg = c100.plan_fwd(p)
+    assert isinstance(cfg, c100.FwdFP4ConfigSm100) and c100.can_implement(cfg) is None
+    assert (cfg.k_chunk, cfg.mma_k, cfg.acc_cta) == (256, 64, 192)
+    assert cfg.o_split == -(-d // 192) and cfg.multicast
+    spans = sorted((c, c + w) for _, c, w in cfg.tmem_regions())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= 512
+    regions = dict((n, (c, w)) for n, c, w in cfg.tmem_regions())
+    assert regions["SF_QK"][1] == 2 * 4 * cfg.k_chunk // 64  # Q's and K's, 4 per K-block
+    assert regions["SF_PV"][1] == 2 * 4 + 2 * 4  # P's two K-blocks, V^T's two atoms
+    assert cfg.smem_bytes() <= c100.SMEM_CAPACITY and cfg.qk_stages >= 3
+    assert dict(cfg.smem_regions())["p"] == 2 * 128 * 128 // 2
+    for o_part in range(cfg.o_split):  # each slice's rows inside its two scale atoms
+        first = o_part * 192
+        atom0 = first // c100.SF_ATOM_ROWS
+        assert first + 192 <= (atom0 + 2) * c100.SF_ATOM_ROWS <= cfg.vt_scale_rows()
+        assert first % 32 == 0  # the TMEM scale pointer moves by whole columns
+    for blocks in (0, 3, 11):
+        protocol.run(cfg, blocks, seed=blocks)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        c100.plan_fwd(dataclasses.replace(p, head_dim=d + 8, head_dim_v=d + 8))
+    with pytest.raises(ValueError, match="Dv == D"):
+        c100.plan_fwd(dataclasses.replace(p, head_dim_v=d - 64))
+    with pytest.raises(ValueError, match="no sliding window or sinks"):
+        c100.plan_fwd(dataclasses.replace(p, has_sinks=True))

@@ -42,6 +42,7 @@ SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm_100a (227
 TMEM_LANES, TMEM_COLUMNS = 128, 512  # per SM, 32-bit cells
 DTYPES = ("bf16", "fp16")
 FP8_DTYPES = ("e4m3",)
+FP4_DTYPE = "nvfp4"
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 TILE_M = 128  # query rows per CTA: one TMEM lane per row (tcgen05 M = 128, cta_group::1)
@@ -61,6 +62,14 @@ WARP_ROLES = (
     ("load", 5, 1, 255),  # one elected thread issues every TMA load
 )
 REGISTER_FILE = 65536  # 32-bit registers per SM
+# NVFP4 (tcgen05.mma kind::mxf4nvf4, one E4M3 scale per 16 elements along K). A scale-factor
+# "atom" is 128 rows x 4 scales (one MMA K-block of 64 elements): 512 bytes, row r at byte
+# 16 (r % 32) + 4 (r // 32) (BlockScaledBasicChunk); tcgen05.cp (32x128b, warpx4) puts it in
+# TMEM as 4 columns. The accumulator slice is FP4_ACC_CTA columns: V^T's scale atoms cover 128
+# of its rows, so a 192-row slice starts 0 or 64 rows into an atom and always spans two.
+SF_ATOM_ROWS, SF_VEC, FP4_MMA_K = 128, 16, 64
+SF_ATOM_BYTES = SF_ATOM_ROWS * FP4_MMA_K // SF_VEC  # 512
+FP4_ACC_CTA = 192
 RESCALE_THRESHOLD = 8.0  # log2 units: O is rescaled only when a row's max grows by more
 
 
@@ -311,6 +320,107 @@ class FwdFP8ConfigSm100(FwdConfigSm100):
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100FP8"
 
 
+@dataclass(frozen=True)
+class FwdFP4ConfigSm100(FwdFP8ConfigSm100):
+    """Compile key of the NVFP4 forward (`FFPAFwdSm100FP4`): dtype "nvfp4" (Q, K, V^T and P in
+    E2M1 with E4M3 scales per 16 elements along K, tcgen05.mma kind::mxf4nvf4, K = 64; fp32
+    accumulation) and the output's dtype. D a multiple of 64, Dv == D.
+
+    Its plan differs from the 16-bit / e4m3 one (module docstring) where the format needs:
+      TMEM     S[0] [0, 128), S[1] [128, 256); the scale factors the MMAs read (copied from
+               shared memory by tcgen05.cp before each use): QK's [256, 288) (a stage's Q and
+               K scales, 4 K-blocks x 4 columns each), P V's [288, 304) (P's 2 K-blocks x 4,
+               V^T's two atoms x 4); O [320, 512): `acc_cta` = 192 columns, so o_split =
+               ceil(Dv / 192) (D = 320: 2 CTAs, 512: 3, 1024: 6).
+      smem     a QK stage: [128 x 256] E2M1 codes of Q and of K (16 KB each) and their scales
+               (2 KB each); a V stage: V^T's [192 rows x 64 keys] (6 KB) and its two scale atoms
+               (1 KB); P of two blocks ([128 x 128] codes, 8 KB, and scales, 1 KB, each): P V's
+               A operand is read from shared memory (the softmax threads write it there).
+    """
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100FP4"
+
+    @property
+    def elem_bytes(self) -> int:
+        raise AttributeError("NVFP4 has half-byte elements: use the FP4 plan's sizes")
+
+    @property
+    def k_chunk(self) -> int:
+        return 2 * CHUNK_BYTES  # 256 E2M1 per 128-byte row
+
+    @property
+    def mma_k(self) -> int:
+        return FP4_MMA_K
+
+    @property
+    def o_split(self) -> int:
+        return -(-self.acc_dim // FP4_ACC_CTA)
+
+    @property
+    def acc_cta(self) -> int:
+        return FP4_ACC_CTA
+
+    @property
+    def sf_qk_offset(self) -> int:
+        return 2 * self.tile_n
+
+    @property
+    def sf_pv_offset(self) -> int:
+        """P's scales (two K-blocks: 8 columns), then V^T's (two atoms: 8 columns)."""
+        return self.sf_qk_offset + 2 * (self.k_chunk // FP4_MMA_K) * 4
+
+    @property
+    def o_offset(self) -> int:
+        return TMEM_COLUMNS - FP4_ACC_CTA
+
+    def tmem_regions(self) -> list[tuple[str, int, int]]:
+        n, sfqk = self.tile_n, 2 * (self.k_chunk // FP4_MMA_K) * 4
+        return [("S0", 0, n), ("S1", n, n), ("SF_QK", self.sf_qk_offset, sfqk),
+                ("SF_PV", self.sf_pv_offset, 16), ("acc", self.o_offset, self.acc_cta)]
+
+    @property
+    def sf_stage_bytes(self) -> int:
+        """One operand's scales in a QK stage: 4 K-blocks of one 128-row atom."""
+        return (self.k_chunk // FP4_MMA_K) * SF_ATOM_BYTES
+
+    @property
+    def qk_stage_bytes(self) -> int:
+        return (TILE_M + self.tile_n) * CHUNK_BYTES + 2 * self.sf_stage_bytes
+
+    @property
+    def v_sf_bytes(self) -> int:
+        return 2 * SF_ATOM_BYTES
+
+    @property
+    def v_stage_bytes(self) -> int:
+        return V_ROWS * self.acc_cta // 2 + self.v_sf_bytes
+
+    @property
+    def p_bytes(self) -> int:
+        """P's codes of one block (one of two buffers)."""
+        return TILE_M * self.tile_n // 2
+
+    @property
+    def p_sf_bytes(self) -> int:
+        return (self.tile_n // FP4_MMA_K) * SF_ATOM_BYTES
+
+    def smem_regions(self) -> list[tuple[str, int]]:
+        """The forward's regions (the V stages' codes as acc_b) and the scales of each ring
+        stage, then P's codes and scales (two buffers)."""
+        regions = super().smem_regions()
+        regions[-1] = ("acc_b", self.v_stages * V_ROWS * self.acc_cta // 2)
+        return regions + [("sf_rows", self.qk_stages * self.sf_stage_bytes),
+                          ("sf_cols", self.qk_stages * self.sf_stage_bytes),
+                          ("sf_b", self.v_stages * self.v_sf_bytes),
+                          ("p", 2 * self.p_bytes), ("sf_p", 2 * self.p_sf_bytes)]
+
+    def vt_scale_rows(self) -> int:
+        """Rows of V^T's scales the kernel may read: the two atoms of every 192-row slice
+        (the host zero-pads V^T's scales to this)."""
+        last = (self.o_split - 1) * self.acc_cta // SF_ATOM_ROWS + 1
+        return (last + 1) * SF_ATOM_ROWS
+
+
 def _role(name: str) -> tuple[int, int, int]:
     """(first warp, warps, registers) of a warp role."""
     return next(r[1:] for r in WARP_ROLES if r[0] == name)
@@ -328,7 +438,14 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
     """None when the kernel can be built for cfg, else the reason."""
     if cfg.arch != ARCH:
         return f"arch {cfg.arch!r}: tcgen05 and TMEM need {ARCH}"
-    if isinstance(cfg, FwdFP8ConfigSm100):
+    if isinstance(cfg, FwdFP4ConfigSm100):
+        if cfg.dtype != FP4_DTYPE or cfg.out_dtype not in DTYPES:
+            return (f"dtype {cfg.dtype!r} / out_dtype {cfg.out_dtype!r}: the NVFP4 forward "
+                    f"takes {FP4_DTYPE!r} in and gives {DTYPES}")
+        if cfg.head_dim % FP4_MMA_K or cfg.head_dim_v is not None:
+            return (f"head_dim={cfg.head_dim}, head_dim_v={cfg.dv}: the NVFP4 forward needs D "
+                    f"a multiple of {FP4_MMA_K} (whole scale K-blocks) and Dv == D")
+    elif isinstance(cfg, FwdFP8ConfigSm100):
         if cfg.dtype not in FP8_DTYPES or cfg.out_dtype not in DTYPES:
             return (f"dtype {cfg.dtype!r} / out_dtype {cfg.out_dtype!r}: the FP8 forward takes "
                     f"{FP8_DTYPES} in and gives {DTYPES}")
@@ -361,24 +478,24 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
 
 
 def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> FwdConfigSm100:
-    """The config for `problem` (16-bit with a sliding window and sinks, or e4m3 without; no
-    one-launch varlen); raises ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
+    """The config for `problem` (16-bit with a sliding window and sinks, or e4m3 / NVFP4
+    without; no one-launch varlen); raises ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
     (4, 3, 2) beside a 3-deep QK ring, then the deepest QK ring beside it. `multicast`: share
     Q and K over the row tile's cluster (the default: the design's prediction says the
     unshared form is L2-bound, docs/design.md section 7)."""
-    fp8 = problem.dtype in FP8_DTYPES
-    if problem.varlen or (fp8 and (problem.has_window or problem.has_sinks)):
-        raise ValueError("the sm100 forward has no one-launch varlen, and its FP8 form no "
-                         "sliding window or sinks, yet")
+    quantized = problem.dtype in FP8_DTYPES or problem.dtype == FP4_DTYPE
+    if problem.varlen or (quantized and (problem.has_window or problem.has_sinks)):
+        raise ValueError("the sm100 forward has no one-launch varlen, and its FP8 / NVFP4 "
+                         "forms no sliding window or sinks, yet")
     dv = problem.head_dim_v
-    cls = FwdFP8ConfigSm100 if fp8 else FwdConfigSm100
-    extra = dict(out_dtype=problem.out_dtype or "bf16") if fp8 else {}
+    cls = {FP4_DTYPE: FwdFP4ConfigSm100}.get(
+        problem.dtype, FwdFP8ConfigSm100 if quantized else FwdConfigSm100)
+    extra = dict(out_dtype=problem.out_dtype or "bf16") if quantized else {}
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded, **extra,
                 head_dim_v=None if dv == problem.head_dim else dv,
-                multicast=multicast and dv > MAX_MMA_N,  # a cluster needs o_split >= 2
                 window=problem.window_lo is not None, sinks=problem.has_sinks)
-
+    base["multicast"] = multicast and cls(**base).o_split > 1  # a cluster needs o_split >= 2
     return deepest_rings(lambda qk, v: cls(**base, qk_stages=qk, v_stages=v), can_implement,
                          min_k=3)
 
@@ -460,5 +577,5 @@ def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
 
 
 __all__ = ["BWD_CONFIGS", "BwdDKConfigSm100", "BwdDQConfigSm100", "BwdDVConfigSm100",
-           "FwdConfigSm100", "FwdFP8ConfigSm100", "WARP_ROLES", "can_implement", "num_threads",
-           "plan_bwd", "plan_fwd"]
+           "FwdConfigSm100", "FwdFP4ConfigSm100", "FwdFP8ConfigSm100", "WARP_ROLES",
+           "can_implement", "num_threads", "plan_bwd", "plan_fwd"]

@@ -1,11 +1,12 @@
 """The sm100 forward's arithmetic, step for step, in torch: what `FFPAFwdSm100` (and its FP8
-form) computes, for the CPU tests of a kernel that never ran (no sm_100 GPU here).
+and NVFP4 forms) computes, for the CPU tests of a kernel that never ran (no sm_100 GPU here).
 
 Per 128-row tile it walks the KV blocks of 128 keys from the causal / Nkv bound down to 0 (the
 kernels' order), and per row: the block's raw max; the frame (running max) moves only when the
 max grew by more than RESCALE_THRESHOLD in log2 units, and then O and the row sum are rescaled;
 P = exp2(s * scale_log2 - frame * scale_log2) in fp32, rounded to the operand dtype (bf16 /
-fp16, or e4m3) for the P V product while the row sum adds the unrounded P; finally O / row_sum
+fp16, e4m3, or NVFP4: per 16 keys with an E4M3 scale, tensor scale 1) for the P V product
+while the row sum adds the unrounded P; finally O / row_sum
 and LSE = (frame * scale_log2 + log2(row_sum)) ln 2. A sliding window's left edge skips the
 blocks left of the tile's first row and masks the crossing ones; sinks join the final factors
 in the frame max(row frame, sink). tests/test_sm100_emulate.py checks it
@@ -30,7 +31,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
             window_lo: int | None = None, sinks: torch.Tensor | None = None):
     """(out fp32 [B, Hq, Nq, Dv], lse fp32 [B, Hq, Nq]) as the kernel computes them, for
     q [B, Hq, Nq, D], k / v [B, Hkv, Nkv, D | Dv] (GQA by head // (Hq / Hkv)). `p_dtype`: the
-    P operand's dtype (torch.float8_e4m3fn for the FP8 form). `record`: if given, receives
+    P operand's dtype (torch.float8_e4m3fn for the FP8 form, "nvfp4" for the NVFP4 form; its
+    q, k, v are then the dequantised operands). `record`: if given, receives
     "p_max" (the largest P before rounding) and "rescales" (frame moves after a first one).
     window_lo: query i sees key j only if j >= i + window_lo; sinks: [Hq] logits."""
     b, hq, nq, d = q.shape
@@ -72,7 +74,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
             p = torch.exp2(s * sl2 - shift[..., None])
             p_max = max(p_max, float(p.max()))
             rowsum = rowsum * factor + p.sum(-1)
-            o = o * factor[..., None] + p.to(p_dtype).float() @ vv[:, :, cols]
+            o = o * factor[..., None] + _rounded(p, p_dtype) @ vv[:, :, cols]
         if sinks is None:
             inv = torch.where(rowsum > 0, 1.0 / rowsum, torch.zeros_like(rowsum))
             out[:, :, rows] = o * inv[..., None]
@@ -90,6 +92,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     if record is not None:
         record.update(p_max=p_max, rescales=rescales)
     return out, lse
+
+
+def _rounded(p: torch.Tensor, p_dtype) -> torch.Tensor:
+    """P as the P V product reads it (fp32): in p_dtype, or NVFP4 per 16 keys (the block's
+    columns past Nkv are the kernel's masked zeros)."""
+    if p_dtype != "nvfp4":
+        return p.to(p_dtype).float()
+    from ..nvfp4 import BLOCK, quantize_nvfp4
+
+    n = p.shape[-1]
+    padded = torch.nn.functional.pad(p, (0, -n % BLOCK))
+    return quantize_nvfp4(padded, tensor_scale=1.0).dequantize()[..., :n]
 
 
 __all__ = ["forward"]

@@ -21,13 +21,18 @@ some row needs it, after PV[n-1] completed (o_done) and before P[n] is published
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import tcgen05
 
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_tensor
-from .config import RESCALE_THRESHOLD
+from .config import FP4_MMA_K, RESCALE_THRESHOLD, SF_ATOM_BYTES, SF_ATOM_ROWS, SF_VEC
 from .skeleton_sm100 import Ctx, RingSkeletonSm100, Roles
 
 
@@ -101,9 +106,10 @@ class FFPAFwdSm100(RingSkeletonSm100):
             row_sum += p
             if const_expr(self.dtype.width == 16):
                 tPr[e] = p.to(self.dtype)
-            else:  # e4m3 converts in pairs: P in place of S, converted below
+            else:  # e4m3 converts in pairs: P in place of S, converted below (NVFP4: per
+                # 16-key block with its scale, by `_scale_store_p`)
                 tSr[e] = p
-        if const_expr(self.dtype.width != 16):
+        if const_expr(self.dtype.width != 16 and not self.BLOCK_SCALED):
             tPr.store(tSr.load().to(self.dtype))
         state[0] = m_run
         state[1] = state[1] * factor + row_sum
@@ -179,11 +185,257 @@ class FFPAFwdSm100FP8(FFPAFwdSm100):
     @cute.jit
     def _init_state(self, ctx: Ctx):
         """The forward's state with the descales of this (batch, KV head) folded in."""
-        state = super()._init_state(ctx)
+        state = FFPAFwdSm100._init_state(self, ctx)
         _, mQd, mKd, mVd = ctx.stats
         state[2] = ctx.scale_log2 * mQd[ctx.batch, ctx.head_c] * mKd[ctx.batch, ctx.head_c]
         state[3] = mVd[ctx.batch, ctx.head_c]
         return state
 
 
-__all__ = ["FFPAFwdSm100", "FFPAFwdSm100FP8"]
+class ScaleSmem(NamedTuple):
+    """The NVFP4 forward's scale tensors: the global ones ((B, H, row atoms, bytes) uint8, the
+    host's blocked layout) and the shared-memory regions (their stage layouts from
+    cutlass.utils.blockscaled_layout; P's codes in the PV MMA's A layout)."""
+
+    g_rows: cute.Tensor
+    g_cols: cute.Tensor
+    g_b: cute.Tensor
+    s_rows: cute.Tensor
+    s_cols: cute.Tensor
+    s_b: cute.Tensor
+    sP: cute.Tensor
+    s_p: cute.Tensor
+    p_words: cute.Tensor
+
+
+class ScaleCopy(NamedTuple):
+    """One operand's scales on the MMA thread: the tcgen05.cp (smem -> TMEM) copy, its staged
+    source and its destination, and the TMEM tensor the MMAs point into per K-block."""
+
+    copy: object
+    src: cute.Tensor
+    dst: cute.Tensor
+    tmem: cute.Tensor
+
+
+class ScaleTmem(NamedTuple):
+    qk_rows: ScaleCopy
+    qk_cols: ScaleCopy
+    p: ScaleCopy
+    b: ScaleCopy
+
+
+class FFPAFwdSm100FP4(FFPAFwdSm100FP8):
+    """The forward for NVFP4 Q, K, V^T (`FwdFP4ConfigSm100`): tcgen05.mma kind::mxf4nvf4
+    (E2M1 operands, one E4M3 scale per 16 elements along K, K = 64, fp32 accumulation) for
+    both products.
+
+    **Compile-verified only, never run** (no sm_100 GPU here): CI compiles it for sm_100a and
+    checks its PTX; on a B200 each configuration first passes nvfp4.canary.
+
+    As the e4m3 forward, with these differences (the plan: config.FwdFP4ConfigSm100):
+      1. Operands as ffpa_cute/nvfp4.py encodes them (codes two per byte), V as the NVFP4 of
+         V^T ([B, Hkv, D, Npad], both PV operands K-major as kind::mxf4nvf4 requires); the
+         scales in the kernels' blocked layout (`nvfp4.blocked_scales`: per 128-row atom and
+         64-element K-block, 512 contiguous bytes), so each stage's scales are one or two
+         bulk copies (cp.async.bulk, multicast with the codes) on the stage's barrier.
+      2. Before a stage's MMAs the MMA thread copies its scales to TMEM (tcgen05.cp
+         32x128b.warpx4, CUTLASS's S2T layout) and points each MMA's SFA / SFB at its
+         K-block; V^T's 192-row slice starts 0 or 64 rows into its first atom, so its scale
+         pointer moves by 0 or 2 columns.
+      3. P goes through shared memory: each softmax thread rounds its row's P (<= 2^8, the
+         frame rule) per 16 keys as nvfp4.py does with tensor scale 1 (scale = e4m3(amax / 6)
+         <= 42.7, code = e2m1(p / scale), satfinite), writes the codes in the PV MMA's
+         A layout and the scales as one 32-bit word per 64 keys, then fences them for the
+         async proxy before p_full. The row sum uses P before rounding.
+      4. Dv == D, a multiple of 64; no window or sinks (config.can_implement)."""
+
+    OPERANDS = ("q", "q_sf", "k", "k_sf", "v", "v_sf", "o", "lse", "q_descale", "k_descale",
+                "v_descale")
+    BLOCK_SCALED = True
+    B_K_MAJOR = True
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """q, q_sf, k, k_sf, v (V^T), v_sf (uint8: codes, blocked scales), o (out_dtype),
+        lse, then three (B, Hkv) fp32 descales."""
+        u8, f32 = cutlass.Uint8, Float32
+        ops = [fake_tensor(u8, 4, 16) for _ in range(6)]
+        return (*ops, fake_tensor(CUTLASS_DTYPES[cfg.out_dtype], 4, 8), fake_tensor(f32, 3, 1),
+                *(fake_tensor(f32, 2, 1) for _ in range(3)))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mQsf: cute.Tensor, mK: cute.Tensor, mKsf: cute.Tensor,
+                 mVt: cute.Tensor, mVtsf: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+        """q, k: (B, H, N, D / 2) uint8 codes; v: V^T's codes (B, Hkv, D, Npad / 2); q_sf,
+        k_sf, v_sf: their blocked scales (B, H, row atoms, K-blocks * 512) uint8; o: (B, Hq,
+        Nq, D) out_dtype; lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32."""
+        f4 = self.dtype
+        q, k, vt = (cute.recast_tensor(t, f4) for t in (mQ, mK, mVt))
+        self._launch(Roles(rows=q, cols=k, rows2=None, cols2=None, acc_b=vt, out=mO),
+                     (mLSE, mQd, mKd, mVd), softmax_scale, causal_offset, stream,
+                     scales=(mQsf, mKsf, mVtsf))
+
+    def _tiled_mmas(self):
+        """Both products kind::mxf4nvf4 with K-major operands from shared memory (P too)."""
+        major = cute.nvgpu.OperandMajorMode.K
+        args = (self.dtype, self.dtype, major, major, cutlass.Float8E4M3FN, SF_VEC,
+                tcgen05.CtaGroup.ONE)
+        return (sm100_utils.make_blockscaled_trivial_tiled_mma(*args, self.qk_tiler[:2]),
+                sm100_utils.make_blockscaled_trivial_tiled_mma(*args, self.pv_tiler[:2]))
+
+    # ------------------------------------------------------------------ layouts and storage
+    def _scale_layouts(self, qk, pv):
+        """Shared-memory layouts of the scales: R's and C's per QK stage (4 K-blocks of one
+        atom), V^T's per V stage (one K-block of two atoms: N = 192 rounded to 256), P's per
+        buffer (two K-blocks of one atom)."""
+        cfg = self.cfg
+        return (blockscaled.make_smem_layout_sfa(qk, self.qk_tiler, SF_VEC, cfg.qk_stages),
+                blockscaled.make_smem_layout_sfb(qk, self.qk_tiler, SF_VEC, cfg.qk_stages),
+                blockscaled.make_smem_layout_sfb(pv, self.pv_tiler, SF_VEC, cfg.v_stages),
+                blockscaled.make_smem_layout_sfa(pv, self.p_tiler, SF_VEC, 2))
+
+    def _scale_storage_fields(self, tP_l, layouts) -> dict:
+        """config.FwdFP4ConfigSm100.smem_regions' scale and P regions, in order."""
+        mem, align, e4m3 = cute.struct.MemRange, cute.struct.Align, cutlass.Float8E4M3FN
+        sf_r, sf_c, sf_b, sf_p = layouts
+        return {"sf_rows": align[mem[e4m3, cute.cosize(sf_r)], 1024],
+                "sf_cols": align[mem[e4m3, cute.cosize(sf_c)], 1024],
+                "sf_b": align[mem[e4m3, cute.cosize(sf_b)], 1024],
+                "p": align[mem[self.dtype, cute.cosize(tP_l.outer)], 1024],
+                "sf_p": align[mem[e4m3, cute.cosize(sf_p)], 1024]}
+
+    def _scale_smem(self, storage, scaled, tP_l):
+        (g_rows, g_cols, g_b), (sf_r, sf_c, sf_b, sf_p) = scaled
+        s_p = storage.sf_p.get_tensor(sf_p)
+        # P's scale words: row m's word for K-block kb of buffer b at 4 (m % 32) + m // 32
+        # (the atom's byte 16 (m % 32) + 4 (m // 32)), kb * 128, b * 256
+        words = cute.make_tensor(
+            cute.recast_ptr(s_p.iterator, dtype=Int32),
+            cute.make_layout(((32, 4), 2, 2), stride=((4, 1), SF_ATOM_BYTES // 4,
+                                                       2 * SF_ATOM_BYTES // 4)))
+        return ScaleSmem(g_rows, g_cols, g_b, storage.sf_rows.get_tensor(sf_r),
+                         storage.sf_cols.get_tensor(sf_c), storage.sf_b.get_tensor(sf_b),
+                         storage.p.get_tensor(tP_l.outer, swizzle=tP_l.inner), s_p, words)
+
+    # ------------------------------------------------------------------ loads
+    @cute.jit
+    def _bulk(self, dst, src, nbytes: int, bar, mcast):
+        """One bulk copy of nbytes (16-byte aligned) into this CTA's (mcast: the cluster's)
+        shared memory, completing on bar."""
+        from cutlass.experimental.primitives.nvvm_wrapper import (
+            cp_async_bulk_shared_cluster_global)
+
+        with cute.arch.elect_one():
+            cp_async_bulk_shared_cluster_global(dst, src, bar, nbytes, multicast_mask=mcast)
+
+    @cute.jit
+    def _scale_load_qk(self, sc, s, c, batch, head, c_head, m_block, n, bar, mcast):
+        """Chunk c's scales of the row tile (Q) and of key block n (K): K-blocks 4c .. 4c + 3
+        of one atom each, contiguous in the blocked layout."""
+        nbytes = self.cfg.sf_stage_bytes
+        for g, sdst, h, atom in ((sc.g_rows, sc.s_rows, head, m_block),
+                                 (sc.g_cols, sc.s_cols, c_head, n)):
+            src = cute.local_tile(g[batch, h, atom, None], (nbytes,), (c,))
+            self._bulk(sdst[None, None, None, s].iterator, src.iterator, nbytes, bar, mcast)
+
+    @cute.jit
+    def _scale_load_b(self, sc, s, batch, c_head, o_part, kblock, bar):
+        """V^T's scales of this CTA's 192 rows at one K-block of 64 keys: the two atoms from
+        the one holding its first row."""
+        atom0 = o_part * self.cfg.acc_cta // SF_ATOM_ROWS
+        dst = sc.s_b[None, None, None, s].iterator
+        for t in cutlass.range_constexpr(2):
+            src = cute.local_tile(sc.g_b[batch, c_head, atom0 + t, None], (SF_ATOM_BYTES,),
+                                  (kblock,))
+            self._bulk(dst + t * SF_ATOM_BYTES, src.iterator, SF_ATOM_BYTES, bar, None)
+
+    # ------------------------------------------------------------------ MMA thread
+    @cute.jit
+    def _scale_copy(self, smem: cute.Tensor, tmem_t: cute.Tensor) -> ScaleCopy:
+        """The tcgen05.cp (32x128b, warpx4) of a staged scale region into tmem_t."""
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE),
+                                   cutlass.Float8E4M3FN)
+        dst_c = cute.filter_zeros(tmem_t)
+        tiled = tcgen05.make_s2t_copy(atom, dst_c)
+        thr = tiled.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(cute.filter_zeros(smem)))
+        return ScaleCopy(tiled, src, thr.partition_D(dst_c), tmem_t)
+
+    @cute.jit
+    def _scale_tmem(self, sc, tmem, qk, pv, o_part):
+        """The TMEM scale regions (config.FwdFP4ConfigSm100.tmem_regions) and their copies.
+        V^T's MMA pointer starts (o_part * 192) % 128 / 32 columns into its region (the slice's
+        first row inside its first atom)."""
+        cfg, e4m3 = self.cfg, cutlass.Float8E4M3FN
+
+        def region(col, lay):
+            return cute.make_tensor(cute.recast_ptr(tmem + col, dtype=e4m3), lay)
+
+        def stage0(t):
+            return cute.slice_(t.layout, (None, None, None, 0))
+
+        sf_qk, sf_pv = cfg.sf_qk_offset, cfg.sf_pv_offset
+        t_rows = region(sf_qk, blockscaled.make_tmem_layout_sfa(qk, self.qk_tiler, SF_VEC,
+                                                                stage0(sc.s_rows)))
+        t_cols = region(sf_qk + 4 * cute.size(t_rows, mode=[2]),
+                        blockscaled.make_tmem_layout_sfb(qk, self.qk_tiler, SF_VEC,
+                                                         stage0(sc.s_cols)))
+        t_p = region(sf_pv, blockscaled.make_tmem_layout_sfa(pv, self.p_tiler, SF_VEC,
+                                                             stage0(sc.s_p)))
+        b_col = sf_pv + 4 * cute.size(t_p, mode=[2])
+        b_lay = blockscaled.make_tmem_layout_sfb(pv, self.pv_tiler, SF_VEC, stage0(sc.s_b))
+        shift = (o_part * cfg.acc_cta) % SF_ATOM_ROWS // 32
+        b_copy = self._scale_copy(sc.s_b, region(b_col, b_lay))
+        return ScaleTmem(self._scale_copy(sc.s_rows, t_rows),
+                         self._scale_copy(sc.s_cols, t_cols),
+                         self._scale_copy(sc.s_p, t_p),
+                         ScaleCopy(b_copy.copy, b_copy.src, b_copy.dst,
+                                   region(b_col + shift, b_lay)))
+
+    @cute.jit
+    def _scale_s2t(self, part: ScaleCopy, stage):
+        cute.copy(part.copy, part.src[None, None, None, None, stage], part.dst)
+
+    @cute.jit
+    def _scale_set(self, mma, sfa: ScaleCopy, sfb: ScaleCopy, ka, kb):
+        """The next MMA's scale pointers: A's K-block ka, B's K-block kb."""
+        mma.set(tcgen05.Field.SFA, sfa.tmem[None, None, ka].iterator)
+        mma.set(tcgen05.Field.SFB, sfb.tmem[None, None, kb].iterator)
+
+    # ------------------------------------------------------------------ softmax threads
+    @cute.jit
+    def _scale_store_p(self, ctx: Ctx, sc, tSr, buf):
+        """This row's P (fp32 in tSr, column e = element e, <= 2^8) to NVFP4 in shared memory
+        (class docstring, 3.), fenced for the MMA's async reads."""
+        tSr = cute.make_tensor(tSr.iterator, cute.make_layout(cute.size(tSr)))  # compact
+        blocks = cute.size(tSr) // SF_VEC
+        amax = cute.make_rmem_tensor((blocks,), Float32)
+        for b in cutlass.range_constexpr(blocks):
+            a = tSr[b * SF_VEC]
+            for e in cutlass.range_constexpr(1, SF_VEC):
+                a = cute.arch.fmax(a, tSr[b * SF_VEC + e])
+            amax[b] = a * (1.0 / 6.0)
+        scale8 = cute.make_rmem_tensor((blocks,), cutlass.Float8E4M3FN)
+        scale8.store(amax.load().to(cutlass.Float8E4M3FN))
+        amax.store(scale8.load().to(Float32))  # the scales as rounded
+        for b in cutlass.range_constexpr(blocks):
+            inv = Float32(0.0)
+            if amax[b] > Float32(0.0):
+                inv = cute.arch.rcp_approx(amax[b])
+            for e in cutlass.range_constexpr(SF_VEC):
+                tSr[b * SF_VEC + e] = tSr[b * SF_VEC + e] * inv
+        codes = cute.make_rmem_tensor((cute.size(tSr),), self.dtype)
+        codes.store(tSr.load().to(self.dtype))
+        row = ctx.tidx
+        words = cute.recast_tensor(scale8, Int32)
+        for kb in cutlass.range_constexpr(cute.size(tSr) // FP4_MMA_K):
+            cute.autovec_copy(cute.local_tile(codes, (FP4_MMA_K,), (kb,)),
+                              sc.sP[(row, None), 0, kb, buf])
+            sc.p_words[row, kb, buf] = words[kb]
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+
+__all__ = ["FFPAFwdSm100", "FFPAFwdSm100FP4", "FFPAFwdSm100FP8"]

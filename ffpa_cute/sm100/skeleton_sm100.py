@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..common.mask import mask_row, n_block_max, n_block_min, query_block_range
-from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhnd
+from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
 SOFTMAX_FIRST, SOFTMAX_WARPS, _ = _role("softmax")
@@ -92,7 +92,16 @@ class Ctx(NamedTuple):
 
 
 class RingSkeletonSm100(KernelEntry):
-    """The skeleton; a kernel subclasses it with its OPERANDS, `__call__` and hooks."""
+    """The skeleton; a kernel subclasses it with its OPERANDS, `__call__` and hooks.
+
+    BLOCK_SCALED: the operands carry block scale factors (NVFP4: `FFPAFwdSm100FP4`): the
+    load thread copies each stage's scales beside its codes, the MMA thread moves them to TMEM
+    (tcgen05.cp) before the MMAs that read them, and P (with its scales) goes through shared
+    memory instead of TMEM; the `_scale_*` hooks below do that part. B_K_MAJOR: the
+    accumulator's B operand arrives transposed ((B, H, dim, N): V^T), K-major."""
+
+    BLOCK_SCALED = False
+    B_K_MAJOR = False
 
     def __init__(self, cfg: FwdConfigSm100):
         reason = can_implement(cfg)
@@ -119,16 +128,18 @@ class RingSkeletonSm100(KernelEntry):
     # ------------------------------------------------------------------ host side
     @cute.jit
     def _launch(self, roles: Roles, stats, softmax_scale: Float32, causal_offset: Int32,
-                stream, window_lo: Int32 = 0):
+                stream, window_lo: Int32 = 0, scales=None):
         """TMA atoms, the storage struct, the grid (ceil(N_R / 128) * o_split, H_R, B) and the
         launch (clusters of o_split CTAs along x with `multicast`). `stats`: the tensors the
         hooks read (LSE, Delta; the forward's LSE output and sinks), or None. `window_lo`: read
-        with `window`."""
+        with `window`. `scales`: with BLOCK_SCALED, the scale tensors of R, C and the B
+        operand (`_scale_layouts` says how they are laid out)."""
         cfg = self.cfg
         dims = cfg.products
         r1 = aligned_bhnd(roles.rows, dims[0], self.dtype)
         c1 = aligned_bhnd(roles.cols, dims[0], self.dtype)
-        acc_b = aligned_bhnd(roles.acc_b, cfg.acc_dim, self.dtype)
+        acc_b = (aligned_bhdn if const_expr(self.B_K_MAJOR) else aligned_bhnd)(
+            roles.acc_b, cfg.acc_dim, self.dtype)
         out = aligned_bhnd(roles.out, cfg.acc_dim, self.out_dtype)
         qk, pv = self._tiled_mmas()
         sR_l = sm100_utils.make_smem_layout_a(qk, self.qk_tiler, self.dtype, cfg.qk_stages)
@@ -157,26 +168,31 @@ class RingSkeletonSm100(KernelEntry):
                                                            qk, cluster)
             second = (tma_r2, gR2, tma_c2, gC2)
         # the B operand as (acc_dim, N, H, B): the accumulator MMA's N = its columns
-        tB = cute.make_tensor(acc_b.iterator, cute.select(acc_b.layout, mode=[3, 2, 1, 0]))
+        tB = _nd(acc_b) if const_expr(self.B_K_MAJOR) else cute.make_tensor(
+            acc_b.iterator, cute.select(acc_b.layout, mode=[3, 2, 1, 0]))
         tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
             g2s, tB, cute.slice_(sB_l, (None, None, None, 0)), self.pv_tiler, pv, cluster)
 
-        Storage = self._storage(sR_l, sC_l, sB_l)
+        scaled = None
+        if const_expr(self.BLOCK_SCALED):
+            scaled = (scales, self._scale_layouts(qk, pv))
+        Storage = self._storage(sR_l, sC_l, sB_l, tP_l, scaled)
         assert Storage.size_in_bytes() == cfg.smem_bytes(), (Storage.size_in_bytes(),
                                                              cfg.smem_bytes())
         grid = (cute.ceil_div(r1.shape[2], TILE_M) * cfg.o_split, cute.size(out.shape[1]),
                 cute.size(out.shape[0]))
         self.kernel(qk, pv, (tma_r1, gR1, tma_c1, gC1), second, (tma_b, gB), out, stats,
                     c1.shape[2], c1.shape[1], r1.shape[2], softmax_scale, causal_offset,
-                    window_lo, sR_l, sC_l, sB_l, tP_l, Storage).launch(
+                    window_lo, sR_l, sC_l, sB_l, tP_l, scaled, Storage).launch(
             grid=grid, block=[num_threads(), 1, 1], smem=Storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1,
             **({"cluster": [cfg.cluster_size, 1, 1]} if const_expr(cfg.multicast) else {}))
 
-    def _storage(self, sR_l, sC_l, sB_l):
+    def _storage(self, sR_l, sC_l, sB_l, tP_l, scaled):
         """The shared-memory struct: cfg.barriers() in order, the TMEM address, the column
-        statistics (dV / dK), the rings (each 1 KB aligned); its size is `cfg.smem_bytes()`
-        (asserted at compile time)."""
+        statistics (dV / dK), the rings (each 1 KB aligned), then BLOCK_SCALED's regions
+        (`_scale_storage_fields`); its size is `cfg.smem_bytes()` (asserted at compile
+        time)."""
         mem, align = cute.struct.MemRange, cute.struct.Align
         fields = {name: mem[cutlass.Int64, n] for name, (n, _) in self.cfg.barriers().items()}
         fields["tmem_addr"] = cutlass.Int32
@@ -185,6 +201,8 @@ class RingSkeletonSm100(KernelEntry):
                                        16]
         for name, lay in (("sR", sR_l), ("sC", sC_l), ("sB", sB_l)):
             fields[name] = align[mem[self.dtype, cute.cosize(lay.outer)], 1024]
+        if const_expr(scaled is not None):
+            fields.update(self._scale_storage_fields(tP_l, scaled[1]))
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ the kernel
@@ -194,7 +212,7 @@ class RingSkeletonSm100(KernelEntry):
                softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
                sR_l: cute.ComposedLayout,
                sC_l: cute.ComposedLayout, sB_l: cute.ComposedLayout,
-               tP_l: cute.ComposedLayout, Storage: cutlass.Constexpr):
+               tP_l: cute.ComposedLayout, scaled, Storage: cutlass.Constexpr):
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -238,12 +256,18 @@ class RingSkeletonSm100(KernelEntry):
                                 thr_qk.make_fragment_C(cute.append(s_shape, 2)).layout)
         o_shape = thr_pv.partition_shape_C(self.pv_tiler[:2])
         tOtO = cute.make_tensor(tmem + cfg.o_offset, thr_pv.make_fragment_C(o_shape).layout)
-        p_ratio = Float32.width // self.dtype.width  # P elements per TMEM column (2 or 4)
-        tOrP = thr_pv.make_fragment_A(cute.make_tensor(tmem, tP_l.outer))[None, None, None, 0]
-        tOrP = cute.make_tensor(
-            tOrP.iterator + cfg.p_offset[0] * p_ratio,
-            cute.append(tOrP.layout, cute.make_layout(
-                (2,), stride=((cfg.p_offset[1] - cfg.p_offset[0]) * p_ratio,))))
+        sc = None
+        if const_expr(self.BLOCK_SCALED):  # P (two buffers) in shared memory
+            sc = self._scale_smem(storage, scaled, tP_l)
+            tOrP = pv.make_fragment_A(sc.sP)
+        else:
+            p_ratio = Float32.width // self.dtype.width  # P elements per TMEM column (2 or 4)
+            tOrP = thr_pv.make_fragment_A(
+                cute.make_tensor(tmem, tP_l.outer))[None, None, None, 0]
+            tOrP = cute.make_tensor(
+                tOrP.iterator + cfg.p_offset[0] * p_ratio,
+                cute.append(tOrP.layout, cute.make_layout(
+                    (2,), stride=((cfg.p_offset[1] - cfg.p_offset[0]) * p_ratio,))))
 
         # the block walk: the heads of C this row tile meets (G = the GQA group) and its blocks
         group = (heads_c // mOut.shape[1] if const_expr(cfg.rows_are_keys)
@@ -252,9 +276,9 @@ class RingSkeletonSm100(KernelEntry):
 
         if warp == LOAD_WARP:
             self._load(first, second, acc_b, sR, sC, sB, thr_qk, thr_pv, bars, m_block, o_part,
-                       head, batch, walk)
+                       head, batch, walk, sc)
         if warp == MMA_WARP:
-            self._mma(qk, pv, sR, sC, sB, tStS, tOtO, tOrP, bars, walk[0])
+            self._mma(qk, pv, sR, sC, sB, tStS, tOtO, tOrP, bars, walk[0], sc, tmem, o_part)
         if warp < SOFTMAX_FIRST + SOFTMAX_WARPS:
             sStat = None
             if const_expr(cfg.col_stats):
@@ -262,7 +286,7 @@ class RingSkeletonSm100(KernelEntry):
                     cute.make_layout((cfg.tile_n, cfg.col_stats, 2)))
             self._softmax(tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                           seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat,
-                          walk, window_lo)
+                          walk, window_lo, sc)
 
         # every TMEM read done; with `multicast` also every peer's copies into and commits to
         # this CTA's shared memory (each peer consumed every stage before its epilogue)
@@ -304,11 +328,12 @@ class RingSkeletonSm100(KernelEntry):
     # ------------------------------------------------------------------ load
     @cute.jit
     def _load(self, first, second, acc_b, sR, sC, sB, thr_qk, thr_pv, bars, m_block, o_part,
-              head, batch, walk):
+              head, batch, walk, sc):
         """Per block i: its QK-ring stages (each product's chunks), then the B operand's stages
         of block i - lookahead (the one the MMA thread accumulates next); each stage: wait for
         its release (the previous round's phase), expect its bytes, issue the copies (with
-        `multicast` only the chunk's owner copies, into every CTA of the cluster)."""
+        `multicast` only the chunk's owner copies, into every CTA of the cluster; BLOCK_SCALED:
+        the stage's scales beside its codes, on the same barrier)."""
         cfg = self.cfg
         one = cute.make_layout(1)
         n_blocks = walk[0]
@@ -354,11 +379,17 @@ class RingSkeletonSm100(KernelEntry):
                                           tma_bar_ptr=bars["qk_full"] + s, mcast_mask=everyone)
                                 cute.copy(tma_c, tCg[None, c], tCs[None, s],
                                           tma_bar_ptr=bars["qk_full"] + s, mcast_mask=everyone)
+                                if const_expr(sc is not None):
+                                    self._scale_load_qk(sc, s, c, batch, head, c_head, m_block,
+                                                        n, bars["qk_full"] + s, everyone)
                         else:
                             cute.copy(tma_r, tRg[None, c], tRs1[None, s],
                                       tma_bar_ptr=bars["qk_full"] + s)
                             cute.copy(tma_c, tCg[None, c], tCs[None, s],
                                       tma_bar_ptr=bars["qk_full"] + s)
+                            if const_expr(sc is not None):
+                                self._scale_load_qk(sc, s, c, batch, head, c_head, m_block, n,
+                                                    bars["qk_full"] + s, None)
                         qk_i += 1
             if i >= cfg.lookahead:
                 c_head, n = self._block(walk, i - cfg.lookahead)
@@ -375,15 +406,23 @@ class RingSkeletonSm100(KernelEntry):
                         cute.arch.mbarrier_arrive_and_expect_tx(bars["v_full"] + s, v_bytes)
                     cute.copy(tma_b, tBg[None, n * cfg.v_blocks_per_tile + j], tBs[None, s],
                               tma_bar_ptr=bars["v_full"] + s)
+                    if const_expr(sc is not None):
+                        self._scale_load_b(sc, s, batch, c_head, o_part,
+                                           n * cfg.v_blocks_per_tile + j, bars["v_full"] + s)
                     v_i += 1
 
     # ------------------------------------------------------------------ MMA
     @cute.jit
-    def _mma(self, qk, pv, sR, sC, sB, tStS, tOtO, tOrP, bars, n_blocks):
+    def _mma(self, qk, pv, sR, sC, sB, tStS, tOtO, tOrP, bars, n_blocks, sc, tmem, o_part):
         """Per block i: the score products into their buffers (one product: buffer i % 2; two:
         S into 0, dP into 1), a commit on s_full; then the accumulator MMAs of block
-        i - lookahead once its P / dS is in TMEM (p_full), a commit on o_done."""
+        i - lookahead once its P / dS is in TMEM (p_full), a commit on o_done. BLOCK_SCALED:
+        each stage's (and P's) scales are copied to TMEM before the MMAs that read them
+        (tcgen05.cp and tcgen05.mma of one thread run in issue order) and set per MMA."""
         cfg = self.cfg
+        sf = None
+        if const_expr(sc is not None):
+            sf = self._scale_tmem(sc, tmem, qk, pv, o_part)
         tSrR, tSrC = qk.make_fragment_A(sR), qk.make_fragment_B(sC)
         tOrB = pv.make_fragment_B(sB)
         k_blocks = cute.size(tSrR, mode=[2])  # score MMAs per QK stage (128 bytes / 32)
@@ -395,30 +434,32 @@ class RingSkeletonSm100(KernelEntry):
             if i < n_blocks:
                 for p in cutlass.range_constexpr(len(cfg.products)):
                     acc = tStS[None, None, None, i % 2 if const_expr(nbuf == 2) else p]
-                    for c in cutlass.range_constexpr(cfg.product_chunks[p]):
-                        s = qk_i % cfg.qk_stages
-                        cute.arch.mbarrier_wait(bars["qk_full"] + s,
-                                                (qk_i // cfg.qk_stages) & 1)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            qk.set(tcgen05.Field.ACCUMULATE, c > 0 or kb > 0)
-                            cute.gemm(qk, acc, tSrR[None, None, kb, s], tSrC[None, None, kb, s],
-                                      acc)
-                        with cute.arch.elect_one():  # (`multicast`: on every CTA's stage s)
-                            tcgen05.commit(bars["qk_empty"] + s,
-                                           (1 << cfg.cluster_size) - 1
-                                           if const_expr(cfg.multicast) else None)
-                        qk_i += 1
+                    if const_expr(sf is not None):  # NVFP4: a loop (unrolled, the per-MMA
+                        # scale pointers of every chunk would not fit the registers)
+                        for c in cutlass.range(cfg.product_chunks[p], unroll=1):
+                            qk_i, qk = self._score_stage(qk, acc, tSrR, tSrC, bars, qk_i,
+                                                         c > 0, k_blocks, sf)
+                    else:
+                        for c in cutlass.range_constexpr(cfg.product_chunks[p]):
+                            qk_i, qk = self._score_stage(qk, acc, tSrR, tSrC, bars, qk_i,
+                                                         c > 0, k_blocks, sf)
                 with cute.arch.elect_one():
                     tcgen05.commit(bars["s_full"] + i % nbuf)
             if i >= cfg.lookahead:
                 b = i - cfg.lookahead
                 cute.arch.mbarrier_wait(bars["p_full"] + b % nbuf, (b // nbuf) & 1)
+                if const_expr(sf is not None):
+                    self._scale_s2t(sf.p, b % nbuf)
                 for j in cutlass.range_constexpr(cfg.v_blocks_per_tile):
                     s = v_i % cfg.v_stages
                     cute.arch.mbarrier_wait(bars["v_full"] + s, (v_i // cfg.v_stages) & 1)
+                    if const_expr(sf is not None):
+                        self._scale_s2t(sf.b, s)
                     for kb in cutlass.range_constexpr(b_blocks):
                         # the first block's first MMA overwrites the accumulator
                         pv.set(tcgen05.Field.ACCUMULATE, b > 0 if j == 0 and kb == 0 else True)
+                        if const_expr(sf is not None):
+                            self._scale_set(pv, sf.p, sf.b, j * b_blocks + kb, kb)
                         cute.gemm(pv, tOtO, tOrP[None, None, j * b_blocks + kb, b % nbuf],
                                   tOrB[None, None, kb, s], tOtO)
                     with cute.arch.elect_one():
@@ -427,11 +468,32 @@ class RingSkeletonSm100(KernelEntry):
                 with cute.arch.elect_one():
                     tcgen05.commit(bars["o_done"])
 
+    @cute.jit
+    def _score_stage(self, qk, acc, tSrR, tSrC, bars, qk_i, accumulate, k_blocks, sf):
+        """One QK-ring stage's score MMAs into acc (overwriting it at the product's first
+        chunk unless `accumulate`), then the stage's release; returns the next stage count and
+        the MMA atom (its fields set here: a loop carries it)."""
+        cfg = self.cfg
+        s = qk_i % cfg.qk_stages
+        cute.arch.mbarrier_wait(bars["qk_full"] + s, (qk_i // cfg.qk_stages) & 1)
+        if const_expr(sf is not None):
+            self._scale_s2t(sf.qk_rows, s)
+            self._scale_s2t(sf.qk_cols, s)
+        for kb in cutlass.range_constexpr(k_blocks):
+            qk.set(tcgen05.Field.ACCUMULATE, accumulate or kb > 0)
+            if const_expr(sf is not None):
+                self._scale_set(qk, sf.qk_rows, sf.qk_cols, kb, kb)
+            cute.gemm(qk, acc, tSrR[None, None, kb, s], tSrC[None, None, kb, s], acc)
+        with cute.arch.elect_one():  # (`multicast`: on every CTA's stage s)
+            tcgen05.commit(bars["qk_empty"] + s,
+                           (1 << cfg.cluster_size) - 1 if const_expr(cfg.multicast) else None)
+        return qk_i + 1, qk
+
     # ------------------------------------------------------------------ softmax threads
     @cute.jit
     def _softmax(self, tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                  seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat, walk,
-                 window_lo):
+                 window_lo, sc):
         """Per block: wait for its scores, load them (two products: S and dP 32 columns at a
         time), mask, the kernel's score step (`_score_step`, which fills the 16-bit operand for
         the columns it is given), store it over buffer 0 / i % 2, publish it; then
@@ -477,7 +539,10 @@ class RingSkeletonSm100(KernelEntry):
                 cute.arch.fence_view_async_tmem_load()
                 self._mask(ctx, tSr, tScS, nb)
                 self._score_step(ctx, state, i, tSr, None, tScS, tPr)
-                cute.copy(st_p, tPr_f32, tPt)
+                if const_expr(sc is not None):  # P and its scales into shared memory
+                    self._scale_store_p(ctx, sc, tSr, buf)
+                else:
+                    cute.copy(st_p, tPr_f32, tPt)
             else:  # S and dP (buffer 1) 32 columns at a time (both rows would not fit the
                 # registers); piece q of the 16-bit result is TMEM columns [16 q, 16 q + 16)
                 tDPt = ld_s.partition_S(cute.make_tensor(s0.iterator + s_stride, s0.layout))
@@ -577,6 +642,41 @@ class RingSkeletonSm100(KernelEntry):
 
     @cute.jit
     def _stage_col_stats(self, ctx: Ctx, c_head, nb, slot):
+        raise NotImplementedError
+
+    # BLOCK_SCALED's hooks (FFPAFwdSm100FP4): the scale layouts and storage, their loads, their
+    # copies to TMEM and the per-MMA scale pointers, P's store to shared memory
+    def _scale_layouts(self, qk, pv):
+        raise NotImplementedError
+
+    def _scale_storage_fields(self, tP_l, layouts) -> dict:
+        raise NotImplementedError
+
+    def _scale_smem(self, storage, scaled, tP_l):
+        raise NotImplementedError
+
+    @cute.jit
+    def _scale_load_qk(self, sc, s, c, batch, head, c_head, m_block, n, bar, mcast):
+        raise NotImplementedError
+
+    @cute.jit
+    def _scale_load_b(self, sc, s, batch, c_head, o_part, kblock, bar):
+        raise NotImplementedError
+
+    @cute.jit
+    def _scale_tmem(self, sc, tmem, qk, pv, o_part):
+        raise NotImplementedError
+
+    @cute.jit
+    def _scale_s2t(self, part, stage):
+        raise NotImplementedError
+
+    @cute.jit
+    def _scale_set(self, mma, sfa, sfb, ka, kb):
+        raise NotImplementedError
+
+    @cute.jit
+    def _scale_store_p(self, ctx: Ctx, sc, tSr, buf):
         raise NotImplementedError
 
 
