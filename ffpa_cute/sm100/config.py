@@ -1,5 +1,6 @@
 """Compile keys, resource plan and planners of the Blackwell tcgen05 kernels: the forward
-(`FFPAFwdSm100`, its e4m3 form) and the backward's dQ / dK / dV, all on `RingSkeletonSm100`.
+(`FFPAFwdSm100`, its e4m3 and NVFP4 forms; the NVFP4 plan differs, `FwdFP4ConfigSm100`) and
+the backward's dQ / dK / dV, all on `RingSkeletonSm100`.
 
 **Compile-verified only, never run**: no sm_100 GPU is available to the project. Everything here
 is what the host can prove without one: the TMEM ledger, the shared-memory plan, the warp roles

@@ -14,6 +14,9 @@ in config.py: S[0], S[1] and O[128 x acc_cta] fill the 512 columns), S double-bu
 runs while the softmax threads work on S[n]. This module holds the forward's own: the online
 softmax of the score step and the epilogue (O / row sum, LSE).
 
+Quantised forms: `FFPAFwdSm100FP8` (e4m3, kind::f8f6f4) and `FFPAFwdSm100FP4` (NVFP4,
+kind::mxf4nvf4 with block scales in TMEM, P through shared memory), same skeleton.
+
 The running max moves only when a row's max grows by more than RESCALE_THRESHOLD (log2 units):
 P <= 2^8 then, and O is rescaled in TMEM (ld, multiply, st) only on such steps, by warps where
 some row needs it, after PV[n-1] completed (o_done) and before P[n] is published.
