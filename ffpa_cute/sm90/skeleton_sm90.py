@@ -858,6 +858,7 @@ class RingSkeletonSm90(KernelEntry):
             # their latency hides behind them (the forward has none)
             pre = self._block_prefetch(tile, io, n_block, stats_head, tScS_mn)
             step = ScoreStep(i, n_block, stats_head, pre)
+            self._trace(extra, 0, i)
             # ---- S = R C[n]^T, streamed over the C ring; each chunk's stage is refilled
             #      with the chunk k_stages ahead as soon as its WGMMAs are done. P[i-1] is
             #      handed over after `publish_after` chunks so that PV[i-1] queues behind them.
@@ -903,13 +904,16 @@ class RingSkeletonSm90(KernelEntry):
                 if i > 0:
                     cute.arch.mbarrier_arrive(bars.p_full + 2 + (hand + i - 1) % 2)
             warpgroup.wait_group(0)
+            self._trace(extra, 1, i)
             if const_expr(not early):
                 self._refill_c(loads, x - 1)
             # ---- the kernel's score step: P (and the rows' factors) in registers, then smem
             self._score_step(tile, io, frags, step, n_count)
+            self._trace(extra, 2, i)
             b = (hand + i) % 2
             # PV of hand-over hand + i - 2 is done
             cute.arch.mbarrier_wait(bars.p_empty + b, (((hand + i) // 2) & 1) ^ 1)
+            self._trace(extra, 3, i)
             if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
                 cute.copy(thr_st, tPrP, tPsP[None, None, None, 2 * b + o_part])
             else:
@@ -917,6 +921,7 @@ class RingSkeletonSm90(KernelEntry):
             self._write_factors(io, frags, b)
             cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
             self._after_p_store(tile, io, b, i, n_count)
+            self._trace(extra, 4, i)
         # ---- last P, then the final row factors the same way; LSE
         if n_iter > 0:
             cute.arch.mbarrier_arrive(bars.p_full + (hand + n_iter - 1) % 2)
@@ -1132,9 +1137,12 @@ class RingSkeletonSm90(KernelEntry):
         x = Int32(at.ring)
         for i in cutlass.range(n_iter, unroll=1):
             b = (hand + i) % 2
+            self._trace(extra, 0, i)
             cute.arch.mbarrier_wait(bar_full + b, ((hand + i) // 2) & 1)
+            self._trace(extra, 1, i)
             if const_expr(self.rescale_o):
                 self._scale_rows(acc_O_mn, tOcO_mn, sFactor, b, num_rows)
+            self._trace(extra, 2, i)
             atom = cute.make_mma_atom(mma_o.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
             if const_expr(self.kv_pair):
@@ -1143,6 +1151,7 @@ class RingSkeletonSm90(KernelEntry):
                 for j in cutlass.range_constexpr(vj):
                     x = self._pv_stage(atom, frags, loads, x, j, b, j > 0)
             warpgroup.wait_group(0)
+            self._trace(extra, 3, i)
             if const_expr(not self.cvt):  # (`cvt` refilled each stage once converted)
                 self._refill_b(loads, x - 1)
             if const_expr(self.rescale_o):  # every lane read sFactor[:, b]: each releases
@@ -1249,6 +1258,12 @@ class RingSkeletonSm90(KernelEntry):
         src = self._b_src(loads, head, n_block * vj + pos % vj)
         self._tma_load(loads.tma, src, loads.tBs[None, s], loads.bar + s,
                        self.b_bytes[loads.half], loads.tidx)
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        """A phase boundary of block / hand-over i (the S warpgroup's events 0-4, the O
+        warpgroups' 0-3, where `_score_tile` and `_acc_tile` call it): nothing here; the
+        experiment perf.phase_trace stamps the SM's clock there."""
 
     @cute.jit
     def _scale_rows(self, acc_O_mn, tOcO_mn, sFactor, b, num_rows: cutlass.Constexpr):

@@ -1,0 +1,208 @@
+"""Where a block's time goes in the sm90 forward, per warpgroup: the kernel with clock64 stamps
+at its phase boundaries (the skeleton's `_trace` hook), for issue 20's / 17's "phase trace
+first".
+
+    python -m perf.phase_trace --precompile DIR     # CPU: compile the traced kernels
+    python -m perf.phase_trace [--out FILE]         # GPU: run them, print the phase table
+
+Stamps (thread 0 of each warpgroup, per block i of the CTA's tile; `clock64`, the SM's cycle
+counter, so only differences within a CTA mean anything):
+  S warpgroup   S0 block start (before its first C chunk's wait), S1 its scores done (after
+                the last QK WGMMA retired), S2 the score step done (P and the factors in
+                registers), S3 P's slot free (p_empty), S4 P stored and fenced
+  O warpgroups  O0 before the P_full wait, O1 P here, O2 O rescaled, O3 the block's PV retired
+Per shape the table gives each phase's median cycles per block over every traced CTA's blocks
+from the third on, and the block period (S0 to the next S0). Experiment only: the traced kernel
+is never routed; its result is the real forward's (the stamps only add stores).
+
+Beside it, at D=512, the same traced kernel with the ring refills faked (`--variants`: a plain
+arrival completes the stage's barrier, no bytes move, the stage keeps stale data): "no K" (the
+K ring's refills), "no V" (the V rings'), "no KV" (both): how much of a block's time is the
+L2 -> SM stream's (wrong results; timing only).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Float32, Int32
+
+from ffpa_cute.common.tensors import fake_args, fake_cu, fake_tensor
+from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
+from ffpa_cute.sm90.skeleton_sm90 import Roles
+from perf import experiment
+
+SHAPES = [  # (D, N, causal)
+    (512, 8192, False), (512, 8192, True), (320, 8192, False), (576, 8192, False),
+    (1024, 8192, False)]
+HEADS = 32
+MAXB = 128        # blocks stamped per CTA
+EVENTS = 8        # stamp slots per (warpgroup, block)
+S_EVENTS = ("S0 start", "S1 scores", "S2 score step", "S3 P slot", "S4 P stored")
+O_EVENTS = ("O0 wait P", "O1 P here", "O2 rescaled", "O3 PV done")
+
+
+class FwdTraced(FFPAFwdSm90):
+    """The 16-bit forward with clock64 stamps (module docstring); the trace tensor takes the
+    sinks' place (a traced config has no sinks)."""
+
+    OPERANDS = ("q", "k", "v", "o", "lse", "trace", "cu_q", "cu_k")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        return (*fake_args(cfg), fake_tensor(cutlass.Int64, 4, 1), *fake_cu(cfg))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mTrace: cute.Tensor, mCuQ, mCuK, softmax_scale: Float32,
+                 causal_offset: Int32, window_lo: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):
+        self._launch(Roles(rows=mQ, cols=mK, acc_b=mV, out=mO), mLSE, softmax_scale,
+                     causal_offset, stream, mTrace, window_lo, num_ctas, (mCuQ, mCuK))
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx % 128 == 0:
+            if i < MAXB:
+                bx, by, bz = cute.arch.block_idx()
+                gx, gy, _ = cute.arch.grid_dim()
+                extra[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
+
+
+class _FakeK(FwdTraced):
+    @cute.jit
+    def _refill_c(self, loads, done):
+        if done + self.cfg.k_stages - loads.base < loads.total:
+            _fake_fill(loads.bar + done % self.cfg.k_stages, loads.tidx)
+
+
+class _FakeV(FwdTraced):
+    @cute.jit
+    def _refill_b(self, loads, done):
+        if done + self.cfg.v_stages - loads.base < loads.total:
+            _fake_fill(loads.bar + done % self.cfg.v_stages, loads.tidx)
+
+
+class _FakeKV(_FakeK):
+    @cute.jit
+    def _refill_b(self, loads, done):
+        if done + self.cfg.v_stages - loads.base < loads.total:
+            _fake_fill(loads.bar + done % self.cfg.v_stages, loads.tidx)
+
+
+@cute.jit
+def _fake_fill(bar, tidx):
+    """The one arrival a stage's full barrier waits for, with no bytes."""
+    if tidx // 32 == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bar)
+
+
+VARIANTS = {"no K": _FakeK, "no V": _FakeV, "no KV": _FakeKV}
+VARIANT_SHAPES = [(512, 8192, False)]
+
+
+def _plan(d: int, causal: bool):
+    import dataclasses
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=8192,
+                    seqlen_kv=8192, head_dim=d, head_dim_v=d, causal=causal)
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    assert plan.reason is None and not plan.cfg.sinks, plan.reason
+    # one CTA per tile (a persistent CTA's stamps would mix its tiles)
+    return dataclasses.replace(plan.cfg, persistent=False)
+
+
+def jobs() -> list:
+    return ([(FwdTraced, _plan(d, causal)) for d, _, causal in SHAPES]
+            + [(cls, _plan(d, causal)) for d, _, causal in VARIANT_SHAPES
+               for cls in VARIANTS.values()])
+
+
+def phases(trace) -> dict:
+    """Median cycles per block of each phase over every traced CTA's blocks from the third on
+    (stamps of 0: a block the CTA did not have)."""
+    import torch
+
+    t = trace[:, :, 2:].double()
+
+    def span(x, a, b):
+        d = x[..., b] - x[..., a]
+        return d[(x[..., a] != 0) & (x[..., b] != 0)]
+
+    s, out = t[:, 0], {}
+    for k in range(4):
+        out[f"S {S_EVENTS[k]} -> {S_EVENTS[k + 1]}"] = span(s, k, k + 1)
+    per = s[:, 1:, 0] - s[:, :-1, 0]
+    out["S block period"] = per[(s[:, 1:, 0] != 0) & (s[:, :-1, 0] != 0)]
+    for name, o in (("O lo", t[:, 1]), ("O hi", t[:, 2])):
+        for k in range(3):
+            out[f"{name} {O_EVENTS[k]} -> {O_EVENTS[k + 1]}"] = span(o, k, k + 1)
+        per = o[:, 1:, 0] - o[:, :-1, 0]
+        out[f"{name} block period"] = per[(o[:, 1:, 0] != 0) & (o[:, :-1, 0] != 0)]
+    return {k: float(torch.median(v).item()) if v.numel() else float("nan")
+            for k, v in out.items()}
+
+
+def run(dev, flush) -> dict:
+    res = {}
+    for d, n, causal in SHAPES:
+        res[_key(d, n, causal)] = _run_one(FwdTraced, d, n, causal, dev, flush)
+    for d, n, causal in VARIANT_SHAPES:
+        for name, cls in VARIANTS.items():
+            res[f"{_key(d, n, causal)} {name}"] = _run_one(cls, d, n, causal, dev, flush,
+                                                          name)
+    return res
+
+
+def _key(d, n, causal) -> str:
+    return f"D={d} N={n}{' causal' if causal else ''}"
+
+
+def _run_one(cls, d, n, causal, dev, flush, variant=None) -> dict:
+    import torch
+
+    from ffpa_cute.cache import jit_cache
+
+    cfg = _plan(d, causal)
+    q, k, v = (torch.randn(1, HEADS, n, d, device=dev, dtype=torch.bfloat16) for _ in "qkv")
+    o = torch.empty_like(q)
+    lse = torch.empty(1, HEADS, n, device=dev)
+    ctas = -(-n // 64) * cfg.ctas_per_tile * HEADS
+    trace = torch.zeros(ctas, 3, MAXB, EVENTS, dtype=torch.int64, device=dev)
+    fn = jit_cache().get(cls, cfg)
+    args = (q, k, v, o, lse, trace, None, None, d ** -0.5, 0, 0, 132)
+    cls.launch(fn, *args)
+    torch.cuda.synchronize()
+    ms = experiment.median_ms(lambda: cls.launch(fn, *args), dev, flush)
+    pairs = n * (n + 1) // 2 if causal else n * n
+    tflops = 4 * HEADS * pairs * d / (ms * 1e9)
+    err = float("nan")
+    if variant is None:
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        err = float(((o.float() - ref.float()).norm() / ref.float().norm()).item())
+    trace.zero_()
+    cls.launch(fn, *args)
+    torch.cuda.synchronize()
+    row = dict(ms=ms, tflops=tflops, err=err, kv_pair=cfg.kv_pair, phases=phases(trace.cpu()))
+    print(f"{_key(d, n, causal)}{' ' + variant if variant else ''}: {ms:.2f} ms, "
+          f"{tflops:.0f} TFLOPS, err {err:.1e}", flush=True)
+    for name, cyc in row["phases"].items():
+        print(f"  {name:40s} {cyc:8.0f}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    return experiment.main("perf.phase_trace", __doc__, jobs, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
