@@ -392,3 +392,30 @@ def test_fp8_rows_on_cpu(tmp_path):
         assert row["results"]["sdpa"]["ms"] is None
     quick = quick_cases(dtypes=("fp8",))
     assert quick and all(c.dtype == "fp8" for c in quick)
+
+
+def test_phase_trace_reads_stamps_and_compiles(tmp_path):
+    """perf.phase_trace: `phases` turns stamps into per-phase medians (blocks from the third on,
+    blocks a CTA did not have ignored), and the traced kernel (the forward with clock64 stamps,
+    never routed) compiles for sm_90a."""
+    import torch
+
+    from perf import phase_trace as pt
+
+    trace = torch.zeros(2, 3, pt.MAXB, pt.EVENTS, dtype=torch.int64)
+    for cta in range(2):
+        for i in range(6 if cta == 0 else 4):  # CTA 1 has fewer blocks
+            t0 = 1000 * i + 1
+            trace[cta, 0, i, :5] = torch.tensor([t0, t0 + 400, t0 + 550, t0 + 600, t0 + 630])
+            for wg in (1, 2):
+                trace[cta, wg, i, :4] = torch.tensor([t0 + 10, t0 + 20, t0 + 50, t0 + 900])
+    ph = pt.phases(trace)
+    assert ph["S S0 start -> S1 scores"] == 400 and ph["S block period"] == 1000
+    assert ph["O lo O2 rescaled -> O3 PV done"] == 850 and ph["O hi O0 wait P -> O1 P here"] == 10
+    import os
+
+    if os.environ.get("CUTE_DSL_ARCH", "sm_90a") == "sm_90a":
+        from ffpa_cute.cache import JitCache
+
+        cls, cfg = pt.jobs()[0]
+        assert JitCache(str(tmp_path), disk=False).get(cls, cfg) is not None
