@@ -4,6 +4,7 @@ first".
 
     python -m perf.phase_trace --precompile DIR     # CPU: compile the traced kernels
     python -m perf.phase_trace [--out FILE]         # GPU: run them, print the phase table
+    python -m perf.phase_trace --bwd [--out FILE]   # GPU: the backward's dQ, dK, dV kernels
 
 Stamps (thread 0 of each warpgroup, per block i of the CTA's tile; `clock64`, the SM's cycle
 counter, so only differences within a CTA mean anything):
@@ -19,11 +20,16 @@ Beside it, at D=512, the same traced kernel with the ring refills faked (`--vari
 arrival completes the stage's barrier, no bytes move, the stage keeps stale data): "no K" (the
 K ring's refills), "no V" (the V rings'), "no KV" (both): how much of a block's time is the
 L2 -> SM stream's (wrong results; timing only).
+
+The backward's dQ, dK and dV kernels run on the same skeleton (`_score_tile`, `_acc_tile`), so
+the same stamps time them (`--bwd`: each kernel on its own, with the LSE and Delta of a real
+forward): S is their score warpgroup (S / dP, then P / dS), O their accumulator warpgroups.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -31,8 +37,9 @@ import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32
 
 from ffpa_cute.common.tensors import fake_args, fake_cu, fake_tensor
+from ffpa_cute.sm90.bwd_sm90 import FFPABwdDKSm90, FFPABwdDQSm90, FFPABwdDVSm90
 from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
-from ffpa_cute.sm90.skeleton_sm90 import Roles
+from ffpa_cute.sm90.skeleton_sm90 import RingSkeletonSm90, Roles
 from perf import experiment
 
 SHAPES = [  # (D, N, causal)
@@ -71,6 +78,108 @@ class FwdTraced(FFPAFwdSm90):
                 bx, by, bz = cute.arch.block_idx()
                 gx, gy, _ = cute.arch.grid_dim()
                 extra[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
+
+
+@cute.jit
+def _stamp(trace, event: cutlass.Constexpr, i):
+    """clock64 into trace[cta, warpgroup, i, event] by each warpgroup's thread 0."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx % 128 == 0:
+        if i < MAXB:
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            trace[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
+
+
+class TracedExtra(NamedTuple):
+    """The two-product kernels' extra (bwd_sm90.TwoProductExtra's fields, which the kernels
+    read by name) and the trace tensor."""
+
+    tma_rows2: object
+    g_rows2: object
+    tma_cols2: object
+    g_cols2: object
+    mDelta: object
+    trace: object
+
+
+class BwdDVTraced(FFPABwdDVSm90):
+    """dV with stamps (its `extra` is otherwise unused: the trace takes it)."""
+
+    OPERANDS = ("k", "q", "do", "dv", "lse", "trace", "cu_k", "cu_q")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        k, q, do, dv, lse, cu_k, cu_q = FFPABwdDVSm90.fake_inputs(cfg)
+        return k, q, do, dv, lse, fake_tensor(cutlass.Int64, 4, 1), cu_k, cu_q
+
+    @cute.jit
+    def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
+                 mLSE: cute.Tensor, mTrace: cute.Tensor, mCuK, mCuQ, softmax_scale: Float32,
+                 causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream):
+        self._launch(Roles(rows=mK, cols=mQ, acc_b=mdO, out=mdV), mLSE, softmax_scale,
+                     causal_offset, stream, mTrace, window_lo, cu=(mCuK, mCuQ))
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        _stamp(extra, event, i)
+
+
+class _TwoTraced:
+    """dQ / dK with stamps: `__call__` parks the trace tensor, `_launch` adds it to the
+    two-product extra (TracedExtra) on its way to the kernel."""
+
+    @cute.jit
+    def _launch(self, roles, mLSE, softmax_scale, causal_offset, stream, extra,
+                window_lo=None, num_ctas=None, cu=None):
+        RingSkeletonSm90._launch(self, roles, mLSE, softmax_scale, causal_offset, stream,
+                                 TracedExtra(*extra, self._trace_tensor), window_lo, num_ctas,
+                                 cu)
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        _stamp(extra.trace, event, i)
+
+
+class BwdDQTraced(_TwoTraced, FFPABwdDQSm90):
+    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta", "trace", "cu_q", "cu_k")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        *head, cu_q, cu_k = FFPABwdDQSm90.fake_inputs(cfg)
+        return (*head, fake_tensor(cutlass.Int64, 4, 1), cu_q, cu_k)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mTrace: cute.Tensor,
+                 mCuQ, mCuK, softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
+        self._trace_tensor = mTrace
+        self._launch_two(Roles(rows=mQ, cols=mK, acc_b=mK, out=mdQ), mdO, mV, mLSE, mDelta,
+                         softmax_scale, causal_offset, window_lo, stream, (mCuQ, mCuK))
+
+
+class BwdDKTraced(_TwoTraced, FFPABwdDKSm90):
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta", "trace", "cu_k", "cu_q")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        *head, cu_k, cu_q = FFPABwdDKSm90.fake_inputs(cfg)
+        return (*head, fake_tensor(cutlass.Int64, 4, 1), cu_k, cu_q)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mTrace: cute.Tensor,
+                 mCuK, mCuQ, softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
+        self._trace_tensor = mTrace
+        self._launch_two(Roles(rows=mK, cols=mQ, acc_b=mQ, out=mdK), mV, mdO, mLSE, mDelta,
+                         softmax_scale, causal_offset, window_lo, stream, (mCuK, mCuQ))
+
+
+BWD_TRACED = {"FFPABwdDQSm90": BwdDQTraced, "FFPABwdDKSm90": BwdDKTraced,
+              "FFPABwdDVSm90": BwdDVTraced}
+BWD_SHAPES = [(512, 8192, False)]
 
 
 class _FakeK(FwdTraced):
@@ -121,10 +230,27 @@ def _plan(d: int, causal: bool):
     return dataclasses.replace(plan.cfg, persistent=False)
 
 
+def _bwd_plan(d: int, n: int, causal: bool):
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=n,
+                    seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal, requires_grad=True)
+    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options())
+    assert plan.reason is None, plan.reason
+    return plan
+
+
+def _bwd_jobs() -> list:
+    return [(BWD_TRACED[cls.__name__], cfg) for d, n, causal in BWD_SHAPES
+            for cls, cfg in _bwd_plan(d, n, causal).jobs if cls.__name__ in BWD_TRACED]
+
+
 def jobs() -> list:
     return ([(FwdTraced, _plan(d, causal)) for d, _, causal in SHAPES]
             + [(cls, _plan(d, causal)) for d, _, causal in VARIANT_SHAPES
-               for cls in VARIANTS.values()])
+               for cls in VARIANTS.values()] + _bwd_jobs())
 
 
 def phases(trace) -> dict:
@@ -200,7 +326,50 @@ def _run_one(cls, d, n, causal, dev, flush, variant=None) -> dict:
     return row
 
 
+def run_bwd(dev, flush) -> dict:
+    """Each gradient kernel of the planned backward, stamped, on its own."""
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import launch
+
+    res = {}
+    for d, n, causal in BWD_SHAPES:
+        plan = _bwd_plan(d, n, causal)
+        q, k, v, do = (torch.randn(1, HEADS, n, d, device=dev, dtype=torch.bfloat16)
+                       for _ in "qkvd")
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, return_lse=True)
+        t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse.contiguous(),
+                 delta=(do.float() * out.float()).sum(-1).contiguous(),
+                 dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+        scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
+        for cls, cfg in plan.jobs:
+            traced = BWD_TRACED.get(cls.__name__)
+            if traced is None:
+                continue
+            ctas = -(-n // 64) * cfg.ctas_per_tile * HEADS  # N row tiles (queries or keys)
+            trace = torch.zeros(ctas, 3, MAXB, EVENTS, dtype=torch.int64, device=dev)
+            args = {**t, "trace": trace}
+            launch.run_job(traced, cfg, args, scalars)
+            torch.cuda.synchronize()
+            ms = experiment.median_ms(lambda: launch.run_job(traced, cfg, args, scalars), dev,
+                                      flush)
+            trace.zero_()
+            launch.run_job(traced, cfg, args, scalars)
+            torch.cuda.synchronize()
+            key = f"{_key(d, n, causal)} {cls.__name__}"
+            res[key] = dict(ms=ms, phases=phases(trace.cpu()))
+            print(f"{key}: {ms:.2f} ms", flush=True)
+            for name, cyc in res[key]["phases"].items():
+                print(f"  {name:40s} {cyc:8.0f}", flush=True)
+    return res
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--bwd" in argv:
+        argv.remove("--bwd")
+        return experiment.main("perf.phase_trace --bwd", __doc__, jobs, run_bwd, argv)
     return experiment.main("perf.phase_trace", __doc__, jobs, run, argv)
 
 
