@@ -396,8 +396,8 @@ def test_fp8_rows_on_cpu(tmp_path):
 
 def test_phase_trace_reads_stamps_and_compiles(tmp_path):
     """perf.phase_trace: `phases` turns stamps into per-phase medians (blocks from the third on,
-    blocks a CTA did not have ignored), and the traced kernel (the forward with clock64 stamps,
-    never routed) compiles for sm_90a."""
+    blocks a CTA did not have ignored), and the traced kernels (the forward and the backward's
+    dK with clock64 stamps, never routed) compile for sm_90a."""
     import torch
 
     from perf import phase_trace as pt
@@ -417,5 +417,9 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
     if os.environ.get("CUTE_DSL_ARCH", "sm_90a") == "sm_90a":
         from ffpa_cute.cache import JitCache
 
+        cache = JitCache(str(tmp_path), disk=False)
         cls, cfg = pt.jobs()[0]
-        assert JitCache(str(tmp_path), disk=False).get(cls, cfg) is not None
+        assert cache.get(cls, cfg) is not None
+        # the backward's: dK (the two-product extra carries the trace tensor)
+        cls, cfg = next(j for j in pt._bwd_jobs() if j[0] is pt.BwdDKTraced)
+        assert cache.get(cls, cfg) is not None
