@@ -434,8 +434,8 @@ class RingSkeletonSm100(KernelEntry):
             if i < n_blocks:
                 for p in cutlass.range_constexpr(len(cfg.products)):
                     acc = tStS[None, None, None, i % 2 if const_expr(nbuf == 2) else p]
-                    if const_expr(sf is not None):  # NVFP4: a loop (unrolled, the per-MMA
-                        # scale pointers of every chunk would not fit the registers)
+                    if const_expr(sf is not None):  # NVFP4: a dynamic loop (unrolled,
+                        # every chunk's per-MMA scale pointers spilled at D = 1024)
                         for c in cutlass.range(cfg.product_chunks[p], unroll=1):
                             qk_i, qk = self._score_stage(qk, acc, tSrR, tSrC, bars, qk_i,
                                                          c > 0, k_blocks, sf)
