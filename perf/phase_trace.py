@@ -52,6 +52,17 @@ S_EVENTS = ("S0 start", "S1 scores", "S2 score step", "S3 P slot", "S4 P stored"
 O_EVENTS = ("O0 wait P", "O1 P here", "O2 rescaled", "O3 PV done")
 
 
+@cute.jit
+def _stamp(trace, event: cutlass.Constexpr, i):
+    """clock64 into trace[cta, warpgroup, i, event] by each warpgroup's thread 0."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx % 128 == 0:
+        if i < MAXB:
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            trace[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
+
+
 class FwdTraced(FFPAFwdSm90):
     """The 16-bit forward with clock64 stamps (module docstring); the trace tensor takes the
     sinks' place (a traced config has no sinks)."""
@@ -72,23 +83,7 @@ class FwdTraced(FFPAFwdSm90):
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx % 128 == 0:
-            if i < MAXB:
-                bx, by, bz = cute.arch.block_idx()
-                gx, gy, _ = cute.arch.grid_dim()
-                extra[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
-
-
-@cute.jit
-def _stamp(trace, event: cutlass.Constexpr, i):
-    """clock64 into trace[cta, warpgroup, i, event] by each warpgroup's thread 0."""
-    tidx, _, _ = cute.arch.thread_idx()
-    if tidx % 128 == 0:
-        if i < MAXB:
-            bx, by, bz = cute.arch.block_idx()
-            gx, gy, _ = cute.arch.grid_dim()
-            trace[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
+        _stamp(extra, event, i)
 
 
 class TracedExtra(NamedTuple):
@@ -103,6 +98,11 @@ class TracedExtra(NamedTuple):
     trace: object
 
 
+def _with_trace(inputs: tuple) -> tuple:
+    """A gradient kernel's stand-ins with the trace's before its two cumulative lengths."""
+    return (*inputs[:-2], fake_tensor(cutlass.Int64, 4, 1), *inputs[-2:])
+
+
 class BwdDVTraced(FFPABwdDVSm90):
     """dV with stamps (its `extra` is otherwise unused: the trace takes it)."""
 
@@ -110,8 +110,7 @@ class BwdDVTraced(FFPABwdDVSm90):
 
     @staticmethod
     def fake_inputs(cfg):
-        k, q, do, dv, lse, cu_k, cu_q = FFPABwdDVSm90.fake_inputs(cfg)
-        return k, q, do, dv, lse, fake_tensor(cutlass.Int64, 4, 1), cu_k, cu_q
+        return _with_trace(FFPABwdDVSm90.fake_inputs(cfg))
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
@@ -126,8 +125,22 @@ class BwdDVTraced(FFPABwdDVSm90):
 
 
 class _TwoTraced:
-    """dQ / dK with stamps: `__call__` parks the trace tensor, `_launch` adds it to the
+    """dQ / dK with stamps (`BASE`: the kernel): `__call__` parks the trace tensor (after the
+    base's seven tensors, before its two cumulative lengths) and `_launch` adds it to the
     two-product extra (TracedExtra) on its way to the kernel."""
+
+    BASE: type
+
+    @classmethod
+    def fake_inputs(cls, cfg):
+        return _with_trace(cls.BASE.fake_inputs(cfg))
+
+    @cute.jit
+    def __call__(self, t0, t1, t2, t3, t4, t5, t6, mTrace, cu0, cu1, softmax_scale: Float32,
+                 causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream):
+        self._trace_tensor = mTrace
+        self.BASE.__call__(self, t0, t1, t2, t3, t4, t5, t6, cu0, cu1, softmax_scale,
+                           causal_offset, window_lo, stream)
 
     @cute.jit
     def _launch(self, roles, mLSE, softmax_scale, causal_offset, stream, extra,
@@ -143,38 +156,12 @@ class _TwoTraced:
 
 class BwdDQTraced(_TwoTraced, FFPABwdDQSm90):
     OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta", "trace", "cu_q", "cu_k")
-
-    @staticmethod
-    def fake_inputs(cfg):
-        *head, cu_q, cu_k = FFPABwdDQSm90.fake_inputs(cfg)
-        return (*head, fake_tensor(cutlass.Int64, 4, 1), cu_q, cu_k)
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mTrace: cute.Tensor,
-                 mCuQ, mCuK, softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
-                 stream: cuda.CUstream):
-        self._trace_tensor = mTrace
-        self._launch_two(Roles(rows=mQ, cols=mK, acc_b=mK, out=mdQ), mdO, mV, mLSE, mDelta,
-                         softmax_scale, causal_offset, window_lo, stream, (mCuQ, mCuK))
+    BASE = FFPABwdDQSm90
 
 
 class BwdDKTraced(_TwoTraced, FFPABwdDKSm90):
     OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta", "trace", "cu_k", "cu_q")
-
-    @staticmethod
-    def fake_inputs(cfg):
-        *head, cu_k, cu_q = FFPABwdDKSm90.fake_inputs(cfg)
-        return (*head, fake_tensor(cutlass.Int64, 4, 1), cu_k, cu_q)
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mTrace: cute.Tensor,
-                 mCuK, mCuQ, softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
-                 stream: cuda.CUstream):
-        self._trace_tensor = mTrace
-        self._launch_two(Roles(rows=mK, cols=mQ, acc_b=mQ, out=mdK), mV, mdO, mLSE, mDelta,
-                         softmax_scale, causal_offset, window_lo, stream, (mCuK, mCuQ))
+    BASE = FFPABwdDKSm90
 
 
 BWD_TRACED = {"FFPABwdDQSm90": BwdDQTraced, "FFPABwdDKSm90": BwdDKTraced,

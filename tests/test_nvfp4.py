@@ -252,6 +252,20 @@ def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch, targ
     assert "canary error" in nvfp4.canary(plan, cplan, cpu)
 
 
+def _host_operands(b, hq, hkv, nq, nkv, d):
+    """NVFP4 q, k, v (V^T of 12-key-padded V: Nkv = 100 is no multiple of 16) and the
+    problem, for the host-feeding tests."""
+    from ffpa_cute.problem import AttnProblem
+
+    q4 = nvfp4.quantize_nvfp4(torch.randn(b, hq, nq, d))
+    k4 = nvfp4.quantize_nvfp4(torch.randn(b, hkv, nkv, d))
+    v4 = nvfp4.quantize_nvfp4(torch.nn.functional.pad(torch.randn(b, hkv, nkv, d),
+                                                      (0, 0, 0, -nkv % 16)).transpose(-1, -2))
+    p = AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                    seqlen_kv=nkv, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    return q4, k4, v4, p
+
+
 def test_nvfp4_host_feeds_the_kernel_its_operands(monkeypatch):
     """`nvfp4.run_kernel` (CPU, the launch replaced): every operand the kernel names, with the
     dtype, shape and stride divisibility its compile-time stand-ins assume (codes uint8 with
@@ -259,15 +273,9 @@ def test_nvfp4_host_feeds_the_kernel_its_operands(monkeypatch):
     [B, Hkv] fp32), GQA rows packed where the plan packs them."""
     from ffpa_cute import dispatch, launch
     from ffpa_cute.options import Options
-    from ffpa_cute.problem import AttnProblem
 
     b, hq, hkv, nq, nkv, d = 2, 8, 2, 3, 100, 320
-    q4 = nvfp4.quantize_nvfp4(torch.randn(b, hq, nq, d))
-    k4 = nvfp4.quantize_nvfp4(torch.randn(b, hkv, nkv, d))
-    v4 = nvfp4.quantize_nvfp4(torch.nn.functional.pad(torch.randn(b, hkv, nkv, d),
-                                                      (0, 0, 0, 12)).transpose(-1, -2))
-    p = AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
-                    seqlen_kv=nkv, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    q4, k4, v4, p = _host_operands(b, hq, hkv, nq, nkv, d)
     plan = dispatch.plan_fwd(p, target="sm_120a", opts=Options())
     seen = {}
     monkeypatch.setattr(launch, "run_job", lambda cls, cfg, t, s: seen.update(t, **s))
@@ -297,15 +305,9 @@ def test_sm100_nvfp4_host_feeds_the_kernel_blocked_scales(monkeypatch):
     strides the stand-ins assume (16-byte rows), GQA rows packed where the plan packs them."""
     from ffpa_cute import dispatch, launch
     from ffpa_cute.options import Options
-    from ffpa_cute.problem import AttnProblem
 
     b, hq, hkv, nq, nkv, d = 2, 4, 2, 130, 100, 320
-    q4 = nvfp4.quantize_nvfp4(torch.randn(b, hq, nq, d))
-    k4 = nvfp4.quantize_nvfp4(torch.randn(b, hkv, nkv, d))
-    v4 = nvfp4.quantize_nvfp4(torch.nn.functional.pad(torch.randn(b, hkv, nkv, d),
-                                                      (0, 0, 0, 12)).transpose(-1, -2))
-    p = AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
-                    seqlen_kv=nkv, head_dim=d, head_dim_v=d, out_dtype="bf16")
+    q4, k4, v4, p = _host_operands(b, hq, hkv, nq, nkv, d)
     plan = dispatch.plan_fwd(p, target="sm_100a", opts=Options())
     assert plan.kernel_cls.__name__ == "FFPAFwdSm100FP4"
     rows, heads = (hq // hkv * nq, hkv) if plan.packed else (nq, hq)
