@@ -9,9 +9,9 @@ V is given as the NVFP4 of V^T: its 16-element scale blocks must run along the k
 contraction). If Nkv is not a multiple of 16, pad V with zero keys to the next multiple first.
 The kernels: `FFPAFwdSm100FP4` (sm_100a, tcgen05.mma kind::mxf4nvf4) and `FFPAFwdSm80FP4`
 (sm_120a / sm_121a, the block-scaled mma.sync kind::mxf4nvf4); **compile-verified only, never
-run**: each configuration first passes a canary on the GPU (`canary`). Everywhere else NVFP4 inputs raise NotImplementedError naming what exists (there is
-no meaningful fallback for packed FP4; dequantize and call the 16-bit path if that is what you
-want). Forward only; D a multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
+run**: each configuration first passes a canary on the GPU (`canary`). Everywhere else NVFP4
+inputs raise NotImplementedError naming what exists (there is no meaningful fallback for packed
+FP4; dequantize and call the 16-bit path if that is what you want). Forward only; D a multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
 
 The format (NVIDIA NVFP4, the operand of sm_100a's `tcgen05.mma kind::mxf4nvf4` with 16-element
 scale blocks and of sm_120a's block-scaled mma.sync):
@@ -45,8 +45,8 @@ E4M3_MAX = 448.0
 # magnitudes of codes 0..7, and the midpoints between neighbours (the rounding boundaries)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
-NO_NVFP4_KERNEL = ("NVFP4 attention has kernels only on sm_100 / sm_103 (tcgen05 "
-                   "kind::mxf4nvf4) and sm_120 / sm_121 (the Split-D block-scaled mma.sync) "
+NO_NVFP4_KERNEL = ("NVFP4 attention has kernels only on sm_100 (tcgen05 kind::mxf4nvf4) "
+                   "and sm_120 / sm_121 (the Split-D block-scaled mma.sync) "
                    "GPUs, both compile-verified only; FP8 e4m3 has kernels on sm90 (run on an "
                    "H200), sm_89 / sm_120 (Split-D) and sm100 (compile-verified only). "
                    "Dequantize (NVFP4Tensor.dequantize()) and call attention in bf16, or "
