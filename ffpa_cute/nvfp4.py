@@ -11,7 +11,8 @@ The kernels: `FFPAFwdSm100FP4` (sm_100a, tcgen05.mma kind::mxf4nvf4) and `FFPAFw
 (sm_120a / sm_121a, the block-scaled mma.sync kind::mxf4nvf4); **compile-verified only, never
 run**: each configuration first passes a canary on the GPU (`canary`). Everywhere else NVFP4
 inputs raise NotImplementedError naming what exists (there is no meaningful fallback for packed
-FP4; dequantize and call the 16-bit path if that is what you want). Forward only; D a multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
+FP4; dequantize and call the 16-bit path if that is what you want). Forward only; D a
+multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
 
 The format (NVIDIA NVFP4, the operand of sm_100a's `tcgen05.mma kind::mxf4nvf4` with 16-element
 scale blocks and of sm_120a's block-scaled mma.sync):

@@ -25,8 +25,9 @@ selfcheck.py's canary.
 # per row tile, which the prediction says is what keeps D = 512 tensor-bound.
 # Shared memory: a QK ring (a [128 x 64] Q chunk beside each [128 x 64] K chunk, 32 KB at 16
 # bits, [128 x 128] at 8: Q streams because Q[128 x 512] alone would be 128 KB) and a V ring
-# ([64 x acc_cta] stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem (it stays in TMEM
-# and feeds the PV MMA as its A operand) and no O staging (the epilogue stores from registers).
+# ([64 x acc_cta] stages, <= 32 KB), as deep as 227 KB allows (QK >= 3, V >= 2); no P in smem
+# (it stays in TMEM and feeds the PV MMA as its A operand; NVFP4's goes through smem,
+# `FwdFP4ConfigSm100`) and no O staging (the epilogue stores from registers).
 # =====================================================================================
 """
 
@@ -480,8 +481,9 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
 
 def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> FwdConfigSm100:
     """The config for `problem` (16-bit with a sliding window and sinks, or e4m3 / NVFP4
-    without; no one-launch varlen); raises ValueError with the reason when this kernel cannot run it. Ring depths: the deepest V ring
-    (4, 3, 2) beside a 3-deep QK ring, then the deepest QK ring beside it. `multicast`: share
+    without; no one-launch varlen); raises ValueError with the reason when this kernel cannot
+    run it. Ring depths: the deepest V ring (4, 3, 2) beside a 3-deep QK ring, then the
+    deepest QK ring beside it. `multicast`: share
     Q and K over the row tile's cluster (the default: the design's prediction says the
     unshared form is L2-bound, docs/design.md section 7)."""
     quantized = problem.dtype in FP8_DTYPES or problem.dtype == FP4_DTYPE
