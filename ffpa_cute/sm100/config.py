@@ -483,9 +483,9 @@ def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
     """The config for `problem` (16-bit with a sliding window and sinks, or e4m3 / NVFP4
     without; no one-launch varlen); raises ValueError with the reason when this kernel cannot
     run it. Ring depths: the deepest V ring (4, 3, 2) beside a 3-deep QK ring, then the
-    deepest QK ring beside it. `multicast`: share
-    Q and K over the row tile's cluster (the default: the design's prediction says the
-    unshared form is L2-bound, docs/design.md section 7)."""
+    deepest QK ring beside it. `multicast`: share Q and K over the row tile's cluster (the
+    default: the design's prediction says the unshared form is L2-bound, docs/design.md
+    section 7)."""
     quantized = problem.dtype in FP8_DTYPES or problem.dtype == FP4_DTYPE
     if problem.varlen or (quantized and (problem.has_window or problem.has_sinks)):
         raise ValueError("the sm100 forward has no one-launch varlen, and its FP8 / NVFP4 "
