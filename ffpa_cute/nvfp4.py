@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sm100.config import FP4_MMA_K, SF_ATOM_BYTES, SF_ATOM_ROWS, FwdFP4ConfigSm100
+
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -153,9 +155,6 @@ def _check(q, k, v, out_dtype):
                          f"multiple of 16 at most), got {nv}: quantize_nvfp4(v.transpose(-1, -2))")
 
 
-ATOM_ROWS, ATOM_BYTES = 128, 512  # a scale-factor atom: 128 rows x 4 scales (64 elements)
-
-
 def blocked_scales(scales: torch.Tensor, rows: int | None = None,
                    k_multiple: int = 1) -> torch.Tensor:
     """Row-major block scales [..., R, K / 16] (uint8 or float8_e4m3fn) in the sm_100
@@ -164,18 +163,18 @@ def blocked_scales(scales: torch.Tensor, rows: int | None = None,
     64-element K-blocks rounded up to a multiple of `k_multiple`; zero where padded (zero
     scales make zero values)."""
     *lead, r, ks = scales.shape
-    rows = -(-r // ATOM_ROWS) * ATOM_ROWS if rows is None else rows
-    if rows % ATOM_ROWS or rows < r:
-        raise ValueError(f"rows={rows} must be a multiple of {ATOM_ROWS} and >= {r}")
+    rows = -(-r // SF_ATOM_ROWS) * SF_ATOM_ROWS if rows is None else rows
+    if rows % SF_ATOM_ROWS or rows < r:
+        raise ValueError(f"rows={rows} must be a multiple of {SF_ATOM_ROWS} and >= {r}")
     kb = -(-ks // 4)
     kb = -(-kb // k_multiple) * k_multiple
     padded = torch.zeros(*lead, rows, kb * 4, dtype=torch.uint8, device=scales.device)
     padded[..., :r, :ks] = scales.view(torch.uint8)
     # row = 32 m1 + m0 of its atom, scale = 4 k + k1: byte 16 m0 + 4 m1 + k1 of atom block k
-    t = padded.reshape(*lead, rows // ATOM_ROWS, 4, 32, kb, 4)
+    t = padded.reshape(*lead, rows // SF_ATOM_ROWS, 4, 32, kb, 4)
     n = len(lead)
     t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4)
-    return t.reshape(*lead, rows // ATOM_ROWS, kb * ATOM_BYTES).contiguous()
+    return t.reshape(*lead, rows // SF_ATOM_ROWS, kb * SF_ATOM_BYTES).contiguous()
 
 
 def prepare_v(v: NVFP4Tensor, nkv: int, keys_multiple: int = 64
@@ -198,7 +197,6 @@ def prepare_v(v: NVFP4Tensor, nkv: int, keys_multiple: int = 64
 def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
     """(out [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32) from the NVFP4 kernel's plan."""
     from . import fp8, launch
-    from .sm100.config import FwdFP4ConfigSm100
 
     p = plan.problem
     (b, hq, nq, d), hkv = q.shape, k.shape[1]
@@ -212,7 +210,7 @@ def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
     ks = k.block_scale.view(torch.uint8)
     if isinstance(plan.cfg, FwdFP4ConfigSm100):  # blocked scales, whole 128-key blocks
         vd, vs = prepare_v(v, k.shape[2], keys_multiple=128)
-        chunk = plan.cfg.k_chunk // 64  # K-blocks per QK stage
+        chunk = plan.cfg.k_chunk // FP4_MMA_K  # K-blocks per QK stage
         qs, ks = blocked_scales(qs, k_multiple=chunk), blocked_scales(ks, k_multiple=chunk)
         vs = blocked_scales(vs, rows=plan.cfg.vt_scale_rows())
     else:

@@ -314,11 +314,11 @@ class FFPAFwdSm100FP4(FFPAFwdSm100FP8):
         (g_rows, g_cols, g_b), (sf_r, sf_c, sf_b, sf_p) = scaled
         s_p = storage.sf_p.get_tensor(sf_p)
         # P's scale words: row m's word for K-block kb of buffer b at 4 (m % 32) + m // 32
-        # (the atom's byte 16 (m % 32) + 4 (m // 32)), kb * 128, b * 256
+        # (the atom's byte 16 (m % 32) + 4 (m // 32)), kb * 128, b * (K-blocks * 128)
+        kbs, atom_words = self.cfg.tile_n // FP4_MMA_K, SF_ATOM_BYTES // 4
         words = cute.make_tensor(
             cute.recast_ptr(s_p.iterator, dtype=Int32),
-            cute.make_layout(((32, 4), 2, 2), stride=((4, 1), SF_ATOM_BYTES // 4,
-                                                       2 * SF_ATOM_BYTES // 4)))
+            cute.make_layout(((32, 4), kbs, 2), stride=((4, 1), atom_words, kbs * atom_words)))
         return ScaleSmem(g_rows, g_cols, g_b, storage.sf_rows.get_tensor(sf_r),
                          storage.sf_cols.get_tensor(sf_c), storage.sf_b.get_tensor(sf_b),
                          storage.p.get_tensor(tP_l.outer, swizzle=tP_l.inner), s_p, words)
