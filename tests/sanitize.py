@@ -132,8 +132,9 @@ def _problem(case):
 def jobs(target: str = "sm_90a") -> list:
     """(kernel class, config) of every kernel the workload launches on `target`."""
     from ffpa_cute import dispatch
-    from ffpa_cute.common.config import CombineConfig
+    from ffpa_cute.common.config import CombineConfig, TransposeConfig
     from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
 
     out = []
     for case in CASES:
@@ -143,8 +144,6 @@ def jobs(target: str = "sm_90a") -> list:
         assert plan.reason is None, (case[0], plan.reason)
         todo = [(plan.kernel_cls, plan.cfg)]
         if case[-2] == "e4m3":
-            from ffpa_cute.common.config import TransposeConfig
-
             t = TransposeConfig(target, case[8])
             todo.append((dispatch.kernel_class(t), t))
         if case[-1]:
@@ -152,8 +151,6 @@ def jobs(target: str = "sm_90a") -> list:
             assert bwd.reason is None, (case[0], bwd.reason)
             todo += bwd.jobs
         out += [j for j in todo if j not in out]
-    from ffpa_cute.problem import AttnProblem
-
     for _, b, hq, hkv, nq, nkv, d, causal, window, sinks in FEATURE_CASES:
         left, right = window
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
@@ -174,8 +171,6 @@ def jobs(target: str = "sm_90a") -> list:
                         has_sinks=sinks, out_dtype="bf16")
         plan = dispatch.plan_fwd(p, target=target, opts=Options(family=family))
         assert plan.reason is None, plan.reason
-        from ffpa_cute.common.config import TransposeConfig
-
         t = TransposeConfig(target, d)
         out += [j for j in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(t), t))
                 if j not in out]
