@@ -1,31 +1,33 @@
-"""What bounds the split-KV decode kernel on an FP8 cache (`FFPADecodeSm90`, `kv_dtype` e4m3):
-the kernel timed beside variants of itself that drop part of the in-smem conversion, and the
-16-bit-cache kernel on the same keys.
+"""What bounds the split-KV decode kernels on an FP8 cache: the keys-as-rows kernel
+(`FFPADecodeKeysSm90`, what an e4m3 cache with <= 32 rows per KV head runs) beside the row-tiled
+one (`FFPADecodeSm90` with `kv_dtype` e4m3), a variant of the latter without its conversion,
+and the 16-bit-cache kernel on the same keys.
 
     python -m perf.decode_limits --precompile DIR     # CPU: compile the variants into a cache
     python -m perf.decode_limits                      # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
 
 Variants (B=8, Hq 32 / Hkv 4, D=512, page 64, every row at N keys; the kernel alone, without
-the host merge of the splits):
-  bf16       the 16-bit cache (twice the bytes)
-  e4m3       the shipping FP8-cache kernel
-  no-math    the conversion moves the bytes but skips the bit arithmetic (wrong values; at
-             6d47d15 / 1a2333f it was a copy of `_convert` with 8-value runs, now an override of
-             `_convert_run` with the shipping kernel's runs)
-  no-copy    no conversion at all: the fence and barrier only (wrong values)
+the merge of the splits):
+  bf16       the 16-bit cache (twice the bytes), row-tiled
+  keys       the keys-as-rows FP8-cache kernel (routed)
+  e4m3       the row-tiled FP8-cache kernel (routed before the keys-as-rows one; still routed
+             for > 32 rows per KV head and causal chunks)
+  no-copy    the row-tiled one with no conversion at all: the fence and barrier only (wrong
+             values)
   bf16-2x2   the 16-bit cache with rings of 2 K and 2 V stages (80 KB in flight at most, near
-             the FP8 kernel's 64 KB): how much the bytes in flight alone cost
-Experiments only: the variants compute wrong attention and are never routed.
+             the row-tiled FP8 kernel's 64 KB): how much the bytes in flight alone cost
+Experiments only: no-copy computes wrong attention and is never routed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Uint32
 
+from ffpa_cute.sm90 import config as sm90_config
+from ffpa_cute.sm90.decode_keys_sm90 import FFPADecodeKeysSm90
 from ffpa_cute.sm90.decode_sm90 import FFPADecodeSm90
 from ffpa_cute.sm90.skeleton_sm90 import WG_THREADS
 from perf import experiment
@@ -34,21 +36,8 @@ B, HQ, HKV, D, PAGE = 8, 32, 4, 512, 64
 SEQLENS = (32768, 131072)
 
 
-class DecodeNoMath(FFPADecodeSm90):
-    """The FP8-cache decode whose conversion moves the bytes without the bit arithmetic: each
-    run's 8-bit words copied into the 16-bit ones as they are."""
-
-    @cute.jit
-    def _convert_run(self, load, store, tXs8, tXs16, r8, r16, m, n):
-        w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
-        cute.copy(load, tXs8[None, m, n], r8)
-        for i in cutlass.range_constexpr(cute.size(w8)):
-            w16[2 * i], w16[2 * i + 1] = w8[i], w8[i]
-        cute.copy(store, r16, tXs16[None, m, n])
-
-
 class DecodeNoCopy(FFPADecodeSm90):
-    """The FP8-cache decode with no conversion: the fence and barrier only."""
+    """The row-tiled FP8-cache decode with no conversion: the fence and barrier only."""
 
     @cute.jit
     def _convert(self, conv, s, sb, tidx):
@@ -56,14 +45,27 @@ class DecodeNoCopy(FFPADecodeSm90):
         cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
 
 
-def _cfg(kv, rings=None):
+@contextlib.contextmanager
+def _row_tiled():
+    """Plan the row-tiled decode kernel for an FP8 cache too."""
+    keep, sm90_config.KEYS_DECODE = sm90_config.KEYS_DECODE, False
+    try:
+        yield
+    finally:
+        sm90_config.KEYS_DECODE = keep
+
+
+def _cfg(kv, rings=None, keys=False):
     from ffpa_cute import dispatch
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
 
     p = AttnProblem(dtype="bf16", batch=B, heads_q=HKV, heads_kv=HKV, seqlen_q=HQ // HKV,
                     seqlen_kv=4096, head_dim=D, head_dim_v=D)
-    plan = dispatch.plan_decode(p, PAGE, target="sm_90a", opts=Options(), kv_dtype=kv)
+    dispatch.clear_plans()
+    with contextlib.nullcontext() if keys else _row_tiled():
+        plan = dispatch.plan_decode(p, PAGE, target="sm_90a", opts=Options(), kv_dtype=kv)
+    dispatch.clear_plans()
     assert plan.reason is None, plan.reason
     if rings:
         import dataclasses
@@ -72,14 +74,18 @@ def _cfg(kv, rings=None):
     return plan.cfg
 
 
-VARIANTS = {"bf16": (FFPADecodeSm90, None, None), "e4m3": (FFPADecodeSm90, "e4m3", None),
-            "no-math": (DecodeNoMath, "e4m3", None), "no-copy": (DecodeNoCopy, "e4m3", None),
+VARIANTS = {"bf16": (FFPADecodeSm90, None, None), "keys": (FFPADecodeKeysSm90, "e4m3", None),
+            "e4m3": (FFPADecodeSm90, "e4m3", None), "no-copy": (DecodeNoCopy, "e4m3", None),
             "bf16-2x2": (FFPADecodeSm90, None, (2, 2))}
+
+
+def _variant_cfg(cls, kv, rings):
+    return _cfg(kv, rings, keys=cls is FFPADecodeKeysSm90)
 
 
 def jobs() -> list:
     """Every variant's kernel and config."""
-    return [(cls, _cfg(kv, rings)) for cls, kv, rings in VARIANTS.values()]
+    return [(cls, _variant_cfg(cls, kv, rings)) for cls, kv, rings in VARIANTS.values()]
 
 
 def run(dev, flush) -> dict:
@@ -99,7 +105,7 @@ def run(dev, flush) -> dict:
         lens = torch.full((B,), n, dtype=torch.int32, device=dev)
         row = {}
         for name, (cls, kv, rings) in VARIANTS.items():
-            cfg = _cfg(kv, rings)
+            cfg = _variant_cfg(cls, kv, rings)
             kc, vc = (k8, v8) if kv else (k16, v16)
             plan = type("P", (), {"cfg": cfg, "problem": type("Q", (), {"seqlen_q": HQ // HKV})})
             s = decode.num_splits(plan, B, HKV, n, dev)

@@ -77,6 +77,10 @@ def kernels() -> dict:
     plan = dispatch.plan_decode(p, 64, target="sm_90a", opts=Options())
     out["sm90-decode-d512-page64"] = (plan.kernel_cls, plan.cfg)
     plan = dispatch.plan_decode(p, 64, target="sm_90a", opts=Options(), kv_dtype="e4m3")
+    out["sm90-decode-keys-d512-page64-e4m3-cache"] = (plan.kernel_cls, plan.cfg)
+    # > 32 rows per KV head: the row-tiled kernel on an FP8 cache
+    plan = dispatch.plan_decode(dataclasses.replace(p, seqlen_q=64), 64, target="sm_90a",
+                                opts=Options(), kv_dtype="e4m3")
     out["sm90-decode-d512-page64-e4m3-cache"] = (plan.kernel_cls, plan.cfg)
     plan = dispatch.plan_decode(dataclasses.replace(p, causal=True), 64, target="sm_90a",
                                 opts=Options())

@@ -97,11 +97,14 @@ FP8_FEATURE_CASES = [
      True),
 ]
 # (label, B, Hq, Hkv, N (every row's keys), D, Dv, page size or None, cache dtype, Nq): the
-# split-KV decode (an e4m3 cache: its stages converted to bf16 in smem; Nq > 1: a causal chunk)
+# split-KV decode (an e4m3 cache with <= 32 rows per KV head: the keys-as-rows kernel, else its
+# stages converted to bf16 in smem; Nq > 1: a causal chunk)
 KV_CASES = [
     ("sm90 decode paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 1),
     ("sm90 decode contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "bf16", 1),
-    ("sm90 decode FP8 cache paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "e4m3", 1),
+    ("sm90 decode FP8 cache paged 64 GQA (keys as rows)", 2, 8, 2, 300, 512, 512, 64, "e4m3", 1),
+    ("sm90 decode FP8 cache contiguous GQA 8:1 (keys as rows)", 2, 32, 4, 1001, 512, 512, None,
+     "e4m3", 1),
     ("sm90 decode FP8 cache contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "e4m3", 1),
     ("sm90 chunked prefill (causal, Nq 5) paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 5),
 ]

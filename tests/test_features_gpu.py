@@ -265,8 +265,9 @@ def _fp8_cache(shape, contents):
 @pytest.mark.parametrize("case", FP8_DECODE_CASES,
                          ids=lambda c: "-".join(map(str, c[:7])) + f"-{c[8]}-{c[9]}")
 def test_decode_fp8_cache(seed, case):
-    """The decode kernel on an FP8 cache under 16-bit queries (K / V converted in shared
-    memory): against float64 on the dequantised cache, error <= 2x that of torch's attention
+    """The decode kernels on an FP8 cache under 16-bit queries (<= 32 rows per KV head: the
+    keys-as-rows kernel, K in e4m3 WGMMAs, V converted to fp16; MQA 64:1 and D=1024: the
+    row-tiled kernel, K / V converted in shared memory): against float64 on the dequantised cache, error <= 2x that of torch's attention
     on the same dequantised cache in q's dtype + 1e-3; new 16-bit keys quantised into the
     cache with the descales; validate=False and a forced split count agree."""
     b, nq, hq, hkv, d, dv, page, lens, dtype, contents = case
@@ -300,7 +301,10 @@ def test_decode_fp8_cache(seed, case):
         got = out[r].transpose(0, 1).unsqueeze(0)
         assert torch.isfinite(got).all() and out.dtype == dtype
         assert rel_err(got, ref) <= bound(rel_err(base, ref)), r
-        assert rel_err(lse[r], ref_lse[0]) <= 1e-4, r
+        # the keys-as-rows kernel's scores come from e4m3 WGMMAs, which Hopper accumulates at
+        # reduced precision (~14 bits per k step): on a cache of every e4m3 code (|x| up to
+        # 448) the LSE drifts up to ~1.5e-4 relative (H200); N(0, 1) caches stay under 1e-4
+        assert rel_err(lse[r], ref_lse[0]) <= (1e-4 if contents == "normal" else 3e-4), r
     again = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,
                                    num_splits=3, k_descale=kd, v_descale=vd)
     fast = attention_with_kvcache(q, k_cache, v_cache, seqlens + nnew, table, is_causal=nq == 1,

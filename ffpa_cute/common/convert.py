@@ -27,8 +27,11 @@ value at a quarter of the integer rate.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Uint32
+
+from .tensors import CUTLASS_DTYPES
 
 # (magnitude shift from bit 8, packed 2^bias multiplier, multiply instruction) per 16-bit type
 _REBIAS = {
@@ -67,4 +70,50 @@ def e4m3x4_to_16bit(word: Uint32, kind: str) -> tuple[Uint32, Uint32]:
                                 read_only_args=[word])
 
 
-__all__ = ["PTX", "e4m3x4_to_16bit"]
+@cute.jit
+def convert_stage(src: cute.Tensor, dst: cute.Tensor, vec: cutlass.Constexpr,
+                  tpr: cutlass.Constexpr, kind: cutlass.Constexpr, tidx,
+                  unrolled: cutlass.Constexpr):
+    """Convert a [rows x cols] e4m3 stage `src` into the 16-bit ("bf16" | "fp16": `kind`)
+    buffer `dst` of the same shape, exactly, by the 128 threads of a warpgroup (tidx: the
+    thread's index in it): each converts runs of `vec` contiguous values of a row, `tpr` threads per row,
+    128 / tpr rows per pass (the planner's `cvt_tiling` chose them so that a run never crosses
+    a swizzle atom). `unrolled`: every run unrolled (else a loop unrolled by 2, which keeps
+    the registers of large stages down). No fence or barrier: the caller orders the reads
+    and writes."""
+    src8, dst16 = src.element_type, CUTLASS_DTYPES[kind]
+    thr = cute.make_ordered_layout((128 // tpr, tpr), order=(1, 0))
+    val = cute.make_layout((1, vec))   # the tile (128 / tpr, vec * tpr), repeated
+    load = cute.make_tiled_copy_tv(   # one load of vec 8-bit values
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), src8,
+                            num_bits_per_copy=vec * src8.width), thr, val)
+    store = cute.make_tiled_copy_tv(   # 16-byte stores of 8 16-bit values
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dst16, num_bits_per_copy=128),
+        thr, val)
+    tXs8 = load.get_slice(tidx).partition_S(src)   # (CPY, CPY_M, CPY_N)
+    tXs16 = store.get_slice(tidx).partition_D(dst)   # (CPY, CPY_M, CPY_N)
+    # one run at a time (vec + 2 vec bytes of registers: callers may hold accumulators)
+    r8 = cute.make_rmem_tensor(vec, src8)
+    r16 = cute.make_rmem_tensor(vec, dst16)
+    runs_m = cute.size(tXs8, mode=[1])
+    runs = runs_m * cute.size(tXs8, mode=[2])
+    if cutlass.const_expr(unrolled):
+        for mn in cutlass.range_constexpr(runs):
+            _convert_run(load, store, tXs8, tXs16, r8, r16, mn % runs_m, mn // runs_m, kind)
+    else:
+        for mn in cutlass.range(runs, unroll=2):
+            _convert_run(load, store, tXs8, tXs16, r8, r16, mn % runs_m, mn // runs_m, kind)
+
+
+@cute.jit
+def _convert_run(load, store, tXs8, tXs16, r8, r16, m, n, kind: cutlass.Constexpr):
+    """One run of `convert_stage`: vec 8-bit values in, the 16-bit ones out; word i of r8
+    (four values) is words 2i, 2i + 1 of r16 (two each)."""
+    w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
+    cute.copy(load, tXs8[None, m, n], r8)
+    for i in cutlass.range_constexpr(cute.size(w8)):
+        w16[2 * i], w16[2 * i + 1] = e4m3x4_to_16bit(w8[i], kind)
+    cute.copy(store, r16, tXs16[None, m, n])
+
+
+__all__ = ["PTX", "convert_stage", "e4m3x4_to_16bit"]

@@ -342,6 +342,111 @@ class DecodeConfigSm90(FwdConfigSm90):
                 self.k_stages * c16 * kv // elt, *(self.v_stages * b * kv // elt for b in b16)]
 
 
+KEYS_TILE = 64        # keys per block of the keys-as-rows decode (the WGMMA M)
+KEYS_MAX_ROWS = 32    # query rows per KV head it takes (2 x 32 columns of Q's e4m3 halves)
+
+
+@dataclass(frozen=True)
+class DecodeKeysConfigSm90:
+    """Compile key of the keys-as-rows decode (`FFPADecodeKeysSm90`, decode_keys_sm90.py): an
+    FP8 (e4m3) cache under 16-bit queries when a KV head has few query rows (G * Nq <= 32, not
+    causal), where the row-tiled decode kernel fills 8 of WGMMA's 64 rows and spends 8x the
+    tensor work (docs/design.md section 11). Keys are the WGMMA's M and the query rows its N.
+
+    dtype:      "bf16" | "fp16": the queries (the products run in e4m3 and fp16 whatever it is)
+    head_dim:   D, a multiple of 32 (one e4m3 WGMMA k step) in [64, 1024]
+    head_dim_v: Dv when it differs from D (MLA 576 / 512), else None; a multiple of 128 (two
+                warpgroups each take half of it in 64-row M tiles of the P V product)
+    rows:       query rows per KV head, padded to a multiple of 8 (the WGMMA N), <= 32
+    page_rows:  the page size of a paged cache (a multiple of 64), None for a contiguous one
+    stages:     depth of the K / V ring (one 64-key block of K and of V per stage)
+    """
+
+    arch: str
+    dtype: str
+    head_dim: int
+    rows: int
+    head_dim_v: int | None = None
+    page_rows: int | None = None
+    stages: int = 2
+    kv_dtype: str = "e4m3"
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.decode_keys_sm90:FFPADecodeKeysSm90"
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def tile_n(self) -> int:
+        """Keys per block."""
+        return KEYS_TILE
+
+    @property
+    def tile_m(self) -> int:
+        """Query rows one CTA takes (all of a KV head's)."""
+        return self.rows
+
+    @property
+    def o_split(self) -> int:
+        return 1
+
+    def smem_regions(self) -> list[int]:
+        """Bytes of: the K stages, the two warpgroups' e4m3 V stages (a half of Dv each), their
+        fp16 V buffers, Q's three e4m3 terms, each warpgroup's P (fp16), then the small
+        buffers (barriers, row scales, the column reductions)."""
+        d, dv, n, t = self.head_dim, self.dv, self.rows, KEYS_TILE
+        small = 8 * 4 * self.stages + 4 * n + 2 * 4 * 4 * n
+        return [self.stages * t * d, self.stages * t * dv, 2 * t * dv, 3 * n * d, 2 * 2 * n * t,
+                small]
+
+    def smem_bytes(self) -> int:
+        """An upper bound of the storage struct (each region 1024-byte aligned)."""
+        return sum(-(-r // 1024) * 1024 for r in self.smem_regions())
+
+
+def can_implement_decode_keys(cfg: DecodeKeysConfigSm90) -> str | None:
+    """None when the keys-as-rows decode can be built for cfg, else the reason."""
+    if cfg.arch != "sm_90a":
+        return f"arch {cfg.arch!r}: WGMMA and TMA need sm_90a"
+    if cfg.dtype not in DTYPES or cfg.kv_dtype not in FP8_DTYPES:
+        return (f"dtype {cfg.dtype!r} / kv_dtype {cfg.kv_dtype!r}: 16-bit queries {DTYPES} "
+                f"over an FP8 cache {FP8_DTYPES}")
+    if cfg.head_dim % 32 or not 64 <= cfg.head_dim <= MAX_HEAD_DIM:
+        return f"head_dim={cfg.head_dim}: a multiple of 32 in [64, {MAX_HEAD_DIM}]"
+    if cfg.dv % 128 or not 128 <= cfg.dv <= MAX_HEAD_DIM or cvt_tiling(KEYS_TILE,
+                                                                        cfg.dv // 2) is None:
+        return (f"head_dim_v={cfg.dv}: a multiple of 128 in [128, {MAX_HEAD_DIM}] (two "
+                "warpgroups' halves of 64-row M tiles)")
+    if cfg.rows % 8 or not 8 <= cfg.rows <= KEYS_MAX_ROWS:
+        return f"rows={cfg.rows}: a multiple of 8 in [8, {KEYS_MAX_ROWS}]"
+    if cfg.page_rows is not None and (cfg.page_rows <= 0 or cfg.page_rows % KEYS_TILE):
+        return f"page_rows={cfg.page_rows}: pages of a multiple of {KEYS_TILE} rows"
+    if cfg.stages < 2:
+        return "stages must be >= 2"
+    if cfg.smem_bytes() > SMEM_CAPACITY:
+        return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} (D={cfg.head_dim}, "
+                f"Dv={cfg.dv}, rows={cfg.rows}, stages={cfg.stages})")
+    return None
+
+
+def plan_decode_keys(problem: AttnProblem, arch: str,
+                     page_rows: int | None) -> DecodeKeysConfigSm90 | None:
+    """The keys-as-rows decode's config (the deepest ring that fits, at most 4) for a packed
+    FP8-cache problem with at most 32 rows per KV head and no mask, or None."""
+    if problem.causal or problem.has_window or problem.has_sinks:
+        return None
+    rows = -(-problem.seqlen_q // 8) * 8
+    dv = problem.head_dim_v if problem.head_dim_v != problem.head_dim else None
+    best = None
+    for stages in (2, 3, 4):
+        cfg = DecodeKeysConfigSm90(arch, problem.dtype, problem.head_dim, rows, dv, page_rows,
+                                   stages)
+        if can_implement_decode_keys(cfg) is None:
+            best = cfg
+    return best
+
+
 CVT_THREADS = 128  # a warpgroup converts each stage
 
 
@@ -378,16 +483,25 @@ def can_implement_decode(cfg: DecodeConfigSm90) -> str | None:
     return reason
 
 
+KEYS_DECODE = True  # an FP8 cache with <= 32 rows per KV head: the keys-as-rows kernel
+
+
 def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
-                kv_dtype: str | None = None) -> DecodeConfigSm90:
+                kv_dtype: str | None = None) -> DecodeConfigSm90 | DecodeKeysConfigSm90:
     """The decode kernel's config for a packed, mask-free problem: the forward's plan without
     `kv_pair`, tile_n 128 (64 for pages of 64 rows, which a 128-row block would straddle, and for
     an FP8 cache), the forward's deepest rings at that tile, exact O halves (`half_align` 8:
     the widened ones are measured on the compute-bound forward only); `kv_dtype` "e4m3": an FP8
-    cache under 16-bit queries. Raises ValueError with the reason when it cannot run it."""
+    cache under 16-bit queries, served by the keys-as-rows kernel (`plan_decode_keys`) where
+    it takes the shape (<= 32 rows per KV head, no mask). Raises ValueError with the reason when
+    it cannot run it."""
     if problem.has_window or problem.has_sinks:
         raise ValueError("the decode kernel serves rows that see every key, or (causal) a "
                          "chunk of the row's last queries (no window or sinks)")
+    if kv_dtype is not None and KEYS_DECODE:
+        keys = plan_decode_keys(problem, arch, page_rows)
+        if keys is not None:
+            return keys
     # 64-row blocks also for an FP8 cache: its 8-bit stages and 16-bit buffers fit beside
     # resident Q only at the smaller tile
     tile_n = 64 if (page_rows is not None and page_rows % 128) or kv_dtype else 128

@@ -103,7 +103,7 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.convert import e4m3x4_to_16bit
+from ..common.convert import convert_stage
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import OnlineSoftmax, mn_view
@@ -114,6 +114,16 @@ from .ring_context import (BLoads, Barriers, BlockSeq, ColLoads, Convert, Counte
                            ScoreStep, Smem, SmemLayouts, Tile)
 
 WG_THREADS = 128
+
+
+def row_major_layout(rows: int, cols: int, dtype, stages: int | None = None):
+    """Row-major (cols contiguous) WGMMA-compatible smem layout of (rows, cols[, stages]) with
+    the widest swizzle the row's bytes allow."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
 class RingSkeletonSm90(KernelEntry):
@@ -254,14 +264,8 @@ class RingSkeletonSm90(KernelEntry):
 
     # ---------------------------------------------------------------- layouts and MMAs
     def _smem_layout(self, rows: int, cols: int, stages: int | None = None, dtype=None):
-        """Row-major (cols contiguous) WGMMA-compatible layout with the widest swizzle (of the
-        operand dtype unless `dtype` is given)."""
-        dtype = dtype or self.dtype
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+        """`row_major_layout` in the operand dtype unless `dtype` is given."""
+        return row_major_layout(rows, cols, dtype or self.dtype, stages)
 
     def _mma(self, n: int, b_major):
         return sm90_utils.make_trivial_tiled_mma(
@@ -962,41 +966,10 @@ class RingSkeletonSm90(KernelEntry):
         atom). The runs are unrolled up to D = 576; above, a loop
         unrolled by 2 (fully unrolled, ptxas spilled 12 B at D = 1024)."""
         src, dst = conv.src[None, None, s], conv.dst[None, None, sb]
-        rows, cols = cute.size(src, mode=[0]), cute.size(src, mode=[1])
-        vec, tpr = cvt_tiling(rows, cols)
-        thr = cute.make_ordered_layout((WG_THREADS // tpr, tpr), order=(1, 0))
-        val = cute.make_layout((1, vec))   # the tile (128 / tpr, vec * tpr), repeated
-        load = cute.make_tiled_copy_tv(   # one load of vec 8-bit values
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_dtype,
-                                num_bits_per_copy=vec * self.kv_dtype.width), thr, val)
-        store = cute.make_tiled_copy_tv(   # 16-byte stores of 8 16-bit values
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                num_bits_per_copy=128), thr, val)
-        tXs8 = load.get_slice(tidx).partition_S(src)   # (CPY, CPY_M, CPY_N)
-        tXs16 = store.get_slice(tidx).partition_D(dst)   # (CPY, CPY_M, CPY_N)
-        # one run at a time (vec + 2 vec bytes of registers: the O warpgroups hold O beside it)
-        r8 = cute.make_rmem_tensor(vec, self.kv_dtype)
-        r16 = cute.make_rmem_tensor(vec, self.dtype)
-        runs_m = cute.size(tXs8, mode=[1])
-        runs = runs_m * cute.size(tXs8, mode=[2])
-        if const_expr(self.cfg.head_dim <= 576):
-            for mn in cutlass.range_constexpr(runs):
-                self._convert_run(load, store, tXs8, tXs16, r8, r16, mn % runs_m, mn // runs_m)
-        else:
-            for mn in cutlass.range(runs, unroll=2):
-                self._convert_run(load, store, tXs8, tXs16, r8, r16, mn % runs_m, mn // runs_m)
+        vec, tpr = cvt_tiling(cute.size(src, mode=[0]), cute.size(src, mode=[1]))
+        convert_stage(src, dst, vec, tpr, self.cfg.dtype, tidx, self.cfg.head_dim <= 576)
         cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
         cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
-
-    @cute.jit
-    def _convert_run(self, load, store, tXs8, tXs16, r8, r16, m, n):
-        """One run of `_convert`: vec 8-bit values in, the 16-bit ones out; word i of r8 (four
-        values) is words 2i, 2i + 1 of r16 (two each)."""
-        w8, w16 = cute.recast_tensor(r8, Uint32), cute.recast_tensor(r16, Uint32)
-        cute.copy(load, tXs8[None, m, n], r8)
-        for i in cutlass.range_constexpr(cute.size(w8)):
-            w16[2 * i], w16[2 * i + 1] = e4m3x4_to_16bit(w8[i], self.cfg.dtype)
-        cute.copy(store, r16, tXs16[None, m, n])
 
     @cute.jit
     def _copy_stream_chunk(self, loads: ColLoads, s, src, head, n_block, c):
@@ -1303,4 +1276,4 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-__all__ = ["RingSkeletonSm90", "WG_THREADS"]
+__all__ = ["RingSkeletonSm90", "WG_THREADS", "row_major_layout"]
