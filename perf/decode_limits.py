@@ -10,13 +10,14 @@ Variants (B=8, Hq 32 / Hkv 4, D=512, page 64, every row at N keys; the kernel al
 the merge of the splits):
   bf16       the 16-bit cache (twice the bytes), row-tiled
   keys       the keys-as-rows FP8-cache kernel (routed)
+  keys-no-cvt  the same without its V conversion (wrong values)
   e4m3       the row-tiled FP8-cache kernel (routed before the keys-as-rows one; still routed
              for > 32 rows per KV head and causal chunks)
   no-copy    the row-tiled one with no conversion at all: the fence and barrier only (wrong
              values)
   bf16-2x2   the 16-bit cache with rings of 2 K and 2 V stages (80 KB in flight at most, near
              the row-tiled FP8 kernel's 64 KB): how much the bytes in flight alone cost
-Experiments only: no-copy computes wrong attention and is never routed.
+Experiments only: no-copy and keys-no-cvt compute wrong attention and are never routed.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ class DecodeNoCopy(FFPADecodeSm90):
     def _convert(self, conv, s, sb, tidx):
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=conv.barrier_id, number_of_threads=WG_THREADS)
+
+
+class KeysNoConvert(FFPADecodeKeysSm90):
+    """The keys-as-rows decode with no V conversion (its fp16 buffers read as they are: wrong
+    values): what the conversion costs."""
+
+    @cute.jit
+    def _convert_v(self, src, dst, wtid):
+        pass
 
 
 @contextlib.contextmanager
@@ -75,12 +85,13 @@ def _cfg(kv, rings=None, keys=False):
 
 
 VARIANTS = {"bf16": (FFPADecodeSm90, None, None), "keys": (FFPADecodeKeysSm90, "e4m3", None),
+            "keys-no-cvt": (KeysNoConvert, "e4m3", None),
             "e4m3": (FFPADecodeSm90, "e4m3", None), "no-copy": (DecodeNoCopy, "e4m3", None),
             "bf16-2x2": (FFPADecodeSm90, None, (2, 2))}
 
 
 def _variant_cfg(cls, kv, rings):
-    return _cfg(kv, rings, keys=cls is FFPADecodeKeysSm90)
+    return _cfg(kv, rings, keys=issubclass(cls, FFPADecodeKeysSm90))
 
 
 def jobs() -> list:

@@ -248,7 +248,6 @@ class FFPADecodeKeysSm90(KernelEntry):
             col_scale[c] = sScale[col[c]] * kd * scale_log2
             row_max[c] = -Float32.inf
             row_sum[c] = 0.0
-        cvt = cvt_tiling(t, self.half)
 
         for i in cutlass.range(count, unroll=1):
             s = i % st
@@ -305,8 +304,7 @@ class FFPADecodeKeysSm90(KernelEntry):
             # ---- V: this half's e4m3 stage -> fp16 buffer (the last P V is done: wait_group
             #      above)
             cute.arch.mbarrier_wait(bar_v + wg * st + s, phase)
-            convert_stage(sV8[None, None, wg * st + s], sV16, cvt[0], cvt[1], "fp16", wtid,
-                          self.half <= 288)
+            self._convert_v(sV8[None, None, wg * st + s], sV16, wtid)
             cute.arch.fence_proxy("async.shared", space="cta")   # sV16, sP read by WGMMA
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
             if i + st < count:
@@ -343,6 +341,12 @@ class FFPADecodeKeysSm90(KernelEntry):
                     mO[batch, head, col[c], col0 + tOcO_mn[r, c][0]] = acc_O_mn[r, c] * inv
                 if wg == 0 and warp == 0 and lane < 4:
                     mLSE[batch, head, col[c]] = lse
+
+    @cute.jit
+    def _convert_v(self, src: cute.Tensor, dst: cute.Tensor, wtid):
+        """This warpgroup's e4m3 V stage (64, Dv / 2) into its fp16 buffer, exactly."""
+        vec, tpr = cvt_tiling(KEYS_TILE, self.half)
+        convert_stage(src, dst, vec, tpr, "fp16", wtid, self.half <= 288)
 
     @cute.jit
     def _split_q(self, mQh: cute.Tensor, sQ: cute.Tensor, sScale: cute.Tensor, tidx):
