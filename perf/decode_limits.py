@@ -10,7 +10,7 @@ Variants (B=8, Hq 32 / Hkv 4, D=512, page 64, every row at N keys; the kernel al
 the merge of the splits):
   bf16       the 16-bit cache (twice the bytes), row-tiled
   keys       the keys-as-rows FP8-cache kernel (routed)
-  keys-no-cvt  the same without its V conversion (wrong values)
+  keys-no-cvt  the same without V's loads and conversion into registers (wrong values)
   e4m3       the row-tiled FP8-cache kernel (routed before the keys-as-rows one; still routed
              for > 32 rows per KV head and causal chunks)
   no-copy    the row-tiled one with no conversion at all: the fence and barrier only (wrong
@@ -47,11 +47,11 @@ class DecodeNoCopy(FFPADecodeSm90):
 
 
 class KeysNoConvert(FFPADecodeKeysSm90):
-    """The keys-as-rows decode with no V conversion (its fp16 buffers read as they are: wrong
-    values): what the conversion costs."""
+    """The keys-as-rows decode with no V operand built (its registers as they are: wrong
+    values): what the loads and the conversion of V cost."""
 
     @cute.jit
-    def _convert_v(self, src, dst, wtid):
+    def _v_operand(self, sv, tOrV, warp, lane):
         pass
 
 

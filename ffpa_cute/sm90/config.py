@@ -392,13 +392,12 @@ class DecodeKeysConfigSm90:
         return 1
 
     def smem_regions(self) -> list[int]:
-        """Bytes of: the K stages, the two warpgroups' e4m3 V stages (a half of Dv each), their
-        fp16 V buffers, Q's three e4m3 terms, each warpgroup's P (fp16), then the small
-        buffers (barriers, row scales, the column reductions)."""
+        """Bytes of: the K stages, the two warpgroups' e4m3 V stages (a half of Dv each), Q's
+        three e4m3 terms, each warpgroup's P (fp16), then the small buffers (barriers, row
+        scales, the column reductions)."""
         d, dv, n, t = self.head_dim, self.dv, self.rows, KEYS_TILE
         small = 8 * 4 * self.stages + 4 * n + 2 * 4 * 4 * n
-        return [self.stages * t * d, self.stages * t * dv, 2 * t * dv, 3 * n * d, 2 * 2 * n * t,
-                small]
+        return [self.stages * t * d, self.stages * t * dv, 3 * n * d, 2 * 2 * n * t, small]
 
     def smem_bytes(self) -> int:
         """An upper bound of the storage struct (each region 1024-byte aligned)."""

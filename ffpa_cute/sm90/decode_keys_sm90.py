@@ -47,13 +47,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float16, Float32, Int32, const_expr
+from cutlass import Float16, Float32, Int32, Uint16, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common.convert import convert_stage
+from ..common.convert import e4m3x4_to_16bit
 from ..common.softmax import mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
-from .config import KEYS_TILE, DecodeKeysConfigSm90, can_implement_decode_keys, cvt_tiling
+from .config import KEYS_TILE, DecodeKeysConfigSm90, can_implement_decode_keys
 from .decode_sm90 import fake_decode_args
 from .skeleton_sm90 import RingSkeletonSm90, row_major_layout
 
@@ -89,13 +89,12 @@ class FFPADecodeKeysSm90(KernelEntry):
 
     # ---------------------------------------------------------------- host side
     def _layouts(self):
-        """K stages (64, D, stages), the warpgroups' V stages (64, Dv / 2, 2 stages) in e4m3
-        and fp16 V buffers (64, Dv / 2, 2), Q's terms (3N, D) e4m3 (row r of term t at t N +
-        r), the warpgroups' P (N, 64, 2) fp16: row-major, the widest swizzle."""
+        """K stages (64, D, stages), the warpgroups' V stages (64, Dv / 2, 2 stages) in e4m3,
+        Q's terms (3N, D) e4m3 (row r of term t at t N + r), the warpgroups' P (N, 64, 2)
+        fp16: row-major, the widest swizzle."""
         t, st = KEYS_TILE, self.cfg.stages
         return (row_major_layout(t, self.d, self.kv, st),
                 row_major_layout(t, self.half, self.kv, 2 * st),   # [wg * stages + s]
-                row_major_layout(t, self.half, Float16, 2),        # [wg]
                 row_major_layout(Q_TERMS * self.n, self.d, self.kv),
                 row_major_layout(self.n, t, Float16, 2))           # [wg]
 
@@ -110,7 +109,7 @@ class FFPADecodeKeysSm90(KernelEntry):
         v_descale: (B, Hkv) fp32. nq is not read (the rows see every key). Grid (1, Hkv * S,
         B)."""
         t = KEYS_TILE
-        sK_l, sV8_l, sV16_l, sQ_l, sP_l = self._layouts()
+        sK_l, sV8_l, sQ_l, sP_l = self._layouts()
         tK = RingSkeletonSm90._bhnd_to_tma(aligned_bhnd(mK, self.d, self.kv))
         tV = RingSkeletonSm90._bhnd_to_tma(aligned_bhnd(mV, self.dv, self.kv))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -121,10 +120,11 @@ class FFPADecodeKeysSm90(KernelEntry):
         # S^T = K [Q_0; Q_1; Q_2]^T: (64 keys, 3N), both K-major e4m3
         mma_s = sm90_utils.make_trivial_tiled_mma(self.kv, self.kv, KMAJOR, KMAJOR, Float32,
                                                   (1, 1, 1), (t, Q_TERMS * self.n))
-        # O^T = V^T P^T: (Dv / 2, N) per warpgroup in 64-row M tiles; V^T MN-major (Dv
-        # contiguous), P^T K-major
-        mma_o = sm90_utils.make_trivial_tiled_mma(Float16, Float16, MNMAJOR, KMAJOR, Float32,
-                                                  (1, 1, 1), (t, self.n))
+        # O^T = V^T P^T: (Dv / 2, N) per warpgroup in 64-row M tiles; V^T from registers
+        # (converted there), P^T K-major from smem
+        mma_o = sm90_utils.make_trivial_tiled_mma(Float16, Float16, KMAJOR, KMAJOR, Float32,
+                                                  (1, 1, 1), (t, self.n),
+                                                  a_source=warpgroup.OperandSource.RMEM)
         st, mem, align = self.cfg.stages, cute.struct.MemRange, cute.struct.Align
 
         def smem(layout, elem):
@@ -136,8 +136,8 @@ class FFPADecodeKeysSm90(KernelEntry):
             "bar_v": mem[cutlass.Int64, 2 * st],
             "q_scale": align[mem[Float32, self.n], 16],          # s of each query row
             "red": align[mem[Float32, 2 * WARPS * self.n], 16],  # per-warp column partials
-            "sK": smem(sK_l, self.kv), "sV8": smem(sV8_l, self.kv),
-            "sV16": smem(sV16_l, Float16), "sQ": smem(sQ_l, self.kv), "sP": smem(sP_l, Float16),
+            "sK": smem(sK_l, self.kv), "sV8": smem(sV8_l, self.kv), "sQ": smem(sQ_l, self.kv),
+            "sP": smem(sP_l, Float16),
         }
         storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         assert storage.size_in_bytes() <= self.cfg.smem_bytes(), (
@@ -163,7 +163,7 @@ class FFPADecodeKeysSm90(KernelEntry):
         storage = cutlass.memory.SmemAllocator().allocate(Storage)
         bars = (storage.bar_k.data_ptr(), storage.bar_k_empty.data_ptr(),
                 storage.bar_v.data_ptr())
-        sK_l, sV8_l, sV16_l, sQ_l, sP_l = self._layouts()
+        sK_l, sV8_l, sQ_l, sP_l = self._layouts()
         sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)      # (64, D, stages)
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)      # (3N, D)
         sScale = storage.q_scale.get_tensor(cute.make_layout(self.n))
@@ -185,10 +185,9 @@ class FFPADecodeKeysSm90(KernelEntry):
         per = (n_blocks + num_splits - 1) // num_splits
         lo = split * per
         count = cutlass.max(cutlass.min(lo + per, n_blocks) - lo, 0)
-        # the V stages (64, Dv / 2, 2 stages: [wg * stages + s]); this warpgroup's fp16 V
-        # buffer (64, Dv / 2), P (N, 64) and column partials (4 warps, N)
+        # the V stages (64, Dv / 2, 2 stages: [wg * stages + s]); this warpgroup's P (N, 64)
+        # and column partials (4 warps, N)
         sV8 = storage.sV8.get_tensor(sV8_l.outer, swizzle=sV8_l.inner)
-        sV16 = storage.sV16.get_tensor(sV16_l.outer, swizzle=sV16_l.inner)[None, None, wg]
         sP = storage.sP.get_tensor(sP_l.outer, swizzle=sP_l.inner)[None, None, wg]
         sRed = storage.red.get_tensor(cute.make_layout((WARPS, self.n), stride=(self.n, 1)))
         sRed = cute.make_tensor(sRed.iterator + wg * WARPS * self.n, sRed.layout)
@@ -204,12 +203,12 @@ class FFPADecodeKeysSm90(KernelEntry):
             self._split_q(mQ[batch, head, None, None], sQ, sScale, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")   # sQ is read by WGMMA
         cute.arch.sync_threads()
-        self._consume(mO, mLSE, mKd, mVd, mma_s, mma_o, sK, sQ, sScale, sV8, sV16, sP, sRed,
-                      loads, scale_log2, head, lo, count, seqlen, tidx % WG_THREADS)
+        self._consume(mO, mLSE, mKd, mVd, mma_s, mma_o, sK, sQ, sScale, sV8, sP, sRed, loads,
+                      scale_log2, head, lo, count, seqlen, tidx % WG_THREADS)
 
     @cute.jit
-    def _consume(self, mO, mLSE, mKd, mVd, mma_s, mma_o, sK, sQ, sScale, sV8, sV16, sP, sRed,
-                 loads, scale_log2, head, lo, count, seqlen, wtid):
+    def _consume(self, mO, mLSE, mKd, mVd, mma_s, mma_o, sK, sQ, sScale, sV8, sP, sRed, loads,
+                 scale_log2, head, lo, count, seqlen, wtid):
         """One warpgroup's walk over the split's blocks: S^T and the softmax (both warpgroups
         compute the same ones), then its half of Dv's O^T; finally O / sum and (the first) the
         LSE."""
@@ -227,13 +226,15 @@ class FFPADecodeKeysSm90(KernelEntry):
         # (keys, cols) -> (key, column) of the 64 x 3N tile
         tScS_mn = mn_view(thr_s.partition_C(cute.make_identity_tensor((t, Q_TERMS * n))))
         thr_o = mma_o.get_slice(wtid)
-        sVt = cute.composition(sV16, cute.make_ordered_layout((self.half, t), order=(1, 0)))
-        tOrV = mma_o.make_fragment_A(thr_o.partition_A(sVt))  # (MMA, Dv / 128, 64 / 16)
+        # V^T's fp16 A fragments of the whole block: ((2, 2, 2), Dv / 128, 64 / 16); M row
+        # 16 w + r of an M tile is Dv column 16 w + 2 (r % 8) + r // 8 (`_v_operand`)
+        tOrV = cute.make_rmem_tensor(thr_o.partition_shape_A((self.half, t)), Float16)
         tOrP = mma_o.make_fragment_B(thr_o.partition_B(sP))   # (MMA, 1, 64 / 16)
         acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((self.half, n)), Float32)
         acc_O.fill(0.0)
         acc_O_mn = mn_view(acc_O)   # (Dv / 64 rows, N / 4 columns): term 0's column set
-        # (rows, cols) -> (Dv column in the half, query row) of the Dv / 2 x N tile
+        # (rows, cols) -> (M row, query row) of the Dv / 2 x N tile (M row -> Dv column:
+        # `_dv_of`)
         tOcO_mn = mn_view(thr_o.partition_C(cute.make_identity_tensor((self.half, n))))
         atom_o = cute.make_mma_atom(mma_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
@@ -304,8 +305,8 @@ class FFPADecodeKeysSm90(KernelEntry):
             # ---- V: this half's e4m3 stage -> fp16 buffer (the last P V is done: wait_group
             #      above)
             cute.arch.mbarrier_wait(bar_v + wg * st + s, phase)
-            self._convert_v(sV8[None, None, wg * st + s], sV16, wtid)
-            cute.arch.fence_proxy("async.shared", space="cta")   # sV16, sP read by WGMMA
+            self._v_operand(sV8[None, None, wg * st + s], tOrV, warp, lane)
+            cute.arch.fence_proxy("async.shared", space="cta")   # sP is read by WGMMA
             cute.arch.barrier(barrier_id=bar_id, number_of_threads=WG_THREADS)
             if i + st < count:
                 self._load_v(loads, blk + st, s)
@@ -338,15 +339,43 @@ class FFPADecodeKeysSm90(KernelEntry):
                 lse = (row_max[c] + cute.math.log2(total, fastmath=True)) * LN2
             if col[c] < rows_q:
                 for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                    mO[batch, head, col[c], col0 + tOcO_mn[r, c][0]] = acc_O_mn[r, c] * inv
+                    mO[batch, head, col[c], col0 + self._dv_of(tOcO_mn[r, c][0])] = (
+                        acc_O_mn[r, c] * inv)
                 if wg == 0 and warp == 0 and lane < 4:
                     mLSE[batch, head, col[c]] = lse
 
     @cute.jit
-    def _convert_v(self, src: cute.Tensor, dst: cute.Tensor, wtid):
-        """This warpgroup's e4m3 V stage (64, Dv / 2) into its fp16 buffer, exactly."""
-        vec, tpr = cvt_tiling(KEYS_TILE, self.half)
-        convert_stage(src, dst, vec, tpr, "fp16", wtid, self.half <= 288)
+    def _v_operand(self, sv: cute.Tensor, tOrV: cute.Tensor, warp, lane):
+        """This warpgroup's e4m3 V stage (64 keys, Dv / 2) as the fp16 A fragments of V^T
+        (M = Dv, K = keys), exactly (common/convert.py). The M rows of an M tile are permuted so
+        that a thread's two rows g, g + 8 (g = lane / 4) are the adjacent Dv columns 2 g, 2 g + 1
+        of its warp's 16: one 2-byte load per key gives both, and a byte permute pairs two
+        keys' bytes per column ([k, d], [k + 1, d], [k, d + 1], [k + 1, d + 1]) into the word
+        the conversion turns into the fragment's (row g: keys k, k + 1) and (row g + 8: keys
+        k, k + 1) registers. A fragment word j of (M tile mt, k step ks) is row g + 8 (j % 2),
+        keys 16 ks + 2 (lane % 4) + 8 (j // 2) + {0, 1} (the WGMMA register layout)."""
+        # (64, Dv / 4) column pairs; the swizzle (in bytes) kept on the 16-bit pointer, which
+        # recast_tensor would drop
+        swizzle = self._layouts()[1].inner
+        v16 = cute.make_tensor(cute.recast_ptr(sv.iterator, swizzle, dtype=Uint16),
+                               cute.recast_layout(16, 8, sv.layout))
+        words = cute.recast_tensor(tOrV, Uint32)        # ((1, 2, 2), Dv / 128, 4)
+        pair = warp * 8 + lane // 4                     # the column pair of rows g, g + 8
+        q = lane % 4
+        for mt in cutlass.range_constexpr(cute.size(tOrV, mode=[1])):
+            for ks in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                for c in cutlass.range_constexpr(2):
+                    k = ks * 16 + 2 * q + 8 * c
+                    x = Uint32(v16[k, mt * 32 + pair])
+                    y = Uint32(v16[k + 1, mt * 32 + pair])
+                    lo, hi = e4m3x4_to_16bit(cute.arch.prmt(x, y, 0x5140), "fp16")
+                    words[2 * c, mt, ks] = lo
+                    words[2 * c + 1, mt, ks] = hi
+
+    def _dv_of(self, m):
+        """The Dv column (in the warpgroup's half) of O^T's M row m (`_v_operand`'s order)."""
+        r = m % 16
+        return m - r + 2 * (r % 8) + r // 8
 
     @cute.jit
     def _split_q(self, mQh: cute.Tensor, sQ: cute.Tensor, sScale: cute.Tensor, tidx):
