@@ -54,24 +54,30 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
     return plans
 
 
+KEYS_ROWS = (8, 16, 24, 32, 64)  # query rows per KV head an e4m3 cache is compiled for
+
+
 def decode_jobs(target: str, head_dims, dtypes, pages) -> list:
-    """(kernel class, config) of the split-KV decode kernel per head dim, 16-bit query dtype,
+    """(kernel class, config) of the split-KV decode kernels per head dim, 16-bit query dtype,
     cache dtype (the query's; e4m3 too when `dtypes` has it) and page size (None: a
-    contiguous cache); combinations no decode kernel serves are skipped."""
+    contiguous cache); combinations no decode kernel serves are skipped. An e4m3 cache is
+    compiled for each row count the keys-as-rows kernel keys on (8, 16, 24, 32 query rows per
+    KV head) and for the row-tiled kernel (more rows: MQA)."""
     q_dtypes = [dt for dt in dtypes if dt != "e4m3"] or ["bf16"]
     kv_dtypes = [None] + (["e4m3"] if "e4m3" in dtypes else [])
     jobs = []
     for d in head_dims:
         for dt in q_dtypes:
-            p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1, seqlen_kv=1,
-                            head_dim=d, head_dim_v=d)
             for kv in kv_dtypes:
                 if kv is None and dt not in dtypes:
                     continue  # only an FP8 cache was asked for under these queries
-                for page in pages:
-                    plan = dispatch.plan_decode(p, page, target=target, kv_dtype=kv)
-                    if plan.reason is None and (plan.kernel_cls, plan.cfg) not in jobs:
-                        jobs.append((plan.kernel_cls, plan.cfg))
+                for rows in ((1,) if kv is None else KEYS_ROWS):
+                    p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=rows,
+                                    seqlen_kv=1, head_dim=d, head_dim_v=d)
+                    for page in pages:
+                        plan = dispatch.plan_decode(p, page, target=target, kv_dtype=kv)
+                        if plan.reason is None and (plan.kernel_cls, plan.cfg) not in jobs:
+                            jobs.append((plan.kernel_cls, plan.cfg))
     return jobs
 
 

@@ -42,7 +42,11 @@ def test_decode_jobs_cover_caches_and_pages():
     assert {(c.dtype, c.kv_dtype, c.page_rows) for c in dec} == {
         ("bf16", None, None), ("bf16", None, 64), ("bf16", "e4m3", None), ("bf16", "e4m3", 64)}
     only = precompile.decode_jobs("sm_90a", [512], ["e4m3"], [64])
-    assert [(c.dtype, c.kv_dtype) for _, c in only] == [("bf16", "e4m3")]
+    assert {(c.dtype, c.kv_dtype) for _, c in only} == {("bf16", "e4m3")}
+    # an e4m3 cache: the keys-as-rows kernel at each row count, the row-tiled one for MQA
+    assert sorted(c.rows for cls, c in only if cls.__name__ == "FFPADecodeKeysSm90") == [
+        8, 16, 24, 32]
+    assert [cls.__name__ for cls, _ in only].count("FFPADecodeSm90") == 1
     assert precompile.decode_jobs("sm_80", [512], ["bf16"], [None]) == []
 
 

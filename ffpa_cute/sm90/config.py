@@ -378,6 +378,11 @@ class DecodeKeysConfigSm90:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
+    def causal(self) -> bool:
+        """The rows see every key of their batch row (causal chunks take the row-tiled kernel)."""
+        return False
+
+    @property
     def tile_n(self) -> int:
         """Keys per block."""
         return KEYS_TILE
@@ -413,8 +418,7 @@ def can_implement_decode_keys(cfg: DecodeKeysConfigSm90) -> str | None:
                 f"over an FP8 cache {FP8_DTYPES}")
     if cfg.head_dim % 32 or not 64 <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: a multiple of 32 in [64, {MAX_HEAD_DIM}]"
-    if cfg.dv % 128 or not 128 <= cfg.dv <= MAX_HEAD_DIM or cvt_tiling(KEYS_TILE,
-                                                                        cfg.dv // 2) is None:
+    if cfg.dv % 128 or not 128 <= cfg.dv <= MAX_HEAD_DIM:
         return (f"head_dim_v={cfg.dv}: a multiple of 128 in [128, {MAX_HEAD_DIM}] (two "
                 "warpgroups' halves of 64-row M tiles)")
     if cfg.rows % 8 or not 8 <= cfg.rows <= KEYS_MAX_ROWS:

@@ -5,38 +5,43 @@ Why another decode kernel (docs/design.md section 11): the row-tiled decode (dec
 puts a KV head's G * Nq query rows into WGMMA's 64-row M, so GQA 8:1 decode fills 8 of 64
 rows and does 8x the tensor work, and it converts both K and V to 16 bits in shared memory;
 on an e4m3 cache, where the bytes halve, those two costs became the bound (H200, B=8, Hq 32 /
-Hkv 4, D=512: 1.64 TB/s of e4m3 K / V, half the bf16 cache's rate). Here the 64 keys of a block
-are M and the query rows are N (8 to 32), so the tensor work is what the rows need, and K is
-never converted:
+Hkv 4, D=512: 1.65 TB/s of e4m3 K / V, slower in time than a bf16 cache). Here the 64 keys of
+a block are M and the query rows are N (8 to 32), so the tensor work is what the rows need, K
+is never converted and V only on its way into registers:
 
-  S^T = K Q^T   e4m3 WGMMA m64n(2N)k32, both operands K-major as they arrive: K's stage from the
-                TMA, and Q split into two e4m3 halves, Q ~ s (Q_hi + Q_lo) per row (s = amax /
-                448, Q_hi = e4m3(Q / s), Q_lo = e4m3(Q / s - Q_hi): ~7 significant bits,
-                bf16's precision to within a factor 2), as columns r and N + r of one product,
-                added in registers. Exact products, fp32 accumulation.
-  softmax       per query row = per column: max and sum over the block's 64 keys (two rows
-                per thread, a butterfly over the 8 lanes sharing a column, the 4 warps through
+  S^T = K Q^T   e4m3 WGMMA m64n(3N)k32, both operands K-major as they arrive: K's stage from the
+                TMA, and Q written per row as s (Q_0 + Q_1 + Q_2) (s = amax / 448, each term
+                the e4m3 rounding of what the previous ones left: ~11 significant bits), the
+                terms as column groups of one product, added in registers. Exact products,
+                fp32 accumulation (at Hopper's reduced e4m3 accumulation precision).
+  softmax       per query row = per column: max and sum over the block's 64 keys (two keys per
+                thread, a butterfly over the 8 lanes sharing a column, the 4 warps through
                 shared memory), online over the blocks, P in fp16 (10-bit mantissa) to shared
                 memory as the [N x 64] K-major B operand.
-  O^T += V^T P^T   fp16 WGMMA m64nNk16 over Dv / 64 M tiles, V's e4m3 stage converted into an
-                fp16 buffer first (exact: every e4m3 value is an fp16 value; common/convert.py),
-                read MN-major (Dv contiguous) as it lies. e4m3 WGMMA takes K-major operands
-                only, and V's keys are its rows, so V is the one operand converted.
+  O^T += V^T P^T   fp16 WGMMA m64nNk16 over 64-row M tiles with V^T as the register A operand
+                (`_v_operand`): e4m3 WGMMA takes K-major operands only and V's keys are its
+                rows, so V is loaded by 2-byte shared loads, its bytes paired per column by a
+                permute and converted exactly (common/convert.py) into the fragment; the M rows
+                are permuted so that a thread's two rows are adjacent Dv columns (`_dv_of`).
 
-Per CTA: one warpgroup (128 threads) and a ring of `stages` blocks (64 keys of K and of V, each
-on its own TMA barrier); block i: wait K, S^T (its WGMMAs also retire the previous block's P V),
-the column maxima (one barrier), refill K's stage with block i + stages, the softmax, wait V,
-convert it (one barrier), refill V's stage, then the P V WGMMAs, left running under the next
-block's K wait. The grid is the row-tiled decode's with one row tile: (1, Hkv * S, B), head h =
-kv_head * S + split, the same fp32 partials [B, Hkv * S, M, Dv] and LSE [B, Hkv * S, M] for the
-combine kernel, the same block split and pages (decode_sm90.py's docstring). K's descale joins
-the scores' scale, V's the final 1 / row_sum.
+Per CTA: two warpgroups, one per half of Dv; both compute the same S^T and softmax (no
+exchange), each loads (its own TMA stages) and converts its half of V and accumulates its half
+of O^T. A ring of `stages` blocks (64 keys of K; each warpgroup's half of V), each on its own
+TMA barrier; K's stage is refilled once both warpgroups have read it (an empty barrier of two
+arrivals). Block i: wait K, S^T (its WGMMAs also retire the previous block's P V), the column
+maxima (one named barrier per warpgroup), refill K's stage with block i + stages, the softmax,
+wait V, build V^T's fragments, fence P and meet (named barrier), refill V's stage, then the P V
+WGMMAs, left running under the next block's K wait. The grid is the row-tiled decode's with
+one row tile: (1, Hkv * S, B), head h = kv_head * S + split, the same fp32 partials [B, Hkv *
+S, M, Dv] and LSE [B, Hkv * S, M] for the combine kernel, the same block split and pages
+(decode_sm90.py's docstring). K's descale joins the scores' scale, V's the final 1 / row_sum.
 
 Constraints (`config.can_implement_decode_keys`): sm_90a; 16-bit q, e4m3 K / V; D a multiple
-of 32 in [64, 1024], Dv a multiple of 64; rows (G * Nq padded to 8) <= 32; no mask (not
+of 32 in [64, 1024], Dv a multiple of 128; rows (G * Nq padded to 8) <= 32; no mask (not
 causal, no window or sinks); pages of a multiple of 64 rows; stages >= 2 within shared memory.
 Status: compile-verified on CPU (tests/test_decode_keys.py); run on the H200 by
-tests/test_kvcache_gpu.py (docs/verification.md says which run).
+tests/test_features_gpu.py (test_decode_fp8_cache, the CUDA-graph and split tests) and under
+compute-sanitizer (tests/sanitize.py); docs/verification.md says which run.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ Chunked prefill (config `causal`, Nq > 1 a runtime argument): the rows are G hea
 queries, the batch row's last Nq positions; two hooks put the mask in that frame,
 `_causal_offset` (seqlen_b - Nq) and `_row_period` (row r is query r % Nq, common/mask.py).
 
-FP8 cache (`kv_dtype` "e4m3", 16-bit q): K / V arrive by TMA in 8-bit rings; the warpgroup
+FP8 cache (`kv_dtype` "e4m3", 16-bit q; the keys-as-rows kernel, decode_keys_sm90.py, takes
+the shapes with <= 32 rows per KV head and no mask, this one the rest): K / V arrive by TMA in 8-bit rings; the warpgroup
 that reads a stage (S: K chunks, each O warpgroup: its V stages) converts it into one of two
 16-bit buffers (`RingSkeletonSm90._convert`: exact, every e4m3 value is a bf16 / fp16 value),
 refills the 8-bit stage and runs the 16-bit WGMMAs on the buffer: half the cache bytes, the
