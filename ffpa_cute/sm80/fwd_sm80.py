@@ -159,17 +159,26 @@ class FFPAFwdSm80(KernelEntry):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32; sinks: (Hq,) fp32 with `sinks`, else
         None; window_lo: read with `window`. Launch grid = (m_blocks, Hq, B)."""
         mQ, mK, mV, mO = [self._aligned(t) for t in (mQ, mK, mV, mO)]
-        sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
-        SharedStorage = self._shared_storage(
-            self._storage_fields(sQ_layout, sKV_layout, sP_layout, sStat_layout))
+        self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, causal_offset,
+                     self._gmem_tiled_copy(True), stream, features_of(self.cfg, window_lo, mSinks))
 
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                stats, softmax_scale: cutlass.Float32, causal_offset: cutlass.Int32,
+                copy_in: cute.TiledCopy, stream: cuda.CUstream, features=None):
+        """The shared-memory struct (`_storage_fields`), the grid (m_blocks, Hq, B) and the
+        launch of `kernel`, for aligned operands in the kernel's dtype and O in out_dtype;
+        stats: the LSE (16 bits) or (LSE, the descales[, the block scales]); copy_in: the
+        global -> shared copy of the operand chunks; features: the window's left edge and
+        sinks (`features_of`), or None."""
+        layouts = self._smem_layouts()
+        SharedStorage = self._shared_storage(self._storage_fields(*layouts))
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
                 cute.size(mQ.shape[0]))
         self.kernel(
-            mQ, mK, mV, mO, mLSE, softmax_scale * LOG2_E, causal_offset,
-            sQ_layout, sKV_layout, sP_layout, sStat_layout,
-            self._gmem_tiled_copy(True), self._gmem_tiled_copy(False, self.out_dtype),
-            self._tiled_mma(), SharedStorage, features_of(self.cfg, window_lo, mSinks),
+            mQ, mK, mV, mO, stats, softmax_scale * LOG2_E, causal_offset, *layouts, copy_in,
+            self._gmem_tiled_copy(False, self.out_dtype), self._tiled_mma(), SharedStorage,
+            features,
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -679,20 +688,11 @@ class FFPAFwdSm80FP8(FFPAFwdSm80):
     def _launch_quantized(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor,
                           mO: cute.Tensor, stats, softmax_scale: cutlass.Float32,
                           causal_offset: cutlass.Int32, stream: cuda.CUstream, features=None):
-        """The shared-memory struct (`_storage_fields`), the grid (m_blocks, Hq, B) and the
-        launch, for q / k / vt already in the kernel's dtype; stats = (LSE, the descales[,
-        the block scales]); features: the window's left edge and sinks (`features_of`)."""
+        """`_launch` for q / k / vt already in the kernel's dtype: O aligned in out_dtype, the
+        operand chunks copied by `_vector_copy`."""
         mO = aligned_bhnd(mO, self.cfg.head_dim, self.out_dtype)
-        layouts = self._smem_layouts()
-        SharedStorage = self._shared_storage(self._storage_fields(*layouts))
-        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
-                cute.size(mQ.shape[0]))
-        self.kernel(
-            mQ, mK, mVt, mO, stats, softmax_scale * LOG2_E, causal_offset, *layouts,
-            self._vector_copy(self.tile_n), self._gmem_tiled_copy(False, self.out_dtype),
-            self._tiled_mma(), SharedStorage, features,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1],
-                 smem=SharedStorage.size_in_bytes(), stream=stream)
+        self._launch(mQ, mK, mVt, mO, stats, softmax_scale, causal_offset,
+                     self._vector_copy(self.tile_n), stream, features)
 
     def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
         """The 16-bit forward's regions with the Q buffer sized for O's staging (out_dtype is
