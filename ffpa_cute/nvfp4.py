@@ -29,14 +29,15 @@ scale blocks and of sm_120a's block-scaled mma.sync):
 
 Layouts: `data` uint8 [..., D / 2], `block_scale` float8_e4m3fn [..., D / 16] row-major,
 `tensor_scale` a 0-d fp32 tensor. The sm_120 kernel reads the scales as they are (4-byte words);
-the sm_100 kernel reads them re-tiled by `blocked_scales` (once per call, on the GPU), the layout
+the sm_100 kernel reads them re-tiled by `blocked_scales` (on the GPU, kept on the NVFP4Tensor
+while its scales are unchanged, so a reused K / V cache pays it once), the layout
 tcgen05's scale-factor copies take: per 128-row atom and 64-element K-block, 512 contiguous
 bytes, row r's 4 scales at byte 16 (r % 32) + 4 (r // 32).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +68,9 @@ class NVFP4Tensor:
     data: torch.Tensor
     block_scale: torch.Tensor
     tensor_scale: torch.Tensor
+    # the sm_100 kernel's blocked scales of this tensor, kept for the next call while
+    # block_scale is unchanged (`_blocked_once`): a reused K / V cache re-tiles once
+    _blocked: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -177,6 +181,20 @@ def blocked_scales(scales: torch.Tensor, rows: int | None = None,
     return t.reshape(*lead, rows // SF_ATOM_ROWS, kb * SF_ATOM_BYTES).contiguous()
 
 
+def _blocked_once(t: NVFP4Tensor, scales: torch.Tensor, **kw) -> torch.Tensor:
+    """`blocked_scales(scales, **kw)` of t's block scales (`scales`: t.block_scale as the
+    kernel takes it, reshaped or padded), remembered on t and returned again while t.block_scale
+    is the same storage at the same version (an in-place write bumps it) and the arguments and
+    shape match."""
+    src = t.block_scale
+    key = (src.data_ptr(), src._version, tuple(scales.shape), tuple(sorted(kw.items())))
+    hit = t._blocked.get("scales")
+    if hit is None or hit[0] != key:
+        hit = (key, blocked_scales(scales, **kw))
+        t._blocked["scales"] = hit
+    return hit[1]
+
+
 def prepare_v(v: NVFP4Tensor, nkv: int, keys_multiple: int = 64
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """V^T's codes and scales as the kernels read them (uint8): the keys zero-padded to a
@@ -211,8 +229,9 @@ def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
     if isinstance(plan.cfg, FwdFP4ConfigSm100):  # blocked scales, whole 128-key blocks
         vd, vs = prepare_v(v, k.shape[2], keys_multiple=128)
         chunk = plan.cfg.k_chunk // FP4_MMA_K  # K-blocks per QK stage
-        qs, ks = blocked_scales(qs, k_multiple=chunk), blocked_scales(ks, k_multiple=chunk)
-        vs = blocked_scales(vs, rows=plan.cfg.vt_scale_rows())
+        qs = _blocked_once(q, qs, k_multiple=chunk)
+        ks = _blocked_once(k, ks, k_multiple=chunk)
+        vs = _blocked_once(v, vs, rows=plan.cfg.vt_scale_rows())
     else:
         vd, vs = prepare_v(v, k.shape[2])
     tensors = dict(q=launch.kernel_ready(qd), q_sf=qs.contiguous(),

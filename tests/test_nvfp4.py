@@ -329,3 +329,28 @@ def test_sm100_nvfp4_host_feeds_the_kernel_blocked_scales(monkeypatch):
     vs = torch.zeros(b, hkv, d, 8, dtype=torch.uint8)
     vs[..., :7] = v4.block_scale.view(torch.uint8)
     assert torch.equal(seen["v_sf"], nvfp4.blocked_scales(vs, rows=rows_v))
+
+
+def test_sm100_nvfp4_blocked_scales_are_kept_per_tensor(monkeypatch):
+    """A reused K / V (the same NVFP4Tensor) is re-tiled into the blocked layout once; an
+    in-place write to its scales, or another tensor, re-tiles (CPU, the launch replaced)."""
+    from ffpa_cute import dispatch, launch
+    from ffpa_cute.options import Options
+
+    q4, k4, v4, p = _host_operands(1, 2, 2, 70, 100, 320)
+    plan = dispatch.plan_fwd(p, target="sm_100a", opts=Options())
+    seen, calls = {}, []
+    monkeypatch.setattr(launch, "run_job", lambda cls, cfg, t, s: seen.update(t))
+    real = nvfp4.blocked_scales
+    monkeypatch.setattr(nvfp4, "blocked_scales", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    nvfp4.run_kernel(plan, q4, k4, v4, torch.bfloat16)
+    first = {n: seen[n].clone() for n in ("q_sf", "k_sf", "v_sf")}
+    assert len(calls) == 3
+    nvfp4.run_kernel(plan, q4, k4, v4, torch.bfloat16)
+    assert len(calls) == 3 and all(torch.equal(seen[n], first[n]) for n in first)
+    k4.block_scale.view(torch.uint8)[0, 0, 0, 0] ^= 1   # in place: K's scales re-tiled
+    nvfp4.run_kernel(plan, q4, k4, v4, torch.bfloat16)
+    assert len(calls) == 4 and not torch.equal(seen["k_sf"], first["k_sf"])
+    q5 = nvfp4.NVFP4Tensor(q4.data, q4.block_scale.clone(), q4.tensor_scale)
+    nvfp4.run_kernel(plan, q5, k4, v4, torch.bfloat16)
+    assert len(calls) == 5 and torch.equal(seen["q_sf"], first["q_sf"])
