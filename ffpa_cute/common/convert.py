@@ -76,11 +76,11 @@ def convert_stage(src: cute.Tensor, dst: cute.Tensor, vec: cutlass.Constexpr,
                   unrolled: cutlass.Constexpr):
     """Convert a [rows x cols] e4m3 stage `src` into the 16-bit ("bf16" | "fp16": `kind`)
     buffer `dst` of the same shape, exactly, by the 128 threads of a warpgroup (tidx: the
-    thread's index in it): each converts runs of `vec` contiguous values of a row, `tpr` threads per row,
-    128 / tpr rows per pass (the planner's `cvt_tiling` chose them so that a run never crosses
-    a swizzle atom). `unrolled`: every run unrolled (else a loop unrolled by 2, which keeps
-    the registers of large stages down). No fence or barrier: the caller orders the reads
-    and writes."""
+    thread's index in it): each converts runs of `vec` contiguous values of a row, `tpr`
+    threads per row, 128 / tpr rows per pass (the planner's `cvt_tiling` chose them so that a
+    run never crosses a swizzle atom). `unrolled`: every run unrolled (else a loop unrolled
+    by 2, which keeps the registers of large stages down). No fence or barrier: the caller
+    orders the reads and writes."""
     src8, dst16 = src.element_type, CUTLASS_DTYPES[kind]
     thr = cute.make_ordered_layout((128 // tpr, tpr), order=(1, 0))
     val = cute.make_layout((1, vec))   # the tile (128 / tpr, vec * tpr), repeated

@@ -343,7 +343,7 @@ class DecodeConfigSm90(FwdConfigSm90):
 
 
 KEYS_TILE = 64        # keys per block of the keys-as-rows decode (the WGMMA M)
-KEYS_MAX_ROWS = 32    # query rows per KV head it takes (2 x 32 columns of Q's e4m3 halves)
+KEYS_MAX_ROWS = 32    # query rows per KV head it takes (3 x 32 columns of Q's e4m3 terms)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ WARPS = WG_THREADS // 32   # warps of a warpgroup
 Q_TERMS = 3                # e4m3 terms of Q: s (Q_0 + Q_1 + Q_2), ~11 significant bits
 E4M3_MAX = 448.0
 LN2 = 0.6931471805599453
-KMAJOR, MNMAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+KMAJOR = cute.nvgpu.OperandMajorMode.K
 
 
 class FFPADecodeKeysSm90(KernelEntry):
@@ -307,8 +307,8 @@ class FFPADecodeKeysSm90(KernelEntry):
                 row_sum[c] = total
                 for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
                     acc_O_mn[r, c] = acc_O_mn[r, c] * alpha
-            # ---- V: this half's e4m3 stage -> fp16 buffer (the last P V is done: wait_group
-            #      above)
+            # ---- V: this half's e4m3 stage -> V^T's fp16 register fragments (the last P V,
+            #      which read them, is done: wait_group above)
             cute.arch.mbarrier_wait(bar_v + wg * st + s, phase)
             self._v_operand(sV8[None, None, wg * st + s], tOrV, warp, lane)
             cute.arch.fence_proxy("async.shared", space="cta")   # sP is read by WGMMA
