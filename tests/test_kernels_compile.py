@@ -376,11 +376,12 @@ def test_sm90_decode_chunked_prefill_compiles():
 @pytest.mark.parametrize("d,dv,page,dtype", [(512, None, 64, "bf16"), (576, 512, None, "bf16"),
                                              (1024, None, 128, "bf16"), (320, None, 64, "fp16")])
 def test_sm90_decode_fp8_cache_compiles(d, dv, page, dtype):
-    """The decode kernel on an e4m3 cache under 16-bit queries: the TMA loads 8-bit stages,
-    the warpgroups convert them by bits (prmt / lop3 and a packed multiply, no cvt from e4m3)
-    into the 16-bit buffers of the bf16 / fp16 WGMMAs; no local memory, no spills. O halves
-    that the conversion runs cannot tile (D=264) are refused."""
-    p = _problem(d, False, 4, 4, dv=dv, dtype=dtype)
+    """The row-tiled decode kernel on an e4m3 cache under 16-bit queries (64 rows per KV head:
+    fewer take the keys-as-rows kernel, tests/test_decode_keys.py): the TMA loads 8-bit
+    stages, the warpgroups convert them by bits (prmt / lop3 and a packed multiply, no cvt
+    from e4m3) into the 16-bit buffers of the bf16 / fp16 WGMMAs; no local memory, no spills.
+    O halves that the conversion runs cannot tile (D=264) are refused."""
+    p = dataclasses.replace(_problem(d, False, 4, 4, dv=dv, dtype=dtype), seqlen_q=64)
     plan = dispatch.plan_decode(p, page, target="sm_90a", kv_dtype="e4m3")
     assert plan.reason is None, plan.reason
     cfg = plan.cfg
@@ -391,7 +392,7 @@ def test_sm90_decode_fp8_cache_compiles(d, dv, page, dtype):
     assert "prmt.b32" in ptx and f"mul.rn.{kind}x2" in ptx and "e4m3x2" not in ptx
     assert "cp.async.bulk.tensor" in ptx and ".local" not in ptx
     _no_spills(ptx)
-    odd = _problem(264, False, 4, 4)
+    odd = dataclasses.replace(_problem(264, False, 4, 4), seqlen_q=64)
     assert "multiple of 32" in dispatch.plan_decode(odd, None, target="sm_90a",
                                                      kv_dtype="e4m3").reason
 
