@@ -109,3 +109,37 @@ def test_keys_kernel_compiles(in_tmp, g, d, dv, page, dtype):
     assert "ld.shared.b16" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".local" not in ptx
     _no_spills(ptx, max_regs=255)
+
+
+def test_v_fragment_rows_map_onto_dv_columns():
+    """`_dv_of` inverts `_v_operand`'s row order: M rows g and g + 8 of warp w's 16 are the
+    column pair 8 w + g (bytes 2 (8 w + g) and + 1) of the tile, and each 64-row M tile maps
+    onto its own 64 Dv columns exactly once."""
+    from ffpa_cute.sm90.decode_keys_sm90 import FFPADecodeKeysSm90
+
+    kern = FFPADecodeKeysSm90(DecodeKeysConfigSm90("sm_90a", "bf16", 512, 8))
+    for mt in range(kern.half // 64):
+        for w in range(4):
+            for g in range(8):
+                m = 64 * mt + 16 * w + g
+                assert kern._dv_of(m) == 64 * mt + 2 * (8 * w + g)
+                assert kern._dv_of(m + 8) == 64 * mt + 2 * (8 * w + g) + 1
+    assert sorted(kern._dv_of(m) for m in range(kern.half)) == list(range(kern.half))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_three_e4m3_terms_carry_the_query(dtype):
+    """Q written per row as s (Q_0 + Q_1 + Q_2), s = amax / 448, each term the e4m3 rounding of
+    what the previous ones left (the kernel's `_split_q`, emulated in torch): within 2^-14 of
+    the row's amax per element (measured 2^-14.8; bf16 keeps 8 significant bits, fp16 11); two
+    terms leave 2^-9.8."""
+    q = (torch.randn(64, 512) * torch.logspace(-3, 3, 64)[:, None]).to(dtype).float()
+    s = q.abs().amax(-1, keepdim=True) / 448
+    x, terms = q / s, []
+    for _ in range(3):
+        t = x.to(E4M3).float()
+        terms.append(t)
+        x = x - t
+    err3 = ((s * sum(terms) - q).abs() / (s * 448)).amax()
+    err2 = ((s * (terms[0] + terms[1]) - q).abs() / (s * 448)).amax()
+    assert err3 <= 2.0 ** -14 and err2 > 2.0 ** -11
