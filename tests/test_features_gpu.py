@@ -267,9 +267,10 @@ def _fp8_cache(shape, contents):
 def test_decode_fp8_cache(seed, case):
     """The decode kernels on an FP8 cache under 16-bit queries (<= 32 rows per KV head: the
     keys-as-rows kernel, K in e4m3 WGMMAs, V converted to fp16; MQA 64:1 and D=1024: the
-    row-tiled kernel, K / V converted in shared memory): against float64 on the dequantised cache, error <= 2x that of torch's attention
-    on the same dequantised cache in q's dtype + 1e-3; new 16-bit keys quantised into the
-    cache with the descales; validate=False and a forced split count agree."""
+    row-tiled kernel, K / V converted in shared memory): against float64 on the dequantised
+    cache, error <= 2x that of torch's attention on the same dequantised cache in q's dtype +
+    1e-3; new 16-bit keys quantised into the cache with the descales; validate=False and a
+    forced split count agree."""
     b, nq, hq, hkv, d, dv, page, lens, dtype, contents = case
     dv = dv or d
     cap = 2048 if lens is None else max(max(lens), 1) + 64
