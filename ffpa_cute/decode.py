@@ -76,6 +76,29 @@ def num_splits(plan, b: int, hkv: int, max_len: int, device) -> int:
     return good[0] if good else max(range(1, top + 1), key=lambda s: (fill(s), -s))
 
 
+def kernel_operands(q, k_cache, v_cache, seqlens, block_table, splits: int, descales=None
+                    ) -> dict:
+    """The decode kernels' tensors by operand name (`launch.run_job`) for q [B, Nq, Hq, D]
+    over the caches in the kvcache layout split S = `splits` ways: the rows (g, i) of each KV
+    head replicated for the splits ([B, Hkv * S, G * Nq, D]), the caches seen as (pages, Hkv,
+    rows, D), fp32 partials o [B, Hkv * S, G * Nq, Dv] and lse [B, Hkv * S, G * Nq] to fill,
+    seqlens_k, the int32 block table (None: contiguous) and an FP8 cache's (k, v) descales."""
+    b, nq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    m = hq // hkv * nq
+    rows = q.permute(0, 2, 1, 3).reshape(b, hkv, 1, m, d).expand(b, hkv, splits, m, d)
+    return dict(
+        q=rows.reshape(b, hkv * splits, m, d),
+        k=k_cache.permute(0, 2, 1, 3), v=v_cache.permute(0, 2, 1, 3),
+        o=torch.empty(b, hkv * splits, m, dv, dtype=torch.float32, device=q.device),
+        lse=torch.empty(b, hkv * splits, m, dtype=torch.float32, device=q.device),
+        seqlens_k=seqlens,
+        block_table=(None if block_table is None else
+                     block_table.to(device=q.device, dtype=torch.int32).contiguous()),
+        k_descale=None if descales is None else descales[0],
+        v_descale=None if descales is None else descales[1])
+
+
 def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_table,
                     splits: int | None, descales=None):
     """(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each
@@ -83,23 +106,11 @@ def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_tabl
     launch of the decode kernel and one of the combine kernel that merges its splits
     (common/combine.py; `merge_splits` is the same in torch). `splits`: S, or None to pick it
     (`num_splits`). descales: an FP8 cache's (k, v) [B, Hkv] fp32 (None: a 16-bit cache)."""
-    b, nq, hq, d = q.shape
+    b, nq, hq, _ = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    g = hq // hkv
-    m = g * nq
+    m = hq // hkv * nq
     s = splits or num_splits(plan, b, hkv, max_len, q.device)
-    # rows (g, i) of each KV head, replicated for the S splits: [B, Hkv * S, G * Nq, D]
-    rows = q.permute(0, 2, 1, 3).reshape(b, hkv, 1, m, d).expand(b, hkv, s, m, d)
-    tensors = dict(
-        q=rows.reshape(b, hkv * s, m, d),
-        k=k_cache.permute(0, 2, 1, 3), v=v_cache.permute(0, 2, 1, 3),
-        o=torch.empty(b, hkv * s, m, dv, dtype=torch.float32, device=q.device),
-        lse=torch.empty(b, hkv * s, m, dtype=torch.float32, device=q.device),
-        seqlens_k=seqlens,
-        block_table=(None if block_table is None else
-                     block_table.to(device=q.device, dtype=torch.int32).contiguous()),
-        k_descale=None if descales is None else descales[0],
-        v_descale=None if descales is None else descales[1])
+    tensors = kernel_operands(q, k_cache, v_cache, seqlens, block_table, s, descales)
     out = torch.empty(b, hkv, m, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hkv, m, dtype=torch.float32, device=q.device)
     combine = CombineConfig(plan.target, dtype_name(q.dtype), dv)
@@ -124,4 +135,4 @@ def merge_splits(out, lse):
     return merged, torch.where(total > 0, top.squeeze(-2) + torch.log(total), float("-inf"))
 
 
-__all__ = ["decode_plan", "merge_splits", "num_splits", "split_kv_decode"]
+__all__ = ["decode_plan", "kernel_operands", "merge_splits", "num_splits", "split_kv_decode"]

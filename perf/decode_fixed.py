@@ -69,14 +69,9 @@ def run(dev, flush) -> dict:
             lens = torch.full((B,), n, dtype=torch.int32, device=dev)
             s = decode.num_splits(plan, B, HKV, n, dev)
             m = HQ // HKV
-            rows = q.permute(0, 2, 1, 3).reshape(B, HKV, 1, m, D).expand(B, HKV, s, m, D)
-            t = dict(q=rows.reshape(B, HKV * s, m, D), k=kc.permute(0, 2, 1, 3),
-                     v=vc.permute(0, 2, 1, 3),
-                     o=torch.empty(B, HKV * s, m, D, dtype=torch.float32, device=dev),
-                     lse=torch.empty(B, HKV * s, m, dtype=torch.float32, device=dev),
-                     seqlens_k=lens, block_table=table,
-                     k_descale=torch.ones(B, HKV, device=dev) if scales else None,
-                     v_descale=torch.ones(B, HKV, device=dev) if scales else None)
+            ones = torch.ones(B, HKV, device=dev)
+            t = decode.kernel_operands(q, kc, vc, lens, table, s,
+                                       (ones, ones) if scales else None)
             none = dict(t, seqlens_k=torch.zeros_like(lens))
             sc = dict(softmax_scale=D ** -0.5, num_splits=s, nq=1)
             res = torch.empty(B, HKV, m, D, dtype=torch.bfloat16, device=dev)

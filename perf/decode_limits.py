@@ -120,15 +120,8 @@ def run(dev, flush) -> dict:
             kc, vc = (k8, v8) if kv else (k16, v16)
             plan = type("P", (), {"cfg": cfg, "problem": type("Q", (), {"seqlen_q": HQ // HKV})})
             s = decode.num_splits(plan, B, HKV, n, dev)
-            m = HQ // HKV
-            rows = q.permute(0, 2, 1, 3).reshape(B, HKV, 1, m, D).expand(B, HKV, s, m, D)
-            t = dict(q=rows.reshape(B, HKV * s, m, D), k=kc.permute(0, 2, 1, 3),
-                     v=vc.permute(0, 2, 1, 3),
-                     o=torch.empty(B, HKV * s, m, D, dtype=torch.float32, device=dev),
-                     lse=torch.empty(B, HKV * s, m, dtype=torch.float32, device=dev),
-                     seqlens_k=lens, block_table=table,
-                     k_descale=torch.ones(B, HKV, device=dev) if kv else None,
-                     v_descale=torch.ones(B, HKV, device=dev) if kv else None)
+            ones = torch.ones(B, HKV, device=dev)
+            t = decode.kernel_operands(q, kc, vc, lens, table, s, (ones, ones) if kv else None)
 
             def call(cls=cls, cfg=cfg, t=t, s=s):
                 launch.run_job(cls, cfg, t, dict(softmax_scale=D ** -0.5, num_splits=s, nq=1))
