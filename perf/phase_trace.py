@@ -5,6 +5,8 @@ first".
     python -m perf.phase_trace --precompile DIR     # CPU: compile the traced kernels
     python -m perf.phase_trace [--out FILE]         # GPU: run them, print the phase table
     python -m perf.phase_trace --bwd [--out FILE]   # GPU: the backward's dQ, dK, dV kernels
+    python -m perf.phase_trace --fp8 [--out FILE]   # GPU: the FP8 forward's schedules
+    (each mode precompiles its own kernels: --precompile DIR after the mode flag)
 
 Stamps (thread 0 of each warpgroup, per block i of the CTA's tile; `clock64`, the SM's cycle
 counter, so only differences within a CTA mean anything):
@@ -38,7 +40,8 @@ from cutlass import Float32, Int32
 
 from ffpa_cute.common.tensors import fake_args, fake_cu, fake_tensor
 from ffpa_cute.sm90.bwd_sm90 import FFPABwdDKSm90, FFPABwdDQSm90, FFPABwdDVSm90
-from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
+from ffpa_cute.common.tensors import fake_fp8_args
+from ffpa_cute.sm90.fwd_sm90 import Descales, FFPAFwdSm90, FFPAFwdSm90FP8
 from ffpa_cute.sm90.skeleton_sm90 import RingSkeletonSm90, Roles
 from perf import experiment
 
@@ -84,6 +87,35 @@ class FwdTraced(FFPAFwdSm90):
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
         _stamp(extra, event, i)
+
+
+class FwdFP8Traced(FFPAFwdSm90FP8):
+    """The FP8 forward with clock64 stamps; the trace tensor rides in Descales' sinks slot (a
+    traced config has no sinks)."""
+
+    OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "trace")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        return (*fake_fp8_args(cfg), fake_tensor(cutlass.Int64, 4, 1))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 mTrace: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 window_lo: Int32, stream: cuda.CUstream):
+        self._launch(Roles(rows=mQ, cols=mK, acc_b=mVt, out=mO), mLSE, softmax_scale,
+                     causal_offset, stream, Descales(mQd, mKd, mVd, mTrace), window_lo)
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        _stamp(extra.sinks, event, i)
+
+
+# `--fp8`: the FP8 forward's schedules at D=512, N=8K (name -> config fields changed; with
+# `overlap` the S stamps are S0 step start, S1 QK[i+1]'s first chunks issued, S2 score step
+# done, S3 P slot, S4 P stored; S4 -> next S0 is the last chunks' issue and their wait)
+FP8_SCHEDULES = {"full": {}, "ov2-k6-v2": dict(overlap=2, k_stages=6, v_stages=2)}
 
 
 class TracedExtra(NamedTuple):
@@ -234,6 +266,58 @@ def _bwd_jobs() -> list:
             for cls, cfg in _bwd_plan(d, n, causal).jobs if cls.__name__ in BWD_TRACED]
 
 
+def _fp8_plan(d: int, causal: bool, fields: dict):
+    import dataclasses
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    p = AttnProblem(dtype="e4m3", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=8192,
+                    seqlen_kv=8192, head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    assert plan.reason is None, plan.reason
+    return dataclasses.replace(plan.cfg, **fields)
+
+
+def _fp8_jobs() -> list:
+    return [(FwdFP8Traced, _fp8_plan(512, False, f)) for f in FP8_SCHEDULES.values()]
+
+
+def run_fp8(dev, flush) -> dict:
+    """The FP8 forward's schedules, stamped (D=512, N=8K)."""
+    import torch
+
+    from ffpa_cute.cache import jit_cache
+    from ffpa_cute.fp8 import _transposed_v
+
+    res, d, n = {}, 512, 8192
+    q, k, v = (torch.randn(1, HEADS, n, d, device=dev).to(torch.float8_e4m3fn) for _ in "qkv")
+    vt = _transposed_v(v)
+    o = torch.empty(1, HEADS, n, d, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(1, HEADS, n, device=dev)
+    ds = [torch.ones(1, HEADS, device=dev) for _ in range(3)]
+    for name, fields in FP8_SCHEDULES.items():
+        cfg = _fp8_plan(d, False, fields)
+        trace = torch.zeros(-(-n // 64) * HEADS, 3, MAXB, EVENTS, dtype=torch.int64,
+                            device=dev)
+        fn = jit_cache().get(FwdFP8Traced, cfg)
+        args = (q, k, vt, o, lse, *ds, trace, d ** -0.5, 0, 0)
+        FwdFP8Traced.launch(fn, *args)
+        torch.cuda.synchronize()
+        ms = experiment.median_ms(lambda: FwdFP8Traced.launch(fn, *args), dev, flush)
+        trace.zero_()
+        FwdFP8Traced.launch(fn, *args)
+        torch.cuda.synchronize()
+        key = f"FP8 {_key(d, n, False)} {name}"
+        res[key] = dict(ms=ms, tflops=4 * HEADS * n * n * d / (ms * 1e9),
+                        phases=phases(trace.cpu()))
+        print(f"{key}: {ms:.2f} ms, {res[key]['tflops']:.0f} TFLOPS", flush=True)
+        for ph, cyc in res[key]["phases"].items():
+            print(f"  {ph:40s} {cyc:8.0f}", flush=True)
+    return res
+
+
 def jobs() -> list:
     return ([(FwdTraced, _plan(d, causal)) for d, _, causal in SHAPES]
             + [(cls, _plan(d, causal)) for d, _, causal in VARIANT_SHAPES
@@ -354,6 +438,9 @@ def run_bwd(dev, flush) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--fp8" in argv:
+        argv.remove("--fp8")
+        return experiment.main("perf.phase_trace --fp8", __doc__, _fp8_jobs, run_fp8, argv)
     if "--bwd" in argv:
         argv.remove("--bwd")
         return experiment.main("perf.phase_trace --bwd", __doc__, jobs, run_bwd, argv)

@@ -48,17 +48,23 @@ def _no_spills(ptx, arch="sm_90a", max_regs=168):
         assert regs <= max_regs
 
 
-def _ptxas_spills(ptx: str, arch: str):
-    """(spill store bytes, spill load bytes, registers) from ptxas -v, or None without ptxas."""
+def _ptxas_log(ptx: str, arch: str):
+    """ptxas -v's report on the PTX, or None without ptxas (or one too old for the target)."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return None
     r = subprocess.run([ptxas, f"-arch={arch}", "-v", "-", "-o", "/dev/null"], input=ptx,
                        capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        return None  # an older ptxas than the DSL's own may not know the target
-    st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    regs = re.search(r"Used (\d+) registers", r.stderr)
+    return r.stderr if r.returncode == 0 else None
+
+
+def _ptxas_spills(ptx: str, arch: str):
+    """(spill store bytes, spill load bytes, registers) from ptxas -v, or None without ptxas."""
+    log = _ptxas_log(ptx, arch)
+    if log is None:
+        return None
+    st = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    regs = re.search(r"Used (\d+) registers", log)
     return int(st.group(1)), int(st.group(2)), int(regs.group(1))
 
 

@@ -95,6 +95,15 @@ class FwdConfigSm90:
                    order (`launch.run_grad_job`), so GQA / MQA with few KV tiles get enough
                    CTAs. S is a launch-time choice (`group_parts`), read by the kernel as the
                    workspace's heads / Hkv; deterministic either way
+    overlap:       0, or the forward's QK[i+1] chunks issued before the score step of block i
+                   (into a second score accumulator; the rest of QK[i+1] after it), so the
+                   tensor cores run them and PV[i-1] under the softmax of block i: the S
+                   warpgroup's chain is its waits, no longer QK + softmax + P store in series
+                   (skeleton `_overlap_blocks`). 1 <= overlap < the D chunks; one CTA per row
+                   tile with Q resident (no `kv_pair` / `stream_q`), FP8 forward only (the
+                   16-bit forward is bound by the L2 -> SM stream, docs/perf-log.md). The K
+                   ring needs k_stages >= chunks + max(overlap, chunks - overlap) for a full
+                   block of prefetch (fewer stages only wait longer)
     """
 
     arch: str
@@ -114,6 +123,7 @@ class FwdConfigSm90:
     persistent: bool = False
     varlen: bool = False
     group_split: bool = False
+    overlap: int = 0
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -575,6 +585,12 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"publish_after must be in [0, {cfg.stream_chunks}]"
     if cfg.publish_hi is not None and not 0 <= cfg.publish_hi <= cfg.stream_chunks:
         return f"publish_hi must be None or in [0, {cfg.stream_chunks}]"
+    if cfg.overlap and (type(cfg) is not FwdFP8ConfigSm90 or cfg.kv_pair or cfg.stream_q
+                        or cfg.persistent or not 0 < cfg.overlap < cfg.num_k_chunks
+                        or cfg.k_stages < cfg.num_k_chunks):
+        return (f"overlap={cfg.overlap}: 0, or in [1, {cfg.num_k_chunks - 1}] (the D chunks) "
+                "for the FP8 forward with Q resident (no kv_pair, stream_q, persistent) and "
+                f"k_stages >= {cfg.num_k_chunks}")
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return f"needs {cfg.smem_bytes()} B of smem, sm_90a has {SMEM_CAPACITY}"
     return None
@@ -602,6 +618,13 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     aligned: D=264 281 -> 373, 328 241 -> 394, 336 194 -> 441, 448 481 -> 520, 320 475 -> 495,
     576 311 -> 379 (64: 337, it costs a V stage), 704 270 -> 387; 640 keeps its 160-wide
     64-byte swizzled halves (192: 374 vs 404)).
+
+    FP8 with neither a right nor a left edge takes the `overlap` schedule (h = half the D
+    chunks, K ring >= chunks + h). Measured on the H200 against the serial schedule (kernel,
+    B=1, H=32, N=8K / 16K, docs/perf-log.md 2026-12-04): D=512 861 / 878 TFLOPS against
+    799 / 840 (h=2, K 6, V 2; h=1 810 / 841, h=3 846 / 892), D=320 692 against 668 (h=1, K 5,
+    V 3); causal 655 against 808 (the mask's code spills 752 B beside the second accumulator),
+    so masked problems keep the serial one.
     """
     dv = problem.head_dim_v
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
@@ -622,7 +645,15 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
             and (not problem.right_bounded or problem.window_lo is not None)
             and not problem.varlen):
         base["persistent"] = True
-    return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement)
+    min_k = 4
+    if fp8 and not split and not problem.right_bounded and problem.window_lo is None:
+        # QK[i+1] under the score step (`overlap`): half the D chunks before it, a K ring a
+        # block and a half deep; a right or left edge masks blocks, whose code spills beside
+        # two score accumulators (measured below)
+        chunks = -(-problem.head_dim // k_chunk)
+        base["overlap"] = chunks // 2
+        min_k = chunks + chunks // 2
+    return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement, min_k)
 
 
 # ==================================================================================== backward

@@ -576,10 +576,16 @@ class RingSkeletonSm90(KernelEntry):
         CTA's (Tile, BlockSeq), or (`persistent`) None: each warpgroup walks the CTA's tiles
         (`_tiles`) with its ring and hand-over counters carried from tile to tile."""
         if wg == 0:
+            if const_expr(self.cfg.overlap):
+                cute.arch.warpgroup_reg_alloc(184)
             self._score_wg(mmas.s, ops, scalars, smem, work, extra, tidx)
         elif wg == 1:
+            if const_expr(self.cfg.overlap):
+                cute.arch.warpgroup_reg_dealloc(160)
             self._acc_wg(mmas.o_lo, ops, scalars, smem, 0, work, extra, tidx - WG_THREADS)
         else:
+            if const_expr(self.cfg.overlap):
+                cute.arch.warpgroup_reg_dealloc(160)
             self._acc_wg(mmas.o_hi, ops, scalars, smem, 1, work, extra, tidx - 2 * WG_THREADS)
 
     # ---------------------------------------------------------------- hooks: the block walk
@@ -759,8 +765,10 @@ class RingSkeletonSm90(KernelEntry):
         # (MMA, MMA_M, MMA_N) fp32: ((2, 2, tile_n / 8), 1, 1)
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
         # a second score accumulator for skeletons with two score products (bwd dQ / dK)
+        # (or, `overlap`, the next block's scores while the score step reads acc_S)
         acc_2 = (cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, self.tile_n)), Float32)
-                 if const_expr(self.second_score and not self.seq_scores) else None)
+                 if const_expr((self.second_score and not self.seq_scores) or cfg.overlap)
+                 else None)
         acc_S_mn = mn_view(acc_S)   # (rows, cols) of this thread: (2, tile_n / 4)
         # (rows, cols) -> (row, col) of the TILE_M x tile_n tile
         tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
@@ -852,7 +860,11 @@ class RingSkeletonSm90(KernelEntry):
         if const_expr(not self.stream_r):
             cute.arch.mbarrier_wait(bars.rows, at.phase)
         x = Int32(at.ring)  # ring position of the next C chunk
-        for i in cutlass.range(n_iter, unroll=1):
+        if const_expr(cfg.overlap):  # QK[i+1] under the score step of block i
+            self._overlap_blocks(mma_s, regs, smem, tile, seq, io, frags, loads, extra,
+                                 at.ring, hand, n_iter, n_count)
+            x = x + n_iter * C
+        for i in cutlass.range(0 if const_expr(cfg.overlap) else n_iter, unroll=1):
             blk = i
             if const_expr(self.kv_pair):
                 blk = self._own_block(seq, i, o_part)
@@ -914,18 +926,7 @@ class RingSkeletonSm90(KernelEntry):
             # ---- the kernel's score step: P (and the rows' factors) in registers, then smem
             self._score_step(tile, io, frags, step, n_count)
             self._trace(extra, 2, i)
-            b = (hand + i) % 2
-            # PV of hand-over hand + i - 2 is done
-            cute.arch.mbarrier_wait(bars.p_empty + b, (((hand + i) // 2) & 1) ^ 1)
-            self._trace(extra, 3, i)
-            if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
-                cute.copy(thr_st, tPrP, tPsP[None, None, None, 2 * b + o_part])
-            else:
-                cute.copy(thr_st, tPrP, tPsP[None, None, None, b])
-            self._write_factors(io, frags, b)
-            cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
-            self._after_p_store(tile, io, b, i, n_count)
-            self._trace(extra, 4, i)
+            self._store_p(regs, tile, io, frags, extra, hand, i, n_count)
         # ---- last P, then the final row factors the same way; LSE
         if n_iter > 0:
             cute.arch.mbarrier_arrive(bars.p_full + (hand + n_iter - 1) % 2)
@@ -945,6 +946,117 @@ class RingSkeletonSm90(KernelEntry):
                     if row < seqlen_r:
                         mLSE[batch, head, row + tile.row0] = lse[r]
         return x, hand + n_iter + 1
+
+    @cute.jit
+    def _store_p(self, regs: ScoreRegs, tile: Tile, io: ScoreIO, frags: ScoreFrags, extra,
+                 hand, i, n_count):
+        """P of step i (in rP, its factors in frags.factor) into buffer (hand + i) % 2 once
+        the PV that last read it (hand-over hand + i - 2) is done: stmatrix (8 bits: 2-byte
+        stores), the factors, a proxy fence (WGMMA reads P), `_after_p_store`."""
+        b = (hand + i) % 2
+        cute.arch.mbarrier_wait(io.bars.p_empty + b, (((hand + i) // 2) & 1) ^ 1)
+        self._trace(extra, 3, i)
+        if const_expr(self.kv_pair):  # slot 2 b + rank; the peer's tile goes to the other
+            cute.copy(regs.thr_st, regs.tPrP, regs.tPsP[None, None, None, 2 * b + tile.o_part])
+        else:
+            cute.copy(regs.thr_st, regs.tPrP, regs.tPsP[None, None, None, b])
+        self._write_factors(io, frags, b)
+        cute.arch.fence_proxy("async.shared", space="cta")  # P is read by WGMMA
+        self._after_p_store(tile, io, b, i, n_count)
+        self._trace(extra, 4, i)
+
+    @cute.jit
+    def _qk_chunks(self, mma_s: cute.TiledMma, regs: ScoreRegs, bars, acc, pos0,
+                   c0: cutlass.Constexpr, c1: cutlass.Constexpr):
+        """`overlap`: issue chunks c0..c1-1 of a block's S = R C^T into acc (chunk c at ring
+        position pos0 + c), one commit group per chunk; nothing waits for them here."""
+        ks = self.cfg.k_stages
+        atom = cute.make_mma_atom(mma_s.op)  # a fresh atom: ACCUMULATE changes below
+        for c in cutlass.range_constexpr(c0, c1):
+            pos = pos0 + c
+            s = pos % ks
+            cute.arch.mbarrier_wait(bars.cols + s, (pos // ks) & 1)
+            warpgroup.fence()
+            _, first, n_k, r_k0 = self._chunk(c)
+            for k in cutlass.range_constexpr(n_k):
+                atom.set(warpgroup.Field.ACCUMULATE, not (first and k == 0))
+                cute.gemm(atom, acc, regs.tSrR[None, None, r_k0 + k],
+                          regs.tSrC[None, None, k, s], acc)
+            warpgroup.commit_group()
+
+    @cute.jit
+    def _overlap_blocks(self, mma_s: cute.TiledMma, regs: ScoreRegs, smem: Smem, tile: Tile,
+                        seq: BlockSeq, io: ScoreIO, frags: ScoreFrags, loads: ColLoads, extra,
+                        base, hand, n_iter, n_count):
+        """`overlap` (h = cfg.overlap of the C chunks): the tile's blocks with QK[i+1] issued
+        around the score step of block i, so that the tensor cores hold queued work while the
+        S warpgroup computes P. Block i's chunk c is at ring position base + C i + c. Step i
+        (`_overlap_step`) starts with QK[i] retired in `cur` and nothing of the S warpgroup's
+        in flight:
+          a. QK[i+1] chunks 0..h-1 into `nxt` (queued behind PV[i-1]);
+          b. the score step of block i on `cur`, P[i] stored (`_store_p`);
+          c. QK[i+1] chunks h..C-1 into `nxt`, then P[i] published, so that PV[i] queues
+             behind them; wait_group(0): QK[i+1] retired, its C stages refilled k_stages
+             ahead.
+        The score step of block i runs under PV[i-1] and QK[i+1]'s first h chunks; the S
+        warpgroup waits only for QK[i+1]'s last chunks, behind PV[i-1]. The last step (no
+        block i+1) is b. alone, and its P is published by the caller (`_score_tile`).
+
+        ptxas serialises every WGMMA of the kernel (C7514 / C7515 / C7518, docs/design.md
+        section 10) when a WGMMA may be in flight across a loop's back edge or a branch's
+        join, or when its issue sits in a branch (the accumulator's value then merges at the
+        join). So every step ends with nothing in flight, and no WGMMA is issued under a
+        runtime condition short of a whole step: the loop runs the steps that have a next
+        block two per trip (registers are not indexed at run time, so the two score
+        accumulators swap between the two), and the one or two steps after it are
+        compiled per parity of n_iter. Chunks of QK[i+2] 0..h-1 are requested a whole step
+        ahead when k_stages >= C + h (the others during the score step before they are read);
+        a step issues only chunks an earlier step requested, so no wait can deadlock."""
+        C = self.num_chunks
+        bars = smem.bars
+        frags_a = frags
+        frags_b = frags._replace(acc_S=regs.acc_2, acc_S_mn=mn_view(regs.acc_2), acc_2=None)
+        if n_iter > 0:  # block 0 whole, retired, its stages refilled
+            self._qk_chunks(mma_s, regs, bars, frags_a.acc_S, base, 0, C)
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(C):
+                self._refill_c(loads, base + c)
+        args = (mma_s, regs, bars, tile, seq, io)
+        tail = (loads, extra, base, hand, n_count)
+        for j in cutlass.range(cutlass.max(n_iter - 1, 0) // 2, unroll=1):
+            self._overlap_step(*args, frags_a, frags_b, *tail, 2 * j, True)
+            self._overlap_step(*args, frags_b, frags_a, *tail, 2 * j + 1, True)
+        if n_iter > 0:
+            if n_iter % 2 == 0:
+                self._overlap_step(*args, frags_a, frags_b, *tail, n_iter - 2, True)
+                self._overlap_step(*args, frags_b, None, *tail, n_iter - 1, False)
+            else:
+                self._overlap_step(*args, frags_a, None, *tail, n_iter - 1, False)
+
+    @cute.jit
+    def _overlap_step(self, mma_s: cute.TiledMma, regs: ScoreRegs, bars, tile: Tile,
+                      seq: BlockSeq, io: ScoreIO, cur: ScoreFrags, nxt, loads: ColLoads, extra,
+                      base, hand, n_count, i, more: cutlass.Constexpr):
+        """Step i of `_overlap_blocks` (a-c there; `more`: block i+1 exists, else b. only):
+        block i's scores are in cur.acc_S; QK[i+1] goes into nxt.acc_S."""
+        C = self.num_chunks
+        h = self.cfg.overlap
+        blk_head, n_block = self._block(seq, i)
+        step = ScoreStep(i, n_block, self._stats_head(tile.head, blk_head), None)
+        nxt_pos = base + C * (i + 1)  # ring position of block i+1's chunk 0
+        self._trace(extra, 0, i)
+        if const_expr(more):
+            self._qk_chunks(mma_s, regs, bars, nxt.acc_S, nxt_pos, 0, h)
+        self._trace(extra, 1, i)
+        self._score_step(tile, io, cur, step, n_count)
+        self._trace(extra, 2, i)
+        self._store_p(regs, tile, io, cur, extra, hand, i, n_count)
+        if const_expr(more):
+            self._qk_chunks(mma_s, regs, bars, nxt.acc_S, nxt_pos, h, C)
+            cute.arch.mbarrier_arrive(bars.p_full + (hand + i) % 2)
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(C):
+                self._refill_c(loads, nxt_pos + c)
 
     @cute.jit
     def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
