@@ -96,25 +96,41 @@ def _check(q, k, v, descales, out_dtype):
             raise NotImplementedError(f"{name} must not require grad (FP8 is forward-only)")
 
 
-def _transposed_v(v: torch.Tensor) -> torch.Tensor:
+def vt_config(kernel_cls, arch: str, dv: int):
+    """The transpose kernel's config that gives `kernel_cls` its Vt (`TransposeConfig`; the
+    sm90 FP8 forward's keys interleaved: its class attribute VT_INTERLEAVED)."""
+    from .common.config import TransposeConfig
+
+    return TransposeConfig(arch, dv, getattr(kernel_cls, "VT_INTERLEAVED", False))
+
+
+def _transposed_v(v: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     """Vt [B, Hkv, Dv, N] with rows 16-byte aligned (N padded to 16 in the allocation, the
     padding zeroed: the Split-D kernel's last 16-byte vector of a row may read it), what the
     8-bit P V products (WGMMA, mma.sync) read as their K-major operand: one pass of the
-    byte-transpose kernel (common/transpose.py) on CUDA, a torch copy elsewhere."""
-    from .common.config import TransposeConfig
+    byte-transpose kernel (common/transpose.py) on CUDA, a torch copy elsewhere.
+    `interleave`: each 16-key group's keys in the sm90 FP8 forward's P order (Note
+    [Interleaved keys]); the padded N' is then the tensor's extent (its bytes hold keys)."""
+    from .common.transpose import KEY_OF_BYTE
 
     b, h, n, dv = v.shape
-    buf = torch.empty(b, h, dv, -(-n // 16) * 16, dtype=v.dtype, device=v.device)
+    n16 = -(-n // 16) * 16
+    buf = torch.empty(b, h, dv, n16, dtype=v.dtype, device=v.device)
     if buf.shape[-1] > n:
         buf[..., n:].view(torch.uint8).zero_()
     if v.is_cuda and v.numel():
-        cfg = TransposeConfig(dispatch.current_arch(v.device), dv)
+        cfg = vt_config(None, dispatch.current_arch(v.device), dv)
+        cfg = dataclasses.replace(cfg, interleave=interleave)
         launch.run_job(dispatch.kernel_class(cfg), cfg,
                        dict(v=launch.kernel_ready(v).view(torch.uint8),
                             vt=buf.view(torch.uint8)), {})
     else:
         buf[..., :n].copy_(v.transpose(-1, -2))
-    return buf[..., :n]
+        if interleave:
+            order = torch.tensor(KEY_OF_BYTE, device=v.device)
+            idx = (torch.arange(0, n16, 16, device=v.device)[:, None] + order).flatten()
+            buf = buf.index_select(-1, idx)
+    return buf if interleave else buf[..., :n]
 
 
 def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype, sinks=None):
@@ -128,8 +144,8 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype, sinks=None):
     (q, k, _, o, lse_k), offset = launch.kernel_args(plan, q, k, v, out, lse)
     # V as the kernel reads it: transposed for the sm90 WGMMA and the Split-D mma.sync
     # ("vt"), as it lies for sm100's N-major tcgen05 operand ("v")
-    vin = (dict(vt=_transposed_v(v)) if "vt" in plan.kernel_cls.OPERANDS
-           else dict(v=launch.kernel_ready(v)))
+    vin = (dict(vt=_transposed_v(v, getattr(plan.kernel_cls, "VT_INTERLEAVED", False)))
+           if "vt" in plan.kernel_cls.OPERANDS else dict(v=launch.kernel_ready(v)))
     tensors = dict(q=launch.kernel_ready(q), k=k, o=o, lse=lse_k, q_descale=qd, k_descale=kd,
                    v_descale=vd, sinks=None if sinks is None else sinks.float().contiguous(),
                    **vin)

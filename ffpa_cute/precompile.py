@@ -87,13 +87,13 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
     kernel that gives them Vt), with `backward` the backward kernels of the same problems, and
     the decode kernels for `decode_pages` (`decode_jobs`) (deduplicated, uncovered combinations
     skipped)."""
-    from .common.config import TransposeConfig
+    from .fp8 import vt_config
 
     jobs = []
     for plan in plans_for(target, head_dims, dtypes, causals):
         jobs.append((plan.kernel_cls, plan.cfg))
         if "vt" in plan.kernel_cls.OPERANDS:  # sm90's FP8 kernel reads V transposed
-            t = TransposeConfig(target, plan.problem.head_dim_v)
+            t = vt_config(plan.kernel_cls, target, plan.problem.head_dim_v)
             if (dispatch.kernel_class(t), t) not in jobs:
                 jobs.append((dispatch.kernel_class(t), t))
     if backward:

@@ -293,7 +293,7 @@ def run_fp8(dev, flush) -> dict:
 
     res, d, n = {}, 512, 8192
     q, k, v = (torch.randn(1, HEADS, n, d, device=dev).to(torch.float8_e4m3fn) for _ in "qkv")
-    vt = _transposed_v(v)
+    vt = _transposed_v(v, interleave=True)
     o = torch.empty(1, HEADS, n, d, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(1, HEADS, n, device=dev)
     ds = [torch.ones(1, HEADS, device=dev) for _ in range(3)]

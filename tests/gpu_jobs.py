@@ -88,8 +88,9 @@ def jobs(sections=SECTIONS) -> list:
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt
-        t = TransposeConfig(TARGET, d)
-        add([(dispatch.kernel_class(t), t)])
+        for interleave in (False, True):  # Split-D's Vt, sm90's (keys interleaved)
+            t = TransposeConfig(TARGET, d, interleave)
+            add([(dispatch.kernel_class(t), t)])
         for causal in (False, True):
             for out_dtype in ("bf16", "fp16") if d == 512 else ("bf16",):
                 p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=4096,

@@ -139,7 +139,8 @@ def _problem(case):
 def jobs(target: str = "sm_90a") -> list:
     """(kernel class, config) of every kernel the workload launches on `target`."""
     from ffpa_cute import dispatch
-    from ffpa_cute.common.config import CombineConfig, TransposeConfig
+    from ffpa_cute.common.config import CombineConfig
+    from ffpa_cute.fp8 import vt_config
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
 
@@ -151,7 +152,7 @@ def jobs(target: str = "sm_90a") -> list:
         assert plan.reason is None, (case[0], plan.reason)
         todo = [(plan.kernel_cls, plan.cfg)]
         if case[-2] == "e4m3":
-            t = TransposeConfig(target, case[8])
+            t = vt_config(plan.kernel_cls, target, case[8])
             todo.append((dispatch.kernel_class(t), t))
         if case[-1]:
             bwd = dispatch.plan_bwd(p, target=target, opts=opts)
@@ -178,7 +179,7 @@ def jobs(target: str = "sm_90a") -> list:
                         has_sinks=sinks, out_dtype="bf16")
         plan = dispatch.plan_fwd(p, target=target, opts=Options(family=family))
         assert plan.reason is None, plan.reason
-        t = TransposeConfig(target, d)
+        t = vt_config(plan.kernel_cls, target, d)
         out += [j for j in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(t), t))
                 if j not in out]
     for _, b, hq, hkv, n, d, dv, page, kv, nq in KV_CASES:

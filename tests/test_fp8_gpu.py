@@ -176,8 +176,8 @@ def _causal_rows(q, k, v, rows):
 
 
 def test_fp8_transpose_kernel(seed):
-    """Vt by the byte-transpose kernel equals torch's transpose, N not a multiple of 16 or 64,
-    a strided V."""
+    """Vt by the byte-transpose kernel equals torch's transpose (plain and interleaved), N not
+    a multiple of 16 or 64, a strided V."""
     from ffpa_cute.fp8 import _transposed_v
 
     for n, d in ((1, 512), (77, 320), (4097, 1024)):
@@ -186,6 +186,10 @@ def test_fp8_transpose_kernel(seed):
         vt = _transposed_v(v)
         assert vt.shape == (2, 3, d, n) and vt.stride(-2) % 16 == 0
         assert torch.equal(vt.view(torch.uint8), v.transpose(-1, -2).view(torch.uint8))
+        # the sm90 kernel's Vt: keys interleaved in 16-key groups, the padded N' its extent
+        vti = _transposed_v(v, interleave=True)
+        assert torch.equal(vti.view(torch.uint8),
+                           _transposed_v(v.cpu(), interleave=True).view(torch.uint8).cuda())
 
 
 def test_fp8_strided_and_packed_decode(seed, family):

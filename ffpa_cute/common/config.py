@@ -22,10 +22,13 @@ class DeltaConfig:
 @dataclass(frozen=True)
 class TransposeConfig:
     """Compile key of the 8-bit transpose kernel ([B, H, N, D] -> [B, H, D, N] bytes, what the
-    FP8 forward's P V WGMMA reads V as): target arch and D (a multiple of 16)."""
+    FP8 forward's P V WGMMA reads V as): target arch and D (a multiple of 16). `interleave`:
+    the keys of each 16-key group in the order the sm90 FP8 forward stores P (common/
+    transpose.py, Note [Interleaved keys])."""
 
     arch: str
     head_dim: int
+    interleave: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.common.transpose:Transpose8"
 

@@ -70,6 +70,21 @@ def e4m3x4_to_16bit(word: Uint32, kind: str) -> tuple[Uint32, Uint32]:
                                 read_only_args=[word])
 
 
+_E4M3_PAIRS = """{
+.reg .b16 lo, hi;
+cvt.rn.satfinite.e4m3x2.f32 lo, {$r1}, {$r0};
+cvt.rn.satfinite.e4m3x2.f32 hi, {$r3}, {$r2};
+mov.b32 {$w0}, {lo, hi};
+}"""
+
+
+def e4m3_pairs(a0, a1, b0, b1) -> Uint32:
+    """Four fp32 values rounded to e4m3 (saturating to +-448) in one word: bytes a0, a1, b0, b1
+    from the lowest (the two pairs as two 16-bit elements, a's the lower)."""
+    return cute.arch.inline_ptx(_E4M3_PAIRS, write_only_types=[Uint32],
+                                read_only_args=[a0, a1, b0, b1])
+
+
 @cute.jit
 def convert_stage(src: cute.Tensor, dst: cute.Tensor, vec: cutlass.Constexpr,
                   tpr: cutlass.Constexpr, kind: cutlass.Constexpr, tidx,
@@ -116,4 +131,4 @@ def _convert_run(load, store, tXs8, tXs16, r8, r16, m, n, kind: cutlass.Constexp
     cute.copy(store, r16, tXs16[None, m, n])
 
 
-__all__ = ["PTX", "convert_stage", "e4m3x4_to_16bit"]
+__all__ = ["PTX", "convert_stage", "e4m3_pairs", "e4m3x4_to_16bit"]

@@ -10,6 +10,14 @@ bytes apart in shared memory so that a column's 16 reads fall in different banks
 
 Any arch (plain loads, stores and one barrier); bytes are moved as uint8 (the host passes
 `view(torch.uint8)` views), so the values are never converted.
+
+Note [Interleaved keys] (config `interleave`, the sm90 FP8 forward's Vt): P V contracts over
+the keys, so any order of them serves if P and Vt share it. The FP8 forward stores its P tile
+with stmatrix, whose 16-bit elements are byte pairs: the 4 bytes a thread owns in each 16-key
+group are keys 2q, 2q + 1 (n8 tile j) and 8 + 2q, 9 + 2q (tile j + 1) of its accumulator
+(q = lane % 4), and stmatrix puts them at bytes 4q .. 4q + 3 of the group. So Vt's byte p of
+each 16-key group holds key 2 (p / 4) + p % 2 + 8 ((p / 2) % 2) (`KEY_OF_BYTE`), and the
+padding past N (to 16) is part of Vt's extent: its bytes hold keys below N.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint8
+from cutlass import Int32, Uint8, const_expr
 
 from .compat import compile_target
 from .config import TransposeConfig
@@ -27,6 +35,8 @@ TILE = 64          # rows and columns of a tile (bytes)
 ROW_PITCH = 68     # bytes between the tile's rows in shared memory (bank-conflict free columns)
 VEC = 16           # bytes per thread per load / store
 THREADS = TILE * TILE // VEC
+# byte p of an interleaved 16-key group holds key KEY_OF_BYTE[p] (Note [Interleaved keys])
+KEY_OF_BYTE = tuple(2 * (p // 4) + p % 2 + 8 * ((p // 2) % 2) for p in range(VEC))
 
 
 class Transpose8:
@@ -90,11 +100,13 @@ class Transpose8:
             sT[r, c * VEC + i] = frag[i]
         cute.arch.sync_threads()
         # ---- tile column r (= Vt row d0 + r), bytes 16 c .. + 15 -> Vt row, keys n0 + 16 c ..
+        #      (`interleave`: in KEY_OF_BYTE's order)
         for i in cutlass.range_constexpr(VEC):
-            frag[i] = sT[c * VEC + i, r]
+            key = KEY_OF_BYTE[i] if const_expr(self.cfg.interleave) else i
+            frag[i] = sT[c * VEC + key, r]
         if d0 + r < d and n0 + c * VEC < seqlen:
             dst = cute.local_tile(mVt[batch, head, d0 + r, None], (VEC,), (n0 // VEC + c,))
             cute.autovec_copy(frag, dst)
 
 
-__all__ = ["Transpose8", "TransposeConfig"]
+__all__ = ["KEY_OF_BYTE", "Transpose8", "TransposeConfig"]

@@ -147,12 +147,12 @@ class FFPAFwdSm90(RingSkeletonSm90):
     @cute.jit
     def _softmax_block(self, tile: Tile, frags: ScoreFrags, n_block):
         """Mask (only blocks crossing Nkv or the diagonal), online softmax, P in rP."""
-        acc_S, acc_S_mn, rP = frags.acc_S, frags.acc_S_mn, frags.rP
+        acc_S_mn = frags.acc_S_mn
         softmax, factor = frags.softmax, frags.factor
         self._mask_block(tile, frags, n_block)
         blk_max = softmax.block_max(acc_S_mn)
         softmax.update(acc_S_mn, blk_max, [], factor)
-        rP.store(acc_S.load().to(self.dtype))
+        self._p_to_regs(frags)
 
     @cute.jit
     def _final_factors(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter):
@@ -212,7 +212,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
         """`kv_pair` step i: mask, the block max joined with the peer's (both CTAs then keep
         the same running max, so one O factor serves both tiles), P in rP. The row sums stay
         per CTA (joined at the end); a block both CTAs scored (`solo`) counts once (rank 0)."""
-        acc_S, acc_S_mn, tScS_mn, rP = frags.acc_S, frags.acc_S_mn, frags.tScS_mn, frags.rP
+        acc_S_mn, tScS_mn = frags.acc_S_mn, frags.tScS_mn
         softmax, factor = frags.softmax, frags.factor
         rank, i, n_block = tile.o_part, step.i, step.n_block
         self._mask_block(tile, frags, n_block)
@@ -227,7 +227,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
         if solo and rank == 1:
             for r in cutlass.range_constexpr(cute.size(blk_max)):
                 row_sum[r] = prev[r] * factor[r]
-        rP.store(acc_S.load().to(self.dtype))
+        self._p_to_regs(frags)
 
     @cute.jit
     def _final_factors_pair(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, n_iter,
@@ -279,6 +279,9 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
 
     OPERANDS = ("q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+    # Vt's keys interleaved in 16-key groups as P is stored (common/transpose.py, Note
+    # [Interleaved keys]; fp8._transposed_v)
+    VT_INTERLEAVED = True
 
     @staticmethod
     def fake_inputs(cfg):

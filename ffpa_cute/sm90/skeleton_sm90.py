@@ -98,12 +98,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint16, Uint32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.convert import convert_stage
+from ..common.convert import convert_stage, e4m3_pairs
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import OnlineSoftmax, mn_view
@@ -710,6 +710,21 @@ class RingSkeletonSm90(KernelEntry):
         raise NotImplementedError
 
     @cute.jit
+    def _p_to_regs(self, frags: ScoreFrags):
+        """P (in acc_S, fp32) into the rP fragment `_store_p` stores: converted to the operand
+        dtype; at 8 bits packed by `e4m3_pairs` into the 16-bit elements stmatrix moves (word
+        (h, j) = the row's column pairs of n8 tiles 2j and 2j + 1: Note [Interleaved keys])."""
+        if const_expr(self.fp8):
+            acc, words = frags.acc_S, cute.recast_tensor(frags.rP, Uint32)
+            for j in cutlass.range_constexpr(cute.size(words, mode=[0, 2])):
+                for h in cutlass.range_constexpr(2):
+                    words[(0, h, j), 0, 0] = e4m3_pairs(
+                        acc[(0, h, 2 * j), 0, 0], acc[(1, h, 2 * j), 0, 0],
+                        acc[(0, h, 2 * j + 1), 0, 0], acc[(1, h, 2 * j + 1), 0, 0])
+        else:
+            frags.rP.store(frags.acc_S.load().to(self.dtype))
+
+    @cute.jit
     def _write_factors(self, io: ScoreIO, frags: ScoreFrags, b):
         """Each quad shares its rows: one lane per quad writes their factors to sFactor[:, b]."""
         sFactor, factor, tScS_mn, lane = io.sFactor, frags.factor, frags.tScS_mn, io.lane
@@ -774,17 +789,27 @@ class RingSkeletonSm90(KernelEntry):
         tScS_mn = mn_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n))))
         num_rows = cute.size(acc_S_mn, mode=[0])
         factor = cute.make_rmem_tensor(num_rows, Float32)   # (rows,)
-        rP = cute.make_fragment_like(acc_S, self.dtype)   # (MMA, MMA_M, MMA_N), operand dtype
-        # P -> sP in the accumulator's thread layout: stmatrix at 16 bits; at 8 bits each
-        # thread's column pairs (2 bytes) by plain stores (stmatrix moves 16-bit elements)
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                      Uint16 if const_expr(self.fp8) else self.dtype)
         if const_expr(self.fp8):
-            st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                          num_bits_per_copy=16)
+            # 8 bits: stmatrix moves 16-bit elements, so P goes as byte pairs: the tile as
+            # [TILE_M x tile_n / 2] 16-bit, each thread's pair from n8 tiles 2j and 2j + 1 of
+            # the accumulator (`_p_to_regs`), the keys interleaved as Vt's (common/
+            # transpose.py, Note [Interleaved keys]); the view keeps sP's swizzle (in bytes)
+            sP = cute.make_tensor(cute.recast_ptr(sP.iterator, self._smem_layouts().p.inner,
+                                                  dtype=Uint16),
+                                  cute.recast_layout(16, 8, sP.layout))
+            mma_p = sm90_utils.make_trivial_tiled_mma(
+                cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K, Float32, (1, 1, 1), (TILE_M, self.tile_n // 2))
+            # (MMA, MMA_M, MMA_N) 16-bit: ((2, 2, tile_n / 16), 1, 1)
+            rP = cute.make_rmem_tensor(
+                mma_p.get_slice(tidx).partition_shape_C((TILE_M, self.tile_n // 2)), Uint16)
         else:
-            st_atom = cute.make_copy_atom(
-                warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        # the copy atom tiled over the score MMA's C layout (TILE_M x tile_n)
-        thr_st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
+            mma_p = mma_s
+            rP = cute.make_fragment_like(acc_S, self.dtype)   # (MMA, MMA_M, MMA_N)
+        # P -> sP by stmatrix, the copy atom tiled over the (16-bit) P tile's C layout
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_p).get_slice(tidx)
         tPsP = thr_st.partition_D(sP)   # (CPY, CPY_M, CPY_N, p_slots)
         tPrP = thr_st.retile(rP)        # (CPY, CPY_M, CPY_N)
         regs = ScoreRegs(tSrR, tSrC, acc_S, acc_S_mn, tScS_mn, rP, acc_2, factor, thr_st, tPsP,
