@@ -21,7 +21,7 @@ import sys
 
 HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
 DV_PAIRS = ((576, 512), (512, 320), (320, 256), (1024, 512), (768, 128))
-FP8_HEAD_DIMS = (272, 320, 400, 448, 512, 768, 1024)
+FP8_HEAD_DIMS = (272, 320, 384, 400, 512, 768, 1024)
 FEATURE_HEAD_DIMS = (320, 384, 512, 520, 576, 1024)
 # (window_lo, window_hi, causal, sinks): a left edge, a right edge, both, sinks alone and with
 FEATURE_FIELDS = ((-8, None, True, False), (-8, None, True, True), (-8, 4, False, False),

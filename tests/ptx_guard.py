@@ -43,10 +43,10 @@ def kernels() -> dict:
     for d, causal in ((320, False), (512, True), (1024, False)):
         plan = dispatch.plan_fwd(_problem(d, causal), target="sm_90a", opts=Options())
         out[f"sm90-fwd-d{d}-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
-    for causal in (False, True):  # the FP8 forward: QK[i+1] under the score step (`overlap`)
-        p = dataclasses.replace(_problem(512, causal), dtype="e4m3", out_dtype="bf16")  # or not
-        plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
-        out[f"sm90-fp8-fwd-d512-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
+    for d, causal in ((512, False), (512, True), (320, False)):  # the FP8 forward, serial, or
+        p = dataclasses.replace(_problem(d, causal), dtype="e4m3", out_dtype="bf16")  # (D=320
+        plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())  # full) `overlap`
+        out[f"sm90-fp8-fwd-d{d}-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
     cfg = sm80_config.plan_fwd(_problem(512, True), "sm_90a")  # the Split-D forward on sm_90a
     out["splitd-fwd-d512-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     for d, causal in ((512, True), (1024, False)):  # the Split-D FP8 forward (M4N2, M2N4)

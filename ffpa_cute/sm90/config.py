@@ -596,6 +596,11 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     return None
 
 
+# The FP8 forward takes the `overlap` schedule up to this many D chunks (128 columns each):
+# D <= 384 (`plan_fwd` says what was measured)
+OVERLAP_MAX_CHUNKS = 3
+
+
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
              persistent: bool = False) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
@@ -619,12 +624,13 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     576 311 -> 379 (64: 337, it costs a V stage), 704 270 -> 387; 640 keeps its 160-wide
     64-byte swizzled halves (192: 374 vs 404)).
 
-    FP8 with neither a right nor a left edge takes the `overlap` schedule (h = half the D
-    chunks, K ring >= chunks + h). Measured on the H200 against the serial schedule (kernel,
-    B=1, H=32, N=8K / 16K, docs/perf-log.md 2026-12-04): D=512 861 / 878 TFLOPS against
-    799 / 840 (h=2, K 6, V 2; h=1 810 / 841, h=3 846 / 892), D=320 692 against 668 (h=1, K 5,
-    V 3); causal 655 against 808 (the mask's code spills 752 B beside the second accumulator),
-    so masked problems keep the serial one.
+    FP8 with at most OVERLAP_MAX_CHUNKS D chunks and neither a right nor a left edge takes the
+    `overlap` schedule (h = half the D chunks, K ring >= chunks + h). Measured on the H200
+    against the serial schedule, both with P stored by stmatrix (kernel, B=1, H=32, N=8K /
+    16K, one run, docs/perf-log.md 2026-12-04): D=320 761 TFLOPS against 738 (h=1, K 6, V 4);
+    D=512 885 / 891 against 910 / 918 (h=2, K 7, V 2; h=3 899 / 924), causal 788 against 808:
+    at four chunks the serial schedule's score step is short enough that overlapping it buys
+    nothing.
     """
     dv = problem.head_dim_v
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
@@ -646,11 +652,11 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
             and not problem.varlen):
         base["persistent"] = True
     min_k = 4
-    if fp8 and not split and not problem.right_bounded and problem.window_lo is None:
+    chunks = -(-problem.head_dim // k_chunk)
+    if (fp8 and chunks <= OVERLAP_MAX_CHUNKS and not problem.right_bounded
+            and problem.window_lo is None):
         # QK[i+1] under the score step (`overlap`): half the D chunks before it, a K ring a
-        # block and a half deep; a right or left edge masks blocks, whose code spills beside
-        # two score accumulators (measured below)
-        chunks = -(-problem.head_dim // k_chunk)
+        # block and a half deep (measured below)
         base["overlap"] = chunks // 2
         min_k = chunks + chunks // 2
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement, min_k)
