@@ -260,13 +260,16 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
 
     Algorithm, per CTA (as the 16-bit forward's, with these differences):
       1. Skeleton entry with Q (resident rows), K (streamed columns), Vt (B operand, transposed
-         by the host: [B, Hkv, D, N], rows 16-byte aligned), O (output, in out_dtype).
+         by the host: [B, Hkv, D, N'], rows 16-byte aligned, the keys of each 16-key group
+         interleaved as P is stored: `VT_INTERLEAVED`), O (output, in out_dtype).
       2. S warpgroup, per KV block: S = Q K^T by m64n128k32 e4m3 WGMMAs over 128-column
          (128-byte) chunks of D; the score state (`_make_softmax`) scales by softmax_scale *
          q_descale * k_descale (per (batch, KV head)); P = exp2(s * scale_log2 - frame + 8) in
          each block's own frame (<= 256: no e4m3 saturation; common/softmax.py, Note [FP8 P:
-         the block's own frame]), rounded to e4m3 and stored by 2-byte stores (stmatrix is
-         16-bit only).
+         the block's own frame]), rounded to e4m3 and stored by stmatrix as byte pairs (the
+         skeleton's `_p_to_regs`; common/transpose.py, Note [Interleaved keys]). Unmasked
+         problems up to D=384 issue the next block's QK around the score step (config
+         `overlap`, skeleton `_overlap_blocks`).
       3. O warpgroups: O += P Vt^T by m64nNk32 e4m3 WGMMAs, both operands K-major, Vt streamed
          in [D/2 x 64] stages.
       4. O = O / row_sum * v_descale (the final factors carry V's descale), written in

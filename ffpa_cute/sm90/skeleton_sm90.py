@@ -31,9 +31,12 @@ accumulator warpgroups (lo = hi when the CTA's width % 16 == 0, else lo = hi + 8
 multiple of 8). With `half_align` each computes a wider share (its B stages then take the 64-
 or 128-byte swizzle: 136 or 168 columns fit none), whose extra columns are real B columns of
 the other share or TMA's zeros past the tensor, and stores only its own (`dv_split`). 384
-threads give every thread 168 registers; no `setmaxnreg`: ptxas compiles every instruction
-against the kernel-wide budget (65536 / threads), so a 4th producer warpgroup (128 registers
-each) could not hold an m64n256 accumulator (ptxas asks for 154).
+threads give every thread 168 registers, and a 4th producer warpgroup (512 threads, 128
+registers each at launch) could not hold an m64n256 accumulator (ptxas asks for 154).
+`overlap` (two score accumulators) moves registers with `setmaxnreg`: the S warpgroup 184,
+the accumulator warpgroups 160; ptxas budgets the code after a `setmaxnreg` by its count
+(measured: the overlap kernel's spills 232 -> 84 B with it, before P's packing removed the
+rest).
 
 Loads: TMA only, and every ring feeds exactly one warpgroup, which also refills it: the S
 warpgroup owns R and the C ring ([tile_n x 64] chunks), each accumulator warpgroup its B ring
@@ -141,8 +144,9 @@ class RingSkeletonSm90(KernelEntry):
               stage refilled `k_stages` ahead once its WGMMAs retire; P[i-1] is published after
               `publish_after` chunks (`publish_hi`: the second half's);
            c. `_score_step`: scores -> P in the rP fragment (and the rows' factors);
-           d. wait P_empty[i % 2], P -> smem slot (stmatrix; 8 bits: 2-byte stores),
-              `_write_factors`, proxy fence, `_after_p_store`.
+           d. wait P_empty[i % 2], P -> smem slot (stmatrix; 8 bits: as byte pairs, the keys
+              interleaved), `_write_factors`, proxy fence, `_after_p_store`.
+         (`overlap`: steps b-d around the next block's QK instead, `_overlap_blocks`.)
          Then the last P_full, `_final_factors` published through the factor buffer with no P,
          and the LSE they return (rows < seqlen_r, `o_part` 0).
       3. Accumulator warpgroup `half`: prime its B ring; for each hand-over (one per step; a
@@ -576,6 +580,8 @@ class RingSkeletonSm90(KernelEntry):
         CTA's (Tile, BlockSeq), or (`persistent`) None: each warpgroup walks the CTA's tiles
         (`_tiles`) with its ring and hand-over counters carried from tile to tile."""
         if wg == 0:
+            # `overlap`: two score accumulators; the O warpgroups need 154 (multiples of 8:
+            # 184 + 2 x 160 registers x 128 threads fill the 64K register file)
             if const_expr(self.cfg.overlap):
                 cute.arch.warpgroup_reg_alloc(184)
             self._score_wg(mmas.s, ops, scalars, smem, work, extra, tidx)
@@ -976,8 +982,8 @@ class RingSkeletonSm90(KernelEntry):
     def _store_p(self, regs: ScoreRegs, tile: Tile, io: ScoreIO, frags: ScoreFrags, extra,
                  hand, i, n_count):
         """P of step i (in rP, its factors in frags.factor) into buffer (hand + i) % 2 once
-        the PV that last read it (hand-over hand + i - 2) is done: stmatrix (8 bits: 2-byte
-        stores), the factors, a proxy fence (WGMMA reads P), `_after_p_store`."""
+        the PV that last read it (hand-over hand + i - 2) is done: stmatrix (8 bits: byte
+        pairs, `_p_to_regs`), the factors, a proxy fence (WGMMA reads P), `_after_p_store`."""
         b = (hand + i) % 2
         cute.arch.mbarrier_wait(io.bars.p_empty + b, (((hand + i) // 2) & 1) ^ 1)
         self._trace(extra, 3, i)
