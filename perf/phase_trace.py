@@ -112,10 +112,11 @@ class FwdFP8Traced(FFPAFwdSm90FP8):
         _stamp(extra.sinks, event, i)
 
 
-# `--fp8`: the FP8 forward's schedules at D=512, N=8K (name -> config fields changed; with
-# `overlap` the S stamps are S0 step start, S1 QK[i+1]'s first chunks issued, S2 score step
-# done, S3 P slot, S4 P stored; S4 -> next S0 is the last chunks' issue and their wait)
-FP8_SCHEDULES = {"full": {}, "ov2-k6-v2": dict(overlap=2, k_stages=6, v_stages=2)}
+# `--fp8`: the FP8 forward's schedules at N=8K, (name, D, config fields changed from the plan;
+# with `overlap` the S stamps are S0 step start, S1 QK[i+1]'s first chunks issued, S2 score
+# step done, S3 P slot, S4 P stored; S4 -> next S0 is the last chunks' issue and their wait)
+FP8_SCHEDULES = [("planned (serial)", 512, {}), ("planned (overlap)", 320, {}),
+                 ("serial", 320, dict(overlap=0, k_stages=6, v_stages=4))]
 
 
 class TracedExtra(NamedTuple):
@@ -281,24 +282,25 @@ def _fp8_plan(d: int, causal: bool, fields: dict):
 
 
 def _fp8_jobs() -> list:
-    return [(FwdFP8Traced, _fp8_plan(512, False, f)) for f in FP8_SCHEDULES.values()]
+    return [(FwdFP8Traced, _fp8_plan(d, False, f)) for _, d, f in FP8_SCHEDULES]
 
 
 def run_fp8(dev, flush) -> dict:
-    """The FP8 forward's schedules, stamped (D=512, N=8K)."""
+    """The FP8 forward's schedules, stamped (N=8K)."""
     import torch
 
     from ffpa_cute.cache import jit_cache
     from ffpa_cute.fp8 import _transposed_v
 
-    res, d, n = {}, 512, 8192
-    q, k, v = (torch.randn(1, HEADS, n, d, device=dev).to(torch.float8_e4m3fn) for _ in "qkv")
-    vt = _transposed_v(v, interleave=True)
-    o = torch.empty(1, HEADS, n, d, device=dev, dtype=torch.bfloat16)
-    lse = torch.empty(1, HEADS, n, device=dev)
-    ds = [torch.ones(1, HEADS, device=dev) for _ in range(3)]
-    for name, fields in FP8_SCHEDULES.items():
+    res, n = {}, 8192
+    for name, d, fields in FP8_SCHEDULES:
         cfg = _fp8_plan(d, False, fields)
+        q, k, v = (torch.randn(1, HEADS, n, d, device=dev).to(torch.float8_e4m3fn)
+                   for _ in "qkv")
+        vt = _transposed_v(v, interleave=True)
+        o = torch.empty(1, HEADS, n, d, device=dev, dtype=torch.bfloat16)
+        lse = torch.empty(1, HEADS, n, device=dev)
+        ds = [torch.ones(1, HEADS, device=dev) for _ in range(3)]
         trace = torch.zeros(-(-n // 64) * HEADS, 3, MAXB, EVENTS, dtype=torch.int64,
                             device=dev)
         fn = jit_cache().get(FwdFP8Traced, cfg)
