@@ -34,9 +34,9 @@ the other share or TMA's zeros past the tensor, and stores only its own (`dv_spl
 threads give every thread 168 registers, and a 4th producer warpgroup (512 threads, 128
 registers each at launch) could not hold an m64n256 accumulator (ptxas asks for 154).
 `overlap` (two score accumulators) moves registers with `setmaxnreg`: the S warpgroup 184,
-the accumulator warpgroups 160; ptxas budgets the code after a `setmaxnreg` by its count
-(measured: the overlap kernel's spills 232 -> 84 B with it, before P's packing removed the
-rest).
+the accumulator warpgroups 160, and ptxas used the larger count for the S warpgroup's code
+(its spills 232 -> 84 B, before P's packing removed the rest); that does not show a WGMMA
+wider than the launch budget would compile after one (docs/design.md section 3).
 
 Loads: TMA only, and every ring feeds exactly one warpgroup, which also refills it: the S
 warpgroup owns R and the C ring ([tile_n x 64] chunks), each accumulator warpgroup its B ring
