@@ -47,9 +47,9 @@ class FP8NoExp(FFPAFwdSm90FP8):
 
 
 def _variants(d: int, causal: bool) -> dict:
-    """name -> (kernel class, config fields changed) at head dim d (causal: the `overlap`
-    schedule beside the planned serial one); "serial": the schedule
-    without `overlap` (its rings as the planner picked them before: `_serial`)."""
+    """name -> (kernel class, config fields changed) at head dim d (None: the serial
+    schedule, `_config`); causal D=512 times the `overlap` schedule beside the planned serial
+    one, unmasked D=512 the other h beside the planned one."""
     out = {"full": (FFPAFwdSm90FP8, {}), "serial": (FFPAFwdSm90FP8, None),
            "no-exp": (FP8NoExp, None)}
     sched = ([(2, 7, 2)] if causal else [(3, 7, 2)]) if d == 512 else [(1, 5, 3)]
@@ -59,7 +59,8 @@ def _variants(d: int, causal: bool) -> dict:
 
 
 def _config(cfg, fields):
-    """The planned cfg with `fields` changed (None: `_serial`)."""
+    """The planned cfg with `fields` changed; None: without `overlap`, the rings the planner
+    picks for the serial schedule."""
     if fields is None:
         from ffpa_cute.common.config import deepest_rings
         from ffpa_cute.sm90.config import can_implement
@@ -83,14 +84,13 @@ def _plan(d: int, causal: bool, n: int = 8192):
 
 def jobs() -> list:
     """Every variant kernel at every shape's config, and the transpose kernels."""
+    from ffpa_cute import dispatch
     from ffpa_cute.fp8 import vt_config
 
     out = []
     for d, _, causal in SHAPES:
         cfg = _plan(d, causal)
         out += [(cls, _config(cfg, kw)) for cls, kw in _variants(d, causal).values()]
-    from ffpa_cute import dispatch
-
     for d in sorted({d for d, _, _ in SHAPES}):
         tcfg = vt_config(FFPAFwdSm90FP8, "sm_90a", d)
         out.append((dispatch.kernel_class(tcfg), tcfg))
