@@ -96,12 +96,17 @@ def _check(q, k, v, descales, out_dtype):
             raise NotImplementedError(f"{name} must not require grad (FP8 is forward-only)")
 
 
+def vt_interleaved(kernel_cls) -> bool:
+    """Whether `kernel_cls` reads Vt with each 16-key group's keys interleaved (the sm90 FP8
+    forward: its class attribute VT_INTERLEAVED; Note [Interleaved keys])."""
+    return getattr(kernel_cls, "VT_INTERLEAVED", False)
+
+
 def vt_config(kernel_cls, arch: str, dv: int):
-    """The transpose kernel's config that gives `kernel_cls` its Vt (`TransposeConfig`; the
-    sm90 FP8 forward's keys interleaved: its class attribute VT_INTERLEAVED)."""
+    """The transpose kernel's config that gives `kernel_cls` its Vt (`TransposeConfig`)."""
     from .common.config import TransposeConfig
 
-    return TransposeConfig(arch, dv, getattr(kernel_cls, "VT_INTERLEAVED", False))
+    return TransposeConfig(arch, dv, vt_interleaved(kernel_cls))
 
 
 def _transposed_v(v: torch.Tensor, interleave: bool = False) -> torch.Tensor:
@@ -111,6 +116,7 @@ def _transposed_v(v: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     byte-transpose kernel (common/transpose.py) on CUDA, a torch copy elsewhere.
     `interleave`: each 16-key group's keys in the sm90 FP8 forward's P order (Note
     [Interleaved keys]); the padded N' is then the tensor's extent (its bytes hold keys)."""
+    from .common.config import TransposeConfig
     from .common.transpose import KEY_OF_BYTE
 
     b, h, n, dv = v.shape
@@ -119,8 +125,7 @@ def _transposed_v(v: torch.Tensor, interleave: bool = False) -> torch.Tensor:
     if buf.shape[-1] > n:
         buf[..., n:].view(torch.uint8).zero_()
     if v.is_cuda and v.numel():
-        cfg = vt_config(None, dispatch.current_arch(v.device), dv)
-        cfg = dataclasses.replace(cfg, interleave=interleave)
+        cfg = TransposeConfig(dispatch.current_arch(v.device), dv, interleave)
         launch.run_job(dispatch.kernel_class(cfg), cfg,
                        dict(v=launch.kernel_ready(v).view(torch.uint8),
                             vt=buf.view(torch.uint8)), {})
@@ -144,7 +149,7 @@ def run_kernel(plan, q, k, v, qd, kd, vd, out_dtype, sinks=None):
     (q, k, _, o, lse_k), offset = launch.kernel_args(plan, q, k, v, out, lse)
     # V as the kernel reads it: transposed for the sm90 WGMMA and the Split-D mma.sync
     # ("vt"), as it lies for sm100's N-major tcgen05 operand ("v")
-    vin = (dict(vt=_transposed_v(v, getattr(plan.kernel_cls, "VT_INTERLEAVED", False)))
+    vin = (dict(vt=_transposed_v(v, vt_interleaved(plan.kernel_cls)))
            if "vt" in plan.kernel_cls.OPERANDS else dict(v=launch.kernel_ready(v)))
     tensors = dict(q=launch.kernel_ready(q), k=k, o=o, lse=lse_k, q_descale=qd, k_descale=kd,
                    v_descale=vd, sinks=None if sinks is None else sinks.float().contiguous(),

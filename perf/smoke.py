@@ -135,7 +135,7 @@ def _one_bench_fp8(spec: str) -> dict:
     p = AttnProblem.from_tensors(q8, k8, v8, causal=bool(causal))
     plan = dispatch.plan_fwd(p)
     assert plan.reason is None, plan.reason
-    vt = fp8._transposed_v(v8, getattr(plan.kernel_cls, "VT_INTERLEAVED", False))
+    vt = fp8._transposed_v(v8, fp8.vt_interleaved(plan.kernel_cls))
     out = torch.empty(1, 32, n, d, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(1, 32, n, device="cuda")
     (qk, kk, _, o, lo), off = launch.kernel_args(plan, q8, k8, v8, out, lse)

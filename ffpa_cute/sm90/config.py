@@ -101,9 +101,9 @@ class FwdConfigSm90:
                    warpgroup's chain is its waits, no longer QK + softmax + P store in series
                    (skeleton `_overlap_blocks`). 1 <= overlap < the D chunks; one CTA per row
                    tile with Q resident (no `kv_pair` / `stream_q`), FP8 forward only (the
-                   16-bit forward is bound by the L2 -> SM stream, docs/perf-log.md). The K
-                   ring needs k_stages >= chunks + max(overlap, chunks - overlap) for a full
-                   block of prefetch (fewer stages only wait longer)
+                   16-bit forward is bound by the L2 -> SM stream, docs/perf-log.md), routed
+                   up to D=384 (`plan_fwd`). k_stages >= chunks; >= chunks + overlap gives
+                   the first chunks a whole step of prefetch (fewer stages only wait longer)
     """
 
     arch: str

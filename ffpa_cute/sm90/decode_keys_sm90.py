@@ -59,7 +59,7 @@ from ..common.convert import e4m3x4_to_16bit
 from ..common.softmax import mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd
 from .config import KEYS_TILE, DecodeKeysConfigSm90, can_implement_decode_keys
-from .decode_sm90 import fake_decode_args
+from .decode_sm90 import FFPADecodeSm90, fake_decode_args
 from .skeleton_sm90 import RingSkeletonSm90, row_major_layout
 
 WG_THREADS = 128
@@ -73,12 +73,12 @@ KMAJOR = cute.nvgpu.OperandMajorMode.K
 
 class FFPADecodeKeysSm90(KernelEntry):
     """The keys-as-rows FP8-cache decode (module docstring); one instance per
-    `DecodeKeysConfigSm90`. Same operands and scalars as `FFPADecodeSm90`."""
+    `DecodeKeysConfigSm90`. The row-tiled decode's operands and scalars (`decode.kernel_operands`
+    serves both)."""
 
     arch_family = "sm90"
-    OPERANDS = ("q", "k", "v", "o", "lse", "seqlens_k", "block_table", "k_descale",
-                "v_descale")
-    SCALARS = ("softmax_scale", "num_splits", "nq")
+    OPERANDS = FFPADecodeSm90.OPERANDS
+    SCALARS = FFPADecodeSm90.SCALARS
     fake_inputs = staticmethod(fake_decode_args)
 
     def __init__(self, cfg: DecodeKeysConfigSm90):

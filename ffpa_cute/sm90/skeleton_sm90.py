@@ -841,7 +841,7 @@ class RingSkeletonSm90(KernelEntry):
         C = self.num_chunks
         ks = cfg.k_stages
         sR, sC, bars = smem.r, smem.c, smem.bars
-        tSrR, tSrC, acc_S, acc_S_mn, tScS_mn, rP, acc_2, factor, thr_st, tPsP, tPrP = regs
+        tSrR, tSrC, acc_S, acc_S_mn, tScS_mn, rP, acc_2, factor = regs[:8]  # (P's store: regs)
         m_block, o_part, head, head_c, batch = (tile.m_block, tile.o_part, tile.head,
                                                 tile.head_c, tile.batch)
         seqlen_r = tile.seqlen_r
