@@ -9,7 +9,8 @@ first".
     (each mode precompiles its own kernels: --precompile DIR after the mode flag)
 
 Stamps (thread 0 of each warpgroup, per block i of the CTA's tile; `clock64`, the SM's cycle
-counter, so only differences within a CTA mean anything):
+counter, so only differences within a CTA mean anything; the S warpgroup's warp 1 stamps too,
+"S w1": thread 0's warp also issues the S warpgroup's TMA loads, warp 1 only computes):
   S warpgroup   S0 block start (before its first C chunk's wait), S1 its scores done (after
                 the last QK WGMMA retired), S2 the score step done (P and the factors in
                 registers), S3 P's slot free (p_empty), S4 P stored and fenced
@@ -21,7 +22,10 @@ is never routed; its result is the real forward's (the stamps only add stores).
 Beside it, at D=512, the same traced kernel with the ring refills faked (`--variants`: a plain
 arrival completes the stage's barrier, no bytes move, the stage keeps stale data): "no K" (the
 K ring's refills), "no V" (the V rings'), "no KV" (both): how much of a block's time is the
-L2 -> SM stream's (wrong results; timing only).
+L2 -> SM stream's; and "no PV" (the O warpgroups wait for and refill their stages but issue no
+WGMMA): what the S warpgroup's phases take with the tensor cores free of P V (wrong results;
+timing only). `--fp8` times the FP8 schedules the same way, with "no PV" and "P = S" variants
+(FP8_SCHEDULES).
 
 The backward's dQ, dK and dV kernels run on the same skeleton (`_score_tile`, `_acc_tile`), so
 the same stamps time them (`--bwd`: each kernel on its own, with the LSE and Delta of a real
@@ -36,7 +40,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ffpa_cute.common.tensors import fake_args, fake_cu, fake_tensor
 from ffpa_cute.sm90.bwd_sm90 import FFPABwdDKSm90, FFPABwdDQSm90, FFPABwdDVSm90
@@ -51,19 +55,38 @@ SHAPES = [  # (D, N, causal)
 HEADS = 32
 MAXB = 128        # blocks stamped per CTA
 EVENTS = 8        # stamp slots per (warpgroup, block)
+SLOTS = 4         # S, O lo, O hi, and the S warpgroup's warp 1
 S_EVENTS = ("S0 start", "S1 scores", "S2 score step", "S3 P slot", "S4 P stored")
 O_EVENTS = ("O0 wait P", "O1 P here", "O2 rescaled", "O3 PV done")
 
 
 @cute.jit
 def _stamp(trace, event: cutlass.Constexpr, i):
-    """clock64 into trace[cta, warpgroup, i, event] by each warpgroup's thread 0."""
+    """clock64 into trace[cta, warpgroup, i, event] by each warpgroup's thread 0, and into
+    trace[cta, 3, i, event] by the S warpgroup's thread 32 (warp 1)."""
     tidx, _, _ = cute.arch.thread_idx()
-    if tidx % 128 == 0:
+    if tidx % 128 == 0 or tidx == 32:
         if i < MAXB:
             bx, by, bz = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
-            trace[bx + gx * (by + gy * bz), tidx // 128, i, event] = cute.arch.clock64()
+            slot = tidx // 128 if tidx % 128 == 0 else 3
+            trace[bx + gx * (by + gy * bz), slot, i, event] = cute.arch.clock64()
+
+
+class _NoPVMixin:
+    """The accumulator warpgroups wait for each B stage and refill it as the kernel does, but
+    issue no WGMMA: what the S warpgroup's phases take with the tensor cores free of P V
+    (wrong results; timing only)."""
+
+    @cute.jit
+    def _pv_stage(self, atom, frags, loads, x, j: cutlass.Constexpr, slot,
+                  refill: cutlass.Constexpr):
+        vs = self.cfg.v_stages
+        s = x % vs
+        cute.arch.mbarrier_wait(loads.bar + s, (x // vs) & 1)
+        if const_expr(refill):
+            self._refill_b(loads, x - 1)
+        return x + 1
 
 
 class FwdTraced(FFPAFwdSm90):
@@ -115,8 +138,31 @@ class FwdFP8Traced(FFPAFwdSm90FP8):
 # `--fp8`: the FP8 forward's schedules at N=8K, (name, D, config fields changed from the plan;
 # with `overlap` the S stamps are S0 step start, S1 QK[i+1]'s first chunks issued, S2 score
 # step done, S3 P slot, S4 P stored; S4 -> next S0 is the last chunks' issue and their wait)
-FP8_SCHEDULES = [("planned (serial)", 512, {}), ("planned (overlap)", 320, {}),
-                 ("serial", 320, dict(overlap=0, k_stages=6, v_stages=4))]
+# the class: FwdFP8Traced, or a variant whose O warpgroups issue no WGMMA (FwdFP8TracedNoPV) or
+# whose score step is P = S (FwdFP8TracedNoExp): is the score step slower beside P V?)
+_SERIAL_320 = dict(overlap=0, k_stages=6, v_stages=4)
+FP8_SCHEDULES = [("planned (serial)", 512, {}, "FwdFP8Traced"),
+                 ("planned (overlap)", 320, {}, "FwdFP8Traced"),
+                 ("serial", 320, _SERIAL_320, "FwdFP8Traced"),
+                 ("serial, no PV", 512, {}, "FwdFP8TracedNoPV"),
+                 ("serial, P = S", 512, {}, "FwdFP8TracedNoExp"),
+                 ("overlap, no PV", 320, {}, "FwdFP8TracedNoPV"),
+                 ("serial, no PV", 320, _SERIAL_320, "FwdFP8TracedNoPV")]
+
+
+class FwdFP8TracedNoPV(_NoPVMixin, FwdFP8Traced):
+    """FwdFP8Traced whose O warpgroups issue no WGMMA (`_NoPVMixin`)."""
+
+
+class FwdFP8TracedNoExp(FwdFP8Traced):
+    """FwdFP8Traced with P = S rounded to e4m3 (perf.fp8_limits' `no-exp`), stamped."""
+
+    @cute.jit
+    def _softmax_block(self, tile, frags, n_block):
+        self._p_to_regs(frags)
+
+
+FP8_TRACED = {c.__name__: c for c in (FwdFP8Traced, FwdFP8TracedNoPV, FwdFP8TracedNoExp)}
 
 
 class TracedExtra(NamedTuple):
@@ -231,7 +277,11 @@ def _fake_fill(bar, tidx):
             cute.arch.mbarrier_arrive(bar)
 
 
-VARIANTS = {"no K": _FakeK, "no V": _FakeV, "no KV": _FakeKV}
+class _NoPV(_NoPVMixin, FwdTraced):
+    pass
+
+
+VARIANTS = {"no K": _FakeK, "no V": _FakeV, "no KV": _FakeKV, "no PV": _NoPV}
 VARIANT_SHAPES = [(512, 8192, False)]
 
 
@@ -282,7 +332,7 @@ def _fp8_plan(d: int, causal: bool, fields: dict):
 
 
 def _fp8_jobs() -> list:
-    return [(FwdFP8Traced, _fp8_plan(d, False, f)) for _, d, f in FP8_SCHEDULES]
+    return [(FP8_TRACED[c], _fp8_plan(d, False, f)) for _, d, f, c in FP8_SCHEDULES]
 
 
 def run_fp8(dev, flush) -> dict:
@@ -293,23 +343,24 @@ def run_fp8(dev, flush) -> dict:
     from ffpa_cute.fp8 import _transposed_v
 
     res, n = {}, 8192
-    for name, d, fields in FP8_SCHEDULES:
+    for name, d, fields, cname in FP8_SCHEDULES:
         cfg = _fp8_plan(d, False, fields)
+        traced = FP8_TRACED[cname]
         q, k, v = (torch.randn(1, HEADS, n, d, device=dev).to(torch.float8_e4m3fn)
                    for _ in "qkv")
         vt = _transposed_v(v, interleave=True)
         o = torch.empty(1, HEADS, n, d, device=dev, dtype=torch.bfloat16)
         lse = torch.empty(1, HEADS, n, device=dev)
         ds = [torch.ones(1, HEADS, device=dev) for _ in range(3)]
-        trace = torch.zeros(-(-n // 64) * HEADS, 3, MAXB, EVENTS, dtype=torch.int64,
+        trace = torch.zeros(-(-n // 64) * HEADS, SLOTS, MAXB, EVENTS, dtype=torch.int64,
                             device=dev)
-        fn = jit_cache().get(FwdFP8Traced, cfg)
+        fn = jit_cache().get(traced, cfg)
         args = (q, k, vt, o, lse, *ds, trace, d ** -0.5, 0, 0)
-        FwdFP8Traced.launch(fn, *args)
+        traced.launch(fn, *args)
         torch.cuda.synchronize()
-        ms = experiment.median_ms(lambda: FwdFP8Traced.launch(fn, *args), dev, flush)
+        ms = experiment.median_ms(lambda: traced.launch(fn, *args), dev, flush)
         trace.zero_()
-        FwdFP8Traced.launch(fn, *args)
+        traced.launch(fn, *args)
         torch.cuda.synchronize()
         key = f"FP8 {_key(d, n, False)} {name}"
         res[key] = dict(ms=ms, tflops=4 * HEADS * n * n * d / (ms * 1e9),
@@ -337,11 +388,12 @@ def phases(trace) -> dict:
         d = x[..., b] - x[..., a]
         return d[(x[..., a] != 0) & (x[..., b] != 0)]
 
-    s, out = t[:, 0], {}
-    for k in range(4):
-        out[f"S {S_EVENTS[k]} -> {S_EVENTS[k + 1]}"] = span(s, k, k + 1)
-    per = s[:, 1:, 0] - s[:, :-1, 0]
-    out["S block period"] = per[(s[:, 1:, 0] != 0) & (s[:, :-1, 0] != 0)]
+    out = {}
+    for name, s in (("S", t[:, 0]), ("S w1", t[:, 3])):
+        for k in range(4):
+            out[f"{name} {S_EVENTS[k]} -> {S_EVENTS[k + 1]}"] = span(s, k, k + 1)
+        per = s[:, 1:, 0] - s[:, :-1, 0]
+        out[f"{name} block period"] = per[(s[:, 1:, 0] != 0) & (s[:, :-1, 0] != 0)]
     for name, o in (("O lo", t[:, 1]), ("O hi", t[:, 2])):
         for k in range(3):
             out[f"{name} {O_EVENTS[k]} -> {O_EVENTS[k + 1]}"] = span(o, k, k + 1)
@@ -376,7 +428,7 @@ def _run_one(cls, d, n, causal, dev, flush, variant=None) -> dict:
     o = torch.empty_like(q)
     lse = torch.empty(1, HEADS, n, device=dev)
     ctas = -(-n // 64) * cfg.ctas_per_tile * HEADS
-    trace = torch.zeros(ctas, 3, MAXB, EVENTS, dtype=torch.int64, device=dev)
+    trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
     fn = jit_cache().get(cls, cfg)
     args = (q, k, v, o, lse, trace, None, None, d ** -0.5, 0, 0, 132)
     cls.launch(fn, *args)
@@ -421,7 +473,7 @@ def run_bwd(dev, flush) -> dict:
             if traced is None:
                 continue
             ctas = -(-n // 64) * cfg.ctas_per_tile * HEADS  # N row tiles (queries or keys)
-            trace = torch.zeros(ctas, 3, MAXB, EVENTS, dtype=torch.int64, device=dev)
+            trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
             launch.run_job(traced, cfg, args, scalars)
             torch.cuda.synchronize()

@@ -396,21 +396,23 @@ def test_fp8_rows_on_cpu(tmp_path):
 
 def test_phase_trace_reads_stamps_and_compiles(tmp_path):
     """perf.phase_trace: `phases` turns stamps into per-phase medians (blocks from the third on,
-    blocks a CTA did not have ignored), and the traced kernels (the forward and the backward's
-    dK with clock64 stamps, never routed) compile for sm_90a."""
+    blocks a CTA did not have ignored), and the traced kernels (the forward, the backward's dK
+    and an FP8 "no PV" variant with clock64 stamps, never routed) compile for sm_90a."""
     import torch
 
     from perf import phase_trace as pt
 
-    trace = torch.zeros(2, 3, pt.MAXB, pt.EVENTS, dtype=torch.int64)
+    trace = torch.zeros(2, pt.SLOTS, pt.MAXB, pt.EVENTS, dtype=torch.int64)
     for cta in range(2):
         for i in range(6 if cta == 0 else 4):  # CTA 1 has fewer blocks
             t0 = 1000 * i + 1
             trace[cta, 0, i, :5] = torch.tensor([t0, t0 + 400, t0 + 550, t0 + 600, t0 + 630])
+            trace[cta, 3, i, :5] = torch.tensor([t0, t0 + 400, t0 + 500, t0 + 600, t0 + 630])
             for wg in (1, 2):
                 trace[cta, wg, i, :4] = torch.tensor([t0 + 10, t0 + 20, t0 + 50, t0 + 900])
     ph = pt.phases(trace)
     assert ph["S S0 start -> S1 scores"] == 400 and ph["S block period"] == 1000
+    assert ph["S w1 S1 scores -> S2 score step"] == 100 and ph["S w1 block period"] == 1000
     assert ph["O lo O2 rescaled -> O3 PV done"] == 850 and ph["O hi O0 wait P -> O1 P here"] == 10
     import os
 
@@ -422,4 +424,7 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
         assert cache.get(cls, cfg) is not None
         # the backward's: dK (the two-product extra carries the trace tensor)
         cls, cfg = next(j for j in pt._bwd_jobs() if j[0] is pt.BwdDKTraced)
+        assert cache.get(cls, cfg) is not None
+        # an FP8 variant whose O warpgroups issue no WGMMA
+        cls, cfg = next(j for j in pt._fp8_jobs() if j[0] is pt.FwdFP8TracedNoPV)
         assert cache.get(cls, cfg) is not None
