@@ -50,9 +50,10 @@ def block_forward(q, k, v, *, causal: bool, offset: int, scale: float | None, st
 
 
 def block_backward(q, k, v, out, lse, dout, *, causal: bool, offset: int,
-                   scale: float | None):
+                   scale: float | None, dlse=None):
     """(dq, dk, dv) of this block's share of the attention, given the rows' global `out`
-    ([B, Hq, Nq, Dv]) and `lse` ([B, Hq, Nq]) and the gradient `dout` of out.
+    ([B, Hq, Nq, Dv]) and `lse` ([B, Hq, Nq]) and the gradient `dout` of out (and `dlse` of
+    lse, or None: Note [The gradient of lse] in math_attention.py).
 
     dk and dv are summed over each KV head's query heads. Dtypes: the inputs' from the backward
     kernels, `math_attention.compute_dtype` from the math; accumulate them in float32 or wider.
@@ -62,6 +63,7 @@ def block_backward(q, k, v, out, lse, dout, *, causal: bool, offset: int,
     plan = ops.bwd_plan(q, k, v, causal, offset, softmax_scale)
     if plan is None or q.shape[-2] == 0 or k.shape[-2] == 0:
         return block_grads(q, k, v, out, lse, dout, causal=causal, offset=offset,
-                           scale=softmax_scale)
+                           scale=softmax_scale, dlse=dlse)
     with ops.on(q.device):
-        return launch.run_bwd(plan, q, k, v, out, lse.contiguous(), dout.contiguous())
+        return launch.run_bwd(plan, q, k, v, out, lse.contiguous(), dout.contiguous(),
+                              dlse=dlse)

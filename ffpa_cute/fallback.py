@@ -6,9 +6,9 @@ kernel serves it. We bind `torch._C._nn.scaled_dot_product_attention` once and n
 `F.scaled_dot_product_attention`, which may be our own patch (recursion) or someone else's.
 
 SDPA returns no log-sum-exp, so `native_lse` computes it with torch math over query chunks
-(bounded memory, `math_attention.math_lse`); `block_grads` is the FlashAttention backward of one (query, key) block given
-the *global* out and lse of its rows, which is what ring attention needs where no backward
-kernel serves a block.
+(bounded memory, differentiable: `math_attention.math_lse`); `block_grads` is the
+FlashAttention backward of one (query, key) block given the *global* out and lse of its rows,
+which is what ring attention needs where no backward kernel serves a block.
 """
 
 import torch
@@ -94,24 +94,28 @@ def native_lse(q, k, *, causal, offset, mask, scale):
 
     The same scores native SDPA softmaxes in `native_attention` (scale, causal offset, a bool
     mask's False entries at -inf, a float mask added), computed by `math_lse` chunk by chunk
-    over query rows. No gradient.
+    over query rows. Differentiable in q and k (Note [The gradient of lse] in
+    math_attention.py); a float mask that requires grad: NotImplementedError (no gradient would
+    reach it through lse).
     """
     if mask is not None:  # a broadcast view, sliced per chunk
+        if mask.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("return_lse: a float attn_mask that requires grad gets "
+                                      "no gradient through lse; detach it")
         mask = torch.broadcast_to(mask, (*q.shape[:-1], k.shape[-2]))
     return math_lse(q, k, hi=offset if causal else None, mask=mask, scale=scale)
 
 
 def native_attention_lse(q, k, v, *, causal, offset, mask, scale):
-    """(out, lse): `native_attention`'s out (differentiable as usual, no dropout) and
-    `native_lse` of the same scores (no gradient)."""
+    """(out, lse): `native_attention`'s out and `native_lse` of the same scores, both
+    differentiable (no dropout)."""
+    lse = native_lse(q, k, causal=causal, offset=offset, mask=mask, scale=scale)
     out = native_attention(q, k, v, causal=causal, offset=offset, mask=mask, dropout_p=0.0,
                            scale=scale)
-    with torch.no_grad():
-        lse = native_lse(q, k, causal=causal, offset=offset, mask=mask, scale=scale)
     return out, lse
 
 
-def block_grads(q, k, v, out, lse, dout, *, causal, offset, scale):
+def block_grads(q, k, v, out, lse, dout, *, causal, offset, scale, dlse=None):
     """(dq, dk, dv) of one (query, key) block of a larger attention, in
     `math_attention.compute_dtype`.
 
@@ -120,9 +124,11 @@ def block_grads(q, k, v, out, lse, dout, *, causal, offset, scale):
     backward applies block by block: dV = P^T dO, dP = dO V^T, dS = P (dP - Delta) with
     Delta = rowsum(dO * O), dQ = scale dS K, dK = scale dS^T Q (`math_grads`). dk and dv are
     summed over each KV head's query heads (GQA). Rows whose lse is -inf (no key anywhere) get
-    P = 0.
+    P = 0. dlse: the gradient of the rows' global lse, or None (Delta' = Delta - dlse: Note
+    [The gradient of lse] in math_attention.py).
     """
-    return math_grads(q, k, v, out, lse, dout, hi=offset if causal else None, scale=scale)
+    return math_grads(q, k, v, out, lse, dout, hi=offset if causal else None, scale=scale,
+                      dlse=dlse)
 
 
 def fallback_details(q, v, problem, mask) -> str:

@@ -242,9 +242,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     return_lse: also return lse [..., Hq, Nq], float32 (float64 for float64 inputs on the
     fallback), the natural-log log-sum-exp of each row's scaled, masked scores; -inf for rows
     that see no key (their out is 0). `merge_attention` combines (out, lse) pairs computed over
-    disjoint key sets. Gradients flow through out as usual; lse carries none (it is returned
-    detached from autograd), so a loss through `merge_attention` of these pairs misses the lse
-    term (`ffpa_cute.distributed.ring_attention` has its own exact backward). Not with
+    disjoint key sets. Gradients flow through out and lse (a loss through `merge_attention` of
+    such pairs is exact; Note [The gradient of lse] in math_attention.py); a float attn_mask
+    that requires grad with return_lse on the fallback: NotImplementedError. Not with
     dropout_p > 0 (ValueError).
 
     window=(left, right): a sliding window; each side an int >= 0 or None (unbounded). Query

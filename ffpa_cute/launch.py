@@ -15,6 +15,7 @@ import functools
 import torch
 
 from .cache import jit_cache
+from .common.config import DeltaConfig
 from .dispatch import BwdPlan, Plan
 
 
@@ -87,6 +88,17 @@ def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
     out.copy_(ws.view(b, h, parts, n, d).sum(2))
 
 
+def run_grad_jobs(plan: BwdPlan, tensors: dict, scalars: dict, dlse=None) -> None:
+    """A backward plan's kernels in order (`run_grad_job`): Delta first, then the gradient
+    kernels; dlse (not None): subtracted from Delta between the two, so that the gradient
+    kernels (and a sink's gradient read from tensors["delta"]) take lse's gradient too (Note
+    [The gradient of lse] in math_attention.py)."""
+    for cls, cfg in plan.jobs:
+        run_grad_job(cls, cfg, tensors, scalars)
+        if dlse is not None and isinstance(cfg, DeltaConfig):
+            tensors["delta"].sub_(dlse.reshape(tensors["delta"].shape))
+
+
 def kernel_args(plan: Plan, q, k, v, out, lse):
     """((q, k, v, o, lse) as the kernel sees them, causal offset) for a plan's call. Packed
     plans see [B, Hkv, G * Nq, .]: views of out / lse, and of q where its strides allow (a copy
@@ -144,10 +156,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
+def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dlse=None):
     """(dq, dk, dv) from a backward plan's kernels: Delta = rowsum(dout * out) first, then the
     gradient kernels, each writing its own output (atomic-free: the same bits every run).
-    `with_delta`: (dq, dk, dv, Delta [B, Hq, Nq] fp32), for a sink's gradient."""
+    dlse: the gradient of lse [B, Hq, Nq] too, or None: Delta' = Delta - dlse is what the
+    gradient kernels read (Note [The gradient of lse] in math_attention.py). `with_delta`:
+    (dq, dk, dv, Delta [B, Hq, Nq] fp32, dlse subtracted), for a sink's gradient."""
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
@@ -161,10 +175,12 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False):
     t["dv"] = torch.empty(*k.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         grads = t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
-        return (*grads, t["delta"].zero_()) if with_delta else grads
-    scalars = kernel_scalars(p, p.right_edge)
-    for cls, cfg in plan.jobs:
-        run_grad_job(cls, cfg, t, scalars)
+        if with_delta:
+            t["delta"].zero_()
+            if dlse is not None:
+                t["delta"].sub_(dlse)
+        return (*grads, t["delta"]) if with_delta else grads
+    run_grad_jobs(plan, t, kernel_scalars(p, p.right_edge), dlse)
     grads = t["dq"], t["dk"], t["dv"]
     return (*grads, t["delta"]) if with_delta else grads
 
@@ -220,4 +236,5 @@ class FwdCall:
 
 
 __all__ = ["FwdCall", "kernel_args", "kernel_ready", "kernel_scalars", "repack_rows",
-           "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_job", "sm_count"]
+           "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_grad_jobs", "run_job",
+           "sm_count"]

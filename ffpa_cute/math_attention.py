@@ -20,9 +20,17 @@ masked. The backward recomputes the scores chunk by chunk from the saved lse (th
 FlashAttention backward: dS = P (dP - Delta), Delta = rowsum(dO * O)); the sink is a key with
 value 0, so d sink_h = -sum_i exp(sink_h - lse_i) Delta_i over the rows of head h.
 
-`math_lse` and `math_grads` are the same chunked math without autograd: the fallback's
-log-sum-exp (`fallback.native_lse`) and one block's gradients given its rows' global out and lse
-(`fallback.block_grads`, the ring backward's unit).
+`math_lse` is the fallback's log-sum-exp (`fallback.native_lse`) and `math_grads` one block's
+gradients given its rows' global out and lse (`fallback.block_grads`, the ring backward's
+unit): the same chunked math (math_grads without autograd).
+
+Note [The gradient of lse]: lse_i = log(sum_j exp(s_ij) [+ exp(sink)]) has d lse_i / d s_ij =
+P_ij (and exp(sink - lse_i) for the sink), so a loss that reads lse (e.g. through
+`merge_attention` of split-KV parts) adds dlse_i P_ij to dS_ij. With the output's dS = P (dP -
+Delta) that is dS = P (dP - (Delta - dlse)): every backward takes the lse's gradient by
+replacing Delta with Delta' = Delta - dlse, the sinks' gradient included (-sum_i
+exp(sink - lse_i) Delta'_i). The backward kernels read Delta from memory, so they need no
+change (`launch.run_bwd(dlse=...)`).
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ import math
 
 import torch
 
-__all__ = ["CHUNK_ELEMS", "apply_sinks", "compute_dtype", "math_attention", "math_grads",
-           "math_lse"]
+__all__ = ["CHUNK_ELEMS", "apply_sinks", "compute_dtype", "lse_delta", "math_attention",
+           "math_grads", "math_lse", "math_lse_grads"]
 
 _INF = float("inf")
 # Score elements (rows x keys, over batch and heads) per chunk: 2^24 float32 values are 64 MiB,
@@ -117,25 +125,32 @@ def _forward(q, k, v, lo, hi, sinks, mask, scale):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, lo, hi, sinks, mask, scale):
-    """(dq, dk, dv, dsinks) in `compute_dtype` (dsinks None without sinks)."""
+def _backward(q, k, v, out, lse, dout, lo, hi, sinks, mask, scale, dlse=None):
+    """(dq, dk, dv, dsinks) in `compute_dtype` (dsinks None without sinks; dv None when dout is
+    None, i.e. only lse carries a gradient). dlse: the gradient of lse, or None (Note [The
+    gradient of lse])."""
     dtype, hkv, nkv = compute_dtype(q.dtype), k.shape[-3], k.shape[-2]
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    dv = None if dout is None else torch.zeros(v.shape, dtype=dtype, device=v.device)
     safe_lse = lse.to(dtype).masked_fill(torch.isneginf(lse), _INF)
-    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [..., Hq, Nq]
+    delta = lse_delta(None if dout is None else (dout.to(dtype) * out.to(dtype)).sum(-1), dlse,
+                      lse.shape, dtype, q.device)  # [..., Hq, Nq]
     for i, j, ks, ke in _chunks(q, nkv, lo, hi):
         if ke == ks:
             continue
         p = torch.exp(_scores(q, k, (i, j), (ks, ke), lo, hi, mask, scale, dtype)
                       - safe_lse[..., i:j, None])
-        qc, do = _grouped(q[..., i:j, :].to(dtype), hkv), _grouped(dout[..., i:j, :].to(dtype), hkv)
+        qc = _grouped(q[..., i:j, :].to(dtype), hkv)
         kc = k[..., ks:ke, :].to(dtype).unsqueeze(-3)
-        vc = v[..., ks:ke, :].to(dtype).unsqueeze(-3)
-        dp = torch.matmul(do, vc.transpose(-1, -2)).flatten(-4, -3)
-        ds = _grouped(p * (dp - delta[..., i:j, None]), hkv)
-        dv[..., ks:ke, :] += torch.matmul(_grouped(p, hkv).transpose(-1, -2), do).sum(-3)
+        if dout is None:  # dP = 0
+            ds = _grouped(p * -delta[..., i:j, None], hkv)
+        else:
+            do = _grouped(dout[..., i:j, :].to(dtype), hkv)
+            vc = v[..., ks:ke, :].to(dtype).unsqueeze(-3)
+            dp = torch.matmul(do, vc.transpose(-1, -2)).flatten(-4, -3)
+            ds = _grouped(p * (dp - delta[..., i:j, None]), hkv)
+            dv[..., ks:ke, :] += torch.matmul(_grouped(p, hkv).transpose(-1, -2), do).sum(-3)
         dq[..., i:j, :] = torch.matmul(ds, kc).flatten(-4, -3) * scale
         dk[..., ks:ke, :] += torch.matmul(ds.transpose(-1, -2), qc).sum(-3) * scale
     dsinks = None
@@ -145,20 +160,30 @@ def _backward(q, k, v, out, lse, dout, lo, hi, sinks, mask, scale):
     return dq, dk, dv, dsinks
 
 
+def lse_delta(delta, dlse, shape, dtype, device):
+    """Delta' = Delta - dlse (Note [The gradient of lse]); delta / dlse None: zero."""
+    if dlse is None:
+        return torch.zeros(shape, dtype=dtype, device=device) if delta is None else delta
+    dlse = dlse.to(dtype)
+    return -dlse if delta is None else delta - dlse
+
+
 class _MathAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, lo, hi, mask, scale):
         out, lse = _forward(q, k, v, lo, hi, sinks, mask, scale)
         ctx.save_for_backward(q, k, v, sinks, mask, out, lse)
         ctx.args = (lo, hi, scale)
-        ctx.mark_non_differentiable(lse)  # as on every route: lse carries no gradient
+        ctx.set_materialize_grads(False)  # None: that output carries no gradient
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, sinks, mask, out, lse = ctx.saved_tensors
         lo, hi, scale = ctx.args
-        grads = _backward(q, k, v, out, lse, dout, lo, hi, sinks, mask, scale)
+        if dout is None and dlse is None:
+            return (None,) * 8
+        grads = _backward(q, k, v, out, lse, dout, lo, hi, sinks, mask, scale, dlse)
         grads = [None if g is None or not need else g.to(t.dtype)
                  for g, t, need in zip(grads, (q, k, v, sinks), ctx.needs_input_grad)]
         return (*grads, None, None, None, None)
@@ -171,7 +196,7 @@ def math_attention(q, k, v, *, causal: bool, offset: int, bounds, sinks, mask, s
     bounds: the window's (lo, hi) (row i sees key j iff i + lo <= j <= i + hi; None entries
     unbounded) or None; `causal` intersects it with j <= i + offset. sinks: [Hq] logits or
     None. mask: a bool / float tensor broadcastable to [..., Hq, Nq, Nkv], or None (no
-    gradient flows to it). Differentiable in q, k, v and sinks; lse carries no gradient.
+    gradient flows to it). out and lse are both differentiable in q, k, v and sinks.
     """
     lo, hi = bounds if bounds is not None else (None, None)
     if causal:
@@ -185,11 +210,8 @@ def math_attention(q, k, v, *, causal: bool, offset: int, bounds, sinks, mask, s
     return _MathAttention.apply(q, k, v, sinks, lo, hi, mask, scale)
 
 
-def math_lse(q, k, *, lo=None, hi=None, mask=None, scale=None):
-    """lse [..., Hq, Nq] in `compute_dtype(q.dtype)` of the scaled scores row i sees (keys j
-    with i + lo <= j <= i + hi; a mask broadcast to [..., Hq, Nq, Nkv]); -inf for rows that
-    see no key. No autograd."""
-    scale, nkv = _softmax_scale(q, scale), k.shape[-2]
+def _lse(q, k, lo, hi, mask, scale):
+    nkv = k.shape[-2]
     dtype = compute_dtype(q.dtype)
     lse = torch.full(q.shape[:-1], -_INF, dtype=dtype, device=q.device)
     with torch.no_grad():
@@ -200,14 +222,56 @@ def math_lse(q, k, *, lo=None, hi=None, mask=None, scale=None):
     return lse
 
 
-def math_grads(q, k, v, out, lse, dout, *, lo=None, hi=None, scale=None):
+class _MathLse(torch.autograd.Function):
+    """lse alone, differentiable in q and k (its gradient: the softmax, Note [The gradient of
+    lse])."""
+
+    @staticmethod
+    def forward(ctx, q, k, lo, hi, mask, scale):
+        lse = _lse(q, k, lo, hi, mask, scale)
+        ctx.save_for_backward(q, k, mask, lse)
+        ctx.args = (lo, hi, scale)
+        return lse
+
+    @staticmethod
+    def backward(ctx, dlse):
+        q, k, mask, lse = ctx.saved_tensors
+        lo, hi, scale = ctx.args
+        dq, dk = math_lse_grads(q, k, lse, dlse, lo=lo, hi=hi, mask=mask, scale=scale)
+        needs = ctx.needs_input_grad
+        return (dq.to(q.dtype) if needs[0] else None, dk.to(k.dtype) if needs[1] else None,
+                None, None, None, None)
+
+
+def math_lse(q, k, *, lo=None, hi=None, mask=None, scale=None):
+    """lse [..., Hq, Nq] in `compute_dtype(q.dtype)` of the scaled scores row i sees (keys j
+    with i + lo <= j <= i + hi; a mask broadcast to [..., Hq, Nq, Nkv]); -inf for rows that
+    see no key. Differentiable in q and k (not in a float mask)."""
+    scale = _softmax_scale(q, scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _MathLse.apply(q, k, lo, hi, mask, scale)
+    return _lse(q, k, lo, hi, mask, scale)
+
+
+def math_lse_grads(q, k, lse, dlse, *, lo=None, hi=None, mask=None, scale=None):
+    """(dq, dk) in `compute_dtype(q.dtype)` of the rows' lse (over the keys they see, as
+    `math_lse`) given its gradient dlse: dS = P dlse (Note [The gradient of lse]); dk summed
+    over each KV head's query heads. No autograd."""
+    with torch.no_grad():
+        dq, dk, _, _ = _backward(q, k, None, None, lse, None, lo, hi, None, mask,
+                                 _softmax_scale(q, scale), dlse)
+    return dq, dk
+
+
+def math_grads(q, k, v, out, lse, dout, *, lo=None, hi=None, scale=None, dlse=None):
     """(dq, dk, dv) in `compute_dtype(q.dtype)` of the attention of rows over the keys they see
     (i + lo <= j <= i + hi), given the rows' `out` and `lse` over a possibly larger key set
     (exp(S * scale - lse) is then this key set's share of their softmax); dk, dv summed over
-    each KV head's query heads. No autograd."""
+    each KV head's query heads. dlse: the gradient of the rows' lse too (Note [The gradient of
+    lse]), or None. No autograd."""
     with torch.no_grad():
         dq, dk, dv, _ = _backward(q, k, v, out, lse, dout, lo, hi, None, None,
-                                  _softmax_scale(q, scale))
+                                  _softmax_scale(q, scale), dlse)
     return dq, dk, dv
 
 

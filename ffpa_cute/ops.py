@@ -6,7 +6,10 @@ sinks have their own pair, `ffpa_cute::feature_attention_fwd` / `_bwd` (torch.co
 and `FeatureAttention` (eager), over one forward and one backward body.
 
 The backward runs the backward kernels where `dispatch.plan_bwd` has them for the problem, else
-recomputes through SDPA (`fallback.sdpa_recompute_backward`).
+recomputes through SDPA (`fallback.sdpa_recompute_backward`). Both outputs carry gradients: a
+loss that reads lse (e.g. through `merge_attention`) adds its term through Delta' = Delta - dlse
+(Note [The gradient of lse] in math_attention.py); an output the loss does not read gives None
+(no zero tensors are made for it).
 """
 
 import contextlib
@@ -17,7 +20,7 @@ import torch
 from . import dispatch, launch, selfcheck
 from . import options as _options
 from .fallback import sdpa_recompute_backward
-from .math_attention import math_grads
+from .math_attention import lse_delta, math_grads, math_lse_grads
 from .problem import AttnProblem
 
 
@@ -71,7 +74,7 @@ def _setup_context(ctx, inputs, output):
     # the forward's options: the backward may run on autograd's device thread, which does not
     # see the forward's `options.use(...)` (a compiled graph's backward op plans where it runs)
     ctx.options = None if torch.compiler.is_compiling() else _options.current()
-    ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
+    ctx.set_materialize_grads(False)  # None for an output the loss does not read
 
 
 def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float, opts=None):
@@ -87,41 +90,60 @@ def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float, opts=None)
     return plan
 
 
-def _kernel_backward(plan, q, k, v, out, lse, dout):
+def _kernel_backward(plan, q, k, v, out, lse, dout, dlse=None):
     with on(q.device):
-        return launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous())
+        return launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(), dlse=dlse)
 
 
 @torch.library.custom_op("ffpa_cute::attention_bwd", mutates_args=())
 def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, dout: torch.Tensor, causal: bool, causal_offset: int,
+                  lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
+                  causal: bool, causal_offset: int,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `attention_fwd` from the backward kernels, contiguous: what
-    torch.compile graphs call for problems the kernels serve (an opaque node, never traced)."""
+    """(dq, dk, dv) of `attention_fwd` from the backward kernels, contiguous (dlse: lse's
+    gradient, or None): what torch.compile graphs call for problems the kernels serve (an
+    opaque node, never traced)."""
     plan = bwd_plan(q, k, v, causal, causal_offset, scale)
     if plan is None:  # the graph was built when the kernels served it
         raise RuntimeError("ffpa_cute::attention_bwd called for a problem the backward kernels "
                            "do not serve")
-    return tuple(g.contiguous() for g in _kernel_backward(plan, q, k, v, out, lse, dout))
+    return tuple(g.contiguous() for g in _kernel_backward(plan, q, k, v, out, lse, dout, dlse))
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, out, lse, dout, causal, causal_offset, scale):
+def _attention_bwd_fake(q, k, v, out, lse, dout, dlse, causal, causal_offset, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _backward(ctx, dout, _dlse, eager=False):
+def _plus(a, b):
+    """a + b where either may be None (no gradient)."""
+    return b if a is None else a if b is None else a + b
+
+
+def _backward(ctx, dout, dlse, eager=False):
     """dq, dk, dv (None where not needed): the backward kernels where they serve the problem
     (eager: called directly; torch.compile: through `ffpa_cute::attention_bwd`), else the SDPA
-    recompute (traced into the graph when compiling)."""
+    recompute (traced into the graph when compiling) plus, when the loss reads lse, its term
+    in torch math (`math_lse_grads`)."""
     q, k, v, out, lse = ctx.saved_tensors
     needs = tuple(ctx.needs_input_grad[:3])
+    if dout is None and dlse is None:
+        return (None,) * 6
     plan = bwd_plan(q, k, v, *ctx.attn_args, opts=ctx.options)
     if plan is None:
-        grads = sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args, needs=needs)
+        grads = (None,) * 3
+        if dout is not None:
+            grads = sdpa_recompute_backward(q, k, v, dout, *ctx.attn_args, needs=needs)
+        if dlse is not None:
+            causal, offset, scale = ctx.attn_args
+            dq, dk = math_lse_grads(q, k, lse, dlse, hi=offset if causal else None,
+                                    scale=scale)
+            grads = (_plus(grads[0], dq.to(q.dtype)) if needs[0] else None,
+                     _plus(grads[1], dk.to(k.dtype)) if needs[1] else None, grads[2])
     else:
-        grads = (_kernel_backward(plan, q, k, v, out, lse, dout) if eager else
-                 attention_bwd(q, k, v, out, lse, dout, *ctx.attn_args))
+        dout = torch.zeros_like(out) if dout is None else dout
+        grads = (_kernel_backward(plan, q, k, v, out, lse, dout, dlse) if eager else
+                 attention_bwd(q, k, v, out, lse, dout, dlse, *ctx.attn_args))
         grads = tuple(g if n else None for g, n in zip(grads, needs))
     return (*grads, None, None, None)
 
@@ -168,22 +190,26 @@ def feature_forward(q, k, v, sinks, problem: AttnProblem, plan=None):
 
 
 def feature_backward(q, k, v, sinks, out, lse, dout, problem: AttnProblem, opts=None,
-                     need_dsinks: bool = True):
+                     need_dsinks: bool = True, dlse=None):
     """(dq, dk, dv, dsinks or None): the backward kernels with the window where
     `dispatch.plan_bwd` has them (sinks reach them through the lse), else exact torch math
-    (`math_attention.math_grads`). The sinks' gradient is -sum_i exp(sink - lse_i) Delta_i,
-    Delta_i = rowsum(dout * out) (Note [Sinks] in common/softmax.py)."""
+    (`math_attention.math_grads`). dout / dlse: the gradients of out and lse (None: zero; Note
+    [The gradient of lse] in math_attention.py). The sinks' gradient is -sum_i exp(sink -
+    lse_i) Delta'_i, Delta' = rowsum(dout * out) - dlse (Note [Sinks] in common/softmax.py)."""
     p = problem
+    dout = torch.zeros_like(out) if dout is None else dout
     plan = dispatch.plan_bwd(p, q.device, opts=opts)
     if plan.reason is None and selfcheck.bwd_reason(plan, q.device, opts) is None:
         with on(q.device):
             dq, dk, dv, delta = launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(),
-                                               with_delta=True)
+                                               with_delta=True, dlse=dlse)
     else:
         grads = math_grads(q, k, v, out, lse, dout, lo=p.window_lo,
-                           hi=p.right_edge if p.right_bounded else None, scale=p.softmax_scale)
+                           hi=p.right_edge if p.right_bounded else None, scale=p.softmax_scale,
+                           dlse=dlse)
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        delta = lse_delta((dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1), dlse, lse.shape,
+                          lse.dtype, lse.device)
     dsinks = None
     if sinks is not None and need_dsinks:
         p_sink = torch.exp(sinks.to(lse.dtype)[:, None] - lse)   # [B, Hq, Nq]
@@ -213,19 +239,20 @@ def _feature_attention_fwd_fake(q, k, v, sinks, causal, causal_offset, window_lo
 @torch.library.custom_op("ffpa_cute::feature_attention_bwd", mutates_args=())
 def feature_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           sinks: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
-                          dout: torch.Tensor, causal: bool, causal_offset: int,
+                          dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
+                          causal: bool, causal_offset: int,
                           window_lo: Optional[int], window_hi: Optional[int], scale: float
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks) of `feature_attention_fwd`, contiguous (dsinks [Hq], or an empty
-    tensor without sinks: an op returns tensors only)."""
+    tensor without sinks: an op returns tensors only); dout / dlse None: zero."""
     problem = feature_problem(q, k, v, sinks, causal, causal_offset, window_lo, window_hi, scale)
-    dq, dk, dv, ds = feature_backward(q, k, v, sinks, out, lse, dout, problem)
+    dq, dk, dv, ds = feature_backward(q, k, v, sinks, out, lse, dout, problem, dlse=dlse)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
             ds if ds is not None else q.new_empty(0))
 
 
 @feature_attention_bwd.register_fake
-def _feature_attention_bwd_fake(q, k, v, sinks, out, lse, dout, causal, causal_offset,
+def _feature_attention_bwd_fake(q, k, v, sinks, out, lse, dout, dlse, causal, causal_offset,
                                 window_lo, window_hi, scale):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0))
@@ -235,12 +262,15 @@ def _feature_setup_context(ctx, inputs, output):
     q, k, v, sinks, *scalars = inputs
     ctx.save_for_backward(q, k, v, sinks, *output)
     ctx.feature_args = tuple(scalars)
-    ctx.mark_non_differentiable(output[1])  # lse is an auxiliary output
+    ctx.set_materialize_grads(False)  # None for an output the loss does not read
 
 
-def _feature_op_backward(ctx, dout, _dlse):
+def _feature_op_backward(ctx, dout, dlse):
+    if dout is None and dlse is None:
+        return (None,) * 9
     q, k, v, sinks, out, lse = ctx.saved_tensors
-    dq, dk, dv, ds = feature_attention_bwd(q, k, v, sinks, out, lse, dout, *ctx.feature_args)
+    dq, dk, dv, ds = feature_attention_bwd(q, k, v, sinks, out, lse, dout, dlse,
+                                           *ctx.feature_args)
     needs = ctx.needs_input_grad
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
             ds if sinks is not None and needs[3] else None, None, None, None, None, None)
@@ -260,15 +290,17 @@ class FeatureAttention(torch.autograd.Function):
         out, lse = feature_forward(q, k, v, sinks, problem, plan)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.problem, ctx.options = problem, _options.current()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # None for an output the loss does not read
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return (None,) * 6
         q, k, v, sinks, out, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad
         dq, dk, dv, dsinks = feature_backward(q, k, v, sinks, out, lse, dout, ctx.problem,
-                                              ctx.options, needs[3])
+                                              ctx.options, needs[3], dlse)
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 dsinks, None, None)
 

@@ -89,10 +89,12 @@ def attention_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     causal: bool = False, causal_offset: int | None = None,
                     scale: float | None = None, dtype: torch.dtype = torch.float64, *,
-                    window_lo: int | None = None, sinks: torch.Tensor | None = None):
-    """(dq, dk, dv) of `attention_ref`'s output for `dout`, written out (no autograd) in `dtype`:
-    dS = P (dP - Delta), Delta = rowsum(dO * O); dk, dv summed over each KV head's query heads.
-    window_lo / sinks as in `attention_ref` (the sinks' own gradient is not computed).
+                    window_lo: int | None = None, sinks: torch.Tensor | None = None,
+                    dlse: torch.Tensor | None = None):
+    """(dq, dk, dv) of `attention_ref`'s output for `dout` (and its lse for `dlse`, if given),
+    written out (no autograd) in `dtype`: dS = P (dP - Delta + dlse), Delta = rowsum(dO * O);
+    dk, dv summed over each KV head's query heads. window_lo / sinks as in `attention_ref` (the
+    sinks' own gradient is not computed).
 
     Written out because autograd through a softmax row that sees no key gives NaN (our kernels,
     like the forward, treat such rows as P = 0); float64 is truth, the inputs' dtype gives the
@@ -122,7 +124,10 @@ def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     p = p.to(dtype)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     dp = torch.matmul(dout, v.transpose(-1, -2))
-    ds = p * (dp - (dout * torch.matmul(p, v)).sum(-1, keepdim=True))
+    delta = (dout * torch.matmul(p, v)).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(dtype).unsqueeze(-1)
+    ds = p * (dp - delta)
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     return dq, dk.unflatten(-3, (-1, g)).sum(-3), dv.unflatten(-3, (-1, g)).sum(-3)

@@ -140,7 +140,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     bottom-right (query i of a sequence with nq queries and nkv keys sees key j iff
     j <= i + nkv - nq), `window=(left, right)` is in the same frame, `sinks` [Hq] joins every
     row's denominator, GQA needs `enable_gqa=True`; lse is float32 (float64 for float64
-    inputs) and carries no gradient. Differentiable in q, k, v and sinks. One kernel launch
+    inputs). out and lse are differentiable in q, k, v and sinks. One kernel launch
     over all sequences where the sm90 kernels serve the problem, else one `attention()`-routed
     call per sequence (module docstring).
     """
@@ -231,7 +231,7 @@ def _bhnd(t: torch.Tensor) -> torch.Tensor:
 
 class VarlenAttention(torch.autograd.Function):
     """The one-launch route: the forward kernel over all sequences -> (out [total_q, Hq, Dv],
-    lse [Hq, total_q] fp32, carrying no gradient); backward: Delta, then the dQ, dK and dV
+    lse [Hq, total_q] fp32); backward: Delta (minus lse's gradient), then the dQ, dK and dV
     kernels over all sequences (their grad of sinks as `ops.feature_backward`'s)."""
 
     @staticmethod
@@ -250,12 +250,15 @@ class VarlenAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, sinks, cu_q, cu_k, out, lse)
         ctx.problem = p
         ctx.options = _options.current()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # None for an output the loss does not read
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return (None,) * 7
         q, k, v, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
         p = ctx.problem
         plan = dispatch.plan_bwd(p, q.device, opts=ctx.options)
         if plan.reason is not None:  # planned at the forward: the planner changed its mind
@@ -267,13 +270,12 @@ class VarlenAttention(torch.autograd.Function):
                  do=launch.kernel_ready(_bhnd(dout)), lse=lse.unsqueeze(0),
                  delta=delta.unsqueeze(0), dq=_bhnd(dq), dk=_bhnd(dk), dv=_bhnd(dv),
                  cu_q=cu_q, cu_k=cu_k)
-        scalars = launch.kernel_scalars(p, p.right_edge)
         with on(q.device):
-            for cls, cfg in plan.jobs:
-                launch.run_grad_job(cls, cfg, t, scalars)
+            launch.run_grad_jobs(plan, t, launch.kernel_scalars(p, p.right_edge),
+                                 None if dlse is None else dlse.unsqueeze(0))
         needs = ctx.needs_input_grad
         dsinks = None
-        if sinks is not None and needs[3]:  # -sum_i exp(sink - lse_i) Delta_i per head
+        if sinks is not None and needs[3]:  # -sum_i exp(sink - lse_i) Delta'_i per head
             dsinks = -(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum(1)
             dsinks = dsinks.to(sinks.dtype)
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,

@@ -62,17 +62,18 @@ class FakeKernels:
                                      scale=p.softmax_scale)
         return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
 
-    def run_bwd(self, plan, q, k, v, out, lse, dout, with_delta=False):
+    def run_bwd(self, plan, q, k, v, out, lse, dout, with_delta=False, dlse=None):
         p = plan.problem
         self.bwd_calls.append(p)
         if p.has_window:
             grads = ma.math_grads(q, k, v, out, lse, dout, lo=p.window_lo, hi=_hi(p),
-                                  scale=p.softmax_scale)
+                                  scale=p.softmax_scale, dlse=dlse)
         else:
             grads = block_grads(q, k, v, out, lse, dout, causal=p.causal,
-                                offset=p.causal_offset, scale=p.softmax_scale)
+                                offset=p.causal_offset, scale=p.softmax_scale, dlse=dlse)
         grads = tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        delta = ma.lse_delta((dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1), dlse, lse.shape,
+                             lse.dtype, lse.device)
         return (*grads, delta) if with_delta else grads
 
     def patches(self):

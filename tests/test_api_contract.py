@@ -341,11 +341,11 @@ def fake_bwd_kernels(monkeypatch, fake_kernel):
     """Backward "kernels" on CPU: autograd through the float64 reference, calls recorded."""
     calls = []
 
-    def run_bwd(plan, q, k, v, out, lse, dout):  # written out: no autograd inside ops
+    def run_bwd(plan, q, k, v, out, lse, dout, dlse=None):  # written out: no autograd inside
         problem = plan.problem
         calls.append(problem)
         grads = attention_grads(q, k, v, dout, problem.causal, problem.causal_offset,
-                                problem.softmax_scale)
+                                problem.softmax_scale, dlse=dlse)
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
     monkeypatch.setattr(dispatch, "plan_bwd", fake_bwd_plan)
@@ -374,9 +374,10 @@ def test_backward_kernels_eager_and_compiled(seed, fake_bwd_kernels, compiled):
 def test_backward_opcheck(seed, fake_bwd_kernels):
     q, k, v = qkv(hkv=2, nq=7, nkv=9)
     out, lse = ops.attention_fwd(q, k, v, True, 2, 0.25)
-    torch.library.opcheck(torch.ops.ffpa_cute.attention_bwd.default,
-                          (q, k, v, out, lse, torch.randn_like(out), True, 2, 0.25),
-                          test_utils=("test_schema", "test_faketensor"))
+    for dlse in (None, torch.randn_like(lse)):  # lse's gradient, or none
+        torch.library.opcheck(torch.ops.ffpa_cute.attention_bwd.default,
+                              (q, k, v, out, lse, torch.randn_like(out), dlse, True, 2, 0.25),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_op_path_partial_grads(seed, fake_kernel):

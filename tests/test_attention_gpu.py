@@ -30,7 +30,7 @@ import ffpa_cute
 import kernels  # tests/ is on sys.path
 from ffpa_cute import attention, dispatch, explain, interface, launch, patch_sdpa, unpatch_sdpa
 from ffpa_cute.problem import AttnProblem
-from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
+from ffpa_cute.reference import attention_grads, attention_ref, attention_same_dtype, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -516,7 +516,7 @@ def test_backward_dv_not_d(seed, mode, nq, nkv, ratio):
 def test_return_lse(seed, d, mode, nq, nkv, ratio):
     """attention(return_lse=True) on the kernel path: out as without it, lse (float32, -inf
     exactly on rows without keys) against float64, the fast path keeps both kinds of call apart,
-    and gradients flow through out."""
+    and gradients flow through out and lse (the backward kernels read Delta - dlse)."""
     interface._clear_caches()
     q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16, grad=True)
     kernel_plan(q, k, v, mode)
@@ -528,13 +528,24 @@ def test_return_lse(seed, d, mode, nq, nkv, ratio):
         assert torch.equal(out, call(q, k, v, mode))
         assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
         assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
-        assert not lse.requires_grad and out.requires_grad
+        assert lse.requires_grad and out.requires_grad
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         finite = torch.isfinite(ref_lse)
         assert (lse[finite].double() - ref_lse[finite]).abs().max().item() <= 2e-3
     dout = torch.randn_like(out)
-    out.backward(dout)
+    out.backward(dout, retain_graph=True)
     check_grads(q, k, v, dout, causal, off)
+    # a loss through out and lse: dS = P (dP - Delta + dlse)
+    for t in (q, k, v):
+        t.grad = None
+    dlse = torch.randn_like(lse)
+    ((out * dout).sum() + (lse.masked_fill(torch.isneginf(lse), 0.0) * dlse).sum()).backward()
+    ref_g = attention_grads(q, k, v, dout, causal=causal, causal_offset=off, dlse=dlse)
+    base_g = attention_grads(q, k, v, dout, causal=causal, causal_offset=off, dtype=BF16,
+                             dlse=dlse)
+    for name, t, r, b in zip("qkv", (q, k, v), ref_g, base_g):
+        err, base_err = rel_err(t.grad, r), rel_err(b, r)
+        assert err <= 2 * base_err + 1e-3, f"d{name} with dlse: {err:.3g} vs {base_err:.3g}"
 
 
 def test_merge_of_kernel_blocks(seed):

@@ -36,15 +36,16 @@ TOL = 1e-12
 
 
 def full_inputs(hq, hkv, nq, nkv, d=16, dv=24, seed=0):
-    """The same q, k, v and out-gradient on every rank."""
+    """The same q, k, v, out-gradient and lse-gradient on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = ((2, hq, nq, d), (2, hkv, nkv, d), (2, hkv, nkv, dv), (2, hq, nq, dv))
+    shapes = ((2, hq, nq, d), (2, hkv, nkv, d), (2, hkv, nkv, dv), (2, hq, nq, dv), (2, hq, nq))
     return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
 
 def check_parallel(fn, rank, world, *, hq, hkv, nq, nkv, causal, layout, group=None, **kw):
-    """fn's shards of out / lse / grads against the float64 reference on the full sequence."""
-    q, k, v, g = full_inputs(hq, hkv, nq, nkv)
+    """fn's shards of out / lse / grads (of a loss through out and lse) against the float64
+    reference on the full sequence."""
+    q, k, v, g, h = full_inputs(hq, hkv, nq, nkv)
 
     def shard(t):
         return shard_sequence(t, rank, world, layout=layout)
@@ -53,14 +54,14 @@ def check_parallel(fn, rank, world, *, hq, hkv, nq, nkv, causal, layout, group=N
     if fn is ulysses_attention:
         kw["layout"] = layout
     out, lse = fn(*local, group, is_causal=causal, enable_gqa=hq != hkv, return_lse=True, **kw)
-    (out * shard(g)).sum().backward()
+    ((out * shard(g)).sum() + (lse * shard(h.unsqueeze(-1)).squeeze(-1)).sum()).backward()
     parts = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(parts, out.detach(), group=group)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = attention_ref(*leaves, causal=causal, causal_offset=0 if causal else None,
                                  scale=kw.get("scale"))
-    (ref * g).sum().backward()
-    assert out.dtype == F64 and lse.dtype == F64 and not lse.requires_grad
+    ((ref * g).sum() + (ref_lse * h).sum()).backward()
+    assert out.dtype == F64 and lse.dtype == F64 and lse.requires_grad
     assert rel_err(unshard_sequence(parts, layout=layout), ref) <= TOL
     for name, got, want in (("out", out, ref), ("lse", lse.unsqueeze(-1), ref_lse.unsqueeze(-1)),
                             ("dq", local[0].grad, leaves[0].grad),
@@ -140,12 +141,12 @@ def _raises(exc, match, fn, *args, **kw):
 
 def errors(rank, world):
     """Bad shards raise the same clear error on every rank (no hang)."""
-    q, k, v, _ = full_inputs(6, 1, 4 + 2 * rank, 4 + 2 * rank)  # uneven lengths
+    q, k, v, *_ = full_inputs(6, 1, 4 + 2 * rank, 4 + 2 * rank)  # uneven lengths
     for fn in (ring_attention, ulysses_attention):
         _raises(ValueError, "uneven shard lengths across ranks", fn, q, k, v, is_causal=True,
                 enable_gqa=True)
-    q, k, v, _ = full_inputs(4, 2, 6, 6, seed=1)
-    q, k, v, _ = full_inputs(6, 3, 6, 6, seed=2)  # K/V heads 1, 2, 3 on ranks 0, 1, 2
+    q, k, v, *_ = full_inputs(4, 2, 6, 6, seed=1)
+    q, k, v, *_ = full_inputs(6, 3, 6, 6, seed=2)  # K/V heads 1, 2, 3 on ranks 0, 1, 2
     _raises(ValueError, "differ across ranks", ring_attention, q, k[:, :rank + 1],
             v[:, :rank + 1], enable_gqa=True)
     _raises(ValueError, "one even local length", ring_attention, q[..., :5, :], k[..., :5, :],

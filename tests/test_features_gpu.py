@@ -50,8 +50,8 @@ def _ids(c):
 @pytest.mark.parametrize("case", WINDOW_CASES + [(520, 2, 1, 300, 700, (100, 0), True, True)],
                          ids=_ids)
 def test_window_sinks_forward_backward(seed, case, family):
-    """Forward out / lse and the gradients of q, k, v and sinks against float64, on the sm90
-    WGMMA kernels and on the Split-D kernels (D=520 on sm90: the WGMMA CTA pair forward and
+    """Forward out / lse and the gradients of q, k, v and sinks (of a loss through out and lse)
+    against float64, on the sm90 WGMMA kernels and on the Split-D kernels (D=520 on sm90: the WGMMA CTA pair forward and
     backward, whose second CTA owns 8 columns past D)."""
     d, hq, hkv, nq, nkv, window, causal, with_sinks = case
     kernel = "FFPAFwdSm80" if family == "sm80" else "FFPAFwdSm90"
@@ -78,14 +78,19 @@ def _window_sinks_case(d, hq, hkv, nq, nkv, window, causal, with_sinks, kernel):
         return ref_attention(*ts[:3], causal=causal, window=window, sinks=s, dtype=dtype)
 
     ref, ref_lse = ref_of(ins64, F64)
-    base, _ = ref_of(insb, BF16)
+    base, base_lse = ref_of(insb, BF16)
     assert rel_err(out, ref) <= bound(rel_err(base, ref))
     assert rel_err(lse, ref_lse) <= 1e-4
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, ins, dout)
-    want = torch.autograd.grad(ref, ins64, dout.to(F64))
-    same = torch.autograd.grad(base, insb, dout)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+
+    def loss(o, s):  # through out and lse (its -inf rows read as 0)
+        return ((o * dout.to(o.dtype)).sum()
+                + (s.masked_fill(torch.isneginf(s), 0.0) * dlse.to(s.dtype)).sum())
+
+    got = torch.autograd.grad(loss(out, lse), ins)
+    want = torch.autograd.grad(loss(ref, ref_lse), ins64)
+    same = torch.autograd.grad(loss(base, base_lse), insb)
     for name, g, w, s in zip("q k v sinks".split(), got, want, same):
         assert rel_err(g, w) <= bound(rel_err(s, w)), name
 
@@ -421,10 +426,13 @@ def test_varlen_one_launch_is_the_per_sequence_kernel(seed, case):
     for one in (True, False):
         with ffpa_cute.options.use(varlen_launch=one):
             out, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)
-            dout = torch.randn_like(out) if one else res[True][0][1]
-            grads = torch.autograd.grad(out, leaves, dout)
-        res[one] = ((out, dout), lse, grads)
-    (out, dout), lse, grads = res[True]
+            dout, dlse = ((torch.randn_like(out), torch.randn_like(lse)) if one
+                          else res[True][0][1:])
+            # a loss through out and lse (rows without keys: -inf, read as 0)
+            loss = (out * dout).sum() + (lse.masked_fill(torch.isneginf(lse), 0.0) * dlse).sum()
+            grads = torch.autograd.grad(loss, leaves)
+        res[one] = ((out, dout, dlse), lse, grads)
+    (out, dout, _), lse, grads = res[True]
     assert torch.equal(out, res[False][0][0]), (out - res[False][0][0]).abs().max()
     # rows of a sequence with no key: lse is the sink (or -inf); the per-sequence route copies
     # the sink itself, the kernel computes (sink log2(e)) ln(2): equal up to rounding

@@ -112,13 +112,146 @@ def test_gradients_flow_through_out(seed, monkeypatch, route):
         fake_kernels.install(monkeypatch)
     q, k, v = qkv(nq=29, nkv=7, grad=True)
     out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
-    assert out.requires_grad and not lse.requires_grad
+    assert out.requires_grad and lse.requires_grad
     dout = torch.randn_like(out)
     out.backward(dout)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     attention_ref(*leaves, causal=True)[0].backward(dout)
     for t, r in zip((q, k, v), leaves):
         assert rel_err(t.grad, r.grad) <= 1e-10
+
+
+# ------------------------------------------------------------------------- the gradient of lse
+
+
+@pytest.mark.parametrize("route", ["fallback", "kernel"])
+@pytest.mark.parametrize("reads", ["out and lse", "lse"])
+@pytest.mark.parametrize("nq,nkv", [(13, 29), (29, 13)])
+@pytest.mark.parametrize("mode", MODES)
+def test_lse_gradient(seed, monkeypatch, route, reads, nq, nkv, mode):
+    """A loss through lse (and out) gives the float64 gradients dS = P (dP - Delta + dlse)
+    (Note [The gradient of lse]) on both routes; Nq > Nkv bottom-right has rows without keys
+    (their lse -inf, read as 0 by the loss). A loss that reads lse alone gives v no gradient."""
+    if route == "kernel":
+        fake_kernels.install(monkeypatch)
+    q, k, v = qkv(hq=6, hkv=2, nq=nq, nkv=nkv, dv=24, grad=True)
+    out, lse, causal, offset = call(q, k, v, mode)
+    assert lse.requires_grad
+    dlse = torch.randn_like(lse)
+    loss = (lse.masked_fill(torch.isneginf(lse), 0.0) * dlse).sum()
+    dout = torch.randn_like(out) if reads != "lse" else torch.zeros_like(out)
+    if reads != "lse":
+        loss = loss + (out * dout).sum()
+    loss.backward()
+    want = attention_grads(q, k, v, dout, causal=causal, causal_offset=offset, dlse=dlse)
+    for name, t, w in zip("qk", (q, k), want):
+        assert rel_err(t.grad, w) <= 1e-10, name
+    if reads == "lse":
+        assert v.grad is None or not v.grad.any()
+    else:
+        assert rel_err(v.grad, want[2]) <= 1e-10
+
+
+@pytest.mark.parametrize("route", ["fallback", "kernel"])
+def test_merged_splits_give_the_full_gradient(seed, monkeypatch, route):
+    """Split-KV through `attention(return_lse=True)` and `merge_attention`: the gradients of a
+    loss on the merged out equal those of attention over all keys (the lse terms carry each
+    part's share of the normaliser)."""
+    if route == "kernel":
+        fake_kernels.install(monkeypatch)
+    q, k, v = qkv(hq=6, hkv=2, nq=13, nkv=29, dv=24, grad=True)
+    outs, lses = [], []
+    for a, b in splits(29, 3):
+        o, s = attention(q, k[..., a:b, :], v[..., a:b, :], enable_gqa=True, return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    out, _ = merge_attention(outs, lses)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for name, t, w in zip("qkv", (q, k, v), attention_grads(q, k, v, dout)):
+        assert rel_err(t.grad, w) <= 1e-10, name
+
+
+@pytest.mark.parametrize("route", ["fallback", "kernel"])
+def test_lse_gradient_window_sinks(seed, monkeypatch, route):
+    """The window and sinks route (math_attention; the fake kernels' FeatureAttention): the
+    lse term reaches q, k and the sinks (-sum_i exp(sink - lse_i) (Delta_i - dlse_i))."""
+    if route == "kernel":
+        fake_kernels.install(monkeypatch)
+    q, k, v = qkv(hq=4, hkv=2, nq=13, nkv=29, dv=24, grad=True)
+    sinks = torch.randn(4, dtype=F64, requires_grad=True)
+    out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, window=(5, None),
+                         sinks=sinks, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, k, v, sinks))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref, ref_lse = attention_ref(*leaves[:3], causal=True, causal_offset=16, window_lo=11,
+                                 sinks=leaves[3])  # every row sees a key: no NaN in autograd
+    want = torch.autograd.grad((ref * dout).sum() + (ref_lse * dlse).sum(), leaves)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert rel_err(g, w) <= 1e-10, name
+
+
+@pytest.mark.parametrize("reads", ["out and lse", "lse"])
+def test_lse_gradient_sdpa_recompute(seed, monkeypatch, reads):
+    """The kernel forward with no backward kernel for the problem: the SDPA recompute for out,
+    the lse term in torch math (`math_lse_grads`)."""
+    from ffpa_cute import ops
+
+    fake = fake_kernels.install(monkeypatch)
+    monkeypatch.setattr(ops, "bwd_plan", lambda *args, **kwargs: None)
+    q, k, v = qkv(hq=6, hkv=2, nq=13, nkv=29, dv=24, grad=True)
+    out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+    dlse = torch.randn_like(lse)
+    dout = torch.randn_like(out) if reads != "lse" else torch.zeros_like(out)
+    loss = (lse * dlse).sum() + ((out * dout).sum() if reads != "lse" else 0)
+    loss.backward()
+    assert len(fake.fwd_calls) == 1 and not fake.bwd_calls
+    want = attention_grads(q, k, v, dout, causal=True, dlse=dlse)
+    for name, t, w in zip("qk", (q, k), want):
+        assert rel_err(t.grad, w) <= 1e-10, name
+    if reads == "lse":
+        assert v.grad is None
+    else:
+        assert rel_err(v.grad, want[2]) <= 1e-10
+
+
+def test_grad_jobs_subtract_dlse_between_delta_and_the_gradient_kernels(monkeypatch):
+    """`launch.run_grad_jobs`: the gradient kernels (and a sink's gradient after them) read
+    Delta - dlse; Delta's own job writes Delta."""
+    from types import SimpleNamespace
+
+    from ffpa_cute import launch
+    from ffpa_cute.common.config import DeltaConfig
+
+    seen = []
+
+    def job(cls, cfg, t, scalars):
+        if isinstance(cfg, DeltaConfig):
+            t["delta"].fill_(1.0)
+        else:
+            seen.append(t["delta"].clone())
+
+    monkeypatch.setattr(launch, "run_grad_job", job)
+    plan = SimpleNamespace(jobs=[(None, DeltaConfig("sm_90a", "bf16", 64)), (None, "dq"),
+                                 (None, "dk")])
+    t, dlse = {"delta": torch.empty(1, 2, 3)}, torch.randn(1, 2, 3)
+    launch.run_grad_jobs(plan, t, {}, dlse)
+    assert len(seen) == 2 and all(torch.equal(s, 1.0 - dlse) for s in seen)
+    assert torch.equal(t["delta"], 1.0 - dlse)
+    launch.run_grad_jobs(plan, t, {})  # no dlse: Delta as written
+    assert torch.equal(seen[-1], torch.ones(1, 2, 3))
+
+
+def test_lse_gradient_float_mask_refused(seed):
+    """A float mask that requires grad cannot take lse's gradient on the fallback: refused by
+    name, not dropped."""
+    q, k, v = qkv(grad=True)
+    mask = torch.randn(7, 29, dtype=F64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attn_mask.*requires grad.*lse"):
+        attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+    out, lse = attention(q, k, v, attn_mask=mask.detach(), enable_gqa=True, return_lse=True)
+    assert lse.requires_grad
 
 
 # --------------------------------------------------------------------- return_lse, kernel route
@@ -154,7 +287,7 @@ def test_fast_path_keeps_return_lse_calls_apart(seed, monkeypatch):
     assert flags == {False, True}
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))  # fast path + grad
     out, lse = attention(qg, kg, vg, is_causal=True, enable_gqa=True, return_lse=True)
-    assert out.grad_fn is not None and not lse.requires_grad
+    assert out.grad_fn is not None and lse.grad_fn is not None
     with pytest.raises(TypeError, match="return_lse"):  # not a bool: never the fast path
         attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=None)
 

@@ -78,16 +78,18 @@ def test_empty_sequences(seed):
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1)])
 def test_gradients_float64(seed, hq, hkv):
-    """varlen + causal + GQA + window + sinks: dq, dk, dv, d sinks against float64 autograd of
-    the per-sequence reference."""
+    """varlen + causal + GQA + window + sinks + return_lse: dq, dk, dv, d sinks of a loss
+    through out and lse against float64 autograd of the per-sequence reference."""
     lq, lk = LENGTHS[0]
     q, k, v = packed(lq, lk, hq=hq, hkv=hkv, grad=True)
     sinks = torch.randn(hq, dtype=F64, requires_grad=True)
     dout = torch.randn(sum(lq), hq, 24, dtype=F64)
+    dlse = torch.randn(hq, sum(lq), dtype=F64)
     kw = dict(causal=True, window=(4, 1), sinks=sinks)
-    out = run(q, k, v, lq, lk, is_causal=True, window=(4, 1), sinks=sinks)
-    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
-    want = torch.autograd.grad(ref_varlen(q, k, v, lq, lk, **kw)[0], (q, k, v, sinks), dout)
+    out, lse = run(q, k, v, lq, lk, is_causal=True, window=(4, 1), sinks=sinks, return_lse=True)
+    got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, k, v, sinks))
+    ref, ref_lse = ref_varlen(q, k, v, lq, lk, **kw)
+    want = torch.autograd.grad((ref * dout).sum() + (ref_lse * dlse).sum(), (q, k, v, sinks))
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-12
 

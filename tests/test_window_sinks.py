@@ -301,9 +301,10 @@ def test_feature_ops_opcheck(seed, monkeypatch):
                               test_utils=("test_schema", "test_faketensor",
                                           "test_autograd_registration"))
         out, lse = ops.feature_attention_fwd(*args)
+        dlse = torch.randn_like(lse) if s is not None else None  # lse's gradient, or none
         torch.library.opcheck(torch.ops.ffpa_cute.feature_attention_bwd.default,
-                              (q, k, v, s, out, lse, torch.randn_like(out), True, 2, -3, None,
-                               0.25), test_utils=("test_schema", "test_faketensor"))
+                              (q, k, v, s, out, lse, torch.randn_like(out), dlse, True, 2, -3,
+                               None, 0.25), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_strict_and_logging_on_cpu(seed, caplog):

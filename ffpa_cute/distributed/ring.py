@@ -145,7 +145,7 @@ def ring_forward(q, k, v, comm, *, causal: bool, scale, strict=None):
 # ---------------------------------------------------------------------------------- backward
 
 
-def ring_backward(q, k, v, out, lse, dout, comm, *, causal: bool, scale):
+def ring_backward(q, k, v, out, lse, dout, comm, *, causal: bool, scale, dlse=None):
     """(dq, dk, dv) in the inputs' dtypes for the local shards, given the forward's global out
     and lse of the local queries; dk / dv travel around the ring in float32 (float64 for
     float64 inputs) and reach their owner after `comm.world` steps."""
@@ -164,7 +164,8 @@ def ring_backward(q, k, v, out, lse, dout, comm, *, causal: bool, scale):
                                                        k.shape[-2], causal):
             g = block_backward(_rows(q, rows), _rows(kv[0], cols), _rows(kv[1], cols),
                                _rows(out, rows), _rows(lse, rows), _rows(dout, rows),
-                               causal=blk_causal, offset=offset, scale=scale)
+                               causal=blk_causal, offset=offset, scale=scale,
+                               dlse=None if dlse is None else _rows(dlse, rows))
             _rows(dq, rows).add_(g[0])
             blocks.append((cols, g[1], g[2]))
         if grads_in is None:  # this shard's accumulator starts here
@@ -183,7 +184,8 @@ def ring_backward(q, k, v, out, lse, dout, comm, *, causal: bool, scale):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring forward; its backward is the ring backward (the lse output has no gradient)."""
+    """Ring forward; its backward is the ring backward (lse's gradient, when the loss reads
+    it, through each block's Delta: Note [The gradient of lse] in math_attention.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, comm, causal, scale, strict):
@@ -192,15 +194,19 @@ class _RingAttention(torch.autograd.Function):
         ctx.ring = (comm, causal, scale)
         # the backward may run on autograd's device thread, which does not see `options.use`
         ctx.options = _options.current()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # None for an output the loss does not read
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         comm, causal, scale = ctx.ring
+        # every rank runs the ring backward (its collectives pair up across ranks), so a
+        # missing gradient is a zero one here, never a skip
+        dout = torch.zeros_like(out) if dout is None else dout
         with _options.use(ctx.options):
-            grads = ring_backward(q, k, v, out, lse, dout, comm, causal=causal, scale=scale)
+            grads = ring_backward(q, k, v, out, lse, dout, comm, causal=causal, scale=scale,
+                                  dlse=dlse)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad)]
         return (*grads, None, None, None, None)
 
@@ -215,7 +221,7 @@ def ring_attention(q, k, v, group=None, *, is_causal=False, scale=None, enable_g
     q [B, Hq, n, D], k [B, Hkv, m, D], v [B, Hkv, m, Dv]: this rank's shards; every rank holds
     shards of the same shapes. Returns this rank's rows of the attention of the gathered
     queries over the gathered keys: out [B, Hq, n, Dv], and with `return_lse` also lse
-    [B, Hq, n] (float32; float64 for float64 inputs), which carries no gradient.
+    [B, Hq, n] (float32; float64 for float64 inputs); both are differentiable.
 
     is_causal=True needs the zig-zag layout (`shard_sequence(x, rank, W)`, the default layout)
     and self-attention shards (n == m, n even); without it any layout works, as long as q and

@@ -112,5 +112,5 @@ def ulysses_attention(q, k, v, group=None, *, is_causal=False, scale=None, enabl
     out = _AllToAll.apply(_to_shard_order(out, world, layout), group, world, False)
     if not return_lse:
         return out
-    lse = _heads_to_seq(_to_shard_order(lse.unsqueeze(-1), world, layout), group, world)
+    lse = _AllToAll.apply(_to_shard_order(lse.unsqueeze(-1), world, layout), group, world, False)
     return out, lse.squeeze(-1)
