@@ -14,6 +14,9 @@ Variants (each the planned config with the fields shown changed):
   ov<h>-k<k>-v<v>  the `overlap` schedule (QK[i+1]'s first h chunks before the score step of
             block i, the rest after it; config.FwdConfigSm90), K ring k, V rings v deep. Its
             output must equal `full`'s bit for bit (same products, same order): checked.
+  pub<p>    `serial` with P[i-1] published after p of QK[i]'s chunks (the plan: after all of
+            them), so that PV[i-1] runs beside QK[i] rather than beside the score step of
+            block i (D=512 unmasked; the same bits: checked)
   call      `ffpa_cute.attention` on the same e4m3 q, k, v (the default route, V's transpose
             inside); transpose: the byte-transpose kernel alone.
 The matmul ceiling (torch._scaled_mm, e4m3, 8192^3) is measured in the same run.
@@ -55,6 +58,9 @@ def _variants(d: int, causal: bool) -> dict:
     sched = ([(2, 7, 2)] if causal else [(3, 7, 2)]) if d == 512 else [(1, 5, 3)]
     for h, k, v in sched:
         out[f"ov{h}-k{k}-v{v}"] = (FFPAFwdSm90FP8, dict(overlap=h, k_stages=k, v_stages=v))
+    if d == 512 and not causal:
+        for p in (0, 2):
+            out[f"pub{p}"] = (FFPAFwdSm90FP8, dict(publish_after=p))
     return out
 
 
