@@ -9,8 +9,8 @@ causal alignment, GQA and masks. Descales are fp32: a number, a 0-d / 1-element 
 tensor of shape [B, Hkv] (per batch and KV head, FlashAttention-3's convention; for q too).
 
 Where an FP8 kernel serves the call (`dispatch` plans dtype "e4m3": e4m3 inputs, D a multiple
-of 16 in [272, 1024], Dv == D, no dense mask or dropout; a sliding window and sinks on the sm90
-and Split-D kernels, sinks not requiring grad) it runs that kernel: the sm90 WGMMA kernel, the
+of 16 in [272, 1024], Dv == D, no dense mask or dropout; a sliding window and sinks on the sm90,
+Split-D and sm100 kernels, sinks not requiring grad) it runs that kernel: the sm90 WGMMA kernel, the
 Split-D mma.sync kernel on sm_89 / sm_120, the sm100 tcgen05 kernel. For the first two V is
 written transposed first (Vt [B, Hkv, D, N], one pass over V, because their 8-bit products take
 only K-major operands). Anything else dequantises to bf16 and runs the bf16 route (a logged

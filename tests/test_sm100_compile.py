@@ -121,6 +121,29 @@ def test_sm100_backward_compiles_with_tcgen05(d, causal, dv):
             assert res[:2] == (0, 0), f"{cfg}: spills {res}"
 
 
+@pytest.mark.parametrize("d,window_hi,sinks", [(512, 0, True), (320, None, False)])
+def test_sm100_fp8_forward_with_window_and_sinks_compiles(d, window_hi, sinks):
+    """The e4m3 tcgen05 forward with a sliding window (and a right edge as the causal rule)
+    and sinks: kind::f8f6f4 as without them, the window and sinks reach the kernel's
+    arguments (`window_lo`, `sinks`), no local memory, no spills."""
+    import dataclasses
+
+    problem = AttnProblem(dtype="e4m3", batch=1, heads_q=8, heads_kv=2, seqlen_q=1000,
+                          seqlen_kv=1000, head_dim=d, head_dim_v=d, causal=window_hi is not None,
+                          out_dtype="bf16")
+    p = dataclasses.replace(problem, window_lo=-100, window_hi=window_hi, has_sinks=sinks)
+    plan = dispatch.plan_fwd(p, target="sm_100a")
+    assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100FP8"
+    assert plan.cfg.window and plan.cfg.sinks == sinks
+    assert "window_lo" in plan.kernel_cls.SCALARS and "sinks" in plan.kernel_cls.OPERANDS
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert "tcgen05.mma.cta_group::1.kind::f8f6f4" in ptx and "kind::f16" not in ptx
+    assert ".local" not in ptx
+    res = _ptxas_spills(ptx, "sm_100a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0, res
+
+
 @pytest.mark.parametrize("d,causal", [(320, False), (512, True), (1024, False)])
 def test_sm100_fp8_forward_compiles_with_f8f6f4(d, causal):
     """The e4m3 forward: kind::f8f6f4 MMAs (K = 32) on 128-column chunks, P rounded to e4m3

@@ -64,10 +64,11 @@ def test_can_implement_rejects():
     assert "arch" in c100.can_implement(dataclasses.replace(cfg, arch="sm_90a"))
     assert "head_dim" in c100.can_implement(dataclasses.replace(cfg, head_dim=516))
     assert "smem" in c100.can_implement(dataclasses.replace(cfg, qk_stages=8, v_stages=8))
-    with pytest.raises(ValueError, match="window"):  # the FP8 form has no window
-        c100.plan_fwd(AttnProblem(dtype="e4m3", batch=1, heads_q=1, heads_kv=1, seqlen_q=8,
-                                  seqlen_kv=8, head_dim=512, head_dim_v=512, window_lo=-4))
-    assert "16-bit forward's" in c100.can_implement(
+    fp8 = c100.plan_fwd(AttnProblem(dtype="e4m3", batch=1, heads_q=1, heads_kv=1, seqlen_q=8,
+                                    seqlen_kv=8, head_dim=512, head_dim_v=512, window_lo=-4,
+                                    has_sinks=True))
+    assert fp8.window and fp8.sinks and c100.can_implement(fp8) is None  # e4m3: both
+    assert "e4m3 forwards'" in c100.can_implement(
         dataclasses.replace(bwd_plans(512)[0], sinks=True))
 
 

@@ -117,6 +117,10 @@ class FFPAFwdSm100(RingSkeletonSm100):
         state[0] = m_run
         state[1] = state[1] * factor + row_sum
 
+    def _sinks(self, ctx: Ctx):
+        """The [Hq] sink logits among the statistics tensors (after the LSE)."""
+        return ctx.stats[1]
+
     @cute.jit
     def _scale_o(self, ctx: Ctx, factor):
         """O's row (this thread's lane) times factor, in TMEM."""
@@ -139,7 +143,7 @@ class FFPAFwdSm100(RingSkeletonSm100):
         inv = Float32(0.0)
         lse = -Float32.inf
         if const_expr(self.cfg.sinks):
-            sink_log2 = ctx.stats[1][ctx.head] * LOG2_E
+            sink_log2 = self._sinks(ctx)[ctx.head] * LOG2_E
             m = m_run * state[2]  # -inf for a row that saw no key
             top = cute.arch.fmax(m, sink_log2)
             if top != -Float32.inf:
@@ -163,33 +167,45 @@ class FFPAFwdSm100FP8(FFPAFwdSm100):
     ([N, Dv], the N-major B operand: no transpose). The descales (per (batch, KV head), fp32)
     fold into the scores' scale (q_descale * k_descale) and O's final factor (v_descale); the
     frame rule keeps P <= 2^8 = 256 < 448, e4m3's largest finite value. O in out_dtype, LSE
-    fp32 of the dequantised scores."""
+    fp32 of the dequantised scores. A sliding window and sinks as in the 16-bit forward (the
+    skeleton's walk and masks; the sink, in units of the dequantised scaled scores, joins the
+    final factors, whose frame already carries the descales)."""
 
-    OPERANDS = ("q", "k", "v", "o", "lse", "q_descale", "k_descale", "v_descale")
-    SCALARS = ("softmax_scale", "causal_offset")
+    OPERANDS = ("q", "k", "v", "o", "lse", "q_descale", "k_descale", "v_descale", "sinks")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
 
     @staticmethod
     def fake_inputs(cfg):
-        """q, k, v (e4m3), o (out_dtype), lse, then three (B, Hkv) fp32 descales."""
+        """q, k, v (e4m3), o (out_dtype), lse, three (B, Hkv) fp32 descales, then sinks: an
+        [Hq] fp32 stand-in with `sinks`, else None."""
         e4m3, out = CUTLASS_DTYPES[cfg.dtype], CUTLASS_DTYPES[cfg.out_dtype]
         qkv = [fake_tensor(e4m3, 4, 16) for _ in range(3)]
         return (*qkv, fake_tensor(out, 4, 8), fake_tensor(Float32, 3, 1),
-                *(fake_tensor(Float32, 2, 1) for _ in range(3)))
+                *(fake_tensor(Float32, 2, 1) for _ in range(3)),
+                fake_tensor(Float32, 1, 1) if cfg.sinks else None)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+                 mSinks, softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
         """q, k, v: (B, H, N, D) e4m3; o: (B, Hq, Nq, Dv) out_dtype; lse: (B, Hq, Nq) fp32;
-        descales: (B, Hkv) fp32."""
+        descales: (B, Hkv) fp32; sinks: (Hq,) fp32 with `sinks`, else None; window_lo: read
+        with `window`."""
+        stats = (mLSE, mQd, mKd, mVd)
+        if const_expr(self.cfg.sinks):
+            stats = (mLSE, mQd, mKd, mVd, mSinks)
         self._launch(Roles(rows=mQ, cols=mK, rows2=None, cols2=None, acc_b=mV, out=mO),
-                     (mLSE, mQd, mKd, mVd), softmax_scale, causal_offset, stream)
+                     stats, softmax_scale, causal_offset, stream, window_lo)
+
+    def _sinks(self, ctx: Ctx):
+        return ctx.stats[4]
 
     @cute.jit
     def _init_state(self, ctx: Ctx):
         """The forward's state with the descales of this (batch, KV head) folded in."""
         state = FFPAFwdSm100._init_state(self, ctx)
-        _, mQd, mKd, mVd = ctx.stats
+        mQd, mKd, mVd = ctx.stats[1:4]
         state[2] = ctx.scale_log2 * mQd[ctx.batch, ctx.head_c] * mKd[ctx.batch, ctx.head_c]
         state[3] = mVd[ctx.batch, ctx.head_c]
         return state
@@ -255,6 +271,7 @@ class FFPAFwdSm100FP4(FFPAFwdSm100FP8):
 
     OPERANDS = ("q", "q_sf", "k", "k_sf", "v", "v_sf", "o", "lse", "q_descale", "k_descale",
                 "v_descale")
+    SCALARS = ("softmax_scale", "causal_offset")
     BLOCK_SCALED = True
     B_K_MAJOR = True
 
