@@ -121,6 +121,27 @@ def test_sm100_backward_compiles_with_tcgen05(d, causal, dv):
             assert res[:2] == (0, 0), f"{cfg}: spills {res}"
 
 
+@pytest.mark.parametrize("d,window_hi,sinks", [(512, 0, True), (320, None, False),
+                                               (1024, 16, False)])
+def test_sm100_backward_with_window_compiles(d, window_hi, sinks):
+    """dQ, dK and dV with a sliding window (and sinks, which reach them through the LSE only):
+    the window's edge is a kernel argument of each, the key-row kernels (dK, dV) bound their
+    query walk by it; the same tcgen05 MMAs, no local memory, no spills."""
+    import dataclasses
+
+    p = dataclasses.replace(_problem(d, window_hi is not None), window_lo=-100,
+                            window_hi=window_hi, has_sinks=sinks)
+    plan = dispatch.plan_bwd(p, target="sm_100a")
+    assert plan.reason is None
+    for cls, cfg in plan.jobs[1:]:
+        assert cfg.window and not cfg.sinks and "window_lo" in cls.SCALARS
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and ".local" not in ptx
+        res = _ptxas_spills(ptx, "sm_100a")
+        if res is not None:
+            assert res[:2] == (0, 0), f"{cfg}: spills {res}"
+
+
 @pytest.mark.parametrize("d,window_hi,sinks", [(512, 0, True), (320, None, False)])
 def test_sm100_fp8_forward_with_window_and_sinks_compiles(d, window_hi, sinks):
     """The e4m3 tcgen05 forward with a sliding window (and a right edge as the causal rule)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
+from ffpa_cute.reference import attention_grads, attention_ref, attention_same_dtype, rel_err
 from ffpa_cute.sm100 import emulate
 from ffpa_cute.sm100.config import RESCALE_THRESHOLD
 from ffpa_cute.sm100.emulate import LOG2_E
@@ -73,6 +73,31 @@ def test_fp8_window_and_sinks_within_the_canary_bound(causal, window_lo):
         assert rec["p_max"] <= 2 ** RESCALE_THRESHOLD < E4M3_MAX
         assert torch.isfinite(out).all() and rel_err(out, ref) <= FP8_TOL
         assert rel_err(lse, ref_lse) <= 1e-5  # the row sum keeps P unrounded
+
+
+@pytest.mark.parametrize("nq,nkv,causal,window_lo,with_sinks,hq,hkv", [
+    (300, 700, True, 400 - 100, True, 4, 2),   # window 100 behind the bottom-right frame
+    (129, 600, False, 200, False, 2, 1),       # left edge only: query blocks cut per key tile
+    (300, 700, False, 100, False, 2, 2),       # (the cut falls inside a query block)
+    (200, 70, True, -500, True, 2, 2),         # past key 0; rows with no key (causal Nq > Nkv)
+    (257, 513, True, None, False, 4, 1)])      # no window: the plain walks
+def test_backward_walks_and_masks_match_float64(nq, nkv, causal, window_lo, with_sinks, hq,
+                                                hkv):
+    """The gradient kernels' walks (dQ over key blocks, dK / dV over query blocks bounded by
+    causal and the window) and masks cover exactly the visible pairs: against float64 (the
+    sinks through the lse, as the kernels read them)."""
+    g = torch.Generator().manual_seed(nq + 3 * nkv)
+    q = torch.randn(1, hq, nq, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, hkv, nkv, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(1, hq, nq, 64, generator=g, dtype=torch.float64)
+    sinks = torch.randn(hq, generator=g, dtype=torch.float64) + 2 if with_sinks else None
+    kw = dict(causal=causal, window_lo=window_lo)
+    out, lse = attention_ref(q, k, v, sinks=sinks, **kw)
+    delta = (out * dout).sum(-1)
+    got = emulate.backward(q, k, v, dout, lse, delta, **kw)
+    want = attention_grads(q, k, v, dout, sinks=sinks, **kw)
+    for name, a, w in zip(("dq", "dk", "dv"), got, want):
+        assert rel_err(a, w) <= 1e-5, name
 
 
 def _ramp(n, steps):

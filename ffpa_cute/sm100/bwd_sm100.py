@@ -26,6 +26,12 @@ LSE reads as +inf, so P = 0 (as queries past Nq).
 The two-product kernels fill both TMEM score buffers with one block's S and dP, so their score
 MMAs do not overlap the previous block's accumulator MMAs (`lookahead` 0, config.py); dV keeps
 the forward's overlap.
+
+A sliding window (config `window`): dQ walks the forward's key blocks (from the first its tile's
+first row sees); dK and dV walk the query blocks up to the last query that sees the tile's last
+key (i <= j - window_lo) and mask the crossing ones (the skeleton's `_walk` and `_mask`). Sinks
+need nothing here: they are in the LSE, so P = exp(S - LSE) is already the sink-aware softmax
+(the sinks' own gradient is the host's, ops.feature_backward).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class _BwdSm100(RingSkeletonSm100):
     """What the three gradient kernels share: staged column statistics, P from the LSE, dS,
     the epilogue."""
 
-    SCALARS = ("softmax_scale", "causal_offset")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
     OUT_SCALE = True  # the output is scale * the accumulator (dK, dQ); dV: False
 
     @cute.jit
@@ -90,11 +96,12 @@ class FFPABwdDVSm100(_BwdSm100):
     @cute.jit
     def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 stream: cuda.CUstream):
+                 window_lo: Int32, stream: cuda.CUstream):
         """k: (B, Hkv, Nkv, D); q: (B, Hq, Nq, D); do: (B, Hq, Nq, Dv); dv: (B, Hkv, Nkv, Dv);
-        lse: (B, Hq, Nq) fp32. Grid (ceil(Nkv / 128) * o_split, Hkv, B)."""
+        lse: (B, Hq, Nq) fp32; window_lo: read with `window`. Grid (ceil(Nkv / 128) *
+        o_split, Hkv, B)."""
         self._launch(Roles(rows=mK, cols=mQ, rows2=None, cols2=None, acc_b=mdO, out=mdV),
-                     (mLSE,), softmax_scale, causal_offset, stream)
+                     (mLSE,), softmax_scale, causal_offset, stream, window_lo)
 
     @cute.jit
     def _score_step(self, ctx: Ctx, state, i, tSr, tDPr, tScS, tPr):
@@ -112,12 +119,13 @@ class _TwoProductBwd(_BwdSm100):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mGrad: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+                 softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D | Dv); k, v: (B, Hkv, Nkv, D | Dv); the gradient: dK (B, Hkv,
-        Nkv, D) or dQ (B, Hq, Nq, D); lse, delta: (B, Hq, Nq) fp32. Grid (ceil(N_rows / 128)
-        * o_split, H_rows, B)."""
+        Nkv, D) or dQ (B, Hq, Nq, D); lse, delta: (B, Hq, Nq) fp32; window_lo: read with
+        `window`. Grid (ceil(N_rows / 128) * o_split, H_rows, B)."""
         self._launch(self._roles(mQ, mK, mV, mdO, mGrad), (mLSE, mDelta), softmax_scale,
-                     causal_offset, stream)
+                     causal_offset, stream, window_lo)
 
 
 class FFPABwdDKSm100(_TwoProductBwd):

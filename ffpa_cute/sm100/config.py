@@ -94,9 +94,10 @@ class FwdConfigSm100:
                 (each MMA thread's tcgen05.commit arrives on all the cluster's qk_empty)
     window:     a sliding window's left edge (a runtime argument; blocks left of it skipped,
                 the crossing ones masked); the right edge is `causal` at min(offset, right).
-                The 16-bit and e4m3 forwards' field (not NVFP4's).
+                The 16-bit and e4m3 forwards' field (not NVFP4's), and the backward's.
     sinks:      a per-query-head sink logit in each row's denominator and LSE (a runtime [Hq]
-                fp32 tensor). The 16-bit and e4m3 forwards' field (not NVFP4's).
+                fp32 tensor). The 16-bit and e4m3 forwards' field (not NVFP4's); the backward
+                reads the sinks through the LSE.
     """
 
     arch: str
@@ -474,8 +475,11 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
         return f"needs {cfg.smem_bytes()} B of smem, {ARCH} has {SMEM_CAPACITY}"
     if sum(32 * w * r for _, _, w, r in WARP_ROLES) > REGISTER_FILE:
         return "the warp roles' registers exceed the register file"
-    if (cfg.window or cfg.sinks) and type(cfg) not in (FwdConfigSm100, FwdFP8ConfigSm100):
-        return "window and sinks are the 16-bit and e4m3 forwards' fields"
+    if cfg.sinks and type(cfg) not in (FwdConfigSm100, FwdFP8ConfigSm100):
+        return ("sinks are the 16-bit and e4m3 forwards' field (the backward reads them "
+                "through the LSE)")
+    if cfg.window and isinstance(cfg, FwdFP4ConfigSm100):
+        return "window is not the NVFP4 forward's field"
     return None
 
 
@@ -562,18 +566,19 @@ BWD_CONFIGS = {"dq": BwdDQConfigSm100, "dk": BwdDKConfigSm100, "dv": BwdDVConfig
 
 
 def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> list:
-    """The dQ, dK and dV configs for `problem` (as `plan_fwd`: 16-bit, no window, sinks or
-    one-launch varlen; the deepest rings that fit); raises ValueError with the reason."""
-    if problem.has_window or problem.has_sinks or problem.varlen:
-        raise ValueError("the sm100 backward has no sliding window, sinks or one-launch varlen "
-                         "yet")
+    """The dQ, dK and dV configs for `problem` (16-bit; a sliding window, and sinks through the
+    LSE; no one-launch varlen; the deepest rings that fit); raises ValueError with the
+    reason."""
+    if problem.varlen:
+        raise ValueError("the sm100 backward has no one-launch varlen yet")
     dv = problem.head_dim_v
     out = []
     for kind in ("dq", "dk", "dv"):
         cls = BWD_CONFIGS[kind]
         base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                     causal=problem.right_bounded,
-                    head_dim_v=None if dv == problem.head_dim else dv)
+                    head_dim_v=None if dv == problem.head_dim else dv,
+                    window=problem.window_lo is not None)
         base["multicast"] = multicast and cls(**base).acc_dim > MAX_MMA_N
         out.append(deepest_rings(lambda qk, v, base=base, cls=cls: cls(
             **base, qk_stages=qk, v_stages=v), can_implement, min_k=3))

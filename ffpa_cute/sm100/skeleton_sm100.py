@@ -304,13 +304,15 @@ class RingSkeletonSm100(KernelEntry):
         """(blocks, n_top, n_per, first C head): block i is C block n_top - 1 - i % n_per of C
         head `first + i // n_per`. Rows are queries: one C head (the KV head), the key blocks
         up to the causal bound of the tile, highest first, down to the first one a window's
-        left edge lets the tile's first row see (`window`; those below are skipped). Rows are keys (dV, dK): each of the
-        group's query heads, the query blocks from the first that holds a query seeing a key
-        of the tile (causal: i >= j - offset) to the last."""
+        left edge lets the tile's first row see (`window`; those below are skipped). Rows are
+        keys (dV, dK): each of the group's query heads, the query blocks from the first that
+        holds a query seeing a key of the tile (causal: i >= j - offset) to the last (a window:
+        the last that holds a query seeing the tile's last key, i <= j - window_lo)."""
         cfg, n = self.cfg, self.cfg.tile_n
         if const_expr(cfg.rows_are_keys):
-            n_top, n_low = query_block_range(m_block, seqlen_c, causal_offset, None, TILE_M, n,
-                                             cfg.causal)
+            n_top, n_low = query_block_range(m_block, seqlen_c, causal_offset,
+                                             window_lo if const_expr(cfg.window) else None,
+                                             TILE_M, n, cfg.causal)
             n_per = cutlass.max(n_top - n_low, 0)
             return n_per * group, n_top, n_per, head * group
         n_max = n_block_max(m_block, seqlen_c, causal_offset, TILE_M, n, cfg.causal)
@@ -565,11 +567,14 @@ class RingSkeletonSm100(KernelEntry):
     @cute.jit
     def _mask(self, ctx: Ctx, tSr, tScS, nb):
         """-inf on the block's scores this row may not see (common/mask.py's rule: query i
-        sees key j iff j <= i + offset under causal; columns past C's length)."""
+        sees key j iff j <= i + offset under causal and j >= i + window_lo under a window;
+        columns past C's length)."""
         cfg, n = self.cfg, self.cfg.tile_n
         col0 = nb * n
         if const_expr(cfg.rows_are_keys):  # row = key j, columns = queries i
             hi = ctx.seqlen_c - col0
+            if const_expr(cfg.window):
+                hi = cutlass.min(hi, ctx.row - ctx.window_lo + 1 - col0)  # i <= j - window_lo
             lo = Int32(0)
             if const_expr(cfg.causal):
                 lo = ctx.row - ctx.causal_offset - col0  # i >= j - offset
