@@ -276,9 +276,14 @@ class FwdFP8ConfigSm90(FwdConfigSm90):
     (Q, K, V and P in e4m3, K = 32 WGMMAs, fp32 accumulation) and the output's dtype.
 
     out_dtype: "bf16" | "fp16", the dtype of O (LSE stays fp32).
+    poly_exp2: 0, or n > 0: one score column in n of each row takes its exp2 by polynomial on
+               the FMA pipe instead of MUFU (common/softmax.py, Note [exp2 by polynomial]):
+               the score step's 64 ex2 and 32 e4m3 conversions per thread and block share the
+               16-per-clock MUFU; a tuning field, not routed until measured.
     """
 
     out_dtype: str = "bf16"
+    poly_exp2: int = 0
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90FP8"
 
@@ -549,6 +554,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         if cfg.head_dim % 16 or cfg.head_dim_v is not None:
             return (f"head_dim={cfg.head_dim}: the FP8 forward needs a multiple of 16 (16-byte "
                     "rows for TMA) and head_dim_v == head_dim")
+        if not 0 <= cfg.poly_exp2 <= cfg.tile_n // 4:
+            return (f"poly_exp2={cfg.poly_exp2}: 0 (off) or one column in n of a thread's "
+                    f"{cfg.tile_n // 4} per row, 1 <= n <= {cfg.tile_n // 4}")
     elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
