@@ -120,6 +120,12 @@ class KernelEntry:
     def arch_of(cfg) -> str:
         return cfg.arch
 
+    def _refuse(self, reason) -> None:
+        """Raise ValueError naming this kernel class when `reason` (its config check's result)
+        is not None: a class instance exists only for a config it can build."""
+        if reason:
+            raise ValueError(f"{type(self).__name__}: {reason}")
+
     # the tensor arguments of `__call__` as compile-time stand-ins (four [B, H, N, D], one
     # [B, Hq, Nq] fp32); kernels with other inputs name their own
     fake_inputs = staticmethod(fake_args)

@@ -104,9 +104,7 @@ class RingSkeletonSm100(KernelEntry):
     B_K_MAJOR = False
 
     def __init__(self, cfg: FwdConfigSm100):
-        reason = can_implement(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement(cfg))
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]  # the operands' (Q, K, V, P)
         self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]

@@ -75,7 +75,7 @@ from cutlass import Float32
 from ..common.mask import apply_mask, block_needs_mask, query_block_range
 from ..common.softmax import mn_view
 from ..common.tensors import LOG2_E, fake_args, fake_grad_args
-from .config import BwdDKConfigSm80, BwdDQConfigSm80, BwdDVConfigSm80, can_implement
+from .config import can_implement
 from .fwd_sm80 import BlockSeq, FFPAFwdSm80, features_of
 
 
@@ -88,9 +88,7 @@ class _BwdSm80(FFPAFwdSm80):
     fake_inputs = staticmethod(fake_args)  # dV: q, k, do, dv, lse (no sinks)
 
     def __init__(self, cfg):
-        reason = can_implement(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement(cfg))
         super().__init__(cfg)
 
     # ---------------------------------------------------------------- host side
@@ -299,9 +297,6 @@ class FFPABwdDVSm80(_TransposedSm80):
     num_scores = 1
     OPERANDS = ("q", "k", "do", "dv", "lse")
 
-    def __init__(self, cfg: BwdDVConfigSm80):
-        super().__init__(cfg)
-
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: cutlass.Int32,
@@ -351,9 +346,6 @@ class FFPABwdDKSm80(_TwoScoresSm80, _TransposedSm80):
 
     OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
 
-    def __init__(self, cfg: BwdDKConfigSm80):
-        super().__init__(cfg)
-
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
@@ -376,9 +368,6 @@ class FFPABwdDQSm80(_TwoScoresSm80):
     (one config: `BwdDQConfigSm80`)."""
 
     OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
-
-    def __init__(self, cfg: BwdDQConfigSm80):
-        super().__init__(cfg)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,

@@ -101,9 +101,7 @@ class FFPAFwdSm80(KernelEntry):
         return (*fake_args(cfg), fake_tensor(cutlass.Float32, 1, 1) if cfg.sinks else None)
 
     def __init__(self, cfg: FwdConfigSm80):
-        reason = can_implement(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement(cfg))
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.out_dtype = CUTLASS_DTYPES[getattr(cfg, "out_dtype", cfg.dtype)]

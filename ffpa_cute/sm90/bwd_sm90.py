@@ -105,9 +105,7 @@ class FFPABwdDVSm90(RingSkeletonSm90):
         return (*_workspace_out(fake_args(cfg), 3, cfg), *fake_cu(cfg))
 
     def __init__(self, cfg: BwdDVConfigSm90):
-        reason = can_implement_dv(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement_dv(cfg))
         super().__init__(cfg)
 
     @cute.jit
@@ -417,9 +415,7 @@ class FFPABwdDQSm90(_TwoScoreProducts, RingSkeletonSm90):
     OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta", "cu_q", "cu_k")
 
     def __init__(self, cfg: BwdDQConfigSm90):
-        reason = can_implement_dq(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement_dq(cfg))
         super().__init__(cfg)
         self._two_products(cfg)
 
@@ -540,8 +536,7 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
 
     def __init__(self, cfg: BwdDKConfigSm90):
         reason = can_implement_dq(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason.replace('dQ', 'dK')}")
+        self._refuse(reason and reason.replace("dQ", "dK"))
         RingSkeletonSm90.__init__(self, cfg)  # not the dV kernel's check (tile_n 64 here)
         self._two_products(cfg)
 

@@ -82,9 +82,7 @@ class FFPADecodeKeysSm90(KernelEntry):
     fake_inputs = staticmethod(fake_decode_args)
 
     def __init__(self, cfg: DecodeKeysConfigSm90):
-        reason = can_implement_decode_keys(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement_decode_keys(cfg))
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.kv = CUTLASS_DTYPES[cfg.kv_dtype]

@@ -103,9 +103,7 @@ class FFPADecodeSm90(FFPAFwdSm90):
     fake_inputs = staticmethod(fake_decode_args)
 
     def __init__(self, cfg: DecodeConfigSm90):
-        reason = can_implement_decode(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement_decode(cfg))
         super().__init__(cfg)
 
     @cute.jit

@@ -105,9 +105,7 @@ class FFPAFwdSm90(RingSkeletonSm90):
     SCALARS = ("softmax_scale", "causal_offset", "window_lo", "num_ctas")
 
     def __init__(self, cfg: FwdConfigSm90):
-        reason = can_implement(cfg)
-        if reason:
-            raise ValueError(f"{type(self).__name__}: {reason}")
+        self._refuse(can_implement(cfg))
         super().__init__(cfg)
 
     @staticmethod
