@@ -36,15 +36,19 @@ def test_unlisted_archs_have_no_family(cap):
 
 def test_sm100_forward_routes_to_tcgen05_and_says_never_run():
     """sm_100a: the tcgen05 forward, described as compile-verified only; a window and sinks
-    plan it with those fields (16-bit), the FP8 form has neither (the reason)."""
+    plan it with those fields (16-bit and e4m3), the NVFP4 form has neither (the reason)."""
     plan = dispatch.plan_fwd(prob(), target="sm_100a")
     assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100"
     assert "compile-verified only, never run" in plan.describe()
     windowed = dispatch.plan_fwd(prob(window_lo=-16, has_sinks=True), target="sm_100a")
     assert windowed.reason is None and windowed.cfg.window and windowed.cfg.sinks
-    fp8 = dispatch.plan_fwd(prob(window_lo=-16, dtype="e4m3", out_dtype="bf16"),
+    fp8 = dispatch.plan_fwd(prob(window_lo=-16, has_sinks=True, dtype="e4m3",
+                                 out_dtype="bf16"), target="sm_100a")
+    assert fp8.reason is None and fp8.cfg.window and fp8.cfg.sinks
+    assert fp8.kernel_cls.__name__ == "FFPAFwdSm100FP8"
+    fp4 = dispatch.plan_fwd(prob(window_lo=-16, dtype="nvfp4", out_dtype="bf16"),
                             target="sm_100a")
-    assert fp8.reason and "window" in fp8.reason
+    assert fp4.reason and "window" in fp4.reason
 
 
 def test_the_table_is_data():
