@@ -262,11 +262,14 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
-    NVFP4Tensor inputs (v: V^T's): the sm_120 kernel, else NotImplementedError (nvfp4.py).
+    NVFP4Tensor inputs (v: V^T's): the sm_100 / sm_120 NVFP4 kernels (compile-verified only),
+    else NotImplementedError; no window, sinks or FP8 descales with them (refused; nvfp4.py).
     """
     if nvfp4.NVFP4Tensor in (type(q), type(k), type(v)):
         return nvfp4.attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                     return_lse, out_dtype)
+                                     return_lse, out_dtype, enable_gqa=enable_gqa,
+                                     window=window, sinks=sinks,
+                                     descales=(q_descale, k_descale, v_descale))
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
     if nested.is_nested(q) or nested.is_nested(k) or nested.is_nested(v):
         return nested.per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, dict(

@@ -282,15 +282,30 @@ def canary(plan, cplan, device) -> str | None:
     return None
 
 
-def attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale, return_lse, out_dtype):
+def attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale, return_lse, out_dtype,
+                    enable_gqa=False, window=None, sinks=None, descales=(None, None, None)):
     """`attention` for NVFP4 inputs (module docstring): out in out_dtype (bf16 by default)
     [and lse fp32] from the kernel where one serves the call, else NotImplementedError naming
     what exists (a failed canary too: there is no fallback for packed FP4, so `strict` changes
-    nothing)."""
+    nothing). `attention`'s other arguments are refused where they mean nothing here or have
+    no NVFP4 kernel: FP8 descales (NVFP4Tensor carries its own scales), a window or sinks; GQA
+    needs enable_gqa=True as everywhere."""
     from . import dispatch, selfcheck
     from .validate import resolve_mask
 
     _check(q, k, v, out_dtype)
+    if any(d is not None for d in descales):
+        raise TypeError("q_descale, k_descale and v_descale are for FP8 inputs; an NVFP4Tensor "
+                        "carries its own block and tensor scales")
+    if window is not None or sinks is not None:
+        raise NotImplementedError("NVFP4 attention has no sliding window or sinks (no NVFP4 "
+                                  "kernel takes them yet); dequantize_nvfp4 the inputs for the "
+                                  "16-bit route")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads but k/v have {k.shape[1]}: pass "
+                         "enable_gqa=True for grouped-query attention (as SDPA requires)")
     causal, offset, mask = resolve_mask(attn_mask, is_causal, q.shape[2], k.shape[2], False)
     if mask is not None or dropout_p:
         raise NotImplementedError("NVFP4 attention has no dense mask or dropout (is_causal "

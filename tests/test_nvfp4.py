@@ -76,6 +76,17 @@ def test_bad_input_and_no_kernel():
         ffpa_cute.attention(t, t, nvfp4.quantize_nvfp4(torch.randn(1, 2, 64, 8 + 8)))
     with pytest.raises(ValueError, match="V\\^T"):  # v not given transposed
         ffpa_cute.attention(t, t, t)
+    vt = nvfp4.quantize_nvfp4(torch.randn(1, 2, 64, 8 + 8))
+    # what NVFP4 inputs cannot take is refused by name, never ignored
+    for kw, exc, pattern in ((dict(window=(4, 0)), NotImplementedError, "sliding window"),
+                             (dict(sinks=torch.zeros(2)), NotImplementedError, "sinks"),
+                             (dict(q_descale=1.0), TypeError, "FP8 inputs")):
+        with pytest.raises(exc, match=pattern):
+            ffpa_cute.attention(t, t, vt, **kw)
+    t1 = nvfp4.quantize_nvfp4(torch.randn(1, 1, 8, 64))
+    v1 = nvfp4.quantize_nvfp4(torch.randn(1, 1, 64, 8 + 8))
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        ffpa_cute.attention(t, t1, v1)
 
 
 def test_quantized_attention_reference_errors():
