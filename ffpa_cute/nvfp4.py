@@ -12,7 +12,8 @@ The kernels: `FFPAFwdSm100FP4` (sm_100a, tcgen05.mma kind::mxf4nvf4) and `FFPAFw
 run**: each configuration first passes a canary on the GPU (`canary`). Everywhere else NVFP4
 inputs raise NotImplementedError naming what exists (there is no meaningful fallback for packed
 FP4; dequantize and call the 16-bit path if that is what you want). Forward only; D a
-multiple of 64 in [320, 1024]; no dense mask, dropout, window or sinks.
+multiple of 64 in [320, 1024]; a sliding window and sinks as for 16-bit inputs (sinks not
+requiring grad); no dense mask or dropout.
 
 The format (NVIDIA NVFP4, the operand of sm_100a's `tcgen05.mma kind::mxf4nvf4` with 16-element
 scale blocks and of sm_120a's block-scaled mma.sync):
@@ -212,8 +213,9 @@ def prepare_v(v: NVFP4Tensor, nkv: int, keys_multiple: int = 64
     return data, padded
 
 
-def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
-    """(out [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32) from the NVFP4 kernel's plan."""
+def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype, sinks=None):
+    """(out [B, Hq, Nq, D] in out_dtype, lse [B, Hq, Nq] fp32) from the NVFP4 kernel's plan
+    (sinks: the [Hq] logits of a plan with sinks; the window's left edge is the problem's)."""
     from . import fp8, launch
 
     p = plan.problem
@@ -236,23 +238,25 @@ def run_kernel(plan, q: NVFP4Tensor, k: NVFP4Tensor, v: NVFP4Tensor, out_dtype):
         vd, vs = prepare_v(v, k.shape[2])
     tensors = dict(q=launch.kernel_ready(qd), q_sf=qs.contiguous(),
                    k=launch.kernel_ready(k.data), k_sf=ks.contiguous(), v=vd, v_sf=vs, o=o,
-                   lse=lse_k)
+                   lse=lse_k, sinks=None if sinks is None else sinks.float().contiguous())
     for name, t in (("q_descale", q), ("k_descale", k), ("v_descale", v)):
         tensors[name] = fp8.descale_bh(t.tensor_scale, name, b, hkv, q.device)
-    launch.run_job(plan.kernel_cls, plan.cfg, tensors,
-                   dict(softmax_scale=p.softmax_scale, causal_offset=offset))
+    launch.run_job(plan.kernel_cls, plan.cfg, tensors, launch.kernel_scalars(p, offset))
     return out, lse
 
 
 def problem_of(q: NVFP4Tensor, k: NVFP4Tensor, *, causal: bool, offset: int, scale,
-               out_dtype):
-    """The AttnProblem of an NVFP4 call (dtype "nvfp4")."""
+               out_dtype, bounds=None, has_sinks: bool = False):
+    """The AttnProblem of an NVFP4 call (dtype "nvfp4"); bounds: the window's (lo, hi)
+    (`validate.window_bounds`), or None."""
     from .problem import AttnProblem, dtype_name
 
     (b, hq, nq, d), (_, hkv, nkv, _) = q.shape, k.shape
+    lo, hi = bounds if bounds is not None else (None, None)
     return AttnProblem(dtype="nvfp4", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
-                       causal_offset=offset if causal else 0,
+                       causal_offset=offset if causal else 0, window_lo=lo, window_hi=hi,
+                       has_sinks=has_sinks,
                        scale=None if scale is None else float(scale),
                        device_type=q.device.type, out_dtype=dtype_name(out_dtype))
 
@@ -269,12 +273,14 @@ def canary(plan, cplan, device) -> str | None:
     q4, k4 = quantize_nvfp4(x[0]), quantize_nvfp4(x[1])
     vpad = torch.nn.functional.pad(x[2], (0, 0, 0, -cp.seqlen_kv % BLOCK))  # zero keys
     v4 = quantize_nvfp4(vpad.transpose(-1, -2))
+    sinks = selfcheck.canary_sinks(cp, device)
     with selfcheck.on_device(device):
-        out, _ = run_kernel(cplan, q4, k4, v4, out_dtype)
+        out, _ = run_kernel(cplan, q4, k4, v4, out_dtype, sinks)
     deq = [q4.dequantize(), k4.dequantize(),
            v4.dequantize().transpose(-1, -2)[..., : cp.seqlen_kv, :]]
     ref, _ = attention_ref(*deq, causal=cp.causal, causal_offset=cp.causal_offset,
-                           scale=cp.softmax_scale, upcast=torch.float32)
+                           scale=cp.softmax_scale, upcast=torch.float32,
+                           window_lo=cp.window_lo, sinks=sinks)
     err = rel_err(out, ref)
     if not err <= FP4_TOL:  # NaN fails too
         return (f"self-check failed for the {plan.family} NVFP4 kernel on {plan.target} "
@@ -287,20 +293,22 @@ def attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale, return_lse,
     """`attention` for NVFP4 inputs (module docstring): out in out_dtype (bf16 by default)
     [and lse fp32] from the kernel where one serves the call, else NotImplementedError naming
     what exists (a failed canary too: there is no fallback for packed FP4, so `strict` changes
-    nothing). `attention`'s other arguments are refused where they mean nothing here or have
-    no NVFP4 kernel: FP8 descales (NVFP4Tensor carries its own scales), a window or sinks; GQA
-    needs enable_gqa=True as everywhere."""
+    nothing). A sliding window and sinks as `attention` takes them (sinks not requiring grad:
+    forward only); FP8 descales are refused (an NVFP4Tensor carries its own scales); GQA needs
+    enable_gqa=True as everywhere."""
     from . import dispatch, selfcheck
-    from .validate import resolve_mask
+    from .validate import check_window_sinks, resolve_mask, window_bounds
 
     _check(q, k, v, out_dtype)
     if any(d is not None for d in descales):
         raise TypeError("q_descale, k_descale and v_descale are for FP8 inputs; an NVFP4Tensor "
                         "carries its own block and tensor scales")
-    if window is not None or sinks is not None:
-        raise NotImplementedError("NVFP4 attention has no sliding window or sinks (no NVFP4 "
-                                  "kernel takes them yet); dequantize_nvfp4 the inputs for the "
-                                  "16-bit route")
+    err = check_window_sinks(window, sinks, q, dropout_p)
+    if err is not None:
+        raise err
+    if sinks is not None and sinks.requires_grad:
+        raise NotImplementedError("sinks must not require grad with NVFP4 inputs (NVFP4 is "
+                                  "forward-only)")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     if q.shape[1] != k.shape[1] and not enable_gqa:
@@ -311,13 +319,16 @@ def attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale, return_lse,
         raise NotImplementedError("NVFP4 attention has no dense mask or dropout (is_causal "
                                   "and causal_upper_left / causal_lower_right only)")
     out_dtype = out_dtype or torch.bfloat16
-    problem = problem_of(q, k, causal=causal, offset=offset, scale=scale, out_dtype=out_dtype)
+    nq, nkv = q.shape[2], k.shape[2]
+    bounds = window_bounds(window, offset if causal else nkv - nq)
+    problem = problem_of(q, k, causal=causal, offset=offset, scale=scale, out_dtype=out_dtype,
+                         bounds=bounds, has_sinks=sinks is not None)
     plan = dispatch.plan_fwd(problem, q.device)
     reason = plan.reason or selfcheck.reason(plan, q.device, canary)
     if reason is not None:
         raise NotImplementedError(f"{reason}. {NO_NVFP4_KERNEL}")
     with torch.cuda.device(q.device):
-        out, lse = run_kernel(plan, q, k, v, out_dtype)
+        out, lse = run_kernel(plan, q, k, v, out_dtype, sinks)
     return (out, lse) if return_lse else out
 
 __all__ = ["FP4_TOL", "NO_NVFP4_KERNEL", "NVFP4Tensor", "attention_nvfp4", "blocked_scales",

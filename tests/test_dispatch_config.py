@@ -36,7 +36,7 @@ def test_unlisted_archs_have_no_family(cap):
 
 def test_sm100_forward_routes_to_tcgen05_and_says_never_run():
     """sm_100a: the tcgen05 forward, described as compile-verified only; a window and sinks
-    plan it with those fields (16-bit and e4m3), the NVFP4 form has neither (the reason)."""
+    plan it with those fields (16-bit, e4m3 and NVFP4)."""
     plan = dispatch.plan_fwd(prob(), target="sm_100a")
     assert plan.reason is None and plan.kernel_cls.__name__ == "FFPAFwdSm100"
     assert "compile-verified only, never run" in plan.describe()
@@ -46,9 +46,9 @@ def test_sm100_forward_routes_to_tcgen05_and_says_never_run():
                                  out_dtype="bf16"), target="sm_100a")
     assert fp8.reason is None and fp8.cfg.window and fp8.cfg.sinks
     assert fp8.kernel_cls.__name__ == "FFPAFwdSm100FP8"
-    fp4 = dispatch.plan_fwd(prob(window_lo=-16, dtype="nvfp4", out_dtype="bf16"),
-                            target="sm_100a")
-    assert fp4.reason and "window" in fp4.reason
+    fp4 = dispatch.plan_fwd(prob(window_lo=-16, has_sinks=True, dtype="nvfp4",
+                                 out_dtype="bf16"), target="sm_100a")
+    assert fp4.reason is None and fp4.cfg.window and fp4.cfg.sinks
 
 
 def test_the_table_is_data():

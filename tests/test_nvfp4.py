@@ -77,9 +77,14 @@ def test_bad_input_and_no_kernel():
     with pytest.raises(ValueError, match="V\\^T"):  # v not given transposed
         ffpa_cute.attention(t, t, t)
     vt = nvfp4.quantize_nvfp4(torch.randn(1, 2, 64, 8 + 8))
-    # what NVFP4 inputs cannot take is refused by name, never ignored
-    for kw, exc, pattern in ((dict(window=(4, 0)), NotImplementedError, "sliding window"),
-                             (dict(sinks=torch.zeros(2)), NotImplementedError, "sinks"),
+    # arguments are checked, never ignored: a window and sinks reach the planner (no kernel
+    # on the CPU), bad ones and what NVFP4 cannot take are refused by name
+    for kw, exc, pattern in ((dict(window=(4, 0)), NotImplementedError, "kernels only on"),
+                             (dict(sinks=torch.zeros(2)), NotImplementedError, "kernels only on"),
+                             (dict(window=(-1, 0)), ValueError, "window left=-1"),
+                             (dict(sinks=torch.zeros(3)), ValueError, "sinks must have shape"),
+                             (dict(sinks=torch.zeros(2, requires_grad=True)),
+                              NotImplementedError, "forward-only"),
                              (dict(q_descale=1.0), TypeError, "FP8 inputs")):
         with pytest.raises(exc, match=pattern):
             ffpa_cute.attention(t, t, vt, **kw)
@@ -229,11 +234,15 @@ def test_precompile_jobs_for_fp4(target, kernel):
     assert precompile.DTYPE_ALIASES["fp4"] == "nvfp4"
 
 
+@pytest.mark.parametrize("features", [False, True])
 @pytest.mark.parametrize("target", ["sm_120a", "sm_100a"])
-def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch, target):
+def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch, target, features):
     """`nvfp4.canary` (the first-use self-check of the never-run NVFP4 kernel) on the CPU with
     the kernel replaced: float32 attention of the dequantised inputs passes, a wrong result
-    (keys shifted by one) fails with the reason."""
+    (keys shifted by one) fails with the reason; with a window and sinks the canary runs
+    them (the kernel is handed the sinks, and the reference applies both)."""
+    import dataclasses
+
     from ffpa_cute import dispatch, selfcheck
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
@@ -242,17 +251,22 @@ def test_nvfp4_canary_passes_the_reference_and_catches_garbage(monkeypatch, targ
     p = AttnProblem(dtype="nvfp4", batch=1, heads_q=4, heads_kv=1, seqlen_q=300,
                     seqlen_kv=300, head_dim=512, head_dim_v=512, causal=True, causal_offset=0,
                     out_dtype="bf16")
+    if features:
+        p = dataclasses.replace(p, window_lo=-100, has_sinks=True)
     plan = dispatch.plan_fwd(p, target=target, opts=Options())
+    assert plan.reason is None and plan.cfg.window == plan.cfg.sinks == features
     cplan = dispatch.plan_fwd(selfcheck.canary_problem(plan), target=target, opts=Options())
     assert cplan.cfg == plan.cfg
     cp = cplan.problem
 
     def fake(shift):
-        def run(plan_, q4, k4, v4, out_dtype):
+        def run(plan_, q4, k4, v4, out_dtype, sinks=None):
+            assert (sinks is not None) == features
             vd = v4.dequantize().transpose(-1, -2)[..., : k4.shape[2], :]
             vd = torch.roll(vd, shift, dims=2)
             out, lse = attention_ref(q4.dequantize(), k4.dequantize(), vd, causal=cp.causal,
-                                     causal_offset=cp.causal_offset, upcast=torch.float32)
+                                     causal_offset=cp.causal_offset, upcast=torch.float32,
+                                     window_lo=cp.window_lo, sinks=sinks)
             return out.to(out_dtype), lse
         return run
 
@@ -365,3 +379,29 @@ def test_sm100_nvfp4_blocked_scales_are_kept_per_tensor(monkeypatch):
     q5 = nvfp4.NVFP4Tensor(q4.data, q4.block_scale.clone(), q4.tensor_scale)
     nvfp4.run_kernel(plan, q5, k4, v4, torch.bfloat16)
     assert len(calls) == 5 and torch.equal(seen["q_sf"], first["q_sf"])
+
+
+@pytest.mark.parametrize("target,kernel", [("sm_120a", "FFPAFwdSm80FP4"),
+                                           ("sm_100a", "FFPAFwdSm100FP4")])
+def test_nvfp4_kernels_compile_with_window_and_sinks(in_tmp, target, kernel):
+    """Both NVFP4 forwards with a sliding window (a left edge, the right one as the causal rule)
+    and sinks: planned with the fields, `window_lo` and `sinks` among the kernel's arguments,
+    the same block-scaled MMA kind, no local memory, no spills."""
+    import dataclasses
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from test_kernels_compile import _no_spills
+
+    p = AttnProblem(dtype="nvfp4", batch=1, heads_q=2, heads_kv=2, seqlen_q=1000,
+                    seqlen_kv=1000, head_dim=512, head_dim_v=512, causal=True,
+                    out_dtype="bf16")
+    p = dataclasses.replace(p, window_lo=-300, window_hi=0, has_sinks=True)
+    plan = dispatch.plan_fwd(p, target=target, opts=Options())
+    assert plan.reason is None and plan.kernel_cls.__name__ == kernel
+    assert plan.cfg.window and plan.cfg.sinks
+    assert "window_lo" in plan.kernel_cls.SCALARS and "sinks" in plan.kernel_cls.OPERANDS
+    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
+    assert "kind::mxf4nvf4" in ptx and ".local" not in ptx
+    _no_spills(ptx, target, max_regs=255)

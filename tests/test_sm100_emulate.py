@@ -55,24 +55,30 @@ def test_window_and_sinks_match_float64(nq, nkv, causal, window_lo, sinks):
 
 
 @pytest.mark.parametrize("causal,window_lo", [(True, 300 - 100), (False, 200)])
-def test_fp8_window_and_sinks_within_the_canary_bound(causal, window_lo):
-    """The e4m3 form with a window and sinks (the same walk, masks and final factors as at
-    16 bits, P rounded to e4m3): on e4m3 operands within fp8.FP8_TOL of float64 on the
-    dequantised inputs, P <= 2^8; a sink far above every score leaves the result finite."""
+def test_quantized_window_and_sinks_within_the_canary_bounds(causal, window_lo):
+    """The e4m3 and NVFP4 forms with a window and sinks (the same walk, masks and final
+    factors as at 16 bits, P rounded to e4m3 / NVFP4): on e4m3 operands within fp8.FP8_TOL,
+    on NVFP4 operands within nvfp4.FP4_TOL of float64 on the dequantised inputs, P <= 2^8; a
+    sink far above every score leaves the result finite."""
+    from ffpa_cute import nvfp4
     from ffpa_cute.fp8 import FP8_TOL
 
     g = torch.Generator().manual_seed(5)
     e4m3 = torch.float8_e4m3fn
-    q = torch.randn(1, 2, 200, 128, generator=g).to(e4m3).float()
-    k, v = (torch.randn(1, 1, 500, 128, generator=g).to(e4m3).float() for _ in range(2))
-    for snk in (torch.tensor([1.5, -2.0]), torch.tensor([40.0, 0.0])):
-        kw = dict(causal=causal, window_lo=window_lo, sinks=snk)
-        rec = {}
-        out, lse = emulate.forward(q, k, v, p_dtype=e4m3, record=rec, **kw)
-        ref, ref_lse = attention_ref(q, k, v, **kw)
-        assert rec["p_max"] <= 2 ** RESCALE_THRESHOLD < E4M3_MAX
-        assert torch.isfinite(out).all() and rel_err(out, ref) <= FP8_TOL
-        assert rel_err(lse, ref_lse) <= 1e-5  # the row sum keeps P unrounded
+    x = [torch.randn(1, h, n, 128, generator=g) for h, n in ((2, 200), (1, 496), (1, 496))]
+    forms = {e4m3: ([t.to(e4m3).float() for t in x], FP8_TOL),
+             "nvfp4": ([nvfp4.quantize_nvfp4(t).dequantize() for t in x[:2]]
+                       + [nvfp4.quantize_nvfp4(x[2].transpose(-1, -2)).dequantize()
+                          .transpose(-1, -2)], nvfp4.FP4_TOL)}
+    for p_dtype, ((q, k, v), tol) in forms.items():
+        for snk in (torch.tensor([1.5, -2.0]), torch.tensor([40.0, 0.0])):
+            kw = dict(causal=causal, window_lo=window_lo, sinks=snk)
+            rec = {}
+            out, lse = emulate.forward(q, k, v, p_dtype=p_dtype, record=rec, **kw)
+            ref, ref_lse = attention_ref(q, k, v, **kw)
+            assert rec["p_max"] <= 2 ** RESCALE_THRESHOLD < E4M3_MAX
+            assert torch.isfinite(out).all() and rel_err(out, ref) <= tol, (p_dtype, snk)
+            assert rel_err(lse, ref_lse) <= 1e-5  # the row sum keeps P unrounded
 
 
 @pytest.mark.parametrize("nq,nkv,causal,window_lo,with_sinks,hq,hkv", [

@@ -94,10 +94,10 @@ class FwdConfigSm100:
                 (each MMA thread's tcgen05.commit arrives on all the cluster's qk_empty)
     window:     a sliding window's left edge (a runtime argument; blocks left of it skipped,
                 the crossing ones masked); the right edge is `causal` at min(offset, right).
-                The 16-bit and e4m3 forwards' field (not NVFP4's), and the backward's.
+                Every form's field (16-bit, e4m3, NVFP4 forwards; the backward).
     sinks:      a per-query-head sink logit in each row's denominator and LSE (a runtime [Hq]
-                fp32 tensor). The 16-bit and e4m3 forwards' field (not NVFP4's); the backward
-                reads the sinks through the LSE.
+                fp32 tensor). The forwards' field; the backward reads the sinks through the
+                LSE.
     """
 
     arch: str
@@ -475,26 +475,21 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
         return f"needs {cfg.smem_bytes()} B of smem, {ARCH} has {SMEM_CAPACITY}"
     if sum(32 * w * r for _, _, w, r in WARP_ROLES) > REGISTER_FILE:
         return "the warp roles' registers exceed the register file"
-    if cfg.sinks and type(cfg) not in (FwdConfigSm100, FwdFP8ConfigSm100):
-        return ("sinks are the 16-bit and e4m3 forwards' field (the backward reads them "
-                "through the LSE)")
-    if cfg.window and isinstance(cfg, FwdFP4ConfigSm100):
-        return "window is not the NVFP4 forward's field"
+    if cfg.sinks and type(cfg) not in (FwdConfigSm100, FwdFP8ConfigSm100, FwdFP4ConfigSm100):
+        return "sinks are the forwards' field (the backward reads them through the LSE)"
     return None
 
 
 def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> FwdConfigSm100:
-    """The config for `problem` (16-bit or e4m3 with a sliding window and sinks, or NVFP4
-    without; no one-launch varlen); raises ValueError with the reason when this kernel cannot
+    """The config for `problem` (16-bit, e4m3 or NVFP4, with a sliding window and sinks; no
+    one-launch varlen); raises ValueError with the reason when this kernel cannot
     run it. Ring depths: the deepest V ring (4, 3, 2) beside a 3-deep QK ring, then the
     deepest QK ring beside it. `multicast`: share Q and K over the row tile's cluster (the
     default: the design's prediction says the unshared form is L2-bound, docs/design.md
     section 7)."""
     quantized = problem.dtype in FP8_DTYPES or problem.dtype == FP4_DTYPE
-    if problem.varlen or (problem.dtype == FP4_DTYPE
-                          and (problem.has_window or problem.has_sinks)):
-        raise ValueError("the sm100 forward has no one-launch varlen, and its NVFP4 form no "
-                         "sliding window or sinks, yet")
+    if problem.varlen:
+        raise ValueError("the sm100 forward has no one-launch varlen yet")
     dv = problem.head_dim_v
     cls = {FP4_DTYPE: FwdFP4ConfigSm100}.get(
         problem.dtype, FwdFP8ConfigSm100 if quantized else FwdConfigSm100)

@@ -267,35 +267,42 @@ class FFPAFwdSm100FP4(FFPAFwdSm100FP8):
          <= 42.7, code = e2m1(p / scale), satfinite), writes the codes in the PV MMA's
          A layout and the scales as one 32-bit word per 64 keys, then fences them for the
          async proxy before p_full. The row sum uses P before rounding.
-      4. Dv == D, a multiple of 64; no window or sinks (config.can_implement)."""
+      4. Dv == D, a multiple of 64 (config.can_implement); a sliding window and sinks as in
+         the e4m3 forward (masked keys give P = 0, so their 16-key blocks round as usual)."""
 
     OPERANDS = ("q", "q_sf", "k", "k_sf", "v", "v_sf", "o", "lse", "q_descale", "k_descale",
-                "v_descale")
-    SCALARS = ("softmax_scale", "causal_offset")
+                "v_descale", "sinks")
     BLOCK_SCALED = True
     B_K_MAJOR = True
 
     @staticmethod
     def fake_inputs(cfg):
         """q, q_sf, k, k_sf, v (V^T), v_sf (uint8: codes, blocked scales), o (out_dtype),
-        lse, then three (B, Hkv) fp32 descales."""
+        lse, three (B, Hkv) fp32 descales, then sinks: an [Hq] fp32 stand-in with `sinks`,
+        else None."""
         u8, f32 = cutlass.Uint8, Float32
         ops = [fake_tensor(u8, 4, 16) for _ in range(6)]
         return (*ops, fake_tensor(CUTLASS_DTYPES[cfg.out_dtype], 4, 8), fake_tensor(f32, 3, 1),
-                *(fake_tensor(f32, 2, 1) for _ in range(3)))
+                *(fake_tensor(f32, 2, 1) for _ in range(3)),
+                fake_tensor(f32, 1, 1) if cfg.sinks else None)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mQsf: cute.Tensor, mK: cute.Tensor, mKsf: cute.Tensor,
                  mVt: cute.Tensor, mVtsf: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
-                 softmax_scale: Float32, causal_offset: Int32, stream: cuda.CUstream):
+                 mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSinks,
+                 softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+                 stream: cuda.CUstream):
         """q, k: (B, H, N, D / 2) uint8 codes; v: V^T's codes (B, Hkv, D, Npad / 2); q_sf,
         k_sf, v_sf: their blocked scales (B, H, row atoms, K-blocks * 512) uint8; o: (B, Hq,
-        Nq, D) out_dtype; lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32."""
+        Nq, D) out_dtype; lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32; sinks: (Hq,) fp32
+        with `sinks`, else None; window_lo: read with `window`."""
         f4 = self.dtype
         q, k, vt = (cute.recast_tensor(t, f4) for t in (mQ, mK, mVt))
+        stats = (mLSE, mQd, mKd, mVd)
+        if const_expr(self.cfg.sinks):
+            stats = (mLSE, mQd, mKd, mVd, mSinks)
         self._launch(Roles(rows=q, cols=k, rows2=None, cols2=None, acc_b=vt, out=mO),
-                     (mLSE, mQd, mKd, mVd), softmax_scale, causal_offset, stream,
+                     stats, softmax_scale, causal_offset, stream, window_lo,
                      scales=(mQsf, mKsf, mVtsf))
 
     def _tiled_mmas(self):

@@ -181,8 +181,6 @@ def _quantized_reason(cfg: FwdFP8ConfigSm80) -> str | None:
                 f"{multiple} ({why})")
     if cfg.warp_n == 1:
         return f"the {name} Split-D forward passes P through shared memory: warp_n must be > 1"
-    if want == "nvfp4" and (cfg.window or cfg.sinks):
-        return "the NVFP4 Split-D forward has no sliding window or sinks"
     return None
 
 

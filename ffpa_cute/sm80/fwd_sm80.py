@@ -813,24 +813,28 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
       5. The descales (q_descale, k_descale, v_descale: NVFP4's per-tensor scales, [B, Hkv]
          fp32) fold into the scores' scale and O's final factor as in the FP8 forward.
 
+    A sliding window and sinks as in the FP8 forward (masked keys give P = 0 before P's
+    16-key blocks are scaled).
+
     Constraints (`config.can_implement`): sm_120a / sm_121a; D a multiple of 64 in [320,
-    1024]; Dv == D; bf16 / fp16 out; no window or sinks."""
+    1024]; Dv == D; bf16 / fp16 out."""
 
     # v / v_sf: the NVFP4 codes and scales of V^T (nvfp4.py's `prepare_v`)
     OPERANDS = ("q", "q_sf", "k", "k_sf", "v", "v_sf", "o", "lse", "q_descale", "k_descale",
-                "v_descale")
-    SCALARS = ("softmax_scale", "causal_offset")
+                "v_descale", "sinks")
     LDMATRIX = False
     SMEM_SWIZZLE = (1, 5, 3)  # 64 E2M1 = 32 B per row: each 16-byte half moved by row bit 2
 
     @staticmethod
     def fake_inputs(cfg):
         """q, q_sf, k, k_sf, v, v_sf (uint8, rows 16-byte aligned for the codes, 4-byte for
-        the scales), o (out_dtype), lse, then three (B, Hkv) fp32 descales."""
+        the scales), o (out_dtype), lse, three (B, Hkv) fp32 descales, then sinks: an [Hq]
+        fp32 stand-in with `sinks`, else None."""
         u8, f32 = cutlass.Uint8, cutlass.Float32
         ops = [fake_tensor(u8, 4, 16 if i % 2 == 0 else 4) for i in range(6)]
         return (*ops, fake_tensor(CUTLASS_DTYPES[cfg.out_dtype], 4, 8), fake_tensor(f32, 3, 1),
-                *(fake_tensor(f32, 2, 1) for _ in range(3)))
+                *(fake_tensor(f32, 2, 1) for _ in range(3)),
+                fake_tensor(f32, 1, 1) if cfg.sinks else None)
 
     def _storage_fields(self, sQ_layout, sKV_layout, sP_layout, sStat_layout) -> dict:
         """The FP8 forward's regions plus the scale words: Q's (tile_m x C), the ring's (tile_n
@@ -855,20 +859,20 @@ class FFPAFwdSm80FP4(FFPAFwdSm80FP8):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mQsf: cute.Tensor, mK: cute.Tensor, mKsf: cute.Tensor,
                  mVt: cute.Tensor, mVtsf: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor,
+                 mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, mSinks,
                  softmax_scale: cutlass.Float32, causal_offset: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 window_lo: cutlass.Int32, stream: cuda.CUstream):
         """q, k: (B, H, N, D / 2) uint8 codes, q_sf, k_sf: (B, H, N, D / 16) uint8 scales; v:
         V^T's codes (B, Hkv, D, Npad / 2), v_sf: its scales (B, Hkv, D, Npad / 16); o: (B, Hq,
-        Nq, D) out_dtype; lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32. Grid (m_blocks, Hq,
-        B)."""
+        Nq, D) out_dtype; lse: (B, Hq, Nq) fp32; descales: (B, Hkv) fp32; sinks: (Hq,) fp32
+        with `sinks`, else None; window_lo: read with `window`. Grid (m_blocks, Hq, B)."""
         D = self.cfg.head_dim
         mQ = aligned_bhnd(cute.recast_tensor(mQ, self.dtype), D, self.dtype)
         mK = aligned_bhnd(cute.recast_tensor(mK, self.dtype), D, self.dtype)
         mVt = aligned_bhdn(cute.recast_tensor(mVt, self.dtype), D, self.dtype)
         words = [cute.recast_tensor(t, cutlass.Int32) for t in (mQsf, mKsf, mVtsf)]
         self._launch_quantized(mQ, mK, mVt, mO, (mLSE, mQd, mKd, mVd, *words), softmax_scale,
-                               causal_offset, stream)
+                               causal_offset, stream, features_of(self.cfg, window_lo, mSinks))
 
     # ---------------------------------------------------------------- scales
     def _fill_zero(self, t: cute.Tensor):
