@@ -242,10 +242,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     return_lse: also return lse [..., Hq, Nq], float32 (float64 for float64 inputs on the
     fallback), the natural-log log-sum-exp of each row's scaled, masked scores; -inf for rows
     that see no key (their out is 0). `merge_attention` combines (out, lse) pairs computed over
-    disjoint key sets. Gradients flow through out and lse (a loss through `merge_attention` of
-    such pairs is exact; Note [The gradient of lse] in math_attention.py); a float attn_mask
-    that requires grad with return_lse on the fallback: NotImplementedError. Not with
-    dropout_p > 0 (ValueError).
+    disjoint key sets; gradients flow through out and lse (Note [The gradient of lse] in
+    math_attention.py). Not with dropout_p > 0 (ValueError).
 
     window=(left, right): a sliding window; each side an int >= 0 or None (unbounded). Query
     i, placed at key i + Nkv - Nq (bottom-right; a causal_upper_left mask places it at key i),
@@ -263,13 +261,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of
     the dequantised inputs in `out_dtype` (bf16 by default); forward only (ffpa_cute/fp8.py).
     NVFP4Tensor inputs (v: V^T's): the sm_100 / sm_120 NVFP4 kernels (compile-verified only),
-    else NotImplementedError; no window, sinks or FP8 descales with them (refused; nvfp4.py).
+    else NotImplementedError; FP8 descales are refused with them (nvfp4.py).
     """
     if nvfp4.NVFP4Tensor in (type(q), type(k), type(v)):
         return nvfp4.attention_nvfp4(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                     return_lse, out_dtype, enable_gqa=enable_gqa,
-                                     window=window, sinks=sinks,
-                                     descales=(q_descale, k_descale, v_descale))
+                                     return_lse, out_dtype, enable_gqa, window, sinks,
+                                     (q_descale, k_descale, v_descale))
     fp8_args = (q_descale, k_descale, v_descale, out_dtype)
     if nested.is_nested(q) or nested.is_nested(k) or nested.is_nested(v):
         return nested.per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, dict(
