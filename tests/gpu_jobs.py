@@ -101,7 +101,7 @@ def jobs(sections=SECTIONS) -> list:
                     add([(plan.kernel_cls, plan.cfg)])
                     if family == "sm90" and out_dtype == "bf16" and (d, causal) in (
                             (512, False), (512, True), (320, False)):  # test_fp8_poly_exp2
-                        for n in (2, 4):
+                        for n in (2, 3, 4):
                             add([(plan.kernel_cls, dataclasses.replace(plan.cfg, poly_exp2=n))])
                     for lo, hi, sinks in ((-8, None, True), (-8, 4, True), (-8, 4, False),
                                           (None, None, True)):  # window / sinks

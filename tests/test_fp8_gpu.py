@@ -106,6 +106,7 @@ def test_fp8_forward_matches_float64(seed, family, d, mode, nq, nkv, ratio):
 
 @pytest.mark.parametrize("d,poly,mode,nq,nkv,ratio", [
     (512, 2, "none", 1000, 1000, 1), (512, 4, "bottom_right", 129, 1000, 4),
+    (512, 3, "bottom_right", 1000, 129, 2),  # rows that see no key: exactly 0
     (320, 4, "none", 65, 1100, 1)])
 def test_fp8_poly_exp2(seed, monkeypatch, d, poly, mode, nq, nkv, ratio):
     """The sm90 FP8 kernel with one exp2 in `poly` by polynomial (config `poly_exp2`, not
@@ -140,6 +141,8 @@ def test_fp8_poly_exp2(seed, monkeypatch, d, poly, mode, nq, nkv, ratio):
     print(f"fp8 poly_exp2={poly} d{d} {mode}: rel err {err:.3g} (MUFU {base_err:.3g}), "
           f"RMSE {rmse:.3g}")
     assert torch.isfinite(out).all() and err <= TOL and abs(err - base_err) <= 2e-3
+    if mode == "bottom_right" and nq > nkv:  # masked scores give exactly 0, as with MUFU
+        assert (out[:, :, : nq - nkv] == 0).all()
 
 
 def test_fp8_fp16_out_and_lse(seed, family):

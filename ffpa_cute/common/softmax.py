@@ -24,14 +24,15 @@ against the running max).
 
 Note [exp2 by polynomial] (FlashAttention-4's share of the exponentials): ex2 issues on the
 MUFU at 16 per SM and clock, as do the conversions P takes to e4m3, while the FMA pipe does 128.
-`exp2_poly` computes 2^x on the FMA pipe: x clamped at -125 (2^-125 is 0 to every consumer
-here: e4m3's smallest subnormal is 2^-9 and the row sum is >= 1), x + 1.5 * 2^23 rounds to
-the nearest integer j in the low mantissa bits (so no conversion instruction), f = x - j in
-[-0.5, 0.5], 2^f by a degree-3 polynomial (Horner, three FMAs; minimax relative error 7.5e-5,
-coefficients fitted on [-0.5, 0.5]), and j joins the exponent by an integer add of j << 23.
-Seven FP32 / integer instructions and no MUFU; `OnlineSoftmax(poly_every=n)` takes one column
-in n of each row this way (FP8 forward: config `poly_exp2`). The relative error is far below
-e4m3's rounding of P (2^-4) and irrelevant to the fp32 row sum.
+`exp2_poly` computes 2^x on the FMA pipe: x clamped at -125 (so the exponent add below cannot
+wrap), x + 1.5 * 2^23 rounds to the nearest integer j in the low mantissa bits (so no
+conversion instruction), f = x - j in [-0.5, 0.5], 2^f by a degree-3 polynomial (Horner, three
+FMAs; minimax relative error 7.5e-5, coefficients fitted on [-0.5, 0.5]), j joins the exponent
+by an integer add of j << 23, and anything below -125 gives exactly 0 (a select on the input:
+a masked score is -inf, and a row that sees no key must sum to exactly 0, as with MUFU's ftz
+ex2). Nine FP32 / integer instructions and no MUFU; `OnlineSoftmax(poly_every=n)` takes one
+column in n of each row this way (FP8 forward: config `poly_exp2`). The relative error is far
+below e4m3's rounding of P (2^-4) and irrelevant to the fp32 row sum.
 
 Note [Sinks]: a learned per-head logit (GPT-OSS) joins each row's softmax denominator as one more
 "key" with no value: O = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)), and the LSE includes
@@ -58,6 +59,8 @@ EXP2_POLY = (0x3F7FFB4A, 0x3F31798D, 0x3E786EE6, 0x3D61FB53)  # c0 .. c3
 _EXP2_POLY = """{{
 .reg .f32 x, t, j, f, p;
 .reg .b32 tb, pb, e, r;
+.reg .pred live;
+setp.ge.f32 live, {{$r0}}, 0fC2FA0000;
 max.f32 x, {{$r0}}, 0fC2FA0000;
 add.rn.f32 t, x, 0f4B400000;
 sub.rn.f32 j, t, 0f4B400000;
@@ -69,13 +72,14 @@ mov.b32 tb, t;
 mov.b32 pb, p;
 shl.b32 e, tb, 23;
 add.s32 r, pb, e;
+selp.b32 r, r, 0, live;
 mov.b32 {{$w0}}, r;
 }}""".format(c0=EXP2_POLY[0], c1=EXP2_POLY[1], c2=EXP2_POLY[2], c3=EXP2_POLY[3])
 
 
 def exp2_poly(x: cutlass.Float32) -> cutlass.Float32:
     """2^x on the FMA pipe (Note [exp2 by polynomial]): relative error <= 7.5e-5 for x in
-    [-125, 128); 2^-125-ish for anything below (-inf included)."""
+    [-125, 128); exactly 0 below -125 (-inf included: a masked score, as MUFU's ftz ex2)."""
     return cute.arch.inline_ptx(_EXP2_POLY, write_only_types=[cutlass.Float32],
                                 read_only_args=[x])
 
