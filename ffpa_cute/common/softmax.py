@@ -23,7 +23,8 @@ inside fp32 (a block whose scores all lie below that floor contributes exactly w
 against the running max).
 
 Note [exp2 by polynomial] (FlashAttention-4's share of the exponentials): ex2 issues on the
-MUFU at 16 per SM and clock, as do the conversions P takes to e4m3, while the FMA pipe does 128.
+MUFU at 16 per SM and clock (the conversions P takes to e4m3 run at 16 per clock too, by the
+CUDA guide's throughput table), while the FMA pipe does 128.
 `exp2_poly` computes 2^x on the FMA pipe: x clamped at -125 (so the exponent add below cannot
 wrap), x + 1.5 * 2^23 rounds to the nearest integer j in the low mantissa bits (so no
 conversion instruction), f = x - j in [-0.5, 0.5], 2^f by a degree-3 polynomial (Horner, three
