@@ -242,8 +242,8 @@ class BwdPlan:
 def feature_reason(p: AttnProblem) -> str | None:
     """The first semantic of `p` that no kernel implements yet (a dense mask, dropout), else
     None. `interface` checks it again after planning, so these never reach a kernel whatever a
-    planner says. (A sliding window and sinks: the 16-bit and e4m3 kernels of every family
-    have them; the NVFP4 planners refuse them.)"""
+    planner says. (A sliding window and sinks: every family's forward kernels have them, 16-bit,
+    e4m3 and NVFP4.)"""
     if p.has_mask:
         return "a dense attn_mask has no kernel yet (causal and causal bias objects do)"
     if p.dropout_p > 0.0:

@@ -271,8 +271,7 @@ class VarlenAttention(torch.autograd.Function):
                  delta=delta.unsqueeze(0), dq=_bhnd(dq), dk=_bhnd(dk), dv=_bhnd(dv),
                  cu_q=cu_q, cu_k=cu_k)
         with on(q.device):
-            launch.run_grad_jobs(plan, t, launch.kernel_scalars(p, p.right_edge),
-                                 None if dlse is None else dlse.unsqueeze(0))
+            launch.run_grad_jobs(plan, t, launch.kernel_scalars(p, p.right_edge), dlse)
         needs = ctx.needs_input_grad
         dsinks = None
         if sinks is not None and needs[3]:  # -sum_i exp(sink - lse_i) Delta'_i per head

@@ -48,6 +48,7 @@ from ffpa_cute.common.tensors import fake_fp8_args
 from ffpa_cute.sm90.fwd_sm90 import Descales, FFPAFwdSm90, FFPAFwdSm90FP8
 from ffpa_cute.sm90.skeleton_sm90 import RingSkeletonSm90, Roles
 from perf import experiment
+from perf.fp8_limits import FP8NoExp
 
 SHAPES = [  # (D, N, causal)
     (512, 8192, False), (512, 8192, True), (320, 8192, False), (576, 8192, False),
@@ -135,37 +136,28 @@ class FwdFP8Traced(FFPAFwdSm90FP8):
         _stamp(extra.sinks, event, i)
 
 
-# `--fp8`: the FP8 forward's schedules at N=8K, (name, D, config fields changed from the plan;
-# with `overlap` the S stamps are S0 step start, S1 QK[i+1]'s first chunks issued, S2 score
-# step done, S3 P slot, S4 P stored; S4 -> next S0 is the last chunks' issue and their wait)
-# the class: FwdFP8Traced, or a variant whose O warpgroups issue no WGMMA (FwdFP8TracedNoPV) or
-# whose score step is P = S (FwdFP8TracedNoExp): is the score step slower beside P V?)
-_SERIAL_320 = dict(overlap=0, k_stages=6, v_stages=4)
-FP8_SCHEDULES = [("planned (serial)", 512, {}, "FwdFP8Traced"),
-                 ("planned (overlap)", 320, {}, "FwdFP8Traced"),
-                 ("serial", 320, _SERIAL_320, "FwdFP8Traced"),
-                 ("serial, no PV", 512, {}, "FwdFP8TracedNoPV"),
-                 ("serial, P published before QK", 512, dict(publish_after=0), "FwdFP8Traced"),
-                 ("serial, one exp2 in 3 by polynomial", 512, dict(poly_exp2=3),
-                  "FwdFP8Traced"),
-                 ("serial, P = S", 512, {}, "FwdFP8TracedNoExp"),
-                 ("overlap, no PV", 320, {}, "FwdFP8TracedNoPV"),
-                 ("serial, no PV", 320, _SERIAL_320, "FwdFP8TracedNoPV")]
-
-
 class FwdFP8TracedNoPV(_NoPVMixin, FwdFP8Traced):
     """FwdFP8Traced whose O warpgroups issue no WGMMA (`_NoPVMixin`)."""
 
 
-class FwdFP8TracedNoExp(FwdFP8Traced):
+class FwdFP8TracedNoExp(FwdFP8Traced, FP8NoExp):
     """FwdFP8Traced with P = S rounded to e4m3 (perf.fp8_limits' `no-exp`), stamped."""
 
-    @cute.jit
-    def _softmax_block(self, tile, frags, n_block):
-        self._p_to_regs(frags)
 
-
-FP8_TRACED = {c.__name__: c for c in (FwdFP8Traced, FwdFP8TracedNoPV, FwdFP8TracedNoExp)}
+# `--fp8`: the FP8 forward's schedules at N=8K: (name, D, config fields changed from the plan,
+# traced class: the kernel, or a variant whose O warpgroups issue no WGMMA or whose score step
+# is P = S). With `overlap` the S stamps are S0 step start, S1 QK[i+1]'s first chunks issued, S2
+# score step done, S3 P slot, S4 P stored; S4 -> next S0 is the last chunks' issue and wait.
+_SERIAL_320 = dict(overlap=0, k_stages=6, v_stages=4)
+FP8_SCHEDULES = [("planned (serial)", 512, {}, FwdFP8Traced),
+                 ("planned (overlap)", 320, {}, FwdFP8Traced),
+                 ("serial", 320, _SERIAL_320, FwdFP8Traced),
+                 ("serial, no PV", 512, {}, FwdFP8TracedNoPV),
+                 ("serial, P published before QK", 512, dict(publish_after=0), FwdFP8Traced),
+                 ("serial, one exp2 in 3 by polynomial", 512, dict(poly_exp2=3), FwdFP8Traced),
+                 ("serial, P = S", 512, {}, FwdFP8TracedNoExp),
+                 ("overlap, no PV", 320, {}, FwdFP8TracedNoPV),
+                 ("serial, no PV", 320, _SERIAL_320, FwdFP8TracedNoPV)]
 
 
 class TracedExtra(NamedTuple):
@@ -335,7 +327,7 @@ def _fp8_plan(d: int, causal: bool, fields: dict):
 
 
 def _fp8_jobs() -> list:
-    return [(FP8_TRACED[c], _fp8_plan(d, False, f)) for _, d, f, c in FP8_SCHEDULES]
+    return [(cls, _fp8_plan(d, False, f)) for _, d, f, cls in FP8_SCHEDULES]
 
 
 def run_fp8(dev, flush) -> dict:
@@ -346,9 +338,8 @@ def run_fp8(dev, flush) -> dict:
     from ffpa_cute.fp8 import _transposed_v
 
     res, n = {}, 8192
-    for name, d, fields, cname in FP8_SCHEDULES:
+    for name, d, fields, traced in FP8_SCHEDULES:
         cfg = _fp8_plan(d, False, fields)
-        traced = FP8_TRACED[cname]
         q, k, v = (torch.randn(1, HEADS, n, d, device=dev).to(torch.float8_e4m3fn)
                    for _ in "qkv")
         vt = _transposed_v(v, interleave=True)

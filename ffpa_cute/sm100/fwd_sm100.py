@@ -192,11 +192,14 @@ class FFPAFwdSm100FP8(FFPAFwdSm100):
         """q, k, v: (B, H, N, D) e4m3; o: (B, Hq, Nq, Dv) out_dtype; lse: (B, Hq, Nq) fp32;
         descales: (B, Hkv) fp32; sinks: (Hq,) fp32 with `sinks`, else None; window_lo: read
         with `window`."""
-        stats = (mLSE, mQd, mKd, mVd)
-        if const_expr(self.cfg.sinks):
-            stats = (mLSE, mQd, mKd, mVd, mSinks)
         self._launch(Roles(rows=mQ, cols=mK, rows2=None, cols2=None, acc_b=mV, out=mO),
-                     stats, softmax_scale, causal_offset, stream, window_lo)
+                     self._stats(mLSE, mQd, mKd, mVd, mSinks), softmax_scale, causal_offset,
+                     stream, window_lo)
+
+    def _stats(self, mLSE, mQd, mKd, mVd, mSinks) -> tuple:
+        """The statistics tensors the hooks read: the LSE, the three descales, and with
+        `sinks` the sink logits (index 4, `_sinks`)."""
+        return (mLSE, mQd, mKd, mVd, *((mSinks,) if self.cfg.sinks else ()))
 
     def _sinks(self, ctx: Ctx):
         return ctx.stats[4]
@@ -298,12 +301,9 @@ class FFPAFwdSm100FP4(FFPAFwdSm100FP8):
         with `sinks`, else None; window_lo: read with `window`."""
         f4 = self.dtype
         q, k, vt = (cute.recast_tensor(t, f4) for t in (mQ, mK, mVt))
-        stats = (mLSE, mQd, mKd, mVd)
-        if const_expr(self.cfg.sinks):
-            stats = (mLSE, mQd, mKd, mVd, mSinks)
         self._launch(Roles(rows=q, cols=k, rows2=None, cols2=None, acc_b=vt, out=mO),
-                     stats, softmax_scale, causal_offset, stream, window_lo,
-                     scales=(mQsf, mKsf, mVtsf))
+                     self._stats(mLSE, mQd, mKd, mVd, mSinks), softmax_scale, causal_offset,
+                     stream, window_lo, scales=(mQsf, mKsf, mVtsf))
 
     def _tiled_mmas(self):
         """Both products kind::mxf4nvf4 with K-major operands from shared memory (P too)."""
