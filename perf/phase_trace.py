@@ -48,6 +48,7 @@ from ffpa_cute.common.tensors import fake_fp8_args
 from ffpa_cute.sm90.fwd_sm90 import Descales, FFPAFwdSm90, FFPAFwdSm90FP8
 from ffpa_cute.sm90.skeleton_sm90 import RingSkeletonSm90, Roles
 from perf import experiment
+from perf import fp8_limits
 from perf.fp8_limits import FP8NoExp
 
 SHAPES = [  # (D, N, causal)
@@ -313,17 +314,10 @@ def _bwd_jobs() -> list:
 
 
 def _fp8_plan(d: int, causal: bool, fields: dict):
+    """perf.fp8_limits' planned FP8 config (N=8K, H=32) with `fields` changed."""
     import dataclasses
 
-    from ffpa_cute import dispatch
-    from ffpa_cute.options import Options
-    from ffpa_cute.problem import AttnProblem
-
-    p = AttnProblem(dtype="e4m3", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=8192,
-                    seqlen_kv=8192, head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
-    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
-    assert plan.reason is None, plan.reason
-    return dataclasses.replace(plan.cfg, **fields)
+    return dataclasses.replace(fp8_limits._plan(d, causal), **fields)
 
 
 def _fp8_jobs() -> list:
