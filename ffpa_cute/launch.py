@@ -158,7 +158,8 @@ def _sm_count(index: int) -> int:
 
 def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dlse=None):
     """(dq, dk, dv) from a backward plan's kernels: Delta = rowsum(dout * out) first, then the
-    gradient kernels, each writing its own output (atomic-free: the same bits every run).
+    gradient kernels, each writing its own output (atomic-free: the same bits every run), or
+    the fused kernel, whose dQ is reduced into a zeroed fp32 `dq_acc` and cast here.
     dlse: the gradient of lse [B, Hq, Nq] too, or None: Delta' = Delta - dlse is what the
     gradient kernels read (Note [The gradient of lse] in math_attention.py). `with_delta`:
     (dq, dk, dv, Delta [B, Hq, Nq] fp32, dlse subtracted), for a sink's gradient."""
@@ -180,7 +181,13 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
             if dlse is not None:
                 t["delta"].sub_(dlse)
         return (*grads, t["delta"]) if with_delta else grads
+    # a kernel that reduces dQ into fp32 (the fused backward) reads a zeroed accumulator
+    reduces_dq = any("dq_acc" in cls.OPERANDS for cls, _ in plan.jobs)
+    if reduces_dq:
+        t["dq_acc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     run_grad_jobs(plan, t, kernel_scalars(p, p.right_edge), dlse)
+    if reduces_dq:
+        t["dq"].copy_(t["dq_acc"])
     grads = t["dq"], t["dk"], t["dv"]
     return (*grads, t["delta"]) if with_delta else grads
 

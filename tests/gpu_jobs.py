@@ -10,7 +10,8 @@ and backward, plus the Dv != D pairs, the FP8 forwards (WGMMA and Split-D) with 
 kernel, and the non-default variants the tests select (the CTA pair off above 512, dK without sequential score
 products, one CTA per tile where the default is persistent, dV / dK with split head groups),
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
-varlen kernels with their per-sequence twins. A kernel the tests need that is missing
+varlen kernels with their per-sequence twins, and the fused backward (not routed; its GPU test plans
+it). A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -82,6 +83,9 @@ def jobs(sections=SECTIONS) -> list:
                             add(dispatch.plan_bwd(p, target=TARGET, opts=off).jobs)
                     if family == "sm90" and d <= 512:  # dK without sequential score products
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
+                        add([(dispatch.kernel_class(cfg), cfg)])
+                    if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
+                        cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward
                         add([(dispatch.kernel_class(cfg), cfg)])
     import dataclasses
 

@@ -40,8 +40,11 @@ def _inputs(d, causal, nq, nkv, ratio, dt=torch.bfloat16, dv=None):
 
 def _check(d, causal, nq, nkv, ratio, want, dt=torch.bfloat16, dv=None, plan=None):
     """The sm90 backward kernels' `want` gradients ("dq", "dk", "dv") against float64 (written
-    out, `reference.attention_grads`), the forward's criterion."""
+    out, `reference.attention_grads`), the forward's criterion. `plan`: the backward plan to run,
+    or a function of the problem returning it (default: the routed sm90 plan)."""
     q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio, dt, dv)
+    if callable(plan):   # a planner of the problem
+        plan = plan(problem)
     if plan is None:
         plan = kernels.backward_plan(problem, q.device, "sm90")
         assert [c.__name__ for c, _ in plan.jobs][1:] == [
@@ -172,3 +175,37 @@ def test_dv_not_d(seed, d, dv, causal, nq, nkv, ratio):
     """Dv != D (MLA-absorbed 576 / 512): dQ / dK with the second score product over Dv, dV
     accumulating Dv columns."""
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dv=dv)
+
+
+def _fused_plan(problem):
+    """The fused backward (not routed: planned here), after the Delta kernel."""
+    from ffpa_cute.common.config import DeltaConfig
+    from ffpa_cute.sm90.config import plan_bwd_fused
+
+    return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
+        DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v), plan_bwd_fused(problem)))
+
+
+FUSED_CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4), (320, True, 1000, 129, 1),
+               (384, False, 7, 300, 16), (448, True, 4097, 4097, 1), (320, False, 1, 129, 4),
+               (512, True, 1000, 1000, 8), (384, True, 64, 64, 2)]
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", FUSED_CASES)
+def test_fused_matches_reference(seed, d, causal, nq, nkv, ratio):
+    """The fused backward (sm90/bwd_fused_sm90.py: one pass, a CTA pair per key tile splitting
+    D, partial scores exchanged, dQ reduced in fp32): all three gradients against float64."""
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), plan=_fused_plan)
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),
+                                                   (320, False, 1000, 1000, 1)])
+def test_fused_fp16_and_beside_the_atomic_free_kernels(seed, d, causal, nq, nkv, ratio):
+    """fp16 against float64, and bf16 within a few bf16 ulps of the atomic-free kernels (the
+    same products; dK / dV summed in another order, dQ by fp32 reductions)."""
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=torch.float16, plan=_fused_plan)
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
+    fused = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=_fused_plan(problem))
+    plain = kernels.backward(problem, q, k, v, out, lse, do, "sm90")
+    for x, y in zip(fused, plain):
+        assert rel_err(x, y.double()) < 1e-2

@@ -867,3 +867,107 @@ def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -
     column blocks (`Options.kv_pair`)."""
     return [plan_dq(problem, arch, kv_pair), plan_dk(problem, arch, kv_pair=kv_pair),
             plan_dv(problem, arch, kv_pair)]
+
+
+# ==================================================================== the fused backward
+# The 5-unit backward (bwd_fused_sm90.py): one pass over the (key tile, query block) pairs
+# computes dQ, dK and dV, a 2-CTA cluster per 64-key tile with each CTA owning half of D.
+FUSED_TILE = 64            # keys per tile and queries per block (every WGMMA's M or N)
+FUSED_DQ_MAX_WIDTH = 160   # widest dQ accumulator the S warpgroup holds (80 fp32 registers;
+#                            192 spilled 8 B at D=384)
+
+
+@dataclass(frozen=True)
+class BwdFusedConfigSm90:
+    """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
+    compile-verified, not routed).
+
+    arch:       "sm_90a"
+    dtype:      "bf16" | "fp16"
+    head_dim:   D == Dv, a multiple of 64 in (256, 512]: each CTA of the pair owns D / 2
+                columns, whose rows are a whole number of 64-byte swizzle spans
+    causal:     causal masking (the offset is a runtime argument, bottom-right or upper-left)
+    q_stages:   depth of the Q ring ([64 x D/2] stages; the dK warpgroup refills it)
+    do_stages:  depth of the dO ring (the dV warpgroup refills it)
+    """
+
+    arch: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    q_stages: int = 2
+    do_stages: int = 2
+
+    KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def half(self) -> int:
+        """D columns of each CTA of the pair (its dK, dV and dQ share; its K, V, Q, dO slices)."""
+        return self.head_dim // 2
+
+    @property
+    def atom_cols(self) -> int:
+        """Columns of a [64 x half] tile's swizzle atom: 64 (128-byte swizzle) when a row is a
+        multiple of 128 bytes, else 32 (64-byte; half is a multiple of 32)."""
+        return 64 if self.half * self.elem_bytes % 128 == 0 else 32
+
+    @property
+    def dq_chunks(self) -> tuple[int, ...]:
+        """Widths of the dQ accumulators the S warpgroup forms its share of dQ in, one after
+        the other: the whole share up to FUSED_DQ_MAX_WIDTH columns, else 128-column chunks
+        and the rest (whole swizzle atoms each: a chunk's B starts on an atom)."""
+        if self.half <= FUSED_DQ_MAX_WIDTH:
+            return (self.half,)
+        chunks = (128,) * (self.half // 128)
+        return chunks + ((self.half % 128,) if self.half % 128 else ())
+
+    def smem_bytes(self) -> int:
+        """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /
+        empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta), then,
+        each 1 KB aligned: the exchange buffer (the peer's fp32 S^T and dP^T partials), K, V,
+        the Q and dO rings, P^T and dS^T."""
+        header = 8 * (1 + self.q_stages + self.do_stages + 4)
+        header = _align(header, 16) + 2 * FUSED_TILE * 4
+        tile = FUSED_TILE * self.half * self.elem_bytes
+        regions = [2 * FUSED_TILE * FUSED_TILE * 4, tile, tile, self.q_stages * tile,
+                   self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes])]
+        return sum(_align(x) for x in [header, *regions])
+
+
+def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
+    """None when the fused backward can be built for cfg, else the reason."""
+    if cfg.arch != "sm_90a":
+        return f"arch {cfg.arch!r}: WGMMA, TMA and clusters need sm_90a"
+    if cfg.dtype not in DTYPES:
+        return f"dtype {cfg.dtype!r}: the fused backward takes {DTYPES}"
+    if cfg.head_dim % 64 or not 256 < cfg.head_dim <= MAX_SINGLE_CTA_HEAD_DIM:
+        return (f"head_dim={cfg.head_dim}: the fused backward needs a multiple of 64 in (256, "
+                f"{MAX_SINGLE_CTA_HEAD_DIM}] (half of D per CTA, rows of whole 64-byte "
+                "swizzle spans)")
+    if cfg.q_stages not in (1, 2) or cfg.do_stages not in (1, 2):
+        return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
+    if cfg.smem_bytes() > SMEM_CAPACITY:
+        return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
+                f"{cfg.q_stages}, do_stages {cfg.do_stages})")
+    return None
+
+
+def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
+    """The fused backward's config: two Q stages, then two dO stages where they fit (D=512
+    keeps one). Raises ValueError with the reason for problems it does not take: Dv != D,
+    a window, varlen."""
+    if problem.head_dim_v != problem.head_dim:
+        raise ValueError("the fused backward needs head_dim_v == head_dim")
+    if problem.window_lo is not None or problem.varlen:
+        raise ValueError("the fused backward takes no window and no varlen yet")
+    base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=problem.right_bounded)
+    for do_stages in (2, 1):
+        cfg = BwdFusedConfigSm90(**base, do_stages=do_stages)
+        if can_implement_fused(cfg) is None:
+            return cfg
+    raise ValueError(can_implement_fused(cfg))

@@ -1,0 +1,602 @@
+"""The fused Hopper backward: dQ, dK and dV in one pass, five GEMM units for five counted.
+
+Status: compile-verified only, not routed (docs/design.md section 4, "The fused backward").
+The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
+(dQ: S, dP, dQ; dK: S^T, dP^T, dK; dV: S^T, dV), which caps them near 350 TFLOPS at D=512 even
+at the forward's rate per unit. This kernel forms every product once per (key tile, query
+block), as FlashAttention-3 does at head dim 256, by splitting D over a 2-CTA cluster:
+
+    per CTA pair: one 64-key tile j of KV head h; CTA r owns columns [r D/2, (r+1) D/2)
+    resident:     K_r, V_r   ([64 x D/2] each: the tile's keys, this CTA's columns)
+    per block:    Q_r, dO_r  ([64 x D/2] of the block's 64 queries), LSE and Delta of them
+
+    S^T_r  = K_r Q_r^T,  dP^T_r = V_r dO_r^T        partial products over this CTA's columns
+    S^T    = S^T_0 + S^T_1,  dP^T = dP^T_0 + dP^T_1 each CTA sends its partials (fp32) to the
+                                                   peer (st.async into its exchange buffer)
+    P^T    = exp2(S^T scale log2(e) - LSE_i log2(e)) (the transposed mask first)
+    dS^T   = P^T (dP^T - Delta_i) scale
+    dV_r  += P^T dO_r,  dK_r += dS^T Q_r              in registers over every block
+    dQ_r  += dS K_r                                   fp32 `red.global.add` into dq_acc
+
+Both CTAs add the same two partials (fp32 addition commutes), so P^T and dS^T are the same bits
+on both. Executed tensor work per pair and block: 2 x (S^T_r, dP^T_r, dV_r, dK_r, dQ_r) = 5
+units of a full-D product. GQA / MQA: the pair walks the query blocks of all G query heads of
+its KV head (heads outer, under causal only the blocks with a query that sees the tile's first
+key), so dK and dV sum over the group in registers; dQ is a reduction either way, so its bits
+depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
+atomic-free kernels).
+
+Warpgroups (384 threads, 168 registers each):
+  WG0 "S"   loads K_r, V_r once and the first Q / dO stages; per block: S^T_r, dP^T_r (m64n64
+            SS WGMMA), the exchange, the score step, P^T and dS^T to smem (stmatrix), then the
+            next block's S^T_r and this block's dQ_r in column chunks (`dq_chunks`: m64n{w}
+            SS WGMMA, A = dS read transposed from the dS^T tile, B = K_r read N-major), each
+            reduced as it completes;
+  WG1 "dV"  dV_r += P^T dO_r (A = P^T from smem, B = the dO stage read N-major); refills the dO
+            ring (it is the stage's last reader: the S warpgroup's dP^T_r is complete before
+            P^T is published);
+  WG2 "dK"  dK_r += dS^T Q_r; refills the Q ring the same way.
+
+Hand-overs (mbarriers): kv (K_r and V_r landed: two arrivals with their bytes), q[s] / do[s] (TMA bytes), p_full (128 S-thread
+arrivals after a proxy fence: P^T and dS^T written), p_empty (one arrival per dV / dK warp once
+its WGMMAs on them completed), x_full (the peer's 32 KB of partials landed: st.async bytes, armed
+by our thread 0 each block) and x_empty (the peer has read what we sent: its thread 0 arrives on
+ours, cluster scope, after its S warpgroup's barrier). The exchange buffer is laid out by
+fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
+thread t holds the same (key, query) positions, so no index translation is needed.
+
+Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
+dS^T 16 KB: 214016 B (`BwdFusedConfigSm90.smem_bytes`); D <= 448 keeps two dO stages.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline  # noqa: F401  (NamedBarrier)
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from ..common.atomics import red_add_f32x2
+from ..common.mask import apply_mask_transposed, query_block_range, transposed_needs_mask
+from ..common.softmax import mn_view
+from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
+                              fake_tensor)
+from .config import FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
+from .skeleton_sm90 import WG_THREADS, row_major_layout
+
+T = FUSED_TILE
+X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
+
+
+class FusedLayouts(NamedTuple):
+    """Shared-memory layouts: K_r / V_r (T, half), the Q and dO rings (T, half, stages), the
+    P^T and dS^T tiles (T keys, T queries)."""
+
+    kv: object
+    q: object
+    do: object
+    p: object
+
+
+class FusedMmas(NamedTuple):
+    """S^T_r / dP^T_r (m64n64, both operands K-major), dV_r / dK_r (m64n{half}, B N-major),
+    one per dQ_r chunk (m64n{width}, A and B N-major)."""
+
+    s: cute.TiledMma
+    acc: cute.TiledMma
+    dq: tuple
+
+
+class FusedOps(NamedTuple):
+    """TMA atoms and their (N, D, H, B) coordinate views, then the tensors read or written
+    directly: dq_acc (B, Hq, Nq, D) fp32, dK and dV (B, Hkv, Nkv, D), LSE and Delta."""
+
+    tma_k: cute.CopyAtom
+    g_k: cute.Tensor
+    tma_v: cute.CopyAtom
+    g_v: cute.Tensor
+    tma_q: cute.CopyAtom
+    g_q: cute.Tensor
+    tma_do: cute.CopyAtom
+    g_do: cute.Tensor
+    mdQ: cute.Tensor
+    mdK: cute.Tensor
+    mdV: cute.Tensor
+    mLSE: cute.Tensor
+    mDelta: cute.Tensor
+
+
+class FusedBars(NamedTuple):
+    kv: object
+    q: object
+    do: object
+    p_full: object
+    p_empty: object
+    x_full: object
+    x_empty: object
+
+
+class FusedSmem(NamedTuple):
+    k: cute.Tensor
+    v: cute.Tensor
+    q: cute.Tensor
+    do: cute.Tensor
+    pt: cute.Tensor
+    dst: cute.Tensor
+    stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
+    x: cute.Tensor      # (4, WG_THREADS, X_FLOATS / 512): the peer's partials by position
+    bars: FusedBars
+
+
+class FusedWork(NamedTuple):
+    """The pair's key tile and its walk: block i is query head head_q0 + i // n_per, query
+    block n_top - 1 - i % n_per."""
+
+    m_block: Int32
+    head: Int32
+    batch: Int32
+    rank: Int32
+    head_q0: Int32
+    n_top: Int32
+    n_per: Int32
+    n_count: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+    causal_offset: Int32
+    scale_log2: Float32
+
+
+class FFPABwdFusedSm90(KernelEntry):
+    """dQ, dK and dV of one backward in one kernel (module docstring). Inputs as the other
+    gradient kernels take them, plus dq_acc: a zeroed fp32 [B, Hq, Nq, D] the kernel adds
+    scale * dS K into (the host casts it to dQ)."""
+
+    OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """q, k, v, do, dq_acc (fp32), dk, dv, lse, delta."""
+        q, k, v, do, lse = fake_args(cfg)
+        dk, dv, _, _, delta = fake_args(cfg)
+        return q, k, v, do, fake_tensor(Float32, 4, 4), dk, dv, lse, delta
+
+    def __init__(self, cfg: BwdFusedConfigSm90):
+        self._refuse(can_implement_fused(cfg))
+        self.cfg = cfg
+        self.dtype = CUTLASS_DTYPES[cfg.dtype]
+        self.half = cfg.half
+        self.dq_chunks = cfg.dq_chunks
+        self.tile_bytes = T * cfg.half * cfg.elem_bytes
+
+    # ---------------------------------------------------------------- host side
+    def _layouts(self) -> FusedLayouts:
+        cfg, h = self.cfg, self.half
+        return FusedLayouts(row_major_layout(T, h, self.dtype),
+                            row_major_layout(T, h, self.dtype, cfg.q_stages),
+                            row_major_layout(T, h, self.dtype, cfg.do_stages),
+                            row_major_layout(T, T, self.dtype))
+
+    def _mma(self, a_major, b_major, n: int):
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major,
+                                                 Float32, (1, 1, 1), (T, n))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 stream: cuda.CUstream):
+        """q, do: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nkv, D); dq_acc: (B, Hq, Nq, D) fp32,
+        zeroed; lse, delta: (B, Hq, Nq) fp32. Grid = (2 * key tiles, Hkv, B), clusters of 2
+        along x."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        layouts = self._layouts()
+        mQ, mK, mV, mdO, mdK, mdV = [aligned_bhnd(t, d, self.dtype)
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mdQ = aligned_bhnd(mdQ, d, Float32)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        box = (T, self.half)
+        # TMA coordinate tensors (N, D, H, B); boxes (T, half), offset to the CTA's columns
+        tmas = [cpasync.make_tiled_tma_atom(
+            g2s, cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])),
+            cute.select(lay, mode=[0, 1]), box)
+            for t, lay in ((mK, layouts.kv), (mV, layouts.kv), (mQ, layouts.q),
+                           (mdO, layouts.do))]
+        ops = FusedOps(*tmas[0], *tmas[1], *tmas[2], *tmas[3], mdQ, mdK, mdV, mLSE, mDelta)
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        mmas = FusedMmas(self._mma(K, K, T), self._mma(K, MN, self.half),
+                         tuple(self._mma(MN, MN, w) for w in self.dq_chunks))
+        SharedStorage = _shared_storage(cfg, self.dtype, layouts)
+        assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
+            SharedStorage.size_in_bytes(), cfg.smem_bytes())
+        grid = (2 * cute.ceil_div(mK.shape[2], T), cute.size(mK.shape[1]),
+                cute.size(mK.shape[0]))
+        self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
+                    SharedStorage).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
+                                          smem=SharedStorage.size_in_bytes(), stream=stream,
+                                          min_blocks_per_mp=1, cluster=[2, 1, 1])
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, ops: FusedOps, layouts: FusedLayouts, mmas: FusedMmas,
+               scale_log2: Float32, causal_offset: Int32, SharedStorage: cutlass.Constexpr):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        bars = FusedBars(storage.bar_kv.data_ptr(), storage.bar_q.data_ptr(),
+                         storage.bar_do.data_ptr(), storage.bar_p_full.data_ptr(),
+                         storage.bar_p_empty.data_ptr(), storage.bar_x_full.data_ptr(),
+                         storage.bar_x_empty.data_ptr())
+        if warp_idx == 0:
+            for tma in (ops.tma_k, ops.tma_v, ops.tma_q, ops.tma_do):
+                cpasync.prefetch_descriptor(tma)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(bars.kv, 2)             # K_r and V_r
+                for s in cutlass.range_constexpr(cfg.q_stages):
+                    cute.arch.mbarrier_init(bars.q + s, 1)
+                for s in cutlass.range_constexpr(cfg.do_stages):
+                    cute.arch.mbarrier_init(bars.do + s, 1)
+                cute.arch.mbarrier_init(bars.p_full, WG_THREADS)   # every S thread
+                cute.arch.mbarrier_init(bars.p_empty, 8)           # every dV and dK warp
+                cute.arch.mbarrier_init(bars.x_full, 1)            # our thread 0 (+ bytes)
+                cute.arch.mbarrier_init(bars.x_empty, 1)           # the peer's thread 0
+                cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive()   # the peer's barriers exist before anything reaches them
+        cute.arch.cluster_wait()
+
+        smem = FusedSmem(
+            storage.sK.get_tensor(layouts.kv.outer, swizzle=layouts.kv.inner),
+            storage.sV.get_tensor(layouts.kv.outer, swizzle=layouts.kv.inner),
+            storage.sQ.get_tensor(layouts.q.outer, swizzle=layouts.q.inner),
+            storage.sdO.get_tensor(layouts.do.outer, swizzle=layouts.do.inner),
+            storage.sPt.get_tensor(layouts.p.outer, swizzle=layouts.p.inner),
+            storage.sdSt.get_tensor(layouts.p.outer, swizzle=layouts.p.inner),
+            storage.stat.get_tensor(cute.make_layout(2 * T)),
+            storage.xbuf.get_tensor(cute.make_layout(
+                (4, WG_THREADS, X_FLOATS // (4 * WG_THREADS)),
+                stride=(1, 4, 4 * WG_THREADS))),
+            bars)
+
+        bidx, head, batch = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        rank = bidx % 2
+        # under causal the first key tiles see the most queries: first in the grid
+        m_block = bidx // 2
+        if const_expr(not cfg.causal):
+            m_block = grid_x // 2 - 1 - bidx // 2
+        seqlen_q = ops.mdQ.shape[2]
+        group = ops.mdQ.shape[1] // ops.mdK.shape[1]
+        n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, None, T, T,
+                                         cfg.causal)
+        n_per = cutlass.max(n_top - n_low, 0)
+        work = FusedWork(m_block, head, batch, rank, head * group, n_top, n_per, n_per * group,
+                         seqlen_q, ops.mdK.shape[2], causal_offset, scale_log2)
+        if wg == 0:
+            self._score_wg(mmas, ops, smem, work, tidx)
+        elif wg == 1:
+            self._grad_wg(mmas.acc, ops, smem, work, 0, tidx - WG_THREADS)
+        else:
+            self._grad_wg(mmas.acc, ops, smem, work, 1, tidx - 2 * WG_THREADS)
+        cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
+        cute.arch.cluster_wait()
+
+    # ---------------------------------------------------------------- loads
+    @cute.jit
+    def _block(self, work: FusedWork, i):
+        """(query head, query block) of block i: heads outer, blocks highest first (block 0
+        of a tile without blocks: the first head's block n_top - 1, read and dropped)."""
+        n_per = cutlass.max(work.n_per, 1)
+        return work.head_q0 + i // n_per, work.n_top - 1 - i % n_per
+
+    @cute.jit
+    def _load(self, tma: cute.CopyAtom, g: cute.Tensor, s_ring: cute.Tensor, head, batch,
+              row_block, col0, stage, bar, tidx):
+        """Rows row_block * T .. + T, columns col0 .. col0 + half of (head, batch) of the TMA
+        view g into stage `stage` of s_ring (or s_ring itself when stage is None), completing
+        on bar; by warp 0 of the calling warpgroup."""
+        rows = cute.local_tile(cute.domain_offset((0, col0), g[None, None, head, batch]),
+                               (T, self.half), (None, 0))   # (T, half, row blocks)
+        ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1),
+                                       cute.group_modes(s_ring, 0, 2),
+                                       cute.group_modes(rows, 0, 2))
+        if tidx // 32 == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tile_bytes)
+            if const_expr(stage is None):
+                cute.copy(tma, tg[None, row_block], ts, tma_bar_ptr=bar)
+            else:
+                cute.copy(tma, tg[None, row_block], ts[None, stage], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _load_block(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, i,
+                    which: cutlass.Constexpr, tidx):
+        """Block i's Q (which 0) or dO (which 1) slice into its ring stage."""
+        head_q, n_block = self._block(work, i)
+        col0 = work.rank * self.half
+        if const_expr(which == 0):
+            s = i % self.cfg.q_stages
+            self._load(ops.tma_q, ops.g_q, smem.q, head_q, work.batch, n_block, col0, s,
+                       smem.bars.q + s, tidx)
+        else:
+            s = i % self.cfg.do_stages
+            self._load(ops.tma_do, ops.g_do, smem.do, head_q, work.batch, n_block, col0, s,
+                       smem.bars.do + s, tidx)
+
+    # ---------------------------------------------------------------- S warpgroup
+    @cute.jit
+    def _score_wg(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
+                  tidx):
+        """WG0: per block S^T_r and dP^T_r, the exchange, P^T and dS^T to smem, the next
+        block's S^T_r, dQ_r and its reduction."""
+        cfg, bars = self.cfg, smem.bars
+        qs, ds = cfg.q_stages, cfg.do_stages
+        n_count, rank = work.n_count, work.rank
+        mma_s = mmas.s
+        thr = mma_s.get_slice(tidx)
+        tSrK = mma_s.make_fragment_A(thr.partition_A(smem.k))      # (MMA, 1, half / 16)
+        tSrV = mma_s.make_fragment_A(thr.partition_A(smem.v))
+        tSrQ = mma_s.make_fragment_B(thr.partition_B(smem.q))      # (MMA, 1, half / 16, qs)
+        tSrdO = mma_s.make_fragment_B(thr.partition_B(smem.do))    # (MMA, 1, half / 16, ds)
+        acc_S = cute.make_rmem_tensor(thr.partition_shape_C((T, T)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr.partition_shape_C((T, T)), Float32)
+        acc_S_mn, acc_dP_mn = mn_view(acc_S), mn_view(acc_dP)      # (2, T / 4): keys, queries
+        tScS_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, T))))
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rdS = cute.make_fragment_like(acc_S, self.dtype)
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                      self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
+        tPsP, tPsdS = thr_st.partition_D(smem.pt), thr_st.partition_D(smem.dst)
+        tPrP, tPrdS = thr_st.retile(rP), thr_st.retile(rdS)
+        # dQ_r = dS K_r: A = dS (queries, keys), the dS^T tile read transposed; B = K_r as
+        # (columns, keys), read N-major, in chunks (`dq_chunks`)
+        sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
+        sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
+
+        # ---- K_r, V_r, the first Q and dO stages
+        col0 = rank * self.half
+        for tma, g, dst in ((ops.tma_k, ops.g_k, smem.k), (ops.tma_v, ops.g_v, smem.v)):
+            self._load(tma, g, dst, work.head, work.batch, work.m_block, col0, None, bars.kv,
+                       tidx)
+        # Q of block 0 even when the tile has no block (its S^T_r is computed and dropped):
+        # no WGMMA is issued under a runtime condition, or ptxas serialises them all
+        for j in cutlass.range_constexpr(qs):
+            if j < cutlass.max(n_count, 1):
+                self._load_block(ops, smem, work, j, 0, tidx)
+        for j in cutlass.range_constexpr(ds):
+            if j < n_count:
+                self._load_block(ops, smem, work, j, 1, tidx)
+        cute.arch.mbarrier_wait(bars.kv, 0)
+        self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, 0, qs)
+        warpgroup.wait_group(0)   # none in flight into the loop
+        for i in cutlass.range(n_count, unroll=1):
+            head_q, n_block = self._block(work, i)
+            pre = self._prefetch_stat(ops, work, head_q, n_block, tidx)
+            # ---- dP^T_r, then both partials complete
+            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, i, ds)
+            warpgroup.wait_group(0)
+            # ---- the exchange: ours to the peer, the peer's added to ours
+            cute.arch.mbarrier_wait(bars.x_empty, (i & 1) ^ 1)   # the peer read our last
+            self._send(acc_S, acc_dP, smem, rank, tidx)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bars.x_full, X_FLOATS * 4)
+            self._stage_stat(smem.stat, pre, tidx)
+            cute.arch.mbarrier_wait(bars.x_full, i & 1)
+            self._receive(acc_S, acc_dP, smem, tidx)
+            cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
+            if tidx == 0:   # every S thread has read the buffer: the peer may send again
+                cute.arch.mbarrier_arrive(bars.x_empty, 1 - rank,
+                                          scope=nvvm.MemScopeKind.CLUSTER)
+            # ---- P^T and dS^T * scale
+            if transposed_needs_mask(work.m_block, n_block, work.seqlen_q, work.causal_offset,
+                                     T, T, cfg.causal):
+                apply_mask_transposed(acc_S_mn, tScS_mn, work.m_block, n_block, work.seqlen_q,
+                                      work.causal_offset, T, T, cfg.causal)
+            scale = work.scale_log2 * (1.0 / LOG2_E)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                col = tScS_mn[0, c][1]
+                lse2, delta = smem.stat[col], smem.stat[T + col]
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    p = cute.math.exp2(acc_S_mn[r, c] * work.scale_log2 - lse2, fastmath=True)
+                    acc_S_mn[r, c] = p
+                    acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
+            rP.store(acc_S.load().to(self.dtype))
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.arch.mbarrier_wait(bars.p_empty, (i & 1) ^ 1)   # dV / dK done with the last
+            cute.copy(thr_st, tPrP, tPsP)
+            cute.copy(thr_st, tPrdS, tPsdS)
+            cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
+            cute.arch.mbarrier_arrive(bars.p_full)
+            # ---- the next block's S^T_r under this block's dQ_r (after the last block its
+            #      own again, on the stage it still holds: dropped)
+            self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, cutlass.min(i + 1, n_count - 1),
+                         qs)
+            gdQ = ops.mdQ[work.batch, head_q, None, None]   # (Nq, D) fp32
+            c0 = 0
+            for j in cutlass.range_constexpr(len(self.dq_chunks)):
+                self._dq_chunk(mmas.dq[j], sdS, sKt, c0, self.dq_chunks[j], gdQ, n_block,
+                               col0, work.seqlen_q, tidx)
+                c0 += self.dq_chunks[j]
+
+    @cute.jit
+    def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, i, stages: cutlass.Constexpr):
+        """acc = A B_i^T over this CTA's columns (S^T_r or dP^T_r of block i), once block i's
+        stage of the B ring has landed; issued and committed, not waited."""
+        s = i % stages
+        cute.arch.mbarrier_wait(bar + s, (i // stages) & 1)
+        atom = cute.make_mma_atom(mma_s.op)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.half // 16):
+            atom.set(warpgroup.Field.ACCUMULATE, k > 0)
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k, s], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _prefetch_stat(self, ops: FusedOps, work: FusedWork, head_q, n_block, tidx):
+        """This S thread's value of the block: LSE of query tidx (threads [0, T)) or Delta of
+        query tidx - T; queries past Nq read -inf / 0."""
+        i = n_block * T + tidx % T
+        v = -Float32.inf
+        if tidx >= T:
+            v = Float32(0.0)
+        if i < work.seqlen_q:
+            if tidx < T:
+                v = ops.mLSE[work.batch, head_q, i]
+            else:
+                v = ops.mDelta[work.batch, head_q, i]
+        return v
+
+    @cute.jit
+    def _stage_stat(self, sStat: cute.Tensor, pre, tidx):
+        """The block's LSE (log2 units; +inf for a query that sees no key or is past Nq, so
+        its P is 0) at [0, T), its Delta at [T, 2 T); barriers before (every S thread done
+        with the last block's) and after."""
+        sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+        sync.arrive_and_wait()
+        v = pre
+        if tidx < T:
+            if v == -Float32.inf:
+                v = Float32.inf
+            v = v * LOG2_E
+        sStat[tidx] = v
+        sync.arrive_and_wait()
+
+    @cute.jit
+    def _send(self, acc_S, acc_dP, smem: FusedSmem, rank, tidx):
+        """Our partials into the peer's exchange buffer, 16 bytes per st.async, each counted on
+        the peer's x_full (value v of acc_S at [v % 4, tidx, v // 4], acc_dP's after them)."""
+        n4 = cute.size(acc_S) // 4
+        for acc, base in ((acc_S, 0), (acc_dP, n4)):
+            for q in cutlass.range_constexpr(n4):
+                dst = smem.x[None, tidx, base + q].iterator
+                cute.arch.store_async_dsmem(
+                    dst, tuple(Float32(acc[4 * q + e]).bitcast(Int32) for e in range(4)),
+                    smem.bars.x_full, 1 - rank)
+
+    @cute.jit
+    def _receive(self, acc_S, acc_dP, smem: FusedSmem, tidx):
+        """acc += the peer's partials (same positions); S^T_0 + S^T_1 on both CTAs."""
+        n4 = cute.size(acc_S) // 4
+        for acc, base in ((acc_S, 0), (acc_dP, n4)):
+            for q in cutlass.range_constexpr(n4):
+                for e in cutlass.range_constexpr(4):
+                    acc[4 * q + e] = acc[4 * q + e] + smem.x[e, tidx, base + q]
+
+    @cute.jit
+    def _dq_chunk(self, mma: cute.TiledMma, sdS: cute.Tensor, sKt: cute.Tensor,
+                  c0: cutlass.Constexpr, width: cutlass.Constexpr, gdQ: cute.Tensor, n_block,
+                  col0, seqlen_q, tidx):
+        """Columns c0 .. c0 + width of this CTA's dQ share for the block: dS K_r[:, c0 ..]
+        (every WGMMA issued before the first wait), then reduced into dq_acc."""
+        thr = mma.get_slice(tidx)
+        tQrdS = mma.make_fragment_A(thr.partition_A(sdS))   # (MMA, 1, T / 16)
+        # (MMA, 1, T / 16): K_r's columns c0 .. c0 + width as (columns, keys)
+        tQrK = mma.make_fragment_B(thr.partition_B(
+            cute.local_tile(cute.domain_offset((c0, 0), sKt), (width, T), (0, 0))))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((T, width)), Float32)
+        atom = cute.make_mma_atom(mma.op)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(T // 16):
+            atom.set(warpgroup.Field.ACCUMULATE, k > 0)
+            cute.gemm(atom, acc, tQrdS[None, None, k], tQrK[None, None, k], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, width))))
+        self._reduce_dq(acc, tQcQ_mn, gdQ, n_block, col0 + c0, seqlen_q)
+
+    @cute.jit
+    def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
+        """acc_dQ (this chunk's dQ_r of the block's queries) added into dq_acc, two adjacent
+        columns per reduction; queries past Nq skipped."""
+        acc_mn = mn_view(acc_dQ)   # (2, width / 4): queries, columns
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            q = n_block * T + tQcQ_mn[r, 0][0]
+            if q < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1]) // 2):
+                    col = col0 + tQcQ_mn[r, 2 * c][1]
+                    red_add_f32x2(cute.domain_offset((q, col), gdQ).iterator,
+                                  acc_mn[r, 2 * c], acc_mn[r, 2 * c + 1])
+
+    # ---------------------------------------------------------------- dV / dK warpgroups
+    @cute.jit
+    def _grad_wg(self, mma: cute.TiledMma, ops: FusedOps, smem: FusedSmem, work: FusedWork,
+                 which: cutlass.Constexpr, tidx):
+        """WG1 (which 0): dV_r += P^T dO_r, refilling the dO ring; WG2 (which 1): dK_r +=
+        dS^T Q_r, refilling the Q ring. Then the rows < Nkv of this CTA's columns stored."""
+        cfg, bars, h = self.cfg, smem.bars, self.half
+        stages = cfg.do_stages if const_expr(which == 0) else cfg.q_stages
+        ring = smem.do if const_expr(which == 0) else smem.q
+        ring_bar = bars.do if const_expr(which == 0) else bars.q
+        sA = smem.pt if const_expr(which == 0) else smem.dst
+        thr = mma.get_slice(tidx)
+        tArA = mma.make_fragment_A(thr.partition_A(sA))   # (MMA, 1, T / 16)
+        # the ring's (T, half) stages read as (half, T): the N-major B
+        ring_t = cute.composition(ring, cute.make_ordered_layout((h, T, stages),
+                                                                 order=(1, 0, 2)))
+        tArB = mma.make_fragment_B(thr.partition_B(ring_t))   # (MMA, 1, T / 16, stages)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((T, h)), Float32)
+        acc.fill(0.0)
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(work.n_count, unroll=1):
+            s = i % stages
+            cute.arch.mbarrier_wait(bars.p_full, i & 1)
+            cute.arch.mbarrier_wait(ring_bar + s, (i // stages) & 1)
+            atom = cute.make_mma_atom(mma.op)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(T // 16):
+                cute.gemm(atom, acc, tArA[None, None, k], tArB[None, None, k, s], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bars.p_empty)
+            # this warpgroup read the stage last (the S warpgroup's product on it completed
+            # before P^T / dS^T were published): refill it with block i + stages
+            if i + stages < work.n_count:
+                self._load_block(ops, smem, work, i + stages, which ^ 1, tidx)
+        # ---- rows < Nkv of this CTA's columns
+        out = ops.mdV if const_expr(which == 0) else ops.mdK
+        gO = cute.local_tile(
+            cute.domain_offset((0, work.rank * h), out[work.batch, work.head, None, None]),
+            (T, h), (work.m_block, 0))
+        tOgO_mn = mn_view(thr.partition_C(gO))
+        tOcO_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, h))))
+        acc_mn = mn_view(acc)
+        rows_left = work.seqlen_k - work.m_block * T
+        ncols = cute.size(acc_mn, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            if tOcO_mn[r, 0][0] < rows_left:
+                rO = cute.make_rmem_tensor(ncols, self.dtype)
+                rO.store(acc_mn[r, None].load().to(self.dtype))
+                for c in cutlass.range_constexpr(ncols):
+                    tOgO_mn[r, c] = rO[c]
+
+
+def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
+    """The storage struct (`BwdFusedConfigSm90.smem_bytes` models it): barriers, the column
+    statistics, then 1 KB aligned the exchange buffer, K_r, V_r, the Q and dO rings, P^T, dS^T."""
+    mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
+
+    def smem(layout, elem=dtype):
+        return align[mem[elem, cute.cosize(layout)], 1024]
+
+    fields = {
+        "bar_kv": mem[i64, 1], "bar_q": mem[i64, cfg.q_stages],
+        "bar_do": mem[i64, cfg.do_stages], "bar_p_full": mem[i64, 1],
+        "bar_p_empty": mem[i64, 1], "bar_x_full": mem[i64, 1], "bar_x_empty": mem[i64, 1],
+        "stat": align[mem[Float32, 2 * T], 16],
+        "xbuf": align[mem[Float32, X_FLOATS], 1024],
+        "sK": smem(layouts.kv), "sV": smem(layouts.kv), "sQ": smem(layouts.q),
+        "sdO": smem(layouts.do), "sPt": smem(layouts.p), "sdSt": smem(layouts.p),
+    }
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+__all__ = ["FFPABwdFusedSm90"]

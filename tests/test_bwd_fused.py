@@ -1,0 +1,159 @@
+"""The fused sm90 backward (sm90/bwd_fused_sm90.py) on the CPU: its config and planner, its
+compile for sm_90a (the instructions it is made of, no spills, no serialised WGMMAs), and the
+host path `launch.run_bwd` takes for it (a zeroed fp32 dq_acc, cast to dQ after), with the
+kernel replaced by a torch emulation of its decomposition. Its GPU tests are in
+test_backward_sm90_gpu.py (`test_fused_*`).
+"""
+
+import math
+
+import pytest
+import torch
+
+from ffpa_cute import dispatch, launch
+from ffpa_cute.common.config import DeltaConfig
+from ffpa_cute.problem import AttnProblem
+from ffpa_cute.reference import attention_grads, rel_err
+from ffpa_cute.sm90 import config as c90
+from test_kernels_compile import _ptxas_log, _no_spills
+
+
+def _problem(d, causal=False, dtype="bf16", **kw):
+    return AttnProblem(dtype=dtype, batch=1, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_kv=300,
+                       head_dim=d, head_dim_v=kw.pop("dv", d), causal=causal, **kw)
+
+
+def test_plan_and_constraints():
+    """Two Q and two dO stages below 512, one dO stage at 512 (what fits 227 KB); the dQ share
+    in chunks of whole swizzle atoms; D a multiple of 64 in (256, 512]; no Dv != D, window,
+    varlen."""
+    for d, ds, chunks in ((320, 2, (160,)), (384, 2, (128, 64)), (448, 2, (128, 96)),
+                          (512, 1, (128, 128))):
+        cfg = c90.plan_bwd_fused(_problem(d))
+        assert (cfg.q_stages, cfg.do_stages, cfg.dq_chunks) == (2, ds, chunks)
+        assert cfg.smem_bytes() <= c90.SMEM_CAPACITY and sum(chunks) == d // 2
+        assert all(w % cfg.atom_cols == 0 for w in chunks)
+    assert c90.plan_bwd_fused(_problem(512, causal=True)).causal
+    for d in (264, 288, 576, 256):
+        assert "head_dim" in c90.can_implement_fused(
+            c90.BwdFusedConfigSm90("sm_90a", "bf16", d, False))
+    assert "sm_90a" in c90.can_implement_fused(c90.BwdFusedConfigSm90("sm_80", "bf16", 512,
+                                                                        False))
+    assert "shared memory" in c90.can_implement_fused(
+        c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=2))
+    for kw in (dict(dv=256), dict(window_lo=-8), dict(varlen=True)):
+        with pytest.raises(ValueError):
+            c90.plan_bwd_fused(_problem(512, **kw))
+
+
+@pytest.mark.parametrize("d,causal,dtype", [(320, True, "bf16"), (448, False, "bf16"),
+                                            (512, True, "fp16")])
+def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype):
+    """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
+    TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
+    red.global.add.v2.f32, cluster barriers; no local memory, no spills, and ptxas does not
+    serialise the WGMMAs (none is issued under a runtime branch or left in flight across one)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = c90.plan_bwd_fused(_problem(d, causal, dtype))
+    cls = dispatch.kernel_class(cfg)
+    ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+    ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
+    for w in {64, d // 2, *cfg.dq_chunks}:
+        assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.{ab}" in ptx
+    for op in ("cp.async.bulk.tensor.4d", "st.async.shared::cluster.mbarrier::complete_tx::bytes"
+               ".v4.b32", "red.global.add.v2.f32", "barrier.cluster.arrive",
+               "mbarrier.arrive.release.cluster.shared::cluster", "stmatrix.sync.aligned"):
+        assert op in ptx, op
+    assert ".local" not in ptx
+    _no_spills(ptx)
+    log = _ptxas_log(ptx, "sm_90a")
+    if log is not None:
+        assert "serialized" not in log, log
+
+
+def _emulate_fused(t: dict, scalars: dict, causal: bool):
+    """The fused kernel's arithmetic in torch: per KV head and 64-key tile, the query blocks of
+    its G query heads (under causal from the block of the first query that sees the tile's
+    first key); S^T and dP^T as the sum of the two D halves' fp32 partials; the transposed mask
+    (queries past Nq, keys past the causal edge); P^T and dS^T * scale rounded to the 16-bit
+    dtype; dK, dV summed in fp32 and stored in the dtype; dQ added into dq_acc (fp32)."""
+    q, k, v, do = (t[n].float() for n in ("q", "k", "v", "do"))
+    lse, delta, dq_acc = t["lse"], t["delta"], t["dq_acc"]
+    dt = t["q"].dtype
+    scale, offset = scalars["softmax_scale"], scalars["causal_offset"]
+    b, hq, nq, d = q.shape
+    hkv, nkv, half, T = k.shape[1], k.shape[2], d // 2, 64
+    g = hq // hkv
+    for bi in range(b):
+        for h in range(hkv):
+            for m in range(-(-nkv // T)):
+                keys = torch.arange(m * T, min(m * T + T, nkv))
+                dk = torch.zeros(len(keys), d)
+                dv = torch.zeros(len(keys), d)
+                n_top = -(-nq // T)
+                n_low = max(m * T - offset, 0) // T if causal else 0
+                for hh in range(h * g, h * g + g):
+                    for n in range(n_top - 1, n_low - 1, -1):
+                        qs = torch.arange(n * T, min(n * T + T, nq))
+                        halves = [slice(0, half), slice(half, d)]
+                        st = sum(k[bi, h, keys][:, c] @ q[bi, hh, qs][:, c].T for c in halves)
+                        dpt = sum(v[bi, h, keys][:, c] @ do[bi, hh, qs][:, c].T for c in halves)
+                        if causal:
+                            st = st.masked_fill(keys[:, None] > qs[None, :] + offset,
+                                                -math.inf)
+                        lse_q = lse[bi, hh, qs].float()
+                        lse_q = torch.where(lse_q == -math.inf, math.inf, lse_q)
+                        p = torch.exp2(st * scale * math.log2(math.e)
+                                       - lse_q[None, :] * math.log2(math.e))
+                        ds = p * (dpt - delta[bi, hh, qs][None, :]) * scale
+                        p, ds = p.to(dt).float(), ds.to(dt).float()
+                        dv += p @ do[bi, hh, qs]
+                        dk += ds @ q[bi, hh, qs]
+                        dq_acc[bi, hh, qs] += ds.T @ k[bi, h, keys]
+                t["dk"][bi, h, keys] = dk.to(dt)
+                t["dv"][bi, h, keys] = dv.to(dt)
+
+
+@pytest.mark.parametrize("causal,nq,nkv", [(True, 129, 200), (False, 70, 7), (True, 300, 64)])
+def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv):
+    """`launch.run_bwd` on a plan of the Delta kernel and the fused one: dq_acc zeroed, the
+    kernel fed by its OPERANDS names, dQ cast from dq_acc. With the kernel emulated
+    (`_emulate_fused`) all three gradients meet the GPU tests' bound against float64."""
+    torch.manual_seed(0)
+    d, dt = 320, torch.bfloat16
+    q = torch.randn(1, 4, nq, d, dtype=dt)
+    k, v = (torch.randn(1, 2, nkv, d, dtype=dt) for _ in range(2))
+    do = torch.randn(1, 4, nq, d, dtype=dt)
+    offset = nkv - nq
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset)
+    s = q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.arange(nkv)[None, :] > torch.arange(nq)[:, None] + offset,
+                          -math.inf)
+    lse = torch.logsumexp(s, -1)
+    out = (torch.softmax(s, -1).nan_to_num() @ v.float().repeat_interleave(2, 1)).to(dt)
+    cfg = c90.plan_bwd_fused(problem)
+    plan = dispatch.BwdPlan(problem, "sm_90a", "sm90",
+                            cfgs=(DeltaConfig("sm_90a", "bf16", d), cfg))
+    ran = []
+
+    def fake_run_job(cls, cfg, tensors, scalars):
+        ran.append(cls.__name__)
+        if cls.__name__ == "RowDot":
+            tensors["delta"].copy_((tensors["do"].float() * tensors["o"].float()).sum(-1))
+        else:
+            assert list(cls.OPERANDS) == ["q", "k", "v", "do", "dq_acc", "dk", "dv", "lse",
+                                          "delta"]
+            assert tensors["dq_acc"].dtype == torch.float32
+            assert not tensors["dq_acc"].any()
+            _emulate_fused(tensors, scalars, cfg.causal)
+
+    monkeypatch.setattr(launch, "run_job", fake_run_job)
+    dq, dk, dv = launch.run_bwd(plan, q, k, v, out, lse, do)
+    assert ran == ["RowDot", "FFPABwdFusedSm90"]
+    ref = attention_grads(q, k, v, do, causal, offset, dtype=torch.float64)
+    base = attention_grads(q, k, v, do, causal, offset, dtype=dt)
+    for name, x, r, bb in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+        assert x.dtype == dt
+        err, base_err = rel_err(x, r), rel_err(bb, r)
+        assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"
