@@ -18,7 +18,8 @@ warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; th
 forwards (WGMMA and Split-D); a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
 decode kernel on a paged and a contiguous cache, 16-bit and e4m3, and a causal chunk
 (`KV_CASES`); the one-launch varlen forward and backward over packed sequences of unequal
-query and key lengths, empty ones included (`VARLEN_CASES`).
+query and key lengths, empty ones included (`VARLEN_CASES`); the fused backward, which is not
+routed, through its plan (`FUSED_CASES`).
 
 racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would
 only slow it down); the other tools check every kernel of the process (initcheck must see
@@ -121,8 +122,28 @@ VARLEN_CASES = [
      (64, 0), True),
 ]
 
+# the fused backward (not routed: planned here), after our forward:
+# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right))
+FUSED_CASES = [
+    ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True),
+    ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False),
+]
+
 N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
-           + len(VARLEN_CASES))
+           + len(VARLEN_CASES) + len(FUSED_CASES))
+
+
+def _fused_plan(hq, hkv, nq, nkv, d, causal):
+    """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel)."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.common.config import DeltaConfig
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.sm90.config import plan_bwd_fused
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
+                    head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
+    return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
+                                                          plan_bwd_fused(p)))
 
 
 def _problem(case):
@@ -203,6 +224,10 @@ def jobs(target: str = "sm_90a") -> list:
         assert plan.reason is None and plan.cfg.varlen, plan.reason
         todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
         out += [j for j in todo if j not in out]
+    for _, *case in FUSED_CASES:
+        p, bwd = _fused_plan(*case)
+        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
     return out
 
 
@@ -298,6 +323,19 @@ def workload() -> int:
         out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
+    from ffpa_cute import launch
+
+    for label, hq, hkv, nq, nkv, d, causal in FUSED_CASES:
+        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal)
+        q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(2))
+        k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                       return_lse=True, strict=True)
+        launch.run_bwd(plan, q, k, v, out, lse, do)
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: fused backward {plan.cfgs[1]}", flush=True)
     return 0
 
 

@@ -428,3 +428,16 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
         # an FP8 variant whose O warpgroups issue no WGMMA
         cls, cfg = next(j for j in pt._fp8_jobs() if j[0] is pt.FwdFP8TracedNoPV)
         assert cache.get(cls, cfg) is not None
+
+
+def test_bwd_fused_experiment_plans_both_backwards():
+    """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV) and the fused one
+    (Delta, fused), so `--precompile` covers what the GPU run times."""
+    from perf import bwd_fused
+
+    for case in bwd_fused.CASES:
+        routed, fused = bwd_fused.plans(case)
+        assert [type(c).__name__ for c in routed.cfgs] == [
+            "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
+        assert [type(c).__name__ for c in fused.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
+        assert fused.cfgs[1].causal == case[1]

@@ -1,0 +1,94 @@
+"""The fused backward (5 GEMM units, sm90/bwd_fused_sm90.py) beside the routed atomic-free one
+(8 units), issue 17's first measurement.
+
+    python -m perf.bwd_fused --precompile DIR     # CPU: compile both backwards into a cache
+    python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
+
+Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
+zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
+TFLOPS = 2.5 x 4 B Hq (visible pairs) D. Before timing, the fused gradients are checked against
+the routed ones (relative error < 1e-2 each; the same products in another summation order).
+
+Prediction (docs/design.md section 4, "The fused backward"): at the atomic-free kernels' rate
+per executed unit (8 units in 42 ms at D=512, N=8K: 5.3 ms each) the fused one's 5 units take
+~26 ms plus the exchange and the dQ reductions on the S warpgroup's path: 330-400 TFLOPS at
+D=512 against 258.
+"""
+
+from __future__ import annotations
+
+from perf import experiment
+
+B = 1
+# (D, causal, Hq, Hkv, N)
+CASES = ((512, False, 32, 32, 8192), (512, True, 32, 32, 8192), (512, True, 32, 4, 8192),
+         (512, True, 64, 1, 8192), (512, False, 32, 32, 16384), (320, False, 32, 32, 8192),
+         (384, False, 32, 32, 8192), (448, False, 32, 32, 8192))
+
+
+def _problem(d, causal, hq, hkv, n):
+    from ffpa_cute.problem import AttnProblem
+
+    return AttnProblem(dtype="bf16", batch=B, heads_q=hq, heads_kv=hkv, seqlen_q=n,
+                       seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal)
+
+
+def plans(case):
+    """(routed plan, fused plan) of a case, both on sm_90a."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.common.config import DeltaConfig
+    from ffpa_cute.options import Options
+    from ffpa_cute.sm90.config import plan_bwd_fused
+
+    p = _problem(*case)
+    routed = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))
+    fused = dispatch.BwdPlan(p, "sm_90a", "sm90",
+                             cfgs=(DeltaConfig("sm_90a", p.dtype, p.head_dim_v),
+                                   plan_bwd_fused(p, "sm_90a")))
+    return routed, fused
+
+
+def jobs() -> list:
+    out = []
+    for case in CASES:
+        for plan in plans(case):
+            out.extend(j for j in plan.jobs if j not in out)
+    return out
+
+
+def run(dev, flush) -> dict:
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import launch
+    from ffpa_cute.reference import rel_err
+    from perf.flops import attn_flops_bwd
+
+    res = {}
+    for case in CASES:
+        d, causal, hq, hkv, n = case
+        q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                       return_lse=True)
+        routed, fused = plans(case)
+        ref = launch.run_bwd(routed, q, k, v, out, lse, do)
+        got = launch.run_bwd(fused, q, k, v, out, lse, do)
+        errs = [rel_err(x, r.double()) for x, r in zip(got, ref)]
+        flops = attn_flops_bwd(B, hq, n, n, d, causal)
+        row = dict(errs=errs)
+        for name, plan in (("routed", routed), ("fused", fused)):
+            fn = lambda p=plan: launch.run_bwd(p, q, k, v, out, lse, do)  # noqa: E731
+            ms = experiment.median_ms(fn, dev, flush)
+            row[name] = dict(ms=ms, tflops=flops / ms / 1e9)
+        label = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
+        print(f"{label}: routed {row['routed']['ms']:.2f} ms {row['routed']['tflops']:.0f} "
+              f"TFLOPS, fused {row['fused']['ms']:.2f} ms {row['fused']['tflops']:.0f} TFLOPS; "
+              f"fused vs routed dq/dk/dv {' '.join(f'{e:.1e}' for e in errs)}", flush=True)
+        assert max(errs) < 1e-2, (label, errs)
+        res[label] = row
+    return res
+
+
+if __name__ == "__main__":
+    raise SystemExit(experiment.main("perf.bwd_fused", __doc__, jobs, run))
