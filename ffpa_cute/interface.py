@@ -345,7 +345,7 @@ def _backward_route(problem: AttnProblem, device) -> str:
     plan = dispatch.plan_bwd(problem, device)
     if plan.reason is None:
         fam, names = dispatch.FAMILIES.get(plan.family), [c.__name__ for c, _ in plan.jobs[1:]]
-        what = f" [{', '.join(names)}: {fam.verified}]" if fam and names else ""  # (not fakes)
+        what = f" [{', '.join(names)}: {selfcheck.verified_text(plan)}]" if fam and names else ""
         return f"{plan.family} backward kernels (dQ, dK, dV){what}{selfcheck.status(plan, device)}"
     math = problem.has_window or problem.has_sinks
     return f"{'torch math' if math else 'SDPA recompute'} ({plan.reason})"

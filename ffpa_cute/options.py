@@ -50,10 +50,17 @@ class Options:
                  backward, instead of one call per sequence (FFPA_CUTE_VARLEN_LAUNCH).
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
+    deterministic: the backward: True (default), the atomic-free kernels (the same bits every
+                 run); False: on sm90 the fused kernel where it builds (D 320-512 in steps of 64,
+                 Dv == D, no window, not varlen; else the atomic-free ones): 5 GEMM units
+                 instead of 8, dQ summed by fp32 reductions in whatever order they land, so its
+                 bits vary run to run. It is compile-verified only (never run on a GPU), so its
+                 first call runs the backward canary (`self_check`) (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
-                 never run on the device's target first passes a canary problem against a float32
-                 reference, else it falls back (ffpa_cute/selfcheck.py); "always": every family;
-                 "off": no canary (FFPA_CUTE_SELF_CHECK).
+                 never run on the device's target (or of a kernel never run on any GPU: the
+                 fused backward) first passes a canary problem against a float32 reference,
+                 else it falls back (ffpa_cute/selfcheck.py); "always": every family; "off":
+                 no canary (FFPA_CUTE_SELF_CHECK).
     """
 
     family: str | None = None
@@ -63,6 +70,7 @@ class Options:
     persistent: bool = True
     varlen_launch: bool = True
     fast_launch: bool = True
+    deterministic: bool = True
     self_check: str = "unverified"
 
     def __post_init__(self):
@@ -81,6 +89,7 @@ class Options:
 
 ENV = {"family": "FFPA_CUTE_ARCH", "strict": "FFPA_CUTE_STRICT", "pack_gqa": "FFPA_CUTE_PACK_GQA",
        "kv_pair": "FFPA_CUTE_KV_PAIR", "persistent": "FFPA_CUTE_PERSISTENT",
+       "deterministic": "FFPA_CUTE_DETERMINISTIC",
        "varlen_launch": "FFPA_CUTE_VARLEN_LAUNCH",
        "fast_launch": "FFPA_CUTE_FAST_LAUNCH",
        "self_check": "FFPA_CUTE_SELF_CHECK"}

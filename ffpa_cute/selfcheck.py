@@ -52,7 +52,24 @@ def needed(plan, opts=None) -> bool:
     family = dispatch.FAMILIES.get(plan.family)
     if family is None:  # not a kernel family of ours (the tests' stand-ins): only when asked
         return opts.self_check == "always"
-    return opts.self_check == "always" or plan.target not in family.verified_targets
+    return (opts.self_check == "always" or plan.target not in family.verified_targets
+            or unverified(plan))
+
+
+def unverified(plan) -> bool:
+    """Whether a plan (forward or backward) runs a kernel that never ran on any GPU: its
+    config says so (`VERIFIED` False: the fused backward), whatever its family's targets."""
+    cfgs = plan.cfgs if hasattr(plan, "cfgs") else (plan.cfg,)
+    return any(not getattr(c, "VERIFIED", True) for c in cfgs)
+
+
+def verified_text(plan) -> str:
+    """For explain(): how far a plan's kernels are verified (its family's statement, unless
+    one of them never ran on a GPU)."""
+    if unverified(plan):
+        return "compile-verified only, never run on a GPU; canaried on first use"
+    family = dispatch.FAMILIES.get(plan.family)
+    return family.verified if family else ""
 
 
 def canary_problem(plan, packed: bool | None = None, requires_grad: bool = False) -> AttnProblem:
@@ -216,5 +233,4 @@ def clear() -> None:
 
 
 __all__ = ["bwd_reason", "canary_inputs", "canary_problem", "canary_sinks", "clear", "needed",
-           "on_device",
-           "reason", "status"]
+           "on_device", "reason", "status", "unverified", "verified_text"]

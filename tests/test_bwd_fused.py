@@ -157,3 +157,34 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv):
         assert x.dtype == dt
         err, base_err = rel_err(x, r), rel_err(bb, r)
         assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"
+
+
+def test_routed_only_when_not_deterministic():
+    """`Options(deterministic=False)` plans the fused kernel on sm90 where it builds (else the
+    atomic-free kernels); the default keeps the atomic-free ones. The fused plan always needs
+    the canary (its config never ran on a GPU), the atomic-free one not on sm_90a."""
+    from ffpa_cute import selfcheck
+    from ffpa_cute.options import Options, from_env
+
+    fast = Options(deterministic=False)
+    assert from_env({"FFPA_CUTE_DETERMINISTIC": "0"}) == fast
+    for d, causal in ((512, True), (320, False)):
+        p = _problem(d, causal)
+        plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
+        assert [type(c).__name__ for c in plan.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
+        assert selfcheck.needed(plan, fast) and selfcheck.unverified(plan)
+        assert "compile-verified only" in selfcheck.verified_text(plan)
+        default = dispatch.plan_bwd(p, target="sm_90a")
+        assert [type(c).__name__ for c in default.cfgs[1:]] == [
+            "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
+        assert not selfcheck.needed(default) and not selfcheck.unverified(default)
+        assert not selfcheck.needed(plan, Options(deterministic=False, self_check="off"))
+    for p in (_problem(576), _problem(520), _problem(512, window_lo=-8), _problem(512, dv=256),
+              _problem(512, varlen=True)):
+        plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
+        assert plan.reason is None and "BwdFusedConfigSm90" not in [
+            type(c).__name__ for c in plan.cfgs], p
+    # False permits run-to-run variation, it does not require it: the other families keep
+    # their (atomic-free) kernels
+    assert dispatch.plan_bwd(_problem(512), target="sm_100a", opts=fast).cfgs == \
+        dispatch.plan_bwd(_problem(512), target="sm_100a").cfgs

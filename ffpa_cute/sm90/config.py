@@ -899,6 +899,8 @@ class BwdFusedConfigSm90:
     do_stages: int = 2
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
+    # never run on a GPU: the self-check canaries it on every target (selfcheck.unverified)
+    VERIFIED: ClassVar[bool] = False
 
     @property
     def elem_bytes(self) -> int:
@@ -954,6 +956,15 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")
     return None
+
+
+def fused_fits(problem: AttnProblem) -> bool:
+    """Whether the fused backward takes `problem` (`plan_bwd_fused` would not raise)."""
+    try:
+        plan_bwd_fused(problem)
+    except ValueError:
+        return False
+    return True
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
