@@ -21,6 +21,8 @@
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
 #   serving perf.sweep --cases serving: window, varlen, paged decode on bf16 and e4m3 caches
 #         (perf/serving.py; SERVING_CASES picks a subset, e.g. "kvdecode,kvdecode-fp8")
+#   fused the fused backward (not routed): its GPU tests, then perf.bwd_fused beside the routed
+#         backward (precompile both first: `python -m perf.bwd_fused --precompile .precache`)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -72,6 +74,12 @@ if has sweep; then
   timeout 500 python -m perf.sweep --quick --baselines "${SWEEP_BASELINES:-sdpa}" --no-progress \
       --out "$out/sweep" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep.log" 2>&1
   tail -30 "$out/sweep.log"
+fi
+if has fused; then
+  step "the fused backward: GPU tests, then perf.bwd_fused"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider tests/test_backward_sm90_gpu.py -k fused \
+      2>&1 | tee "$out/gpu_fused.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
+  timeout 300 python -m perf.bwd_fused --out "$out/bwd_fused.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"
