@@ -1,0 +1,56 @@
+"""The pieces of an executable mbarrier-protocol model (sm100/protocol.py models the sm100
+kernels, sm90/fused_protocol.py the fused sm90 backward): barriers with phases, arrival counts
+and transaction bytes, and buffers that know what they hold and who may still read them. A
+model runs a kernel's roles as generators over these and raises `ProtocolError` on a hang or a
+hazard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STAGE_BYTES = 1  # the model's unit of a stage's transaction bytes
+
+
+class ProtocolError(AssertionError):
+    pass
+
+
+@dataclass
+class Barrier:
+    count: int  # arrivals that complete a phase
+    pending: int = 0
+    tx: int = 0  # expected bytes not yet landed in the current phase (may go negative)
+    phase: int = 0  # completed phases
+
+    def _settle(self) -> None:
+        if self.pending == self.count and self.tx == 0:
+            self.pending, self.phase = 0, self.phase + 1
+
+    def arrive(self, name: str, expect_tx: int = 0) -> None:
+        self.pending += 1
+        self.tx += expect_tx
+        if self.pending > self.count:
+            raise ProtocolError(f"{name}: {self.pending} arrivals for a phase of {self.count}")
+        self._settle()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        self._settle()
+
+    def done(self, name: str, phase: int) -> bool:
+        """Whether phase `phase` has completed, as a parity wait sees it; a wait whose phase is
+        two or more behind the barrier would be read as a later one by the hardware."""
+        if self.phase > phase + 1:
+            raise ProtocolError(f"{name}: waiting for phase {phase}, barrier at {self.phase}")
+        return self.phase > phase
+
+
+@dataclass
+class Buffer:
+    """What a buffer holds and who may still read it."""
+
+    valid: object = None  # the tag of the data it holds (None: nothing valid)
+    readers: set = field(default_factory=set)
+
+
+__all__ = ["Barrier", "Buffer", "ProtocolError", "STAGE_BYTES"]
