@@ -1,7 +1,8 @@
-"""The fused sm90 backward (sm90/bwd_fused_sm90.py) on the CPU: its config and planner, its
-compile for sm_90a (the instructions it is made of, no spills, no serialised WGMMAs), and the
-host path `launch.run_bwd` takes for it (a zeroed fp32 dq_acc, cast to dQ after), with the
-kernel replaced by a torch emulation of its decomposition. Its GPU tests are in
+"""The fused sm90 backward (sm90/bwd_fused_sm90.py) on the CPU: its config, planner and route
+(`Options.deterministic`), its compile for sm_90a (the instructions it is made of, no spills,
+no serialised WGMMAs), the host path `launch.run_bwd` takes for it (a zeroed fp32 dq_acc, cast
+to dQ after) with the kernel replaced by a torch emulation of its decomposition, and the
+executable model of its hand-overs (sm90/fused_protocol.py). Its GPU tests are in
 test_backward_sm90_gpu.py (`test_fused_*`).
 """
 
@@ -188,3 +189,39 @@ def test_routed_only_when_not_deterministic():
     # their (atomic-free) kernels
     assert dispatch.plan_bwd(_problem(512), target="sm_100a", opts=fast).cfgs == \
         dispatch.plan_bwd(_problem(512), target="sm_100a").cfgs
+
+
+@pytest.mark.parametrize("q_stages,do_stages", [(2, 2), (2, 1), (1, 1), (1, 2)])
+def test_protocol_model_runs_clean(q_stages, do_stages):
+    """The executable model of the kernel's hand-overs (sm90/fused_protocol.py: both CTAs'
+    three warpgroups, TMA and st.async landing in any order, WGMMAs reading until their
+    wait_group) finishes without a hang or a hazard for every ring depth, 0-8 query blocks,
+    many interleavings."""
+    from ffpa_cute.sm90 import fused_protocol
+
+    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, q_stages=q_stages,
+                                 do_stages=do_stages)
+    for blocks in (0, 1, 2, 3, 5, 8):
+        for seed in range(25):
+            fused_protocol.run(cfg, blocks, seed)
+
+
+@pytest.mark.parametrize("fault,needle", [
+    ("no_x_empty_wait", "reads"),            # partials sent before the peer read the last
+    ("no_p_empty_wait", "writes"),           # P^T / dS^T rewritten under dV / dK's WGMMAs
+    ("p_empty_count", "deadlock"),           # one arrival short: the S warpgroup waits forever
+    ("refill_before_wait", "writes")])       # a ring stage refilled under its last WGMMA
+def test_protocol_model_catches_faults(fault, needle):
+    """Each injected fault is caught (a hazard or a hang) in some interleaving."""
+    from ffpa_cute.common.protocol import ProtocolError
+    from ffpa_cute.sm90 import fused_protocol
+
+    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, do_stages=1)
+    errors = []
+    for seed in range(150):
+        try:
+            fused_protocol.run(cfg, 6, seed, faults=(fault,))
+        except ProtocolError as e:
+            errors.append(str(e))
+            break
+    assert errors and needle in errors[0], errors

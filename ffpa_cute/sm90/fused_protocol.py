@@ -1,0 +1,211 @@
+"""An executable model of the fused sm90 backward's protocol (bwd_fused_sm90.py), built from
+its config.
+
+The kernel has never run on a GPU, and its hand-overs are new: the pair's exchange of partial
+scores (st.async into the peer's buffer, x_full / x_empty across the cluster), P^T / dS^T from
+the S warpgroup to the dV and dK warpgroups (p_full / p_empty), and Q / dO rings refilled by
+their last reader with no "empty" barrier. This module runs the three warpgroups of both CTAs
+as the kernel orders their steps, over a model of the hardware (common/protocol.py), and checks
+what a hang or a race would break:
+
+- mbarriers with phases, arrival counts and transaction bytes; a parity wait two phases behind
+  its barrier is an error (the hardware would read it as a later phase);
+- TMA loads and the peer's st.async stores landing later, in any order;
+- WGMMAs reading their operands from issue until the issuing warpgroup's wait_group(0); every
+  buffer (K_r, V_r, the ring stages, P^T, dS^T, the exchange buffer) knows what it holds and
+  who may still read it: a write while another unit may read it, or a read of anything but the
+  expected block's data, is an error.
+
+`run(cfg, blocks, seed)` interleaves every warpgroup and landing at random until all finish,
+raising `ProtocolError` on a deadlock or a hazard; tests/test_bwd_fused.py runs it over seeds,
+block counts and ring depths, and checks that it catches injected faults. The roles below
+follow `FFPABwdFusedSm90._score_wg` and `_grad_wg` step for step: a change to either belongs
+here too.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..common.protocol import STAGE_BYTES, Barrier, Buffer, ProtocolError
+from .config import BwdFusedConfigSm90
+
+WG_THREADS = 128
+
+
+class FusedModel:
+    """Both CTAs of one key tile walking `blocks` query blocks. `faults`: names of steps to
+    drop or alter (tests: the model must catch them)."""
+
+    def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=()):
+        self.cfg, self.n, self.rng, self.faults = cfg, blocks, random.Random(seed), set(faults)
+        counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
+                  "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
+                  "x_empty": (1, 1)}
+        if "p_empty_count" in self.faults:  # one warp's arrival too few
+            counts["p_empty"] = (1, 9)
+        self.bars = {self.bar(r, name, i): Barrier(c) for r in (0, 1)
+                     for name, (k, c) in counts.items() for i in range(k)}
+        self.bufs: dict[str, Buffer] = {}
+        self.landing: list = []  # in flight: (buffer, tag, barrier)
+        self.steps = 0
+
+    # -------------------------------------------------------------- hardware
+    @staticmethod
+    def bar(cta: int, name: str, i: int = 0) -> str:
+        return f"{cta}:{name}[{i}]"
+
+    def buf(self, name: str) -> Buffer:
+        return self.bufs.setdefault(name, Buffer())
+
+    def write(self, name: str, tag, who: str) -> None:
+        b = self.buf(name)
+        if b.readers - {who}:
+            raise ProtocolError(f"{who} writes {name} while {sorted(b.readers)} may read it")
+        b.valid = tag
+
+    def read(self, name: str, tag, who: str, hold: bool = True) -> None:
+        """`who` reads `name` expecting `tag`; with `hold` it keeps reading until `release`
+        (a WGMMA until its warpgroup's wait_group, the S threads' exchange-buffer loads until
+        their barrier)."""
+        b = self.buf(name)
+        if b.valid != tag:
+            raise ProtocolError(f"{who} reads {name} expecting {tag}, it holds {b.valid}")
+        if hold:
+            b.readers.add(who)
+
+    def release(self, who: str) -> None:
+        for b in self.bufs.values():
+            b.readers.discard(who)
+
+    def done(self, bar: str, phase: int) -> bool:
+        return self.bars[bar].done(bar, phase)
+
+    def wait(self, bar: str, phase: int):
+        while not self.done(bar, phase):
+            yield
+
+    def arrive(self, bar: str, times: int = 1, expect: int = 0) -> None:
+        for t in range(times):
+            self.bars[bar].arrive(bar, expect if t == 0 else 0)
+
+    def load(self, r: int, ring: str, i: int, block: int) -> None:
+        """A TMA load of block `block` into stage i of CTA r's ring (`ring` "q" or "do"), its
+        bytes expected on the stage's barrier."""
+        self.arrive(self.bar(r, ring, i), expect=STAGE_BYTES)
+        self.landing.append((f"{r}:{ring}{i}", (ring, block), self.bar(r, ring, i)))
+
+    # -------------------------------------------------------------- the warpgroups
+    def score(self, r: int):
+        """WG0 of CTA r (`_score_wg`)."""
+        cfg, n, me = self.cfg, self.n, f"S{r}"
+        mma = me + ".wgmma"   # its WGMMAs' reads, held until its wait_group(0)
+        qs, ds = cfg.q_stages, cfg.do_stages
+        kv = self.bar(r, "kv")
+        for name in ("k", "v"):
+            self.arrive(kv, expect=STAGE_BYTES)
+            self.landing.append((f"{r}:{name}", name, kv))
+        for j in range(qs):
+            if j < max(n, 1):
+                self.load(r, "q", j % qs, j)
+        for j in range(ds):
+            if j < n:
+                self.load(r, "do", j, j)
+        yield
+        yield from self.wait(kv, 0)
+        yield from self.scores(r, "q", 0, qs)
+        self.release(mma)                                 # wait_group(0)
+        for i in range(n):
+            yield from self.scores(r, "do", i, ds)
+            self.release(mma)                             # wait_group(0): S^T, dP^T done
+            if "no_x_empty_wait" not in self.faults and i > 0:
+                yield from self.wait(self.bar(r, "x_empty"), i - 1)
+            # our partials into the peer's buffer (st.async), counted on its x_full
+            self.landing.append((f"{1 - r}:x", ("x", r, i), self.bar(1 - r, "x_full")))
+            self.arrive(self.bar(r, "x_full"), expect=STAGE_BYTES)
+            yield
+            yield from self.wait(self.bar(r, "x_full"), i)
+            self.read(f"{r}:x", ("x", 1 - r, i), me + "x")
+            yield                                         # the S threads' barrier
+            self.release(me + "x")
+            self.arrive(self.bar(1 - r, "x_empty"))       # remote, cluster scope
+            if "no_p_empty_wait" not in self.faults and i > 0:
+                yield from self.wait(self.bar(r, "p_empty"), i - 1)
+            self.write(f"{r}:pt", ("p", i), me)
+            self.write(f"{r}:dst", ("ds", i), me)
+            self.arrive(self.bar(r, "p_full"), WG_THREADS)
+            yield
+            yield from self.scores(r, "q", min(i + 1, n - 1), qs)
+            self.read(f"{r}:dst", ("ds", i), mma)         # dQ = dS K_r
+            self.read(f"{r}:k", "k", mma)
+            yield
+            self.release(mma)                             # wait_group(0), then the reduction
+
+    def scores(self, r: int, ring: str, i: int, stages: int):
+        """`_scores`: wait block i's stage of `ring`, then the WGMMAs reading it (and K_r or
+        V_r) are in flight."""
+        s, mma = i % stages, f"S{r}.wgmma"
+        yield from self.wait(self.bar(r, ring, s), i // stages)
+        self.read(f"{r}:{ring}{s}", (ring, i), mma)
+        self.read(f"{r}:{'k' if ring == 'q' else 'v'}", "k" if ring == "q" else "v", mma)
+        yield
+
+    def grad(self, r: int, which: int):
+        """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r
+        (`_grad_wg`)."""
+        cfg, n = self.cfg, self.n
+        ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
+        a = "pt" if which == 0 else "dst"
+        mma = f"{'dV' if which == 0 else 'dK'}{r}.wgmma"
+        early = "refill_before_wait" in self.faults
+        for i in range(n):
+            s = i % stages
+            yield from self.wait(self.bar(r, "p_full"), i)
+            yield from self.wait(self.bar(r, ring, s), i // stages)
+            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", i), mma)
+            self.read(f"{r}:{ring}{s}", (ring, i), mma)
+            if early and i + stages < n:
+                self.load(r, ring, s, i + stages)
+            yield
+            self.release(mma)                             # wait_group(0)
+            self.arrive(self.bar(r, "p_empty"), 4)        # lane 0 of each warp
+            if not early and i + stages < n:
+                self.load(r, ring, s, i + stages)
+            yield
+
+    # -------------------------------------------------------------- the interleaving
+    def land(self) -> None:
+        name, tag, bar = self.landing.pop(self.rng.randrange(len(self.landing)))
+        self.write(name, tag, "TMA / st.async")
+        self.bars[bar].complete_tx(STAGE_BYTES)
+
+    def run(self, max_steps: int = 200000) -> int:
+        roles = {}
+        for r in (0, 1):
+            roles[f"S{r}"] = self.score(r)
+            roles[f"dV{r}"] = self.grad(r, 0)
+            roles[f"dK{r}"] = self.grad(r, 1)
+        while roles or self.landing:
+            self.steps += 1
+            if self.steps > max_steps:
+                raise ProtocolError(f"no progress after {max_steps} steps: deadlock "
+                                    f"(roles left: {sorted(roles)})")
+            units = sorted(roles) + ["land"] * bool(self.landing)
+            unit = units[self.rng.randrange(len(units))]
+            if unit == "land":
+                self.land()
+                continue
+            try:
+                next(roles[unit])
+            except StopIteration:
+                del roles[unit]
+        return self.steps
+
+
+def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=()) -> int:
+    """Model one key tile's CTA pair over `blocks` query blocks; the steps taken (raises
+    ProtocolError)."""
+    return FusedModel(cfg, blocks, seed, faults).run()
+
+
+__all__ = ["FusedModel", "run"]
