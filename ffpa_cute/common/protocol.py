@@ -53,4 +53,42 @@ class Buffer:
     readers: set = field(default_factory=set)
 
 
-__all__ = ["Barrier", "Buffer", "ProtocolError", "STAGE_BYTES"]
+class ModelBase:
+    """What every protocol model shares: named barriers (`bars`, "cta:name[i]") and buffers
+    (`bufs`), writes that may not overlap another unit's reads, reads that must find the data
+    they expect (`hold`: the reader keeps reading until `release`), parity waits."""
+
+    def __init__(self):
+        self.bars: dict[str, Barrier] = {}
+        self.bufs: dict[str, Buffer] = {}
+
+    @staticmethod
+    def bar(cta: int, name: str, i: int = 0) -> str:
+        return f"{cta}:{name}[{i}]"
+
+    def buf(self, name: str) -> Buffer:
+        return self.bufs.setdefault(name, Buffer())
+
+    def write(self, name: str, tag, who: str) -> None:
+        b = self.buf(name)
+        if b.readers - {who}:
+            raise ProtocolError(f"{who} writes {name} while {sorted(b.readers)} may read it")
+        b.valid = tag
+
+    def read(self, name: str, tag, who: str, hold: bool = False) -> None:
+        b = self.buf(name)
+        if b.valid != tag:
+            raise ProtocolError(f"{who} reads {name} expecting {tag}, it holds {b.valid}")
+        if hold:
+            b.readers.add(who)
+
+    def release(self, who: str) -> None:
+        """`who` has stopped reading every buffer it held."""
+        for b in self.bufs.values():
+            b.readers.discard(who)
+
+    def done(self, bar: str, phase: int) -> bool:
+        return self.bars[bar].done(bar, phase)
+
+
+__all__ = ["Barrier", "Buffer", "ModelBase", "ProtocolError", "STAGE_BYTES"]

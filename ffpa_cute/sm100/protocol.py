@@ -28,44 +28,23 @@ from __future__ import annotations
 
 import random
 
-from ..common.protocol import STAGE_BYTES, Barrier, Buffer, ProtocolError
+from ..common.protocol import STAGE_BYTES, Barrier, ModelBase, ProtocolError
 from .config import FwdConfigSm100
 
 
-class Model:
+class Model(ModelBase):
     def __init__(self, cfg: FwdConfigSm100, blocks: int, seed: int):
+        super().__init__()
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
         self.ctas = cfg.cluster_size
         self.role_cfg = {"load": cfg, "mma": cfg}  # what each role was built from (tests: faults)
         self.bars = {self.bar(r, name, i): Barrier(arrivals) for r in range(self.ctas)
                      for name, (n, arrivals) in cfg.barriers().items() for i in range(n)}
-        self.bufs: dict[str, Buffer] = {}
         self.tma: list = []  # in-flight landings: (cta, stage buffer, tag, barrier)
         self.pipes: list[list] = [[] for _ in range(self.ctas)]  # each CTA's tensor pipe
         self.steps = 0
 
     # -------------------------------------------------------------- hardware
-    @staticmethod
-    def bar(cta: int, name: str, i: int = 0) -> str:
-        return f"{cta}:{name}[{i}]"
-
-    def buf(self, name: str) -> Buffer:
-        return self.bufs.setdefault(name, Buffer())
-
-    def write(self, name: str, tag, who: str) -> None:
-        b = self.buf(name)
-        if b.readers - {who}:
-            raise ProtocolError(f"{who} writes {name} while {sorted(b.readers)} may read it")
-        b.valid = tag
-
-    def read(self, name: str, tag, who: str) -> None:
-        if self.buf(name).valid != tag:
-            raise ProtocolError(f"{who} reads {name} expecting {tag}, it holds "
-                                f"{self.buf(name).valid}")
-
-    def done(self, bar: str, phase: int) -> bool:
-        return self.bars[bar].done(bar, phase)
-
     def commit_targets(self, cta: int, name: str) -> range:
         """The CTAs a tcgen05.commit of `cta` on barrier `name` arrives at."""
         return range(self.ctas) if name == "qk_empty" else range(cta, cta + 1)

@@ -68,7 +68,7 @@ from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor)
 from .config import FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
-from .skeleton_sm90 import WG_THREADS, row_major_layout
+from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles
 
 T = FUSED_TILE
 X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
@@ -226,9 +226,7 @@ class FFPABwdFusedSm90(KernelEntry):
     def kernel(self, ops: FusedOps, layouts: FusedLayouts, mmas: FusedMmas,
                scale_log2: Float32, causal_offset: Int32, SharedStorage: cutlass.Constexpr):
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
-        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, wg, warp_idx = thread_roles()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         bars = FusedBars(storage.bar_kv.data_ptr(), storage.bar_q.data_ptr(),
                          storage.bar_do.data_ptr(), storage.bar_p_full.data_ptr(),

@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import random
 
-from ..common.protocol import STAGE_BYTES, Barrier, Buffer, ProtocolError
+from ..common.protocol import STAGE_BYTES, Barrier, ModelBase, ProtocolError
 from .config import BwdFusedConfigSm90
 
 WG_THREADS = 128
 
 
-class FusedModel:
+class FusedModel(ModelBase):
     """Both CTAs of one key tile walking `blocks` query blocks. `faults`: names of steps to
     drop or alter (tests: the model must catch them)."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=()):
+        super().__init__()
         self.cfg, self.n, self.rng, self.faults = cfg, blocks, random.Random(seed), set(faults)
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
@@ -46,41 +47,10 @@ class FusedModel:
             counts["p_empty"] = (1, 9)
         self.bars = {self.bar(r, name, i): Barrier(c) for r in (0, 1)
                      for name, (k, c) in counts.items() for i in range(k)}
-        self.bufs: dict[str, Buffer] = {}
         self.landing: list = []  # in flight: (buffer, tag, barrier)
         self.steps = 0
 
     # -------------------------------------------------------------- hardware
-    @staticmethod
-    def bar(cta: int, name: str, i: int = 0) -> str:
-        return f"{cta}:{name}[{i}]"
-
-    def buf(self, name: str) -> Buffer:
-        return self.bufs.setdefault(name, Buffer())
-
-    def write(self, name: str, tag, who: str) -> None:
-        b = self.buf(name)
-        if b.readers - {who}:
-            raise ProtocolError(f"{who} writes {name} while {sorted(b.readers)} may read it")
-        b.valid = tag
-
-    def read(self, name: str, tag, who: str, hold: bool = True) -> None:
-        """`who` reads `name` expecting `tag`; with `hold` it keeps reading until `release`
-        (a WGMMA until its warpgroup's wait_group, the S threads' exchange-buffer loads until
-        their barrier)."""
-        b = self.buf(name)
-        if b.valid != tag:
-            raise ProtocolError(f"{who} reads {name} expecting {tag}, it holds {b.valid}")
-        if hold:
-            b.readers.add(who)
-
-    def release(self, who: str) -> None:
-        for b in self.bufs.values():
-            b.readers.discard(who)
-
-    def done(self, bar: str, phase: int) -> bool:
-        return self.bars[bar].done(bar, phase)
-
     def wait(self, bar: str, phase: int):
         while not self.done(bar, phase):
             yield
@@ -125,7 +95,7 @@ class FusedModel:
             self.arrive(self.bar(r, "x_full"), expect=STAGE_BYTES)
             yield
             yield from self.wait(self.bar(r, "x_full"), i)
-            self.read(f"{r}:x", ("x", 1 - r, i), me + "x")
+            self.read(f"{r}:x", ("x", 1 - r, i), me + "x", hold=True)
             yield                                         # the S threads' barrier
             self.release(me + "x")
             self.arrive(self.bar(1 - r, "x_empty"))       # remote, cluster scope
@@ -136,8 +106,8 @@ class FusedModel:
             self.arrive(self.bar(r, "p_full"), WG_THREADS)
             yield
             yield from self.scores(r, "q", min(i + 1, n - 1), qs)
-            self.read(f"{r}:dst", ("ds", i), mma)         # dQ = dS K_r
-            self.read(f"{r}:k", "k", mma)
+            self.read(f"{r}:dst", ("ds", i), mma, hold=True)   # dQ = dS K_r
+            self.read(f"{r}:k", "k", mma, hold=True)
             yield
             self.release(mma)                             # wait_group(0), then the reduction
 
@@ -146,8 +116,9 @@ class FusedModel:
         V_r) are in flight."""
         s, mma = i % stages, f"S{r}.wgmma"
         yield from self.wait(self.bar(r, ring, s), i // stages)
-        self.read(f"{r}:{ring}{s}", (ring, i), mma)
-        self.read(f"{r}:{'k' if ring == 'q' else 'v'}", "k" if ring == "q" else "v", mma)
+        self.read(f"{r}:{ring}{s}", (ring, i), mma, hold=True)
+        self.read(f"{r}:{'k' if ring == 'q' else 'v'}", "k" if ring == "q" else "v", mma,
+                  hold=True)
         yield
 
     def grad(self, r: int, which: int):
@@ -162,8 +133,8 @@ class FusedModel:
             s = i % stages
             yield from self.wait(self.bar(r, "p_full"), i)
             yield from self.wait(self.bar(r, ring, s), i // stages)
-            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", i), mma)
-            self.read(f"{r}:{ring}{s}", (ring, i), mma)
+            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", i), mma, hold=True)
+            self.read(f"{r}:{ring}{s}", (ring, i), mma, hold=True)
             if early and i + stages < n:
                 self.load(r, ring, s, i + stages)
             yield

@@ -119,6 +119,15 @@ from .ring_context import (BLoads, Barriers, BlockSeq, ColLoads, Convert, Counte
 WG_THREADS = 128
 
 
+@cute.jit
+def thread_roles():
+    """(thread index, warpgroup index, warp index) of the calling thread, the last two
+    warp-uniform: the first step of every warp-specialised sm90 kernel."""
+    tidx, _, _ = cute.arch.thread_idx()
+    return (tidx, cute.arch.make_warp_uniform(tidx // WG_THREADS),
+            cute.arch.make_warp_uniform(cute.arch.warp_idx()))
+
+
 def row_major_layout(rows: int, cols: int, dtype, stages: int | None = None):
     """Row-major (cols contiguous) WGMMA-compatible smem layout of (rows, cols[, stages]) with
     the widest swizzle the row's bytes allow."""
@@ -398,10 +407,7 @@ class RingSkeletonSm90(KernelEntry):
     def kernel(self, ops: Operands, scalars: Scalars, layouts: SmemLayouts, mmas: Mmas,
                SharedStorage: cutlass.Constexpr, extra):
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
-        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-
+        tidx, wg, warp_idx = thread_roles()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         bars = Barriers(storage.bar_r.data_ptr(), storage.bar_c.data_ptr(),
                         storage.bar_b.data_ptr(), storage.bar_p_full.data_ptr(),
@@ -1419,4 +1425,4 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-__all__ = ["RingSkeletonSm90", "WG_THREADS", "row_major_layout"]
+__all__ = ["RingSkeletonSm90", "WG_THREADS", "row_major_layout", "thread_roles"]
