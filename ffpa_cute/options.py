@@ -52,7 +52,7 @@ class Options:
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     deterministic: the backward: True (default), the atomic-free kernels (the same bits every
                  run); False: on sm90 the fused kernel where it builds (D 320-512 in steps of 64,
-                 Dv == D, no window, not varlen; else the atomic-free ones): 5 GEMM units
+                 Dv == D, not varlen; else the atomic-free ones): 5 GEMM units
                  instead of 8, dQ summed by fp32 reductions in whatever order they land, so its
                  bits vary run to run. It is compile-verified only (never run on a GPU), so its
                  first call runs the backward canary (`self_check`) (FFPA_CUTE_DETERMINISTIC).

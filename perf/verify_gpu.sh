@@ -21,7 +21,7 @@
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
 #   serving perf.sweep --cases serving: window, varlen, paged decode on bf16 and e4m3 caches
 #         (perf/serving.py; SERVING_CASES picks a subset, e.g. "kvdecode,kvdecode-fp8")
-#   fused the fused backward (not routed): its GPU tests, then perf.bwd_fused beside the routed
+#   fused the fused backward (off the default route): its GPU tests, then perf.bwd_fused beside the routed
 #         backward (precompile both first: `python -m perf.bwd_fused --precompile .precache`)
 set -uo pipefail
 out="${OUT:-./out}"

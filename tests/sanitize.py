@@ -122,7 +122,7 @@ VARLEN_CASES = [
      (64, 0), True),
 ]
 
-# the fused backward (not routed: planned here), after our forward:
+# the fused backward (planned here: the default route is the atomic-free one), after our forward:
 # (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right))
 FUSED_CASES = [
     ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True),

@@ -178,7 +178,7 @@ def test_dv_not_d(seed, d, dv, causal, nq, nkv, ratio):
 
 
 def _fused_plan(problem):
-    """The fused backward (not routed: planned here), after the Delta kernel."""
+    """The fused backward (planned here, whatever the options), after the Delta kernel."""
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.sm90.config import plan_bwd_fused
 

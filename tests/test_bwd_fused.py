@@ -26,8 +26,8 @@ def _problem(d, causal=False, dtype="bf16", **kw):
 
 def test_plan_and_constraints():
     """Two Q and two dO stages below 512, one dO stage at 512 (what fits 227 KB); the dQ share
-    in chunks of whole swizzle atoms; D a multiple of 64 in (256, 512]; no Dv != D, window,
-    varlen."""
+    in chunks of whole swizzle atoms; D a multiple of 64 in (256, 512]; a window's left edge as
+    a field; no Dv != D, no varlen."""
     for d, ds, chunks in ((320, 2, (160,)), (384, 2, (128, 64)), (448, 2, (128, 96)),
                           (512, 1, (128, 128))):
         cfg = c90.plan_bwd_fused(_problem(d))
@@ -35,6 +35,7 @@ def test_plan_and_constraints():
         assert cfg.smem_bytes() <= c90.SMEM_CAPACITY and sum(chunks) == d // 2
         assert all(w % cfg.atom_cols == 0 for w in chunks)
     assert c90.plan_bwd_fused(_problem(512, causal=True)).causal
+    assert c90.plan_bwd_fused(_problem(512, window_lo=-8)).window
     for d in (264, 288, 576, 256):
         assert "head_dim" in c90.can_implement_fused(
             c90.BwdFusedConfigSm90("sm_90a", "bf16", d, False))
@@ -42,20 +43,23 @@ def test_plan_and_constraints():
                                                                         False))
     assert "shared memory" in c90.can_implement_fused(
         c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=2))
-    for kw in (dict(dv=256), dict(window_lo=-8), dict(varlen=True)):
+    for kw in (dict(dv=256), dict(varlen=True)):
         with pytest.raises(ValueError):
             c90.plan_bwd_fused(_problem(512, **kw))
 
 
-@pytest.mark.parametrize("d,causal,dtype", [(320, True, "bf16"), (448, False, "bf16"),
-                                            (512, True, "fp16")])
-def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype):
+@pytest.mark.parametrize("d,causal,dtype,window", [(320, True, "bf16", False),
+                                                   (448, False, "bf16", False),
+                                                   (512, True, "fp16", False),
+                                                   (512, True, "bf16", True)])
+def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
     TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
     red.global.add.v2.f32, cluster barriers; no local memory, no spills, and ptxas does not
     serialise the WGMMAs (none is issued under a runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
-    cfg = c90.plan_bwd_fused(_problem(d, causal, dtype))
+    cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
+    assert cfg.window == window
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
@@ -72,12 +76,13 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype):
         assert "serialized" not in log, log
 
 
-def _emulate_fused(t: dict, scalars: dict, causal: bool):
+def _emulate_fused(t: dict, scalars: dict, causal: bool, window: bool):
     """The fused kernel's arithmetic in torch: per KV head and 64-key tile, the query blocks of
     its G query heads (under causal from the block of the first query that sees the tile's
-    first key); S^T and dP^T as the sum of the two D halves' fp32 partials; the transposed mask
-    (queries past Nq, keys past the causal edge); P^T and dS^T * scale rounded to the 16-bit
-    dtype; dK, dV summed in fp32 and stored in the dtype; dQ added into dq_acc (fp32)."""
+    first key, under a window up to the block of the last query that sees its last key); S^T
+    and dP^T as the sum of the two D halves' fp32 partials; the transposed mask (keys past the
+    causal edge or left of the window); P^T and dS^T * scale rounded to the 16-bit dtype; dK,
+    dV summed in fp32 and stored in the dtype; dQ added into dq_acc (fp32)."""
     q, k, v, do = (t[n].float() for n in ("q", "k", "v", "do"))
     lse, delta, dq_acc = t["lse"], t["delta"], t["dq_acc"]
     dt = t["q"].dtype
@@ -92,6 +97,9 @@ def _emulate_fused(t: dict, scalars: dict, causal: bool):
                 dk = torch.zeros(len(keys), d)
                 dv = torch.zeros(len(keys), d)
                 n_top = -(-nq // T)
+                if window:
+                    seen = max((m + 1) * T - scalars["window_lo"], 0)
+                    n_top = min(n_top, -(-seen // T))
                 n_low = max(m * T - offset, 0) // T if causal else 0
                 for hh in range(h * g, h * g + g):
                     for n in range(n_top - 1, n_low - 1, -1):
@@ -102,6 +110,9 @@ def _emulate_fused(t: dict, scalars: dict, causal: bool):
                         if causal:
                             st = st.masked_fill(keys[:, None] > qs[None, :] + offset,
                                                 -math.inf)
+                        if window:
+                            st = st.masked_fill(
+                                keys[:, None] < qs[None, :] + scalars["window_lo"], -math.inf)
                         lse_q = lse[bi, hh, qs].float()
                         lse_q = torch.where(lse_q == -math.inf, math.inf, lse_q)
                         p = torch.exp2(st * scale * math.log2(math.e)
@@ -115,21 +126,29 @@ def _emulate_fused(t: dict, scalars: dict, causal: bool):
                 t["dv"][bi, h, keys] = dv.to(dt)
 
 
-@pytest.mark.parametrize("causal,nq,nkv", [(True, 129, 200), (False, 70, 7), (True, 300, 64)])
-def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv):
+@pytest.mark.parametrize("causal,nq,nkv,left", [(True, 129, 200, None), (False, 70, 7, None),
+                                                (True, 300, 64, None), (True, 200, 260, 70),
+                                                (False, 150, 150, 100)])
+def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left):
     """`launch.run_bwd` on a plan of the Delta kernel and the fused one: dq_acc zeroed, the
-    kernel fed by its OPERANDS names, dQ cast from dq_acc. With the kernel emulated
-    (`_emulate_fused`) all three gradients meet the GPU tests' bound against float64."""
+    kernel fed by its OPERANDS names and SCALARS, dQ cast from dq_acc. With the kernel emulated
+    (`_emulate_fused`) all three gradients meet the GPU tests' bound against float64, a window
+    (`left` keys behind the bottom-right diagonal) included."""
     torch.manual_seed(0)
     d, dt = 320, torch.bfloat16
     q = torch.randn(1, 4, nq, d, dtype=dt)
     k, v = (torch.randn(1, 2, nkv, d, dtype=dt) for _ in range(2))
     do = torch.randn(1, 4, nq, d, dtype=dt)
     offset = nkv - nq
-    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset)
+    lo = None if left is None else offset - left
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset,
+                                       bounds=None if lo is None else (lo, None))
     s = q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(d)
     if causal:
         s = s.masked_fill(torch.arange(nkv)[None, :] > torch.arange(nq)[:, None] + offset,
+                          -math.inf)
+    if lo is not None:
+        s = s.masked_fill(torch.arange(nkv)[None, :] < torch.arange(nq)[:, None] + lo,
                           -math.inf)
     lse = torch.logsumexp(s, -1)
     out = (torch.softmax(s, -1).nan_to_num() @ v.float().repeat_interleave(2, 1)).to(dt)
@@ -147,13 +166,15 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv):
                                           "delta"]
             assert tensors["dq_acc"].dtype == torch.float32
             assert not tensors["dq_acc"].any()
-            _emulate_fused(tensors, scalars, cfg.causal)
+            assert cfg.window == (lo is not None)
+            assert set(cls.SCALARS) <= set(scalars)
+            _emulate_fused(tensors, scalars, cfg.causal, cfg.window)
 
     monkeypatch.setattr(launch, "run_job", fake_run_job)
     dq, dk, dv = launch.run_bwd(plan, q, k, v, out, lse, do)
     assert ran == ["RowDot", "FFPABwdFusedSm90"]
-    ref = attention_grads(q, k, v, do, causal, offset, dtype=torch.float64)
-    base = attention_grads(q, k, v, do, causal, offset, dtype=dt)
+    ref = attention_grads(q, k, v, do, causal, offset, dtype=torch.float64, window_lo=lo)
+    base = attention_grads(q, k, v, do, causal, offset, dtype=dt, window_lo=lo)
     for name, x, r, bb in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
         assert x.dtype == dt
         err, base_err = rel_err(x, r), rel_err(bb, r)
@@ -180,8 +201,7 @@ def test_routed_only_when_not_deterministic():
             "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         assert not selfcheck.needed(default) and not selfcheck.unverified(default)
         assert not selfcheck.needed(plan, Options(deterministic=False, self_check="off"))
-    for p in (_problem(576), _problem(520), _problem(512, window_lo=-8), _problem(512, dv=256),
-              _problem(512, varlen=True)):
+    for p in (_problem(576), _problem(520), _problem(512, dv=256), _problem(512, varlen=True)):
         plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
         assert plan.reason is None and "BwdFusedConfigSm90" not in [
             type(c).__name__ for c in plan.cfgs], p

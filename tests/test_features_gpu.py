@@ -95,6 +95,29 @@ def _window_sinks_case(d, hq, hkv, nq, nkv, window, causal, with_sinks, kernel):
         assert rel_err(g, w) <= bound(rel_err(s, w)), name
 
 
+@pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c[0] % 64 == 0 and c[0] <= 512],
+                         ids=_ids)
+def test_window_sinks_fused_backward(seed, case):
+    """The same through the fused backward (`Options(deterministic=False)`; not routed by
+    default, compile-verified before this test): the route names it, and with the canary off
+    the fused kernel itself gives the gradients, through out and lse."""
+    from ffpa_cute import dispatch, selfcheck
+    from ffpa_cute.problem import AttnProblem
+
+    d, hq, hkv, nq, nkv, window, causal, with_sinks = case
+    with ffpa_cute.options.use(deterministic=False, self_check="off"):
+        q, k, v = rnd(1, hq, nq, d), rnd(1, hkv, nkv, d), rnd(1, hkv, nkv, d)
+        assert "FFPABwdFusedSm90" in explain(q, k, v, is_causal=causal, enable_gqa=True,
+                                             window=window), case
+        _window_sinks_case(d, hq, hkv, nq, nkv, window, causal, with_sinks, "FFPAFwdSm90")
+    # and its canary passes (what a default `self_check` runs before its first use)
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
+                    head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
+    opts = ffpa_cute.Options(deterministic=False)
+    plan = dispatch.plan_bwd(p, q.device, opts=opts)
+    assert selfcheck.bwd_reason(plan, q.device, opts) is None
+
+
 def test_window_sinks_under_torch_compile(seed):
     """torch.compile(fullgraph=True, inductor) of a window + sinks layer: the kernels through
     the `ffpa_cute::feature_attention_fwd` / `_bwd` ops, the same out and gradients (sinks

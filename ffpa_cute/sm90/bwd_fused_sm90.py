@@ -1,6 +1,10 @@
 """The fused Hopper backward: dQ, dK and dV in one pass, five GEMM units for five counted.
 
-Status: compile-verified only, not routed (docs/design.md section 4, "The fused backward").
+Status: compile-verified only, never run on a GPU (docs/design.md section 4, "The fused
+backward"); planned only under `Options(deterministic=False)`, and canaried before its first use
+there (selfcheck.py: its config's VERIFIED is False). Constraints (`can_implement_fused`): D ==
+Dv a multiple of 64 in (256, 512], bf16 / fp16; causal either alignment, a sliding window's left
+edge (config `window`), GQA / MQA; no varlen.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
 (dQ: S, dP, dQ; dK: S^T, dP^T, dK; dV: S^T, dV), which caps them near 350 TFLOPS at D=512 even
 at the forward's rate per unit. This kernel forms every product once per (key tile, query
@@ -22,7 +26,8 @@ Both CTAs add the same two partials (fp32 addition commutes), so P^T and dS^T ar
 on both. Executed tensor work per pair and block: 2 x (S^T_r, dP^T_r, dV_r, dK_r, dQ_r) = 5
 units of a full-D product. GQA / MQA: the pair walks the query blocks of all G query heads of
 its KV head (heads outer, under causal only the blocks with a query that sees the tile's first
-key), so dK and dV sum over the group in registers; dQ is a reduction either way, so its bits
+key, under a window's left edge up to the last query that sees its last key), so dK and dV
+sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
 atomic-free kernels).
 
@@ -149,6 +154,7 @@ class FusedWork(NamedTuple):
     seqlen_q: Int32
     seqlen_k: Int32
     causal_offset: Int32
+    window_lo: object     # Int32 with `window`, else None (no code for it)
     scale_log2: Float32
 
 
@@ -158,6 +164,7 @@ class FFPABwdFusedSm90(KernelEntry):
     scale * dS K into (the host casts it to dQ)."""
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
 
     @staticmethod
     def fake_inputs(cfg):
@@ -190,10 +197,10 @@ class FFPABwdFusedSm90(KernelEntry):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 stream: cuda.CUstream):
+                 window_lo: Int32, stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nkv, D); dq_acc: (B, Hq, Nq, D) fp32,
-        zeroed; lse, delta: (B, Hq, Nq) fp32. Grid = (2 * key tiles, Hkv, B), clusters of 2
-        along x."""
+        zeroed; lse, delta: (B, Hq, Nq) fp32; window_lo read with `window`. Grid = (2 * key
+        tiles, Hkv, B), clusters of 2 along x."""
         cfg, d = self.cfg, self.cfg.head_dim
         layouts = self._layouts()
         mQ, mK, mV, mdO, mdK, mdV = [aligned_bhnd(t, d, self.dtype)
@@ -217,6 +224,7 @@ class FFPABwdFusedSm90(KernelEntry):
         grid = (2 * cute.ceil_div(mK.shape[2], T), cute.size(mK.shape[1]),
                 cute.size(mK.shape[0]))
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
+                    window_lo if const_expr(cfg.window) else None,
                     SharedStorage).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream,
                                           min_blocks_per_mp=1, cluster=[2, 1, 1])
@@ -224,7 +232,8 @@ class FFPABwdFusedSm90(KernelEntry):
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, ops: FusedOps, layouts: FusedLayouts, mmas: FusedMmas,
-               scale_log2: Float32, causal_offset: Int32, SharedStorage: cutlass.Constexpr):
+               scale_log2: Float32, causal_offset: Int32, window_lo,
+               SharedStorage: cutlass.Constexpr):
         cfg = self.cfg
         tidx, wg, warp_idx = thread_roles()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -271,11 +280,11 @@ class FFPABwdFusedSm90(KernelEntry):
             m_block = grid_x // 2 - 1 - bidx // 2
         seqlen_q = ops.mdQ.shape[2]
         group = ops.mdQ.shape[1] // ops.mdK.shape[1]
-        n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, None, T, T,
+        n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
                                          cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
         work = FusedWork(m_block, head, batch, rank, head * group, n_top, n_per, n_per * group,
-                         seqlen_q, ops.mdK.shape[2], causal_offset, scale_log2)
+                         seqlen_q, ops.mdK.shape[2], causal_offset, window_lo, scale_log2)
         if wg == 0:
             self._score_wg(mmas, ops, smem, work, tidx)
         elif wg == 1:
@@ -394,9 +403,9 @@ class FFPABwdFusedSm90(KernelEntry):
                                           scope=nvvm.MemScopeKind.CLUSTER)
             # ---- P^T and dS^T * scale
             if transposed_needs_mask(work.m_block, n_block, work.seqlen_q, work.causal_offset,
-                                     T, T, cfg.causal):
+                                     T, T, cfg.causal, work.window_lo):
                 apply_mask_transposed(acc_S_mn, tScS_mn, work.m_block, n_block, work.seqlen_q,
-                                      work.causal_offset, T, T, cfg.causal)
+                                      work.causal_offset, T, T, cfg.causal, work.window_lo)
             scale = work.scale_log2 * (1.0 / LOG2_E)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = tScS_mn[0, c][1]

@@ -889,6 +889,9 @@ class BwdFusedConfigSm90:
     causal:     causal masking (the offset is a runtime argument, bottom-right or upper-left)
     q_stages:   depth of the Q ring ([64 x D/2] stages; the dK warpgroup refills it)
     do_stages:  depth of the dO ring (the dV warpgroup refills it)
+    window:     a sliding window's left edge (the runtime `window_lo`): a key tile walks only
+                the query blocks up to the last query that sees its last key, masking the
+                crossing ones, as the dK / dV kernels do
     """
 
     arch: str
@@ -897,6 +900,7 @@ class BwdFusedConfigSm90:
     causal: bool
     q_stages: int = 2
     do_stages: int = 2
+    window: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # never run on a GPU: the self-check canaries it on every target (selfcheck.unverified)
@@ -970,13 +974,13 @@ def fused_fits(problem: AttnProblem) -> bool:
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D=512
     keeps one). Raises ValueError with the reason for problems it does not take: Dv != D,
-    a window, varlen."""
+    varlen."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
-    if problem.window_lo is not None or problem.varlen:
-        raise ValueError("the fused backward takes no window and no varlen yet")
+    if problem.varlen:
+        raise ValueError("the fused backward takes no varlen yet")
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.right_bounded)
+                causal=problem.right_bounded, window=problem.window_lo is not None)
     for do_stages in (2, 1):
         cfg = BwdFusedConfigSm90(**base, do_stages=do_stages)
         if can_implement_fused(cfg) is None:
