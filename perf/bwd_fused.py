@@ -6,8 +6,10 @@
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
-TFLOPS = 2.5 x 4 B Hq (visible pairs) D. Before timing, the fused gradients are checked against
-the routed ones (relative error < 1e-2 each; the same products in another summation order).
+TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed backward, the fused one, and at D=512 the
+fused one with `red_v4` (dQ reduced 16 bytes per instruction). Before timing, each fused
+variant's gradients are checked against the routed ones (relative error < 1e-2 each; the same
+products in another summation order).
 
 Prediction (docs/design.md section 4, "The fused backward"): at the atomic-free kernels' rate
 per executed unit (8 units in 42 ms at D=512, N=8K: 5.3 ms each) the fused one's 5 units take
@@ -33,25 +35,30 @@ def _problem(d, causal, hq, hkv, n):
                        seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal)
 
 
-def plans(case):
-    """(routed plan, fused plan) of a case, both on sm_90a."""
+def plans(case) -> dict:
+    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused", and at
+    D=512 "fused v4" (`red_v4`)."""
+    import dataclasses
+
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
     from ffpa_cute.sm90.config import plan_bwd_fused
 
     p = _problem(*case)
-    routed = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))
-    fused = dispatch.BwdPlan(p, "sm_90a", "sm90",
-                             cfgs=(DeltaConfig("sm_90a", p.dtype, p.head_dim_v),
-                                   plan_bwd_fused(p, "sm_90a")))
-    return routed, fused
+    out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
+    cfg = plan_bwd_fused(p, "sm_90a")
+    for label, c in (("fused", cfg), ("fused v4", dataclasses.replace(cfg, red_v4=True))):
+        if label == "fused" or p.head_dim == 512:
+            out[label] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
+                DeltaConfig("sm_90a", p.dtype, p.head_dim_v), c))
+    return out
 
 
 def jobs() -> list:
     out = []
     for case in CASES:
-        for plan in plans(case):
+        for plan in plans(case).values():
             out.extend(j for j in plan.jobs if j not in out)
     return out
 
@@ -71,21 +78,25 @@ def run(dev, flush) -> dict:
         k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
                                        return_lse=True)
-        routed, fused = plans(case)
-        ref = launch.run_bwd(routed, q, k, v, out, lse, do)
-        got = launch.run_bwd(fused, q, k, v, out, lse, do)
-        errs = [rel_err(x, r.double()) for x, r in zip(got, ref)]
+        label = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
+        variants = plans(case)
+        ref = launch.run_bwd(variants["routed"], q, k, v, out, lse, do)
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        row = dict(errs=errs)
-        for name, plan in (("routed", routed), ("fused", fused)):
+        row = {}
+        for name, plan in variants.items():
+            errs = None
+            if name != "routed":
+                got = launch.run_bwd(plan, q, k, v, out, lse, do)
+                errs = [rel_err(x, r.double()) for x, r in zip(got, ref)]
+                assert max(errs) < 1e-2, (label, name, errs)
             fn = lambda p=plan: launch.run_bwd(p, q, k, v, out, lse, do)  # noqa: E731
             ms = experiment.median_ms(fn, dev, flush)
-            row[name] = dict(ms=ms, tflops=flops / ms / 1e9)
-        label = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
-        print(f"{label}: routed {row['routed']['ms']:.2f} ms {row['routed']['tflops']:.0f} "
-              f"TFLOPS, fused {row['fused']['ms']:.2f} ms {row['fused']['tflops']:.0f} TFLOPS; "
-              f"fused vs routed dq/dk/dv {' '.join(f'{e:.1e}' for e in errs)}", flush=True)
-        assert max(errs) < 1e-2, (label, errs)
+            row[name] = dict(ms=ms, tflops=flops / ms / 1e9, errs=errs)
+        print(f"{label}: " + ", ".join(
+            f"{name} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS" for name, r in row.items())
+            + "; dq/dk/dv vs routed " + " | ".join(
+                " ".join(f"{e:.1e}" for e in r["errs"]) for r in row.values() if r["errs"]),
+            flush=True)
         res[label] = row
     return res
 

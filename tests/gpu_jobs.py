@@ -48,6 +48,8 @@ def jobs(sections=SECTIONS) -> list:
     """The kernels of the named `SECTIONS` (main: every head dim, dtype and causal mode under
     both families, forward and backward; sanitize: the compute-sanitizer workload's,
     tests/sanitize.py; the others as the module docstring lists them)."""
+    import dataclasses
+
     from ffpa_cute import dispatch
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
@@ -85,10 +87,11 @@ def jobs(sections=SECTIONS) -> list:
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
                         add([(dispatch.kernel_class(cfg), cfg)])
                     if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
-                        cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward
-                        add([(dispatch.kernel_class(cfg), cfg)])
-    import dataclasses
-
+                        cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward, and
+                        add([(dispatch.kernel_class(cfg), cfg)])            # its red_v4
+                        if dtype == "bf16":
+                            v4 = dataclasses.replace(cfg, red_v4=True)
+                            add([(dispatch.kernel_class(v4), v4)])
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt

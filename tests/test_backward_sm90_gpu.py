@@ -177,13 +177,15 @@ def test_dv_not_d(seed, d, dv, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dv=dv)
 
 
-def _fused_plan(problem):
-    """The fused backward (planned here, whatever the options), after the Delta kernel."""
+def _fused_plan(problem, **fields):
+    """The fused backward (planned here, whatever the options; `fields` change its config),
+    after the Delta kernel."""
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.sm90.config import plan_bwd_fused
 
+    cfg = dataclasses.replace(plan_bwd_fused(problem), **fields)
     return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
-        DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v), plan_bwd_fused(problem)))
+        DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v), cfg))
 
 
 FUSED_CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4), (320, True, 1000, 129, 1),
@@ -196,6 +198,14 @@ def test_fused_matches_reference(seed, d, causal, nq, nkv, ratio):
     """The fused backward (sm90/bwd_fused_sm90.py: one pass, a CTA pair per key tile splitting
     D, partial scores exchanged, dQ reduced in fp32): all three gradients against float64."""
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), plan=_fused_plan)
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [FUSED_CASES[1], FUSED_CASES[3],
+                                                   FUSED_CASES[4]])
+def test_fused_red_v4(seed, d, causal, nq, nkv, ratio):
+    """The `red_v4` variant (lane pairs swap halves, one 16-byte reduction per 4 columns)."""
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
+           plan=lambda p: _fused_plan(p, red_v4=True))
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),

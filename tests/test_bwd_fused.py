@@ -6,6 +6,7 @@ executable model of its hand-overs (sm90/fused_protocol.py). Its GPU tests are i
 test_backward_sm90_gpu.py (`test_fused_*`).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -48,25 +49,28 @@ def test_plan_and_constraints():
             c90.plan_bwd_fused(_problem(512, **kw))
 
 
-@pytest.mark.parametrize("d,causal,dtype,window", [(320, True, "bf16", False),
-                                                   (448, False, "bf16", False),
-                                                   (512, True, "fp16", False),
-                                                   (512, True, "bf16", True)])
-def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window):
+@pytest.mark.parametrize("d,causal,dtype,window,v4", [(320, True, "bf16", False, False),
+                                                      (448, False, "bf16", False, True),
+                                                      (512, True, "fp16", False, False),
+                                                      (512, True, "bf16", True, True)])
+def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window, v4):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
     TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
-    red.global.add.v2.f32, cluster barriers; no local memory, no spills, and ptxas does not
+    red.global.add.v2.f32 (`red_v4`: .v4 after a lane-pair shuffle), cluster barriers; no local memory, no spills, and ptxas does not
     serialise the WGMMAs (none is issued under a runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     assert cfg.window == window
+    cfg = dataclasses.replace(cfg, red_v4=v4)
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
     for w in {64, d // 2, *cfg.dq_chunks}:
         assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.{ab}" in ptx
+    red = "red.global.add.v4.f32" if v4 else "red.global.add.v2.f32"
+    assert ("shfl.sync.bfly" in ptx) == v4
     for op in ("cp.async.bulk.tensor.4d", "st.async.shared::cluster.mbarrier::complete_tx::bytes"
-               ".v4.b32", "red.global.add.v2.f32", "barrier.cluster.arrive",
+               ".v4.b32", red, "barrier.cluster.arrive",
                "mbarrier.arrive.release.cluster.shared::cluster", "stmatrix.sync.aligned"):
         assert op in ptx, op
     assert ".local" not in ptx

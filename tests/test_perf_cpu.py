@@ -436,8 +436,11 @@ def test_bwd_fused_experiment_plans_both_backwards():
     from perf import bwd_fused
 
     for case in bwd_fused.CASES:
-        routed, fused = bwd_fused.plans(case)
-        assert [type(c).__name__ for c in routed.cfgs] == [
+        plans = bwd_fused.plans(case)
+        assert list(plans) == ["routed", "fused"] + (["fused v4"] if case[0] == 512 else [])
+        assert [type(c).__name__ for c in plans["routed"].cfgs] == [
             "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
-        assert [type(c).__name__ for c in fused.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
-        assert fused.cfgs[1].causal == case[1]
+        for name in list(plans)[1:]:
+            cfgs = plans[name].cfgs
+            assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
+            assert cfgs[1].causal == case[1] and cfgs[1].red_v4 == (name == "fused v4")

@@ -67,7 +67,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ..common.atomics import red_add_f32x2
+from ..common.atomics import red_add_f32x2, red_add_f32x4
 from ..common.mask import apply_mask_transposed, query_block_range, transposed_needs_mask
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
@@ -521,8 +521,11 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.jit
     def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
         """acc_dQ (this chunk's dQ_r of the block's queries) added into dq_acc, two adjacent
-        columns per reduction; queries past Nq skipped."""
+        columns per reduction (`red_v4`: four); queries past Nq skipped."""
         acc_mn = mn_view(acc_dQ)   # (2, width / 4): queries, columns
+        if const_expr(self.cfg.red_v4):
+            self._reduce_dq_v4(acc_mn, tQcQ_mn, gdQ, n_block, col0, seqlen_q)
+            return
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             q = n_block * T + tQcQ_mn[r, 0][0]
             if q < seqlen_q:
@@ -530,6 +533,35 @@ class FFPABwdFusedSm90(KernelEntry):
                     col = col0 + tQcQ_mn[r, 2 * c][1]
                     red_add_f32x2(cute.domain_offset((q, col), gdQ).iterator,
                                   acc_mn[r, 2 * c], acc_mn[r, 2 * c + 1])
+
+    @cute.jit
+    def _reduce_dq_v4(self, acc_mn, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
+        """`red_v4`: a thread holds columns c, c+1 (c = 8 g + 2 (lane % 4)) of rows r0 and r0+8
+        for each 8-column group g; lanes 2j and 2j+1 swap two values (one shuffle each) so the
+        even lane holds row r0's columns c..c+3 and the odd one row r0+8's c-2..c+1, reduced by
+        one 16-byte `red.global.add.v4.f32` each."""
+        odd = cute.arch.lane_idx() % 2
+        row = tQcQ_mn[odd, 0][0]   # this lane's row after the swap: r0 (even), r0+8 (odd)
+        q = n_block * T + row
+        for g in cutlass.range_constexpr(cute.size(acc_mn, mode=[1]) // 2):
+            # even lanes send their row-r0+8 pair, odd lanes their row-r0 pair
+            send0 = acc_mn[1, 2 * g]
+            send1 = acc_mn[1, 2 * g + 1]
+            keep0 = acc_mn[0, 2 * g]
+            keep1 = acc_mn[0, 2 * g + 1]
+            if odd == 1:
+                send0, send1 = acc_mn[0, 2 * g], acc_mn[0, 2 * g + 1]
+                keep0, keep1 = acc_mn[1, 2 * g], acc_mn[1, 2 * g + 1]
+            got0 = cute.arch.shuffle_sync_bfly(send0, offset=1)
+            got1 = cute.arch.shuffle_sync_bfly(send1, offset=1)
+            c = tQcQ_mn[0, 2 * g][1]   # this lane's first column before the swap
+            if q < seqlen_q:
+                if odd == 1:   # columns c-2 .. c+1 of row r0+8: the partner's pair, then ours
+                    red_add_f32x4(cute.domain_offset((q, col0 + c - 2), gdQ).iterator,
+                                  got0, got1, keep0, keep1)
+                else:          # columns c .. c+3 of row r0: ours, then the partner's
+                    red_add_f32x4(cute.domain_offset((q, col0 + c), gdQ).iterator,
+                                  keep0, keep1, got0, got1)
 
     # ---------------------------------------------------------------- dV / dK warpgroups
     @cute.jit

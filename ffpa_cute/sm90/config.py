@@ -892,6 +892,10 @@ class BwdFusedConfigSm90:
     window:     a sliding window's left edge (the runtime `window_lo`): a key tile walks only
                 the query blocks up to the last query that sees its last key, masking the
                 crossing ones, as the dK / dV kernels do
+    red_v4:     dQ reduced 4 columns per `red.global.add.v4.f32` (each lane pair swaps half of
+                its values with one shuffle, so a lane holds 4 adjacent columns of one row)
+                instead of 2 per `.v2` (half the reduction instructions; a variant for the
+                first measurement, off by default)
     """
 
     arch: str
@@ -901,6 +905,7 @@ class BwdFusedConfigSm90:
     q_stages: int = 2
     do_stages: int = 2
     window: bool = False
+    red_v4: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # never run on a GPU: the self-check canaries it on every target (selfcheck.unverified)
