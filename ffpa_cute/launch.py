@@ -156,6 +156,28 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def max_clusters(size: int) -> int:
+    """How many clusters of `size` CTAs of one SM each (the most shared memory a CTA may have)
+    fit the current CUDA device at once: what a persistent cluster grid may launch without a
+    cluster waiting for another to finish (1 without CUDA: the CPU tests' fake launches)."""
+    if not torch.cuda.is_available():
+        return 1
+    return _max_clusters(torch.cuda.current_device(), size)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_clusters(index: int, size: int) -> int:
+    """cutlass-dsl's occupancy query (a kernel at the opt-in shared memory per block), or, if it
+    fails, one cluster per `size` SMs."""
+    try:
+        from cutlass.utils import HardwareInfo
+
+        with torch.cuda.device(index):
+            return max(int(HardwareInfo().get_max_active_clusters(size)), 1)
+    except Exception:  # noqa: BLE001 (any failure of the query: the SM count's bound)
+        return max(_sm_count(index) // size, 1)
+
+
 def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dlse=None):
     """(dq, dk, dv) from a backward plan's kernels: Delta = rowsum(dout * out) first, then the
     gradient kernels, each writing its own output (atomic-free: the same bits every run), or
@@ -185,7 +207,10 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
     reduces_dq = any("dq_acc" in cls.OPERANDS for cls, _ in plan.jobs)
     if reduces_dq:
         t["dq_acc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    run_grad_jobs(plan, t, kernel_scalars(p, p.right_edge), dlse)
+    scalars = kernel_scalars(p, p.right_edge)
+    if any("num_clusters" in cls.SCALARS for cls, _ in plan.jobs):
+        scalars["num_clusters"] = max_clusters(2)
+    run_grad_jobs(plan, t, scalars, dlse)
     if reduces_dq:
         t["dq"].copy_(t["dq_acc"])
     grads = t["dq"], t["dk"], t["dv"]

@@ -7,7 +7,8 @@
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed backward, the fused one, and at D=512 the
-fused one with `red_v4` (dQ reduced 16 bytes per instruction). Before timing, each fused
+fused one with `red_v4` (dQ reduced 16 bytes per instruction) and with `persistent` (resident
+clusters walking the tiles: no cluster launch per tile). Before timing, each fused
 variant's gradients are checked against the routed ones (relative error < 1e-2 each; the same
 products in another summation order).
 
@@ -37,7 +38,7 @@ def _problem(d, causal, hq, hkv, n):
 
 def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused", and at
-    D=512 "fused v4" (`red_v4`)."""
+    D=512 "fused v4" (`red_v4`) and "fused persistent" (`persistent`)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -48,7 +49,8 @@ def plans(case) -> dict:
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
     cfg = plan_bwd_fused(p, "sm_90a")
-    for label, c in (("fused", cfg), ("fused v4", dataclasses.replace(cfg, red_v4=True))):
+    for label, c in (("fused", cfg), ("fused v4", dataclasses.replace(cfg, red_v4=True)),
+                     ("fused persistent", dataclasses.replace(cfg, persistent=True))):
         if label == "fused" or p.head_dim == 512:
             out[label] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
                 DeltaConfig("sm_90a", p.dtype, p.head_dim_v), c))

@@ -89,9 +89,10 @@ def jobs(sections=SECTIONS) -> list:
                     if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
                         cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward, and
                         add([(dispatch.kernel_class(cfg), cfg)])            # its red_v4
-                        if dtype == "bf16":
-                            v4 = dataclasses.replace(cfg, red_v4=True)
-                            add([(dispatch.kernel_class(v4), v4)])
+                        if dtype == "bf16":  # and its variants
+                            for kw in (dict(red_v4=True), dict(persistent=True)):
+                                c = dataclasses.replace(cfg, **kw)
+                                add([(dispatch.kernel_class(c), c)])
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt

@@ -208,6 +208,22 @@ def test_fused_red_v4(seed, d, causal, nq, nkv, ratio):
            plan=lambda p: _fused_plan(p, red_v4=True))
 
 
+@pytest.mark.parametrize("clusters", [3, None])
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [FUSED_CASES[0], FUSED_CASES[1],
+                                                   FUSED_CASES[2], FUSED_CASES[4],
+                                                   FUSED_CASES[6]])
+def test_fused_persistent(seed, monkeypatch, d, causal, nq, nkv, ratio, clusters):
+    """The `persistent` variant: resident clusters walking the key tiles with their streams
+    carried over (3 clusters: many tiles each, empty causal tiles among them; None: as many
+    as the device holds)."""
+    from ffpa_cute import launch
+
+    if clusters is not None:
+        monkeypatch.setattr(launch, "max_clusters", lambda size: clusters)
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
+           plan=lambda p: _fused_plan(p, persistent=True))
+
+
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),
                                                    (320, False, 1000, 1000, 1)])
 def test_fused_fp16_and_beside_the_atomic_free_kernels(seed, d, causal, nq, nkv, ratio):

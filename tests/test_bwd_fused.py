@@ -8,6 +8,7 @@ test_backward_sm90_gpu.py (`test_fused_*`).
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from ffpa_cute.common.config import DeltaConfig
 from ffpa_cute.problem import AttnProblem
 from ffpa_cute.reference import attention_grads, rel_err
 from ffpa_cute.sm90 import config as c90
-from test_kernels_compile import _ptxas_log, _no_spills
+from test_kernels_compile import _no_spills, _ptxas_log, _ptxas_spills
 
 
 def _problem(d, causal=False, dtype="bf16", **kw):
@@ -49,11 +50,12 @@ def test_plan_and_constraints():
             c90.plan_bwd_fused(_problem(512, **kw))
 
 
-@pytest.mark.parametrize("d,causal,dtype,window,v4", [(320, True, "bf16", False, False),
-                                                      (448, False, "bf16", False, True),
-                                                      (512, True, "fp16", False, False),
-                                                      (512, True, "bf16", True, True)])
-def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window, v4):
+@pytest.mark.parametrize("d,causal,dtype,window,v4,persistent", [
+    (320, True, "bf16", False, False, False), (448, False, "bf16", False, True, False),
+    (512, True, "fp16", False, False, False), (512, True, "bf16", True, True, False),
+    (320, False, "bf16", False, True, True), (512, True, "bf16", False, False, True)])
+def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window, v4,
+                                      persistent):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
     TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
     red.global.add.v2.f32 (`red_v4`: .v4 after a lane-pair shuffle), cluster barriers; no local memory, no spills, and ptxas does not
@@ -61,7 +63,7 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     assert cfg.window == window
-    cfg = dataclasses.replace(cfg, red_v4=v4)
+    cfg = dataclasses.replace(cfg, red_v4=v4, persistent=persistent)
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
@@ -74,7 +76,14 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
                "mbarrier.arrive.release.cluster.shared::cluster", "stmatrix.sync.aligned"):
         assert op in ptx, op
     assert ".local" not in ptx
-    _no_spills(ptx)
+    if persistent:  # registers moved to the S warpgroup: setmaxnreg 184 / 160 / 160
+        assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+184", ptx)
+        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+160", ptx)
+    res = _ptxas_spills(ptx, "sm_90a")
+    if res is not None:  # persistent at D=512 causal: one 4-byte value, reloaded per block
+        assert res[0] <= (12 if persistent and d == 512 else 0), res
+    if not persistent:
+        _no_spills(ptx)
     log = _ptxas_log(ptx, "sm_90a")
     if log is not None:
         assert "serialized" not in log, log
@@ -215,36 +224,41 @@ def test_routed_only_when_not_deterministic():
         dispatch.plan_bwd(_problem(512), target="sm_100a").cfgs
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("q_stages,do_stages", [(2, 2), (2, 1), (1, 1), (1, 2)])
-def test_protocol_model_runs_clean(q_stages, do_stages):
+def test_protocol_model_runs_clean(q_stages, do_stages, persistent):
     """The executable model of the kernel's hand-overs (sm90/fused_protocol.py: both CTAs'
     three warpgroups, TMA and st.async landing in any order, WGMMAs reading until their
     wait_group) finishes without a hang or a hazard for every ring depth, 0-8 query blocks,
-    many interleavings."""
+    many interleavings; `persistent`: several tiles in a row, empty ones among them."""
     from ffpa_cute.sm90 import fused_protocol
 
     cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, q_stages=q_stages,
-                                 do_stages=do_stages)
-    for blocks in (0, 1, 2, 3, 5, 8):
-        for seed in range(25):
-            fused_protocol.run(cfg, blocks, seed)
+                                 do_stages=do_stages, persistent=persistent)
+    walks = ([[3, 0, 1, 5], [1, 1, 1], [0, 0, 2], [5, 2]] if persistent
+             else [[n] for n in (0, 1, 2, 3, 5, 8)])
+    for tiles in walks:
+        for seed in range(20):
+            fused_protocol.run(cfg, tiles, seed)
 
 
 @pytest.mark.parametrize("fault,needle", [
-    ("no_x_empty_wait", "reads"),            # partials sent before the peer read the last
+    ("no_x_empty_wait", ":x"),               # partials sent before the peer read the last
     ("no_p_empty_wait", "writes"),           # P^T / dS^T rewritten under dV / dK's WGMMAs
     ("p_empty_count", "deadlock"),           # one arrival short: the S warpgroup waits forever
-    ("refill_before_wait", "writes")])       # a ring stage refilled under its last WGMMA
+    ("refill_before_wait", "writes"),        # a ring stage refilled under its last WGMMA
+    ("no_drain", "writes")])                 # persistent: the next tile loads under this one
 def test_protocol_model_catches_faults(fault, needle):
-    """Each injected fault is caught (a hazard or a hang) in some interleaving."""
+    """Each injected fault is caught (a hazard or a hang) in some interleaving (persistent, a
+    walk of four tiles)."""
     from ffpa_cute.common.protocol import ProtocolError
     from ffpa_cute.sm90 import fused_protocol
 
-    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, do_stages=1)
+    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, do_stages=1, persistent=True)
     errors = []
     for seed in range(150):
         try:
-            fused_protocol.run(cfg, 6, seed, faults=(fault,))
+            fused_protocol.run(cfg, [3, 1, 4, 2], seed, faults=(fault,))
         except ProtocolError as e:
             errors.append(str(e))
             break

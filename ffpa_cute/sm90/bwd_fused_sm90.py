@@ -52,6 +52,10 @@ thread t holds the same (key, query) positions, so no index translation is neede
 
 Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
 dS^T 16 KB: 214016 B (`BwdFusedConfigSm90.smem_bytes`); D <= 448 keeps two dO stages.
+
+`persistent` (a variant): the grid is as many clusters as the device holds at once, each
+walking key tiles c, c + clusters, ... (`_tiles`); every stream continues from tile to tile
+(`FusedAt`) and a 384-thread barrier drains the CTA at each tile's end.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ..common.atomics import red_add_f32x2, red_add_f32x4
 from ..common.mask import apply_mask_transposed, query_block_range, transposed_needs_mask
+from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor)
@@ -158,13 +163,27 @@ class FusedWork(NamedTuple):
     scale_log2: Float32
 
 
+class FusedAt(NamedTuple):
+    """Where a tile starts in the CTA's streams (all 0 without `persistent`): Q-ring and dO-ring
+    positions (a ring stage and its barrier phase follow from them), blocks handed over before
+    (the P and exchange barriers' phases; the same count as the dO ring's), tiles before (the
+    K / V barrier's phase). A tile with no block still takes one Q-ring position (its first Q
+    is loaded and scored, then dropped: no WGMMA is issued under a runtime condition)."""
+
+    q: Int32
+    do: Int32
+    blk: Int32
+    tile: Int32
+
+
 class FFPABwdFusedSm90(KernelEntry):
     """dQ, dK and dV of one backward in one kernel (module docstring). Inputs as the other
     gradient kernels take them, plus dq_acc: a zeroed fp32 [B, Hq, Nq, D] the kernel adds
     scale * dS K into (the host casts it to dQ)."""
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
-    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+    # num_clusters: how many 2-CTA clusters fit the device at once (`persistent` only)
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo", "num_clusters")
 
     @staticmethod
     def fake_inputs(cfg):
@@ -197,10 +216,11 @@ class FFPABwdFusedSm90(KernelEntry):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 window_lo: Int32, stream: cuda.CUstream):
+                 window_lo: Int32, num_clusters: Int32, stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nkv, D); dq_acc: (B, Hq, Nq, D) fp32,
         zeroed; lse, delta: (B, Hq, Nq) fp32; window_lo read with `window`. Grid = (2 * key
-        tiles, Hkv, B), clusters of 2 along x."""
+        tiles, Hkv, B), clusters of 2 along x; `persistent`: (2 * min(tiles, num_clusters), 1,
+        1)."""
         cfg, d = self.cfg, self.cfg.head_dim
         layouts = self._layouts()
         mQ, mK, mV, mdO, mdK, mdV = [aligned_bhnd(t, d, self.dtype)
@@ -223,6 +243,8 @@ class FFPABwdFusedSm90(KernelEntry):
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
         grid = (2 * cute.ceil_div(mK.shape[2], T), cute.size(mK.shape[1]),
                 cute.size(mK.shape[0]))
+        if const_expr(cfg.persistent):  # resident clusters walk the tiles
+            grid = (2 * cutlass.min(tile_count(*grid), num_clusters), 1, 1)
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
                     SharedStorage).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
@@ -271,28 +293,79 @@ class FFPABwdFusedSm90(KernelEntry):
                 stride=(1, 4, 4 * WG_THREADS))),
             bars)
 
+        scalars = (causal_offset, window_lo, scale_log2)
+        # `persistent`: the tile loop's state pushed the S warpgroup past 168 registers (76 B
+        # of spills at D=512); the dV / dK warpgroups give it 2 x 8 (184 + 2 x 160 = 504)
+        if wg == 0:
+            if const_expr(cfg.persistent):
+                cute.arch.warpgroup_reg_alloc(184)
+            self._tiles(mmas, ops, smem, 0, tidx, scalars)
+        elif wg == 1:
+            if const_expr(cfg.persistent):
+                cute.arch.warpgroup_reg_dealloc(160)
+            self._tiles(mmas, ops, smem, 1, tidx - WG_THREADS, scalars)
+        else:
+            if const_expr(cfg.persistent):
+                cute.arch.warpgroup_reg_dealloc(160)
+            self._tiles(mmas, ops, smem, 2, tidx - 2 * WG_THREADS, scalars)
+        cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def _tiles(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, role: cutlass.Constexpr,
+               tidx, scalars):
+        """Warpgroup `role`'s part of the CTA's key tiles: the one of its cluster, or
+        (`persistent`) tiles c, c + clusters, ... of cluster c (common/scheduler.py's order, a
+        head's key tiles lowest first: under causal the longest), its streams continuing from
+        tile to tile (`FusedAt`) and the CTA drained at each tile's end (a barrier of all 384
+        threads: no stage, P^T / dS^T or K_r / V_r of a tile is rewritten before every reader
+        of it is done)."""
         bidx, head, batch = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
-        rank = bidx % 2
-        # under causal the first key tiles see the most queries: first in the grid
-        m_block = bidx // 2
-        if const_expr(not cfg.causal):
-            m_block = grid_x // 2 - 1 - bidx // 2
+        if const_expr(self.cfg.persistent):
+            m_tiles, heads = cute.ceil_div(ops.mdK.shape[2], T), ops.mdK.shape[1]
+            first, stride = bidx // 2, grid_x // 2
+            q, blk = Int32(0), Int32(0)
+            for t in cutlass.range(first, tile_count(m_tiles, heads, ops.mdK.shape[0]), stride,
+                                   unroll=1):
+                m_last, head_t, batch_t = tile_coords(t, m_tiles, heads)
+                work = self._work(ops, m_tiles - 1 - m_last, head_t, batch_t, bidx % 2,
+                                  scalars)
+                at = FusedAt(q, blk, blk, (t - first) // stride)
+                self._role(mmas, ops, smem, work, role, tidx, at)
+                cutlass.pipeline.NamedBarrier(barrier_id=2,
+                                              num_threads=3 * WG_THREADS).arrive_and_wait()
+                q, blk = q + cutlass.max(work.n_count, 1), blk + work.n_count
+        else:
+            # under causal the first key tiles see the most queries: first in the grid
+            m_block = bidx // 2
+            if const_expr(not self.cfg.causal):
+                m_block = grid_x // 2 - 1 - bidx // 2
+            work = self._work(ops, m_block, head, batch, bidx % 2, scalars)
+            zero = Int32(0)
+            self._role(mmas, ops, smem, work, role, tidx, FusedAt(zero, zero, zero, zero))
+
+    @cute.jit
+    def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars) -> FusedWork:
+        """Key tile m_block of KV head `head`, batch `batch`, and its walk over the query
+        blocks of the head's G query heads. scalars: (causal offset, window_lo, scale_log2)."""
+        causal_offset, window_lo, scale_log2 = scalars
         seqlen_q = ops.mdQ.shape[2]
         group = ops.mdQ.shape[1] // ops.mdK.shape[1]
         n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
-                                         cfg.causal)
+                                         self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
-        work = FusedWork(m_block, head, batch, rank, head * group, n_top, n_per, n_per * group,
+        return FusedWork(m_block, head, batch, rank, head * group, n_top, n_per, n_per * group,
                          seqlen_q, ops.mdK.shape[2], causal_offset, window_lo, scale_log2)
-        if wg == 0:
-            self._score_wg(mmas, ops, smem, work, tidx)
-        elif wg == 1:
-            self._grad_wg(mmas.acc, ops, smem, work, 0, tidx - WG_THREADS)
+
+    @cute.jit
+    def _role(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
+              role: cutlass.Constexpr, tidx, at: FusedAt):
+        """Warpgroup `role`'s part of one tile: 0 scores, 1 dV, 2 dK."""
+        if const_expr(role == 0):
+            self._score_wg(mmas, ops, smem, work, tidx, at)
         else:
-            self._grad_wg(mmas.acc, ops, smem, work, 1, tidx - 2 * WG_THREADS)
-        cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
-        cute.arch.cluster_wait()
+            self._grad_wg(mmas.acc, ops, smem, work, role - 1, tidx, at)
 
     # ---------------------------------------------------------------- loads
     @cute.jit
@@ -322,26 +395,26 @@ class FFPABwdFusedSm90(KernelEntry):
                 cute.copy(tma, tg[None, row_block], ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def _load_block(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, i,
+    def _load_block(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, i, pos,
                     which: cutlass.Constexpr, tidx):
-        """Block i's Q (which 0) or dO (which 1) slice into its ring stage."""
+        """Block i's Q (which 0) or dO (which 1) slice into the stage of ring position pos."""
         head_q, n_block = self._block(work, i)
         col0 = work.rank * self.half
         if const_expr(which == 0):
-            s = i % self.cfg.q_stages
+            s = pos % self.cfg.q_stages
             self._load(ops.tma_q, ops.g_q, smem.q, head_q, work.batch, n_block, col0, s,
                        smem.bars.q + s, tidx)
         else:
-            s = i % self.cfg.do_stages
+            s = pos % self.cfg.do_stages
             self._load(ops.tma_do, ops.g_do, smem.do, head_q, work.batch, n_block, col0, s,
                        smem.bars.do + s, tidx)
 
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
     def _score_wg(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-                  tidx):
-        """WG0: per block S^T_r and dP^T_r, the exchange, P^T and dS^T to smem, the next
-        block's S^T_r, dQ_r and its reduction."""
+                  tidx, at: FusedAt):
+        """WG0 on one tile: per block S^T_r and dP^T_r, the exchange, P^T and dS^T to smem, the
+        next block's S^T_r, dQ_r and its reduction."""
         cfg, bars = self.cfg, smem.bars
         qs, ds = cfg.q_stages, cfg.do_stages
         n_count, rank = work.n_count, work.rank
@@ -376,26 +449,27 @@ class FFPABwdFusedSm90(KernelEntry):
         # no WGMMA is issued under a runtime condition, or ptxas serialises them all
         for j in cutlass.range_constexpr(qs):
             if j < cutlass.max(n_count, 1):
-                self._load_block(ops, smem, work, j, 0, tidx)
+                self._load_block(ops, smem, work, j, at.q + j, 0, tidx)
         for j in cutlass.range_constexpr(ds):
             if j < n_count:
-                self._load_block(ops, smem, work, j, 1, tidx)
-        cute.arch.mbarrier_wait(bars.kv, 0)
-        self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, 0, qs)
+                self._load_block(ops, smem, work, j, at.do + j, 1, tidx)
+        cute.arch.mbarrier_wait(bars.kv, at.tile & 1)
+        self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, at.q, qs)
         warpgroup.wait_group(0)   # none in flight into the loop
         for i in cutlass.range(n_count, unroll=1):
             head_q, n_block = self._block(work, i)
+            b = at.blk + i   # hand-overs before this block: the P and exchange phases
             pre = self._prefetch_stat(ops, work, head_q, n_block, tidx)
             # ---- dP^T_r, then both partials complete
-            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, i, ds)
+            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, at.do + i, ds)
             warpgroup.wait_group(0)
             # ---- the exchange: ours to the peer, the peer's added to ours
-            cute.arch.mbarrier_wait(bars.x_empty, (i & 1) ^ 1)   # the peer read our last
+            cute.arch.mbarrier_wait(bars.x_empty, (b & 1) ^ 1)   # the peer read our last
             self._send(acc_S, acc_dP, smem, rank, tidx)
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bars.x_full, X_FLOATS * 4)
             self._stage_stat(smem.stat, pre, tidx)
-            cute.arch.mbarrier_wait(bars.x_full, i & 1)
+            cute.arch.mbarrier_wait(bars.x_full, b & 1)
             self._receive(acc_S, acc_dP, smem, tidx)
             cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
             if tidx == 0:   # every S thread has read the buffer: the peer may send again
@@ -416,15 +490,15 @@ class FFPABwdFusedSm90(KernelEntry):
                     acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
-            cute.arch.mbarrier_wait(bars.p_empty, (i & 1) ^ 1)   # dV / dK done with the last
+            cute.arch.mbarrier_wait(bars.p_empty, (b & 1) ^ 1)   # dV / dK done with the last
             cute.copy(thr_st, tPrP, tPsP)
             cute.copy(thr_st, tPrdS, tPsdS)
             cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
             cute.arch.mbarrier_arrive(bars.p_full)
             # ---- the next block's S^T_r under this block's dQ_r (after the last block its
             #      own again, on the stage it still holds: dropped)
-            self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, cutlass.min(i + 1, n_count - 1),
-                         qs)
+            self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q,
+                         at.q + cutlass.min(i + 1, n_count - 1), qs)
             gdQ = ops.mdQ[work.batch, head_q, None, None]   # (Nq, D) fp32
             c0 = 0
             for j in cutlass.range_constexpr(len(self.dq_chunks)):
@@ -433,11 +507,11 @@ class FFPABwdFusedSm90(KernelEntry):
                 c0 += self.dq_chunks[j]
 
     @cute.jit
-    def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, i, stages: cutlass.Constexpr):
-        """acc = A B_i^T over this CTA's columns (S^T_r or dP^T_r of block i), once block i's
-        stage of the B ring has landed; issued and committed, not waited."""
-        s = i % stages
-        cute.arch.mbarrier_wait(bar + s, (i // stages) & 1)
+    def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, pos, stages: cutlass.Constexpr):
+        """acc = A B^T over this CTA's columns (S^T_r or dP^T_r) with B the block at ring
+        position pos, once its stage has landed; issued and committed, not waited."""
+        s = pos % stages
+        cute.arch.mbarrier_wait(bar + s, (pos // stages) & 1)
         atom = cute.make_mma_atom(mma_s.op)
         warpgroup.fence()
         for k in cutlass.range_constexpr(self.half // 16):
@@ -566,9 +640,10 @@ class FFPABwdFusedSm90(KernelEntry):
     # ---------------------------------------------------------------- dV / dK warpgroups
     @cute.jit
     def _grad_wg(self, mma: cute.TiledMma, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-                 which: cutlass.Constexpr, tidx):
+                 which: cutlass.Constexpr, tidx, at: FusedAt):
         """WG1 (which 0): dV_r += P^T dO_r, refilling the dO ring; WG2 (which 1): dK_r +=
-        dS^T Q_r, refilling the Q ring. Then the rows < Nkv of this CTA's columns stored."""
+        dS^T Q_r, refilling the Q ring; over one tile's blocks. Then the rows < Nkv of this
+        CTA's columns stored."""
         cfg, bars, h = self.cfg, smem.bars, self.half
         stages = cfg.do_stages if const_expr(which == 0) else cfg.q_stages
         ring = smem.do if const_expr(which == 0) else smem.q
@@ -583,10 +658,11 @@ class FFPABwdFusedSm90(KernelEntry):
         acc = cute.make_rmem_tensor(thr.partition_shape_C((T, h)), Float32)
         acc.fill(0.0)
         lane = cute.arch.lane_idx()
+        pos0 = at.do if const_expr(which == 0) else at.q   # the ring's position of block 0
         for i in cutlass.range(work.n_count, unroll=1):
-            s = i % stages
-            cute.arch.mbarrier_wait(bars.p_full, i & 1)
-            cute.arch.mbarrier_wait(ring_bar + s, (i // stages) & 1)
+            s = (pos0 + i) % stages
+            cute.arch.mbarrier_wait(bars.p_full, (at.blk + i) & 1)
+            cute.arch.mbarrier_wait(ring_bar + s, ((pos0 + i) // stages) & 1)
             atom = cute.make_mma_atom(mma.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
@@ -599,7 +675,8 @@ class FFPABwdFusedSm90(KernelEntry):
             # this warpgroup read the stage last (the S warpgroup's product on it completed
             # before P^T / dS^T were published): refill it with block i + stages
             if i + stages < work.n_count:
-                self._load_block(ops, smem, work, i + stages, which ^ 1, tidx)
+                self._load_block(ops, smem, work, i + stages, pos0 + i + stages, which ^ 1,
+                                 tidx)
         # ---- rows < Nkv of this CTA's columns
         out = ops.mdV if const_expr(which == 0) else ops.mdK
         gO = cute.local_tile(

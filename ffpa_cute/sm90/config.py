@@ -896,6 +896,12 @@ class BwdFusedConfigSm90:
                 its values with one shuffle, so a lane holds 4 adjacent columns of one row)
                 instead of 2 per `.v2` (half the reduction instructions; a variant for the
                 first measurement, off by default)
+    persistent: the grid is as many 2-CTA clusters as fit the device at once (the runtime
+                `num_clusters`), each walking key tiles c, c + clusters, ... with its streams
+                continuing from tile to tile and a drain at each tile's end, instead of one
+                cluster per tile: no cluster launch per tile (the dK + dV pair lost 4-5 ms to
+                them at D=512, perf log session 6). A variant for the first measurement, off
+                by default
     """
 
     arch: str
@@ -906,6 +912,7 @@ class BwdFusedConfigSm90:
     do_stages: int = 2
     window: bool = False
     red_v4: bool = False
+    persistent: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # never run on a GPU: the self-check canaries it on every target (selfcheck.unverified)

@@ -34,15 +34,17 @@ WG_THREADS = 128
 
 
 class FusedModel(ModelBase):
-    """Both CTAs of one key tile walking `blocks` query blocks. `faults`: names of steps to
-    drop or alter (tests: the model must catch them)."""
+    """Both CTAs of a cluster walking key tiles of `tiles[j]` query blocks each (one tile
+    without `persistent`). `faults`: names of steps to drop or alter (tests: the model must
+    catch them)."""
 
-    def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=()):
+    def __init__(self, cfg: BwdFusedConfigSm90, tiles, seed: int, faults=()):
         super().__init__()
-        self.cfg, self.n, self.rng, self.faults = cfg, blocks, random.Random(seed), set(faults)
+        self.cfg, self.tiles, self.rng = cfg, list(tiles), random.Random(seed)
+        self.faults = set(faults)
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
-                  "x_empty": (1, 1)}
+                  "x_empty": (1, 1), "drain": (1, 3)}  # drain: the 384-thread barrier
         if "p_empty_count" in self.faults:  # one warp's arrival too few
             counts["p_empty"] = (1, 9)
         self.bars = {self.bar(r, name, i): Barrier(c) for r in (0, 1)
@@ -59,89 +61,104 @@ class FusedModel(ModelBase):
         for t in range(times):
             self.bars[bar].arrive(bar, expect if t == 0 else 0)
 
-    def load(self, r: int, ring: str, i: int, block: int) -> None:
-        """A TMA load of block `block` into stage i of CTA r's ring (`ring` "q" or "do"), its
-        bytes expected on the stage's barrier."""
+    def load(self, r: int, ring: str, pos: int, block) -> None:
+        """A TMA load of `block` into the stage of ring position pos of CTA r's ring (`ring`
+        "q" or "do"), its bytes expected on the stage's barrier."""
+        i = pos % (self.cfg.q_stages if ring == "q" else self.cfg.do_stages)
         self.arrive(self.bar(r, ring, i), expect=STAGE_BYTES)
         self.landing.append((f"{r}:{ring}{i}", (ring, block), self.bar(r, ring, i)))
 
+    def walk(self, r: int, role):
+        """`_tiles`: the tiles in order, each with its stream positions (`FusedAt`: Q ring,
+        dO ring = hand-overs, tile index), then the drain."""
+        q = blk = 0
+        for j, n in enumerate(self.tiles):
+            yield from role(r, j, n, q, blk)
+            if self.cfg.persistent and "no_drain" not in self.faults:
+                self.arrive(self.bar(r, "drain"))
+                yield from self.wait(self.bar(r, "drain"), j)
+            q, blk = q + max(n, 1), blk + n
+
     # -------------------------------------------------------------- the warpgroups
-    def score(self, r: int):
-        """WG0 of CTA r (`_score_wg`)."""
-        cfg, n, me = self.cfg, self.n, f"S{r}"
+    def score(self, r: int, j: int, n: int, q0: int, b0: int):
+        """WG0 of CTA r on tile j of n blocks (`_score_wg`)."""
+        cfg, me = self.cfg, f"S{r}"
         mma = me + ".wgmma"   # its WGMMAs' reads, held until its wait_group(0)
         qs, ds = cfg.q_stages, cfg.do_stages
         kv = self.bar(r, "kv")
         for name in ("k", "v"):
             self.arrive(kv, expect=STAGE_BYTES)
-            self.landing.append((f"{r}:{name}", name, kv))
-        for j in range(qs):
-            if j < max(n, 1):
-                self.load(r, "q", j % qs, j)
-        for j in range(ds):
-            if j < n:
-                self.load(r, "do", j, j)
+            self.landing.append((f"{r}:{name}", (name, j), kv))
+        for i in range(qs):
+            if i < max(n, 1):
+                self.load(r, "q", q0 + i, (j, i))
+        for i in range(ds):
+            if i < n:
+                self.load(r, "do", b0 + i, (j, i))
         yield
-        yield from self.wait(kv, 0)
-        yield from self.scores(r, "q", 0, qs)
+        yield from self.wait(kv, j)
+        yield from self.scores(r, "q", q0, (j, 0), qs, j)
         self.release(mma)                                 # wait_group(0)
         for i in range(n):
-            yield from self.scores(r, "do", i, ds)
+            b = b0 + i
+            yield from self.scores(r, "do", b, (j, i), ds, j)
             self.release(mma)                             # wait_group(0): S^T, dP^T done
-            if "no_x_empty_wait" not in self.faults and i > 0:
-                yield from self.wait(self.bar(r, "x_empty"), i - 1)
+            if "no_x_empty_wait" not in self.faults and b > 0:
+                yield from self.wait(self.bar(r, "x_empty"), b - 1)
             # our partials into the peer's buffer (st.async), counted on its x_full
-            self.landing.append((f"{1 - r}:x", ("x", r, i), self.bar(1 - r, "x_full")))
+            self.landing.append((f"{1 - r}:x", ("x", r, b), self.bar(1 - r, "x_full")))
             self.arrive(self.bar(r, "x_full"), expect=STAGE_BYTES)
             yield
-            yield from self.wait(self.bar(r, "x_full"), i)
-            self.read(f"{r}:x", ("x", 1 - r, i), me + "x", hold=True)
+            yield from self.wait(self.bar(r, "x_full"), b)
+            self.read(f"{r}:x", ("x", 1 - r, b), me + "x", hold=True)
             yield                                         # the S threads' barrier
             self.release(me + "x")
             self.arrive(self.bar(1 - r, "x_empty"))       # remote, cluster scope
-            if "no_p_empty_wait" not in self.faults and i > 0:
-                yield from self.wait(self.bar(r, "p_empty"), i - 1)
-            self.write(f"{r}:pt", ("p", i), me)
-            self.write(f"{r}:dst", ("ds", i), me)
+            if "no_p_empty_wait" not in self.faults and b > 0:
+                yield from self.wait(self.bar(r, "p_empty"), b - 1)
+            self.write(f"{r}:pt", ("p", b), me)
+            self.write(f"{r}:dst", ("ds", b), me)
             self.arrive(self.bar(r, "p_full"), WG_THREADS)
             yield
-            yield from self.scores(r, "q", min(i + 1, n - 1), qs)
-            self.read(f"{r}:dst", ("ds", i), mma, hold=True)   # dQ = dS K_r
-            self.read(f"{r}:k", "k", mma, hold=True)
+            nxt = min(i + 1, n - 1)
+            yield from self.scores(r, "q", q0 + nxt, (j, nxt), qs, j)
+            self.read(f"{r}:dst", ("ds", b), mma, hold=True)   # dQ = dS K_r
+            self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
             self.release(mma)                             # wait_group(0), then the reduction
 
-    def scores(self, r: int, ring: str, i: int, stages: int):
-        """`_scores`: wait block i's stage of `ring`, then the WGMMAs reading it (and K_r or
-        V_r) are in flight."""
-        s, mma = i % stages, f"S{r}.wgmma"
-        yield from self.wait(self.bar(r, ring, s), i // stages)
-        self.read(f"{r}:{ring}{s}", (ring, i), mma, hold=True)
-        self.read(f"{r}:{'k' if ring == 'q' else 'v'}", "k" if ring == "q" else "v", mma,
-                  hold=True)
+    def scores(self, r: int, ring: str, pos: int, block, stages: int, j: int):
+        """`_scores`: wait the stage of ring position pos, then the WGMMAs reading it (and
+        tile j's K_r or V_r) are in flight."""
+        s, mma = pos % stages, f"S{r}.wgmma"
+        yield from self.wait(self.bar(r, ring, s), pos // stages)
+        self.read(f"{r}:{ring}{s}", (ring, block), mma, hold=True)
+        kv = "k" if ring == "q" else "v"
+        self.read(f"{r}:{kv}", (kv, j), mma, hold=True)
         yield
 
-    def grad(self, r: int, which: int):
-        """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r
+    def grad(self, r: int, which: int, j: int, n: int, q0: int, b0: int):
+        """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r on tile j
         (`_grad_wg`)."""
-        cfg, n = self.cfg, self.n
-        ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
+        cfg = self.cfg
+        ring, stages, pos0 = (("do", cfg.do_stages, b0) if which == 0
+                              else ("q", cfg.q_stages, q0))
         a = "pt" if which == 0 else "dst"
         mma = f"{'dV' if which == 0 else 'dK'}{r}.wgmma"
         early = "refill_before_wait" in self.faults
         for i in range(n):
-            s = i % stages
-            yield from self.wait(self.bar(r, "p_full"), i)
-            yield from self.wait(self.bar(r, ring, s), i // stages)
-            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", i), mma, hold=True)
-            self.read(f"{r}:{ring}{s}", (ring, i), mma, hold=True)
+            s = (pos0 + i) % stages
+            yield from self.wait(self.bar(r, "p_full"), b0 + i)
+            yield from self.wait(self.bar(r, ring, s), (pos0 + i) // stages)
+            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", b0 + i), mma, hold=True)
+            self.read(f"{r}:{ring}{s}", (ring, (j, i)), mma, hold=True)
             if early and i + stages < n:
-                self.load(r, ring, s, i + stages)
+                self.load(r, ring, pos0 + i + stages, (j, i + stages))
             yield
             self.release(mma)                             # wait_group(0)
             self.arrive(self.bar(r, "p_empty"), 4)        # lane 0 of each warp
             if not early and i + stages < n:
-                self.load(r, ring, s, i + stages)
+                self.load(r, ring, pos0 + i + stages, (j, i + stages))
             yield
 
     # -------------------------------------------------------------- the interleaving
@@ -153,9 +170,9 @@ class FusedModel(ModelBase):
     def run(self, max_steps: int = 200000) -> int:
         roles = {}
         for r in (0, 1):
-            roles[f"S{r}"] = self.score(r)
-            roles[f"dV{r}"] = self.grad(r, 0)
-            roles[f"dK{r}"] = self.grad(r, 1)
+            roles[f"S{r}"] = self.walk(r, self.score)
+            roles[f"dV{r}"] = self.walk(r, lambda *a: self.grad(a[0], 0, *a[1:]))
+            roles[f"dK{r}"] = self.walk(r, lambda *a: self.grad(a[0], 1, *a[1:]))
         while roles or self.landing:
             self.steps += 1
             if self.steps > max_steps:
@@ -173,10 +190,10 @@ class FusedModel(ModelBase):
         return self.steps
 
 
-def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=()) -> int:
-    """Model one key tile's CTA pair over `blocks` query blocks; the steps taken (raises
-    ProtocolError)."""
-    return FusedModel(cfg, blocks, seed, faults).run()
+def run(cfg: BwdFusedConfigSm90, tiles, seed: int = 0, faults=()) -> int:
+    """Model a CTA pair over key tiles of `tiles` query blocks each (an int: one tile); the
+    steps taken (raises ProtocolError)."""
+    return FusedModel(cfg, [tiles] if isinstance(tiles, int) else tiles, seed, faults).run()
 
 
 __all__ = ["FusedModel", "run"]
