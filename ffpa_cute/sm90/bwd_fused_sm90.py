@@ -241,10 +241,11 @@ class FFPABwdFusedSm90(KernelEntry):
         SharedStorage = _shared_storage(cfg, self.dtype, layouts)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
-        grid = (2 * cute.ceil_div(mK.shape[2], T), cute.size(mK.shape[1]),
-                cute.size(mK.shape[0]))
-        if const_expr(cfg.persistent):  # resident clusters walk the tiles
-            grid = (2 * cutlass.min(tile_count(*grid), num_clusters), 1, 1)
+        m_tiles = cute.ceil_div(mK.shape[2], T)
+        grid = (2 * m_tiles, cute.size(mK.shape[1]), cute.size(mK.shape[0]))
+        if const_expr(cfg.persistent):  # resident clusters walk the key tiles
+            tiles = tile_count(m_tiles, cute.size(mK.shape[1]), cute.size(mK.shape[0]))
+            grid = (2 * cutlass.min(tiles, num_clusters), 1, 1)
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
                     SharedStorage).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
