@@ -67,7 +67,7 @@ def verified_text(plan) -> str:
     """For explain(): how far a plan's kernels are verified (its family's statement, unless
     one of them never ran on a GPU)."""
     if unverified(plan):
-        return "compile-verified only, never run on a GPU; canaried on first use"
+        return "compile-verified only, never run on a GPU (the self-check canaries it first)"
     family = dispatch.FAMILIES.get(plan.family)
     return family.verified if family else ""
 
