@@ -7,6 +7,7 @@
 #                                                       # package) and the FFPA peer for the sweep
 #   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2
 #   CUTE_DSL_ARCH=sm_90a python -m tests.sanitize --precompile .precache
+#   CUTE_DSL_ARCH=sm_90a python -m perf.bwd_fused --precompile .precache   # (section fused)
 #   mkdir -p .pc && tar cf - .precache | xz -9 > .pc/precache.tar.xz   # (.pc: .git/info/exclude)
 # Then one device call per section group, carrying [".device", ".pc"]:
 #   source .device/setup.sh && bash perf/verify_gpu.sh
