@@ -31,8 +31,8 @@ sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
 atomic-free kernels).
 
-Warpgroups (384 threads, 168 registers each):
-  WG0 "S"   loads K_r, V_r once and the first Q / dO stages; per block: S^T_r, dP^T_r (m64n64
+Warpgroups (384 threads, 168 registers each; `persistent`: 184 / 160 / 160 by setmaxnreg):
+  WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block: S^T_r, dP^T_r (m64n64
             SS WGMMA), the exchange, the score step, P^T and dS^T to smem (stmatrix), then the
             next block's S^T_r and this block's dQ_r in column chunks (`dq_chunks`: m64n{w}
             SS WGMMA, A = dS read transposed from the dS^T tile, B = K_r read N-major), each
@@ -42,11 +42,12 @@ Warpgroups (384 threads, 168 registers each):
             P^T is published);
   WG2 "dK"  dK_r += dS^T Q_r; refills the Q ring the same way.
 
-Hand-overs (mbarriers): kv (K_r and V_r landed: two arrivals with their bytes), q[s] / do[s] (TMA bytes), p_full (128 S-thread
-arrivals after a proxy fence: P^T and dS^T written), p_empty (one arrival per dV / dK warp once
-its WGMMAs on them completed), x_full (the peer's 32 KB of partials landed: st.async bytes, armed
-by our thread 0 each block) and x_empty (the peer has read what we sent: its thread 0 arrives on
-ours, cluster scope, after its S warpgroup's barrier). The exchange buffer is laid out by
+Hand-overs (mbarriers): kv (K_r and V_r landed: two arrivals with their bytes), q[s] / do[s]
+(TMA bytes), p_full (128 S-thread arrivals after a proxy fence: P^T and dS^T written), p_empty
+(one arrival per dV / dK warp once its WGMMAs on them completed), x_full (the peer's 32 KB of
+partials landed: st.async bytes, armed by our thread 0 each block) and x_empty (the peer has
+read what we sent: its thread 0 arrives on ours, cluster scope, after its S warpgroup's
+barrier); sm90/fused_protocol.py models them. The exchange buffer is laid out by
 fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
 thread t holds the same (key, query) positions, so no index translation is needed.
 
