@@ -58,8 +58,10 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
                                       persistent):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
     TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
-    red.global.add.v2.f32 (`red_v4`: .v4 after a lane-pair shuffle), cluster barriers; no local memory, no spills, and ptxas does not
-    serialise the WGMMAs (none is issued under a runtime branch or left in flight across one)."""
+    red.global.add.v2.f32 (`red_v4`: .v4 after a lane-pair shuffle), cluster barriers; no local
+    memory, no spills (`persistent`: setmaxnreg, at most 12 B at D=512 causal), and ptxas does
+    not serialise the WGMMAs (none is issued under a runtime branch or left in flight across
+    one)."""
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     assert cfg.window == window

@@ -32,8 +32,9 @@ depend on the order the reductions reach L2 (not deterministic: `deterministic=T
 atomic-free kernels).
 
 Warpgroups (384 threads, 168 registers each; `persistent`: 184 / 160 / 160 by setmaxnreg):
-  WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block: S^T_r, dP^T_r (m64n64
-            SS WGMMA), the exchange, the score step, P^T and dS^T to smem (stmatrix), then the
+  WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block:
+            S^T_r, dP^T_r (m64n64 SS WGMMA), the exchange, the score step, P^T and dS^T to smem
+            (stmatrix), then the
             next block's S^T_r and this block's dQ_r in column chunks (`dq_chunks`: m64n{w}
             SS WGMMA, A = dS read transposed from the dS^T tile, B = K_r read N-major), each
             reduced as it completes;
