@@ -880,7 +880,7 @@ FUSED_DQ_MAX_WIDTH = 160   # widest dQ accumulator the S warpgroup holds (80 fp3
 @dataclass(frozen=True)
 class BwdFusedConfigSm90:
     """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
-    compile-verified, not routed).
+    compile-verified only: planned under `Options(deterministic=False)`, canaried first).
 
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
