@@ -28,6 +28,7 @@ Plans are cached per (problem, target, options): a changed option gives a new pl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -93,8 +94,9 @@ def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
     """The fused kernel where it builds when not `deterministic`, else the WGMMA dQ / dK / dV
     where they build, else (Dv == D) the Split-D backward."""
     try:
-        if not opts.deterministic and sm90_config.fused_fits(p):
-            return [sm90_config.plan_bwd_fused(p, target)]
+        if not opts.deterministic:
+            with contextlib.suppress(ValueError):  # where it does not build: the others
+                return [sm90_config.plan_bwd_fused(p, target)]
         return sm90_config.plan_bwd(p, target, kv_pair=opts.kv_pair)
     except ValueError:
         if p.head_dim_v != p.head_dim:

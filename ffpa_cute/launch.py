@@ -137,10 +137,11 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
 def kernel_scalars(p, causal_offset: int) -> dict:
     """The kernels' runtime scalars (`SCALARS`) for problem p: the window's left edge is
     read only by configs with a window (0 otherwise); num_ctas, the current device's SM
-    count, only by persistent configs (their grid)."""
+    count, only by persistent configs (their grid); num_clusters (1 here) only by persistent
+    cluster grids, whose callers set it (`run_bwd`: `max_clusters`)."""
     return dict(softmax_scale=p.softmax_scale, causal_offset=causal_offset,
                 window_lo=p.window_lo if p.window_lo is not None else 0,
-                num_ctas=sm_count())
+                num_ctas=sm_count(), num_clusters=1)
 
 
 def sm_count(index: int | None = None) -> int:
@@ -208,7 +209,8 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
     if reduces_dq:
         t["dq_acc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     scalars = kernel_scalars(p, p.right_edge)
-    if any("num_clusters" in cls.SCALARS for cls, _ in plan.jobs):
+    if any(getattr(cfg, "persistent", False) and "num_clusters" in cls.SCALARS
+           for cls, cfg in plan.jobs):  # the occupancy query only where a grid reads it
         scalars["num_clusters"] = max_clusters(2)
     run_grad_jobs(plan, t, scalars, dlse)
     if reduces_dq:

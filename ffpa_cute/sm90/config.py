@@ -894,14 +894,13 @@ class BwdFusedConfigSm90:
                 crossing ones, as the dK / dV kernels do
     red_v4:     dQ reduced 4 columns per `red.global.add.v4.f32` (each lane pair swaps half of
                 its values with one shuffle, so a lane holds 4 adjacent columns of one row)
-                instead of 2 per `.v2` (half the reduction instructions; a variant for the
-                first measurement, off by default)
+                instead of 2 per `.v2` (half the reduction instructions); off by default
+                until measured
     persistent: the grid is as many 2-CTA clusters as fit the device at once (the runtime
                 `num_clusters`), each walking key tiles c, c + clusters, ... with its streams
                 continuing from tile to tile and a drain at each tile's end, instead of one
-                cluster per tile: no cluster launch per tile (the dK + dV pair lost 4-5 ms to
-                them at D=512, perf log session 6). A variant for the first measurement, off
-                by default
+                cluster per tile: no cluster has to wait for two free SMs of one GPC per tile;
+                off by default until measured
     """
 
     arch: str
@@ -972,15 +971,6 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")
     return None
-
-
-def fused_fits(problem: AttnProblem) -> bool:
-    """Whether the fused backward takes `problem` (`plan_bwd_fused` would not raise)."""
-    try:
-        plan_bwd_fused(problem)
-    except ValueError:
-        return False
-    return True
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
