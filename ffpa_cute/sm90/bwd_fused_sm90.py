@@ -80,7 +80,8 @@ from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor)
 from .config import FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
-from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles
+from .bwd_sm90 import load_column_stat, stage_column_stat
+from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles, tma_load
 
 T = FUSED_TILE
 X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
@@ -166,14 +167,14 @@ class FusedWork(NamedTuple):
 
 
 class FusedAt(NamedTuple):
-    """Where a tile starts in the CTA's streams (all 0 without `persistent`): Q-ring and dO-ring
-    positions (a ring stage and its barrier phase follow from them), blocks handed over before
-    (the P and exchange barriers' phases; the same count as the dO ring's), tiles before (the
-    K / V barrier's phase). A tile with no block still takes one Q-ring position (its first Q
-    is loaded and scored, then dropped: no WGMMA is issued under a runtime condition)."""
+    """Where a tile starts in the CTA's streams (all 0 without `persistent`): the Q-ring
+    position, the blocks before it (the dO-ring position and the P and exchange barriers'
+    phases: one dO load and one hand-over per block), the tiles before it (the K / V barrier's
+    phase); a ring stage and its barrier phase follow from a position. A tile with no block
+    still takes one Q-ring position (its first Q is loaded and scored, then dropped: no WGMMA
+    is issued under a runtime condition)."""
 
     q: Int32
-    do: Int32
     blk: Int32
     tile: Int32
 
@@ -334,7 +335,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 m_last, head_t, batch_t = tile_coords(t, m_tiles, heads)
                 work = self._work(ops, m_tiles - 1 - m_last, head_t, batch_t, bidx % 2,
                                   scalars)
-                at = FusedAt(q, blk, blk, (t - first) // stride)
+                at = FusedAt(q, blk, (t - first) // stride)
                 self._role(mmas, ops, smem, work, role, tidx, at)
                 cutlass.pipeline.NamedBarrier(barrier_id=2,
                                               num_threads=3 * WG_THREADS).arrive_and_wait()
@@ -346,7 +347,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 m_block = grid_x // 2 - 1 - bidx // 2
             work = self._work(ops, m_block, head, batch, bidx % 2, scalars)
             zero = Int32(0)
-            self._role(mmas, ops, smem, work, role, tidx, FusedAt(zero, zero, zero, zero))
+            self._role(mmas, ops, smem, work, role, tidx, FusedAt(zero, zero, zero))
 
     @cute.jit
     def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars) -> FusedWork:
@@ -389,13 +390,8 @@ class FFPABwdFusedSm90(KernelEntry):
         ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1),
                                        cute.group_modes(s_ring, 0, 2),
                                        cute.group_modes(rows, 0, 2))
-        if tidx // 32 == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tile_bytes)
-            if const_expr(stage is None):
-                cute.copy(tma, tg[None, row_block], ts, tma_bar_ptr=bar)
-            else:
-                cute.copy(tma, tg[None, row_block], ts[None, stage], tma_bar_ptr=bar)
+        dst = ts if const_expr(stage is None) else ts[None, stage]
+        tma_load(tma, tg[None, row_block], dst, bar, self.tile_bytes, tidx)
 
     @cute.jit
     def _load_block(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, i, pos,
@@ -455,16 +451,18 @@ class FFPABwdFusedSm90(KernelEntry):
                 self._load_block(ops, smem, work, j, at.q + j, 0, tidx)
         for j in cutlass.range_constexpr(ds):
             if j < n_count:
-                self._load_block(ops, smem, work, j, at.do + j, 1, tidx)
+                self._load_block(ops, smem, work, j, at.blk + j, 1, tidx)
         cute.arch.mbarrier_wait(bars.kv, at.tile & 1)
         self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, at.q, qs)
         warpgroup.wait_group(0)   # none in flight into the loop
         for i in cutlass.range(n_count, unroll=1):
             head_q, n_block = self._block(work, i)
             b = at.blk + i   # hand-overs before this block: the P and exchange phases
-            pre = self._prefetch_stat(ops, work, head_q, n_block, tidx)
+            # this thread's LSE or Delta of the block, loaded before the block's WGMMAs
+            pre = load_column_stat(T, n_block, work.seqlen_q, ops.mLSE, ops.mDelta,
+                                   work.batch, head_q, tidx, 0)
             # ---- dP^T_r, then both partials complete
-            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, at.do + i, ds)
+            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, at.blk + i, ds)
             warpgroup.wait_group(0)
             # ---- the exchange: ours to the peer, the peer's added to ours
             cute.arch.mbarrier_wait(bars.x_empty, (b & 1) ^ 1)   # the peer read our last
@@ -523,33 +521,12 @@ class FFPABwdFusedSm90(KernelEntry):
         warpgroup.commit_group()
 
     @cute.jit
-    def _prefetch_stat(self, ops: FusedOps, work: FusedWork, head_q, n_block, tidx):
-        """This S thread's value of the block: LSE of query tidx (threads [0, T)) or Delta of
-        query tidx - T; queries past Nq read -inf / 0."""
-        i = n_block * T + tidx % T
-        v = -Float32.inf
-        if tidx >= T:
-            v = Float32(0.0)
-        if i < work.seqlen_q:
-            if tidx < T:
-                v = ops.mLSE[work.batch, head_q, i]
-            else:
-                v = ops.mDelta[work.batch, head_q, i]
-        return v
-
-    @cute.jit
     def _stage_stat(self, sStat: cute.Tensor, pre, tidx):
-        """The block's LSE (log2 units; +inf for a query that sees no key or is past Nq, so
-        its P is 0) at [0, T), its Delta at [T, 2 T); barriers before (every S thread done
-        with the last block's) and after."""
+        """The block's LSE (log2 units) and Delta (`stage_column_stat`, as the dK kernel stages
+        them) between two barriers: every S thread is done with the last block's before."""
         sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
         sync.arrive_and_wait()
-        v = pre
-        if tidx < T:
-            if v == -Float32.inf:
-                v = Float32.inf
-            v = v * LOG2_E
-        sStat[tidx] = v
+        stage_column_stat(sStat, T, tidx, pre, True)
         sync.arrive_and_wait()
 
     @cute.jit
@@ -661,7 +638,7 @@ class FFPABwdFusedSm90(KernelEntry):
         acc = cute.make_rmem_tensor(thr.partition_shape_C((T, h)), Float32)
         acc.fill(0.0)
         lane = cute.arch.lane_idx()
-        pos0 = at.do if const_expr(which == 0) else at.q   # the ring's position of block 0
+        pos0 = at.blk if const_expr(which == 0) else at.q   # the ring's position of block 0
         for i in cutlass.range(work.n_count, unroll=1):
             s = (pos0 + i) % stages
             cute.arch.mbarrier_wait(bars.p_full, (at.blk + i) & 1)

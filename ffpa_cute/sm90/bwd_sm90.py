@@ -73,6 +73,42 @@ def _workspace_out(fakes: tuple, index: int, cfg) -> tuple:
     return (*fakes[:index], fake_tensor(Float32, 4, 4), *fakes[index + 1:])
 
 
+@cute.jit
+def load_column_stat(tile_n: cutlass.Constexpr, n_block, seqlen_q, mLSE, mDelta, batch, head,
+                     tidx, row0):
+    """A score warpgroup thread's per-query value of query block n_block when the block's
+    columns are queries (one value per thread): LSE of query tidx (threads [0, tile_n)) or,
+    with mDelta, Delta of query tidx - tile_n; queries past Nq read +inf / 0. row0: the
+    sequence's first query in the packed statistics (`varlen`; else 0)."""
+    slot = tidx % tile_n
+    i = n_block * tile_n + slot
+    v = Float32.inf
+    if tidx < tile_n:
+        if i < seqlen_q:
+            v = mLSE[batch, head, i + row0]
+    elif cutlass.const_expr(mDelta is not None):
+        v = Float32(0.0)
+        if i < seqlen_q:
+            v = mDelta[batch, head, i + row0]
+    return v
+
+
+@cute.jit
+def stage_column_stat(sColStat: cute.Tensor, tile_n: cutlass.Constexpr, tidx, pre,
+                      with_delta: cutlass.Constexpr):
+    """`load_column_stat`'s value into the block's column statistics: LSE in log2 units at
+    [0, tile_n) (+inf for a query that sees no key or is past Nq, so its P is 0), with_delta
+    Delta at [tile_n, 2 tile_n). The caller fences the buffer's reuse (barriers around it)."""
+    slot = tidx % tile_n
+    if tidx < tile_n:
+        v = pre
+        if v == -Float32.inf:
+            v = Float32.inf
+        sColStat[slot] = v * LOG2_E
+    elif cutlass.const_expr(with_delta):
+        sColStat[tile_n + slot] = pre
+
+
 class FFPABwdDVSm90(RingSkeletonSm90):
     """dV = P^T dO on the warp-specialised ring.
 
@@ -196,17 +232,8 @@ class FFPABwdDVSm90(RingSkeletonSm90):
                 both[0] = mLSE[batch, head, i + row0]
                 both[1] = mDelta[batch, head, i + row0]
             return both
-        slot = tidx % self.tile_n
-        i = n_block * self.tile_n + slot
-        v = Float32.inf
-        if tidx < self.tile_n:
-            if i < seqlen_q:
-                v = mLSE[batch, head, i + row0]
-        elif cutlass.const_expr(mDelta is not None):
-            v = Float32(0.0)
-            if i < seqlen_q:
-                v = mDelta[batch, head, i + row0]
-        return v
+        return load_column_stat(self.tile_n, n_block, seqlen_q, mLSE, mDelta, batch, head,
+                                tidx, row0)
 
     def _both_per_thread(self, mDelta) -> bool:
         """Whether each S thread stages both LSE and Delta of one query (tile_n = WG_THREADS,
@@ -236,14 +263,7 @@ class FFPABwdDVSm90(RingSkeletonSm90):
             sColStat[tidx] = lse * LOG2_E
             sColStat[self.tile_n + tidx] = pre[1]
         else:
-            slot = tidx % self.tile_n
-            if tidx < self.tile_n:
-                v = pre
-                if v == -Float32.inf:
-                    v = Float32.inf
-                sColStat[slot] = v * LOG2_E
-            elif cutlass.const_expr(mDelta is not None):
-                sColStat[self.tile_n + slot] = pre
+            stage_column_stat(sColStat, self.tile_n, tidx, pre, mDelta is not None)
         s_sync.arrive_and_wait()
 
     @cute.jit
@@ -586,4 +606,5 @@ class FFPABwdDKSm90(_TwoScoreProducts, FFPABwdDVSm90):
         rP.store(acc_S.load().to(self.dtype))
 
 
-__all__ = ["FFPABwdDKSm90", "FFPABwdDQSm90", "FFPABwdDVSm90", "TwoProductExtra"]
+__all__ = ["FFPABwdDKSm90", "FFPABwdDQSm90", "FFPABwdDVSm90", "TwoProductExtra",
+           "load_column_stat", "stage_column_stat"]

@@ -128,6 +128,17 @@ def thread_roles():
             cute.arch.make_warp_uniform(cute.arch.warp_idx()))
 
 
+@cute.jit
+def tma_load(tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
+             nbytes: cutlass.Constexpr, tidx):
+    """One TMA load by warp 0 of the calling warpgroup (tidx: the thread's index in it),
+    `nbytes` expected on `bar`, where it completes."""
+    if tidx // 32 == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+        cute.copy(tma, src, dst, tma_bar_ptr=bar)
+
+
 def row_major_layout(rows: int, cols: int, dtype, stages: int | None = None):
     """Row-major (cols contiguous) WGMMA-compatible smem layout of (rows, cols[, stages]) with
     the widest swizzle the row's bytes allow."""
@@ -890,7 +901,7 @@ class RingSkeletonSm90(KernelEntry):
         convert = Convert(sC_tma, sC, 2) if const_expr(self.cvt) else None
         early = self.cvt and not self.stream_r
         if const_expr(not self.stream_r):
-            self._tma_load(ops.tma_r, tRg, tRs, bars.rows, self.r_bytes, tidx)
+            tma_load(ops.tma_r, tRg, tRs, bars.rows, self.r_bytes, tidx)
         for j in cutlass.range_constexpr(ks):
             if j < total:
                 self._load_c_chunk(loads, j, (at.ring + j) % ks)
@@ -1096,15 +1107,6 @@ class RingSkeletonSm90(KernelEntry):
                 self._refill_c(loads, nxt_pos + c)
 
     @cute.jit
-    def _tma_load(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
-                  nbytes: cutlass.Constexpr, tidx):
-        """One TMA load by warp 0 of the calling warpgroup, completing on `bar`."""
-        if tidx // 32 == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-            cute.copy(tma, src, dst, tma_bar_ptr=bar)
-
-    @cute.jit
     def _convert(self, conv: Convert, s, sb, tidx):
         """`cvt`: stage s of the warpgroup's 8-bit ring into its 16-bit buffer sb (exact, by
         bits: common/convert.py, Note [e4m3 to bf16 / fp16 by bits]), then fenced for the
@@ -1153,7 +1155,7 @@ class RingSkeletonSm90(KernelEntry):
                                                             self.c_bytes + self.r_bytes)
                 self._copy_stream_chunk(loads, s, src, head, n_block, c)
         else:
-            self._tma_load(loads.tma_c, src, loads.tCs[None, s], loads.bar + s,
+            tma_load(loads.tma_c, src, loads.tCs[None, s], loads.bar + s,
                            self.c_bytes, loads.tidx)
 
     @cute.jit
@@ -1378,7 +1380,7 @@ class RingSkeletonSm90(KernelEntry):
         vj = self.b_chunks
         head, n_block = self._block(loads.seq, pos // vj)
         src = self._b_src(loads, head, n_block * vj + pos % vj)
-        self._tma_load(loads.tma, src, loads.tBs[None, s], loads.bar + s,
+        tma_load(loads.tma, src, loads.tBs[None, s], loads.bar + s,
                        self.b_bytes[loads.half], loads.tidx)
 
     @cute.jit
@@ -1425,4 +1427,4 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-__all__ = ["RingSkeletonSm90", "WG_THREADS", "row_major_layout", "thread_roles"]
+__all__ = ["RingSkeletonSm90", "WG_THREADS", "row_major_layout", "thread_roles", "tma_load"]
