@@ -3,6 +3,7 @@
 
     python -m perf.bwd_fused --precompile DIR     # CPU: compile both backwards into a cache
     python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
+    python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
@@ -20,7 +21,17 @@ D=512 against 258.
 
 from __future__ import annotations
 
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Float32, Int32
+
+from ffpa_cute.common.tensors import fake_tensor
+from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
 from perf import experiment
+from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp
 
 B = 1
 # (D, causal, Hq, Hkv, N)
@@ -103,5 +114,152 @@ def run(dev, flush) -> dict:
     return res
 
 
+# ---- `--trace`: where a block's time goes, per warpgroup (perf.phase_trace's stamps: thread 0
+# of each warpgroup writes clock64 at the kernel's `_trace` hooks). S warpgroup, block i:
+S_EVENTS = ("start", "dP^T done", "dP^T sent, dQ(i-1) rest reduced", "peer's partials here",
+            "P^T / dS^T published", "S^T(i+1) + dQ(i) chunk 0 done",
+            "S^T(i+1) sent, chunk 0 reduced")
+G_EVENTS = ("wait P", "P here", "stage here", "product done")
+
+
+class FusedTraced(FFPABwdFusedSm90):
+    """The fused backward with clock64 stamps (trace: [CTAs, SLOTS, MAXB, EVENTS] int64)."""
+
+    OPERANDS = (*FFPABwdFusedSm90.OPERANDS, "trace")
+
+    @staticmethod
+    def fake_inputs(cfg):
+        return (*FFPABwdFusedSm90.fake_inputs(cfg), fake_tensor(cutlass.Int64, 4, 1))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
+                 mDelta: cute.Tensor, mTrace: cute.Tensor, softmax_scale: Float32,
+                 causal_offset: Int32, window_lo: Int32, num_clusters: Int32,
+                 stream: cuda.CUstream):
+        self._launch(mQ, mK, mV, mdO, mdQ, mdK, mdV, mLSE, mDelta, softmax_scale,
+                     causal_offset, window_lo, num_clusters, stream, mTrace)
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        _stamp(extra, event, i)
+
+
+class _NoRed(FusedTraced):
+    """dQ's products formed, not reduced (dq wrong; timing only)."""
+
+    @cute.jit
+    def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ, n_block, col0, seqlen_q):
+        pass
+
+
+class _NoExchange(FusedTraced):
+    """Nothing sent: each CTA scores its own partials (wrong; timing only)."""
+
+    @cute.jit
+    def _send(self, acc, smem, part: cutlass.Constexpr, rank, tidx):
+        pass
+
+    @cute.jit
+    def _arm_exchange(self, smem, tidx):
+        if tidx == 0:
+            cute.arch.mbarrier_arrive(smem.bars.x_full)
+
+    @cute.jit
+    def _receive(self, acc_S, acc_dP, smem, tidx):
+        pass
+
+
+class _NoExchangeNoRed(_NoExchange, _NoRed):
+    pass
+
+
+TRACE_VARIANTS = {"traced": FusedTraced, "no red": _NoRed, "no exchange": _NoExchange,
+                  "no exchange, no red": _NoExchangeNoRed}
+TRACE_CASES = ((512, False, 32, 32, 8192),)
+
+
+def trace_jobs() -> list:
+    return [(cls, plans(case)["fused"].cfgs[-1]) for case in TRACE_CASES
+            for cls in TRACE_VARIANTS.values()]
+
+
+def trace_phases(trace) -> dict:
+    """Median cycles per block of each phase over every CTA's blocks from the third on."""
+    import torch
+
+    t = trace[:, :, 2:].double()
+
+    def span(x, a, b):
+        d = x[..., b] - x[..., a]
+        return d[(x[..., a] != 0) & (x[..., b] != 0)]
+
+    def period(x):
+        d = x[:, 1:, 0] - x[:, :-1, 0]
+        return d[(x[:, 1:, 0] != 0) & (x[:, :-1, 0] != 0)]
+
+    out = {}
+    for k in range(len(S_EVENTS) - 1):
+        out[f"S {S_EVENTS[k]} -> {S_EVENTS[k + 1]}"] = span(t[:, 0], k, k + 1)
+    last = t[:, 0, :-1, len(S_EVENTS) - 1]
+    nxt = t[:, 0, 1:, 0]
+    out[f"S {S_EVENTS[-1]} -> next start"] = (nxt - last)[(last != 0) & (nxt != 0)]
+    out["S block period"] = period(t[:, 0])
+    for name, g in (("dV", t[:, 1]), ("dK", t[:, 2])):
+        for k in range(len(G_EVENTS) - 1):
+            out[f"{name} {G_EVENTS[k]} -> {G_EVENTS[k + 1]}"] = span(g, k, k + 1)
+        out[f"{name} block period"] = period(g)
+    return {k: float(torch.median(v).item()) if v.numel() else float("nan")
+            for k, v in out.items()}
+
+
+def run_trace(dev, flush) -> dict:
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import launch
+    from perf.flops import attn_flops_bwd
+
+    res = {}
+    for case in TRACE_CASES:
+        d, causal, hq, hkv, n = case
+        plan = plans(case)["fused"]
+        delta_cfg, cfg = plan.cfgs
+        q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                       return_lse=True)
+        t = dict(q=q, k=k, v=v, do=do, lse=lse.contiguous(),
+                 delta=(do.float() * out.float()).sum(-1).contiguous(),
+                 dq_acc=torch.zeros(q.shape, dtype=torch.float32, device=dev),
+                 dk=torch.empty_like(k), dv=torch.empty_like(v))
+        scalars = {**launch.kernel_scalars(plan.problem, plan.problem.right_edge),
+                   "num_clusters": 1}
+        ctas = 2 * -(-n // 64) * hkv * B
+        flops = attn_flops_bwd(B, hq, n, n, d, causal)
+        for name, cls in TRACE_VARIANTS.items():
+            trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
+            args = {**t, "trace": trace}
+            launch.run_job(cls, cfg, args, scalars)
+            torch.cuda.synchronize()
+            ms = experiment.median_ms(lambda c=cls: launch.run_job(c, cfg, args, scalars), dev,
+                                      flush)
+            trace.zero_()
+            launch.run_job(cls, cfg, args, scalars)
+            torch.cuda.synchronize()
+            key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n} {name}"
+            res[key] = dict(ms=ms, tflops=flops / ms / 1e9, phases=trace_phases(trace.cpu()))
+            print(f"{key}: {ms:.2f} ms (the kernel alone), {res[key]['tflops']:.0f} TFLOPS",
+                  flush=True)
+            for ph, cyc in res[key]["phases"].items():
+                print(f"  {ph:58s} {cyc:8.0f}", flush=True)
+    return res
+
+
 if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--trace" in argv:
+        argv.remove("--trace")
+        raise SystemExit(experiment.main("perf.bwd_fused --trace", __doc__, trace_jobs,
+                                         run_trace, argv))
     raise SystemExit(experiment.main("perf.bwd_fused", __doc__, jobs, run))

@@ -31,13 +31,16 @@ sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
 atomic-free kernels).
 
-Warpgroups (384 threads, 168 registers each; `persistent`: 184 / 160 / 160 by setmaxnreg):
-  WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block:
-            S^T_r, dP^T_r (m64n64 SS WGMMA), the exchange, the score step, P^T and dS^T to smem
-            (stmatrix), then the
-            next block's S^T_r and this block's dQ_r in column chunks (`dq_chunks`: m64n{w}
-            SS WGMMA, A = dS read transposed from the dS^T tile, B = K_r read N-major), each
-            reduced as it completes;
+Warpgroups (384 threads; setmaxnreg 184 / 160 / 160):
+  WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block i,
+            pipelined so that the exchange runs under tensor work (the 32 KB each way take
+            ~2500 cycles over DSMEM, as long as two of the block's five products):
+              dP^T_r(i) (m64n64 SS WGMMA) with dQ(i-1)'s later chunks behind it; dP^T's
+              partial sent; those chunks reduced; the peer's partials added (S^T's arrived
+              earlier); the score step; P^T and dS^T to smem (stmatrix), published;
+              S^T_r(i+1) with dQ(i)'s first chunk; S^T(i+1)'s partial sent; the chunk reduced.
+            dQ_r is formed in column chunks (`dq_chunks`: m64n{w} SS WGMMA, A = dS read
+            transposed from the dS^T tile, B = K_r read N-major);
   WG1 "dV"  dV_r += P^T dO_r (A = P^T from smem, B = the dO stage read N-major); refills the dO
             ring (it is the stage's last reader: the S warpgroup's dP^T_r is complete before
             P^T is published);
@@ -46,7 +49,8 @@ Warpgroups (384 threads, 168 registers each; `persistent`: 184 / 160 / 160 by se
 Hand-overs (mbarriers): kv (K_r and V_r landed: two arrivals with their bytes), q[s] / do[s]
 (TMA bytes), p_full (128 S-thread arrivals after a proxy fence: P^T and dS^T written), p_empty
 (one arrival per dV / dK warp once its WGMMAs on them completed), x_full (the peer's 32 KB of
-partials landed: st.async bytes, armed by our thread 0 each block) and x_empty (the peer has
+partials landed: st.async bytes, S^T's and dP^T's sent at different times, armed by our
+thread 0 each block) and x_empty (the peer has
 read what we sent: its thread 0 arrives on ours, cluster scope, after its S warpgroup's
 barrier); sm90/fused_protocol.py models them. The exchange buffer is laid out by
 fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
@@ -224,6 +228,16 @@ class FFPABwdFusedSm90(KernelEntry):
         zeroed; lse, delta: (B, Hq, Nq) fp32; window_lo read with `window`. Grid = (2 * key
         tiles, Hkv, B), clusters of 2 along x; `persistent`: (2 * min(tiles, num_clusters), 1,
         1)."""
+        self._launch(mQ, mK, mV, mdO, mdQ, mdK, mdV, mLSE, mDelta, softmax_scale,
+                     causal_offset, window_lo, num_clusters, stream, None)
+
+    @cute.jit
+    def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
+                mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                window_lo: Int32, num_clusters: Int32, stream: cuda.CUstream, extra):
+        """`__call__`'s launch; `extra` reaches every warpgroup's `_trace` hook (None: no
+        code; perf/bwd_fused.py passes a clock64 trace tensor)."""
         cfg, d = self.cfg, self.cfg.head_dim
         layouts = self._layouts()
         mQ, mK, mV, mdO, mdK, mdV = [aligned_bhnd(t, d, self.dtype)
@@ -251,7 +265,7 @@ class FFPABwdFusedSm90(KernelEntry):
             grid = (2 * cutlass.min(tiles, num_clusters), 1, 1)
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
-                    SharedStorage).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
+                    SharedStorage, extra).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream,
                                           min_blocks_per_mp=1, cluster=[2, 1, 1])
 
@@ -259,7 +273,7 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.kernel
     def kernel(self, ops: FusedOps, layouts: FusedLayouts, mmas: FusedMmas,
                scale_log2: Float32, causal_offset: Int32, window_lo,
-               SharedStorage: cutlass.Constexpr):
+               SharedStorage: cutlass.Constexpr, extra):
         cfg = self.cfg
         tidx, wg, warp_idx = thread_roles()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
@@ -298,26 +312,24 @@ class FFPABwdFusedSm90(KernelEntry):
             bars)
 
         scalars = (causal_offset, window_lo, scale_log2)
-        # `persistent`: the tile loop's state pushed the S warpgroup past 168 registers (76 B
-        # of spills at D=512); the dV / dK warpgroups give it 2 x 8 (184 + 2 x 160 = 504)
+        # the S warpgroup holds two 64 x 64 products and a dQ chunk at once (and, `persistent`,
+        # the tile loop's state): the dV / dK warpgroups give it 2 x 8 (184 + 2 x 160 = 504)
         if wg == 0:
-            if const_expr(cfg.persistent):
-                cute.arch.warpgroup_reg_alloc(184)
-            self._tiles(mmas, ops, smem, 0, tidx, scalars)
+            cute.arch.warpgroup_reg_alloc(184)
+            self._tiles(mmas, ops, smem, 0, tidx, scalars, extra)
         elif wg == 1:
-            if const_expr(cfg.persistent):
-                cute.arch.warpgroup_reg_dealloc(160)
-            self._tiles(mmas, ops, smem, 1, tidx - WG_THREADS, scalars)
+            cute.arch.warpgroup_reg_dealloc(160)
+            self._tiles(mmas, ops, smem, 1, tidx - WG_THREADS, scalars, extra)
         else:
-            if const_expr(cfg.persistent):
-                cute.arch.warpgroup_reg_dealloc(160)
-            self._tiles(mmas, ops, smem, 2, tidx - 2 * WG_THREADS, scalars)
+            cute.arch.warpgroup_reg_dealloc(160)
+            self._tiles(mmas, ops, smem, 2, tidx - 2 * WG_THREADS, scalars,
+                            extra)
         cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
         cute.arch.cluster_wait()
 
     @cute.jit
     def _tiles(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, role: cutlass.Constexpr,
-               tidx, scalars):
+               tidx, scalars, extra):
         """Warpgroup `role`'s part of the CTA's key tiles: the one of its cluster, or
         (`persistent`) tiles c, c + clusters, ... of cluster c (common/scheduler.py's order, a
         head's key tiles lowest first: under causal the longest), its streams continuing from
@@ -336,7 +348,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 work = self._work(ops, m_tiles - 1 - m_last, head_t, batch_t, bidx % 2,
                                   scalars)
                 at = FusedAt(q, blk, (t - first) // stride)
-                self._role(mmas, ops, smem, work, role, tidx, at)
+                self._role(mmas, ops, smem, work, role, tidx, at, extra)
                 cutlass.pipeline.NamedBarrier(barrier_id=2,
                                               num_threads=3 * WG_THREADS).arrive_and_wait()
                 q, blk = q + cutlass.max(work.n_count, 1), blk + work.n_count
@@ -347,7 +359,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 m_block = grid_x // 2 - 1 - bidx // 2
             work = self._work(ops, m_block, head, batch, bidx % 2, scalars)
             zero = Int32(0)
-            self._role(mmas, ops, smem, work, role, tidx, FusedAt(zero, zero, zero))
+            self._role(mmas, ops, smem, work, role, tidx, FusedAt(zero, zero, zero), extra)
 
     @cute.jit
     def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars) -> FusedWork:
@@ -364,12 +376,18 @@ class FFPABwdFusedSm90(KernelEntry):
 
     @cute.jit
     def _role(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-              role: cutlass.Constexpr, tidx, at: FusedAt):
+              role: cutlass.Constexpr, tidx, at: FusedAt, extra):
         """Warpgroup `role`'s part of one tile: 0 scores, 1 dV, 2 dK."""
         if const_expr(role == 0):
-            self._score_wg(mmas, ops, smem, work, tidx, at)
+            self._score_wg(mmas, ops, smem, work, tidx, at, extra)
         else:
-            self._grad_wg(mmas.acc, ops, smem, work, role - 1, tidx, at)
+            self._grad_wg(mmas.acc, ops, smem, work, role - 1, tidx, at, extra)
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        """A phase boundary of block i (perf/bwd_fused.py's traced kernel stamps clock64
+        here; no code otherwise)."""
+        pass
 
     # ---------------------------------------------------------------- loads
     @cute.jit
@@ -411,12 +429,17 @@ class FFPABwdFusedSm90(KernelEntry):
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
     def _score_wg(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-                  tidx, at: FusedAt):
-        """WG0 on one tile: per block S^T_r and dP^T_r, the exchange, P^T and dS^T to smem, the
-        next block's S^T_r, dQ_r and its reduction."""
+                  tidx, at: FusedAt, extra):
+        """WG0 on one tile, software-pipelined so that the exchange runs under tensor work.
+        Block i: dP^T_r(i) with dQ(i-1)'s later chunks, dP^T's partial sent, those chunks
+        reduced, the peer's partials added, the score step, P^T and dS^T published; then
+        S^T_r(i+1) with dQ(i)'s first chunk, S^T's partial sent, that chunk reduced. (The
+        first chunks of block -1 read a stale dS^T tile and are dropped, as are the last
+        block's S^T(i+1): no WGMMA is issued under a runtime condition.)"""
         cfg, bars = self.cfg, smem.bars
         qs, ds = cfg.q_stages, cfg.do_stages
         n_count, rank = work.n_count, work.rank
+        chunks = self.dq_chunks
         mma_s = mmas.s
         thr = mma_s.get_slice(tidx)
         tSrK = mma_s.make_fragment_A(thr.partition_A(smem.k))      # (MMA, 1, half / 16)
@@ -438,14 +461,14 @@ class FFPABwdFusedSm90(KernelEntry):
         # (columns, keys), read N-major, in chunks (`dq_chunks`)
         sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
         sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
+        col0 = rank * self.half
+        x_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
 
         # ---- K_r, V_r, the first Q and dO stages
-        col0 = rank * self.half
         for tma, g, dst in ((ops.tma_k, ops.g_k, smem.k), (ops.tma_v, ops.g_v, smem.v)):
             self._load(tma, g, dst, work.head, work.batch, work.m_block, col0, None, bars.kv,
                        tidx)
-        # Q of block 0 even when the tile has no block (its S^T_r is computed and dropped):
-        # no WGMMA is issued under a runtime condition, or ptxas serialises them all
+        # Q of block 0 even when the tile has no block (its S^T_r is computed and dropped)
         for j in cutlass.range_constexpr(qs):
             if j < cutlass.max(n_count, 1):
                 self._load_block(ops, smem, work, j, at.q + j, 0, tidx)
@@ -455,24 +478,38 @@ class FFPABwdFusedSm90(KernelEntry):
         cute.arch.mbarrier_wait(bars.kv, at.tile & 1)
         self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, at.q, qs)
         warpgroup.wait_group(0)   # none in flight into the loop
+        if n_count > 0:
+            cute.arch.mbarrier_wait(bars.x_empty, (at.blk & 1) ^ 1)   # the peer read our last
+            self._send(acc_S, smem, 0, rank, tidx)
         for i in cutlass.range(n_count, unroll=1):
             head_q, n_block = self._block(work, i)
             b = at.blk + i   # hand-overs before this block: the P and exchange phases
+            self._trace(extra, 0, i)
             # this thread's LSE or Delta of the block, loaded before the block's WGMMAs
             pre = load_column_stat(T, n_block, work.seqlen_q, ops.mLSE, ops.mDelta,
                                    work.batch, head_q, tidx, 0)
-            # ---- dP^T_r, then both partials complete
-            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, at.blk + i, ds)
+            # ---- dP^T_r(i), and under it dQ(i-1)'s later chunks (stale at i == 0: dropped)
+            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, b, ds)
+            accs = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
+                    for j in range(1, len(chunks))]
+            warpgroup.wait_group(len(chunks) - 1)
+            self._trace(extra, 1, i)
+            self._send(acc_dP, smem, 1, rank, tidx)
+            self._arm_exchange(smem, tidx)
             warpgroup.wait_group(0)
-            # ---- the exchange: ours to the peer, the peer's added to ours
-            cute.arch.mbarrier_wait(bars.x_empty, (b & 1) ^ 1)   # the peer read our last
-            self._send(acc_S, acc_dP, smem, rank, tidx)
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bars.x_full, X_FLOATS * 4)
+            if i > 0:
+                head_p, n_prev = self._block(work, i - 1)
+                gdQ = ops.mdQ[work.batch, head_p, None, None]   # (Nq, D) fp32
+                for j in cutlass.range_constexpr(1, len(chunks)):
+                    self._dq_reduce(mmas.dq[j], accs[j - 1], gdQ, n_prev,
+                                    col0 + sum(chunks[:j]), chunks[j], work.seqlen_q, tidx)
+            self._trace(extra, 2, i)
+            # ---- the peer's partials added to ours
             self._stage_stat(smem.stat, pre, tidx)
             cute.arch.mbarrier_wait(bars.x_full, b & 1)
+            self._trace(extra, 3, i)
             self._receive(acc_S, acc_dP, smem, tidx)
-            cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS).arrive_and_wait()
+            x_sync.arrive_and_wait()
             if tidx == 0:   # every S thread has read the buffer: the peer may send again
                 cute.arch.mbarrier_arrive(bars.x_empty, 1 - rank,
                                           scope=nvvm.MemScopeKind.CLUSTER)
@@ -496,16 +533,30 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.copy(thr_st, tPrdS, tPsdS)
             cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
             cute.arch.mbarrier_arrive(bars.p_full)
-            # ---- the next block's S^T_r under this block's dQ_r (after the last block its
-            #      own again, on the stage it still holds: dropped)
+            self._trace(extra, 4, i)
+            # ---- S^T_r(i+1) (after the last block its own stage again: dropped) and dQ(i)'s
+            #      first chunk; S^T's partial sent, the chunk reduced
             self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q,
                          at.q + cutlass.min(i + 1, n_count - 1), qs)
-            gdQ = ops.mdQ[work.batch, head_q, None, None]   # (Nq, D) fp32
-            c0 = 0
-            for j in cutlass.range_constexpr(len(self.dq_chunks)):
-                self._dq_chunk(mmas.dq[j], sdS, sKt, c0, self.dq_chunks[j], gdQ, n_block,
-                               col0, work.seqlen_q, tidx)
-                c0 += self.dq_chunks[j]
+            acc0 = self._dq_issue(mmas.dq[0], sdS, sKt, 0, chunks[0], tidx)
+            warpgroup.wait_group(0)
+            self._trace(extra, 5, i)
+            if i + 1 < n_count:
+                cute.arch.mbarrier_wait(bars.x_empty, ((b + 1) & 1) ^ 1)
+                self._send(acc_S, smem, 0, rank, tidx)
+            self._dq_reduce(mmas.dq[0], acc0, ops.mdQ[work.batch, head_q, None, None], n_block,
+                            col0, chunks[0], work.seqlen_q, tidx)
+            self._trace(extra, 6, i)
+        # ---- the last block's later dQ chunks
+        tail = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
+                for j in range(1, len(chunks))]
+        warpgroup.wait_group(0)
+        if n_count > 0:
+            head_l, n_last = self._block(work, n_count - 1)
+            gdQ_l = ops.mdQ[work.batch, head_l, None, None]
+            for j in cutlass.range_constexpr(1, len(chunks)):
+                self._dq_reduce(mmas.dq[j], tail[j - 1], gdQ_l, n_last,
+                                col0 + sum(chunks[:j]), chunks[j], work.seqlen_q, tidx)
 
     @cute.jit
     def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, pos, stages: cutlass.Constexpr):
@@ -530,16 +581,22 @@ class FFPABwdFusedSm90(KernelEntry):
         sync.arrive_and_wait()
 
     @cute.jit
-    def _send(self, acc_S, acc_dP, smem: FusedSmem, rank, tidx):
-        """Our partials into the peer's exchange buffer, 16 bytes per st.async, each counted on
-        the peer's x_full (value v of acc_S at [v % 4, tidx, v // 4], acc_dP's after them)."""
-        n4 = cute.size(acc_S) // 4
-        for acc, base in ((acc_S, 0), (acc_dP, n4)):
-            for q in cutlass.range_constexpr(n4):
-                dst = smem.x[None, tidx, base + q].iterator
-                cute.arch.store_async_dsmem(
-                    dst, tuple(Float32(acc[4 * q + e]).bitcast(Int32) for e in range(4)),
-                    smem.bars.x_full, 1 - rank)
+    def _send(self, acc, smem: FusedSmem, part: cutlass.Constexpr, rank, tidx):
+        """Our partial (part 0: S^T, 1: dP^T) into the peer's exchange buffer, 16 bytes per
+        st.async, each counted on the peer's x_full (value v of part p at [v % 4, tidx,
+        p n / 4 + v // 4], n the values per thread)."""
+        n4 = cute.size(acc) // 4
+        for q in cutlass.range_constexpr(n4):
+            dst = smem.x[None, tidx, part * n4 + q].iterator
+            cute.arch.store_async_dsmem(
+                dst, tuple(Float32(acc[4 * q + e]).bitcast(Int32) for e in range(4)),
+                smem.bars.x_full, 1 - rank)
+
+    @cute.jit
+    def _arm_exchange(self, smem: FusedSmem, tidx):
+        """Thread 0 arms this block's x_full: one arrival and the peer's X_FLOATS * 4 bytes."""
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(smem.bars.x_full, X_FLOATS * 4)
 
     @cute.jit
     def _receive(self, acc_S, acc_dP, smem: FusedSmem, tidx):
@@ -551,11 +608,10 @@ class FFPABwdFusedSm90(KernelEntry):
                     acc[4 * q + e] = acc[4 * q + e] + smem.x[e, tidx, base + q]
 
     @cute.jit
-    def _dq_chunk(self, mma: cute.TiledMma, sdS: cute.Tensor, sKt: cute.Tensor,
-                  c0: cutlass.Constexpr, width: cutlass.Constexpr, gdQ: cute.Tensor, n_block,
-                  col0, seqlen_q, tidx):
-        """Columns c0 .. c0 + width of this CTA's dQ share for the block: dS K_r[:, c0 ..]
-        (every WGMMA issued before the first wait), then reduced into dq_acc."""
+    def _dq_issue(self, mma: cute.TiledMma, sdS: cute.Tensor, sKt: cute.Tensor,
+                  c0: cutlass.Constexpr, width: cutlass.Constexpr, tidx):
+        """Columns c0 .. c0 + width of this CTA's dQ share of the block whose dS^T is in smem:
+        dS K_r[:, c0 ..], issued and committed (the accumulator returned, not waited)."""
         thr = mma.get_slice(tidx)
         tQrdS = mma.make_fragment_A(thr.partition_A(sdS))   # (MMA, 1, T / 16)
         # (MMA, 1, T / 16): K_r's columns c0 .. c0 + width as (columns, keys)
@@ -568,9 +624,16 @@ class FFPABwdFusedSm90(KernelEntry):
             atom.set(warpgroup.Field.ACCUMULATE, k > 0)
             cute.gemm(atom, acc, tQrdS[None, None, k], tQrK[None, None, k], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        return acc
+
+    @cute.jit
+    def _dq_reduce(self, mma: cute.TiledMma, acc, gdQ: cute.Tensor, n_block, col0,
+                   width: cutlass.Constexpr, seqlen_q, tidx):
+        """A completed `_dq_issue` accumulator (queries of block n_block, columns col0 ..
+        col0 + width of dq_acc) added into dq_acc."""
+        thr = mma.get_slice(tidx)
         tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, width))))
-        self._reduce_dq(acc, tQcQ_mn, gdQ, n_block, col0 + c0, seqlen_q)
+        self._reduce_dq(acc, tQcQ_mn, gdQ, n_block, col0, seqlen_q)
 
     @cute.jit
     def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
@@ -620,7 +683,7 @@ class FFPABwdFusedSm90(KernelEntry):
     # ---------------------------------------------------------------- dV / dK warpgroups
     @cute.jit
     def _grad_wg(self, mma: cute.TiledMma, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-                 which: cutlass.Constexpr, tidx, at: FusedAt):
+                 which: cutlass.Constexpr, tidx, at: FusedAt, extra):
         """WG1 (which 0): dV_r += P^T dO_r, refilling the dO ring; WG2 (which 1): dK_r +=
         dS^T Q_r, refilling the Q ring; over one tile's blocks. Then the rows < Nkv of this
         CTA's columns stored."""
@@ -641,8 +704,11 @@ class FFPABwdFusedSm90(KernelEntry):
         pos0 = at.blk if const_expr(which == 0) else at.q   # the ring's position of block 0
         for i in cutlass.range(work.n_count, unroll=1):
             s = (pos0 + i) % stages
+            self._trace(extra, 0, i)
             cute.arch.mbarrier_wait(bars.p_full, (at.blk + i) & 1)
+            self._trace(extra, 1, i)
             cute.arch.mbarrier_wait(ring_bar + s, ((pos0 + i) // stages) & 1)
+            self._trace(extra, 2, i)
             atom = cute.make_mma_atom(mma.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
@@ -650,6 +716,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 cute.gemm(atom, acc, tArA[None, None, k], tArB[None, None, k, s], acc)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            self._trace(extra, 3, i)
             if lane == 0:
                 cute.arch.mbarrier_arrive(bars.p_empty)
             # this warpgroup read the stage last (the S warpgroup's product on it completed

@@ -99,18 +99,23 @@ class FusedModel(ModelBase):
         yield from self.wait(kv, j)
         yield from self.scores(r, "q", q0, (j, 0), qs, j)
         self.release(mma)                                 # wait_group(0)
+        if n > 0:
+            yield from self.send(r, "S", b0)
         for i in range(n):
             b = b0 + i
             yield from self.scores(r, "do", b, (j, i), ds, j)
-            self.release(mma)                             # wait_group(0): S^T, dP^T done
-            if "no_x_empty_wait" not in self.faults and b > 0:
-                yield from self.wait(self.bar(r, "x_empty"), b - 1)
-            # our partials into the peer's buffer (st.async), counted on its x_full
-            self.landing.append((f"{1 - r}:x", ("x", r, b), self.bar(1 - r, "x_full")))
-            self.arrive(self.bar(r, "x_full"), expect=STAGE_BYTES)
+            if i > 0:   # dQ(i-1)'s later chunks (at i == 0 a stale tile, dropped)
+                self.read(f"{r}:dst", ("ds", b - 1), mma, hold=True)
+                self.read(f"{r}:k", ("k", j), mma, hold=True)
+            yield                                         # wait_group: dP^T done
+            # dP^T's partial into the peer's buffer; our x_full armed for both parts
+            self.landing.append((f"{1 - r}:xdP", ("x", r, b), self.bar(1 - r, "x_full")))
+            self.arrive(self.bar(r, "x_full"), expect=2 * STAGE_BYTES)
             yield
+            self.release(mma)                             # wait_group(0), the reductions
             yield from self.wait(self.bar(r, "x_full"), b)
-            self.read(f"{r}:x", ("x", 1 - r, b), me + "x", hold=True)
+            self.read(f"{r}:xS", ("x", 1 - r, b), me + "x", hold=True)
+            self.read(f"{r}:xdP", ("x", 1 - r, b), me + "x", hold=True)
             yield                                         # the S threads' barrier
             self.release(me + "x")
             self.arrive(self.bar(1 - r, "x_empty"))       # remote, cluster scope
@@ -122,10 +127,25 @@ class FusedModel(ModelBase):
             yield
             nxt = min(i + 1, n - 1)
             yield from self.scores(r, "q", q0 + nxt, (j, nxt), qs, j)
-            self.read(f"{r}:dst", ("ds", b), mma, hold=True)   # dQ = dS K_r
+            self.read(f"{r}:dst", ("ds", b), mma, hold=True)   # dQ(i)'s first chunk
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
-            self.release(mma)                             # wait_group(0), then the reduction
+            self.release(mma)                             # wait_group(0)
+            if i + 1 < n:
+                yield from self.send(r, "S", b + 1)
+        if n > 0:   # the last block's later dQ chunks
+            self.read(f"{r}:dst", ("ds", b0 + n - 1), mma, hold=True)
+            self.read(f"{r}:k", ("k", j), mma, hold=True)
+            yield
+            self.release(mma)
+
+    def send(self, r: int, part: str, b: int):
+        """Block b's S^T partial (part "S") into the peer's buffer by st.async, once the peer
+        has read block b - 1's (x_empty), counted on the peer's x_full."""
+        if "no_x_empty_wait" not in self.faults and b > 0:
+            yield from self.wait(self.bar(r, "x_empty"), b - 1)
+        self.landing.append((f"{1 - r}:x{part}", ("x", r, b), self.bar(1 - r, "x_full")))
+        yield
 
     def scores(self, r: int, ring: str, pos: int, block, stages: int, j: int):
         """`_scores`: wait the stage of ring position pos, then the WGMMAs reading it (and
