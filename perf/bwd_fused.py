@@ -174,8 +174,19 @@ class _NoExchangeNoRed(_NoExchange, _NoRed):
     pass
 
 
+class _NoDQ(_NoRed):
+    """No dQ product and no reduction: the S warpgroup's chain without dQ (timing only)."""
+
+    @cute.jit
+    def _dq_issue(self, mma, sdS, sKt, c0: cutlass.Constexpr, width: cutlass.Constexpr, tidx):
+        thr = mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((64, width)), Float32)
+        acc.fill(0.0)
+        return acc
+
+
 TRACE_VARIANTS = {"traced": FusedTraced, "no red": _NoRed, "no exchange": _NoExchange,
-                  "no exchange, no red": _NoExchangeNoRed}
+                  "no exchange, no red": _NoExchangeNoRed, "no dQ": _NoDQ}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 
 
