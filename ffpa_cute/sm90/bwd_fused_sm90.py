@@ -1,8 +1,10 @@
 """The fused Hopper backward: dQ, dK and dV in one pass, five GEMM units for five counted.
 
-Status: compile-verified only, never run on a GPU (docs/design.md section 4, "The fused
-backward"); planned only under `Options(deterministic=False)`, and canaried before its first use
-there (selfcheck.py: its config's VERIFIED is False). Constraints (`can_implement_fused`): D ==
+Status: the schedule below is compile-verified only; the first schedule (the whole exchange
+between dP^T and the score step) passed the GPU tests on the H200 and ran slower than the
+atomic-free kernels (docs/design.md section 4, "The fused backward"). Planned only under
+`Options(deterministic=False)`, and canaried before its first use there (selfcheck.py: its
+config's VERIFIED is False). Constraints (`can_implement_fused`): D ==
 Dv a multiple of 64 in (256, 512], bf16 / fp16; causal either alignment, a sliding window's left
 edge (config `window`), GQA / MQA; no varlen.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
@@ -33,8 +35,9 @@ atomic-free kernels).
 
 Warpgroups (384 threads; setmaxnreg 184 / 160 / 160):
   WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block i,
-            pipelined so that the exchange runs under tensor work (the 32 KB each way take
-            ~2500 cycles over DSMEM, as long as two of the block's five products):
+            pipelined so that the exchange runs under tensor work (32 KB each way, ~2300-3500
+            cycles at the DSMEM rate measured, as long as two or three of the block's five
+            products):
               dP^T_r(i) (m64n64 SS WGMMA) with dQ(i-1)'s later chunks behind it; dP^T's
               partial sent; those chunks reduced; the peer's partials added (S^T's arrived
               earlier); the score step; P^T and dS^T to smem (stmatrix), published;
