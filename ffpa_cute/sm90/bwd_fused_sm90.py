@@ -1,10 +1,10 @@
 """The fused Hopper backward: dQ, dK and dV in one pass, five GEMM units for five counted.
 
-Status: the schedule below is compile-verified only; the first schedule (the whole exchange
-between dP^T and the score step) passed the GPU tests on the H200 and ran slower than the
-atomic-free kernels (docs/design.md section 4, "The fused backward"). Planned only under
-`Options(deterministic=False)`, and canaried before its first use there (selfcheck.py: its
-config's VERIFIED is False). Constraints (`can_implement_fused`): D ==
+Status: GPU-tested on the H200 and slower there than the atomic-free kernels (230 against 259
+TFLOPS at D=512): dQ's `red.global` reductions hold the S warpgroup ~5100 cycles per block,
+L2's reduction rate (docs/design.md section 4, "The fused backward", has the phase trace).
+Planned only under `Options(deterministic=False)`, and canaried before its first use there
+(selfcheck.py: its config's VERIFIED is False until its sanitizer run). Constraints (`can_implement_fused`): D ==
 Dv a multiple of 64 in (256, 512], bf16 / fp16; causal either alignment, a sliding window's left
 edge (config `window`), GQA / MQA; no varlen.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
