@@ -13,10 +13,10 @@ clusters walking the tiles: no cluster launch per tile). Before timing, each fus
 variant's gradients are checked against the routed ones (relative error < 1e-2 each; the same
 products in another summation order).
 
-Prediction (docs/design.md section 4, "The fused backward"): at the atomic-free kernels' rate
-per executed unit (8 units in 42 ms at D=512, N=8K: 5.3 ms each) the fused one's 5 units take
-~26 ms plus the exchange and the dQ reductions on the S warpgroup's path: 330-400 TFLOPS at
-D=512 against 258.
+`--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
+table per warpgroup) and knockouts beside it (no reduction, no exchange, neither, no dQ:
+wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
+fused backward", and docs/perf-log.md (2026-12-05).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def run_trace(dev, flush) -> dict:
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()
             ms = experiment.median_ms(lambda c=cls: launch.run_job(c, cfg, args, scalars), dev,
-                                      flush)
+                                      flush, rounds=1)   # five variants inside one device call
             trace.zero_()
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()

@@ -4,9 +4,9 @@ Status: GPU-tested on the H200 and slower there than the atomic-free kernels (23
 TFLOPS at D=512): dQ's `red.global` reductions hold the S warpgroup ~5100 cycles per block,
 L2's reduction rate (docs/design.md section 4, "The fused backward", has the phase trace).
 Planned only under `Options(deterministic=False)`, and canaried before its first use there
-(selfcheck.py: its config's VERIFIED is False until its sanitizer run). Constraints (`can_implement_fused`): D ==
-Dv a multiple of 64 in (256, 512], bf16 / fp16; causal either alignment, a sliding window's left
-edge (config `window`), GQA / MQA; no varlen.
+(selfcheck.py: its config's VERIFIED stays False until the sanitizers have run on it).
+Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 512], bf16 / fp16;
+causal either alignment, a sliding window's left edge (config `window`), GQA / MQA; no varlen.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
 (dQ: S, dP, dQ; dK: S^T, dP^T, dK; dV: S^T, dV), which caps them near 350 TFLOPS at D=512 even
 at the forward's rate per unit. This kernel forms every product once per (key tile, query
@@ -436,9 +436,9 @@ class FFPABwdFusedSm90(KernelEntry):
         """WG0 on one tile, software-pipelined so that the exchange runs under tensor work.
         Block i: dP^T_r(i) with dQ(i-1)'s later chunks, dP^T's partial sent, those chunks
         reduced, the peer's partials added, the score step, P^T and dS^T published; then
-        S^T_r(i+1) with dQ(i)'s first chunk, S^T's partial sent, that chunk reduced. (The
-        first chunks of block -1 read a stale dS^T tile and are dropped, as are the last
-        block's S^T(i+1): no WGMMA is issued under a runtime condition.)"""
+        S^T_r(i+1) with dQ(i)'s first chunk, S^T's partial sent, that chunk reduced. (At block
+        0 the later chunks of "block -1" read a stale dS^T tile and are dropped, as is the
+        last block's S^T(i+1): no WGMMA is issued under a runtime condition.)"""
         cfg, bars = self.cfg, smem.bars
         qs, ds = cfg.q_stages, cfg.do_stages
         n_count, rank = work.n_count, work.rank
