@@ -9,13 +9,14 @@ Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, t
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed backward, the fused one, and at D=512 the
 fused one with `red_v4` (dQ reduced 16 bytes per instruction) and with `persistent` (resident
-clusters walking the tiles: no cluster launch per tile). Before timing, each fused
+clusters walking the tiles: no cluster launch per tile); at every D the fused one with `dq_tma`
+(dQ staged through smem and added by TMA reductions). Before timing, each fused
 variant's gradients are checked against the routed ones (relative error < 1e-2 each; the same
 products in another summation order).
 
 `--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
-table per warpgroup) and knockouts beside it (no reduction, no exchange, neither, no dQ:
-wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
+table per warpgroup), with `dq_tma`, and knockouts beside it (no reduction, no exchange,
+neither, no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
 fused backward", and docs/perf-log.md (2026-12-05).
 """
 
@@ -49,20 +50,22 @@ def _problem(d, causal, hq, hkv, n):
 
 def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused", and at
-    D=512 "fused v4" (`red_v4`) and "fused persistent" (`persistent`)."""
+    D=512 "fused v4" (`red_v4`) and "fused persistent" (`persistent`), and "fused tma"
+    (`dq_tma`)."""
     import dataclasses
 
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import plan_bwd_fused
+    from ffpa_cute.sm90.config import dq_tma_fields, plan_bwd_fused
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
     cfg = plan_bwd_fused(p, "sm_90a")
     for label, c in (("fused", cfg), ("fused v4", dataclasses.replace(cfg, red_v4=True)),
-                     ("fused persistent", dataclasses.replace(cfg, persistent=True))):
-        if label == "fused" or p.head_dim == 512:
+                     ("fused persistent", dataclasses.replace(cfg, persistent=True)),
+                     ("fused tma", dataclasses.replace(cfg, **dq_tma_fields(cfg)))):
+        if label in ("fused", "fused tma") or p.head_dim == 512:
             out[label] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
                 DeltaConfig("sm_90a", p.dtype, p.head_dim_v), c))
     return out
@@ -185,14 +188,25 @@ class _NoDQ(_NoRed):
         return acc
 
 
-TRACE_VARIANTS = {"traced": FusedTraced, "no red": _NoRed, "no exchange": _NoExchange,
-                  "no exchange, no red": _NoExchangeNoRed, "no dQ": _NoDQ}
+# name: (traced class, `dq_tma`)
+TRACE_VARIANTS = {"traced": (FusedTraced, False), "dq_tma": (FusedTraced, True),
+                  "no red": (_NoRed, False), "no exchange": (_NoExchange, False),
+                  "no exchange, no red": (_NoExchangeNoRed, False), "no dQ": (_NoDQ, False)}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 
 
+def _trace_cfg(case, tma: bool):
+    import dataclasses
+
+    from ffpa_cute.sm90.config import dq_tma_fields
+
+    cfg = plans(case)["fused"].cfgs[-1]
+    return dataclasses.replace(cfg, **dq_tma_fields(cfg)) if tma else cfg
+
+
 def trace_jobs() -> list:
-    return [(cls, plans(case)["fused"].cfgs[-1]) for case in TRACE_CASES
-            for cls in TRACE_VARIANTS.values()]
+    return [(cls, _trace_cfg(case, tma)) for case in TRACE_CASES
+            for cls, tma in TRACE_VARIANTS.values()]
 
 
 def trace_phases(trace) -> dict:
@@ -235,7 +249,6 @@ def run_trace(dev, flush) -> dict:
     for case in TRACE_CASES:
         d, causal, hq, hkv, n = case
         plan = plans(case)["fused"]
-        delta_cfg, cfg = plan.cfgs
         q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
@@ -248,13 +261,14 @@ def run_trace(dev, flush) -> dict:
                    "num_clusters": 1}
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        for name, cls in TRACE_VARIANTS.items():
+        for name, (cls, tma) in TRACE_VARIANTS.items():
+            cfg = _trace_cfg(case, tma)
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()
-            ms = experiment.median_ms(lambda c=cls: launch.run_job(c, cfg, args, scalars), dev,
-                                      flush, rounds=1)   # five variants inside one device call
+            ms = experiment.median_ms(lambda c=cls, f=cfg: launch.run_job(c, f, args, scalars),
+                                      dev, flush, rounds=1)   # five variants inside one device call
             trace.zero_()
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()

@@ -88,9 +88,10 @@ def jobs(sections=SECTIONS) -> list:
                         add([(dispatch.kernel_class(cfg), cfg)])
                     if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
                         cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward, and
-                        add([(dispatch.kernel_class(cfg), cfg)])            # its red_v4
-                        if dtype == "bf16":  # and its variants
-                            for kw in (dict(red_v4=True), dict(persistent=True)):
+                        add([(dispatch.kernel_class(cfg), cfg)])            # its variants
+                        if dtype == "bf16":
+                            for kw in (dict(red_v4=True), dict(persistent=True),
+                                       sm90_config.dq_tma_fields(cfg)):
                                 c = dataclasses.replace(cfg, **kw)
                                 add([(dispatch.kernel_class(c), c)])
     from ffpa_cute.common.config import TransposeConfig

@@ -208,6 +208,18 @@ def test_fused_red_v4(seed, d, causal, nq, nkv, ratio):
            plan=lambda p: _fused_plan(p, red_v4=True))
 
 
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [FUSED_CASES[0], FUSED_CASES[1],
+                                                   FUSED_CASES[2], FUSED_CASES[3],
+                                                   FUSED_CASES[4], FUSED_CASES[6]])
+def test_fused_dq_tma(seed, d, causal, nq, nkv, ratio):
+    """The `dq_tma` variant (dQ staged through smem in 32-column pieces and added by TMA
+    reductions; one dO stage at D=448): rows past Nq clipped by TMA, every D."""
+    from ffpa_cute.sm90.config import dq_tma_fields, plan_bwd_fused
+
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
+           plan=lambda p: _fused_plan(p, **dq_tma_fields(plan_bwd_fused(p))))
+
+
 @pytest.mark.parametrize("clusters", [3, None])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [FUSED_CASES[0], FUSED_CASES[1],
                                                    FUSED_CASES[2], FUSED_CASES[4],

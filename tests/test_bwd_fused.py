@@ -50,27 +50,39 @@ def test_plan_and_constraints():
             c90.plan_bwd_fused(_problem(512, **kw))
 
 
-@pytest.mark.parametrize("d,causal,dtype,window,v4,persistent", [
-    (320, True, "bf16", False, False, False), (448, False, "bf16", False, True, False),
-    (512, True, "fp16", False, False, False), (512, True, "bf16", True, True, False),
-    (320, False, "bf16", False, True, True), (512, True, "bf16", False, False, True)])
+@pytest.mark.parametrize("d,causal,dtype,window,v4,persistent,tma", [
+    (320, True, "bf16", False, False, False, False), (448, False, "bf16", False, True, False,
+                                                      False),
+    (512, True, "fp16", False, False, False, False), (512, True, "bf16", True, True, False,
+                                                      False),
+    (320, False, "bf16", False, True, True, False), (512, True, "bf16", False, False, True,
+                                                     False),
+    (512, True, "bf16", False, False, False, True), (448, False, "bf16", True, False, False,
+                                                     True)])
 def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window, v4,
-                                      persistent):
+                                      persistent, tma):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
     TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
     red.global.add.v2.f32 (`red_v4`: .v4 after a lane-pair shuffle), cluster barriers; no local
     memory, setmaxnreg 184 / 160 / 160, no spills, and ptxas does not serialise the WGMMAs
-    (none is issued under a runtime branch or left in flight across one)."""
+    (none is issued under a runtime branch or left in flight across one). `dq_tma`: dQ by
+    TMA reductions from smem (bulk groups committed and waited), no `red`."""
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     assert cfg.window == window
     cfg = dataclasses.replace(cfg, red_v4=v4, persistent=persistent)
+    if tma:
+        cfg = dataclasses.replace(cfg, **c90.dq_tma_fields(cfg))
+        assert cfg.do_stages == (1 if d >= 448 else 2)
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
     for w in {64, d // 2, *cfg.dq_chunks}:
         assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.{ab}" in ptx
-    red = "red.global.add.v4.f32" if v4 else "red.global.add.v2.f32"
+    red = ("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" if tma
+           else "red.global.add.v4.f32" if v4 else "red.global.add.v2.f32")
+    assert ("red.global" in ptx) == (not tma)
+    assert ("cp.async.bulk.wait_group.read" in ptx) == tma
     assert ("shfl.sync.bfly" in ptx) == v4
     for op in ("cp.async.bulk.tensor.4d", "st.async.shared::cluster.mbarrier::complete_tx::bytes"
                ".v4.b32", red, "barrier.cluster.arrive",

@@ -62,6 +62,12 @@ thread t holds the same (key, query) positions, so no index translation is neede
 Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
 dS^T 16 KB: 214016 B (`BwdFusedConfigSm90.smem_bytes`); D <= 448 keeps two dO stages.
 
+`dq_tma` (a variant): each dQ chunk is staged in 32-column pieces through two 8 KB fp32 smem
+buffers (every S thread writes its values, a proxy fence, the warpgroup's barrier) and added
+into dq_acc by one thread's `cp.reduce.async.bulk.tensor`, so the S warpgroup only writes smem
+and L2 adds asynchronously (with `red.global` from registers the S warpgroup waits ~5100
+cycles per block at D=512); before a buffer is rewritten its last bulk group has read it.
+
 `persistent` (a variant): the grid is as many clusters as the device holds at once, each
 walking key tiles c, c + clusters, ... (`_tiles`); every stream continues from tile to tile
 (`FusedAt`) and a 384-thread barrier drains the CTA at each tile's end.
@@ -86,7 +92,7 @@ from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor)
-from .config import FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
+from .config import FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
 from .bwd_sm90 import load_column_stat, stage_column_stat
 from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles, tma_load
 
@@ -96,12 +102,13 @@ X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
 
 class FusedLayouts(NamedTuple):
     """Shared-memory layouts: K_r / V_r (T, half), the Q and dO rings (T, half, stages), the
-    P^T and dS^T tiles (T keys, T queries)."""
+    P^T and dS^T tiles (T keys, T queries), the two dQ staging pieces (T, 32, 2) fp32."""
 
     kv: object
     q: object
     do: object
     p: object
+    dq: object
 
 
 class FusedMmas(NamedTuple):
@@ -125,6 +132,8 @@ class FusedOps(NamedTuple):
     g_q: cute.Tensor
     tma_do: cute.CopyAtom
     g_do: cute.Tensor
+    tma_dq: cute.CopyAtom   # `dq_tma`: the staged pieces added into dq_acc
+    g_dq: cute.Tensor
     mdQ: cute.Tensor
     mdK: cute.Tensor
     mdV: cute.Tensor
@@ -151,6 +160,7 @@ class FusedSmem(NamedTuple):
     dst: cute.Tensor
     stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
     x: cute.Tensor      # (4, WG_THREADS, X_FLOATS / 512): the peer's partials by position
+    dq: object          # `dq_tma`: (T, 32, 2) fp32, the dQ staging pieces (else None)
     bars: FusedBars
 
 
@@ -216,7 +226,8 @@ class FFPABwdFusedSm90(KernelEntry):
         return FusedLayouts(row_major_layout(T, h, self.dtype),
                             row_major_layout(T, h, self.dtype, cfg.q_stages),
                             row_major_layout(T, h, self.dtype, cfg.do_stages),
-                            row_major_layout(T, T, self.dtype))
+                            row_major_layout(T, T, self.dtype),
+                            row_major_layout(T, FUSED_DQ_PIECE, Float32, 2))
 
     def _mma(self, a_major, b_major, n: int):
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major,
@@ -254,7 +265,13 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.select(lay, mode=[0, 1]), box)
             for t, lay in ((mK, layouts.kv), (mV, layouts.kv), (mQ, layouts.q),
                            (mdO, layouts.do))]
-        ops = FusedOps(*tmas[0], *tmas[1], *tmas[2], *tmas[3], mdQ, mdK, mdV, mLSE, mDelta)
+        # dq_acc (N, D, H, B): `dq_tma` adds staged (T, 32) pieces into it
+        tma_dq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(),
+            cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[2, 3, 1, 0])),
+            cute.select(layouts.dq, mode=[0, 1]), (T, FUSED_DQ_PIECE))
+        ops = FusedOps(*tmas[0], *tmas[1], *tmas[2], *tmas[3], *tma_dq, mdQ, mdK, mdV, mLSE,
+                       mDelta)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         mmas = FusedMmas(self._mma(K, K, T), self._mma(K, MN, self.half),
                          tuple(self._mma(MN, MN, w) for w in self.dq_chunks))
@@ -287,6 +304,8 @@ class FFPABwdFusedSm90(KernelEntry):
         if warp_idx == 0:
             for tma in (ops.tma_k, ops.tma_v, ops.tma_q, ops.tma_do):
                 cpasync.prefetch_descriptor(tma)
+            if const_expr(cfg.dq_tma):
+                cpasync.prefetch_descriptor(ops.tma_dq)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(bars.kv, 2)             # K_r and V_r
                 for s in cutlass.range_constexpr(cfg.q_stages):
@@ -312,6 +331,8 @@ class FFPABwdFusedSm90(KernelEntry):
             storage.xbuf.get_tensor(cute.make_layout(
                 (4, WG_THREADS, X_FLOATS // (4 * WG_THREADS)),
                 stride=(1, 4, 4 * WG_THREADS))),
+            storage.sdQ.get_tensor(layouts.dq.outer, swizzle=layouts.dq.inner)
+            if const_expr(cfg.dq_tma) else None,
             bars)
 
         scalars = (causal_offset, window_lo, scale_log2)
@@ -502,10 +523,9 @@ class FFPABwdFusedSm90(KernelEntry):
             warpgroup.wait_group(0)
             if i > 0:
                 head_p, n_prev = self._block(work, i - 1)
-                gdQ = ops.mdQ[work.batch, head_p, None, None]   # (Nq, D) fp32
                 for j in cutlass.range_constexpr(1, len(chunks)):
-                    self._dq_reduce(mmas.dq[j], accs[j - 1], gdQ, n_prev,
-                                    col0 + sum(chunks[:j]), chunks[j], work.seqlen_q, tidx)
+                    self._dq_reduce(mmas.dq[j], accs[j - 1], ops, smem, work, head_p, n_prev,
+                                    col0 + sum(chunks[:j]), chunks[j], tidx)
             self._trace(extra, 2, i)
             # ---- the peer's partials added to ours
             self._stage_stat(smem.stat, pre, tidx)
@@ -547,8 +567,8 @@ class FFPABwdFusedSm90(KernelEntry):
             if i + 1 < n_count:
                 cute.arch.mbarrier_wait(bars.x_empty, ((b + 1) & 1) ^ 1)
                 self._send(acc_S, smem, 0, rank, tidx)
-            self._dq_reduce(mmas.dq[0], acc0, ops.mdQ[work.batch, head_q, None, None], n_block,
-                            col0, chunks[0], work.seqlen_q, tidx)
+            self._dq_reduce(mmas.dq[0], acc0, ops, smem, work, head_q, n_block, col0, chunks[0],
+                            tidx)
             self._trace(extra, 6, i)
         # ---- the last block's later dQ chunks
         tail = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
@@ -556,10 +576,12 @@ class FFPABwdFusedSm90(KernelEntry):
         warpgroup.wait_group(0)
         if n_count > 0:
             head_l, n_last = self._block(work, n_count - 1)
-            gdQ_l = ops.mdQ[work.batch, head_l, None, None]
             for j in cutlass.range_constexpr(1, len(chunks)):
-                self._dq_reduce(mmas.dq[j], tail[j - 1], gdQ_l, n_last,
-                                col0 + sum(chunks[:j]), chunks[j], work.seqlen_q, tidx)
+                self._dq_reduce(mmas.dq[j], tail[j - 1], ops, smem, work, head_l, n_last,
+                                col0 + sum(chunks[:j]), chunks[j], tidx)
+        if const_expr(cfg.dq_tma):
+            if tidx == 0:   # every staged piece read before the CTA's smem goes
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, pos, stages: cutlass.Constexpr):
@@ -630,13 +652,53 @@ class FFPABwdFusedSm90(KernelEntry):
         return acc
 
     @cute.jit
-    def _dq_reduce(self, mma: cute.TiledMma, acc, gdQ: cute.Tensor, n_block, col0,
-                   width: cutlass.Constexpr, seqlen_q, tidx):
-        """A completed `_dq_issue` accumulator (queries of block n_block, columns col0 ..
-        col0 + width of dq_acc) added into dq_acc."""
+    def _dq_reduce(self, mma: cute.TiledMma, acc, ops: FusedOps, smem: FusedSmem,
+                   work: FusedWork, head_q, n_block, col, width: cutlass.Constexpr, tidx):
+        """A completed `_dq_issue` accumulator (queries of block n_block of head head_q,
+        columns col .. col + width of dq_acc) added into dq_acc: by `red.global` from
+        registers, or (`dq_tma`) staged through smem and added by TMA."""
         thr = mma.get_slice(tidx)
         tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, width))))
-        self._reduce_dq(acc, tQcQ_mn, gdQ, n_block, col0, seqlen_q)
+        if const_expr(self.cfg.dq_tma):
+            self._reduce_dq_tma(acc, tQcQ_mn, ops, smem, work.batch, head_q, n_block, col,
+                                width, tidx)
+        else:
+            self._reduce_dq(acc, tQcQ_mn, ops.mdQ[work.batch, head_q, None, None], n_block,
+                            col, work.seqlen_q)
+
+    @cute.jit
+    def _reduce_dq_tma(self, acc_dQ, tQcQ_mn, ops: FusedOps, smem: FusedSmem, batch, head_q,
+                       n_block, col, width: cutlass.Constexpr, tidx):
+        """`dq_tma`: the chunk in 32-column pieces, alternately through the two staging
+        buffers: every S thread writes its values of the piece (once the buffer's last
+        reduction has read it: thread 0 waits for the bulk group, then the warpgroup's
+        barrier), a proxy fence and the barrier, then thread 0 adds the (T, 32) piece into
+        dq_acc with one `cp.reduce.async.bulk.tensor` (rows past Nq are clipped by TMA). A
+        chunk's first piece waits for every earlier group, later ones for all but the last."""
+        sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+        acc_mn = mn_view(acc_dQ)   # (2, width / 4): queries, columns
+        # (T, 32, query blocks, 32-column blocks) of the head's dq_acc
+        g = cute.local_tile(ops.g_dq[None, None, head_q, batch], (T, FUSED_DQ_PIECE),
+                            (None, None))
+        ts, tg = cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
+                                       cute.group_modes(smem.dq, 0, 2),
+                                       cute.group_modes(g, 0, 2))
+        per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
+        for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
+            buf = p % 2
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0 if p == 0 else 1, read=True)
+            sync.arrive_and_wait()
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                for c in cutlass.range_constexpr(p * per, (p + 1) * per):
+                    row, cc = tQcQ_mn[r, c]
+                    smem.dq[row, cc - p * FUSED_DQ_PIECE, buf] = acc_mn[r, c]
+            cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
+            sync.arrive_and_wait()
+            if tidx == 0:
+                cute.copy(ops.tma_dq, ts[None, buf],
+                          tg[None, n_block, col // FUSED_DQ_PIECE + p])
+                cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
@@ -762,6 +824,8 @@ def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
         "sK": smem(layouts.kv), "sV": smem(layouts.kv), "sQ": smem(layouts.q),
         "sdO": smem(layouts.do), "sPt": smem(layouts.p), "sdSt": smem(layouts.p),
     }
+    if cfg.dq_tma:
+        fields["sdQ"] = smem(layouts.dq, Float32)
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
