@@ -90,8 +90,7 @@ def jobs(sections=SECTIONS) -> list:
                         cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward, and
                         add([(dispatch.kernel_class(cfg), cfg)])            # its variants
                         if dtype == "bf16":
-                            for kw in (dict(red_v4=True), dict(persistent=True),
-                                       sm90_config.dq_tma_fields(cfg)):
+                            for kw in (dict(red_v4=True), dict(persistent=True)):
                                 c = dataclasses.replace(cfg, **kw)
                                 add([(dispatch.kernel_class(c), c)])
     from ffpa_cute.common.config import TransposeConfig

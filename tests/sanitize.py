@@ -123,14 +123,12 @@ VARLEN_CASES = [
 ]
 
 # the fused backward (planned here: the default route is the atomic-free one), after our forward:
-# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right), persistent clusters, "tma" (`dq_tma`) or
-# None)
+# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right), persistent clusters or None)
 FUSED_CASES = [
     ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True, None),
     ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False, None),
     ("sm90 fused backward persistent (3 clusters) D512 causal, empty tiles", 4, 2, 129, 333,
      512, True, 3),
-    ("sm90 fused backward dq_tma D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True, "tma"),
 ]
 
 N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
@@ -139,21 +137,17 @@ N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CAS
 
 def _fused_plan(hq, hkv, nq, nkv, d, causal, clusters):
     """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel;
-    `persistent` when `clusters` is a number, `dq_tma` when it is "tma")."""
+    `persistent` when `clusters` is given)."""
     import dataclasses
 
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90.config import dq_tma_fields, plan_bwd_fused
+    from ffpa_cute.sm90.config import plan_bwd_fused
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
-    cfg = plan_bwd_fused(p)
-    if clusters == "tma":
-        cfg = dataclasses.replace(cfg, **dq_tma_fields(cfg))
-    elif clusters is not None:
-        cfg = dataclasses.replace(cfg, persistent=True)
+    cfg = dataclasses.replace(plan_bwd_fused(p), persistent=clusters is not None)
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
                                                           cfg))
 
@@ -340,7 +334,7 @@ def workload() -> int:
     for label, hq, hkv, nq, nkv, d, causal, clusters in FUSED_CASES:
         p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, clusters)
         held = launch.max_clusters
-        if isinstance(clusters, int):  # few resident clusters: each walks several tiles
+        if clusters is not None:  # few resident clusters: each walks several tiles
             launch.max_clusters = lambda size, n=clusters: n
         q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
                  for _ in range(2))
