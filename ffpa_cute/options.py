@@ -54,10 +54,11 @@ class Options:
                  run); False: on sm90 the fused kernel where it builds (D 320-512 in steps of 64,
                  Dv == D, not varlen; else the atomic-free ones): 5 GEMM units
                  instead of 8, dQ summed by fp32 reductions in whatever order they land, so its
-                 bits vary run to run. It is compile-verified only (never run on a GPU), so its
-                 first call runs the backward canary (`self_check`) (FFPA_CUTE_DETERMINISTIC).
+                 bits vary run to run. Its GPU tests pass on the H200, where it is slower than
+                 the default so far; its sanitizer sweep is incomplete, so its first call runs
+                 the backward canary (`self_check`) (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
-                 never run on the device's target (or of a kernel never run on any GPU: the
+                 never run on the device's target (or of a kernel not verified on any GPU: the
                  fused backward) first passes a canary problem against a float32 reference,
                  else it falls back (ffpa_cute/selfcheck.py); "always": every family; "off":
                  no canary (FFPA_CUTE_SELF_CHECK).

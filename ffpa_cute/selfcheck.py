@@ -57,17 +57,19 @@ def needed(plan, opts=None) -> bool:
 
 
 def unverified(plan) -> bool:
-    """Whether a plan (forward or backward) runs a kernel that never ran on any GPU: its
-    config says so (`VERIFIED` False: the fused backward), whatever its family's targets."""
+    """Whether a plan (forward or backward) runs a kernel not verified on any GPU (tests and
+    sanitizers): its config says so (`VERIFIED` False: the fused backward), whatever its
+    family's targets."""
     cfgs = plan.cfgs if hasattr(plan, "cfgs") else (plan.cfg,)
     return any(not getattr(c, "VERIFIED", True) for c in cfgs)
 
 
 def verified_text(plan) -> str:
     """For explain(): how far a plan's kernels are verified (its family's statement, unless
-    one of them never ran on a GPU)."""
+    one of them is not verified on a GPU)."""
     if unverified(plan):
-        return "compile-verified only, never run on a GPU (the self-check canaries it first)"
+        return ("not verified on a GPU: its tests or sanitizers are incomplete (the self-check "
+                "canaries it first)")
     family = dispatch.FAMILIES.get(plan.family)
     return family.verified if family else ""
 
