@@ -524,10 +524,7 @@ class FFPABwdFusedSm90(KernelEntry):
             self._arm_exchange(smem, tidx)
             warpgroup.wait_group(0)
             if i > 0:
-                head_p, n_prev = self._block(work, i - 1)
-                for j in cutlass.range_constexpr(1, len(chunks)):
-                    self._dq_reduce(mmas.dq[j], accs[j - 1], ops, smem, work, head_p, n_prev,
-                                    col0 + sum(chunks[:j]), chunks[j], tidx)
+                self._dq_reduce_rest(mmas, accs, ops, smem, work, i - 1, col0, tidx)
             self._trace(extra, 2, i)
             # ---- the peer's partials added to ours
             self._stage_stat(smem.stat, pre, tidx)
@@ -577,10 +574,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 for j in range(1, len(chunks))]
         warpgroup.wait_group(0)
         if n_count > 0:
-            head_l, n_last = self._block(work, n_count - 1)
-            for j in cutlass.range_constexpr(1, len(chunks)):
-                self._dq_reduce(mmas.dq[j], tail[j - 1], ops, smem, work, head_l, n_last,
-                                col0 + sum(chunks[:j]), chunks[j], tidx)
+            self._dq_reduce_rest(mmas, tail, ops, smem, work, n_count - 1, col0, tidx)
         if const_expr(cfg.dq_tma):
             if tidx == 0:   # every staged piece read before the CTA's smem goes
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -652,6 +646,16 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.gemm(atom, acc, tQrdS[None, None, k], tQrK[None, None, k], acc)
         warpgroup.commit_group()
         return acc
+
+    @cute.jit
+    def _dq_reduce_rest(self, mmas: FusedMmas, accs, ops: FusedOps, smem: FusedSmem,
+                        work: FusedWork, i, col0, tidx):
+        """Block i's completed dQ chunks after the first (`accs`) added into dq_acc."""
+        chunks = self.dq_chunks
+        head_q, n_block = self._block(work, i)
+        for j in cutlass.range_constexpr(1, len(chunks)):
+            self._dq_reduce(mmas.dq[j], accs[j - 1], ops, smem, work, head_q, n_block,
+                            col0 + sum(chunks[:j]), chunks[j], tidx)
 
     @cute.jit
     def _dq_reduce(self, mma: cute.TiledMma, acc, ops: FusedOps, smem: FusedSmem,
