@@ -30,6 +30,7 @@ from cutlass import Float32, Int32
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
+from ffpa_cute.sm90.config import FUSED_TILE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp
 
@@ -180,31 +181,19 @@ class _NoDQ(_NoRed):
     @cute.jit
     def _dq_issue(self, mma, sdS, sKt, c0: cutlass.Constexpr, width: cutlass.Constexpr, tidx):
         thr = mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((64, width)), Float32)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((FUSED_TILE, width)), Float32)
         acc.fill(0.0)
         return acc
 
 
-# name: (traced class, `dq_tma`)
-# (`dq_tma` did not finish on the H200: out until debugged)
-TRACE_VARIANTS = {"traced": (FusedTraced, False),
-                  "no red": (_NoRed, False), "no exchange": (_NoExchange, False),
-                  "no exchange, no red": (_NoExchangeNoRed, False), "no dQ": (_NoDQ, False)}
+TRACE_VARIANTS = {"traced": FusedTraced, "no red": _NoRed, "no exchange": _NoExchange,
+                  "no exchange, no red": _NoExchangeNoRed, "no dQ": _NoDQ}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 
 
-def _trace_cfg(case, tma: bool):
-    import dataclasses
-
-    from ffpa_cute.sm90.config import dq_tma_fields
-
-    cfg = plans(case)["fused"].cfgs[-1]
-    return dataclasses.replace(cfg, **dq_tma_fields(cfg)) if tma else cfg
-
-
 def trace_jobs() -> list:
-    return [(cls, _trace_cfg(case, tma)) for case in TRACE_CASES
-            for cls, tma in TRACE_VARIANTS.values()]
+    return [(cls, plans(case)["fused"].cfgs[-1]) for case in TRACE_CASES
+            for cls in TRACE_VARIANTS.values()]
 
 
 def trace_phases(trace) -> dict:
@@ -259,14 +248,14 @@ def run_trace(dev, flush) -> dict:
                    "num_clusters": 1}
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        for name, (cls, tma) in TRACE_VARIANTS.items():
-            cfg = _trace_cfg(case, tma)
+        cfg = plan.cfgs[-1]
+        for name, cls in TRACE_VARIANTS.items():
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()
-            ms = experiment.median_ms(lambda c=cls, f=cfg: launch.run_job(c, f, args, scalars),
-                                      dev, flush, rounds=1)   # five variants inside one device call
+            ms = experiment.median_ms(lambda c=cls: launch.run_job(c, cfg, args, scalars), dev,
+                                      flush, rounds=1)   # five variants inside one device call   # five variants inside one device call
             trace.zero_()
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()
