@@ -91,10 +91,10 @@ def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
 
 
 def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
-    """The fused kernel where it builds when not `deterministic`, else the WGMMA dQ / dK / dV
-    where they build, else (Dv == D) the Split-D backward."""
+    """The fused kernel when not `deterministic`, where it builds and measured faster, else the
+    WGMMA dQ / dK / dV where they build, else (Dv == D) the Split-D backward."""
     try:
-        if not opts.deterministic:
+        if not opts.deterministic and sm90_config.fused_pays(p):
             with contextlib.suppress(ValueError):  # where it does not build: the others
                 return [sm90_config.plan_bwd_fused(p, target)]
         return sm90_config.plan_bwd(p, target, kv_pair=opts.kv_pair)

@@ -137,11 +137,10 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
 def kernel_scalars(p, causal_offset: int) -> dict:
     """The kernels' runtime scalars (`SCALARS`) for problem p: the window's left edge is
     read only by configs with a window (0 otherwise); num_ctas, the current device's SM
-    count, only by persistent configs (their grid); num_clusters (1 here) only by persistent
-    cluster grids, whose callers set it (`run_bwd`: `max_clusters`)."""
+    count, only by persistent configs (their grid)."""
     return dict(softmax_scale=p.softmax_scale, causal_offset=causal_offset,
                 window_lo=p.window_lo if p.window_lo is not None else 0,
-                num_ctas=sm_count(), num_clusters=1)
+                num_ctas=sm_count())
 
 
 def sm_count(index: int | None = None) -> int:
@@ -155,28 +154,6 @@ def sm_count(index: int | None = None) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def max_clusters(size: int) -> int:
-    """How many clusters of `size` CTAs of one SM each (the most shared memory a CTA may have)
-    fit the current CUDA device at once: what a persistent cluster grid may launch without a
-    cluster waiting for another to finish (1 without CUDA: the CPU tests' fake launches)."""
-    if not torch.cuda.is_available():
-        return 1
-    return _max_clusters(torch.cuda.current_device(), size)
-
-
-@functools.lru_cache(maxsize=None)
-def _max_clusters(index: int, size: int) -> int:
-    """cutlass-dsl's occupancy query (a kernel at the opt-in shared memory per block), or, if it
-    fails, one cluster per `size` SMs."""
-    try:
-        from cutlass.utils import HardwareInfo
-
-        with torch.cuda.device(index):
-            return max(int(HardwareInfo().get_max_active_clusters(size)), 1)
-    except Exception:  # noqa: BLE001 (any failure of the query: the SM count's bound)
-        return max(_sm_count(index) // size, 1)
 
 
 def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dlse=None):
@@ -209,9 +186,6 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
     if reduces_dq:
         t["dq_acc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     scalars = kernel_scalars(p, p.right_edge)
-    if any(getattr(cfg, "persistent", False) and "num_clusters" in cls.SCALARS
-           for cls, cfg in plan.jobs):  # the occupancy query only where a grid reads it
-        scalars["num_clusters"] = max_clusters(2)
     run_grad_jobs(plan, t, scalars, dlse)
     if reduces_dq:
         t["dq"].copy_(t["dq_acc"])

@@ -7,15 +7,13 @@
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
-TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed backward, the fused one, and at D=512 the
-fused one with `red_v4` (dQ reduced 16 bytes per instruction) and with `persistent` (resident
-clusters walking the tiles: no cluster launch per tile). Before timing, each fused
-variant's gradients are checked against the routed ones (relative error < 1e-2 each; the same
-products in another summation order).
+TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward and the fused one.
+Before timing, the fused one's gradients are checked against the routed ones (relative error
+< 1e-2 each; the same products in another summation order).
 
 `--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
-table per warpgroup) and knockouts beside it (no reduction, no exchange,
-neither, no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
+table per warpgroup) and knockouts beside it (dQ's pieces staged but not added; dQ formed but
+not reduced; no exchange; neither; no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
 fused backward", and docs/perf-log.md (2026-12-05).
 """
 
@@ -30,7 +28,8 @@ from cutlass import Float32, Int32
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
-from ffpa_cute.sm90.config import FUSED_TILE
+from ffpa_cute.common.softmax import mn_view
+from ffpa_cute.sm90.config import FUSED_DQ_PIECE, FUSED_TILE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp
 
@@ -49,10 +48,7 @@ def _problem(d, causal, hq, hkv, n):
 
 
 def plans(case) -> dict:
-    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused", and at
-    D=512 "fused v4" (`red_v4`) and "fused persistent" (`persistent`)."""
-    import dataclasses
-
+    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels) and "fused"."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
@@ -60,12 +56,8 @@ def plans(case) -> dict:
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
-    cfg = plan_bwd_fused(p, "sm_90a")
-    for label, c in (("fused", cfg), ("fused v4", dataclasses.replace(cfg, red_v4=True)),
-                     ("fused persistent", dataclasses.replace(cfg, persistent=True))):
-        if label == "fused" or p.head_dim == 512:
-            out[label] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
-                DeltaConfig("sm_90a", p.dtype, p.head_dim_v), c))
+    out["fused"] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
+        DeltaConfig("sm_90a", p.dtype, p.head_dim_v), plan_bwd_fused(p, "sm_90a")))
     return out
 
 
@@ -136,10 +128,9 @@ class FusedTraced(FFPABwdFusedSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, mTrace: cute.Tensor, softmax_scale: Float32,
-                 causal_offset: Int32, window_lo: Int32, num_clusters: Int32,
-                 stream: cuda.CUstream):
+                 causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream):
         self._launch(mQ, mK, mV, mdO, mdQ, mdK, mdV, mLSE, mDelta, softmax_scale,
-                     causal_offset, window_lo, num_clusters, stream, mTrace)
+                     causal_offset, window_lo, stream, mTrace)
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
@@ -147,10 +138,11 @@ class FusedTraced(FFPABwdFusedSm90):
 
 
 class _NoRed(FusedTraced):
-    """dQ's products formed, not reduced (dq wrong; timing only)."""
+    """dQ's products formed, neither staged nor added (dq wrong; timing only)."""
 
     @cute.jit
-    def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ, n_block, col0, seqlen_q):
+    def _dq_reduce(self, mma, acc, ops, smem, work, head_q, n_block, col,
+                   width: cutlass.Constexpr, tidx):
         pass
 
 
@@ -175,6 +167,27 @@ class _NoExchangeNoRed(_NoExchange, _NoRed):
     pass
 
 
+class _NoCopy(FusedTraced):
+    """dQ's pieces staged through smem (the barriers included), never added (dq wrong;
+    timing only: what the TMA reductions' waits cost)."""
+
+    @cute.jit
+    def _dq_reduce(self, mma, acc, ops, smem, work, head_q, n_block, col,
+                   width: cutlass.Constexpr, tidx):
+        thr = mma.get_slice(tidx)
+        tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((FUSED_TILE, width))))
+        sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=128)
+        acc_mn = mn_view(acc)
+        per = FUSED_DQ_PIECE // 4
+        for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
+            sync.arrive_and_wait()
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                for c in cutlass.range_constexpr(p * per, (p + 1) * per):
+                    row, cc = tQcQ_mn[r, c]
+                    smem.dq[row, cc - p * FUSED_DQ_PIECE, p % 2] = acc_mn[r, c]
+            sync.arrive_and_wait()
+
+
 class _NoDQ(_NoRed):
     """No dQ product and no reduction: the S warpgroup's chain without dQ (timing only)."""
 
@@ -186,8 +199,9 @@ class _NoDQ(_NoRed):
         return acc
 
 
-TRACE_VARIANTS = {"traced": FusedTraced, "no red": _NoRed, "no exchange": _NoExchange,
-                  "no exchange, no red": _NoExchangeNoRed, "no dQ": _NoDQ}
+TRACE_VARIANTS = {"traced": FusedTraced, "no copy": _NoCopy, "no red": _NoRed,
+                  "no exchange": _NoExchange, "no exchange, no red": _NoExchangeNoRed,
+                  "no dQ": _NoDQ}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 
 
@@ -244,8 +258,7 @@ def run_trace(dev, flush) -> dict:
                  delta=(do.float() * out.float()).sum(-1).contiguous(),
                  dq_acc=torch.zeros(q.shape, dtype=torch.float32, device=dev),
                  dk=torch.empty_like(k), dv=torch.empty_like(v))
-        scalars = {**launch.kernel_scalars(plan.problem, plan.problem.right_edge),
-                   "num_clusters": 1}
+        scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         cfg = plan.cfgs[-1]
@@ -255,7 +268,7 @@ def run_trace(dev, flush) -> dict:
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()
             ms = experiment.median_ms(lambda c=cls: launch.run_job(c, cfg, args, scalars), dev,
-                                      flush, rounds=1)   # five variants inside one device call   # five variants inside one device call
+                                      flush, rounds=1)   # every variant inside one device call
             trace.zero_()
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()

@@ -87,12 +87,8 @@ def jobs(sections=SECTIONS) -> list:
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
                         add([(dispatch.kernel_class(cfg), cfg)])
                     if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
-                        cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward, and
-                        add([(dispatch.kernel_class(cfg), cfg)])            # its variants
-                        if dtype == "bf16":
-                            for kw in (dict(red_v4=True), dict(persistent=True)):
-                                c = dataclasses.replace(cfg, **kw)
-                                add([(dispatch.kernel_class(c), c)])
+                        cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward
+                        add([(dispatch.kernel_class(cfg), cfg)])
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt

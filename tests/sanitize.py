@@ -123,23 +123,19 @@ VARLEN_CASES = [
 ]
 
 # the fused backward (planned here: the default route is the atomic-free one), after our forward:
-# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right), persistent clusters or None)
+# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right))
 FUSED_CASES = [
-    ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True, None),
-    ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False, None),
-    ("sm90 fused backward persistent (3 clusters) D512 causal, empty tiles", 4, 2, 129, 333,
-     512, True, 3),
+    ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True),
+    ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False),
+    ("sm90 fused backward D448 MQA, 5 blocks per tile", 4, 1, 300, 200, 448, False),
 ]
 
 N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
            + len(VARLEN_CASES) + len(FUSED_CASES))
 
 
-def _fused_plan(hq, hkv, nq, nkv, d, causal, clusters):
-    """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel;
-    `persistent` when `clusters` is given)."""
-    import dataclasses
-
+def _fused_plan(hq, hkv, nq, nkv, d, causal):
+    """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel)."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.problem import AttnProblem
@@ -147,9 +143,8 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, clusters):
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
-    cfg = dataclasses.replace(plan_bwd_fused(p), persistent=clusters is not None)
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
-                                                          cfg))
+                                                          plan_bwd_fused(p)))
 
 
 def _problem(case):
@@ -331,22 +326,16 @@ def workload() -> int:
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     from ffpa_cute import launch
 
-    for label, hq, hkv, nq, nkv, d, causal, clusters in FUSED_CASES:
-        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, clusters)
-        held = launch.max_clusters
-        if clusters is not None:  # few resident clusters: each walks several tiles
-            launch.max_clusters = lambda size, n=clusters: n
+    for label, hq, hkv, nq, nkv, d, causal in FUSED_CASES:
+        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal)
         q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
                  for _ in range(2))
         k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
                                        return_lse=True, strict=True)
-        try:
-            launch.run_bwd(plan, q, k, v, out, lse, do)
-            torch.cuda.synchronize()
-        finally:
-            launch.max_clusters = held
+        launch.run_bwd(plan, q, k, v, out, lse, do)
+        torch.cuda.synchronize()
         print(f"[workload] {label}: fused backward {plan.cfgs[1]}", flush=True)
     return 0
 

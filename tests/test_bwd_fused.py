@@ -27,10 +27,11 @@ def _problem(d, causal=False, dtype="bf16", **kw):
 
 
 def test_plan_and_constraints():
-    """Two Q and two dO stages below 512, one dO stage at 512 (what fits 227 KB); the dQ share
+    """Two Q stages; two dO stages up to D=384, one from 448 (what fits 227 KB beside the 16 KB
+    of dQ staging); the dQ share
     in chunks of whole swizzle atoms; D a multiple of 64 in (256, 512]; a window's left edge as
     a field; no Dv != D, no varlen."""
-    for d, ds, chunks in ((320, 2, (160,)), (384, 2, (128, 64)), (448, 2, (128, 96)),
+    for d, ds, chunks in ((320, 2, (160,)), (384, 2, (128, 64)), (448, 1, (128, 96)),
                           (512, 1, (128, 128))):
         cfg = c90.plan_bwd_fused(_problem(d))
         assert (cfg.q_stages, cfg.do_stages, cfg.dq_chunks) == (2, ds, chunks)
@@ -50,40 +51,25 @@ def test_plan_and_constraints():
             c90.plan_bwd_fused(_problem(512, **kw))
 
 
-@pytest.mark.parametrize("d,causal,dtype,window,v4,persistent,tma", [
-    (320, True, "bf16", False, False, False, False), (448, False, "bf16", False, True, False,
-                                                      False),
-    (512, True, "fp16", False, False, False, False), (512, True, "bf16", True, True, False,
-                                                      False),
-    (320, False, "bf16", False, True, True, False), (512, True, "bf16", False, False, True,
-                                                     False),
-    (512, True, "bf16", False, False, False, True), (448, False, "bf16", True, False, False,
-                                                     True)])
-def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window, v4,
-                                      persistent, tma):
+@pytest.mark.parametrize("d,causal,dtype,window", [
+    (320, True, "bf16", False), (384, False, "bf16", False), (448, False, "bf16", True),
+    (512, True, "fp16", False), (512, True, "bf16", True)])
+def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
     TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
-    red.global.add.v2.f32 (`red_v4`: .v4 after a lane-pair shuffle), cluster barriers; no local
+    TMA reductions from smem (bulk groups committed and waited), cluster barriers; no local
     memory, setmaxnreg 184 / 160 / 160, no spills, and ptxas does not serialise the WGMMAs
-    (none is issued under a runtime branch or left in flight across one). `dq_tma`: dQ by
-    TMA reductions from smem (bulk groups committed and waited), no `red`."""
+    (none is issued under a runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     assert cfg.window == window
-    cfg = dataclasses.replace(cfg, red_v4=v4, persistent=persistent)
-    if tma:
-        cfg = dataclasses.replace(cfg, **c90.dq_tma_fields(cfg))
-        assert cfg.do_stages == (1 if d >= 448 else 2)
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
     for w in {64, d // 2, *cfg.dq_chunks}:
         assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.{ab}" in ptx
-    red = ("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" if tma
-           else "red.global.add.v4.f32" if v4 else "red.global.add.v2.f32")
-    assert ("red.global" in ptx) == (not tma)
-    assert ("cp.async.bulk.wait_group.read" in ptx) == tma
-    assert ("shfl.sync.bfly" in ptx) == v4
+    red = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"
+    assert "red.global" not in ptx and "cp.async.bulk.wait_group.read" in ptx
     for op in ("cp.async.bulk.tensor.4d", "st.async.shared::cluster.mbarrier::complete_tx::bytes"
                ".v4.b32", red, "barrier.cluster.arrive",
                "mbarrier.arrive.release.cluster.shared::cluster", "stmatrix.sync.aligned"):
@@ -204,15 +190,16 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left):
 
 
 def test_routed_only_when_not_deterministic():
-    """`Options(deterministic=False)` plans the fused kernel on sm90 where it builds (else the
-    atomic-free kernels); the default keeps the atomic-free ones. The fused plan always needs
-    the canary (its config never ran on a GPU), the atomic-free one not on sm_90a."""
+    """`Options(deterministic=False)` plans the fused kernel on sm90 where it builds and
+    measured faster (D from 384, up to 8 query heads per KV head; else the atomic-free
+    kernels); the default keeps the atomic-free ones. The fused plan needs the canary while
+    its config is not VERIFIED, the atomic-free one not on sm_90a."""
     from ffpa_cute import selfcheck
     from ffpa_cute.options import Options, from_env
 
     fast = Options(deterministic=False)
     assert from_env({"FFPA_CUTE_DETERMINISTIC": "0"}) == fast
-    for d, causal in ((512, True), (320, False)):
+    for d, causal in ((512, True), (384, False)):
         p = _problem(d, causal)
         plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
         assert [type(c).__name__ for c in plan.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
@@ -223,7 +210,8 @@ def test_routed_only_when_not_deterministic():
             "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         assert not selfcheck.needed(default) and not selfcheck.unverified(default)
         assert not selfcheck.needed(plan, Options(deterministic=False, self_check="off"))
-    for p in (_problem(576), _problem(520), _problem(512, dv=256), _problem(512, varlen=True)):
+    for p in (_problem(576), _problem(520), _problem(512, dv=256), _problem(512, varlen=True),
+              _problem(320), dataclasses.replace(_problem(512), heads_q=32, heads_kv=2)):
         plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
         assert plan.reason is None and "BwdFusedConfigSm90" not in [
             type(c).__name__ for c in plan.cfgs], p
@@ -233,41 +221,37 @@ def test_routed_only_when_not_deterministic():
         dispatch.plan_bwd(_problem(512), target="sm_100a").cfgs
 
 
-@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("q_stages,do_stages", [(2, 2), (2, 1), (1, 1), (1, 2)])
-def test_protocol_model_runs_clean(q_stages, do_stages, persistent):
+def test_protocol_model_runs_clean(q_stages, do_stages):
     """The executable model of the kernel's hand-overs (sm90/fused_protocol.py: both CTAs'
     three warpgroups, TMA and st.async landing in any order, WGMMAs reading until their
     wait_group) finishes without a hang or a hazard for every ring depth, 0-8 query blocks,
-    many interleavings; `persistent`: several tiles in a row, empty ones among them."""
+    many interleavings."""
     from ffpa_cute.sm90 import fused_protocol
 
     cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, q_stages=q_stages,
-                                 do_stages=do_stages, persistent=persistent)
-    walks = ([[3, 0, 1, 5], [1, 1, 1], [0, 0, 2], [5, 2]] if persistent
-             else [[n] for n in (0, 1, 2, 3, 5, 8)])
-    for tiles in walks:
+                                 do_stages=do_stages)
+    for blocks in (0, 1, 2, 3, 5, 8):
         for seed in range(20):
-            fused_protocol.run(cfg, tiles, seed)
+            fused_protocol.run(cfg, blocks, seed)
 
 
 @pytest.mark.parametrize("fault,needle", [
     ("no_x_empty_wait", ":x"),               # partials sent before the peer read the last
     ("no_p_empty_wait", "writes"),           # P^T / dS^T rewritten under dV / dK's WGMMAs
     ("p_empty_count", "deadlock"),           # one arrival short: the S warpgroup waits forever
-    ("refill_before_wait", "writes"),        # a ring stage refilled under its last WGMMA
-    ("no_drain", "writes")])                 # persistent: the next tile loads under this one
+    ("refill_before_wait", "writes")])       # a ring stage refilled under its last WGMMA
 def test_protocol_model_catches_faults(fault, needle):
-    """Each injected fault is caught (a hazard or a hang) in some interleaving (persistent, a
-    walk of four tiles)."""
+    """Each injected fault is caught (a hazard or a hang) in some interleaving (a tile of four
+    blocks)."""
     from ffpa_cute.common.protocol import ProtocolError
     from ffpa_cute.sm90 import fused_protocol
 
-    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, do_stages=1, persistent=True)
+    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, do_stages=1)
     errors = []
     for seed in range(150):
         try:
-            fused_protocol.run(cfg, [3, 1, 4, 2], seed, faults=(fault,))
+            fused_protocol.run(cfg, 4, seed, faults=(fault,))
         except ProtocolError as e:
             errors.append(str(e))
             break

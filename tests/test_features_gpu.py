@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ffpa_cute
-from ffpa_cute import attention, attention_with_kvcache, decode, explain
+from ffpa_cute import attention, attention_with_kvcache, decode, dispatch, explain
+from ffpa_cute.sm90.config import FUSED_MAX_GROUP, FUSED_MIN_HEAD_DIM
 from masked_ref import bound, ref_attention, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -95,13 +96,15 @@ def _window_sinks_case(d, hq, hkv, nq, nkv, window, causal, with_sinks, kernel):
         assert rel_err(g, w) <= bound(rel_err(s, w)), name
 
 
-@pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c[0] % 64 == 0 and c[0] <= 512],
-                         ids=_ids)
+@pytest.mark.parametrize("case", [c for c in WINDOW_CASES if c[0] % 64 == 0 and
+                                  FUSED_MIN_HEAD_DIM <= c[0] <= 512 and
+                                  c[1] // c[2] <= FUSED_MAX_GROUP], ids=_ids)
 def test_window_sinks_fused_backward(seed, case):
-    """The same through the fused backward (`Options(deterministic=False)`; not routed by
-    default, compile-verified before this test): the route names it, and with the canary off
-    the fused kernel itself gives the gradients, through out and lse."""
-    from ffpa_cute import dispatch, selfcheck
+    """The same through the fused backward (`Options(deterministic=False)` where it is routed:
+    D from FUSED_MIN_HEAD_DIM, groups up to FUSED_MAX_GROUP; not routed by default): the route
+    names it, and with the canary off the fused kernel itself gives the gradients, through out
+    and lse."""
+    from ffpa_cute import selfcheck
     from ffpa_cute.problem import AttnProblem
 
     d, hq, hkv, nq, nkv, window, causal, with_sinks = case

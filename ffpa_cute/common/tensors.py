@@ -24,7 +24,7 @@ LOG2_E = 1.4426950408889634
 TVM_FFI = "--enable-tvm-ffi"
 # compile-time values of the runtime scalars (`KernelEntry.SCALARS`): only their types matter
 FAKE_SCALARS = {"softmax_scale": 1.0, "causal_offset": 0, "window_lo": 0, "num_splits": 1,
-                "nq": 1, "num_ctas": 1, "num_clusters": 1}
+                "nq": 1, "num_ctas": 1}
 
 
 def fake_tensor(dtype, rank: int, div: int):

@@ -1,10 +1,9 @@
 """The fused Hopper backward: dQ, dK and dV in one pass, five GEMM units for five counted.
 
-Status: GPU-tested on the H200 and slower there than the atomic-free kernels (230 against 259
-TFLOPS at D=512): dQ's `red.global` reductions hold the S warpgroup ~5100 cycles per block,
-L2's reduction rate (docs/design.md section 4, "The fused backward", has the phase trace).
-Planned only under `Options(deterministic=False)`, and canaried before its first use there
-(selfcheck.py: its config's VERIFIED stays False until the sanitizers have run on it).
+Status: GPU-tested on the H200; its speed beside the atomic-free kernels, shape by shape, and
+its phase trace are in docs/design.md section 4, "The fused backward". Planned only under
+`Options(deterministic=False)` and only where it measured faster (dispatch.py), and canaried
+before its first use there while its config's VERIFIED is False (selfcheck.py).
 Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 512], bf16 / fp16;
 causal either alignment, a sliding window's left edge (config `window`), GQA / MQA; no varlen.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
@@ -22,7 +21,7 @@ block), as FlashAttention-3 does at head dim 256, by splitting D over a 2-CTA cl
     P^T    = exp2(S^T scale log2(e) - LSE_i log2(e)) (the transposed mask first)
     dS^T   = P^T (dP^T - Delta_i) scale
     dV_r  += P^T dO_r,  dK_r += dS^T Q_r              in registers over every block
-    dQ_r  += dS K_r                                   fp32 `red.global.add` into dq_acc
+    dQ_r  += dS K_r                                   fp32, added into dq_acc by TMA
 
 Both CTAs add the same two partials (fp32 addition commutes), so P^T and dS^T are the same bits
 on both. Executed tensor work per pair and block: 2 x (S^T_r, dP^T_r, dV_r, dK_r, dQ_r) = 5
@@ -43,7 +42,8 @@ Warpgroups (384 threads; setmaxnreg 184 / 160 / 160):
               earlier); the score step; P^T and dS^T to smem (stmatrix), published;
               S^T_r(i+1) with dQ(i)'s first chunk; S^T(i+1)'s partial sent; the chunk reduced.
             dQ_r is formed in column chunks (`dq_chunks`: m64n{w} SS WGMMA, A = dS read
-            transposed from the dS^T tile, B = K_r read N-major);
+            transposed from the dS^T tile, B = K_r read N-major) and reduced through smem
+            (below);
   WG1 "dV"  dV_r += P^T dO_r (A = P^T from smem, B = the dO stage read N-major); refills the dO
             ring (it is the stage's last reader: the S warpgroup's dP^T_r is complete before
             P^T is published);
@@ -59,20 +59,16 @@ barrier); sm90/fused_protocol.py models them. The exchange buffer is laid out by
 fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
 thread t holds the same (key, query) positions, so no index translation is needed.
 
-Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
-dS^T 16 KB: 214016 B (`BwdFusedConfigSm90.smem_bytes`); D <= 448 keeps two dO stages.
-
-`dq_tma` (a variant): each dQ chunk is staged in 32-column pieces through two 8 KB fp32 smem
+The dQ reduction: each dQ chunk is staged in 32-column pieces through two 8 KB fp32 smem
 buffers (every S thread writes its values, a proxy fence, the warpgroup's barrier) and added
-into dq_acc by one thread's `cp.reduce.async.bulk.tensor`, so the S warpgroup only writes smem
-and L2 adds asynchronously (with `red.global` from registers the S warpgroup waits ~5100
-cycles per block at D=512); before a buffer is rewritten its last bulk group has read it.
-It did not finish on the H200 (its GPU tests and its sanitizer case ran past their timeouts):
-presumed deadlock, planned nowhere until debugged.
+into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so the S warpgroup only writes
+smem and L2 adds asynchronously (`red.global` from registers held the S warpgroup ~5100
+cycles per block at D=512: L2's reduction rate); a chunk's pieces alternate between the
+buffers, and a buffer is rewritten once its last bulk group has read it.
 
-`persistent` (a variant): the grid is as many clusters as the device holds at once, each
-walking key tiles c, c + clusters, ... (`_tiles`); every stream continues from tile to tile
-(`FusedAt`) and a 384-thread barrier drains the CTA at each tile's end.
+Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
+dS^T 16 KB, dQ staging 16 KB: 230400 B (`BwdFusedConfigSm90.smem_bytes`); D <= 384 keeps two
+dO stages.
 """
 
 from __future__ import annotations
@@ -88,9 +84,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ..common.atomics import red_add_f32x2, red_add_f32x4
 from ..common.mask import apply_mask_transposed, query_block_range, transposed_needs_mask
-from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor)
@@ -134,7 +128,7 @@ class FusedOps(NamedTuple):
     g_q: cute.Tensor
     tma_do: cute.CopyAtom
     g_do: cute.Tensor
-    tma_dq: cute.CopyAtom   # `dq_tma`: the staged pieces added into dq_acc
+    tma_dq: cute.CopyAtom   # the staged dQ pieces added into dq_acc
     g_dq: cute.Tensor
     mdQ: cute.Tensor
     mdK: cute.Tensor
@@ -162,7 +156,7 @@ class FusedSmem(NamedTuple):
     dst: cute.Tensor
     stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
     x: cute.Tensor      # (4, WG_THREADS, X_FLOATS / 512): the peer's partials by position
-    dq: object          # `dq_tma`: (T, 32, 2) fp32, the dQ staging pieces (else None)
+    dq: cute.Tensor     # (T, 32, 2) fp32: the two dQ staging buffers
     bars: FusedBars
 
 
@@ -185,27 +179,13 @@ class FusedWork(NamedTuple):
     scale_log2: Float32
 
 
-class FusedAt(NamedTuple):
-    """Where a tile starts in the CTA's streams (all 0 without `persistent`): the Q-ring
-    position, the blocks before it (the dO-ring position and the P and exchange barriers'
-    phases: one dO load and one hand-over per block), the tiles before it (the K / V barrier's
-    phase); a ring stage and its barrier phase follow from a position. A tile with no block
-    still takes one Q-ring position (its first Q is loaded and scored, then dropped: no WGMMA
-    is issued under a runtime condition)."""
-
-    q: Int32
-    blk: Int32
-    tile: Int32
-
-
 class FFPABwdFusedSm90(KernelEntry):
     """dQ, dK and dV of one backward in one kernel (module docstring). Inputs as the other
     gradient kernels take them, plus dq_acc: a zeroed fp32 [B, Hq, Nq, D] the kernel adds
     scale * dS K into (the host casts it to dQ)."""
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
-    # num_clusters: how many 2-CTA clusters fit the device at once (`persistent` only)
-    SCALARS = ("softmax_scale", "causal_offset", "window_lo", "num_clusters")
+    SCALARS = ("softmax_scale", "causal_offset", "window_lo")
 
     @staticmethod
     def fake_inputs(cfg):
@@ -239,19 +219,18 @@ class FFPABwdFusedSm90(KernelEntry):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
                  mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                 window_lo: Int32, num_clusters: Int32, stream: cuda.CUstream):
+                 window_lo: Int32, stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D); k, v, dk, dv: (B, Hkv, Nkv, D); dq_acc: (B, Hq, Nq, D) fp32,
         zeroed; lse, delta: (B, Hq, Nq) fp32; window_lo read with `window`. Grid = (2 * key
-        tiles, Hkv, B), clusters of 2 along x; `persistent`: (2 * min(tiles, num_clusters), 1,
-        1)."""
+        tiles, Hkv, B), clusters of 2 along x."""
         self._launch(mQ, mK, mV, mdO, mdQ, mdK, mdV, mLSE, mDelta, softmax_scale,
-                     causal_offset, window_lo, num_clusters, stream, None)
+                     causal_offset, window_lo, stream, None)
 
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                 mdQ: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mLSE: cute.Tensor,
                 mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
-                window_lo: Int32, num_clusters: Int32, stream: cuda.CUstream, extra):
+                window_lo: Int32, stream: cuda.CUstream, extra):
         """`__call__`'s launch; `extra` reaches every warpgroup's `_trace` hook (None: no
         code; perf/bwd_fused.py passes a clock64 trace tensor)."""
         cfg, d = self.cfg, self.cfg.head_dim
@@ -267,7 +246,7 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.select(lay, mode=[0, 1]), box)
             for t, lay in ((mK, layouts.kv), (mV, layouts.kv), (mQ, layouts.q),
                            (mdO, layouts.do))]
-        # dq_acc (N, D, H, B): `dq_tma` adds staged (T, 32) pieces into it
+        # dq_acc (N, D, H, B): staged (T, 32) pieces are added into it
         tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(),
             cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[2, 3, 1, 0])),
@@ -282,9 +261,6 @@ class FFPABwdFusedSm90(KernelEntry):
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
         m_tiles = cute.ceil_div(mK.shape[2], T)
         grid = (2 * m_tiles, cute.size(mK.shape[1]), cute.size(mK.shape[0]))
-        if const_expr(cfg.persistent):  # resident clusters walk the key tiles
-            tiles = tile_count(m_tiles, cute.size(mK.shape[1]), cute.size(mK.shape[0]))
-            grid = (2 * cutlass.min(tiles, num_clusters), 1, 1)
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
                     SharedStorage, extra).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
@@ -304,10 +280,8 @@ class FFPABwdFusedSm90(KernelEntry):
                          storage.bar_p_empty.data_ptr(), storage.bar_x_full.data_ptr(),
                          storage.bar_x_empty.data_ptr())
         if warp_idx == 0:
-            for tma in (ops.tma_k, ops.tma_v, ops.tma_q, ops.tma_do):
+            for tma in (ops.tma_k, ops.tma_v, ops.tma_q, ops.tma_do, ops.tma_dq):
                 cpasync.prefetch_descriptor(tma)
-            if const_expr(cfg.dq_tma):
-                cpasync.prefetch_descriptor(ops.tma_dq)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(bars.kv, 2)             # K_r and V_r
                 for s in cutlass.range_constexpr(cfg.q_stages):
@@ -333,59 +307,30 @@ class FFPABwdFusedSm90(KernelEntry):
             storage.xbuf.get_tensor(cute.make_layout(
                 (4, WG_THREADS, X_FLOATS // (4 * WG_THREADS)),
                 stride=(1, 4, 4 * WG_THREADS))),
-            storage.sdQ.get_tensor(layouts.dq.outer, swizzle=layouts.dq.inner)
-            if const_expr(cfg.dq_tma) else None,
+            storage.sdQ.get_tensor(layouts.dq.outer, swizzle=layouts.dq.inner),
             bars)
 
-        scalars = (causal_offset, window_lo, scale_log2)
-        # the S warpgroup holds two 64 x 64 products and a dQ chunk at once (and, `persistent`,
-        # the tile loop's state): the dV / dK warpgroups give it 2 x 8 (184 + 2 x 160 = 504)
+        # under causal the first key tiles see the most queries: first in the grid
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx // 2
+        if const_expr(not cfg.causal):
+            grid_x, _, _ = cute.arch.grid_dim()
+            m_block = grid_x // 2 - 1 - bidx // 2
+        work = self._work(ops, m_block, head, batch, bidx % 2,
+                          (causal_offset, window_lo, scale_log2))
+        # the S warpgroup holds two 64 x 64 products and a dQ chunk at once: the dV / dK
+        # warpgroups give it 2 x 8 (184 + 2 x 160 = 504)
         if wg == 0:
             cute.arch.warpgroup_reg_alloc(184)
-            self._tiles(mmas, ops, smem, 0, tidx, scalars, extra)
+            self._score_wg(mmas, ops, smem, work, tidx, extra)
         elif wg == 1:
             cute.arch.warpgroup_reg_dealloc(160)
-            self._tiles(mmas, ops, smem, 1, tidx - WG_THREADS, scalars, extra)
+            self._grad_wg(mmas.acc, ops, smem, work, 0, tidx - WG_THREADS, extra)
         else:
             cute.arch.warpgroup_reg_dealloc(160)
-            self._tiles(mmas, ops, smem, 2, tidx - 2 * WG_THREADS, scalars,
-                            extra)
+            self._grad_wg(mmas.acc, ops, smem, work, 1, tidx - 2 * WG_THREADS, extra)
         cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
         cute.arch.cluster_wait()
-
-    @cute.jit
-    def _tiles(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, role: cutlass.Constexpr,
-               tidx, scalars, extra):
-        """Warpgroup `role`'s part of the CTA's key tiles: the one of its cluster, or
-        (`persistent`) tiles c, c + clusters, ... of cluster c (common/scheduler.py's order, a
-        head's key tiles lowest first: under causal the longest), its streams continuing from
-        tile to tile (`FusedAt`) and the CTA drained at each tile's end (a barrier of all 384
-        threads: no stage, P^T / dS^T or K_r / V_r of a tile is rewritten before every reader
-        of it is done)."""
-        bidx, head, batch = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
-        if const_expr(self.cfg.persistent):
-            m_tiles, heads = cute.ceil_div(ops.mdK.shape[2], T), ops.mdK.shape[1]
-            first, stride = bidx // 2, grid_x // 2
-            q, blk = Int32(0), Int32(0)
-            for t in cutlass.range(first, tile_count(m_tiles, heads, ops.mdK.shape[0]), stride,
-                                   unroll=1):
-                m_last, head_t, batch_t = tile_coords(t, m_tiles, heads)
-                work = self._work(ops, m_tiles - 1 - m_last, head_t, batch_t, bidx % 2,
-                                  scalars)
-                at = FusedAt(q, blk, (t - first) // stride)
-                self._role(mmas, ops, smem, work, role, tidx, at, extra)
-                cutlass.pipeline.NamedBarrier(barrier_id=2,
-                                              num_threads=3 * WG_THREADS).arrive_and_wait()
-                q, blk = q + cutlass.max(work.n_count, 1), blk + work.n_count
-        else:
-            # under causal the first key tiles see the most queries: first in the grid
-            m_block = bidx // 2
-            if const_expr(not self.cfg.causal):
-                m_block = grid_x // 2 - 1 - bidx // 2
-            work = self._work(ops, m_block, head, batch, bidx % 2, scalars)
-            zero = Int32(0)
-            self._role(mmas, ops, smem, work, role, tidx, FusedAt(zero, zero, zero), extra)
 
     @cute.jit
     def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars) -> FusedWork:
@@ -399,15 +344,6 @@ class FFPABwdFusedSm90(KernelEntry):
         n_per = cutlass.max(n_top - n_low, 0)
         return FusedWork(m_block, head, batch, rank, head * group, n_top, n_per, n_per * group,
                          seqlen_q, ops.mdK.shape[2], causal_offset, window_lo, scale_log2)
-
-    @cute.jit
-    def _role(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-              role: cutlass.Constexpr, tidx, at: FusedAt, extra):
-        """Warpgroup `role`'s part of one tile: 0 scores, 1 dV, 2 dK."""
-        if const_expr(role == 0):
-            self._score_wg(mmas, ops, smem, work, tidx, at, extra)
-        else:
-            self._grad_wg(mmas.acc, ops, smem, work, role - 1, tidx, at, extra)
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
@@ -455,7 +391,7 @@ class FFPABwdFusedSm90(KernelEntry):
     # ---------------------------------------------------------------- S warpgroup
     @cute.jit
     def _score_wg(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-                  tidx, at: FusedAt, extra):
+                  tidx, extra):
         """WG0 on one tile, software-pipelined so that the exchange runs under tensor work.
         Block i: dP^T_r(i) with dQ(i-1)'s later chunks, dP^T's partial sent, those chunks
         reduced, the peer's partials added, the score step, P^T and dS^T published; then
@@ -497,19 +433,18 @@ class FFPABwdFusedSm90(KernelEntry):
         # Q of block 0 even when the tile has no block (its S^T_r is computed and dropped)
         for j in cutlass.range_constexpr(qs):
             if j < cutlass.max(n_count, 1):
-                self._load_block(ops, smem, work, j, at.q + j, 0, tidx)
+                self._load_block(ops, smem, work, j, j, 0, tidx)
         for j in cutlass.range_constexpr(ds):
             if j < n_count:
-                self._load_block(ops, smem, work, j, at.blk + j, 1, tidx)
-        cute.arch.mbarrier_wait(bars.kv, at.tile & 1)
-        self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, at.q, qs)
+                self._load_block(ops, smem, work, j, j, 1, tidx)
+        cute.arch.mbarrier_wait(bars.kv, 0)
+        self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, 0, qs)
         warpgroup.wait_group(0)   # none in flight into the loop
         if n_count > 0:
-            cute.arch.mbarrier_wait(bars.x_empty, (at.blk & 1) ^ 1)   # the peer read our last
             self._send(acc_S, smem, 0, rank, tidx)
         for i in cutlass.range(n_count, unroll=1):
             head_q, n_block = self._block(work, i)
-            b = at.blk + i   # hand-overs before this block: the P and exchange phases
+            b = i   # hand-overs before this block: the P and exchange phases
             self._trace(extra, 0, i)
             # this thread's LSE or Delta of the block, loaded before the block's WGMMAs
             pre = load_column_stat(T, n_block, work.seqlen_q, ops.mLSE, ops.mDelta,
@@ -559,7 +494,7 @@ class FFPABwdFusedSm90(KernelEntry):
             # ---- S^T_r(i+1) (after the last block its own stage again: dropped) and dQ(i)'s
             #      first chunk; S^T's partial sent, the chunk reduced
             self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q,
-                         at.q + cutlass.min(i + 1, n_count - 1), qs)
+                         cutlass.min(i + 1, n_count - 1), qs)
             acc0 = self._dq_issue(mmas.dq[0], sdS, sKt, 0, chunks[0], tidx)
             warpgroup.wait_group(0)
             self._trace(extra, 5, i)
@@ -575,9 +510,8 @@ class FFPABwdFusedSm90(KernelEntry):
         warpgroup.wait_group(0)
         if n_count > 0:
             self._dq_reduce_rest(mmas, tail, ops, smem, work, n_count - 1, col0, tidx)
-        if const_expr(cfg.dq_tma):
-            if tidx == 0:   # every staged piece read before the CTA's smem goes
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if tidx // 32 == 0:   # every staged piece read before the CTA's smem goes
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, pos, stages: cutlass.Constexpr):
@@ -661,30 +595,20 @@ class FFPABwdFusedSm90(KernelEntry):
     def _dq_reduce(self, mma: cute.TiledMma, acc, ops: FusedOps, smem: FusedSmem,
                    work: FusedWork, head_q, n_block, col, width: cutlass.Constexpr, tidx):
         """A completed `_dq_issue` accumulator (queries of block n_block of head head_q,
-        columns col .. col + width of dq_acc) added into dq_acc: by `red.global` from
-        registers, or (`dq_tma`) staged through smem and added by TMA."""
+        columns col .. col + width of dq_acc) added into dq_acc in 32-column pieces, piece p
+        through staging buffer p % 2: warp 0 waits until the buffer's last bulk group has been
+        read (a chunk's first piece: every earlier group, the others: all but the last), the
+        warpgroup's barrier, every S thread writes its values of the piece, a proxy fence and
+        the barrier, then one elected thread of warp 0 adds the (T, 32) piece into dq_acc with
+        one `cp.reduce.async.bulk.tensor` (rows past Nq are clipped by TMA). The copy is issued
+        by the whole warp: the TMA atom's `cute.copy` elects its thread with `elect.sync` over
+        the full warp, which a single thread must not reach alone."""
         thr = mma.get_slice(tidx)
         tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, width))))
-        if const_expr(self.cfg.dq_tma):
-            self._reduce_dq_tma(acc, tQcQ_mn, ops, smem, work.batch, head_q, n_block, col,
-                                width, tidx)
-        else:
-            self._reduce_dq(acc, tQcQ_mn, ops.mdQ[work.batch, head_q, None, None], n_block,
-                            col, work.seqlen_q)
-
-    @cute.jit
-    def _reduce_dq_tma(self, acc_dQ, tQcQ_mn, ops: FusedOps, smem: FusedSmem, batch, head_q,
-                       n_block, col, width: cutlass.Constexpr, tidx):
-        """`dq_tma`: the chunk in 32-column pieces, alternately through the two staging
-        buffers: every S thread writes its values of the piece (once the buffer's last
-        reduction has read it: thread 0 waits for the bulk group, then the warpgroup's
-        barrier), a proxy fence and the barrier, then thread 0 adds the (T, 32) piece into
-        dq_acc with one `cp.reduce.async.bulk.tensor` (rows past Nq are clipped by TMA). A
-        chunk's first piece waits for every earlier group, later ones for all but the last."""
         sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
-        acc_mn = mn_view(acc_dQ)   # (2, width / 4): queries, columns
+        acc_mn = mn_view(acc)   # (2, width / 4): queries, columns
         # (T, 32, query blocks, 32-column blocks) of the head's dq_acc
-        g = cute.local_tile(ops.g_dq[None, None, head_q, batch], (T, FUSED_DQ_PIECE),
+        g = cute.local_tile(ops.g_dq[None, None, head_q, work.batch], (T, FUSED_DQ_PIECE),
                             (None, None))
         ts, tg = cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
                                        cute.group_modes(smem.dq, 0, 2),
@@ -692,7 +616,7 @@ class FFPABwdFusedSm90(KernelEntry):
         per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
         for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
             buf = p % 2
-            if tidx == 0:
+            if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0 if p == 0 else 1, read=True)
             sync.arrive_and_wait()
             for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
@@ -701,60 +625,15 @@ class FFPABwdFusedSm90(KernelEntry):
                     smem.dq[row, cc - p * FUSED_DQ_PIECE, buf] = acc_mn[r, c]
             cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
             sync.arrive_and_wait()
-            if tidx == 0:
+            if tidx // 32 == 0:
                 cute.copy(ops.tma_dq, ts[None, buf],
                           tg[None, n_block, col // FUSED_DQ_PIECE + p])
                 cute.arch.cp_async_bulk_commit_group()
 
-    @cute.jit
-    def _reduce_dq(self, acc_dQ, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
-        """acc_dQ (this chunk's dQ_r of the block's queries) added into dq_acc, two adjacent
-        columns per reduction (`red_v4`: four); queries past Nq skipped."""
-        acc_mn = mn_view(acc_dQ)   # (2, width / 4): queries, columns
-        if const_expr(self.cfg.red_v4):
-            self._reduce_dq_v4(acc_mn, tQcQ_mn, gdQ, n_block, col0, seqlen_q)
-            return
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            q = n_block * T + tQcQ_mn[r, 0][0]
-            if q < seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1]) // 2):
-                    col = col0 + tQcQ_mn[r, 2 * c][1]
-                    red_add_f32x2(cute.domain_offset((q, col), gdQ).iterator,
-                                  acc_mn[r, 2 * c], acc_mn[r, 2 * c + 1])
-
-    @cute.jit
-    def _reduce_dq_v4(self, acc_mn, tQcQ_mn, gdQ: cute.Tensor, n_block, col0, seqlen_q):
-        """`red_v4`: a thread holds columns c, c+1 (c = 8 g + 2 (lane % 4)) of rows r0 and r0+8
-        for each 8-column group g; lanes 2j and 2j+1 swap two values (one shuffle each) so the
-        even lane holds row r0's columns c..c+3 and the odd one row r0+8's c-2..c+1, reduced by
-        one 16-byte `red.global.add.v4.f32` each."""
-        odd = cute.arch.lane_idx() % 2
-        row = tQcQ_mn[odd, 0][0]   # this lane's row after the swap: r0 (even), r0+8 (odd)
-        q = n_block * T + row
-        for g in cutlass.range_constexpr(cute.size(acc_mn, mode=[1]) // 2):
-            # even lanes send their row-r0+8 pair, odd lanes their row-r0 pair
-            send0 = acc_mn[1, 2 * g]
-            send1 = acc_mn[1, 2 * g + 1]
-            keep0 = acc_mn[0, 2 * g]
-            keep1 = acc_mn[0, 2 * g + 1]
-            if odd == 1:
-                send0, send1 = acc_mn[0, 2 * g], acc_mn[0, 2 * g + 1]
-                keep0, keep1 = acc_mn[1, 2 * g], acc_mn[1, 2 * g + 1]
-            got0 = cute.arch.shuffle_sync_bfly(send0, offset=1)
-            got1 = cute.arch.shuffle_sync_bfly(send1, offset=1)
-            c = tQcQ_mn[0, 2 * g][1]   # this lane's first column before the swap
-            if q < seqlen_q:
-                if odd == 1:   # columns c-2 .. c+1 of row r0+8: the partner's pair, then ours
-                    red_add_f32x4(cute.domain_offset((q, col0 + c - 2), gdQ).iterator,
-                                  got0, got1, keep0, keep1)
-                else:          # columns c .. c+3 of row r0: ours, then the partner's
-                    red_add_f32x4(cute.domain_offset((q, col0 + c), gdQ).iterator,
-                                  keep0, keep1, got0, got1)
-
     # ---------------------------------------------------------------- dV / dK warpgroups
     @cute.jit
     def _grad_wg(self, mma: cute.TiledMma, ops: FusedOps, smem: FusedSmem, work: FusedWork,
-                 which: cutlass.Constexpr, tidx, at: FusedAt, extra):
+                 which: cutlass.Constexpr, tidx, extra):
         """WG1 (which 0): dV_r += P^T dO_r, refilling the dO ring; WG2 (which 1): dK_r +=
         dS^T Q_r, refilling the Q ring; over one tile's blocks. Then the rows < Nkv of this
         CTA's columns stored."""
@@ -772,13 +651,12 @@ class FFPABwdFusedSm90(KernelEntry):
         acc = cute.make_rmem_tensor(thr.partition_shape_C((T, h)), Float32)
         acc.fill(0.0)
         lane = cute.arch.lane_idx()
-        pos0 = at.blk if const_expr(which == 0) else at.q   # the ring's position of block 0
         for i in cutlass.range(work.n_count, unroll=1):
-            s = (pos0 + i) % stages
+            s = i % stages
             self._trace(extra, 0, i)
-            cute.arch.mbarrier_wait(bars.p_full, (at.blk + i) & 1)
+            cute.arch.mbarrier_wait(bars.p_full, i & 1)
             self._trace(extra, 1, i)
-            cute.arch.mbarrier_wait(ring_bar + s, ((pos0 + i) // stages) & 1)
+            cute.arch.mbarrier_wait(ring_bar + s, (i // stages) & 1)
             self._trace(extra, 2, i)
             atom = cute.make_mma_atom(mma.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
@@ -793,7 +671,7 @@ class FFPABwdFusedSm90(KernelEntry):
             # this warpgroup read the stage last (the S warpgroup's product on it completed
             # before P^T / dS^T were published): refill it with block i + stages
             if i + stages < work.n_count:
-                self._load_block(ops, smem, work, i + stages, pos0 + i + stages, which ^ 1,
+                self._load_block(ops, smem, work, i + stages, i + stages, which ^ 1,
                                  tidx)
         # ---- rows < Nkv of this CTA's columns
         out = ops.mdV if const_expr(which == 0) else ops.mdK
@@ -815,13 +693,14 @@ class FFPABwdFusedSm90(KernelEntry):
 
 def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
     """The storage struct (`BwdFusedConfigSm90.smem_bytes` models it): barriers, the column
-    statistics, then 1 KB aligned the exchange buffer, K_r, V_r, the Q and dO rings, P^T, dS^T."""
+    statistics, then 1 KB aligned the exchange buffer, K_r, V_r, the Q and dO rings, P^T, dS^T,
+    the dQ staging buffers."""
     mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
 
     def smem(layout, elem=dtype):
         return align[mem[elem, cute.cosize(layout)], 1024]
 
-    fields = {
+    return cute.struct(type("SharedStorage", (), {"__annotations__": {
         "bar_kv": mem[i64, 1], "bar_q": mem[i64, cfg.q_stages],
         "bar_do": mem[i64, cfg.do_stages], "bar_p_full": mem[i64, 1],
         "bar_p_empty": mem[i64, 1], "bar_x_full": mem[i64, 1], "bar_x_empty": mem[i64, 1],
@@ -829,10 +708,8 @@ def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
         "xbuf": align[mem[Float32, X_FLOATS], 1024],
         "sK": smem(layouts.kv), "sV": smem(layouts.kv), "sQ": smem(layouts.q),
         "sdO": smem(layouts.do), "sPt": smem(layouts.p), "sdSt": smem(layouts.p),
-    }
-    if cfg.dq_tma:
-        fields["sdQ"] = smem(layouts.dq, Float32)
-    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        "sdQ": smem(layouts.dq, Float32),
+    }}))
 
 
 __all__ = ["FFPABwdFusedSm90"]

@@ -875,15 +875,15 @@ def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -
 FUSED_TILE = 64            # keys per tile and queries per block (every WGMMA's M or N)
 FUSED_DQ_MAX_WIDTH = 160   # widest dQ accumulator the S warpgroup holds (80 fp32 registers;
 #                            192 spilled 8 B at D=384)
-FUSED_DQ_PIECE = 32        # `dq_tma`: columns of one staged dQ piece (64 x 32 fp32: 8 KB, a
+FUSED_DQ_PIECE = 32        # columns of one staged dQ piece (64 x 32 fp32: 8 KB, a
 #                            128-byte swizzled row each)
 
 
 @dataclass(frozen=True)
 class BwdFusedConfigSm90:
     """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
-    GPU-tested, slower than the atomic-free kernels so far: planned under
-    `Options(deterministic=False)`, canaried first).
+    GPU-tested: planned under `Options(deterministic=False)` where it measured faster than the
+    atomic-free kernels, canaried first while VERIFIED is False).
 
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
@@ -895,23 +895,6 @@ class BwdFusedConfigSm90:
     window:     a sliding window's left edge (the runtime `window_lo`): a key tile walks only
                 the query blocks up to the last query that sees its last key, masking the
                 crossing ones, as the dK / dV kernels do
-    red_v4:     dQ reduced 4 columns per `red.global.add.v4.f32` (each lane pair swaps half of
-                its values with one shuffle, so a lane holds 4 adjacent columns of one row)
-                instead of 2 per `.v2` (half the reduction instructions); measured 1-2%
-                slower at D=512 (L2's reduction rate, not issue, limits), off by default
-    persistent: the grid is as many 2-CTA clusters as fit the device at once (the runtime
-                `num_clusters`), each walking key tiles c, c + clusters, ... with its streams
-                continuing from tile to tile and a drain at each tile's end, instead of one
-                cluster per tile; measured: no gain at full attention, 12-42% slower under
-                causal / GQA (a static walk over tiles of unequal length), off by default
-    dq_tma:     dQ chunks staged in 32-column pieces through two 8 KB fp32 smem buffers and
-                added into dq_acc by TMA (`cp.reduce.async.bulk.tensor`, one thread), instead
-                of `red.global` from registers: the S warpgroup only writes smem and the
-                reductions run asynchronously (the phase trace has `red.global` holding it
-                ~5100 cycles per block at D=512); 16 KB more smem (D=448 fits with one dO
-                stage). Did not finish on the H200 (2026-12-05: its GPU tests and its
-                sanitizer case ran past their timeouts): presumed deadlock; planned nowhere,
-                its GPU test skipped, until debugged
     """
 
     arch: str
@@ -921,13 +904,10 @@ class BwdFusedConfigSm90:
     q_stages: int = 2
     do_stages: int = 2
     window: bool = False
-    red_v4: bool = False
-    persistent: bool = False
-    dq_tma: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
-    # its sanitizer sweep is incomplete (`persistent` fails synccheck, `dq_tma` did not finish):
-    # the self-check canaries it on every target (selfcheck.unverified)
+    # the sanitizer sweep of this code is owed: the self-check canaries it on every target
+    # (selfcheck.unverified)
     VERIFIED: ClassVar[bool] = False
 
     @property
@@ -959,14 +939,13 @@ class BwdFusedConfigSm90:
         """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /
         empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta), then,
         each 1 KB aligned: the exchange buffer (the peer's fp32 S^T and dP^T partials), K, V,
-        the Q and dO rings, P^T and dS^T (`dq_tma`: and the two dQ staging pieces)."""
+        the Q and dO rings, P^T and dS^T, the two dQ staging pieces."""
         header = 8 * (1 + self.q_stages + self.do_stages + 4)
         header = _align(header, 16) + 2 * FUSED_TILE * 4
         tile = FUSED_TILE * self.half * self.elem_bytes
         regions = [2 * FUSED_TILE * FUSED_TILE * 4, tile, tile, self.q_stages * tile,
-                   self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes])]
-        if self.dq_tma:
-            regions.append(2 * FUSED_TILE * FUSED_DQ_PIECE * 4)
+                   self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes]),
+                   2 * FUSED_TILE * FUSED_DQ_PIECE * 4]
         return sum(_align(x) for x in [header, *regions])
 
 
@@ -988,17 +967,22 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
     return None
 
 
-def dq_tma_fields(cfg: BwdFusedConfigSm90) -> dict:
-    """The config fields that turn `dq_tma` on for cfg: its 16 KB of staging, and one dO stage
-    where two would no longer fit (D=448)."""
-    fields = {"dq_tma": True}
-    if dataclasses.replace(cfg, **fields).smem_bytes() > SMEM_CAPACITY:
-        fields["do_stages"] = 1
-    return fields
+# where the fused backward measured faster than the atomic-free kernels (H200, bf16, N=8K;
+# docs/design.md section 4): D from 384 (D=320: 205 against 218 TFLOPS) and up to 8 query
+# heads per KV head (MQA 64/1 causal: 196 against 226)
+FUSED_MIN_HEAD_DIM = 384
+FUSED_MAX_GROUP = 8
+
+
+def fused_pays(problem: AttnProblem) -> bool:
+    """Whether `Options(deterministic=False)` routes problem to the fused backward (where it
+    also builds: `plan_bwd_fused`)."""
+    return (problem.head_dim >= FUSED_MIN_HEAD_DIM
+            and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
-    """The fused backward's config: two Q stages, then two dO stages where they fit (D=512
+    """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
     keeps one). Raises ValueError with the reason for problems it does not take: Dv != D,
     varlen."""
     if problem.head_dim_v != problem.head_dim:

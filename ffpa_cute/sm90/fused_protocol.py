@@ -1,12 +1,12 @@
 """An executable model of the fused sm90 backward's protocol (bwd_fused_sm90.py), built from
 its config.
 
-The kernel has never run on a GPU, and its hand-overs are new: the pair's exchange of partial
-scores (st.async into the peer's buffer, x_full / x_empty across the cluster), P^T / dS^T from
-the S warpgroup to the dV and dK warpgroups (p_full / p_empty), and Q / dO rings refilled by
-their last reader with no "empty" barrier. This module runs the three warpgroups of both CTAs
-as the kernel orders their steps, over a model of the hardware (common/protocol.py), and checks
-what a hang or a race would break:
+The kernel's hand-overs are its own: the pair's exchange of partial scores (st.async into the
+peer's buffer, x_full / x_empty across the cluster), P^T / dS^T from the S warpgroup to the dV
+and dK warpgroups (p_full / p_empty), and Q / dO rings refilled by their last reader with no
+"empty" barrier. This module runs the three warpgroups of both CTAs as the kernel orders their
+steps, over a model of the hardware (common/protocol.py), and checks what a hang or a race
+would break:
 
 - mbarriers with phases, arrival counts and transaction bytes; a parity wait two phases behind
   its barrier is an error (the hardware would read it as a later phase);
@@ -34,17 +34,16 @@ WG_THREADS = 128
 
 
 class FusedModel(ModelBase):
-    """Both CTAs of a cluster walking key tiles of `tiles[j]` query blocks each (one tile
-    without `persistent`). `faults`: names of steps to drop or alter (tests: the model must
-    catch them)."""
+    """Both CTAs of a cluster on one key tile of `blocks` query blocks. `faults`: names of
+    steps to drop or alter (tests: the model must catch them)."""
 
-    def __init__(self, cfg: BwdFusedConfigSm90, tiles, seed: int, faults=()):
+    def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=()):
         super().__init__()
-        self.cfg, self.tiles, self.rng = cfg, list(tiles), random.Random(seed)
+        self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
         self.faults = set(faults)
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
-                  "x_empty": (1, 1), "drain": (1, 3)}  # drain: the 384-thread barrier
+                  "x_empty": (1, 1)}
         if "p_empty_count" in self.faults:  # one warp's arrival too few
             counts["p_empty"] = (1, 9)
         self.bars = {self.bar(r, name, i): Barrier(c) for r in (0, 1)
@@ -68,21 +67,10 @@ class FusedModel(ModelBase):
         self.arrive(self.bar(r, ring, i), expect=STAGE_BYTES)
         self.landing.append((f"{r}:{ring}{i}", (ring, block), self.bar(r, ring, i)))
 
-    def walk(self, r: int, role):
-        """`_tiles`: the tiles in order, each with its stream positions (`FusedAt`: Q ring,
-        dO ring = hand-overs, tile index), then the drain."""
-        q = blk = 0
-        for j, n in enumerate(self.tiles):
-            yield from role(r, j, n, q, blk)
-            if self.cfg.persistent and "no_drain" not in self.faults:
-                self.arrive(self.bar(r, "drain"))
-                yield from self.wait(self.bar(r, "drain"), j)
-            q, blk = q + max(n, 1), blk + n
-
     # -------------------------------------------------------------- the warpgroups
-    def score(self, r: int, j: int, n: int, q0: int, b0: int):
-        """WG0 of CTA r on tile j of n blocks (`_score_wg`)."""
-        cfg, me = self.cfg, f"S{r}"
+    def score(self, r: int):
+        """WG0 of CTA r (`_score_wg`)."""
+        cfg, me, n, j = self.cfg, f"S{r}", self.blocks, 0
         mma = me + ".wgmma"   # its WGMMAs' reads, held until its wait_group(0)
         qs, ds = cfg.q_stages, cfg.do_stages
         kv = self.bar(r, "kv")
@@ -91,18 +79,18 @@ class FusedModel(ModelBase):
             self.landing.append((f"{r}:{name}", (name, j), kv))
         for i in range(qs):
             if i < max(n, 1):
-                self.load(r, "q", q0 + i, (j, i))
+                self.load(r, "q", i, (j, i))
         for i in range(ds):
             if i < n:
-                self.load(r, "do", b0 + i, (j, i))
+                self.load(r, "do", i, (j, i))
         yield
-        yield from self.wait(kv, j)
-        yield from self.scores(r, "q", q0, (j, 0), qs, j)
+        yield from self.wait(kv, 0)
+        yield from self.scores(r, "q", 0, (j, 0), qs, j)
         self.release(mma)                                 # wait_group(0)
         if n > 0:
-            yield from self.send(r, "S", b0)
+            yield from self.send(r, "S", 0)
         for i in range(n):
-            b = b0 + i
+            b = i
             yield from self.scores(r, "do", b, (j, i), ds, j)
             if i > 0:   # dQ(i-1)'s later chunks (at i == 0 a stale tile, dropped)
                 self.read(f"{r}:dst", ("ds", b - 1), mma, hold=True)
@@ -126,7 +114,7 @@ class FusedModel(ModelBase):
             self.arrive(self.bar(r, "p_full"), WG_THREADS)
             yield
             nxt = min(i + 1, n - 1)
-            yield from self.scores(r, "q", q0 + nxt, (j, nxt), qs, j)
+            yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
             self.read(f"{r}:dst", ("ds", b), mma, hold=True)   # dQ(i)'s first chunk
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
@@ -134,7 +122,7 @@ class FusedModel(ModelBase):
             if i + 1 < n:
                 yield from self.send(r, "S", b + 1)
         if n > 0:   # the last block's later dQ chunks
-            self.read(f"{r}:dst", ("ds", b0 + n - 1), mma, hold=True)
+            self.read(f"{r}:dst", ("ds", n - 1), mma, hold=True)
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
             self.release(mma)
@@ -157,28 +145,27 @@ class FusedModel(ModelBase):
         self.read(f"{r}:{kv}", (kv, j), mma, hold=True)
         yield
 
-    def grad(self, r: int, which: int, j: int, n: int, q0: int, b0: int):
-        """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r on tile j
+    def grad(self, r: int, which: int):
+        """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r
         (`_grad_wg`)."""
-        cfg = self.cfg
-        ring, stages, pos0 = (("do", cfg.do_stages, b0) if which == 0
-                              else ("q", cfg.q_stages, q0))
+        cfg, n, j = self.cfg, self.blocks, 0
+        ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         a = "pt" if which == 0 else "dst"
         mma = f"{'dV' if which == 0 else 'dK'}{r}.wgmma"
         early = "refill_before_wait" in self.faults
         for i in range(n):
-            s = (pos0 + i) % stages
-            yield from self.wait(self.bar(r, "p_full"), b0 + i)
-            yield from self.wait(self.bar(r, ring, s), (pos0 + i) // stages)
-            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", b0 + i), mma, hold=True)
+            s = i % stages
+            yield from self.wait(self.bar(r, "p_full"), i)
+            yield from self.wait(self.bar(r, ring, s), i // stages)
+            self.read(f"{r}:{a}", ("p" if which == 0 else "ds", i), mma, hold=True)
             self.read(f"{r}:{ring}{s}", (ring, (j, i)), mma, hold=True)
             if early and i + stages < n:
-                self.load(r, ring, pos0 + i + stages, (j, i + stages))
+                self.load(r, ring, i + stages, (j, i + stages))
             yield
             self.release(mma)                             # wait_group(0)
             self.arrive(self.bar(r, "p_empty"), 4)        # lane 0 of each warp
             if not early and i + stages < n:
-                self.load(r, ring, pos0 + i + stages, (j, i + stages))
+                self.load(r, ring, i + stages, (j, i + stages))
             yield
 
     # -------------------------------------------------------------- the interleaving
@@ -190,9 +177,9 @@ class FusedModel(ModelBase):
     def run(self, max_steps: int = 200000) -> int:
         roles = {}
         for r in (0, 1):
-            roles[f"S{r}"] = self.walk(r, self.score)
-            roles[f"dV{r}"] = self.walk(r, lambda *a: self.grad(a[0], 0, *a[1:]))
-            roles[f"dK{r}"] = self.walk(r, lambda *a: self.grad(a[0], 1, *a[1:]))
+            roles[f"S{r}"] = self.score(r)
+            roles[f"dV{r}"] = self.grad(r, 0)
+            roles[f"dK{r}"] = self.grad(r, 1)
         while roles or self.landing:
             self.steps += 1
             if self.steps > max_steps:
@@ -210,10 +197,10 @@ class FusedModel(ModelBase):
         return self.steps
 
 
-def run(cfg: BwdFusedConfigSm90, tiles, seed: int = 0, faults=()) -> int:
-    """Model a CTA pair over key tiles of `tiles` query blocks each (an int: one tile); the
-    steps taken (raises ProtocolError)."""
-    return FusedModel(cfg, [tiles] if isinstance(tiles, int) else tiles, seed, faults).run()
+def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=()) -> int:
+    """Model a CTA pair on one key tile of `blocks` query blocks; the steps taken (raises
+    ProtocolError)."""
+    return FusedModel(cfg, blocks, seed, faults).run()
 
 
 __all__ = ["FusedModel", "run"]
