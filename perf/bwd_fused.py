@@ -12,8 +12,10 @@ Before timing, the fused one's gradients are checked against the routed ones (re
 < 1e-2 each; the same products in another summation order).
 
 `--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
-table per warpgroup) and knockouts beside it (dQ's pieces staged but not added; dQ formed but
-not reduced; no exchange; neither; no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
+table per warpgroup), the next step beside it ("alternating": the dQ pieces alternate between
+the staging buffers across chunks and blocks; its gradients checked against the kernel's) and
+knockouts (dQ's pieces staged but not added; dQ formed but not reduced; no exchange; neither;
+no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
 fused backward", and docs/perf-log.md (2026-12-05).
 """
 
@@ -28,7 +30,6 @@ from cutlass import Float32, Int32
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
-from ffpa_cute.common.softmax import mn_view
 from ffpa_cute.sm90.config import FUSED_DQ_PIECE, FUSED_TILE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp
@@ -172,20 +173,23 @@ class _NoCopy(FusedTraced):
     timing only: what the TMA reductions' waits cost)."""
 
     @cute.jit
-    def _dq_reduce(self, mma, acc, ops, smem, work, head_q, n_block, col,
-                   width: cutlass.Constexpr, tidx):
-        thr = mma.get_slice(tidx)
-        tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((FUSED_TILE, width))))
-        sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=128)
-        acc_mn = mn_view(acc)
-        per = FUSED_DQ_PIECE // 4
-        for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
-            sync.arrive_and_wait()
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                for c in cutlass.range_constexpr(p * per, (p + 1) * per):
-                    row, cc = tQcQ_mn[r, c]
-                    smem.dq[row, cc - p * FUSED_DQ_PIECE, p % 2] = acc_mn[r, c]
-            sync.arrive_and_wait()
+    def _add_piece(self, tma, src, dst):
+        pass
+
+
+class _Alternating(FusedTraced):
+    """The next step, to measure (correct results): the pieces alternate between the two
+    staging buffers in issue order across chunks and blocks (block i's chunk at columns col:
+    running piece i * half / 32 + (col - col0) / 32 + p), so every piece waits only for the
+    group two back; today a chunk's first piece waits for every earlier group. Predicted
+    (perf-log, session 21): a block period of ~8200-8500 cycles at D=512 against 9024."""
+
+    def _piece_buffer(self, work, head_q, n_block, col, p: int):
+        i = ((head_q - work.head_q0) * cutlass.max(work.n_per, 1)
+             + work.n_top - 1 - n_block)
+        g = (i * (self.half // FUSED_DQ_PIECE) + (col - work.rank * self.half) // FUSED_DQ_PIECE
+             + p)
+        return g % 2, 1
 
 
 class _NoDQ(_NoRed):
@@ -199,10 +203,13 @@ class _NoDQ(_NoRed):
         return acc
 
 
-TRACE_VARIANTS = {"traced": FusedTraced, "no copy": _NoCopy, "no red": _NoRed,
+TRACE_VARIANTS = {"traced": FusedTraced, "alternating": _Alternating, "no copy": _NoCopy,
+                  "no red": _NoRed,
                   "no exchange": _NoExchange, "no exchange, no red": _NoExchangeNoRed,
                   "no dQ": _NoDQ}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
+# the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
+CORRECT_VARIANTS = ("traced", "alternating")
 
 
 def trace_jobs() -> list:
@@ -244,10 +251,12 @@ def run_trace(dev, flush) -> dict:
 
     import ffpa_cute
     from ffpa_cute import launch
+    from ffpa_cute.reference import rel_err
     from perf.flops import attn_flops_bwd
 
     res = {}
     for case in TRACE_CASES:
+        grads = None
         d, causal, hq, hkv, n = case
         plan = plans(case)["fused"]
         q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
@@ -270,10 +279,16 @@ def run_trace(dev, flush) -> dict:
             ms = experiment.median_ms(lambda c=cls: launch.run_job(c, cfg, args, scalars), dev,
                                       flush, rounds=1)   # every variant inside one device call
             trace.zero_()
+            args["dq_acc"].zero_()
             launch.run_job(cls, cfg, args, scalars)
             torch.cuda.synchronize()
             key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n} {name}"
             res[key] = dict(ms=ms, tflops=flops / ms / 1e9, phases=trace_phases(trace.cpu()))
+            if name in CORRECT_VARIANTS:
+                got = [args[x].clone() for x in ("dq_acc", "dk", "dv")]
+                grads = grads or got
+                res[key]["errs"] = [rel_err(x, y.double()) for x, y in zip(got, grads)]
+                assert max(res[key]["errs"]) < 1e-3, (key, res[key]["errs"])
             print(f"{key}: {ms:.2f} ms (the kernel alone), {res[key]['tflops']:.0f} TFLOPS",
                   flush=True)
             for ph, cyc in res[key]["phases"].items():

@@ -615,9 +615,9 @@ class FFPABwdFusedSm90(KernelEntry):
                                        cute.group_modes(g, 0, 2))
         per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
         for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
-            buf = p % 2
+            buf, unread = self._piece_buffer(work, head_q, n_block, col, p)
             if tidx // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0 if p == 0 else 1, read=True)
+                cute.arch.cp_async_bulk_wait_group(unread, read=True)
             sync.arrive_and_wait()
             for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
                 for c in cutlass.range_constexpr(p * per, (p + 1) * per):
@@ -626,9 +626,22 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
             sync.arrive_and_wait()
             if tidx // 32 == 0:
-                cute.copy(ops.tma_dq, ts[None, buf],
-                          tg[None, n_block, col // FUSED_DQ_PIECE + p])
-                cute.arch.cp_async_bulk_commit_group()
+                self._add_piece(ops.tma_dq, ts[None, buf],
+                                tg[None, n_block, col // FUSED_DQ_PIECE + p])
+
+    def _piece_buffer(self, work: FusedWork, head_q, n_block, col, p: int):
+        """(staging buffer, bulk groups that may stay unread before it is rewritten) of piece
+        p of the dQ chunk at columns col of block (head_q, n_block): a chunk's pieces
+        alternate between the two buffers from buffer 0, so its first piece waits for every
+        earlier group and the others for all but the last."""
+        return p % 2, (0 if p == 0 else 1)
+
+    @cute.jit
+    def _add_piece(self, tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor):
+        """One staged piece added into dq_acc by the calling warp (the copy elects its
+        thread) and its bulk group committed."""
+        cute.copy(tma, src, dst)
+        cute.arch.cp_async_bulk_commit_group()
 
     # ---------------------------------------------------------------- dV / dK warpgroups
     @cute.jit
