@@ -5,10 +5,13 @@
 #   STAGE_PEERS=1 bash ../shared/device/stage.sh        # STAGE_PEERS=1: apache-tvm-ffi and
 #                                                       # torch-c-dlpack-ext (dependencies of the
 #                                                       # package) and the FFPA peer for the sweep
-#   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2
-#   CUTE_DSL_ARCH=sm_90a python -m tests.sanitize --precompile .precache
-#   CUTE_DSL_ARCH=sm_90a python -m perf.bwd_fused --precompile .precache   # (section fused)
-#   mkdir -p .pc && tar cf - .precache | xz -9 > .pc/precache.tar.xz   # (.pc: .git/info/exclude)
+#   mkdir -p .pc   # (.pc: .git/info/exclude)
+#   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2 \
+#       --sections sanitize,fused,fused_perf --pack .pc/precache.tar.xz
+# (--pack keeps only the named sections' kernels: what travels is limited to 64 MiB, the
+# staged toolchain takes ~59, and a few hundred kernels fit beside it, not all ~1300; pick
+# the sections of the call, and pack after the last edit of a kernel source. Kernels not
+# packed compile on the device on first use.)
 # Then one device call per section group, carrying [".device", ".pc"]:
 #   source .device/setup.sh && bash perf/verify_gpu.sh
 # SECTIONS (default "san gpu"):
@@ -22,8 +25,9 @@
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
 #   serving perf.sweep --cases serving: window, varlen, paged decode on bf16 and e4m3 caches
 #         (perf/serving.py; SERVING_CASES picks a subset, e.g. "kvdecode,kvdecode-fp8")
-#   fused the fused backward (off the default route): its GPU tests, then perf.bwd_fused beside the routed
-#         backward (precompile both first: `python -m perf.bwd_fused --precompile .precache`)
+#   fused the fused backward (routed only under deterministic=False): its GPU tests, then
+#         perf.bwd_fused beside the routed backward and its phase trace with the variants
+#         (precompile: gpu_jobs' sections fused and fused_perf)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -77,10 +81,12 @@ if has sweep; then
   tail -30 "$out/sweep.log"
 fi
 if has fused; then
-  step "the fused backward: GPU tests, then perf.bwd_fused"
-  timeout 200 pytest -m gpu -q -p no:cacheprovider tests/test_backward_sm90_gpu.py -k fused \
-      2>&1 | tee "$out/gpu_fused.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
-  timeout 300 python -m perf.bwd_fused --out "$out/bwd_fused.json"
+  step "the fused backward: GPU tests, then perf.bwd_fused and its trace"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
+      tests/test_features_gpu.py -k fused 2>&1 | tee "$out/gpu_fused.log" \
+      | grep -E "FAIL|ERROR|passed|failed" | tail -15
+  timeout 200 python -m perf.bwd_fused --out "$out/bwd_fused.json"
+  timeout 120 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

@@ -2,7 +2,14 @@
 lent GPU's minutes go to running, not compiling:
 
     CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache [--workers 2]
-                                                 [--sections fp8,varlen]
+                                                 [--sections fp8,varlen] [--pack FILE]
+
+`--pack FILE` also writes the selected kernels' cache entries, and only those, to an xz tarball
+(`.precache/<fingerprint>/k*.o`): what travels to the device is limited to 64 MiB, the staged
+toolchain takes ~59 of it, and a few hundred kernels fit beside it, not every section's
+(~1300). On the device: `tar xJf FILE -C /tmp/pc` and FFPA_CUTE_CACHE_DIR=/tmp/pc/.precache.
+The cache's fingerprint hashes every kernel source, so pack after the last edit of
+ffpa_cute/common or ffpa_cute/sm*.
 
 A superset by construction: every head dim the GPU tests use, both dtypes and causal modes, under
 both families that run on an H200 (the device's own sm90, and sm80 for the Split-D pass), forward
@@ -41,13 +48,17 @@ VARLEN_FIELDS = ((512, 512, True, None, None, False, "bf16"),
 TARGET = "sm_90a"
 
 
-SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize")
+SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
+            "fused_perf")
 
 
 def jobs(sections=SECTIONS) -> list:
     """The kernels of the named `SECTIONS` (main: every head dim, dtype and causal mode under
     both families, forward and backward; sanitize: the compute-sanitizer workload's,
-    tests/sanitize.py; the others as the module docstring lists them)."""
+    tests/sanitize.py; fused: what the fused backward's GPU tests run, the sm90 forward, the
+    Delta kernel and the fused kernel at D 320-512 (a subset of main, small enough to carry
+    alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced (run from the
+    repository's root); the others as the module docstring lists them)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -89,6 +100,17 @@ def jobs(sections=SECTIONS) -> list:
                     if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
                         cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward
                         add([(dispatch.kernel_class(cfg), cfg)])
+    from ffpa_cute.common.config import DeltaConfig
+
+    for d in (320, 384, 448, 512) if "fused" in sections else ():
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                p = problem(d, d, dtype, causal)
+                plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
+                cfg = sm90_config.plan_bwd_fused(p, TARGET)
+                add([(plan.kernel_cls, plan.cfg), (dispatch.kernel_class(cfg), cfg)])
+                delta = DeltaConfig(TARGET, dtype, d)
+                add([(dispatch.kernel_class(delta), delta)])
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt
@@ -158,6 +180,10 @@ def jobs(sections=SECTIONS) -> list:
                 if dtype == "bf16":
                     bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs
                     add(bwd + _group_split_twins(bwd))
+    if "fused_perf" in sections:
+        from perf import bwd_fused
+
+        add(bwd_fused.jobs() + bwd_fused.trace_jobs())
     if "sanitize" in sections:
         from . import sanitize
 
@@ -206,11 +232,31 @@ def _compile_part(args):
     return cache.stats.compiles
 
 
+def pack(directory: str, sections, out: str) -> tuple[int, int]:
+    """Write the cache entries of `jobs(sections)` found under `directory` to the xz tarball
+    `out` as <directory's name>/<fingerprint>/k*.o; (packed, missing)."""
+    import pathlib
+    import tarfile
+
+    from ffpa_cute.cache import JitCache, key_hash
+
+    entries = JitCache(directory, disk=True).entry_dir(TARGET)
+    names = sorted({f"k{key_hash(cls.__qualname__, cfg)}.o" for cls, cfg in jobs(sections)})
+    found = [n for n in names if (entries / n).exists()]
+    root = pathlib.Path(directory).resolve().name
+    with tarfile.open(out, "w:xz") as tar:
+        for n in found:
+            tar.add(entries / n, arcname=f"{root}/{entries.name}/{n}")
+    return len(found), len(names) - len(found)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu_jobs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precompile", metavar="DIR", required=True)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--pack", metavar="FILE",
+                    help="also write the selected kernels' entries to this xz tarball")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma list of {', '.join(SECTIONS)} (default: all)")
     a = ap.parse_args(argv)
@@ -228,6 +274,10 @@ def main(argv=None) -> int:
     else:
         compiled = _compile_part((a.precompile, 0, 1, sections))
     print(f"{n} kernels for {TARGET} in {a.precompile}: {compiled} compiled")
+    if a.pack:
+        packed, missing = pack(a.precompile, sections, a.pack)
+        print(f"{a.pack}: {packed} kernels packed ({missing} not in the cache)")
+        return 1 if missing else 0
     return 0
 
 

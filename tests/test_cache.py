@@ -141,3 +141,31 @@ def test_read_only_cache_dir_loads_and_compiles_in_memory(tmp_path, monkeypatch)
     assert ro.get(TinyKernel, TinyCfg(n=7)) is not None
     assert ro.stats.compiles == 1
     assert len(list(d.glob("*.o"))) == 1
+
+
+def test_gpu_jobs_pack_takes_only_the_selected_entries(tmp_path, monkeypatch):
+    """`python -m tests.gpu_jobs --pack`: the selected jobs' entries and no others, in an xz
+    tarball laid out as the cache, which a new cache pointed at its unpacked copy loads
+    without compiling (what a device call carries)."""
+    import tarfile
+
+    import gpu_jobs
+
+    cache_dir = tmp_path / ".precache"
+    c = JitCache(cache_dir, disk=True)
+    want, other = TinyCfg(arch="sm_90a", n=4), TinyCfg(arch="sm_90a", n=8)
+    c.get(TinyKernel, want)
+    c.get(TinyKernel, other)
+    monkeypatch.setattr(gpu_jobs, "jobs", lambda sections: [(TinyKernel, want),
+                                                            (TinyKernel, TinyCfg("sm_90a", 2))])
+    out = tmp_path / "p.tar.xz"
+    assert gpu_jobs.pack(str(cache_dir), ("main",), str(out)) == (1, 1)
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "dev", filter="data")
+    assert names == [f".precache/{c.entry_dir('sm_90a').name}/"
+                     f"k{key_hash('TinyKernel', want)}.o"]
+    TinyKernel.compiles = 0
+    c2 = JitCache(tmp_path / "dev" / ".precache", disk=True)
+    c2.get(TinyKernel, want)
+    assert c2.stats.compiles == 0 and c2.stats.disk_loads == 1

@@ -444,3 +444,25 @@ def test_bwd_fused_experiment_plans_both_backwards():
             cfgs = plans[name].cfgs
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
+
+
+@pytest.mark.parametrize("d", [448, 512])
+def test_bwd_fused_alternating_variant_compiles(tmp_path, monkeypatch, d):
+    """perf.bwd_fused's "alternating" trace variant (the next step for the fused backward's dQ
+    staging) compiles for sm_90a at an odd (D=448: 7) and an even (D=512: 8) number of pieces
+    per block: the kernel's waits for the group two back (`wait_group.read 1`), a full drain
+    (`wait_group.read 0`) only at the end, where the kernel drains at each chunk's start too;
+    no local memory."""
+    import re
+
+    from perf import bwd_fused
+
+    monkeypatch.chdir(tmp_path)
+    cfg = bwd_fused.plans((d, False, 4, 4, 1024))["fused"].cfgs[-1]
+    ptx = {name: bwd_fused.TRACE_VARIANTS[name].compile(cfg, options="--keep-ptx").__ptx__
+           for name in ("traced", "alternating")}
+    drains = {n: len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", p))
+              for n, p in ptx.items()}
+    assert drains["alternating"] == 1 < drains["traced"], drains
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx["alternating"])
+    assert ".local" not in ptx["alternating"]
