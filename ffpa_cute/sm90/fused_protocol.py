@@ -11,12 +11,15 @@ would break:
 - mbarriers with phases, arrival counts and transaction bytes; a parity wait two phases behind
   its barrier is an error (the hardware would read it as a later phase);
 - TMA loads and the peer's st.async stores landing later, in any order;
+- dQ's staged pieces read by TMA reductions (bulk groups) finishing in any order, a
+  `wait_group.read n` passing once every group but the newest n has read its buffer;
 - WGMMAs reading their operands from issue until the issuing warpgroup's wait_group(0); every
-  buffer (K_r, V_r, the ring stages, P^T, dS^T, the exchange buffer) knows what it holds and
-  who may still read it: a write while another unit may read it, or a read of anything but the
-  expected block's data, is an error.
+  buffer (K_r, V_r, the ring stages, P^T, dS^T, the exchange and dQ staging buffers) knows what
+  it holds and who may still read it: a write while another unit may read it, or a read of
+  anything but the expected block's data, is an error.
 
-`run(cfg, blocks, seed)` interleaves every warpgroup and landing at random until all finish,
+`run(cfg, blocks, seed)` interleaves every warpgroup, landing and reduction at random (each
+unit at a speed drawn per run, so skewed timings are explored too) until all finish,
 raising `ProtocolError` on a deadlock or a hazard; tests/test_bwd_fused.py runs it over seeds,
 block counts and ring depths, and checks that it catches injected faults. The roles below
 follow `FFPABwdFusedSm90._score_wg` and `_grad_wg` step for step: a change to either belongs
@@ -28,19 +31,26 @@ from __future__ import annotations
 import random
 
 from ..common.protocol import STAGE_BYTES, Barrier, ModelBase, ProtocolError
-from .config import BwdFusedConfigSm90
+from .config import FUSED_DQ_PIECE, BwdFusedConfigSm90
 
 WG_THREADS = 128
 
 
 class FusedModel(ModelBase):
     """Both CTAs of a cluster on one key tile of `blocks` query blocks. `faults`: names of
-    steps to drop or alter (tests: the model must catch them)."""
+    steps to drop or alter (tests: the model must catch them). `alternating`: the dQ pieces
+    take the staging buffers in issue order across chunks and blocks, each waiting only for
+    the group two back (perf.bwd_fused's "alternating" variant), instead of the kernel's
+    per-chunk order whose first piece waits for every group."""
 
-    def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=()):
+    def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
+                 alternating: bool = False):
         super().__init__()
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
-        self.faults = set(faults)
+        self.faults, self.alternating = set(faults), alternating
+        self.pieces = [w // FUSED_DQ_PIECE for w in cfg.dq_chunks]
+        self.order: dict[int, list] = {0: [], 1: []}    # CTA -> its bulk groups, as issued
+        self.groups: dict[int, set] = {0: set(), 1: set()}   # those still reading
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
                   "x_empty": (1, 1)}
@@ -100,7 +110,9 @@ class FusedModel(ModelBase):
             self.landing.append((f"{1 - r}:xdP", ("x", r, b), self.bar(1 - r, "x_full")))
             self.arrive(self.bar(r, "x_full"), expect=2 * STAGE_BYTES)
             yield
-            self.release(mma)                             # wait_group(0), the reductions
+            self.release(mma)                             # wait_group(0)
+            if i > 0:   # dQ(i-1)'s later chunks reduced
+                yield from self.reduce(r, b - 1, range(1, len(self.pieces)))
             yield from self.wait(self.bar(r, "x_full"), b)
             self.read(f"{r}:xS", ("x", 1 - r, b), me + "x", hold=True)
             self.read(f"{r}:xdP", ("x", 1 - r, b), me + "x", hold=True)
@@ -121,11 +133,14 @@ class FusedModel(ModelBase):
             self.release(mma)                             # wait_group(0)
             if i + 1 < n:
                 yield from self.send(r, "S", b + 1)
+            yield from self.reduce(r, b, [0])             # dQ(i)'s first chunk
         if n > 0:   # the last block's later dQ chunks
             self.read(f"{r}:dst", ("ds", n - 1), mma, hold=True)
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
             self.release(mma)
+            yield from self.reduce(r, n - 1, range(1, len(self.pieces)))
+        yield from self.bulk_wait(r, 0)   # every piece read before the CTA exits
 
     def send(self, r: int, part: str, b: int):
         """Block b's S^T partial (part "S") into the peer's buffer by st.async, once the peer
@@ -134,6 +149,36 @@ class FusedModel(ModelBase):
             yield from self.wait(self.bar(r, "x_empty"), b - 1)
         self.landing.append((f"{1 - r}:x{part}", ("x", r, b), self.bar(1 - r, "x_full")))
         yield
+
+    def reduce(self, r: int, b: int, chunks):
+        """`_dq_reduce` of block b's chunks: per piece, the wait for its staging buffer, the S
+        threads' writes, then a TMA reduction reading the buffer until its group finishes."""
+        per_block = sum(self.pieces)
+        for c in chunks:
+            for p in range(self.pieces[c]):
+                if self.alternating:
+                    buf, unread = (b * per_block + sum(self.pieces[:c]) + p) % 2, 1
+                else:
+                    buf, unread = p % 2, (0 if p == 0 else 1)
+                    if "chunk_wait_one" in self.faults:   # no drain at a chunk's start
+                        unread = 1
+                if "no_dq_wait" not in self.faults:
+                    yield from self.bulk_wait(r, unread)
+                tag = ("dq", b, c, p)
+                self.write(f"{r}:dq{buf}", tag, f"S{r}")
+                group = f"S{r}.bulk{len(self.order[r])}"
+                self.read(f"{r}:dq{buf}", tag, group, hold=True)
+                self.order[r].append(group)
+                self.groups[r].add(group)
+            yield
+
+    def bulk_wait(self, r: int, unread: int):
+        """`cp.async.bulk.wait_group.read unread`: every group CTA r issued but the newest
+        `unread` has finished reading."""
+        issued = self.order[r]
+        must = issued[:len(issued) - unread] if unread else issued
+        while any(g in self.groups[r] for g in must):
+            yield
 
     def scores(self, r: int, ring: str, pos: int, block, stages: int, j: int):
         """`_scores`: wait the stage of ring position pos, then the WGMMAs reading it (and
@@ -180,15 +225,25 @@ class FusedModel(ModelBase):
             roles[f"S{r}"] = self.score(r)
             roles[f"dV{r}"] = self.grad(r, 0)
             roles[f"dK{r}"] = self.grad(r, 1)
-        while roles or self.landing:
+        # each unit's speed, drawn per run: skewed timings (one warpgroup far ahead of
+        # another, landings slow or fast) are explored, not only even interleavings
+        speed = {u: self.rng.choice((0.1, 0.5, 1.0, 4.0)) for u in [*sorted(roles), "land",
+                                                                      "bulk"]}
+        while roles or self.landing or any(self.groups.values()):
             self.steps += 1
             if self.steps > max_steps:
                 raise ProtocolError(f"no progress after {max_steps} steps: deadlock "
                                     f"(roles left: {sorted(roles)})")
-            units = sorted(roles) + ["land"] * bool(self.landing)
-            unit = units[self.rng.randrange(len(units))]
+            reading = sorted(g for live in self.groups.values() for g in live)
+            units = sorted(roles) + ["land"] * bool(self.landing) + ["bulk"] * bool(reading)
+            unit = self.rng.choices(units, [speed[u] for u in units])[0]
             if unit == "land":
                 self.land()
+                continue
+            if unit == "bulk":   # a TMA reduction has read its piece (in any order)
+                done = reading[self.rng.randrange(len(reading))]
+                self.groups[int(done[1])].discard(done)
+                self.release(done)
                 continue
             try:
                 next(roles[unit])
@@ -197,10 +252,11 @@ class FusedModel(ModelBase):
         return self.steps
 
 
-def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=()) -> int:
-    """Model a CTA pair on one key tile of `blocks` query blocks; the steps taken (raises
-    ProtocolError)."""
-    return FusedModel(cfg, blocks, seed, faults).run()
+def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),
+        alternating: bool = False) -> int:
+    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`: the dQ
+    pieces' next-step order, `FusedModel`); the steps taken (raises ProtocolError)."""
+    return FusedModel(cfg, blocks, seed, faults, alternating).run()
 
 
 __all__ = ["FusedModel", "run"]
