@@ -12,9 +12,9 @@ Before timing, the fused one's gradients are checked against the routed ones (re
 < 1e-2 each; the same products in another summation order).
 
 `--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
-table per warpgroup), the next step beside it ("alternating": the dQ pieces alternate between
-the staging buffers across chunks and blocks; its gradients checked against the kernel's) and
-knockouts (dQ's pieces staged but not added; dQ formed but not reduced; no exchange; neither;
+table per warpgroup), the next steps beside it ("alternating": the dQ pieces alternate
+between the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both;
+their gradients checked against the kernel's) and knockouts (dQ's pieces staged but not added; dQ formed but not reduced; no exchange; neither;
 no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
 fused backward", and docs/perf-log.md (2026-12-05).
 """
@@ -192,6 +192,30 @@ class _Alternating(FusedTraced):
         return g % 2, 1
 
 
+class _PairStores(FusedTraced):
+    """A next step, to measure (correct results): each thread's two adjacent columns of a row
+    staged by one 8-byte st.shared (st.shared.v2.b32: half the store instructions; the 128-byte
+    swizzle keeps an even column's pair contiguous). Staging costs ~890 cycles per block at
+    D=512 today (perf-log, session 21); predicted: ~300-450 of them saved."""
+
+    @cute.jit
+    def _stage_piece(self, acc_mn, tQcQ_mn, sdq, buf, p: cutlass.Constexpr):
+        dst = sdq[None, None, buf]
+        per = FUSED_DQ_PIECE // 4
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c2 in cutlass.range_constexpr(p * per // 2, (p + 1) * per // 2):
+                row, cc = tQcQ_mn[r, 2 * c2]
+                pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                pair[0] = acc_mn[r, 2 * c2]
+                pair[1] = acc_mn[r, 2 * c2 + 1]
+                cute.autovec_copy(pair, cute.flatten(cute.local_tile(
+                    dst, (1, 2), (row, (cc - p * FUSED_DQ_PIECE) // 2))))
+
+
+class _AlternatingPairs(_Alternating, _PairStores):
+    """Both next steps together."""
+
+
 class _NoDQ(_NoRed):
     """No dQ product and no reduction: the S warpgroup's chain without dQ (timing only)."""
 
@@ -203,13 +227,14 @@ class _NoDQ(_NoRed):
         return acc
 
 
-TRACE_VARIANTS = {"traced": FusedTraced, "alternating": _Alternating, "no copy": _NoCopy,
-                  "no red": _NoRed,
+TRACE_VARIANTS = {"traced": FusedTraced, "alternating": _Alternating,
+                  "pair stores": _PairStores, "alternating, pair stores": _AlternatingPairs,
+                  "no copy": _NoCopy, "no red": _NoRed,
                   "no exchange": _NoExchange, "no exchange, no red": _NoExchangeNoRed,
                   "no dQ": _NoDQ}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "alternating")
+CORRECT_VARIANTS = ("traced", "alternating", "pair stores", "alternating, pair stores")
 
 
 def trace_jobs() -> list:

@@ -447,12 +447,12 @@ def test_bwd_fused_experiment_plans_both_backwards():
 
 
 @pytest.mark.parametrize("d", [448, 512])
-def test_bwd_fused_alternating_variant_compiles(tmp_path, monkeypatch, d):
-    """perf.bwd_fused's "alternating" trace variant (the next step for the fused backward's dQ
-    staging) compiles for sm_90a at an odd (D=448: 7) and an even (D=512: 8) number of pieces
-    per block: the kernel's waits for the group two back (`wait_group.read 1`), a full drain
+def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
+    """perf.bwd_fused's next-step trace variants for the fused backward's dQ staging compile
+    for sm_90a at an odd (D=448: 7) and an even (D=512: 8) number of pieces per block:
+    "alternating" waits for the group two back (`wait_group.read 1`) and drains
     (`wait_group.read 0`) only at the end, where the kernel drains at each chunk's start too;
-    no local memory."""
+    "pair stores" stages by 8-byte st.shared only; no local memory."""
     import re
 
     from perf import bwd_fused
@@ -460,9 +460,15 @@ def test_bwd_fused_alternating_variant_compiles(tmp_path, monkeypatch, d):
     monkeypatch.chdir(tmp_path)
     cfg = bwd_fused.plans((d, False, 4, 4, 1024))["fused"].cfgs[-1]
     ptx = {name: bwd_fused.TRACE_VARIANTS[name].compile(cfg, options="--keep-ptx").__ptx__
-           for name in ("traced", "alternating")}
+           for name in ("traced", "alternating", "pair stores")}
     drains = {n: len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", p))
               for n, p in ptx.items()}
     assert drains["alternating"] == 1 < drains["traced"], drains
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx["alternating"])
-    assert ".local" not in ptx["alternating"]
+    # (scalar, 8-byte) st.shared of 32-bit values in each variant
+    stores = {n: (len(re.findall(r"st\.shared\.[bf]32", p)),
+                  len(re.findall(r"st\.shared\.v2\.[bf]32", p))) for n, p in ptx.items()}
+    scalar, pairs = stores["pair stores"]
+    assert stores["traced"][1] == 0 and pairs > 0, stores
+    assert scalar + 2 * pairs == stores["traced"][0], stores   # the same values, paired
+    assert all(".local" not in p for p in ptx.values())

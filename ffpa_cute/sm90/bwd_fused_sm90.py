@@ -613,21 +613,28 @@ class FFPABwdFusedSm90(KernelEntry):
         ts, tg = cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
                                        cute.group_modes(smem.dq, 0, 2),
                                        cute.group_modes(g, 0, 2))
-        per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
         for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
             buf, unread = self._piece_buffer(work, head_q, n_block, col, p)
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(unread, read=True)
             sync.arrive_and_wait()
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                for c in cutlass.range_constexpr(p * per, (p + 1) * per):
-                    row, cc = tQcQ_mn[r, c]
-                    smem.dq[row, cc - p * FUSED_DQ_PIECE, buf] = acc_mn[r, c]
+            self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
             cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
             sync.arrive_and_wait()
             if tidx // 32 == 0:
                 self._add_piece(ops.tma_dq, ts[None, buf],
                                 tg[None, n_block, col // FUSED_DQ_PIECE + p])
+
+    @cute.jit
+    def _stage_piece(self, acc_mn, tQcQ_mn, sdq: cute.Tensor, buf, p: cutlass.Constexpr):
+        """This thread's values of piece p (columns 32 p .. 32 p + 31 of the chunk; acc_mn
+        holds 8-column groups of 2) into staging buffer buf of sdq (T, 32, 2), one st.shared
+        each."""
+        per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c in cutlass.range_constexpr(p * per, (p + 1) * per):
+                row, cc = tQcQ_mn[r, c]
+                sdq[row, cc - p * FUSED_DQ_PIECE, buf] = acc_mn[r, c]
 
     def _piece_buffer(self, work: FusedWork, head_q, n_block, col, p: int):
         """(staging buffer, bulk groups that may stay unread before it is rewritten) of piece
