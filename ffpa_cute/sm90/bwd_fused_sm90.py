@@ -2,7 +2,7 @@
 
 Status: GPU-tested on the H200; its speed beside the atomic-free kernels, shape by shape, and
 its phase trace are in docs/design.md section 4, "The fused backward". Planned only under
-`Options(deterministic=False)` and only where it measured faster (dispatch.py), and canaried
+`Options(deterministic=False)` and only where it measured faster (config.fused_pays), and canaried
 before its first use there while its config's VERIFIED is False (selfcheck.py).
 Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 512], bf16 / fp16;
 causal either alignment, a sliding window's left edge (config `window`), GQA / MQA; no varlen.
