@@ -127,7 +127,7 @@ VARLEN_CASES = [
 FUSED_CASES = [
     ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True),
     ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False),
-    ("sm90 fused backward D448 MQA, 5 blocks per tile", 4, 1, 300, 200, 448, False),
+    ("sm90 fused backward D448 GQA 4:1, 7 dQ pieces per block", 4, 1, 300, 200, 448, False),
 ]
 
 N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
