@@ -14,9 +14,10 @@ Before timing, the fused one's gradients are checked against the routed ones (re
 `--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
 table per warpgroup), the next steps beside it ("alternating": the dQ pieces alternate
 between the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both;
-their gradients checked against the kernel's) and knockouts (dQ's pieces staged but not added; dQ formed but not reduced; no exchange; neither;
-no dQ: wrong results, timing only). Measurements and their reading: docs/design.md section 4, "The
-fused backward", and docs/perf-log.md (2026-12-05).
+their gradients checked against the kernel's) and knockouts (dQ's pieces staged but not
+added; dQ formed but not reduced; no exchange; neither; no dQ: wrong results, timing only).
+Measurements and their reading: docs/design.md section 4, "The fused backward", and
+docs/perf-log.md (2026-12-05, sessions 20 and 21).
 """
 
 from __future__ import annotations
