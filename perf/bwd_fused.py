@@ -11,8 +11,8 @@ TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward and t
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each; the same products in another summation order).
 
-`--trace`: the fused kernel at D=512 with clock64 stamps at its `_trace` hooks (the phase
-table per warpgroup), the next steps beside it ("alternating": the dQ pieces alternate
+`--trace`: the fused kernel at D=512 and D=320 with clock64 stamps at its `_trace` hooks (the
+phase table per warpgroup), the next steps beside it ("alternating": the dQ pieces alternate
 between the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both;
 their gradients checked against the kernel's) and knockouts (dQ's pieces staged but not
 added; dQ formed but not reduced; no exchange; neither; no dQ: wrong results, timing only).
@@ -233,7 +233,7 @@ TRACE_VARIANTS = {"traced": FusedTraced, "alternating": _Alternating,
                   "no copy": _NoCopy, "no red": _NoRed,
                   "no exchange": _NoExchange, "no exchange, no red": _NoExchangeNoRed,
                   "no dQ": _NoDQ}
-TRACE_CASES = ((512, False, 32, 32, 8192),)
+TRACE_CASES = ((512, False, 32, 32, 8192), (320, False, 32, 32, 8192))
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "alternating", "pair stores", "alternating, pair stores")
 
