@@ -33,7 +33,7 @@ from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
 from ffpa_cute.sm90.config import FUSED_DQ_PIECE, FUSED_TILE
 from perf import experiment
-from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp
+from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp, medians, period, span
 
 B = 1
 # (D, causal, Hq, Hkv, N)
@@ -245,18 +245,7 @@ def trace_jobs() -> list:
 
 def trace_phases(trace) -> dict:
     """Median cycles per block of each phase over every CTA's blocks from the third on."""
-    import torch
-
     t = trace[:, :, 2:].double()
-
-    def span(x, a, b):
-        d = x[..., b] - x[..., a]
-        return d[(x[..., a] != 0) & (x[..., b] != 0)]
-
-    def period(x):
-        d = x[:, 1:, 0] - x[:, :-1, 0]
-        return d[(x[:, 1:, 0] != 0) & (x[:, :-1, 0] != 0)]
-
     out = {}
     for k in range(len(S_EVENTS) - 1):
         out[f"S {S_EVENTS[k]} -> {S_EVENTS[k + 1]}"] = span(t[:, 0], k, k + 1)
@@ -268,8 +257,7 @@ def trace_phases(trace) -> dict:
         for k in range(len(G_EVENTS) - 1):
             out[f"{name} {G_EVENTS[k]} -> {G_EVENTS[k + 1]}"] = span(g, k, k + 1)
         out[f"{name} block period"] = period(g)
-    return {k: float(torch.median(v).item()) if v.numel() else float("nan")
-            for k, v in out.items()}
+    return medians(out)
 
 
 def run_trace(dev, flush) -> dict:

@@ -365,30 +365,41 @@ def jobs() -> list:
                for cls in VARIANTS.values()] + _bwd_jobs())
 
 
+def span(x, a, b):
+    """Cycles from event a to event b of each block stamped with both (x: [..., blocks,
+    EVENTS]; a stamp of 0: a block the CTA did not have)."""
+    d = x[..., b] - x[..., a]
+    return d[(x[..., a] != 0) & (x[..., b] != 0)]
+
+
+def period(x):
+    """Cycles from each block's first stamp to the next block's (x: [CTAs, blocks, EVENTS])."""
+    d = x[:, 1:, 0] - x[:, :-1, 0]
+    return d[(x[:, 1:, 0] != 0) & (x[:, :-1, 0] != 0)]
+
+
+def medians(spans: dict) -> dict:
+    """{phase: median cycles} of {phase: cycle samples} (nan where there are none)."""
+    import torch
+
+    return {k: float(torch.median(v).item()) if v.numel() else float("nan")
+            for k, v in spans.items()}
+
+
 def phases(trace) -> dict:
     """Median cycles per block of each phase over every traced CTA's blocks from the third on
     (stamps of 0: a block the CTA did not have)."""
-    import torch
-
     t = trace[:, :, 2:].double()
-
-    def span(x, a, b):
-        d = x[..., b] - x[..., a]
-        return d[(x[..., a] != 0) & (x[..., b] != 0)]
-
     out = {}
     for name, s in (("S", t[:, 0]), ("S w1", t[:, 3])):
         for k in range(4):
             out[f"{name} {S_EVENTS[k]} -> {S_EVENTS[k + 1]}"] = span(s, k, k + 1)
-        per = s[:, 1:, 0] - s[:, :-1, 0]
-        out[f"{name} block period"] = per[(s[:, 1:, 0] != 0) & (s[:, :-1, 0] != 0)]
+        out[f"{name} block period"] = period(s)
     for name, o in (("O lo", t[:, 1]), ("O hi", t[:, 2])):
         for k in range(3):
             out[f"{name} {O_EVENTS[k]} -> {O_EVENTS[k + 1]}"] = span(o, k, k + 1)
-        per = o[:, 1:, 0] - o[:, :-1, 0]
-        out[f"{name} block period"] = per[(o[:, 1:, 0] != 0) & (o[:, :-1, 0] != 0)]
-    return {k: float(torch.median(v).item()) if v.numel() else float("nan")
-            for k, v in out.items()}
+        out[f"{name} block period"] = period(o)
+    return medians(out)
 
 
 def run(dev, flush) -> dict:
