@@ -96,6 +96,12 @@ T = FUSED_TILE
 X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
 
 
+def s_barrier():
+    """The S warpgroup's own barrier (id 1, its 128 threads): the exchange buffer read, the
+    block's statistics staged, a dQ piece staged."""
+    return cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+
+
 class FusedLayouts(NamedTuple):
     """Shared-memory layouts: K_r / V_r (T, half), the Q and dO rings (T, half, stages), the
     P^T and dS^T tiles (T keys, T queries), the two dQ staging pieces (T, 32, 2) fp32."""
@@ -424,7 +430,7 @@ class FFPABwdFusedSm90(KernelEntry):
         sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
         sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
         col0 = rank * self.half
-        x_sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+        x_sync = s_barrier()
 
         # ---- K_r, V_r, the first Q and dO stages
         for tma, g, dst in ((ops.tma_k, ops.g_k, smem.k), (ops.tma_v, ops.g_v, smem.v)):
@@ -444,13 +450,12 @@ class FFPABwdFusedSm90(KernelEntry):
             self._send(acc_S, smem, 0, rank, tidx)
         for i in cutlass.range(n_count, unroll=1):
             head_q, n_block = self._block(work, i)
-            b = i   # hand-overs before this block: the P and exchange phases
             self._trace(extra, 0, i)
             # this thread's LSE or Delta of the block, loaded before the block's WGMMAs
             pre = load_column_stat(T, n_block, work.seqlen_q, ops.mLSE, ops.mDelta,
                                    work.batch, head_q, tidx, 0)
             # ---- dP^T_r(i), and under it dQ(i-1)'s later chunks (stale at i == 0: dropped)
-            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, b, ds)
+            self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, i, ds)
             accs = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
                     for j in range(1, len(chunks))]
             warpgroup.wait_group(len(chunks) - 1)
@@ -463,7 +468,7 @@ class FFPABwdFusedSm90(KernelEntry):
             self._trace(extra, 2, i)
             # ---- the peer's partials added to ours
             self._stage_stat(smem.stat, pre, tidx)
-            cute.arch.mbarrier_wait(bars.x_full, b & 1)
+            cute.arch.mbarrier_wait(bars.x_full, i & 1)
             self._trace(extra, 3, i)
             self._receive(acc_S, acc_dP, smem, tidx)
             x_sync.arrive_and_wait()
@@ -485,7 +490,7 @@ class FFPABwdFusedSm90(KernelEntry):
                     acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
-            cute.arch.mbarrier_wait(bars.p_empty, (b & 1) ^ 1)   # dV / dK done with the last
+            cute.arch.mbarrier_wait(bars.p_empty, (i & 1) ^ 1)   # dV / dK done with the last
             cute.copy(thr_st, tPrP, tPsP)
             cute.copy(thr_st, tPrdS, tPsdS)
             cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
@@ -499,7 +504,7 @@ class FFPABwdFusedSm90(KernelEntry):
             warpgroup.wait_group(0)
             self._trace(extra, 5, i)
             if i + 1 < n_count:
-                cute.arch.mbarrier_wait(bars.x_empty, ((b + 1) & 1) ^ 1)
+                cute.arch.mbarrier_wait(bars.x_empty, ((i + 1) & 1) ^ 1)
                 self._send(acc_S, smem, 0, rank, tidx)
             self._dq_reduce(mmas.dq[0], acc0, ops, smem, work, head_q, n_block, col0, chunks[0],
                             tidx)
@@ -530,7 +535,7 @@ class FFPABwdFusedSm90(KernelEntry):
     def _stage_stat(self, sStat: cute.Tensor, pre, tidx):
         """The block's LSE (log2 units) and Delta (`stage_column_stat`, as the dK kernel stages
         them) between two barriers: every S thread is done with the last block's before."""
-        sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+        sync = s_barrier()
         sync.arrive_and_wait()
         stage_column_stat(sStat, T, tidx, pre, True)
         sync.arrive_and_wait()
@@ -605,7 +610,7 @@ class FFPABwdFusedSm90(KernelEntry):
         the full warp, which a single thread must not reach alone."""
         thr = mma.get_slice(tidx)
         tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, width))))
-        sync = cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+        sync = s_barrier()
         acc_mn = mn_view(acc)   # (2, width / 4): queries, columns
         # (T, 32, query blocks, 32-column blocks) of the head's dq_acc
         g = cute.local_tile(ops.g_dq[None, None, head_q, work.batch], (T, FUSED_DQ_PIECE),
