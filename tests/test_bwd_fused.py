@@ -49,24 +49,55 @@ def test_plan_and_constraints():
     for kw in (dict(dv=256), dict(varlen=True)):
         with pytest.raises(ValueError):
             c90.plan_bwd_fused(_problem(512, **kw))
+    assert "dq_grads" in c90.can_implement_fused(
+        c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
 
 
-@pytest.mark.parametrize("d,causal,dtype,window", [
-    (320, True, "bf16", False), (384, False, "bf16", False), (448, False, "bf16", True),
-    (512, True, "fp16", False), (512, True, "bf16", True)])
-def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window):
-    """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks,
-    TMA loads, the partials sent by 16-byte st.async into the peer's smem, dQ reduced by
-    TMA reductions from smem (bulk groups committed and waited), cluster barriers; no local
-    memory, setmaxnreg 184 / 160 / 160, no spills, and ptxas does not serialise the WGMMAs
-    (none is issued under a runtime branch or left in flight across one)."""
+@pytest.mark.parametrize("d", [320, 384, 448, 512])
+def test_dq_shares_and_registers(d):
+    """`dq_grads`: the dV / dK warpgroups' shares of dQ are whole swizzle atoms that cover this
+    CTA's half once (all in the dV warpgroup with 1; the dV warpgroup the larger with 2); the
+    three warpgroups' setmaxnreg counts are multiples of 8 in [24, 256] summing to 504."""
+    for g in (0, 1, 2):
+        cfg = dataclasses.replace(c90.plan_bwd_fused(_problem(d)), dq_grads=g)
+        regs = cfg.reg_split
+        assert sum(regs) == 504 and all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
+        if g == 0:
+            assert cfg.dq_widths == cfg.dq_chunks
+            with pytest.raises(ValueError, match="dq_grads"):
+                cfg.dq_shares
+            continue
+        (a0, w0), (a1, w1) = cfg.dq_shares
+        assert cfg.dq_widths == (cfg.atom_cols,)
+        assert a0 == 0 and a1 == w0 and w0 + w1 == cfg.half
+        assert w0 % cfg.atom_cols == 0 and w1 % cfg.atom_cols == 0
+        assert (w1 == 0) if g == 1 else (0 <= w0 - w1 <= cfg.atom_cols)
+
+
+# dq_grads 2 at D=512 leaves the S warpgroup 104 registers, which causal / window masks spill
+# past: it is compiled there without masks only
+@pytest.mark.parametrize("d,causal,dtype,window,dq_grads", [
+    (320, True, "bf16", False, 0), (384, False, "bf16", False, 0), (448, False, "bf16", True, 0),
+    (512, True, "fp16", False, 0), (512, True, "bf16", True, 0),
+    (320, True, "bf16", False, 1), (384, False, "bf16", False, 1), (448, False, "bf16", True, 1),
+    (512, True, "fp16", False, 1), (512, True, "bf16", True, 1),
+    (320, True, "bf16", False, 2), (448, False, "bf16", True, 2), (512, False, "bf16", False, 2)])
+def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window,
+                                      dq_grads):
+    """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks
+    (or with `dq_grads` its swizzle atoms), TMA loads, the partials sent by 16-byte st.async
+    into the peer's smem, dQ reduced by TMA reductions from smem (bulk groups committed and
+    waited), cluster barriers; no local memory, setmaxnreg as `reg_split`, no spills, and ptxas
+    does not serialise the WGMMAs (none is issued under a runtime branch or left in flight
+    across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
+    cfg = dataclasses.replace(cfg, dq_grads=dq_grads)
     assert cfg.window == window
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
-    for w in {64, d // 2, *cfg.dq_chunks}:
+    for w in {64, d // 2, *cfg.dq_widths}:
         assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.{ab}" in ptx
     red = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"
     assert "red.global" not in ptx and "cp.async.bulk.wait_group.read" in ptx
@@ -75,9 +106,14 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
                "mbarrier.arrive.release.cluster.shared::cluster", "stmatrix.sync.aligned"):
         assert op in ptx, op
     assert ".local" not in ptx
-    # registers moved to the S warpgroup: setmaxnreg 184 / 160 / 160
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+184", ptx)
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+160", ptx)
+    # registers where dQ is formed: `reg_split`, each above the launch's 168 an .inc
+    for regs in cfg.reg_split:
+        kind = "inc" if regs > 168 else "dec"
+        assert re.search(rf"setmaxnreg\.{kind}\.sync\.aligned\.u32\s+{regs};", ptx), regs
+    # the dV / dK warpgroups' pieces: their own barriers (2, 3) with dq_grads
+    for which in range(2):
+        forms = dq_grads and cfg.dq_shares[which][1]
+        assert bool(re.search(rf"bar\.sync\s+{2 + which}, 128", ptx)) == bool(forms)
     _no_spills(ptx)
     log = _ptxas_log(ptx, "sm_90a")
     if log is not None:
@@ -236,19 +272,24 @@ def test_protocol_model_runs_clean(q_stages, do_stages):
             fused_protocol.run(cfg, blocks, seed)
 
 
-@pytest.mark.parametrize("alternating", [False, True])
+@pytest.mark.parametrize("order", ["chunks", "alternating", "dq_grads 1", "dq_grads 2"])
 @pytest.mark.parametrize("d", [320, 384, 448, 512])
-def test_protocol_model_dq_staging(d, alternating):
-    """dQ's staging buffers in the model (pieces written by the S warpgroup, read by TMA
-    reductions that finish in any order): clean at every D's chunking (one chunk of 5 pieces at
-    320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order and in perf.bwd_fused's
-    "alternating" one."""
+def test_protocol_model_dq_staging(d, order):
+    """dQ's staging buffers in the model (pieces written by the forming warpgroup, read by TMA
+    reductions that finish in any order): clean at every D's chunking (S warpgroup: one chunk
+    of 5 pieces at 320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order, in perf.bwd_fused's
+    "alternating" one, and with dQ formed by the dV warpgroup (both buffers in turn) or by the
+    dV and dK warpgroups (one buffer each; odd atom counts at 320 and 448), one or two dO
+    stages."""
     from ffpa_cute.sm90 import fused_protocol
 
-    cfg = c90.plan_bwd_fused(_problem(d, causal=True))
-    for blocks in (1, 2, 3, 6):
-        for seed in range(8):
-            fused_protocol.run(cfg, blocks, seed, alternating=alternating)
+    base = c90.plan_bwd_fused(_problem(d, causal=True))
+    grads = int(order[-1]) if order.startswith("dq_grads") else 0
+    for do_stages in {1, base.do_stages}:
+        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages)
+        for blocks in (1, 2, 3, 6):
+            for seed in range(8):
+                fused_protocol.run(cfg, blocks, seed, alternating=order == "alternating")
 
 
 @pytest.mark.parametrize("fault,needles", [
@@ -258,15 +299,22 @@ def test_protocol_model_dq_staging(d, alternating):
     ("p_empty_count", ("deadlock",)),        # one arrival short: the S warpgroup waits forever
     ("refill_before_wait", ("writes",)),     # a ring stage refilled under its last WGMMA
     ("no_dq_wait", (":dq",)),                # a staging buffer rewritten under its reduction
-    ("chunk_wait_one", (":dq",))])           # D=320's 5-piece chunk: no drain at its start
+    ("chunk_wait_one", (":dq",)),            # D=320's 5-piece chunk: no drain at its start
+    # dQ in the dV / dK warpgroups: a staging buffer rewritten under its reduction, one
+    # bulk group too few waited for; dS^T released before the last dQ WGMMA read it
+    (("no_dq_wait", 1), (":dq",)), (("grad_wait_lax", 1), (":dq",)),
+    (("grad_wait_lax", 2), (":dq",)), (("grad_release_early", 1), (":dst",)),
+    (("grad_release_early", 2), (":dst",))])
 def test_protocol_model_catches_faults(fault, needles):
     """Each injected fault is caught (a hazard or a hang) in some interleaving (a tile of four
-    blocks; D=512, or D=320 where a chunk's odd piece count makes its start's drain needed)."""
+    blocks; D=512, or D=320 where a chunk's odd piece count makes its start's drain needed;
+    (fault, n): with `dq_grads` n)."""
     from ffpa_cute.common.protocol import ProtocolError
     from ffpa_cute.sm90 import fused_protocol
 
+    fault, grads = fault if isinstance(fault, tuple) else (fault, 0)
     d = 320 if fault == "chunk_wait_one" else 512
-    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1)
+    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1, dq_grads=grads)
     errors = []
     for seed in range(150):
         try:

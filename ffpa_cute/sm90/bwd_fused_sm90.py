@@ -32,7 +32,7 @@ sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
 atomic-free kernels).
 
-Warpgroups (384 threads; setmaxnreg 184 / 160 / 160):
+Warpgroups (384 threads; setmaxnreg per config, `reg_split`: 184 / 160 / 160 as below):
   WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block i,
             pipelined so that the exchange runs under tensor work (32 KB each way, ~2300-3500
             cycles at the DSMEM rate measured, as long as two or three of the block's five
@@ -49,6 +49,14 @@ Warpgroups (384 threads; setmaxnreg 184 / 160 / 160):
             P^T is published);
   WG2 "dK"  dK_r += dS^T Q_r; refills the Q ring the same way.
 
+Who forms dQ is a config field (`dq_grads`; the S warpgroup, above, at 0). The S warpgroup's
+chain is what every block waits for (the dV / dK warpgroups idle most of a block, per the
+phase trace), so with `dq_grads` 1 the dV warpgroup, or with 2 the dV and dK warpgroups each
+for a share of the columns, form dQ after their own product (`_grad_dq`): an atom of columns
+at a time (m64n{atom} SS WGMMA, A = dS, B = K_r as above), staged and reduced as below, and
+release P^T / dS^T once their last dQ WGMMA completed. The S warpgroup then runs S^T, dP^T,
+the exchange and the score step only, and gives its registers to them.
+
 Hand-overs (mbarriers): kv (K_r and V_r landed: two arrivals with their bytes), q[s] / do[s]
 (TMA bytes), p_full (128 S-thread arrivals after a proxy fence: P^T and dS^T written), p_empty
 (one arrival per dV / dK warp once its WGMMAs on them completed), x_full (the peer's 32 KB of
@@ -60,11 +68,13 @@ fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores),
 thread t holds the same (key, query) positions, so no index translation is needed.
 
 The dQ reduction: each dQ chunk is staged in 32-column pieces through two 8 KB fp32 smem
-buffers (every S thread writes its values, a proxy fence, the warpgroup's barrier) and added
-into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so the S warpgroup only writes
-smem and L2 adds asynchronously (`red.global` from registers held the S warpgroup ~5100
-cycles per block at D=512: L2's reduction rate); a chunk's pieces alternate between the
-buffers, and a buffer is rewritten once its last bulk group has read it.
+buffers (every thread of the forming warpgroup writes its values, a proxy fence, the
+warpgroup's barrier) and added into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so
+the forming warpgroup only writes smem and L2 adds asynchronously (`red.global` from registers
+held the S warpgroup ~5100 cycles per block at D=512: L2's reduction rate). The S warpgroup's
+chunk pieces alternate between the buffers, and a buffer is rewritten once its last bulk
+group has read it; `dq_grads` 1: the dV warpgroup's pieces alternate likewise; 2: each
+warpgroup has one buffer.
 
 Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
 dS^T 16 KB, dQ staging 16 KB: 230400 B (`BwdFusedConfigSm90.smem_bytes`); D <= 384 keeps two
@@ -96,10 +106,27 @@ T = FUSED_TILE
 X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
 
 
+LAUNCH_REGS = 168   # registers per thread at launch: 65536 / 384 rounded down to 8
+
+
+def _set_regs(n: int):
+    """setmaxnreg: the calling warpgroup's registers per thread from LAUNCH_REGS to n."""
+    if n > LAUNCH_REGS:
+        cute.arch.warpgroup_reg_alloc(n)
+    else:
+        cute.arch.warpgroup_reg_dealloc(n)
+
+
 def s_barrier():
     """The S warpgroup's own barrier (id 1, its 128 threads): the exchange buffer read, the
     block's statistics staged, a dQ piece staged."""
     return cutlass.pipeline.NamedBarrier(barrier_id=1, num_threads=WG_THREADS)
+
+
+def grad_barrier(which: int):
+    """The dV (which 0) or dK (which 1) warpgroup's own barrier (ids 2, 3), with
+    `dq_grads` 2: a dQ piece staged."""
+    return cutlass.pipeline.NamedBarrier(barrier_id=2 + which, num_threads=WG_THREADS)
 
 
 class FusedLayouts(NamedTuple):
@@ -205,7 +232,7 @@ class FFPABwdFusedSm90(KernelEntry):
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.half = cfg.half
-        self.dq_chunks = cfg.dq_chunks
+        self.dq_chunks = cfg.dq_widths
         self.tile_bytes = T * cfg.half * cfg.elem_bytes
 
     # ---------------------------------------------------------------- host side
@@ -324,17 +351,17 @@ class FFPABwdFusedSm90(KernelEntry):
             m_block = grid_x // 2 - 1 - bidx // 2
         work = self._work(ops, m_block, head, batch, bidx % 2,
                           (causal_offset, window_lo, scale_log2))
-        # the S warpgroup holds two 64 x 64 products and a dQ chunk at once: the dV / dK
-        # warpgroups give it 2 x 8 (184 + 2 x 160 = 504)
+        # registers where the dQ accumulators are (`reg_split`)
+        regs = cfg.reg_split
         if wg == 0:
-            cute.arch.warpgroup_reg_alloc(184)
+            _set_regs(regs[0])
             self._score_wg(mmas, ops, smem, work, tidx, extra)
         elif wg == 1:
-            cute.arch.warpgroup_reg_dealloc(160)
-            self._grad_wg(mmas.acc, ops, smem, work, 0, tidx - WG_THREADS, extra)
+            _set_regs(regs[1])
+            self._grad_wg(mmas, ops, smem, work, 0, tidx - WG_THREADS, extra)
         else:
-            cute.arch.warpgroup_reg_dealloc(160)
-            self._grad_wg(mmas.acc, ops, smem, work, 1, tidx - 2 * WG_THREADS, extra)
+            _set_regs(regs[2])
+            self._grad_wg(mmas, ops, smem, work, 1, tidx - 2 * WG_THREADS, extra)
         cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
         cute.arch.cluster_wait()
 
@@ -408,6 +435,8 @@ class FFPABwdFusedSm90(KernelEntry):
         qs, ds = cfg.q_stages, cfg.do_stages
         n_count, rank = work.n_count, work.rank
         chunks = self.dq_chunks
+        own_dq = cfg.dq_grads == 0   # dQ formed here (else by the dV / dK warpgroups)
+        later = range(1, len(chunks)) if own_dq else range(0)
         mma_s = mmas.s
         thr = mma_s.get_slice(tidx)
         tSrK = mma_s.make_fragment_A(thr.partition_A(smem.k))      # (MMA, 1, half / 16)
@@ -457,14 +486,15 @@ class FFPABwdFusedSm90(KernelEntry):
             # ---- dP^T_r(i), and under it dQ(i-1)'s later chunks (stale at i == 0: dropped)
             self._scores(mma_s, acc_dP, tSrV, tSrdO, bars.do, i, ds)
             accs = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
-                    for j in range(1, len(chunks))]
-            warpgroup.wait_group(len(chunks) - 1)
+                    for j in later]
+            warpgroup.wait_group(len(accs))
             self._trace(extra, 1, i)
             self._send(acc_dP, smem, 1, rank, tidx)
             self._arm_exchange(smem, tidx)
             warpgroup.wait_group(0)
-            if i > 0:
-                self._dq_reduce_rest(mmas, accs, ops, smem, work, i - 1, col0, tidx)
+            if const_expr(own_dq):
+                if i > 0:
+                    self._dq_reduce_rest(mmas, accs, ops, smem, work, i - 1, col0, tidx)
             self._trace(extra, 2, i)
             # ---- the peer's partials added to ours
             self._stage_stat(smem.stat, pre, tidx)
@@ -500,23 +530,27 @@ class FFPABwdFusedSm90(KernelEntry):
             #      first chunk; S^T's partial sent, the chunk reduced
             self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q,
                          cutlass.min(i + 1, n_count - 1), qs)
-            acc0 = self._dq_issue(mmas.dq[0], sdS, sKt, 0, chunks[0], tidx)
+            acc0 = None
+            if const_expr(own_dq):
+                acc0 = self._dq_issue(mmas.dq[0], sdS, sKt, 0, chunks[0], tidx)
             warpgroup.wait_group(0)
             self._trace(extra, 5, i)
             if i + 1 < n_count:
                 cute.arch.mbarrier_wait(bars.x_empty, ((i + 1) & 1) ^ 1)
                 self._send(acc_S, smem, 0, rank, tidx)
-            self._dq_reduce(mmas.dq[0], acc0, ops, smem, work, head_q, n_block, col0, chunks[0],
-                            tidx)
+            if const_expr(own_dq):
+                self._dq_reduce(mmas.dq[0], acc0, ops, smem, work, head_q, n_block, col0,
+                                chunks[0], tidx)
             self._trace(extra, 6, i)
-        # ---- the last block's later dQ chunks
-        tail = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
-                for j in range(1, len(chunks))]
-        warpgroup.wait_group(0)
-        if n_count > 0:
-            self._dq_reduce_rest(mmas, tail, ops, smem, work, n_count - 1, col0, tidx)
-        if tidx // 32 == 0:   # every staged piece read before the CTA's smem goes
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(own_dq):
+            # ---- the last block's later dQ chunks
+            tail = [self._dq_issue(mmas.dq[j], sdS, sKt, sum(chunks[:j]), chunks[j], tidx)
+                    for j in later]
+            warpgroup.wait_group(0)
+            if n_count > 0:
+                self._dq_reduce_rest(mmas, tail, ops, smem, work, n_count - 1, col0, tidx)
+            if tidx // 32 == 0:   # every staged piece read before the CTA's smem goes
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _scores(self, mma_s: cute.TiledMma, acc, tA, tB, bar, pos, stages: cutlass.Constexpr):
@@ -657,12 +691,16 @@ class FFPABwdFusedSm90(KernelEntry):
 
     # ---------------------------------------------------------------- dV / dK warpgroups
     @cute.jit
-    def _grad_wg(self, mma: cute.TiledMma, ops: FusedOps, smem: FusedSmem, work: FusedWork,
+    def _grad_wg(self, mmas: FusedMmas, ops: FusedOps, smem: FusedSmem, work: FusedWork,
                  which: cutlass.Constexpr, tidx, extra):
         """WG1 (which 0): dV_r += P^T dO_r, refilling the dO ring; WG2 (which 1): dK_r +=
-        dS^T Q_r, refilling the Q ring; over one tile's blocks. Then the rows < Nkv of this
-        CTA's columns stored."""
+        dS^T Q_r, refilling the Q ring; over one tile's blocks. With `dq_grads` it then forms
+        its share of the block's dQ columns, if any (`_grad_dq`), before it releases P^T /
+        dS^T.
+        Then the rows < Nkv of this CTA's columns stored."""
         cfg, bars, h = self.cfg, smem.bars, self.half
+        mma = mmas.acc
+        forms_dq = cfg.dq_grads > 0 and cfg.dq_shares[which][1] > 0
         stages = cfg.do_stages if const_expr(which == 0) else cfg.q_stages
         ring = smem.do if const_expr(which == 0) else smem.q
         ring_bar = bars.do if const_expr(which == 0) else bars.q
@@ -689,15 +727,17 @@ class FFPABwdFusedSm90(KernelEntry):
             for k in cutlass.range_constexpr(T // 16):
                 cute.gemm(atom, acc, tArA[None, None, k], tArB[None, None, k, s], acc)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            self._trace(extra, 3, i)
-            if lane == 0:
-                cute.arch.mbarrier_arrive(bars.p_empty)
-            # this warpgroup read the stage last (the S warpgroup's product on it completed
-            # before P^T / dS^T were published): refill it with block i + stages
-            if i + stages < work.n_count:
-                self._load_block(ops, smem, work, i + stages, i + stages, which ^ 1,
-                                 tidx)
+            if const_expr(forms_dq):
+                self._grad_dq(mmas.dq[0], ops, smem, work, i, which, tidx, extra)
+            else:
+                warpgroup.wait_group(0)
+                self._trace(extra, 3, i)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bars.p_empty)
+                self._refill(ops, smem, work, i, which, tidx)
+        if const_expr(forms_dq):
+            if tidx // 32 == 0:   # every staged piece read before the CTA's smem goes
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         # ---- rows < Nkv of this CTA's columns
         out = ops.mdV if const_expr(which == 0) else ops.mdK
         gO = cute.local_tile(
@@ -715,6 +755,69 @@ class FFPABwdFusedSm90(KernelEntry):
                 for c in cutlass.range_constexpr(ncols):
                     tOgO_mn[r, c] = rO[c]
 
+    @cute.jit
+    def _refill(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, i, which: cutlass.Constexpr,
+                tidx):
+        """This warpgroup read block i's ring stage last (the S warpgroup's product on it
+        completed before P^T / dS^T were published): refill it with block i + stages."""
+        stages = self.cfg.do_stages if const_expr(which == 0) else self.cfg.q_stages
+        if i + stages < work.n_count:
+            self._load_block(ops, smem, work, i + stages, i + stages, which ^ 1, tidx)
+
+    @cute.jit
+    def _grad_dq(self, mma: cute.TiledMma, ops: FusedOps, smem: FusedSmem, work: FusedWork, i,
+                 which: cutlass.Constexpr, tidx, extra):
+        """With `dq_grads`, after this warpgroup's product of block i was issued: its share of
+        dQ_r (`dq_shares`) formed a swizzle atom at a time (dS K_r, as `_dq_issue`) and added
+        into dq_acc 32 columns a piece. Per atom: its WGMMA issued, warp 0 waits until the
+        staging buffer of the atom's first piece may be rewritten, the WGMMAs completed (the
+        first time: the product too, so the ring stage is refilled; the last time: every read
+        of P^T / dS^T done, so they are released), then per piece the warpgroup's barrier,
+        its values staged, a proxy fence, the barrier, and one TMA reduction issued by warp 0
+        (`_add_piece`). With `dq_grads` 1 the pieces take the two buffers in turn (block i's
+        piece k: buffer (i * pieces + k) % 2), each rewritten once the group before the
+        newest has read it; with 2 the warpgroup has buffer `which` alone and waits for its
+        last group."""
+        c0, width = self.cfg.dq_shares[which]
+        atom_w = self.dq_chunks[0]
+        per_atom = atom_w // FUSED_DQ_PIECE
+        pieces = width // FUSED_DQ_PIECE
+        both = self.cfg.dq_grads == 1
+        head_q, n_block = self._block(work, i)
+        sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
+        sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
+        thr = mma.get_slice(tidx)
+        tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, atom_w))))
+        sync = grad_barrier(which)
+        g = cute.local_tile(ops.g_dq[None, None, head_q, work.batch], (T, FUSED_DQ_PIECE),
+                            (None, None))
+        ts, tg = cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
+                                       cute.group_modes(smem.dq, 0, 2),
+                                       cute.group_modes(g, 0, 2))
+        piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
+        for a in cutlass.range_constexpr(width // atom_w):
+            acc = self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx)
+            acc_mn = mn_view(acc)
+            for p in cutlass.range_constexpr(per_atom):
+                k = a * per_atom + p
+                buf = (i * pieces + k) % 2 if const_expr(both) else which
+                if tidx // 32 == 0:
+                    cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0, read=True)
+                if const_expr(p == 0):
+                    warpgroup.wait_group(0)
+                    if const_expr(a == 0):
+                        self._trace(extra, 3, i)
+                        self._refill(ops, smem, work, i, which, tidx)
+                    if const_expr(a == width // atom_w - 1):
+                        if cute.arch.lane_idx() == 0:
+                            cute.arch.mbarrier_arrive(smem.bars.p_empty)
+                sync.arrive_and_wait()
+                self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
+                cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
+                sync.arrive_and_wait()
+                if tidx // 32 == 0:
+                    self._add_piece(ops.tma_dq, ts[None, buf], tg[None, n_block, piece0 + k])
+        self._trace(extra, 4, i)
 
 def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
     """The storage struct (`BwdFusedConfigSm90.smem_bytes` models it): barriers, the column

@@ -895,6 +895,12 @@ class BwdFusedConfigSm90:
     window:     a sliding window's left edge (the runtime `window_lo`): a key tile walks only
                 the query blocks up to the last query that sees its last key, masking the
                 crossing ones, as the dK / dV kernels do
+    dq_grads:   how many of the dV / dK warpgroups form and reduce dQ. 0: the S warpgroup, in
+                `dq_chunks` between its score products. 1: the dV warpgroup (whose product is
+                the shorter) after its product, through both staging buffers in turn. 2: each
+                its share of the columns (`dq_shares`), each through one buffer. With 1 or 2 the
+                S warpgroup runs only the score products, the exchange and the score step (the
+                chain every block waits for) and the registers follow dQ (`reg_split`)
     """
 
     arch: str
@@ -904,6 +910,7 @@ class BwdFusedConfigSm90:
     q_stages: int = 2
     do_stages: int = 2
     window: bool = False
+    dq_grads: int = 0
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # the sanitizer sweep of this code is owed: the self-check canaries it on every target
@@ -935,6 +942,39 @@ class BwdFusedConfigSm90:
         chunks = (128,) * (self.half // 128)
         return chunks + ((self.half % 128,) if self.half % 128 else ())
 
+    @property
+    def dq_widths(self) -> tuple[int, ...]:
+        """Widths of the dQ accumulators the kernel forms dQ in: `dq_chunks` in the S
+        warpgroup, or with `dq_grads` one swizzle atom at a time."""
+        return (self.atom_cols,) if self.dq_grads else self.dq_chunks
+
+    @property
+    def dq_shares(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """With `dq_grads` 1 or 2: (first column, width) of the dQ columns of this CTA's half
+        that the dV warpgroup and the dK warpgroup form, in whole swizzle atoms (formed an atom
+        at a time: a B operand read N-major starts on an atom); with 2 the dV warpgroup takes
+        the odd atom."""
+        if self.dq_grads not in (1, 2):
+            raise ValueError(f"dq_shares: dq_grads is {self.dq_grads}, not 1 or 2")
+        if self.dq_grads == 1:
+            return (0, self.half), (self.half, 0)
+        atoms = self.half // self.atom_cols
+        first = -(-atoms // 2) * self.atom_cols
+        return (0, first), (first, self.half - first)
+
+    @property
+    def reg_split(self) -> tuple[int, int, int]:
+        """setmaxnreg of the S, dV and dK warpgroups (their sum 504: 65536 registers over 384
+        threads, rounded down to 8 per thread). A dV / dK warpgroup holds its [64 x D/2]
+        fp32 accumulator (D/4 registers per thread) and ~32 more, plus a [64 x atom] dQ
+        accumulator (atom / 2) and 8 more when it forms dQ (16 with `dq_grads` 1: the
+        buffer's index); the S warpgroup takes the rest (two
+        64 x 64 products, the score step and, with `dq_grads` 0, a dQ chunk)."""
+        extra = self.atom_cols // 2 + (16 if self.dq_grads == 1 else 8)
+        grads = ([self.half // 2 + 32 + (extra if w else 0) for _, w in self.dq_shares]
+                 if self.dq_grads else [160, 160])
+        return (504 - sum(grads), *grads)
+
     def smem_bytes(self) -> int:
         """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /
         empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta), then,
@@ -961,6 +1001,8 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 "swizzle spans)")
     if cfg.q_stages not in (1, 2) or cfg.do_stages not in (1, 2):
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
+    if cfg.dq_grads not in (0, 1, 2):
+        return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")

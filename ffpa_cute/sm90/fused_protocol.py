@@ -49,8 +49,10 @@ class FusedModel(ModelBase):
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
         self.faults, self.alternating = set(faults), alternating
         self.pieces = [w // FUSED_DQ_PIECE for w in cfg.dq_chunks]
-        self.order: dict[int, list] = {0: [], 1: []}    # CTA -> its bulk groups, as issued
-        self.groups: dict[int, set] = {0: set(), 1: set()}   # those still reading
+        # (CTA, issuing warpgroup) -> its bulk groups, as issued, and those still reading:
+        # a bulk group belongs to the thread that committed it
+        self.order: dict[tuple, list] = {}
+        self.groups: dict[tuple, set] = {}
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
                   "x_empty": (1, 1)}
@@ -82,6 +84,7 @@ class FusedModel(ModelBase):
         """WG0 of CTA r (`_score_wg`)."""
         cfg, me, n, j = self.cfg, f"S{r}", self.blocks, 0
         mma = me + ".wgmma"   # its WGMMAs' reads, held until its wait_group(0)
+        own_dq = cfg.dq_grads == 0   # else the dV / dK warpgroups form dQ (`grad`)
         qs, ds = cfg.q_stages, cfg.do_stages
         kv = self.bar(r, "kv")
         for name in ("k", "v"):
@@ -102,7 +105,7 @@ class FusedModel(ModelBase):
         for i in range(n):
             b = i
             yield from self.scores(r, "do", b, (j, i), ds, j)
-            if i > 0:   # dQ(i-1)'s later chunks (at i == 0 a stale tile, dropped)
+            if own_dq and i > 0:   # dQ(i-1)'s later chunks (at i == 0 a stale tile, dropped)
                 self.read(f"{r}:dst", ("ds", b - 1), mma, hold=True)
                 self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield                                         # wait_group: dP^T done
@@ -111,7 +114,7 @@ class FusedModel(ModelBase):
             self.arrive(self.bar(r, "x_full"), expect=2 * STAGE_BYTES)
             yield
             self.release(mma)                             # wait_group(0)
-            if i > 0:   # dQ(i-1)'s later chunks reduced
+            if own_dq and i > 0:   # dQ(i-1)'s later chunks reduced
                 yield from self.reduce(r, b - 1, range(1, len(self.pieces)))
             yield from self.wait(self.bar(r, "x_full"), b)
             self.read(f"{r}:xS", ("x", 1 - r, b), me + "x", hold=True)
@@ -127,20 +130,22 @@ class FusedModel(ModelBase):
             yield
             nxt = min(i + 1, n - 1)
             yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
-            self.read(f"{r}:dst", ("ds", b), mma, hold=True)   # dQ(i)'s first chunk
-            self.read(f"{r}:k", ("k", j), mma, hold=True)
+            if own_dq:   # dQ(i)'s first chunk
+                self.read(f"{r}:dst", ("ds", b), mma, hold=True)
+                self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
             self.release(mma)                             # wait_group(0)
             if i + 1 < n:
                 yield from self.send(r, "S", b + 1)
-            yield from self.reduce(r, b, [0])             # dQ(i)'s first chunk
-        if n > 0:   # the last block's later dQ chunks
+            if own_dq:
+                yield from self.reduce(r, b, [0])         # dQ(i)'s first chunk
+        if own_dq and n > 0:   # the last block's later dQ chunks
             self.read(f"{r}:dst", ("ds", n - 1), mma, hold=True)
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield
             self.release(mma)
             yield from self.reduce(r, n - 1, range(1, len(self.pieces)))
-        yield from self.bulk_wait(r, 0)   # every piece read before the CTA exits
+        yield from self.bulk_wait(r, me, 0)   # every piece read before the CTA exits
 
     def send(self, r: int, part: str, b: int):
         """Block b's S^T partial (part "S") into the peer's buffer by st.async, once the peer
@@ -163,21 +168,27 @@ class FusedModel(ModelBase):
                     if "chunk_wait_one" in self.faults:   # no drain at a chunk's start
                         unread = 1
                 if "no_dq_wait" not in self.faults:
-                    yield from self.bulk_wait(r, unread)
-                tag = ("dq", b, c, p)
-                self.write(f"{r}:dq{buf}", tag, f"S{r}")
-                group = f"S{r}.bulk{len(self.order[r])}"
-                self.read(f"{r}:dq{buf}", tag, group, hold=True)
-                self.order[r].append(group)
-                self.groups[r].add(group)
+                    yield from self.bulk_wait(r, f"S{r}", unread)
+                self.stage_piece(r, f"S{r}", buf, ("dq", b, c, p))
             yield
 
-    def bulk_wait(self, r: int, unread: int):
-        """`cp.async.bulk.wait_group.read unread`: every group CTA r issued but the newest
-        `unread` has finished reading."""
-        issued = self.order[r]
+    def stage_piece(self, r: int, who: str, buf: int, tag) -> None:
+        """A dQ piece written into staging buffer buf of CTA r by warpgroup `who`, then read by
+        the TMA reduction of a new bulk group of `who`'s until that group finishes."""
+        self.write(f"{r}:dq{buf}", tag, who)
+        order = self.order.setdefault((r, who), [])
+        group = f"{who}.bulk{len(order)}"
+        self.read(f"{r}:dq{buf}", tag, group, hold=True)
+        order.append(group)
+        self.groups.setdefault((r, who), set()).add(group)
+
+    def bulk_wait(self, r: int, who: str, unread: int):
+        """`cp.async.bulk.wait_group.read unread` by warpgroup `who` of CTA r: every group it
+        issued but the newest `unread` has finished reading."""
+        issued = self.order.get((r, who), [])
         must = issued[:len(issued) - unread] if unread else issued
-        while any(g in self.groups[r] for g in must):
+        live = self.groups.get((r, who), set())
+        while any(g in live for g in must):
             yield
 
     def scores(self, r: int, ring: str, pos: int, block, stages: int, j: int):
@@ -192,12 +203,14 @@ class FusedModel(ModelBase):
 
     def grad(self, r: int, which: int):
         """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r
-        (`_grad_wg`)."""
+        (`_grad_wg`, and `_grad_dq` when it forms a share of dQ)."""
         cfg, n, j = self.cfg, self.blocks, 0
         ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         a = "pt" if which == 0 else "dst"
-        mma = f"{'dV' if which == 0 else 'dK'}{r}.wgmma"
+        me = f"{'dV' if which == 0 else 'dK'}{r}"
+        mma = me + ".wgmma"
         early = "refill_before_wait" in self.faults
+        share = cfg.dq_shares[which][1] if cfg.dq_grads else 0
         for i in range(n):
             s = i % stages
             yield from self.wait(self.bar(r, "p_full"), i)
@@ -207,11 +220,48 @@ class FusedModel(ModelBase):
             if early and i + stages < n:
                 self.load(r, ring, i + stages, (j, i + stages))
             yield
+            if share:
+                yield from self.grad_dq(r, which, i, share, mma, early)
+                continue
             self.release(mma)                             # wait_group(0)
             self.arrive(self.bar(r, "p_empty"), 4)        # lane 0 of each warp
             if not early and i + stages < n:
                 self.load(r, ring, i + stages, (j, i + stages))
             yield
+        if share:
+            yield from self.bulk_wait(r, me, 0)   # every piece read before the CTA exits
+
+    def grad_dq(self, r: int, which: int, i: int, share: int, mma: str, early: bool):
+        """`_grad_dq`: this warpgroup's share of block i's dQ, an atom at a time (its WGMMA
+        reading dS^T and K_r), each piece through a staging buffer and a TMA reduction; the
+        ring stage refilled after the first atom's wait, P^T / dS^T released after the
+        last's."""
+        cfg, n, j = self.cfg, self.blocks, 0
+        ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
+        me = f"{'dV' if which == 0 else 'dK'}{r}"
+        atom = cfg.atom_cols // FUSED_DQ_PIECE
+        pieces, both = share // FUSED_DQ_PIECE, cfg.dq_grads == 1
+        atoms = pieces // atom
+        for t in range(atoms):
+            self.read(f"{r}:dst", ("ds", i), mma, hold=True)
+            self.read(f"{r}:k", ("k", j), mma, hold=True)
+            for p in range(atom):
+                k = t * atom + p
+                buf = (i * pieces + k) % 2 if both else which
+                unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
+                if "no_dq_wait" not in self.faults:
+                    yield from self.bulk_wait(r, me, unread)
+                if p == 0:
+                    if t == 0 and "grad_release_early" in self.faults:
+                        self.arrive(self.bar(r, "p_empty"), 4)
+                    yield
+                    self.release(mma)                     # wait_group(0)
+                    if t == 0 and not early and i + stages < n:
+                        self.load(r, ring, i + stages, (j, i + stages))
+                    if t == atoms - 1 and "grad_release_early" not in self.faults:
+                        self.arrive(self.bar(r, "p_empty"), 4)
+                self.stage_piece(r, me, buf, ("dq", i, which, k))
+                yield
 
     # -------------------------------------------------------------- the interleaving
     def land(self) -> None:
@@ -242,7 +292,8 @@ class FusedModel(ModelBase):
                 continue
             if unit == "bulk":   # a TMA reduction has read its piece (in any order)
                 done = reading[self.rng.randrange(len(reading))]
-                self.groups[int(done[1])].discard(done)
+                for live in self.groups.values():
+                    live.discard(done)
                 self.release(done)
                 continue
             try:
