@@ -7,14 +7,16 @@
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
-TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward and the fused one.
+TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one and
+its variants (`FUSED_VARIANTS`: who forms dQ).
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each; the same products in another summation order).
 
 `--trace`: the fused kernel at D=512 and D=320 with clock64 stamps at its `_trace` hooks (the
-phase table per warpgroup), the next steps beside it ("alternating": the dQ pieces alternate
-between the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both;
-their gradients checked against the kernel's) and knockouts (dQ's pieces staged but not
+phase table per warpgroup), the next steps beside it ("dQ in dV", "dQ in dV + dK": dQ formed
+by the gradient warpgroups, config `dq_grads`; "alternating": the dQ pieces alternate between
+the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both; their
+gradients checked against the kernel's) and knockouts (dQ's pieces staged but not
 added; dQ formed but not reduced; no exchange; neither; no dQ: wrong results, timing only).
 Measurements and their reading: docs/design.md section 4, "The fused backward", and
 docs/perf-log.md (2026-12-05, sessions 20 and 21).
@@ -49,8 +51,15 @@ def _problem(d, causal, hq, hkv, n):
                        seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal)
 
 
+# the fused kernel's variants timed beside it: who forms dQ (config `dq_grads`)
+FUSED_VARIANTS = {"fused": 0, "fused dQ in dV": 1, "fused dQ in dV + dK": 2}
+
+
 def plans(case) -> dict:
-    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels) and "fused"."""
+    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused" and its
+    `FUSED_VARIANTS`."""
+    import dataclasses
+
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
@@ -58,8 +67,10 @@ def plans(case) -> dict:
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
-    out["fused"] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
-        DeltaConfig("sm_90a", p.dtype, p.head_dim_v), plan_bwd_fused(p, "sm_90a")))
+    for name, dq_grads in FUSED_VARIANTS.items():
+        cfg = dataclasses.replace(plan_bwd_fused(p, "sm_90a"), dq_grads=dq_grads)
+        out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
+            DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
     return out
 
 
@@ -114,7 +125,7 @@ def run(dev, flush) -> dict:
 S_EVENTS = ("start", "dP^T done", "dP^T sent, dQ(i-1) rest reduced", "peer's partials here",
             "P^T / dS^T published", "S^T(i+1) + dQ(i) chunk 0 done",
             "S^T(i+1) sent, chunk 0 reduced")
-G_EVENTS = ("wait P", "P here", "stage here", "product done")
+G_EVENTS = ("wait P", "P here", "stage here", "product done", "dQ share added")
 
 
 class FusedTraced(FFPABwdFusedSm90):
@@ -228,19 +239,29 @@ class _NoDQ(_NoRed):
         return acc
 
 
-TRACE_VARIANTS = {"traced": FusedTraced, "alternating": _Alternating,
-                  "pair stores": _PairStores, "alternating, pair stores": _AlternatingPairs,
-                  "no copy": _NoCopy, "no red": _NoRed,
-                  "no exchange": _NoExchange, "no exchange, no red": _NoExchangeNoRed,
-                  "no dQ": _NoDQ}
+# name -> (traced class, the config's dq_grads)
+TRACE_VARIANTS = {"traced": (FusedTraced, 0), "dQ in dV": (FusedTraced, 1),
+                  "dQ in dV + dK": (FusedTraced, 2), "alternating": (_Alternating, 0),
+                  "pair stores": (_PairStores, 0),
+                  "alternating, pair stores": (_AlternatingPairs, 0),
+                  "no copy": (_NoCopy, 0), "no red": (_NoRed, 0),
+                  "no exchange": (_NoExchange, 0),
+                  "no exchange, no red": (_NoExchangeNoRed, 0), "no dQ": (_NoDQ, 0)}
 TRACE_CASES = ((512, False, 32, 32, 8192), (320, False, 32, 32, 8192))
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "alternating", "pair stores", "alternating, pair stores")
+CORRECT_VARIANTS = ("traced", "dQ in dV", "dQ in dV + dK", "alternating", "pair stores",
+                    "alternating, pair stores")
+
+
+def _trace_cfg(case, dq_grads: int):
+    import dataclasses
+
+    return dataclasses.replace(plans(case)["fused"].cfgs[-1], dq_grads=dq_grads)
 
 
 def trace_jobs() -> list:
-    return [(cls, plans(case)["fused"].cfgs[-1]) for case in TRACE_CASES
-            for cls in TRACE_VARIANTS.values()]
+    return [(cls, _trace_cfg(case, g)) for case in TRACE_CASES
+            for cls, g in TRACE_VARIANTS.values()]
 
 
 def trace_phases(trace) -> dict:
@@ -284,8 +305,8 @@ def run_trace(dev, flush) -> dict:
         scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        cfg = plan.cfgs[-1]
-        for name, cls in TRACE_VARIANTS.items():
+        for name, (cls, dq_grads) in TRACE_VARIANTS.items():
+            cfg = _trace_cfg(case, dq_grads)
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
             launch.run_job(cls, cfg, args, scalars)

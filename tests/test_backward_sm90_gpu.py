@@ -200,6 +200,20 @@ def test_fused_matches_reference(seed, d, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), plan=_fused_plan)
 
 
+# dq_grads (who forms dQ): odd atom counts (D=320, 448), GQA, causal both alignments, N=1
+DQ_GRADS_CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4),
+                  (320, True, 1000, 129, 1), (448, True, 1000, 1000, 2), (384, False, 1, 300, 8)]
+
+
+@pytest.mark.parametrize("dq_grads", [1, 2])
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", DQ_GRADS_CASES)
+def test_fused_dq_in_grads(seed, d, causal, nq, nkv, ratio, dq_grads):
+    """The fused backward with dQ formed by the dV warpgroup (`dq_grads` 1) or by the dV and
+    dK warpgroups (2): all three gradients against float64."""
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
+           plan=lambda p: _fused_plan(p, dq_grads=dq_grads))
+
+
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),
                                                    (320, False, 1000, 1000, 1)])
 def test_fused_fp16_and_beside_the_atomic_free_kernels(seed, d, causal, nq, nkv, ratio):

@@ -432,12 +432,14 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
 
 def test_bwd_fused_experiment_plans_both_backwards():
     """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV) and the fused one
-    (Delta, fused), so `--precompile` covers what the GPU run times."""
+    with its variants (Delta, fused; `dq_grads` 0, 1, 2), so `--precompile` covers what the
+    GPU run times."""
     from perf import bwd_fused
 
     for case in bwd_fused.CASES:
         plans = bwd_fused.plans(case)
-        assert list(plans) == ["routed", "fused"]
+        assert list(plans) == ["routed", *bwd_fused.FUSED_VARIANTS]
+        assert [plans[n].cfgs[1].dq_grads for n in bwd_fused.FUSED_VARIANTS] == [0, 1, 2]
         assert [type(c).__name__ for c in plans["routed"].cfgs] == [
             "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         for name in list(plans)[1:]:
@@ -459,7 +461,7 @@ def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
 
     monkeypatch.chdir(tmp_path)
     cfg = bwd_fused.plans((d, False, 4, 4, 1024))["fused"].cfgs[-1]
-    ptx = {name: bwd_fused.TRACE_VARIANTS[name].compile(cfg, options="--keep-ptx").__ptx__
+    ptx = {name: bwd_fused.TRACE_VARIANTS[name][0].compile(cfg, options="--keep-ptx").__ptx__
            for name in ("traced", "alternating", "pair stores")}
     drains = {n: len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", p))
               for n, p in ptx.items()}
