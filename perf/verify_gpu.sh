@@ -85,7 +85,7 @@ if has fused; then
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
       tests/test_features_gpu.py -k fused 2>&1 | tee "$out/gpu_fused.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -15
-  timeout 200 python -m perf.bwd_fused --out "$out/bwd_fused.json"
+  timeout 220 python -m perf.bwd_fused --out "$out/bwd_fused.json"
   timeout 120 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
 fi
 if has serving; then
