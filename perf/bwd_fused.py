@@ -15,8 +15,9 @@ Before timing, the fused one's gradients are checked against the routed ones (re
 `--trace`: the fused kernel at D=512 and D=320 with clock64 stamps at its `_trace` hooks (the
 phase table per warpgroup), the next steps beside it ("dQ in dV", "dQ in dV + dK": dQ formed
 by the gradient warpgroups, config `dq_grads`; "alternating": the dQ pieces alternate between
-the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both; their
-gradients checked against the kernel's) and knockouts (dQ's pieces staged but not
+the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both; "S^T
+first": S^T(i+1) issued before P^T(i) is published, alone and with dQ moved; their gradients
+checked against the kernel's) and knockouts (dQ's pieces staged but not
 added; dQ formed but not reduced; no exchange; neither; no dQ: wrong results, timing only).
 Measurements and their reading: docs/design.md section 4, "The fused backward", and
 docs/perf-log.md (2026-12-05, sessions 20 and 21).
@@ -228,6 +229,16 @@ class _AlternatingPairs(_Alternating, _PairStores):
     """Both next steps together."""
 
 
+class _ScoresFirst(FusedTraced):
+    """A next step, to measure (correct results): S^T_r(i+1) issued before P^T(i) / dS^T(i)
+    are published, so its WGMMAs reach the tensor pipe ahead of the dV / dK products the
+    publication starts (`scores_first`). In the trace, S^T(i+1) took ~2100-2270 cycles of the
+    chain for ~512 of tensor work, sharing the pipe with those products; predicted: ~1000-1300
+    cycles saved per block where the S chain is the period (with dQ off it, `dq_grads`)."""
+
+    scores_first = True
+
+
 class _NoDQ(_NoRed):
     """No dQ product and no reduction: the S warpgroup's chain without dQ (timing only)."""
 
@@ -246,11 +257,14 @@ TRACE_VARIANTS = {"traced": (FusedTraced, 0), "dQ in dV": (FusedTraced, 1),
                   "alternating, pair stores": (_AlternatingPairs, 0),
                   "no copy": (_NoCopy, 0), "no red": (_NoRed, 0),
                   "no exchange": (_NoExchange, 0),
-                  "no exchange, no red": (_NoExchangeNoRed, 0), "no dQ": (_NoDQ, 0)}
+                  "no exchange, no red": (_NoExchangeNoRed, 0), "no dQ": (_NoDQ, 0),
+                  "S^T first": (_ScoresFirst, 0), "dQ in dV, S^T first": (_ScoresFirst, 1),
+                  "dQ in dV + dK, S^T first": (_ScoresFirst, 2)}
 TRACE_CASES = ((512, False, 32, 32, 8192), (320, False, 32, 32, 8192))
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "dQ in dV", "dQ in dV + dK", "alternating", "pair stores",
-                    "alternating, pair stores")
+                    "alternating, pair stores", "S^T first", "dQ in dV, S^T first",
+                    "dQ in dV + dK, S^T first")
 
 
 def _trace_cfg(case, dq_grads: int):

@@ -26,8 +26,10 @@
 #   serving perf.sweep --cases serving: window, varlen, paged decode on bf16 and e4m3 caches
 #         (perf/serving.py; SERVING_CASES picks a subset, e.g. "kvdecode,kvdecode-fp8")
 #   fused the fused backward (routed only under deterministic=False): its GPU tests, then
-#         perf.bwd_fused beside the routed backward and its phase trace with the variants
-#         (precompile: gpu_jobs' sections fused and fused_perf)
+#         perf.bwd_fused beside the routed backward (precompile: gpu_jobs' sections fused
+#         and fused_perf)
+#   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
+#         device call alone; precompile: fused_perf)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -81,12 +83,15 @@ if has sweep; then
   tail -30 "$out/sweep.log"
 fi
 if has fused; then
-  step "the fused backward: GPU tests, then perf.bwd_fused and its trace"
+  step "the fused backward: GPU tests, then perf.bwd_fused"
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
       tests/test_features_gpu.py -k fused 2>&1 | tee "$out/gpu_fused.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -15
-  timeout 220 python -m perf.bwd_fused --out "$out/bwd_fused.json"
-  timeout 120 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
+  timeout 300 python -m perf.bwd_fused --out "$out/bwd_fused.json"
+fi
+if has trace; then
+  step "the fused backward's phase trace and variants"
+  timeout 500 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

@@ -292,6 +292,27 @@ def test_protocol_model_dq_staging(d, order):
                 fused_protocol.run(cfg, blocks, seed, alternating=order == "alternating")
 
 
+@pytest.mark.parametrize("dq_grads", [0, 1, 2])
+def test_protocol_model_scores_first(dq_grads):
+    """perf.bwd_fused's "S^T first" variant (S^T(i+1) issued before P^T(i) / dS^T(i) are
+    published, `FFPABwdFusedSm90.scores_first`) runs clean with the planner's two Q stages and
+    deadlocks with one: Q(i+1) would then be loaded only after the dK warpgroup's product on
+    block i, which waits for the publication that waits for Q(i+1)."""
+    from ffpa_cute.common.protocol import ProtocolError
+    from ffpa_cute.sm90 import fused_protocol
+
+    for q_stages in (2, 1):
+        cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, q_stages=q_stages,
+                                     do_stages=1, dq_grads=dq_grads)
+        if q_stages == 1:
+            with pytest.raises(ProtocolError, match="deadlock"):
+                fused_protocol.run(cfg, 3, 0, scores_first=True)
+            continue
+        for blocks in (1, 2, 3, 5):
+            for seed in range(8):
+                fused_protocol.run(cfg, blocks, seed, scores_first=True)
+
+
 @pytest.mark.parametrize("fault,needles", [
     ("no_x_empty_wait", (":x",)),            # partials sent before the peer read the last
     # P^T / dS^T rewritten under dV / dK's WGMMAs (or the S warpgroup two phases ahead)

@@ -219,6 +219,10 @@ class FFPABwdFusedSm90(KernelEntry):
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+    # S^T_r(i+1) issued before P^T(i) / dS^T(i) are published, so that its WGMMAs reach the
+    # tensor pipe ahead of the dV / dK products they start (a perf.bwd_fused trace variant
+    # until measured)
+    scores_first = False
 
     @staticmethod
     def fake_inputs(cfg):
@@ -524,12 +528,16 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.copy(thr_st, tPrP, tPsP)
             cute.copy(thr_st, tPrdS, tPsdS)
             cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
+            # ---- S^T_r(i+1) (after the last block its own stage again: dropped) and dQ(i)'s
+            #      first chunk; S^T's partial sent, the chunk reduced. P^T / dS^T are
+            #      published before S^T_r(i+1) is issued, or after (`scores_first`)
+            nxt = cutlass.min(i + 1, n_count - 1)
+            if const_expr(self.scores_first):
+                self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
             cute.arch.mbarrier_arrive(bars.p_full)
             self._trace(extra, 4, i)
-            # ---- S^T_r(i+1) (after the last block its own stage again: dropped) and dQ(i)'s
-            #      first chunk; S^T's partial sent, the chunk reduced
-            self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q,
-                         cutlass.min(i + 1, n_count - 1), qs)
+            if const_expr(not self.scores_first):
+                self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
             acc0 = None
             if const_expr(own_dq):
                 acc0 = self._dq_issue(mmas.dq[0], sdS, sKt, 0, chunks[0], tidx)

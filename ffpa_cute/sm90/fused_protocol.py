@@ -41,13 +41,15 @@ class FusedModel(ModelBase):
     steps to drop or alter (tests: the model must catch them). `alternating`: the dQ pieces
     take the staging buffers in issue order across chunks and blocks, each waiting only for
     the group two back (perf.bwd_fused's "alternating" variant), instead of the kernel's
-    per-chunk order whose first piece waits for every group."""
+    per-chunk order whose first piece waits for every group. `scores_first`: S^T(i+1) issued
+    before P^T(i) / dS^T(i) are published (the kernel's class attribute of that name)."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
-                 alternating: bool = False):
+                 alternating: bool = False, scores_first: bool = False):
         super().__init__()
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
         self.faults, self.alternating = set(faults), alternating
+        self.scores_first = scores_first
         self.pieces = [w // FUSED_DQ_PIECE for w in cfg.dq_chunks]
         # (CTA, issuing warpgroup) -> its bulk groups, as issued, and those still reading:
         # a bulk group belongs to the thread that committed it
@@ -126,10 +128,13 @@ class FusedModel(ModelBase):
                 yield from self.wait(self.bar(r, "p_empty"), b - 1)
             self.write(f"{r}:pt", ("p", b), me)
             self.write(f"{r}:dst", ("ds", b), me)
+            nxt = min(i + 1, n - 1)
+            if self.scores_first:   # S^T(i+1) issued before P^T / dS^T are published
+                yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
             self.arrive(self.bar(r, "p_full"), WG_THREADS)
             yield
-            nxt = min(i + 1, n - 1)
-            yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
+            if not self.scores_first:
+                yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
             if own_dq:   # dQ(i)'s first chunk
                 self.read(f"{r}:dst", ("ds", b), mma, hold=True)
                 self.read(f"{r}:k", ("k", j), mma, hold=True)
@@ -304,10 +309,11 @@ class FusedModel(ModelBase):
 
 
 def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),
-        alternating: bool = False) -> int:
-    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`: the dQ
-    pieces' next-step order, `FusedModel`); the steps taken (raises ProtocolError)."""
-    return FusedModel(cfg, blocks, seed, faults, alternating).run()
+        alternating: bool = False, scores_first: bool = False) -> int:
+    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`,
+    `scores_first`: the variants `FusedModel` names); the steps taken (raises
+    ProtocolError)."""
+    return FusedModel(cfg, blocks, seed, faults, alternating, scores_first).run()
 
 
 __all__ = ["FusedModel", "run"]
