@@ -71,21 +71,22 @@ def run_job(cls, cfg, tensors: dict, scalars: dict) -> None:
 
 
 def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
-    """`run_job` for a backward kernel: a dV / dK config with `group_split` writes S partial
-    sums per KV head in fp32 to a workspace [B, H * S, N, D] (S from `group_parts` for these
-    tensors), added up here in a fixed order (torch's sum over that dimension: the same bits
-    every run) into its output."""
+    """`run_job` for a backward kernel: a config with `group_split` (dV, dK, the fused
+    kernel) writes S partial sums per KV head of each of its outputs (dk, dv) in fp32 to a
+    workspace [B, H * S, N, D] (S from `group_parts` for these tensors), added up here in a
+    fixed order (torch's sum over that dimension: the same bits every run) into the output."""
     if not getattr(cfg, "group_split", False):
         return run_job(cls, cfg, tensors, scalars)
     from .sm90.config import group_parts
 
-    name = next(n for n in cls.OPERANDS if n in ("dk", "dv"))
-    out = tensors[name]
-    b, h, n, d = out.shape
+    names = [n for n in cls.OPERANDS if n in ("dk", "dv")]
+    b, h, n, _ = tensors[names[0]].shape
     parts = group_parts(b, tensors["q"].shape[1], h, n, cfg.o_split)
-    ws = torch.empty(b, h * parts, n, d, dtype=torch.float32, device=out.device)
-    run_job(cls, cfg, {**tensors, name: ws}, scalars)
-    out.copy_(ws.view(b, h, parts, n, d).sum(2))
+    ws = {name: torch.empty(b, h * parts, n, tensors[name].shape[-1], dtype=torch.float32,
+                            device=tensors[name].device) for name in names}
+    run_job(cls, cfg, {**tensors, **ws}, scalars)
+    for name in names:
+        tensors[name].copy_(ws[name].view(b, h, parts, n, -1).sum(2))
 
 
 def run_grad_jobs(plan: BwdPlan, tensors: dict, scalars: dict, dlse=None) -> None:

@@ -52,13 +52,17 @@ def _problem(d, causal, hq, hkv, n):
                        seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal)
 
 
-# the fused kernel's variants timed beside it: who forms dQ (config `dq_grads`)
-FUSED_VARIANTS = {"fused": 0, "fused dQ in dV": 1, "fused dQ in dV + dK": 2}
+# the fused kernel's variants timed beside it (config fields): who forms dQ (`dq_grads`), and
+# with GQA / MQA the head group split over CTA pairs (`group_split`)
+FUSED_VARIANTS = {"fused": {}, "fused dQ in dV": dict(dq_grads=1),
+                  "fused dQ in dV + dK": dict(dq_grads=2),
+                  "fused split": dict(group_split=True),
+                  "fused dQ in dV, split": dict(dq_grads=1, group_split=True)}
 
 
 def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused" and its
-    `FUSED_VARIANTS`."""
+    `FUSED_VARIANTS` (the split ones only with GQA / MQA)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -68,8 +72,10 @@ def plans(case) -> dict:
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
-    for name, dq_grads in FUSED_VARIANTS.items():
-        cfg = dataclasses.replace(plan_bwd_fused(p, "sm_90a"), dq_grads=dq_grads)
+    for name, fields in FUSED_VARIANTS.items():
+        if fields.get("group_split") and p.heads_q == p.heads_kv:
+            continue   # one query head per KV head: nothing to split
+        cfg = dataclasses.replace(plan_bwd_fused(p, "sm_90a"), **fields)
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
             DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
     return out

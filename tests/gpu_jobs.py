@@ -109,9 +109,11 @@ def jobs(sections=SECTIONS) -> list:
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
                 cfg = sm90_config.plan_bwd_fused(p, TARGET)
                 add([(plan.kernel_cls, plan.cfg), (dispatch.kernel_class(cfg), cfg)])
-                for dq_grads in (1, 2) if dtype == "bf16" else ():   # who forms dQ
-                    var = dataclasses.replace(cfg, dq_grads=dq_grads)
-                    add([(dispatch.kernel_class(var), var)])
+                # who forms dQ; the head group split over CTA pairs
+                for dq_grads, split in ((1, False), (2, False), (0, True), (1, True)):
+                    if dtype == "bf16":
+                        var = dataclasses.replace(cfg, dq_grads=dq_grads, group_split=split)
+                        add([(dispatch.kernel_class(var), var)])
                 delta = DeltaConfig(TARGET, dtype, d)
                 add([(dispatch.kernel_class(delta), delta)])
     from ffpa_cute.common.config import TransposeConfig

@@ -124,22 +124,25 @@ VARLEN_CASES = [
 ]
 
 # the fused backward (planned here: the default route is the atomic-free one), after our forward:
-# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right), dq_grads: who forms dQ)
+# (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right), dq_grads: who forms dQ, group_split)
 FUSED_CASES = [
-    ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True, 0),
-    ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False, 0),
-    ("sm90 fused backward D448 GQA 4:1, 7 dQ pieces per block", 4, 1, 300, 200, 448, False, 0),
+    ("sm90 fused backward D512 GQA causal, Nq < Nkv", 4, 2, 129, 333, 512, True, 0, False),
+    ("sm90 fused backward D320 Nq > Nkv", 2, 2, 200, 77, 320, False, 0, False),
+    ("sm90 fused backward D448 GQA 4:1, 7 dQ pieces per block", 4, 1, 300, 200, 448, False, 0,
+     False),
     ("sm90 fused backward D512 GQA causal, dQ by the dV warpgroup", 4, 2, 129, 333, 512, True,
-     1),
+     1, False),
     ("sm90 fused backward D448 GQA 4:1, dQ by dV (4 pieces) and dK (3)", 4, 1, 300, 200, 448,
-     False, 2),
+     False, 2, False),
+    ("sm90 fused backward D512 MQA 8:1 causal, head group split", 8, 1, 129, 333, 512, True, 0,
+     True),
 ]
 
 N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
            + len(VARLEN_CASES) + len(FUSED_CASES))
 
 
-def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads):
+def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split):
     """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel)."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
@@ -148,7 +151,7 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads):
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
-    cfg = dataclasses.replace(plan_bwd_fused(p), dq_grads=dq_grads)
+    cfg = dataclasses.replace(plan_bwd_fused(p), dq_grads=dq_grads, group_split=group_split)
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
                                                           cfg))
 
@@ -332,8 +335,8 @@ def workload() -> int:
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     from ffpa_cute import launch
 
-    for label, hq, hkv, nq, nkv, d, causal, dq_grads in FUSED_CASES:
-        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads)
+    for label, hq, hkv, nq, nkv, d, causal, dq_grads, split in FUSED_CASES:
+        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, split)
         q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
                  for _ in range(2))
         k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)

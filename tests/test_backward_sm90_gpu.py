@@ -214,6 +214,17 @@ def test_fused_dq_in_grads(seed, d, causal, nq, nkv, ratio, dq_grads):
            plan=lambda p: _fused_plan(p, dq_grads=dq_grads))
 
 
+@pytest.mark.parametrize("dq_grads", [0, 1])
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 8),
+                                                   (448, False, 300, 200, 4),
+                                                   (512, True, 1000, 1000, 16)])
+def test_fused_group_split(seed, d, causal, nq, nkv, ratio, dq_grads):
+    """The fused backward with each head group split over CTA pairs (`group_split`: partial
+    dK / dV in fp32 workspaces, summed by the host): all three gradients against float64."""
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
+           plan=lambda p: _fused_plan(p, dq_grads=dq_grads, group_split=True))
+
+
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),
                                                    (320, False, 1000, 1000, 1)])
 def test_fused_fp16_and_beside_the_atomic_free_kernels(seed, d, causal, nq, nkv, ratio):

@@ -120,22 +120,46 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
         assert "serialized" not in log, log
 
 
+@pytest.mark.parametrize("dq_grads", [0, 1])
+def test_group_split_compiles(tmp_path, monkeypatch, dq_grads):
+    """`group_split` (head groups over S CTA pairs, partial dK / dV in fp32): sm_90a PTX with
+    32-bit dK / dV stores and no 16-bit ones, no spills, WGMMAs not serialised; the config
+    gives `group_parts` the pair (o_split 2)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = dataclasses.replace(c90.plan_bwd_fused(_problem(512, True)), group_split=True,
+                              dq_grads=dq_grads)
+    assert cfg.o_split == 2
+    assert c90.group_parts(1, 64, 1, 8192, cfg.o_split) == 2   # MQA 64:1 at 8K: 512 CTAs
+    ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
+    assert "st.global.b32" in ptx and "st.global.b16" not in ptx
+    assert ".local" not in ptx
+    _no_spills(ptx)
+    log = _ptxas_log(ptx, "sm_90a")
+    if log is not None:
+        assert "serialized" not in log, log
+
+
 def _emulate_fused(t: dict, scalars: dict, causal: bool, window: bool):
     """The fused kernel's arithmetic in torch: per KV head and 64-key tile, the query blocks of
     its G query heads (under causal from the block of the first query that sees the tile's
     first key, under a window up to the block of the last query that sees its last key); S^T
     and dP^T as the sum of the two D halves' fp32 partials; the transposed mask (keys past the
     causal edge or left of the window); P^T and dS^T * scale rounded to the 16-bit dtype; dK,
-    dV summed in fp32 and stored in the dtype; dQ added into dq_acc (fp32)."""
+    dV summed in fp32 and stored in their tensors' dtype; dQ added into dq_acc (fp32). dK / dV
+    with more heads than K (`group_split`'s fp32 workspaces, S parts per KV head): head y sums
+    the query heads of part y % S of KV head y // S."""
     q, k, v, do = (t[n].float() for n in ("q", "k", "v", "do"))
     lse, delta, dq_acc = t["lse"], t["delta"], t["dq_acc"]
     dt = t["q"].dtype
     scale, offset = scalars["softmax_scale"], scalars["causal_offset"]
     b, hq, nq, d = q.shape
     hkv, nkv, half, T = k.shape[1], k.shape[2], d // 2, 64
-    g = hq // hkv
+    heads_out = t["dk"].shape[1]
+    parts = heads_out // hkv
+    g = hq // heads_out   # query heads per dK / dV head
     for bi in range(b):
-        for h in range(hkv):
+        for y in range(heads_out):
+            h = y // parts
             for m in range(-(-nkv // T)):
                 keys = torch.arange(m * T, min(m * T + T, nkv))
                 dk = torch.zeros(len(keys), d)
@@ -145,7 +169,7 @@ def _emulate_fused(t: dict, scalars: dict, causal: bool, window: bool):
                     seen = max((m + 1) * T - scalars["window_lo"], 0)
                     n_top = min(n_top, -(-seen // T))
                 n_low = max(m * T - offset, 0) // T if causal else 0
-                for hh in range(h * g, h * g + g):
+                for hh in range(y * g, y * g + g):
                     for n in range(n_top - 1, n_low - 1, -1):
                         qs = torch.arange(n * T, min(n * T + T, nq))
                         halves = [slice(0, half), slice(half, d)]
@@ -166,18 +190,20 @@ def _emulate_fused(t: dict, scalars: dict, causal: bool, window: bool):
                         dv += p @ do[bi, hh, qs]
                         dk += ds @ q[bi, hh, qs]
                         dq_acc[bi, hh, qs] += ds.T @ k[bi, h, keys]
-                t["dk"][bi, h, keys] = dk.to(dt)
-                t["dv"][bi, h, keys] = dv.to(dt)
+                t["dk"][bi, y, keys] = dk.to(t["dk"].dtype)
+                t["dv"][bi, y, keys] = dv.to(t["dv"].dtype)
 
 
-@pytest.mark.parametrize("causal,nq,nkv,left", [(True, 129, 200, None), (False, 70, 7, None),
-                                                (True, 300, 64, None), (True, 200, 260, 70),
-                                                (False, 150, 150, 100)])
-def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left):
+@pytest.mark.parametrize("causal,nq,nkv,left,split", [
+    (True, 129, 200, None, False), (False, 70, 7, None, False), (True, 300, 64, None, False),
+    (True, 200, 260, 70, False), (False, 150, 150, 100, False), (True, 129, 200, None, True),
+    (False, 150, 150, 100, True)])
+def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, split):
     """`launch.run_bwd` on a plan of the Delta kernel and the fused one: dq_acc zeroed, the
     kernel fed by its OPERANDS names and SCALARS, dQ cast from dq_acc. With the kernel emulated
     (`_emulate_fused`) all three gradients meet the GPU tests' bound against float64, a window
-    (`left` keys behind the bottom-right diagonal) included."""
+    (`left` keys behind the bottom-right diagonal) included; `split`: with `group_split`, dK
+    and dV come from fp32 workspaces of 2 parts per KV head, summed by the host."""
     torch.manual_seed(0)
     d, dt = 320, torch.bfloat16
     q = torch.randn(1, 4, nq, d, dtype=dt)
@@ -196,7 +222,7 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left):
                           -math.inf)
     lse = torch.logsumexp(s, -1)
     out = (torch.softmax(s, -1).nan_to_num() @ v.float().repeat_interleave(2, 1)).to(dt)
-    cfg = c90.plan_bwd_fused(problem)
+    cfg = dataclasses.replace(c90.plan_bwd_fused(problem), group_split=split)
     plan = dispatch.BwdPlan(problem, "sm_90a", "sm90",
                             cfgs=(DeltaConfig("sm_90a", "bf16", d), cfg))
     ran = []
@@ -210,6 +236,10 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left):
                                           "delta"]
             assert tensors["dq_acc"].dtype == torch.float32
             assert not tensors["dq_acc"].any()
+            heads = tensors["dk"].shape[1]
+            assert heads == (4 if split else 2), heads   # S = group_parts = 2: G = 2
+            assert tensors["dv"].shape[1] == heads
+            assert (tensors["dk"].dtype == torch.float32) == split
             assert cfg.window == (lo is not None)
             assert set(cls.SCALARS) <= set(scalars)
             _emulate_fused(tensors, scalars, cfg.causal, cfg.window)

@@ -432,14 +432,18 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
 
 def test_bwd_fused_experiment_plans_both_backwards():
     """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV) and the fused one
-    with its variants (Delta, fused; `dq_grads` 0, 1, 2), so `--precompile` covers what the
-    GPU run times."""
+    with its variants (Delta, fused; `dq_grads` 0, 1, 2; `group_split` where Hq != Hkv), so
+    `--precompile` covers what the GPU run times."""
     from perf import bwd_fused
 
     for case in bwd_fused.CASES:
         plans = bwd_fused.plans(case)
-        assert list(plans) == ["routed", *bwd_fused.FUSED_VARIANTS]
-        assert [plans[n].cfgs[1].dq_grads for n in bwd_fused.FUSED_VARIANTS] == [0, 1, 2]
+        names = [n for n, f in bwd_fused.FUSED_VARIANTS.items()
+                 if case[2] != case[3] or not f.get("group_split")]
+        assert list(plans) == ["routed", *names]
+        for n in names:
+            fields = {"dq_grads": 0, "group_split": False, **bwd_fused.FUSED_VARIANTS[n]}
+            assert {f: getattr(plans[n].cfgs[1], f) for f in fields} == fields
         assert [type(c).__name__ for c in plans["routed"].cfgs] == [
             "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         for name in list(plans)[1:]:

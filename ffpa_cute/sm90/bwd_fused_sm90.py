@@ -198,7 +198,8 @@ class FusedWork(NamedTuple):
     block n_top - 1 - i % n_per."""
 
     m_block: Int32
-    head: Int32
+    head: Int32           # of dK / dV (with `group_split`: of the workspace)
+    kv_head: Int32        # of K / V
     batch: Int32
     rank: Int32
     head_q0: Int32
@@ -226,9 +227,12 @@ class FFPABwdFusedSm90(KernelEntry):
 
     @staticmethod
     def fake_inputs(cfg):
-        """q, k, v, do, dq_acc (fp32), dk, dv, lse, delta."""
+        """q, k, v, do, dq_acc (fp32), dk, dv (fp32 workspaces with `group_split`), lse,
+        delta."""
         q, k, v, do, lse = fake_args(cfg)
         dk, dv, _, _, delta = fake_args(cfg)
+        if cfg.group_split:
+            dk, dv = fake_tensor(Float32, 4, 4), fake_tensor(Float32, 4, 4)
         return q, k, v, do, fake_tensor(Float32, 4, 4), dk, dv, lse, delta
 
     def __init__(self, cfg: BwdFusedConfigSm90):
@@ -238,6 +242,8 @@ class FFPABwdFusedSm90(KernelEntry):
         self.half = cfg.half
         self.dq_chunks = cfg.dq_widths
         self.tile_bytes = T * cfg.half * cfg.elem_bytes
+        # dK / dV as stored: partial sums in fp32 with `group_split`, else the input dtype
+        self.out_dtype = Float32 if cfg.group_split else self.dtype
 
     # ---------------------------------------------------------------- host side
     def _layouts(self) -> FusedLayouts:
@@ -272,8 +278,8 @@ class FFPABwdFusedSm90(KernelEntry):
         code; perf/bwd_fused.py passes a clock64 trace tensor)."""
         cfg, d = self.cfg, self.cfg.head_dim
         layouts = self._layouts()
-        mQ, mK, mV, mdO, mdK, mdV = [aligned_bhnd(t, d, self.dtype)
-                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        mQ, mK, mV, mdO = [aligned_bhnd(t, d, self.dtype) for t in (mQ, mK, mV, mdO)]
+        mdK, mdV = [aligned_bhnd(t, d, self.out_dtype) for t in (mdK, mdV)]
         mdQ = aligned_bhnd(mdQ, d, Float32)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         box = (T, self.half)
@@ -297,7 +303,9 @@ class FFPABwdFusedSm90(KernelEntry):
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
         m_tiles = cute.ceil_div(mK.shape[2], T)
-        grid = (2 * m_tiles, cute.size(mK.shape[1]), cute.size(mK.shape[0]))
+        # one CTA pair per key tile and KV head, or with `group_split` per part of its group
+        heads = mdK.shape[1] if const_expr(cfg.group_split) else mK.shape[1]
+        grid = (2 * m_tiles, cute.size(heads), cute.size(mK.shape[0]))
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
                     SharedStorage, extra).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
@@ -371,16 +379,23 @@ class FFPABwdFusedSm90(KernelEntry):
 
     @cute.jit
     def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars) -> FusedWork:
-        """Key tile m_block of KV head `head`, batch `batch`, and its walk over the query
-        blocks of the head's G query heads. scalars: (causal offset, window_lo, scale_log2)."""
+        """Key tile m_block of dK / dV head `head` (a KV head; with `group_split` head s of
+        KV head h's S parts, h S + s, S = the workspace's heads / Hkv), batch `batch`, and
+        its walk over the query blocks of the head's query heads: the G of its KV head, or
+        with `group_split` the G / S of part s (h G + s G / S ..). scalars: (causal offset,
+        window_lo, scale_log2)."""
         causal_offset, window_lo, scale_log2 = scalars
         seqlen_q = ops.mdQ.shape[2]
-        group = ops.mdQ.shape[1] // ops.mdK.shape[1]
+        group = ops.mdQ.shape[1] // ops.mdK.shape[1]   # G, or G / S
+        kv_head = head
+        if const_expr(self.cfg.group_split):
+            kv_head = head // (ops.mdK.shape[1] // ops.g_k.shape[2])
         n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
                                          self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
-        return FusedWork(m_block, head, batch, rank, head * group, n_top, n_per, n_per * group,
-                         seqlen_q, ops.mdK.shape[2], causal_offset, window_lo, scale_log2)
+        return FusedWork(m_block, head, kv_head, batch, rank, head * group, n_top, n_per,
+                         n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
+                         scale_log2)
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
@@ -467,7 +482,7 @@ class FFPABwdFusedSm90(KernelEntry):
 
         # ---- K_r, V_r, the first Q and dO stages
         for tma, g, dst in ((ops.tma_k, ops.g_k, smem.k), (ops.tma_v, ops.g_v, smem.v)):
-            self._load(tma, g, dst, work.head, work.batch, work.m_block, col0, None, bars.kv,
+            self._load(tma, g, dst, work.kv_head, work.batch, work.m_block, col0, None, bars.kv,
                        tidx)
         # Q of block 0 even when the tile has no block (its S^T_r is computed and dropped)
         for j in cutlass.range_constexpr(qs):
@@ -758,8 +773,8 @@ class FFPABwdFusedSm90(KernelEntry):
         ncols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             if tOcO_mn[r, 0][0] < rows_left:
-                rO = cute.make_rmem_tensor(ncols, self.dtype)
-                rO.store(acc_mn[r, None].load().to(self.dtype))
+                rO = cute.make_rmem_tensor(ncols, self.out_dtype)
+                rO.store(acc_mn[r, None].load().to(self.out_dtype))
                 for c in cutlass.range_constexpr(ncols):
                     tOgO_mn[r, c] = rO[c]
 

@@ -901,6 +901,11 @@ class BwdFusedConfigSm90:
                 its share of the columns (`dq_shares`), each through one buffer. With 1 or 2 the
                 S warpgroup runs only the score products, the exchange and the score step (the
                 chain every block waits for) and the registers follow dQ (`reg_split`)
+    group_split: the G = Hq / Hkv query heads a key tile's dK / dV sum over are split over S
+                CTA pairs (S from `group_parts` at launch, as the dV / dK kernels do), each
+                storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
+                the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
+                unbalanced wave of long causal tiles
     """
 
     arch: str
@@ -911,6 +916,7 @@ class BwdFusedConfigSm90:
     do_stages: int = 2
     window: bool = False
     dq_grads: int = 0
+    group_split: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # the sanitizer sweep of this code is owed: the self-check canaries it on every target
@@ -920,6 +926,11 @@ class BwdFusedConfigSm90:
     @property
     def elem_bytes(self) -> int:
         return ELEM_BYTES[self.dtype]
+
+    @property
+    def o_split(self) -> int:
+        """CTAs per key tile (the pair), for `group_parts`."""
+        return 2
 
     @property
     def half(self) -> int:
