@@ -245,6 +245,10 @@ class _ScoresFirst(FusedTraced):
     scores_first = True
 
 
+class _ScoresFirstPairs(_ScoresFirst, _PairStores):
+    """"S^T first" and "pair stores" together."""
+
+
 class _NoDQ(_NoRed):
     """No dQ product and no reduction: the S warpgroup's chain without dQ (timing only)."""
 
@@ -265,12 +269,15 @@ TRACE_VARIANTS = {"traced": (FusedTraced, 0), "dQ in dV": (FusedTraced, 1),
                   "no exchange": (_NoExchange, 0),
                   "no exchange, no red": (_NoExchangeNoRed, 0), "no dQ": (_NoDQ, 0),
                   "S^T first": (_ScoresFirst, 0), "dQ in dV, S^T first": (_ScoresFirst, 1),
-                  "dQ in dV + dK, S^T first": (_ScoresFirst, 2)}
+                  "dQ in dV + dK, S^T first": (_ScoresFirst, 2),
+                  "dQ in dV, pair stores": (_PairStores, 1),
+                  "dQ in dV, S^T first, pair stores": (_ScoresFirstPairs, 1)}
 TRACE_CASES = ((512, False, 32, 32, 8192), (320, False, 32, 32, 8192))
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "dQ in dV", "dQ in dV + dK", "alternating", "pair stores",
                     "alternating, pair stores", "S^T first", "dQ in dV, S^T first",
-                    "dQ in dV + dK, S^T first")
+                    "dQ in dV + dK, S^T first", "dQ in dV, pair stores",
+                    "dQ in dV, S^T first, pair stores")
 
 
 def _trace_cfg(case, dq_grads: int):
