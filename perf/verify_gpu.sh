@@ -7,7 +7,7 @@
 #                                                       # package) and the FFPA peer for the sweep
 #   mkdir -p .pc   # (.pc: .git/info/exclude)
 #   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2 \
-#       --sections sanitize,fused,fused_perf --pack .pc/precache.tar.xz
+#       --sections sanitize,fused,fused_perf,mla_perf --pack .pc/precache.tar.xz
 # (--pack keeps only the named sections' kernels: what travels is limited to 64 MiB, the
 # staged toolchain takes ~59, and a few hundred kernels fit beside it, not all ~1300; pick
 # the sections of the call, and pack after the last edit of a kernel source. Kernels not
@@ -30,6 +30,8 @@
 #         and fused_perf)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
+#   mla   perf.resident_q: MLA prefill (576 / 512) with Q streamed (planned) and resident
+#         (precompile: mla_perf)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -92,6 +94,10 @@ fi
 if has trace; then
   step "the fused backward's phase trace and variants"
   timeout 500 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
+fi
+if has mla; then
+  step "MLA prefill: Q streamed or resident"
+  timeout 300 python -m perf.resident_q --out "$out/resident_q.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

@@ -478,3 +478,24 @@ def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
     assert stores["traced"][1] == 0 and pairs > 0, stores
     assert scalar + 2 * pairs == stores["traced"][0], stores   # the same values, paired
     assert all(".local" not in p for p in ptx.values())
+
+
+def test_resident_q_experiment(tmp_path, monkeypatch):
+    """perf.resident_q: at each MLA prefill case the planned config streams Q and the other
+    keeps it resident with the deepest rings that fit (K 3, V 2 at 576 / 512), the rest of the
+    config the same; the resident one compiles for sm_90a without spills."""
+    import dataclasses
+
+    from perf import resident_q
+    from test_kernels_compile import _no_spills
+
+    for case in resident_q.CASES:
+        plans = resident_q._plans(case)
+        streamed, resident = plans["streamed"].cfg, plans["resident"].cfg
+        assert streamed.stream_q and not resident.stream_q
+        assert (resident.k_stages, resident.v_stages) == (3, 2)
+        assert dataclasses.replace(resident, stream_q=True, k_stages=streamed.k_stages,
+                                   v_stages=streamed.v_stages) == streamed
+    monkeypatch.chdir(tmp_path)
+    plan = resident_q._plans(resident_q.CASES[0])["resident"]
+    _no_spills(plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__)

@@ -124,8 +124,8 @@ def s_barrier():
 
 
 def grad_barrier(which: int):
-    """The dV (which 0) or dK (which 1) warpgroup's own barrier (ids 2, 3), with
-    `dq_grads` 2: a dQ piece staged."""
+    """The dV (which 0) or dK (which 1) warpgroup's own barrier (ids 2, 3), when it forms dQ
+    (`dq_grads`): a dQ piece staged."""
     return cutlass.pipeline.NamedBarrier(barrier_id=2 + which, num_threads=WG_THREADS)
 
 
@@ -719,8 +719,7 @@ class FFPABwdFusedSm90(KernelEntry):
         """WG1 (which 0): dV_r += P^T dO_r, refilling the dO ring; WG2 (which 1): dK_r +=
         dS^T Q_r, refilling the Q ring; over one tile's blocks. With `dq_grads` it then forms
         its share of the block's dQ columns, if any (`_grad_dq`), before it releases P^T /
-        dS^T.
-        Then the rows < Nkv of this CTA's columns stored."""
+        dS^T. Then the rows < Nkv of this CTA's columns stored."""
         cfg, bars, h = self.cfg, smem.bars, self.half
         mma = mmas.acc
         forms_dq = cfg.dq_grads > 0 and cfg.dq_shares[which][1] > 0
@@ -792,12 +791,12 @@ class FFPABwdFusedSm90(KernelEntry):
                  which: cutlass.Constexpr, tidx, extra):
         """With `dq_grads`, after this warpgroup's product of block i was issued: its share of
         dQ_r (`dq_shares`) formed a swizzle atom at a time (dS K_r, as `_dq_issue`) and added
-        into dq_acc 32 columns a piece. Per atom: its WGMMA issued, warp 0 waits until the
-        staging buffer of the atom's first piece may be rewritten, the WGMMAs completed (the
-        first time: the product too, so the ring stage is refilled; the last time: every read
-        of P^T / dS^T done, so they are released), then per piece the warpgroup's barrier,
-        its values staged, a proxy fence, the barrier, and one TMA reduction issued by warp 0
-        (`_add_piece`). With `dq_grads` 1 the pieces take the two buffers in turn (block i's
+        into dq_acc 32 columns a piece. Per atom: its WGMMA issued and completed (the first
+        time: the product too, so the ring stage is refilled; the last time: every read of
+        P^T / dS^T done, so they are released: neither waits behind a staging buffer), then
+        per piece warp 0 waits until the piece's staging buffer may be rewritten, the
+        warpgroup's barrier, its values staged, a proxy fence, the barrier, and one TMA
+        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two buffers in turn (block i's
         piece k: buffer (i * pieces + k) % 2), each rewritten once the group before the
         newest has read it; with 2 the warpgroup has buffer `which` alone and waits for its
         last group."""
@@ -824,8 +823,6 @@ class FFPABwdFusedSm90(KernelEntry):
             for p in cutlass.range_constexpr(per_atom):
                 k = a * per_atom + p
                 buf = (i * pieces + k) % 2 if const_expr(both) else which
-                if tidx // 32 == 0:
-                    cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0, read=True)
                 if const_expr(p == 0):
                     warpgroup.wait_group(0)
                     if const_expr(a == 0):
@@ -834,6 +831,8 @@ class FFPABwdFusedSm90(KernelEntry):
                     if const_expr(a == width // atom_w - 1):
                         if cute.arch.lane_idx() == 0:
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
+                if tidx // 32 == 0:
+                    cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0, read=True)
                 sync.arrive_and_wait()
                 self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
                 cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA

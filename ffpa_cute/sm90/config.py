@@ -976,15 +976,24 @@ class BwdFusedConfigSm90:
     @property
     def reg_split(self) -> tuple[int, int, int]:
         """setmaxnreg of the S, dV and dK warpgroups (their sum 504: 65536 registers over 384
-        threads, rounded down to 8 per thread). A dV / dK warpgroup holds its [64 x D/2]
-        fp32 accumulator (D/4 registers per thread) and ~32 more, plus a [64 x atom] dQ
-        accumulator (atom / 2) and 8 more when it forms dQ (16 with `dq_grads` 1: the
-        buffer's index); the S warpgroup takes the rest (two
-        64 x 64 products, the score step and, with `dq_grads` 0, a dQ chunk)."""
-        extra = self.atom_cols // 2 + (16 if self.dq_grads == 1 else 8)
-        grads = ([self.half // 2 + 32 + (extra if w else 0) for _, w in self.dq_shares]
-                 if self.dq_grads else [160, 160])
-        return (504 - sum(grads), *grads)
+        threads, rounded down to 8 per thread), found by compiling (tests/test_bwd_fused.py
+        checks for spills). 0: the S warpgroup holds two 64 x 64 products and a dQ chunk,
+        184, the others 160. 1: the dK warpgroup its [64 x D/2] fp32 accumulator (D/4
+        registers) and 32; the S warpgroup (two products, the score step and its masks) 168
+        where that leaves the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else
+        what does (136 at D=512, 4 B of spills there with a window and no causal mask);
+        the dV warpgroup the rest. 2: each of dV / dK its
+        accumulator, a dQ one and 40, the S warpgroup the rest (104 at D=512: enough
+        without masks only)."""
+        acc = self.half // 2
+        if self.dq_grads == 0:
+            return 184, 160, 160
+        if self.dq_grads == 1:
+            dk = acc + 32
+            s = min(168, 504 - dk - (acc + self.atom_cols // 2 + 48))
+            return s, 504 - s - dk, dk
+        grads = acc + self.atom_cols // 2 + 40
+        return 504 - 2 * grads, grads, grads
 
     def smem_bytes(self) -> int:
         """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /

@@ -253,9 +253,6 @@ class FusedModel(ModelBase):
             for p in range(atom):
                 k = t * atom + p
                 buf = (i * pieces + k) % 2 if both else which
-                unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
-                if "no_dq_wait" not in self.faults:
-                    yield from self.bulk_wait(r, me, unread)
                 if p == 0:
                     if t == 0 and "grad_release_early" in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
@@ -265,6 +262,9 @@ class FusedModel(ModelBase):
                         self.load(r, ring, i + stages, (j, i + stages))
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
+                unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
+                if "no_dq_wait" not in self.faults:
+                    yield from self.bulk_wait(r, me, unread)
                 self.stage_piece(r, me, buf, ("dq", i, which, k))
                 yield
 
