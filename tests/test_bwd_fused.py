@@ -53,6 +53,21 @@ def test_plan_and_constraints():
         c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
 
 
+def test_planned_variants_follow_their_switches(monkeypatch):
+    """`plan_bwd_fused` plans `dq_grads` FUSED_DQ_GRADS (0 until measured) and `group_split`
+    only with FUSED_GROUP_SPLIT on and where `group_parts` splits the problem (MQA 64:1 at
+    8K: yes; MHA: no)."""
+    mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
+                      seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
+    mha = dataclasses.replace(mqa, heads_q=32, heads_kv=32)
+    cfg = c90.plan_bwd_fused(mqa)
+    assert (cfg.dq_grads, cfg.group_split) == (0, False)
+    monkeypatch.setattr(c90, "FUSED_DQ_GRADS", 1)
+    monkeypatch.setattr(c90, "FUSED_GROUP_SPLIT", True)
+    assert (c90.plan_bwd_fused(mqa).dq_grads, c90.plan_bwd_fused(mqa).group_split) == (1, True)
+    assert not c90.plan_bwd_fused(mha).group_split
+
+
 @pytest.mark.parametrize("d", [320, 384, 448, 512])
 def test_dq_shares_and_registers(d):
     """`dq_grads`: the dV / dK warpgroups' shares of dQ are whole swizzle atoms that cover this

@@ -1043,16 +1043,26 @@ def fused_pays(problem: AttnProblem) -> bool:
             and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
 
 
+# The fused backward's planned variants, off until a GPU run measures them against the kernel
+# as it ran (perf.bwd_fused: "fused dQ in dV", "fused dQ in dV + dK", "fused split"): who
+# forms dQ (`dq_grads`), and the head group split over CTA pairs where `group_parts` says so
+FUSED_DQ_GRADS = 0
+FUSED_GROUP_SPLIT = False
+
+
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
-    keeps one). Raises ValueError with the reason for problems it does not take: Dv != D,
-    varlen."""
+    keeps one); `dq_grads` FUSED_DQ_GRADS, `group_split` where FUSED_GROUP_SPLIT is on and
+    `group_parts` splits the problem's head groups. Raises ValueError with the reason for
+    problems it does not take: Dv != D, varlen."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
     if problem.varlen:
         raise ValueError("the fused backward takes no varlen yet")
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=problem.right_bounded, window=problem.window_lo is not None)
+                causal=problem.right_bounded, window=problem.window_lo is not None,
+                dq_grads=FUSED_DQ_GRADS,
+                group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=2))
     for do_stages in (2, 1):
         cfg = BwdFusedConfigSm90(**base, do_stages=do_stages)
         if can_implement_fused(cfg) is None:
