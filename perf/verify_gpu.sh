@@ -7,12 +7,14 @@
 #                                                       # package) and the FFPA peer for the sweep
 #   mkdir -p .pc   # (.pc: .git/info/exclude)
 #   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2 \
-#       --sections sanitize,fused,fused_perf,mla_perf --pack .pc/precache.tar.xz
+#       --sections sanitize --pack .pc/san.tar.xz      # and per call group, e.g.
+#       --sections fused,fused_perf --pack .pc/fused.tar.xz; --sections mla_perf --pack .pc/mla.tar.xz
 # (--pack keeps only the named sections' kernels: what travels is limited to 64 MiB, the
 # staged toolchain takes ~59, and a few hundred kernels fit beside it, not all ~1300; pick
 # the sections of the call, and pack after the last edit of a kernel source. Kernels not
 # packed compile on the device on first use.)
-# Then one device call per section group, carrying [".device", ".pc"]:
+# Then one device call per section group, carrying [".device", ".pc/<its pack>"] (every
+# .pc/*.tar.xz carried is unpacked into one cache):
 #   source .device/setup.sh && bash perf/verify_gpu.sh
 # SECTIONS (default "san gpu"):
 #   san   compute-sanitizer memcheck / racecheck / synccheck / initcheck over every kernel the
@@ -35,9 +37,9 @@
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
-if [ -f .pc/precache.tar.xz ] && [ ! -d /tmp/pc/.precache ]; then
-  mkdir -p /tmp/pc && tar xJf .pc/precache.tar.xz -C /tmp/pc
-fi
+for pack in .pc/*.tar.xz; do
+  [ -f "$pack" ] && mkdir -p /tmp/pc && tar xJf "$pack" -C /tmp/pc
+done
 [ -d /tmp/pc/.precache ] && export FFPA_CUTE_CACHE_DIR=/tmp/pc/.precache
 step() { echo "=== $1"; }
 sections="${SECTIONS:-san gpu}"
