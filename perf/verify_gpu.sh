@@ -19,7 +19,8 @@
 # SECTIONS (default "san gpu"):
 #   san   compute-sanitizer memcheck / racecheck / synccheck / initcheck over every kernel the
 #         device runs (tests/sanitize.py; ~1 min); beside `gpu` when both are asked (the GPU
-#         has room for both: ~1 min together)
+#         has room for both: ~1 min together); SANITIZE_CASES=fused (substrings of the case
+#         labels, comma-separated) runs only those cases
 #   gpu   `pytest -m gpu -n 6` on the device's own family (sm90 on an H100 / H200)
 #   gpu80 the forward tests and the Split-D backward on the sm80 family (FFPA_CUTE_ARCH=sm80)
 #   slow  the slow grids (`-m "gpu and slow"`), device family then sm80

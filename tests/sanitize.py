@@ -4,6 +4,8 @@ under memcheck, racecheck, synccheck and initcheck. Any error or hazard fails it
     python -m tests.sanitize                    # the four tools, in parallel; exit 1 on any finding
     python -m tests.sanitize --tools racecheck  # one tool
     python -m tests.sanitize --workload         # the workload alone (what each tool runs)
+    SANITIZE_CASES=fused python -m tests.sanitize   # only the cases whose label contains one
+                                                    # of the comma-separated substrings
     python -m tests.sanitize --precompile DIR   # (CPU) compile the workload's kernels into DIR
 
 What the workload runs (`CASES`): `ffpa_cute.attention` forward and backward through the public
@@ -138,8 +140,17 @@ FUSED_CASES = [
      True),
 ]
 
-N_CASES = (len(CASES) + len(FEATURE_CASES) + len(FP8_FEATURE_CASES) + len(KV_CASES)
-           + len(VARLEN_CASES) + len(FUSED_CASES))
+def _selected(label: str) -> bool:
+    """Whether the workload runs the case labelled `label`: every case, or with SANITIZE_CASES
+    set (comma-separated substrings, e.g. "fused") those whose label contains one of them."""
+    only = [x for x in os.environ.get("SANITIZE_CASES", "").split(",") if x]
+    return not only or any(x in label for x in only)
+
+
+def _n_selected() -> int:
+    labels = [c[0] for group in (CASES, FEATURE_CASES, FP8_FEATURE_CASES, KV_CASES,
+                                 VARLEN_CASES, FUSED_CASES) for c in group]
+    return sum(map(_selected, labels))
 
 
 def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split):
@@ -252,6 +263,8 @@ def workload() -> int:
     torch.manual_seed(0)
     for case in CASES:
         label, family, b, hq, hkv, nq, nkv, d, dv, mode, dtype, backward = case
+        if not _selected(label):
+            continue
         dt = dtypes[dtype]
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt, requires_grad=backward)
         k = torch.randn(b, hkv, nkv, d, device="cuda", dtype=dt, requires_grad=backward)
@@ -274,6 +287,8 @@ def workload() -> int:
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
     for label, b, hq, hkv, nq, nkv, d, causal, window, sinks in FEATURE_CASES:
+        if not _selected(label):
+            continue
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(b, hkv, nkv, d, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True) for _ in range(2))
@@ -286,6 +301,8 @@ def workload() -> int:
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
     for label, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in FP8_FEATURE_CASES:
+        if not _selected(label):
+            continue
         x = [torch.randn(b, h, n, d, device="cuda") for h, n in ((hq, nq), (hkv, nkv), (hkv, nkv))]
         (q, qd), (k, kd), (v, vd) = (ffpa_cute.quantize_fp8(t) for t in x)
         kw = dict(is_causal=causal, enable_gqa=hq != hkv, window=window,
@@ -299,6 +316,8 @@ def workload() -> int:
     from ffpa_cute import decode
 
     for label, b, hq, hkv, n, d, dv, page, kv, nq in KV_CASES:
+        if not _selected(label):
+            continue
         pages = b * -(-n // (page or n))
         rows = page or n
         kc = torch.randn(pages if page else b, rows, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -317,6 +336,8 @@ def workload() -> int:
     from ffpa_cute import varlen
 
     for label, hq, hkv, lq, lk, d, dv, causal, window, sinks in VARLEN_CASES:
+        if not _selected(label):
+            continue
         cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
                                device="cuda") for n in (lq, lk))
         q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -336,6 +357,8 @@ def workload() -> int:
     from ffpa_cute import launch
 
     for label, hq, hkv, nq, nkv, d, causal, dq_grads, split in FUSED_CASES:
+        if not _selected(label):
+            continue
         p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, split)
         q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
                  for _ in range(2))
@@ -392,9 +415,10 @@ def sweep(tools, out_dir: str, timeout: float) -> int:
         text = open(log.name).read()
         n, line = _summary(tool, text)
         routes = text.count("[workload]")
-        ok = n == 0 and routes == N_CASES
+        want = _n_selected()
+        ok = n == 0 and routes == want
         bad |= not ok
-        print(f"{tool:10s} {'ok  ' if ok else 'FAIL'} {line}; cases run {routes}/{N_CASES}; "
+        print(f"{tool:10s} {'ok  ' if ok else 'FAIL'} {line}; cases run {routes}/{want}; "
               f"log {log.name} ({time.time() - t0:.0f} s)", flush=True)
     return 1 if bad else 0
 
