@@ -977,14 +977,15 @@ class BwdFusedConfigSm90:
     def reg_split(self) -> tuple[int, int, int]:
         """setmaxnreg of the S, dV and dK warpgroups (their sum 504: 65536 registers over 384
         threads, rounded down to 8 per thread), found by compiling (tests/test_bwd_fused.py
-        checks for spills). 0: the S warpgroup holds two 64 x 64 products and a dQ chunk,
-        184, the others 160. 1: the dK warpgroup its [64 x D/2] fp32 accumulator (D/4
-        registers) and 32; the S warpgroup (two products, the score step and its masks) 168
-        where that leaves the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else
-        what does (136 at D=512, 4 B of spills there with a window and no causal mask);
-        the dV warpgroup the rest. 2: each of dV / dK its
-        accumulator, a dQ one and 40, the S warpgroup the rest (104 at D=512: enough
-        without masks only)."""
+        checks for spills; ptxas is not monotonic in them).
+          0: the S warpgroup holds two 64 x 64 products and a dQ chunk: 184, the others 160.
+          1: the dK warpgroup its [64 x D/2] fp32 accumulator (D/4 registers) and 32; the S
+             warpgroup (two products, the score step and its masks) 168 where that leaves
+             the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else what does
+             (136 at D=512, which spills 4 B with a window and no causal mask); the dV
+             warpgroup the rest.
+          2: each of dV / dK its accumulator, a dQ one and 40; the S warpgroup the rest (104
+             at D=512: enough without masks only)."""
         acc = self.half // 2
         if self.dq_grads == 0:
             return 184, 160, 160

@@ -22,8 +22,8 @@ would break:
 unit at a speed drawn per run, so skewed timings are explored too) until all finish,
 raising `ProtocolError` on a deadlock or a hazard; tests/test_bwd_fused.py runs it over seeds,
 block counts and ring depths, and checks that it catches injected faults. The roles below
-follow `FFPABwdFusedSm90._score_wg` and `_grad_wg` step for step: a change to either belongs
-here too.
+follow `FFPABwdFusedSm90._score_wg`, `_grad_wg` and `_grad_dq` step for step (each `dq_grads`,
+and `scores_first`): a change to any of them belongs here too.
 """
 
 from __future__ import annotations
