@@ -499,3 +499,15 @@ def test_resident_q_experiment(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = resident_q._plans(resident_q.CASES[0])["resident"]
     _no_spills(plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__)
+
+
+def test_producer_warp_register_budget(tmp_path, monkeypatch):
+    """perf.producer_regs: with one more warp beside the forward's three warpgroups the launch
+    leaves 128 registers per thread; at D=384 the forward fits them, at D=512 ptxas refuses
+    (an O warpgroup's m64n256 accumulation needs more), which rules a producer warp out of
+    this design at D=512 (docs/perf-log.md, session 22)."""
+    from perf import producer_regs
+
+    monkeypatch.chdir(tmp_path)
+    assert producer_regs.probe(384).startswith("128 registers, 0 B")
+    assert producer_regs.probe(512).startswith("refused: 128 registers per thread")
