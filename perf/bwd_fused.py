@@ -8,7 +8,8 @@
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one and
-its variants (`FUSED_VARIANTS`: who forms dQ).
+its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group split over CTA
+pairs).
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each; the same products in another summation order).
 
@@ -20,7 +21,7 @@ first": S^T(i+1) issued before P^T(i) is published, alone and with dQ moved; the
 checked against the kernel's) and knockouts (dQ's pieces staged but not
 added; dQ formed but not reduced; no exchange; neither; no dQ: wrong results, timing only).
 Measurements and their reading: docs/design.md section 4, "The fused backward", and
-docs/perf-log.md (2026-12-05, sessions 20 and 21).
+docs/perf-log.md (2026-12-05, sessions 20-22).
 """
 
 from __future__ import annotations
@@ -281,6 +282,7 @@ CORRECT_VARIANTS = ("traced", "dQ in dV", "dQ in dV + dK", "alternating", "pair 
 
 
 def _trace_cfg(case, dq_grads: int):
+    """The fused config a trace case runs, with `dq_grads` as the variant asks."""
     import dataclasses
 
     return dataclasses.replace(plans(case)["fused"].cfgs[-1], dq_grads=dq_grads)
