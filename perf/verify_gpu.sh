@@ -8,7 +8,7 @@
 #   mkdir -p .pc   # (.pc: .git/info/exclude)
 #   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2 \
 #       --sections sanitize --pack .pc/san.tar.xz      # and per call group, e.g.
-#       --sections fused,fused_perf --pack .pc/fused.tar.xz; --sections mla_perf --pack .pc/mla.tar.xz
+#       --sections fused,fused_perf --pack .pc/fused.tar.xz; --sections fwd_perf --pack .pc/fwd.tar.xz
 # (--pack keeps only the named sections' kernels: what travels is limited to 64 MiB, the
 # staged toolchain takes ~59, and a few hundred kernels fit beside it, not all ~1300; pick
 # the sections of the call, and pack after the last edit of a kernel source. Kernels not
@@ -33,8 +33,9 @@
 #         and fused_perf)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
-#   mla   perf.resident_q: MLA prefill (576 / 512) with Q streamed (planned) and resident
-#         (precompile: mla_perf)
+#   fwd   the forward experiments: perf.resident_q (MLA prefill 576 / 512, Q streamed as
+#         planned or resident) and perf.overlap16 (D=320 with QK[i+1] under the score step)
+#         (precompile: fwd_perf)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -98,9 +99,10 @@ if has trace; then
   step "the fused backward's phase trace and variants"
   timeout 500 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
 fi
-if has mla; then
-  step "MLA prefill: Q streamed or resident"
+if has fwd; then
+  step "forward experiments: MLA prefill with Q resident, D=320 with overlap"
   timeout 300 python -m perf.resident_q --out "$out/resident_q.json"
+  timeout 200 python -m perf.overlap16 --out "$out/overlap16.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

@@ -49,7 +49,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "mla_perf")
+            "fused_perf", "fwd_perf")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -57,9 +57,9 @@ def jobs(sections=SECTIONS) -> list:
     both families, forward and backward; sanitize: the compute-sanitizer workload's,
     tests/sanitize.py; fused: what the fused backward's GPU tests run, the sm90 forward, the
     Delta kernel and the fused kernel at D 320-512 (a subset of main, small enough to carry
-    alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced, and mla_perf:
-    `python -m perf.resident_q`'s (both run from the repository's root); the others as the
-    module docstring lists them)."""
+    alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced, and fwd_perf:
+    `python -m perf.resident_q`'s and `python -m perf.overlap16`'s (all run from the
+    repository's root); the others as the module docstring lists them)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -190,10 +190,10 @@ def jobs(sections=SECTIONS) -> list:
         from perf import bwd_fused
 
         add(bwd_fused.jobs() + bwd_fused.trace_jobs())
-    if "mla_perf" in sections:
-        from perf import resident_q
+    if "fwd_perf" in sections:
+        from perf import overlap16, resident_q
 
-        add(resident_q.jobs())
+        add(resident_q.jobs() + overlap16.jobs())
     if "sanitize" in sections:
         from . import sanitize
 

@@ -100,10 +100,13 @@ class FwdConfigSm90:
                    tensor cores run them and PV[i-1] under the softmax of block i: the S
                    warpgroup's chain is its waits, no longer QK + softmax + P store in series
                    (skeleton `_overlap_blocks`). 1 <= overlap < the D chunks; one CTA per row
-                   tile with Q resident (no `kv_pair` / `stream_q`), FP8 forward only (the
-                   16-bit forward is bound by the L2 -> SM stream, docs/perf-log.md), routed
-                   up to D=384 (`plan_fwd`). k_stages >= chunks; >= chunks + overlap gives
-                   the first chunks a whole step of prefetch (fewer stages only wait longer)
+                   tile with Q resident (no `kv_pair` / `stream_q` / `persistent`), the forward
+                   kernels (FP8 and 16-bit). Routed for FP8 up to D=384 (`plan_fwd`); the
+                   16-bit forward is bound by the L2 -> SM stream at D=512 (docs/perf-log.md)
+                   and fits the two accumulators without spills only at D <= 320, where
+                   `perf.overlap16` times it (not routed). k_stages >= chunks; >= chunks +
+                   overlap gives the first chunks a whole step of prefetch (fewer stages only
+                   wait longer)
     """
 
     arch: str
@@ -593,11 +596,12 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"publish_after must be in [0, {cfg.stream_chunks}]"
     if cfg.publish_hi is not None and not 0 <= cfg.publish_hi <= cfg.stream_chunks:
         return f"publish_hi must be None or in [0, {cfg.stream_chunks}]"
-    if cfg.overlap and (type(cfg) is not FwdFP8ConfigSm90 or cfg.kv_pair or cfg.stream_q
-                        or cfg.persistent or not 0 < cfg.overlap < cfg.num_k_chunks
+    if cfg.overlap and (type(cfg) not in (FwdFP8ConfigSm90, FwdConfigSm90) or cfg.kv_pair
+                        or cfg.stream_q or cfg.persistent
+                        or not 0 < cfg.overlap < cfg.num_k_chunks
                         or cfg.k_stages < cfg.num_k_chunks):
         return (f"overlap={cfg.overlap}: 0, or in [1, {cfg.num_k_chunks - 1}] (the D chunks) "
-                "for the FP8 forward with Q resident (no kv_pair, stream_q, persistent) and "
+                "for a forward kernel with Q resident (no kv_pair, stream_q, persistent) and "
                 f"k_stages >= {cfg.num_k_chunks}")
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return f"needs {cfg.smem_bytes()} B of smem, sm_90a has {SMEM_CAPACITY}"
