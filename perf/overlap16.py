@@ -16,7 +16,7 @@ Timed at D=320 (B=1, H=32, bf16, not causal, N=8K and 16K): the planned forward 
 CTAs), the same with one CTA per tile, and `overlap` h = 1, 2, 3 (C = 5 chunks); each
 through `launch.run_fwd` (the kernel alone), L2 flushed, median of 3 benches; every output
 compared with the one-CTA-per-tile kernel's (the same arithmetic per block: bit-equal
-expected). Prediction: the period falls toward the stream's ~3900 cycles, 500 -> ~540-565
+expected; a relative error of 1e-3 or more is reported as WRONG, and the run goes on). Prediction: the period falls toward the stream's ~3900 cycles, 500 -> ~540-565
 TFLOPS at N=8K (the issue's D=320 goal is 560); the FP8 kernel gained 3% from it at D=320,
 where its stream is half as long and its softmax shorter than its QK.
 """
@@ -86,15 +86,17 @@ def run(dev, flush) -> dict:
         for name, plan in plans.items():
             out = launch.run_fwd(plan, q, k, v)[0]
             err = rel_err(out, ref.double())
-            assert err < 1e-3, (n, name, err)
             fn = lambda p=plan: launch.run_fwd(p, q, k, v)  # noqa: E731
             ms = experiment.median_ms(fn, dev, flush)
-            row[name] = dict(ms=ms, tflops=flops / ms / 1e9, bit_equal=bool(torch.equal(out, ref)),
+            # a wrong variant is reported and timed, not fatal: the others still run
+            row[name] = dict(ms=ms, tflops=flops / ms / 1e9, err=err, wrong=err >= 1e-3,
+                             bit_equal=bool(torch.equal(out, ref)),
                              k_stages=plan.cfg.k_stages, v_stages=plan.cfg.v_stages)
         print(f"D={D} N={n}: " + ", ".join(
             f"{name} {r['ms']:.3f} ms {r['tflops']:.0f} TFLOPS"
-            f"{'' if r['bit_equal'] else ' (not bit-equal)'}" for name, r in row.items()),
-            flush=True)
+            f"{' WRONG (error %.1e)' % r['err'] if r['wrong'] else ''}"
+            f"{'' if r['bit_equal'] or r['wrong'] else ' (not bit-equal)'}"
+            for name, r in row.items()), flush=True)
         res[f"N={n}"] = row
     return res
 

@@ -12,8 +12,8 @@ every block's 344 KB (K 144, Q 72, V 128): resident Q cuts the stream by 21%. D=
 575 TFLOPS with Q resident against 489 streamed (perf-log, the Dv != D entry). Prediction:
 MLA prefill 466 -> 520-590 TFLOPS at N=8K causal, unless the shallower rings expose the
 loads' latency. Each config through `launch.run_fwd` (the kernel alone), L2 flushed, median
-of 3 benches; the outputs of the two compared (relative error < 1e-2); TFLOPS on
-2 B Hq pairs (Dqk + Dv).
+of 3 benches; the outputs of the two compared (a relative error of 1e-2 or more is reported
+as WRONG, and the run goes on); TFLOPS on 2 B Hq pairs (Dqk + Dv).
 """
 
 from __future__ import annotations
@@ -82,12 +82,14 @@ def run(dev, flush) -> dict:
             ms = experiment.median_ms(fn, dev, flush)
             row[name] = dict(ms=ms, tflops=flops / ms / 1e9, k_stages=plan.cfg.k_stages,
                              v_stages=plan.cfg.v_stages)
-        if "resident" in outs:
+        if "resident" in outs:   # a wrong variant is reported, not fatal: the others run
             row["err"] = rel_err(outs["resident"], outs["streamed"].double())
-            assert row["err"] < 1e-2, (label, row["err"])
+            row["wrong"] = row["err"] >= 1e-2
         print(f"{label}: " + ", ".join(
             f"{name} (K {r['k_stages']}, V {r['v_stages']}) {r['ms']:.2f} ms "
-            f"{r['tflops']:.0f} TFLOPS" for name, r in row.items() if name != "err"), flush=True)
+            f"{r['tflops']:.0f} TFLOPS" for name, r in row.items() if isinstance(r, dict))
+            + (f"; resident vs streamed error {row['err']:.1e}"
+               f"{' WRONG' if row['wrong'] else ''}" if "err" in row else ""), flush=True)
         res[label] = row
     return res
 
