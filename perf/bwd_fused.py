@@ -11,7 +11,8 @@ TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the 
 its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group split over CTA
 pairs).
 Before timing, the fused one's gradients are checked against the routed ones (relative error
-< 1e-2 each; the same products in another summation order).
+< 1e-2 each, the same products in another summation order; a variant past it is reported as
+WRONG and the run goes on).
 
 `--trace`: the fused kernel at D=512 and D=320 with clock64 stamps at its `_trace` hooks (the
 phase table per warpgroup), the next steps beside it ("dQ in dV", "dQ in dV + dK": dQ formed
@@ -115,7 +116,8 @@ def run(dev, flush) -> dict:
             if name != "routed":
                 got = launch.run_bwd(plan, q, k, v, out, lse, do)
                 errs = [rel_err(x, r.double()) for x, r in zip(got, ref)]
-                assert max(errs) < 1e-2, (label, name, errs)
+                if max(errs) >= 1e-2:   # reported, not fatal: the other variants still run
+                    print(f"{label}: {name} WRONG, dq/dk/dv errors {errs}", flush=True)
             fn = lambda p=plan: launch.run_bwd(p, q, k, v, out, lse, do)  # noqa: E731
             ms = experiment.median_ms(fn, dev, flush)
             row[name] = dict(ms=ms, tflops=flops / ms / 1e9, errs=errs)
@@ -352,7 +354,8 @@ def run_trace(dev, flush) -> dict:
                 got = [args[x].clone() for x in ("dq_acc", "dk", "dv")]
                 grads = grads or got
                 res[key]["errs"] = [rel_err(x, y.double()) for x, y in zip(got, grads)]
-                assert max(res[key]["errs"]) < 1e-3, (key, res[key]["errs"])
+                if max(res[key]["errs"]) >= 1e-3:   # reported, not fatal
+                    print(f"{key}: WRONG, dq/dk/dv errors {res[key]['errs']}", flush=True)
             print(f"{key}: {ms:.2f} ms (the kernel alone), {res[key]['tflops']:.0f} TFLOPS",
                   flush=True)
             for ph, cyc in res[key]["phases"].items():
