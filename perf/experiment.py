@@ -21,6 +21,16 @@ def median_ms(fn, dev, flush, rounds: int = 3) -> float:
     return statistics.median(bench(fn, dev, flush=flush).median_ms for _ in range(rounds))
 
 
+def forward_jobs(plans) -> list:
+    """The distinct (kernel class, config) pairs of forward plans, in order (an experiment's
+    `jobs()`)."""
+    out = []
+    for plan in plans:
+        if (plan.kernel_cls, plan.cfg) not in out:
+            out.append((plan.kernel_cls, plan.cfg))
+    return out
+
+
 def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     """Parse argv; compile `jobs()` into --precompile DIR, or `run(dev, flush) -> dict`
     (written to --out)."""
@@ -49,4 +59,4 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     return 0
 
 
-__all__ = ["main", "median_ms"]
+__all__ = ["forward_jobs", "main", "median_ms"]

@@ -60,12 +60,7 @@ def _plans(n: int) -> dict:
 
 
 def jobs() -> list:
-    out = []
-    for n in SEQLENS:
-        for plan in _plans(n).values():
-            if (plan.kernel_cls, plan.cfg) not in out:
-                out.append((plan.kernel_cls, plan.cfg))
-    return out
+    return experiment.forward_jobs(p for n in SEQLENS for p in _plans(n).values())
 
 
 def run(dev, flush) -> dict:

@@ -52,12 +52,7 @@ def _plans(case) -> dict:
 
 
 def jobs() -> list:
-    out = []
-    for case in CASES:
-        for plan in _plans(case).values():
-            if (plan.kernel_cls, plan.cfg) not in out:
-                out.append((plan.kernel_cls, plan.cfg))
-    return out
+    return experiment.forward_jobs(p for case in CASES for p in _plans(case).values())
 
 
 def run(dev, flush) -> dict:
