@@ -16,9 +16,10 @@ Timed at D=320 (B=1, H=32, bf16, not causal, N=8K and 16K): the planned forward 
 CTAs), the same with one CTA per tile, and `overlap` h = 1, 2, 3 (C = 5 chunks); each
 through `launch.run_fwd` (the kernel alone), L2 flushed, median of 3 benches; every output
 compared with the one-CTA-per-tile kernel's (the same arithmetic per block: bit-equal
-expected; a relative error of 1e-3 or more is reported as WRONG, and the run goes on). Prediction: the period falls toward the stream's ~3900 cycles, 500 -> ~540-565
-TFLOPS at N=8K (the issue's D=320 goal is 560); the FP8 kernel gained 3% from it at D=320,
-where its stream is half as long and its softmax shorter than its QK.
+expected; a relative error of 1e-3 or more is reported as WRONG, and the run goes on).
+Prediction: the period falls toward the stream's ~3900 cycles, 500 -> ~540-565 TFLOPS at
+N=8K (the issue's D=320 goal is 560); the FP8 kernel gained 3% from it at D=320, where its
+stream is half as long and its softmax shorter than its QK.
 """
 
 from __future__ import annotations

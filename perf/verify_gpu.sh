@@ -7,8 +7,9 @@
 #                                                       # package) and the FFPA peer for the sweep
 #   mkdir -p .pc   # (.pc: .git/info/exclude)
 #   CUTE_DSL_ARCH=sm_90a python -m tests.gpu_jobs --precompile .precache --workers 2 \
-#       --sections sanitize --pack .pc/san.tar.xz      # and per call group, e.g.
-#       --sections fused,fused_perf --pack .pc/fused.tar.xz; --sections fwd_perf --pack .pc/fwd.tar.xz
+#       --sections sanitize --pack .pc/san.tar.xz      # and one pack per call group, e.g.
+#       --sections fused,fused_perf --pack .pc/fused.tar.xz
+#       --sections fwd_perf --pack .pc/fwd.tar.xz
 # (--pack keeps only the named sections' kernels: what travels is limited to 64 MiB, the
 # staged toolchain takes ~59, and a few hundred kernels fit beside it, not all ~1300; pick
 # the sections of the call, and pack after the last edit of a kernel source. Kernels not
