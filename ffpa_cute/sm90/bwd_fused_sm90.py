@@ -240,7 +240,7 @@ class FFPABwdFusedSm90(KernelEntry):
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.half = cfg.half
-        self.dq_chunks = cfg.dq_widths
+        self.dq_widths = cfg.dq_widths   # the dQ accumulators (`mmas.dq`, one per width)
         self.tile_bytes = T * cfg.half * cfg.elem_bytes
         # dK / dV as stored: partial sums in fp32 with `group_split`, else the input dtype
         self.out_dtype = Float32 if cfg.group_split else self.dtype
@@ -298,7 +298,7 @@ class FFPABwdFusedSm90(KernelEntry):
                        mDelta)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         mmas = FusedMmas(self._mma(K, K, T), self._mma(K, MN, self.half),
-                         tuple(self._mma(MN, MN, w) for w in self.dq_chunks))
+                         tuple(self._mma(MN, MN, w) for w in self.dq_widths))
         SharedStorage = _shared_storage(cfg, self.dtype, layouts)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
@@ -453,7 +453,7 @@ class FFPABwdFusedSm90(KernelEntry):
         cfg, bars = self.cfg, smem.bars
         qs, ds = cfg.q_stages, cfg.do_stages
         n_count, rank = work.n_count, work.rank
-        chunks = self.dq_chunks
+        chunks = self.dq_widths
         own_dq = cfg.dq_grads == 0   # dQ formed here (else by the dV / dK warpgroups)
         later = range(1, len(chunks)) if own_dq else range(0)
         mma_s = mmas.s
@@ -647,7 +647,7 @@ class FFPABwdFusedSm90(KernelEntry):
     def _dq_reduce_rest(self, mmas: FusedMmas, accs, ops: FusedOps, smem: FusedSmem,
                         work: FusedWork, i, col0, tidx):
         """Block i's completed dQ chunks after the first (`accs`) added into dq_acc."""
-        chunks = self.dq_chunks
+        chunks = self.dq_widths
         head_q, n_block = self._block(work, i)
         for j in cutlass.range_constexpr(1, len(chunks)):
             self._dq_reduce(mmas.dq[j], accs[j - 1], ops, smem, work, head_q, n_block,
@@ -669,23 +669,36 @@ class FFPABwdFusedSm90(KernelEntry):
         tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, width))))
         sync = s_barrier()
         acc_mn = mn_view(acc)   # (2, width / 4): queries, columns
-        # (T, 32, query blocks, 32-column blocks) of the head's dq_acc
-        g = cute.local_tile(ops.g_dq[None, None, head_q, work.batch], (T, FUSED_DQ_PIECE),
-                            (None, None))
-        ts, tg = cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
-                                       cute.group_modes(smem.dq, 0, 2),
-                                       cute.group_modes(g, 0, 2))
+        ts, tg = self._dq_pieces(ops, smem, work, head_q)
         for p in cutlass.range_constexpr(width // FUSED_DQ_PIECE):
             buf, unread = self._piece_buffer(work, head_q, n_block, col, p)
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(unread, read=True)
-            sync.arrive_and_wait()
-            self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
-            cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
-            sync.arrive_and_wait()
-            if tidx // 32 == 0:
-                self._add_piece(ops.tma_dq, ts[None, buf],
-                                tg[None, n_block, col // FUSED_DQ_PIECE + p])
+            self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
+                            col // FUSED_DQ_PIECE + p, tidx)
+
+    @cute.jit
+    def _dq_pieces(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, head_q):
+        """TMA's views of the dQ staging buffers (.., buffer) and of query head head_q's
+        dq_acc in (T, 32) pieces (.., query block, 32-column block)."""
+        g = cute.local_tile(ops.g_dq[None, None, head_q, work.batch], (T, FUSED_DQ_PIECE),
+                            (None, None))
+        return cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
+                                     cute.group_modes(smem.dq, 0, 2), cute.group_modes(g, 0, 2))
+
+    @cute.jit
+    def _put_piece(self, ops: FusedOps, smem: FusedSmem, sync, acc_mn, tQcQ_mn, ts, tg, buf,
+                   p: cutlass.Constexpr, n_block, piece, tidx):
+        """Piece p of a completed dQ accumulator into dq_acc's piece (n_block, piece) through
+        staging buffer buf (`_dq_pieces`' views ts, tg; the caller's warp 0 has waited until
+        the buffer may be rewritten): the forming warpgroup's barrier `sync`, its values
+        staged, a proxy fence, the barrier, then one TMA reduction by warp 0."""
+        sync.arrive_and_wait()
+        self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
+        cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
+        sync.arrive_and_wait()
+        if tidx // 32 == 0:
+            self._add_piece(ops.tma_dq, ts[None, buf], tg[None, n_block, piece])
 
     @cute.jit
     def _stage_piece(self, acc_mn, tQcQ_mn, sdq: cute.Tensor, buf, p: cutlass.Constexpr):
@@ -801,7 +814,7 @@ class FFPABwdFusedSm90(KernelEntry):
         the group before the newest has read it; with 2 the warpgroup has buffer `which`
         alone and waits for its last group."""
         c0, width = self.cfg.dq_shares[which]
-        atom_w = self.dq_chunks[0]
+        atom_w = self.dq_widths[0]
         per_atom = atom_w // FUSED_DQ_PIECE
         pieces = width // FUSED_DQ_PIECE
         both = self.cfg.dq_grads == 1
@@ -811,11 +824,7 @@ class FFPABwdFusedSm90(KernelEntry):
         thr = mma.get_slice(tidx)
         tQcQ_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, atom_w))))
         sync = grad_barrier(which)
-        g = cute.local_tile(ops.g_dq[None, None, head_q, work.batch], (T, FUSED_DQ_PIECE),
-                            (None, None))
-        ts, tg = cpasync.tma_partition(ops.tma_dq, 0, cute.make_layout(1),
-                                       cute.group_modes(smem.dq, 0, 2),
-                                       cute.group_modes(g, 0, 2))
+        ts, tg = self._dq_pieces(ops, smem, work, head_q)
         piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
         for a in cutlass.range_constexpr(width // atom_w):
             acc = self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx)
@@ -833,12 +842,8 @@ class FFPABwdFusedSm90(KernelEntry):
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
                 if tidx // 32 == 0:
                     cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0, read=True)
-                sync.arrive_and_wait()
-                self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
-                cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
-                sync.arrive_and_wait()
-                if tidx // 32 == 0:
-                    self._add_piece(ops.tma_dq, ts[None, buf], tg[None, n_block, piece0 + k])
+                self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
+                                piece0 + k, tidx)
         self._trace(extra, 4, i)
 
 def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
