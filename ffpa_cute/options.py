@@ -51,12 +51,11 @@ class Options:
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     deterministic: the backward: True (default), the atomic-free kernels (the same bits every
-                 run); False: on sm90 the fused kernel where it builds and measured faster on
-                 the H200 (D 384-512 in steps of 64, at most 8 query heads per KV head, Dv ==
-                 D, not varlen; else the atomic-free ones): 5 GEMM units instead of 8, dQ
-                 summed by fp32 reductions in whatever order they land, so its bits vary run to
-                 run. Its bf16 GPU tests pass; its sanitizer sweep is owed, so its first call
-                 runs the backward canary (`self_check`) (FFPA_CUTE_DETERMINISTIC).
+                 run); False: on sm90 the fused kernel where it builds and measured faster
+                 (D 320-512 in steps of 64, up to 64 query heads per KV head, Dv == D, not
+                 varlen; else the atomic-free ones): 5 GEMM units instead of 8, dQ summed by
+                 fp32 reductions in whatever order they land, so its bits vary run to run
+                 (GPU-tested and sanitizer-clean) (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
                  never run on the device's target (or of a kernel not verified on any GPU: the
                  fused backward) first passes a canary problem against a float32 reference,

@@ -58,7 +58,7 @@ def needed(plan, opts=None) -> bool:
 
 def unverified(plan) -> bool:
     """Whether a plan (forward or backward) runs a kernel not verified on any GPU (tests and
-    sanitizers): its config says so (`VERIFIED` False: the fused backward), whatever its
+    sanitizers): its config says so (a `VERIFIED` False), whatever its
     family's targets."""
     cfgs = plan.cfgs if hasattr(plan, "cfgs") else (plan.cfg,)
     return any(not getattr(c, "VERIFIED", True) for c in cfgs)

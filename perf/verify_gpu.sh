@@ -35,7 +35,7 @@
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   fwd   the forward experiments: perf.resident_q (MLA prefill 576 / 512, Q streamed as
-#         planned or resident) and perf.overlap16 (D=320 with QK[i+1] under the score step)
+#         planned or resident)
 #         (precompile: fwd_perf)
 set -uo pipefail
 out="${OUT:-./out}"
@@ -101,9 +101,8 @@ if has trace; then
   timeout 500 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
 fi
 if has fwd; then
-  step "forward experiments: MLA prefill with Q resident, D=320 with overlap"
+  step "forward experiments: MLA prefill with Q resident"
   timeout 300 python -m perf.resident_q --out "$out/resident_q.json"
-  timeout 200 python -m perf.overlap16 --out "$out/overlap16.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

@@ -191,9 +191,9 @@ def jobs(sections=SECTIONS) -> list:
 
         add(bwd_fused.jobs() + bwd_fused.trace_jobs())
     if "fwd_perf" in sections:
-        from perf import overlap16, resident_q
+        from perf import resident_q
 
-        add(resident_q.jobs() + overlap16.jobs())
+        add(resident_q.jobs())
     if "sanitize" in sections:
         from . import sanitize
 

@@ -511,30 +511,3 @@ def test_producer_warp_register_budget(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert producer_regs.probe(384).startswith("128 registers, 0 B")
     assert producer_regs.probe(512).startswith("refused: 128 registers per thread")
-
-
-def test_overlap16_experiment(tmp_path, monkeypatch):
-    """perf.overlap16: the 16-bit forward at D=320 with `overlap` h = 1-3 (one CTA per tile,
-    V 2 stages, K 6) besides the planned and the one-CTA-per-tile configs; h=2 compiles for
-    sm_90a without spills and without serialised WGMMAs, with the S warpgroup's setmaxnreg
-    (184) and a second score accumulator's m64n128 WGMMAs."""
-    import re
-
-    from perf import overlap16
-    from test_kernels_compile import _no_spills, _ptxas_log
-
-    plans = overlap16._plans(8192)
-    assert list(plans) == ["planned", "one CTA per tile", "overlap 1", "overlap 2",
-                           "overlap 3"]
-    assert not plans["one CTA per tile"].cfg.persistent
-    assert {(p.cfg.overlap, p.cfg.k_stages, p.cfg.v_stages)
-            for n, p in plans.items() if n.startswith("overlap")} == {
-        (1, 6, 2), (2, 6, 2), (3, 6, 2)}
-    monkeypatch.chdir(tmp_path)
-    plan = plans["overlap 2"]
-    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+184;", ptx)
-    _no_spills(ptx)
-    log = _ptxas_log(ptx, "sm_90a")
-    if log is not None:
-        assert "serialized" not in log, log

@@ -26,6 +26,7 @@ return a config that its `can_implement` rejects; this module imports no cutlass
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -100,13 +101,11 @@ class FwdConfigSm90:
                    tensor cores run them and PV[i-1] under the softmax of block i: the S
                    warpgroup's chain is its waits, no longer QK + softmax + P store in series
                    (skeleton `_overlap_blocks`). 1 <= overlap < the D chunks; one CTA per row
-                   tile with Q resident (no `kv_pair` / `stream_q` / `persistent`), the forward
-                   kernels (FP8 and 16-bit). Routed for FP8 up to D=384 (`plan_fwd`); the
-                   16-bit forward is bound by the L2 -> SM stream at D=512 (docs/perf-log.md)
-                   and fits the two accumulators without spills only at D <= 320, where
-                   `perf.overlap16` times it (not routed). k_stages >= chunks; >= chunks +
-                   overlap gives the first chunks a whole step of prefetch (fewer stages only
-                   wait longer)
+                   tile with Q resident (no `kv_pair` / `stream_q` / `persistent`), the FP8
+                   forward (routed up to D=384, `plan_fwd`; the 16-bit forward measured
+                   slower with it at D=320, docs/perf-log.md 2026-12-05). k_stages >= chunks;
+                   >= chunks + overlap gives the first chunks a whole step of prefetch (fewer
+                   stages only wait longer)
     """
 
     arch: str
@@ -596,12 +595,12 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"publish_after must be in [0, {cfg.stream_chunks}]"
     if cfg.publish_hi is not None and not 0 <= cfg.publish_hi <= cfg.stream_chunks:
         return f"publish_hi must be None or in [0, {cfg.stream_chunks}]"
-    if cfg.overlap and (type(cfg) not in (FwdFP8ConfigSm90, FwdConfigSm90) or cfg.kv_pair
+    if cfg.overlap and (type(cfg) is not FwdFP8ConfigSm90 or cfg.kv_pair
                         or cfg.stream_q or cfg.persistent
                         or not 0 < cfg.overlap < cfg.num_k_chunks
                         or cfg.k_stages < cfg.num_k_chunks):
         return (f"overlap={cfg.overlap}: 0, or in [1, {cfg.num_k_chunks - 1}] (the D chunks) "
-                "for a forward kernel with Q resident (no kv_pair, stream_q, persistent) and "
+                "for the FP8 forward with Q resident (no kv_pair, stream_q, persistent) and "
                 f"k_stages >= {cfg.num_k_chunks}")
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return f"needs {cfg.smem_bytes()} B of smem, sm_90a has {SMEM_CAPACITY}"
@@ -635,6 +634,12 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     aligned: D=264 281 -> 373, 328 241 -> 394, 336 194 -> 441, 448 481 -> 520, 320 475 -> 495,
     576 311 -> 379 (64: 337, it costs a V stage), 704 270 -> 387; 640 keeps its 160-wide
     64-byte swizzled halves (192: 374 vs 404)).
+
+    D > 512 with Dv <= 512 (O in one CTA: MLA's 576 / 512) keeps Q resident where it fits (K 3,
+    V 2 stages; D <= 640) instead of streaming it beside each K chunk: the forward is bound by
+    the L2 -> SM stream there, and streamed Q is 72 of each block's 344 KB at 576 / 512.
+    Measured (perf.resident_q, kernel alone, Hq 128 / Hkv 1, H100, 2026-12-05): N=8K causal
+    400 -> 490 TFLOPS, 4K 375 -> 453, 16K 408 -> 526, 8K non-causal 406 -> 528.
 
     FP8 with at most OVERLAP_MAX_CHUNKS D chunks and neither a right nor a left edge takes the
     `overlap` schedule (h = half the D chunks, K ring >= chunks + h). Measured on the H200
@@ -671,6 +676,13 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
         # block and a half deep (measured below)
         base["overlap"] = chunks // 2
         min_k = chunks + chunks // 2
+    if base["stream_q"] and dv <= MAX_SINGLE_CTA_HEAD_DIM and not fp8:
+        # D > 512 with O in one CTA (MLA's 576 / 512): Q resident where it fits beside a K
+        # ring of 3 and V rings of 2 (D <= 640), measured below
+        resident = {**base, "stream_q": False}
+        with contextlib.suppress(ValueError):
+            return deepest_rings(lambda k, v: cls(**resident, k_stages=k, v_stages=v),
+                                 can_implement, 3)
     return deepest_rings(lambda k, v: cls(**base, k_stages=k, v_stages=v), can_implement, min_k)
 
 
@@ -923,9 +935,9 @@ class BwdFusedConfigSm90:
     group_split: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
-    # the sanitizer sweep of this code is owed: the self-check canaries it on every target
-    # (selfcheck.unverified)
-    VERIFIED: ClassVar[bool] = False
+    # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
+    # group_split; docs/verification.md)
+    VERIFIED: ClassVar[bool] = True
 
     @property
     def elem_bytes(self) -> int:
@@ -1034,11 +1046,12 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
     return None
 
 
-# where the fused backward measured faster than the atomic-free kernels (H200, bf16, N=8K;
-# docs/design.md section 4): D from 384 (D=320: 205 against 218 TFLOPS) and up to 8 query
-# heads per KV head (MQA 64/1 causal: 196 against 226)
-FUSED_MIN_HEAD_DIM = 384
-FUSED_MAX_GROUP = 8
+# where the fused backward (dq_grads 1) measured faster than the atomic-free kernels (H100,
+# bf16, N=8K, 2026-12-05; docs/design.md section 4): every D it builds (320: 270 against 204
+# TFLOPS, 512: 308 against 238) and every group measured, up to MQA 64:1 (causal: 241
+# against 216)
+FUSED_MIN_HEAD_DIM = 320
+FUSED_MAX_GROUP = 64
 
 
 def fused_pays(problem: AttnProblem) -> bool:
@@ -1048,10 +1061,12 @@ def fused_pays(problem: AttnProblem) -> bool:
             and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
 
 
-# The fused backward's planned variants, off until a GPU run measures them against the kernel
-# as it ran (perf.bwd_fused: "fused dQ in dV", "fused dQ in dV + dK", "fused split"): who
-# forms dQ (`dq_grads`), and the head group split over CTA pairs where `group_parts` says so
-FUSED_DQ_GRADS = 0
+# Who forms dQ (`dq_grads`) and whether head groups split over CTA pairs where `group_parts`
+# says so, as measured by perf.bwd_fused (H100, bf16, N=8K, TFLOPS, 2026-12-05): dq_grads 0 /
+# 1 / 2 at D=512 272 / 308 / 306, causal 262 / 307 / 293, 16K 264 / 312 / 316, D=320 206 /
+# 270 / 267, 384 245 / 305 / 289, 448 248 / 269 / 281; group_split with dq_grads 1: GQA 32/4
+# causal 272 against 275, MQA 64/1 causal 247 against 241 (not worth its fp32 workspaces)
+FUSED_DQ_GRADS = 1
 FUSED_GROUP_SPLIT = False
 
 
