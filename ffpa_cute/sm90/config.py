@@ -106,6 +106,17 @@ class FwdConfigSm90:
                    slower with it at D=320, docs/perf-log.md 2026-12-05). k_stages >= chunks;
                    >= chunks + overlap gives the first chunks a whole step of prefetch (fewer
                    stages only wait longer)
+    shared_kv:     V is K's first Dv columns (`v is k`, or v a view of k's storage with k's
+                   strides: DeepSeek's absorbed MLA, Dqk 576 / Dv 512), so the kernel reads no
+                   V: each O warpgroup's B operand is its columns of the block's K chunks in
+                   the K ring, and the K block is loaded once for both products. The ring then
+                   holds two whole blocks of the Dv / 64 V chunks (slot i % 2 for block i) and
+                   one block of the chunks past Dv; a V chunk is refilled by the O warpgroup
+                   that reads it last (block i + 2, after its PV[i]), a chunk past Dv by the S
+                   warpgroup after QK[i] (block i + 1). tile_n 64, Q resident, no V rings
+                   (v_stages 0, k_stages `shared_stages`), Dv a multiple of 128 (each O
+                   warpgroup owns whole chunks), 16-bit, one CTA per tile (no `kv_pair`,
+                   `persistent`, `overlap`, `varlen`)
     """
 
     arch: str
@@ -126,6 +137,7 @@ class FwdConfigSm90:
     varlen: bool = False
     group_split: bool = False
     overlap: int = 0
+    shared_kv: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -195,6 +207,8 @@ class FwdConfigSm90:
         bits a stage is Vt's [D/2 x 64] (a 64-byte swizzled K of the PV WGMMA)."""
         if self.elem_bytes == 1:
             return 64
+        if self.shared_kv:  # the block's rows of the K chunks
+            return self.tile_n
         return 32 if self.dv_halves[0] > 128 else 64
 
     def smem_bytes(self) -> int:
@@ -217,8 +231,20 @@ class FwdConfigSm90:
              else TILE_M * self.hdim_q_padded) * elt
         return [q,
                 self.k_stages * self.tile_n * self.k_chunk * elt,
-                *(self.v_stages * self.v_rows * d * elt for d in self.dv_halves),
+                *(0 if self.shared_kv else self.v_stages * self.v_rows * d * elt
+                  for d in self.dv_halves),
                 self.p_slots * TILE_M * self.tile_n * elt]
+
+    @property
+    def v_chunks(self) -> int:
+        """`shared_kv`: the K ring chunks that are V's columns (Dv / k_chunk)."""
+        return self.dv // self.k_chunk
+
+    @property
+    def shared_stages(self) -> int:
+        """`shared_kv`: the K ring's stages, two blocks of V chunks and one block of the
+        chunks past Dv."""
+        return self.num_k_chunks + self.v_chunks
 
     @property
     def stream_chunks(self) -> int:
@@ -589,7 +615,17 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
-    if cfg.k_stages < 2 or cfg.v_stages < 2:
+    if cfg.shared_kv:
+        if (type(cfg) is not FwdConfigSm90 or cfg.o_split != 1 or cfg.dv % 128
+                or cfg.dv > cfg.head_dim or cfg.tile_n != 64 or cfg.stream_q or cfg.kv_pair
+                or cfg.persistent or cfg.overlap or cfg.varlen or cfg.half_align != 64):
+            return ("shared_kv needs the 16-bit forward with Dv a multiple of 128, Dv <= D <= "
+                    "512 + 64 chunks (one CTA per tile), tile_n 64, half_align 64, Q resident "
+                    "and no kv_pair, persistent, overlap or varlen")
+        if cfg.v_stages != 0 or cfg.k_stages != cfg.shared_stages:
+            return (f"shared_kv has no V rings and a K ring of two blocks' V chunks and one "
+                    f"block's others: v_stages 0, k_stages {cfg.shared_stages}")
+    elif cfg.k_stages < 2 or cfg.v_stages < 2:
         return "k_stages and v_stages must be >= 2"
     if not 0 <= cfg.publish_after <= cfg.stream_chunks:
         return f"publish_after must be in [0, {cfg.stream_chunks}]"

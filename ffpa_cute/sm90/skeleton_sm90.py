@@ -285,6 +285,12 @@ class RingSkeletonSm90(KernelEntry):
         # the rings the WGMMAs read: the TMA's stages, or (`cvt`) the two 16-bit buffers
         self.c_bufs = self.cvt_bufs or cfg.k_stages
         self.b_bufs = self.cvt_bufs or cfg.v_stages
+        # `shared_kv`: V is K's first Dv columns; each accumulator warpgroup's B operand is its
+        # columns of a block's V chunks in the C ring (two block slots: its two "stages"),
+        # which it also refills (`_shared_pv`)
+        self.shared_kv = cfg.shared_kv
+        if cfg.shared_kv:
+            self.b_bufs = 2
 
     # ---------------------------------------------------------------- layouts and MMAs
     def _smem_layout(self, rows: int, cols: int, stages: int | None = None, dtype=None):
@@ -321,6 +327,8 @@ class RingSkeletonSm90(KernelEntry):
         else:  # B stages [b_rows x half], read as the MN-major B of P B
             sBlo_layout = self._smem_layout(self.b_rows, dlo, self.b_bufs)
             sBhi_layout = self._smem_layout(self.b_rows, dhi, self.b_bufs)
+        if const_expr(cfg.shared_kv):  # (tile_n, Dv, 2): the C ring's V chunks, block slots 0, 1
+            sBlo_layout = sBhi_layout = self._smem_layout(self.tile_n, cfg.dv, 2)
         sP_layout = self._smem_layout(TILE_M, self.tile_n, cfg.p_slots)
         rings8 = ()
         if const_expr(self.cvt):  # the TMA's 8-bit rings, read only by `_convert`
@@ -402,6 +410,8 @@ class RingSkeletonSm90(KernelEntry):
                                       else (layouts.c, layouts.blo, layouts.bhi))
         tma_c, gC_tma = cpasync.make_tiled_tma_atom(   # box (tile_n, k_chunk)
             g2s, tC, cute.select(c_ring, mode=[0, 1]), (self.tile_n, cfg.k_chunk))
+        if const_expr(cfg.shared_kv):  # B is read from the C ring: no B loads
+            return Operands(mOut, mLSE, gR_tma, gC_tma, None, None, tma_r, tma_c, None, None)
         # B boxes are one accumulator warpgroup wide; the kernel offsets them to its columns
         # (8 bits: to its rows of the transposed B)
         blo_box, bhi_box = (((dlo, self.b_rows), (dhi, self.b_rows)) if const_expr(self.fp8)
@@ -429,7 +439,8 @@ class RingSkeletonSm90(KernelEntry):
             bars = bars._replace(pp=storage.bar_pp.data_ptr())
         if warp_idx == 0:
             for tma in (ops.tma_r, ops.tma_c, ops.tma_blo, ops.tma_bhi):
-                cpasync.prefetch_descriptor(tma)
+                if const_expr(tma is not None):
+                    cpasync.prefetch_descriptor(tma)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(bars.rows, 1)
                 for s in cutlass.range_constexpr(cfg.k_stages):
@@ -458,9 +469,16 @@ class RingSkeletonSm90(KernelEntry):
         sR = storage.sR.get_tensor(layouts.r.outer, swizzle=layouts.r.inner)
         # (tile_n, k_chunk, k_stages)
         sC = storage.sC.get_tensor(layouts.c.outer, swizzle=layouts.c.inner)
-        # (b_rows, lo | hi, v_stages); 8 bits: (lo | hi, b_rows, v_stages)
-        sBlo = storage.sBlo.get_tensor(layouts.blo.outer, swizzle=layouts.blo.inner)
-        sBhi = storage.sBhi.get_tensor(layouts.bhi.outer, swizzle=layouts.bhi.inner)
+        if const_expr(cfg.shared_kv):
+            # (tile_n, lo | hi, 2): each half's columns of the V chunks in the C ring's two
+            # block slots
+            sV = storage.sC.get_tensor(layouts.blo.outer, swizzle=layouts.blo.inner)
+            sBlo = cute.local_tile(sV, (self.tile_n, self.halves[0], 2), (0, 0, 0))
+            sBhi = cute.local_tile(sV, (self.tile_n, self.halves[1], 2), (0, 1, 0))
+        else:
+            # (b_rows, lo | hi, v_stages); 8 bits: (lo | hi, b_rows, v_stages)
+            sBlo = storage.sBlo.get_tensor(layouts.blo.outer, swizzle=layouts.blo.inner)
+            sBhi = storage.sBhi.get_tensor(layouts.bhi.outer, swizzle=layouts.bhi.inner)
         # (TILE_M, tile_n, p_slots)
         sP = storage.sP.get_tensor(layouts.p.outer, swizzle=layouts.p.inner)
         # (TILE_M, 2): the rows' factors of each P buffer
@@ -902,9 +920,14 @@ class RingSkeletonSm90(KernelEntry):
         early = self.cvt and not self.stream_r
         if const_expr(not self.stream_r):
             tma_load(ops.tma_r, tRg, tRs, bars.rows, self.r_bytes, tidx)
-        for j in cutlass.range_constexpr(ks):
-            if j < total:
-                self._load_c_chunk(loads, j, (at.ring + j) % ks)
+        if const_expr(self.shared_kv):  # block 0's chunks, then block 1's V chunks
+            for j in cutlass.range_constexpr(C + cfg.v_chunks):
+                if j < total:
+                    self._load_c_chunk(loads, j, self._shared_stage(j // C, j % C)[0])
+        else:
+            for j in cutlass.range_constexpr(ks):
+                if j < total:
+                    self._load_c_chunk(loads, j, (at.ring + j) % ks)
         if const_expr(not self.stream_r):
             cute.arch.mbarrier_wait(bars.rows, at.phase)
         x = Int32(at.ring)  # ring position of the next C chunk
@@ -939,8 +962,10 @@ class RingSkeletonSm90(KernelEntry):
                     # product overwrites its accumulator
                     warpgroup.wait_group(0)
                     self._first_scores(tile, io, frags, step)
-                s = x % ks
-                cute.arch.mbarrier_wait(bars.cols + s, (x // ks) & 1)
+                s, phase = x % ks, (x // ks) & 1
+                if const_expr(self.shared_kv):
+                    s, phase = self._shared_stage(i, c)
+                cute.arch.mbarrier_wait(bars.cols + s, phase)
                 sb = s  # the C buffer the WGMMAs read
                 if const_expr(self.cvt):  # chunk x-2, the last reader of buffer x % 2, is done
                     sb = x % 2
@@ -958,7 +983,9 @@ class RingSkeletonSm90(KernelEntry):
                 warpgroup.commit_group()
                 if const_expr(c > 0):
                     warpgroup.wait_group(1)  # chunk x-1 has been read: refill its stage
-                    if const_expr(not early):
+                    if const_expr(self.shared_kv):
+                        self._refill_shared(loads, i, c - 1)
+                    elif const_expr(not early):
                         self._refill_c(loads, x - 1)
                 x += 1
             if const_expr(cfg.publish_after == C):
@@ -969,7 +996,9 @@ class RingSkeletonSm90(KernelEntry):
                     cute.arch.mbarrier_arrive(bars.p_full + 2 + (hand + i - 1) % 2)
             warpgroup.wait_group(0)
             self._trace(extra, 1, i)
-            if const_expr(not early):
+            if const_expr(self.shared_kv):
+                self._refill_shared(loads, i, C - 1)
+            elif const_expr(not early):
                 self._refill_c(loads, x - 1)
             # ---- the kernel's score step: P (and the rows' factors) in registers, then smem
             self._score_step(tile, io, frags, step, n_count)
@@ -1136,6 +1165,25 @@ class RingSkeletonSm90(KernelEntry):
         if nxt < loads.total:
             self._load_c_chunk(loads, nxt, done % self.cfg.k_stages)
 
+    def _shared_stage(self, i, c: int):
+        """`shared_kv`: (C-ring stage, barrier phase) of chunk c (compile time) of block i: a V
+        chunk (c < Dv / 64) in block slot i % 2, filled for the (i // 2)-th time; a chunk past
+        Dv in its own stage after the V chunks, filled for the i-th time."""
+        cv = self.cfg.v_chunks
+        if c < cv:
+            return (i % 2) * cv + c, (i // 2) & 1
+        return 2 * cv + c - cv, i & 1
+
+    @cute.jit
+    def _refill_shared(self, loads: ColLoads, i, c: cutlass.Constexpr):
+        """`shared_kv`: chunk c of block i has been read by QK[i]. A chunk past Dv is refilled
+        with block i + 1's (its stage holds one block); a V chunk waits for PV[i], after which
+        its accumulator warpgroup refills it (`_shared_pv`)."""
+        if const_expr(c >= self.cfg.v_chunks):
+            pos = (i + 1) * self.num_chunks + c
+            if pos < loads.total:
+                self._load_c_chunk(loads, pos, self._shared_stage(i + 1, c)[0])
+
     @cute.jit
     def _load_c_chunk(self, loads: ColLoads, pos, s):
         """The tile's chunk pos = (block i, chunk c) into stage s: chunk c of block i's C and,
@@ -1226,7 +1274,9 @@ class RingSkeletonSm90(KernelEntry):
         col0 = o_part * cfg.dv_cta + (0 if const_expr(half == 0) else self.stored[0])
         # ---- TMA views: B rows of this warpgroup's columns
         #      (8 bits: the transposed B's rows col0..col0+dv, its columns in blocks of b_rows)
-        if const_expr(self.fp8):  # (dv, b_rows, b_blocks)
+        if const_expr(self.shared_kv):  # none: the C ring's V chunks (and C's TMA for them)
+            gB = None
+        elif const_expr(self.fp8):  # (dv, b_rows, b_blocks)
             gB = cute.local_tile(
                 cute.domain_offset((col0, 0), gB_tma[None, None, head_c, batch]),
                 (dv, self.b_rows), (0, None))
@@ -1235,10 +1285,11 @@ class RingSkeletonSm90(KernelEntry):
                 cute.domain_offset((0, col0), self._from_row(gB_tma[None, None, head_c, batch],
                                                              tile.row0_c)),
                 (self.b_rows, dv), (None, 0))
-        # (TMA, v_stages) / (TMA, b_blocks)
-        tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                         cute.group_modes(sB_tma, 0, 2),
-                                         cute.group_modes(gB, 0, 2))
+        tBs, tBg = None, None
+        if const_expr(not self.shared_kv):  # (TMA, v_stages) / (TMA, b_blocks)
+            tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                             cute.group_modes(sB_tma, 0, 2),
+                                             cute.group_modes(gB, 0, 2))
         thr_mma = mma_o.get_slice(tidx)
         acc_O = frags.acc_O
         acc_O.fill(0.0)
@@ -1251,6 +1302,8 @@ class RingSkeletonSm90(KernelEntry):
         hand = at.hand
         loads = BLoads(tma_b, tBg, tBs, bar_b, gB_tma, col0, sB_tma, seq, half, total, at.ring,
                        bars, o_part, tidx, extra)
+        if const_expr(self.shared_kv):
+            loads = self._shared_v_loads(ops, smem, tile, seq, extra, tidx)
 
         for j in cutlass.range_constexpr(vs):
             if j < total:
@@ -1269,15 +1322,17 @@ class RingSkeletonSm90(KernelEntry):
             self._trace(extra, 2, i)
             atom = cute.make_mma_atom(mma_o.op)
             atom.set(warpgroup.Field.ACCUMULATE, True)
-            if const_expr(self.kv_pair):
+            if const_expr(self.shared_kv):
+                self._shared_pv(atom, frags, loads, half, i, b)
+            elif const_expr(self.kv_pair):
                 x = self._pair_pv(atom, frags, loads, x, i, b, n_count)
             else:
                 for j in cutlass.range_constexpr(vj):
                     x = self._pv_stage(atom, frags, loads, x, j, b, j > 0)
             warpgroup.wait_group(0)
             self._trace(extra, 3, i)
-            if const_expr(not self.cvt):  # (`cvt` refilled each stage once converted)
-                self._refill_b(loads, x - 1)
+            if const_expr(not self.cvt and not self.shared_kv):  # (`cvt` refilled each stage
+                self._refill_b(loads, x - 1)                     # once converted)
             if const_expr(self.rescale_o):  # every lane read sFactor[:, b]: each releases
                 cute.arch.mbarrier_arrive(bars.p_empty + b)
             if lane == 0:
@@ -1286,6 +1341,8 @@ class RingSkeletonSm90(KernelEntry):
                 if const_expr(self.peer_arrivals):  # the peer writes our P slots too
                     cute.arch.mbarrier_arrive(bars.p_empty + b, 1 - o_part,
                                               scope=nvvm.MemScopeKind.CLUSTER)
+            if const_expr(self.shared_kv):  # its V chunks of block i are free: block i + 2's
+                self._refill_shared_v(loads, half, i)
         # ---- the final factors arrive through the factor buffer; store O (rows < seqlen_r)
         b = (hand + n_iter) % 2
         cute.arch.mbarrier_wait(bar_full + b, ((hand + n_iter) // 2) & 1)
@@ -1318,6 +1375,50 @@ class RingSkeletonSm90(KernelEntry):
                           and col0 + tOcO_mn[r, c][1] < cfg.dv):  # past Dv: the second CTA's
                         tOgO_mn[r, c] = rO[c]                     # last 8 when D % 16 == 8
         return x, hand + n_iter + 1
+
+    @cute.jit
+    def _shared_v_loads(self, ops: Operands, smem: Smem, tile: Tile, seq: BlockSeq, extra,
+                        tidx) -> ColLoads:
+        """`shared_kv`: an accumulator warpgroup's view of the C ring's loads (the S
+        warpgroup's TMA of C, tiled at the tile's C head), for the V chunks it refills."""
+        # (tile_n, k_chunk, n_blocks, C)
+        gC = cute.local_tile(self._from_row(ops.gC_tma[None, None, tile.head_c, tile.batch],
+                                            tile.row0_c),
+                             (self.tile_n, self.cfg.k_chunk), (None, None))
+        # (TMA, k_stages) / (TMA, n_blocks, C)
+        tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, cute.make_layout(1),
+                                         cute.group_modes(smem.c, 0, 2),
+                                         cute.group_modes(gC, 0, 2))
+        return ColLoads(ops.tma_c, tCg, tCs, None, None, None, ops.gC_tma, smem.c, None,
+                        smem.bars.cols, seq, seq.n_count * self.num_chunks, 0, tile.m_block,
+                        tile.head, extra, tile.o_part, tidx)
+
+    @cute.jit
+    def _shared_pv(self, atom, frags: OutFrags, loads: ColLoads, half: cutlass.Constexpr, i,
+                   slot):
+        """`shared_kv` hand-over i: O += P[slot] V[i], V[i] this warpgroup's V chunks of block i
+        in block slot i % 2 of the C ring. QK[i] waited for them; waiting again costs nothing
+        and makes the TMA's writes visible to this warpgroup's WGMMAs by the barrier itself."""
+        acc_O, tOrP, tOrB, _ = frags
+        per = self.cfg.v_chunks // 2
+        for j in cutlass.range_constexpr(per):
+            s, phase = self._shared_stage(i, half * per + j)
+            cute.arch.mbarrier_wait(loads.bar + s, phase)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(self.tile_n // self.mma_k):
+            cute.gemm(atom, acc_O, tOrP[None, None, k, slot], tOrB[None, None, k, i % 2], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _refill_shared_v(self, loads: ColLoads, half: cutlass.Constexpr, i):
+        """`shared_kv`: after PV[i] (and QK[i] before it) the warpgroup's V chunks of block i
+        are read: load block i + 2's into them."""
+        per = self.cfg.v_chunks // 2
+        if i + 2 < loads.seq.n_count:
+            for j in cutlass.range_constexpr(per):
+                c = half * per + j
+                self._load_c_chunk(loads, (i + 2) * self.num_chunks + c,
+                                   self._shared_stage(i + 2, c)[0])
 
     @cute.jit
     def _pair_pv(self, atom, frags: OutFrags, loads: BLoads, x, i, b, n_count):
@@ -1419,8 +1520,10 @@ def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
         **{name: mem[i64, 2] for name in cfg.pair_barriers},
         "row_factor": align[mem[Float32, cfg.factor_floats], 16],
         **({"peer_stat": align[mem[Float32, 2 * TILE_M], 16]} if cfg.pair_stats else {}),
-        "sR": smem(layouts.r), "sC": smem(layouts.c), "sBlo": smem(layouts.blo),
-        "sBhi": smem(layouts.bhi), "sP": smem(layouts.p),
+        "sR": smem(layouts.r), "sC": smem(layouts.c),
+        # (`shared_kv`: the B operands are views of sC)
+        **({} if cfg.shared_kv else {"sBlo": smem(layouts.blo), "sBhi": smem(layouts.bhi)}),
+        "sP": smem(layouts.p),
         **({"sC8": smem(layouts.c8, kv_dtype), "sBlo8": smem(layouts.blo8, kv_dtype),
             "sBhi8": smem(layouts.bhi8, kv_dtype)} if layouts.c8 is not None else {}),
     }
