@@ -35,7 +35,7 @@ from . import dispatch, fp8, launch, nested, nvfp4, ops, selfcheck
 from . import options as _options
 from .fallback import fallback_details, native_attention, native_attention_lse, native_sdpa
 from .math_attention import math_attention
-from .problem import AttnProblem
+from .problem import AttnProblem, kv_shared
 from .validate import check_args, check_return_lse, check_window_sinks, resolve_mask, window_bounds
 
 __all__ = ["attention", "explain", "patch_sdpa", "unpatch_sdpa"]
@@ -148,9 +148,9 @@ def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper
     """The signature of an eager call that can take the per-signature fast path, else None.
 
     Everything `check_args`, routing and planning read is in it (types, dtypes, devices,
-    shapes, strides, flags, the options in force), so a call with an equal key is checked,
-    routed and planned exactly as the first one was; only data pointers differ (`run_fwd` still
-    checks their alignment). 4-D tensors, no mask, no dropout. `return_lse` is in the key, so
+    shapes, strides, flags, whether v is k's prefix, the options in force), so a call with an
+    equal key is checked, routed and planned exactly as the first one was; only data pointers
+    differ (`run_fwd` still checks their alignment). 4-D tensors, no mask, no dropout. `return_lse` is in the key, so
     calls that return (out, lse) and calls that return out never share an entry.
     """
     if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
@@ -161,7 +161,7 @@ def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
             k.dtype, v.dtype, q.device, k.device, v.device, is_causal, scale, enable_gqa,
-            upper_left, return_lse, _options.current())
+            upper_left, return_lse, kv_shared(k, v), _options.current())
 
 
 def _remember(key, value) -> None:

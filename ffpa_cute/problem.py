@@ -20,6 +20,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
+def kv_shared(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether v is k's first Dv columns: `v is k`, or a view of k's storage at k's first
+    element with k's strides (`k[..., :Dv]`: DeepSeek's absorbed MLA). Read from metadata
+    only; tensors without storage answer False (`from_tensors` does not ask under
+    torch.compile, whose traced tensors have no data pointers)."""
+    if v is k:
+        return True
+    try:
+        return (v.device == k.device and v.dtype == k.dtype and v.shape[:-1] == k.shape[:-1]
+                and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride()
+                and v.data_ptr() == k.data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 @dataclass(frozen=True)
 class AttnProblem:
     """One attention call in kernel terms ([B, H, N, D] inputs).
@@ -34,6 +49,7 @@ class AttnProblem:
     varlen: packed variable-length sequences in one launch (`varlen_attention`): batch counts
     the sequences, seqlen_q / seqlen_kv are the longest ones', and causal_offset, window_lo and
     window_hi are relative to each sequence's frame (its Nkv - Nq, added by the kernel).
+    shared_kv: v holds k's first Dv columns (`kv_shared`), so a kernel may read them once.
     """
 
     dtype: str  # "bf16" | "fp16" | "fp32" | ...
@@ -56,6 +72,7 @@ class AttnProblem:
     window_hi: int | None = None
     has_sinks: bool = False
     varlen: bool = False
+    shared_kv: bool = False
 
     @property
     def qhead_per_kvhead(self) -> int:
@@ -107,4 +124,5 @@ class AttnProblem:
             requires_grad=bool(q.requires_grad or k.requires_grad or v.requires_grad),
             window_lo=None if lo is None else int(lo), window_hi=None if hi is None else int(hi),
             has_sinks=bool(has_sinks),
+            shared_kv=not torch.compiler.is_compiling() and kv_shared(k, v),
         )

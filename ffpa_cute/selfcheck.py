@@ -139,12 +139,13 @@ DTYPES = {v: k for k, v in DTYPE_NAMES.items()}  # "bf16" -> torch.bfloat16, ...
 
 def canary_inputs(cp: AttnProblem, device, dtype, seed: int):
     """(q, k, v, dout) of canary problem `cp`: N(0, 1) in `dtype`, drawn in this order from
-    `seed` on `device` (one KV head)."""
+    `seed` on `device` (one KV head); v is k's first Dv columns when `cp.shared_kv`."""
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = ((cp.heads_q, cp.seqlen_q, cp.head_dim), (1, cp.seqlen_kv, cp.head_dim),
               (1, cp.seqlen_kv, cp.head_dim_v), (cp.heads_q, cp.seqlen_q, cp.head_dim_v))
-    return tuple(torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
-                 for h, n, d in shapes)
+    q, k, v, dout = (torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen)
+                     for h, n, d in shapes)
+    return q, k, k[..., :cp.head_dim_v] if cp.shared_kv else v, dout
 
 
 def on_device(device):

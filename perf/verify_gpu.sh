@@ -34,9 +34,9 @@
 #         and fused_perf)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
-#   fwd   the forward experiments: perf.resident_q (MLA prefill 576 / 512, Q streamed as
-#         planned or resident)
-#         (precompile: fwd_perf)
+#   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
+#         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
+#         planned forward) (precompile: fwd_perf)
 set -uo pipefail
 out="${OUT:-./out}"
 mkdir -p "$out"
@@ -101,8 +101,10 @@ if has trace; then
   timeout 500 python -m perf.bwd_fused --trace --out "$out/bwd_fused_trace.json"
 fi
 if has fwd; then
-  step "forward experiments: MLA prefill with Q resident"
-  timeout 300 python -m perf.resident_q --out "$out/resident_q.json"
+  step "forward experiments: V from K's ring (shared_kv), its GPU tests first"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider tests/test_shared_kv.py 2>&1 \
+      | tee "$out/gpu_shared_kv.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
+  timeout 300 python -m perf.shared_kv --out "$out/shared_kv.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

@@ -58,8 +58,8 @@ def jobs(sections=SECTIONS) -> list:
     tests/sanitize.py; fused: what the fused backward's GPU tests run, the sm90 forward, the
     Delta kernel and the fused kernel at D 320-512 (a subset of main, small enough to carry
     alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced, and fwd_perf:
-    `python -m perf.resident_q`'s and `python -m perf.overlap16`'s (all run from the
-    repository's root); the others as the module docstring lists them)."""
+    `python -m perf.shared_kv`'s (all run from the repository's root); the others as the
+    module docstring lists them)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -191,9 +191,9 @@ def jobs(sections=SECTIONS) -> list:
 
         add(bwd_fused.jobs() + bwd_fused.trace_jobs())
     if "fwd_perf" in sections:
-        from perf import resident_q
+        from perf import shared_kv
 
-        add(resident_q.jobs())
+        add(shared_kv.jobs())
     if "sanitize" in sections:
         from . import sanitize
 

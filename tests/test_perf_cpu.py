@@ -480,26 +480,25 @@ def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
     assert all(".local" not in p for p in ptx.values())
 
 
-def test_resident_q_experiment(tmp_path, monkeypatch):
-    """perf.resident_q: at each MLA prefill case the planned config streams Q and the other
-    keeps it resident with the deepest rings that fit (K 3, V 2 at 576 / 512), the rest of the
-    config the same; the resident one compiles for sm_90a without spills."""
-    import dataclasses
-
-    from perf import resident_q
+def test_shared_kv_experiment(tmp_path, monkeypatch):
+    """perf.shared_kv: at each case the planned config and its `shared_kv` twins (P handed over
+    first, or after QK), the rest of the config the planned one's where shared_kv allows; the
+    MLA one compiles for sm_90a without spills."""
+    from perf import shared_kv
     from test_kernels_compile import _no_spills
 
-    for case in resident_q.CASES:
-        plans = resident_q._plans(case)
-        streamed, resident = plans["streamed"].cfg, plans["resident"].cfg
-        assert streamed.stream_q and not resident.stream_q
-        assert (resident.k_stages, resident.v_stages) == (3, 2)
-        assert dataclasses.replace(resident, stream_q=True, k_stages=streamed.k_stages,
-                                   v_stages=streamed.v_stages) == streamed
+    for case in shared_kv.CASES:
+        plans = shared_kv._plans(case)
+        assert list(plans) == ["planned", "shared", "shared, P after QK"]
+        planned, shared = plans["planned"].cfg, plans["shared"].cfg
+        assert shared.shared_kv and not planned.shared_kv
+        assert (shared.head_dim, shared.head_dim_v, shared.causal) == (
+            planned.head_dim, planned.head_dim_v, planned.causal)
+        assert (shared.tile_n, shared.v_stages, shared.publish_after) == (64, 0, 0)
+        assert plans["shared, P after QK"].cfg.publish_after == shared.num_k_chunks
     monkeypatch.chdir(tmp_path)
-    plan = resident_q._plans(resident_q.CASES[0])["resident"]
+    plan = shared_kv._plans(shared_kv.CASES[0])["shared"]
     _no_spills(plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__)
-
 
 def test_producer_warp_register_budget(tmp_path, monkeypatch):
     """perf.producer_regs: with one more warp beside the forward's three warpgroups the launch

@@ -619,9 +619,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         if (type(cfg) is not FwdConfigSm90 or cfg.o_split != 1 or cfg.dv % 128
                 or cfg.dv > cfg.head_dim or cfg.tile_n != 64 or cfg.stream_q or cfg.kv_pair
                 or cfg.persistent or cfg.overlap or cfg.varlen or cfg.half_align != 64):
-            return ("shared_kv needs the 16-bit forward with Dv a multiple of 128, Dv <= D <= "
-                    "512 + 64 chunks (one CTA per tile), tile_n 64, half_align 64, Q resident "
-                    "and no kv_pair, persistent, overlap or varlen")
+            return ("shared_kv needs the 16-bit forward with Dv a multiple of 128 up to 512, "
+                    "Dv <= D, tile_n 64, half_align 64, Q resident and no kv_pair, "
+                    "persistent, overlap or varlen")
         if cfg.v_stages != 0 or cfg.k_stages != cfg.shared_stages:
             return (f"shared_kv has no V rings and a K ring of two blocks' V chunks and one "
                     f"block's others: v_stages 0, k_stages {cfg.shared_stages}")
@@ -646,13 +646,27 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
 # The FP8 forward takes the `overlap` schedule up to this many D chunks (128 columns each):
 # D <= 384 (`plan_fwd` says what was measured)
 OVERLAP_MAX_CHUNKS = 3
+# `shared_kv` for problems whose v is k's prefix (AttnProblem.shared_kv): off until a GPU run
+# measures it against the planned forward (perf.shared_kv)
+SHARED_KV = False
+
+
+def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
+    """cfg (a 16-bit forward config) with `shared_kv`: tile_n 64, Q resident, one CTA per
+    tile, the K ring of `shared_stages`, no V rings, P handed over before QK[i+1] (its PV then
+    runs first, and the O warpgroups' refills of block i + 2 start under QK[i+1])."""
+    shared = dataclasses.replace(cfg, shared_kv=True, tile_n=64, stream_q=False, kv_pair=False,
+                                 persistent=False, overlap=0, half_align=64, publish_after=0,
+                                 v_stages=0)
+    return dataclasses.replace(shared, k_stages=shared.shared_stages)
 
 
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
-             persistent: bool = False) -> FwdConfigSm90:
+             persistent: bool = False, shared: bool = False) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
     `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `persistent`:
-    whether persistent CTAs may serve it (`Options.persistent`). They do for a 16-bit problem
+    whether persistent CTAs may serve it (`Options.persistent`); `shared`: whether v being k's
+    prefix (`problem.shared_kv`) may take `shared_kv` (with SHARED_KV on, where it builds). They do for a 16-bit problem
     with D and Dv multiples of 64 up to 512 whose tiles are (nearly) equal in length: no right
     bound, or a sliding window (common/scheduler.py says why not under a plain causal mask).
     Measured on the H200 (persistent / one CTA per tile; docs/perf-log.md): D=384
@@ -712,6 +726,10 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
         # block and a half deep (measured below)
         base["overlap"] = chunks // 2
         min_k = chunks + chunks // 2
+    if shared and problem.shared_kv and SHARED_KV and not fp8:
+        cfg = shared_kv_config(cls(**base))
+        if can_implement(cfg) is None:
+            return cfg
     if base["stream_q"] and dv <= MAX_SINGLE_CTA_HEAD_DIM and not fp8:
         # D > 512 with O in one CTA (MLA's 576 / 512): Q resident where it fits beside a K
         # ring of 3 and V rings of 2 (D <= 640), measured below
