@@ -54,9 +54,9 @@ def test_plan_and_constraints():
 
 
 def test_planned_variants_follow_their_switches(monkeypatch):
-    """`plan_bwd_fused` plans `dq_grads` FUSED_DQ_GRADS (1: measured fastest) and `group_split`
-    only with FUSED_GROUP_SPLIT on (off: measured not worth it) and where `group_parts` splits
-    the problem (MQA 64:1 at 8K: yes; MHA: no)."""
+    """`plan_bwd_fused` plans `dq_grads` FUSED_DQ_GRADS (1: measured fastest; 2 at D=448,
+    FUSED_DQ_GRADS_BY_DIM) and `group_split` only with FUSED_GROUP_SPLIT on (off: measured
+    not worth it) and where `group_parts` splits the problem (MQA 64:1 at 8K: yes; MHA: no)."""
     mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
                       seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
     mha = dataclasses.replace(mqa, heads_q=32, heads_kv=32)
@@ -66,6 +66,9 @@ def test_planned_variants_follow_their_switches(monkeypatch):
     monkeypatch.setattr(c90, "FUSED_GROUP_SPLIT", True)
     assert (c90.plan_bwd_fused(mqa).dq_grads, c90.plan_bwd_fused(mqa).group_split) == (2, True)
     assert not c90.plan_bwd_fused(mha).group_split
+    monkeypatch.setattr(c90, "FUSED_DQ_GRADS", 1)
+    d448 = dataclasses.replace(mha, head_dim=448, head_dim_v=448)
+    assert c90.plan_bwd_fused(d448).dq_grads == c90.FUSED_DQ_GRADS_BY_DIM[448] == 2
 
 
 @pytest.mark.parametrize("d", [320, 384, 448, 512])

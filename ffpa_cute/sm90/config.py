@@ -1115,27 +1115,33 @@ def fused_pays(problem: AttnProblem) -> bool:
             and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
 
 
-# Who forms dQ (`dq_grads`) and whether head groups split over CTA pairs where `group_parts`
-# says so, as measured by perf.bwd_fused (H100, bf16, N=8K, TFLOPS, 2026-12-05): dq_grads 0 /
-# 1 / 2 at D=512 272 / 308 / 306, causal 262 / 307 / 293, 16K 264 / 312 / 316, D=320 206 /
-# 270 / 267, 384 245 / 305 / 289, 448 248 / 269 / 281; group_split with dq_grads 1: GQA 32/4
-# causal 272 against 275, MQA 64/1 causal 247 against 241 (not worth its fp32 workspaces)
+# Who forms dQ (`dq_grads`: FUSED_DQ_GRADS, or FUSED_DQ_GRADS_BY_DIM's at that D) and whether
+# head groups split over CTA pairs where `group_parts` says so, as measured by perf.bwd_fused
+# (bf16, N=8K, TFLOPS, 2026-12-05; docs/perf-log.md). H100, dq_grads 0 / 1 / 2: D=512 272 /
+# 308 / 306, causal 262 / 307 / 293, 16K 264 / 312 / 316, D=320 206 / 270 / 267, 384 245 /
+# 305 / 289, 448 248 / 269 / 281, MQA 64/1 causal 179 / 241 / 202. H200, dq_grads 1 / 2: D=512
+# 314-319 / 318, causal 308-310 / 308, GQA 32/4 causal 286-298 / 286, MQA 64/1 causal 261-263
+# / 274, 16K 318 / 324, D=320 267-269 / 284, 384 302-305 / 304, 448 266 / 288. So 1, and 2 at
+# D=448 (ahead on both cards); the others' differences change sign between the cards.
+# group_split with dq_grads 1 (H100 / H200): GQA 32/4 causal 272 / 294 against 275 / 286-298,
+# MQA 64/1 causal 247 / 270 against 241 / 261-263: not worth its fp32 workspaces
 FUSED_DQ_GRADS = 1
+FUSED_DQ_GRADS_BY_DIM = {448: 2}
 FUSED_GROUP_SPLIT = False
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
-    keeps one); `dq_grads` FUSED_DQ_GRADS, `group_split` where FUSED_GROUP_SPLIT is on and
-    `group_parts` splits the problem's head groups. Raises ValueError with the reason for
-    problems it does not take: Dv != D, varlen."""
+    keeps one); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it names D),
+    `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the problem's head
+    groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
     if problem.varlen:
         raise ValueError("the fused backward takes no varlen yet")
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded, window=problem.window_lo is not None,
-                dq_grads=FUSED_DQ_GRADS,
+                dq_grads=FUSED_DQ_GRADS_BY_DIM.get(problem.head_dim, FUSED_DQ_GRADS),
                 group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=2))
     for do_stages in (2, 1):
         cfg = BwdFusedConfigSm90(**base, do_stages=do_stages)
