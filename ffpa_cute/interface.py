@@ -161,7 +161,7 @@ def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
             k.dtype, v.dtype, q.device, k.device, v.device, is_causal, scale, enable_gqa,
-            upper_left, return_lse, kv_shared(k, v), _options.current())
+            upper_left, kv_shared(k, v), return_lse, _options.current())
 
 
 def _remember(key, value) -> None:

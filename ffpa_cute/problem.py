@@ -28,11 +28,12 @@ def kv_shared(k: torch.Tensor, v: torch.Tensor) -> bool:
     if v is k:
         return True
     try:
-        return (v.device == k.device and v.dtype == k.dtype and v.shape[:-1] == k.shape[:-1]
-                and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride()
-                and v.data_ptr() == k.data_ptr())
+        if v.data_ptr() != k.data_ptr():  # the usual answer, found first (every call asks)
+            return False
     except (RuntimeError, NotImplementedError):
         return False
+    return (v.device == k.device and v.dtype == k.dtype and v.shape[:-1] == k.shape[:-1]
+            and v.shape[-1] <= k.shape[-1] and v.stride() == k.stride())
 
 
 @dataclass(frozen=True)

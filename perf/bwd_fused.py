@@ -7,22 +7,21 @@
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
-TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one and
-its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group split over CTA
-pairs).
+TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one as
+planned and its variants (`FUSED_VARIANTS`: who forms dQ, S^T(i+1) before the hand-over; with
+GQA / MQA the head group split over CTA pairs), each only where it differs from the plan.
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each, the same products in another summation order; a variant past it is reported as
 WRONG and the run goes on).
 
-`--trace`: the fused kernel at D=512 and D=320 with clock64 stamps at its `_trace` hooks (the
-phase table per warpgroup), the next steps beside it ("dQ in dV", "dQ in dV + dK": dQ formed
-by the gradient warpgroups, config `dq_grads`; "alternating": the dQ pieces alternate between
-the staging buffers across chunks and blocks; "pair stores": 8-byte st.shared; both; "S^T
-first": S^T(i+1) issued before P^T(i) is published, alone and with dQ moved; their gradients
-checked against the kernel's) and knockouts (dQ's pieces staged but not
-added; dQ formed but not reduced; no exchange; neither; no dQ: wrong results, timing only).
-Measurements and their reading: docs/design.md section 4, "The fused backward", and
-docs/perf-log.md (2026-12-05, sessions 20-22).
+`--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
+phase table per warpgroup), the next steps beside it ("S^T first": S^T(i+1) issued before
+P^T(i) is published, config `scores_first`; "pair stores": 8-byte st.shared; both; "dQ in dV
++ dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's pieces
+staged but not added; dQ formed but neither staged nor added: wrong results, timing only).
+Eight variants of one case fit one device call. Measurements and their reading:
+docs/design.md section 4, "The fused backward", and docs/perf-log.md (2026-12-05, sessions
+20-23).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from cutlass import Float32, Int32
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
-from ffpa_cute.sm90.config import FUSED_DQ_PIECE, FUSED_TILE
+from ffpa_cute.sm90.config import FUSED_DQ_PIECE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp, medians, period, span
 
@@ -54,17 +53,19 @@ def _problem(d, causal, hq, hkv, n):
                        seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal)
 
 
-# the fused kernel's variants timed beside it (config fields): who forms dQ (`dq_grads`), and
-# with GQA / MQA the head group split over CTA pairs (`group_split`)
-FUSED_VARIANTS = {"fused": {}, "fused dQ in dV": dict(dq_grads=1),
-                  "fused dQ in dV + dK": dict(dq_grads=2),
-                  "fused split": dict(group_split=True),
-                  "fused dQ in dV, split": dict(dq_grads=1, group_split=True)}
+# the fused kernel's variants timed beside the planned one (config fields): who forms dQ
+# (`dq_grads`), S^T(i+1) issued before the hand-over (`scores_first`), and with GQA / MQA the
+# head group split over CTA pairs (`group_split`)
+FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
+                  "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
+                  "fused S^T first": dict(scores_first=True),
+                  "fused split": dict(group_split=True)}
 
 
 def plans(case) -> dict:
-    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused" and its
-    `FUSED_VARIANTS` (the split ones only with GQA / MQA)."""
+    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused" (as
+    planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
+    split one only with GQA / MQA)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -74,10 +75,13 @@ def plans(case) -> dict:
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
+    planned = plan_bwd_fused(p, "sm_90a")
     for name, fields in FUSED_VARIANTS.items():
         if fields.get("group_split") and p.heads_q == p.heads_kv:
             continue   # one query head per KV head: nothing to split
-        cfg = dataclasses.replace(plan_bwd_fused(p, "sm_90a"), **fields)
+        cfg = dataclasses.replace(planned, **fields)
+        if name != "fused" and cfg == planned:
+            continue   # the plan itself
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
             DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
     return out
@@ -160,36 +164,6 @@ class FusedTraced(FFPABwdFusedSm90):
         _stamp(extra, event, i)
 
 
-class _NoRed(FusedTraced):
-    """dQ's products formed, neither staged nor added (dq wrong; timing only)."""
-
-    @cute.jit
-    def _dq_reduce(self, mma, acc, ops, smem, work, head_q, n_block, col,
-                   width: cutlass.Constexpr, tidx):
-        pass
-
-
-class _NoExchange(FusedTraced):
-    """Nothing sent: each CTA scores its own partials (wrong; timing only)."""
-
-    @cute.jit
-    def _send(self, acc, smem, part: cutlass.Constexpr, rank, tidx):
-        pass
-
-    @cute.jit
-    def _arm_exchange(self, smem, tidx):
-        if tidx == 0:
-            cute.arch.mbarrier_arrive(smem.bars.x_full)
-
-    @cute.jit
-    def _receive(self, acc_S, acc_dP, smem, tidx):
-        pass
-
-
-class _NoExchangeNoRed(_NoExchange, _NoRed):
-    pass
-
-
 class _NoCopy(FusedTraced):
     """dQ's pieces staged through smem (the barriers included), never added (dq wrong;
     timing only: what the TMA reductions' waits cost)."""
@@ -197,21 +171,6 @@ class _NoCopy(FusedTraced):
     @cute.jit
     def _add_piece(self, tma, src, dst):
         pass
-
-
-class _Alternating(FusedTraced):
-    """The next step, to measure (correct results): the pieces alternate between the two
-    staging buffers in issue order across chunks and blocks (block i's chunk at columns col:
-    running piece i * half / 32 + (col - col0) / 32 + p), so every piece waits only for the
-    group two back; today a chunk's first piece waits for every earlier group. Predicted
-    (perf-log, session 21): a block period of ~8200-8500 cycles at D=512 against 9024."""
-
-    def _piece_buffer(self, work, head_q, n_block, col, p: int):
-        i = ((head_q - work.head_q0) * cutlass.max(work.n_per, 1)
-             + work.n_top - 1 - n_block)
-        g = (i * (self.half // FUSED_DQ_PIECE) + (col - work.rank * self.half) // FUSED_DQ_PIECE
-             + p)
-        return g % 2, 1
 
 
 class _PairStores(FusedTraced):
@@ -234,65 +193,39 @@ class _PairStores(FusedTraced):
                     dst, (1, 2), (row, (cc - p * FUSED_DQ_PIECE) // 2))))
 
 
-class _AlternatingPairs(_Alternating, _PairStores):
-    """Both next steps together."""
-
-
-class _ScoresFirst(FusedTraced):
-    """A next step, to measure (correct results): S^T_r(i+1) issued before P^T(i) / dS^T(i)
-    are published, so its WGMMAs reach the tensor pipe ahead of the dV / dK products the
-    publication starts (`scores_first`). In the trace, S^T(i+1) took ~2100-2270 cycles of the
-    chain for ~512 of tensor work, sharing the pipe with those products; predicted: ~1000-1300
-    cycles saved per block where the S chain is the period (with dQ off it, `dq_grads`)."""
-
-    scores_first = True
-
-
-class _ScoresFirstPairs(_ScoresFirst, _PairStores):
-    """"S^T first" and "pair stores" together."""
-
-
-class _NoDQ(_NoRed):
-    """No dQ product and no reduction: the S warpgroup's chain without dQ (timing only)."""
+class _NoPut(FusedTraced):
+    """dQ's products formed, neither staged nor added (dq wrong; timing only: what staging
+    and reducing dQ cost the dQ-forming warpgroups)."""
 
     @cute.jit
-    def _dq_issue(self, mma, sdS, sKt, c0: cutlass.Constexpr, width: cutlass.Constexpr, tidx):
-        thr = mma.get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((FUSED_TILE, width)), Float32)
-        acc.fill(0.0)
-        return acc
+    def _put_piece(self, ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p: cutlass.Constexpr,
+                   n_block, piece, tidx):
+        pass
 
 
-# name -> (traced class, the config's dq_grads)
-TRACE_VARIANTS = {"traced": (FusedTraced, 0), "dQ in dV": (FusedTraced, 1),
-                  "dQ in dV + dK": (FusedTraced, 2), "alternating": (_Alternating, 0),
-                  "pair stores": (_PairStores, 0),
-                  "alternating, pair stores": (_AlternatingPairs, 0),
-                  "no copy": (_NoCopy, 0), "no red": (_NoRed, 0),
-                  "no exchange": (_NoExchange, 0),
-                  "no exchange, no red": (_NoExchangeNoRed, 0), "no dQ": (_NoDQ, 0),
-                  "S^T first": (_ScoresFirst, 0), "dQ in dV, S^T first": (_ScoresFirst, 1),
-                  "dQ in dV + dK, S^T first": (_ScoresFirst, 2),
-                  "dQ in dV, pair stores": (_PairStores, 1),
-                  "dQ in dV, S^T first, pair stores": (_ScoresFirstPairs, 1)}
-TRACE_CASES = ((512, False, 32, 32, 8192), (320, False, 32, 32, 8192))
+# name -> (traced class, config fields over the plan's)
+TRACE_VARIANTS = {"traced": (FusedTraced, {}),
+                  "S^T first": (FusedTraced, dict(scores_first=True)),
+                  "pair stores": (_PairStores, {}),
+                  "S^T first, pair stores": (_PairStores, dict(scores_first=True)),
+                  "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
+                  "no copy": (_NoCopy, {}), "no put": (_NoPut, {})}
+TRACE_CASES = ((512, False, 32, 32, 8192),)
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "dQ in dV", "dQ in dV + dK", "alternating", "pair stores",
-                    "alternating, pair stores", "S^T first", "dQ in dV, S^T first",
-                    "dQ in dV + dK, S^T first", "dQ in dV, pair stores",
-                    "dQ in dV, S^T first, pair stores")
+CORRECT_VARIANTS = ("traced", "S^T first", "pair stores", "S^T first, pair stores",
+                    "dQ in dV + dK")
 
 
-def _trace_cfg(case, dq_grads: int):
-    """The fused config a trace case runs, with `dq_grads` as the variant asks."""
+def _trace_cfg(case, fields: dict):
+    """The fused config a trace case runs: the plan's with the variant's fields."""
     import dataclasses
 
-    return dataclasses.replace(plans(case)["fused"].cfgs[-1], dq_grads=dq_grads)
+    return dataclasses.replace(plans(case)["fused"].cfgs[-1], **fields)
 
 
 def trace_jobs() -> list:
-    return [(cls, _trace_cfg(case, g)) for case in TRACE_CASES
-            for cls, g in TRACE_VARIANTS.values()]
+    return [(cls, _trace_cfg(case, f)) for case in TRACE_CASES
+            for cls, f in TRACE_VARIANTS.values()]
 
 
 def trace_phases(trace) -> dict:
@@ -336,8 +269,8 @@ def run_trace(dev, flush) -> dict:
         scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        for name, (cls, dq_grads) in TRACE_VARIANTS.items():
-            cfg = _trace_cfg(case, dq_grads)
+        for name, (cls, fields) in TRACE_VARIANTS.items():
+            cfg = _trace_cfg(case, fields)
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
             launch.run_job(cls, cfg, args, scalars)

@@ -340,23 +340,25 @@ def test_protocol_model_dq_staging(d, order):
 
 @pytest.mark.parametrize("dq_grads", [0, 1, 2])
 def test_protocol_model_scores_first(dq_grads):
-    """perf.bwd_fused's "S^T first" variant (S^T(i+1) issued before P^T(i) / dS^T(i) are
-    published, `FFPABwdFusedSm90.scores_first`) runs clean with the planner's two Q stages and
-    deadlocks with one: Q(i+1) would then be loaded only after the dK warpgroup's product on
-    block i, which waits for the publication that waits for Q(i+1)."""
+    """`scores_first` (S^T(i+1) issued before P^T(i) / dS^T(i) are published) runs clean with
+    the planner's two Q stages and deadlocks with one: Q(i+1) would then be loaded only after
+    the dK warpgroup's product on block i, which waits for the publication that waits for
+    Q(i+1); `can_implement_fused` refuses that config."""
     from ffpa_cute.common.protocol import ProtocolError
     from ffpa_cute.sm90 import fused_protocol
 
     for q_stages in (2, 1):
         cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, q_stages=q_stages,
-                                     do_stages=1, dq_grads=dq_grads)
+                                     do_stages=1, dq_grads=dq_grads, scores_first=True)
         if q_stages == 1:
+            assert "scores_first needs q_stages 2" in c90.can_implement_fused(cfg)
             with pytest.raises(ProtocolError, match="deadlock"):
-                fused_protocol.run(cfg, 3, 0, scores_first=True)
+                fused_protocol.run(cfg, 3, 0)
             continue
+        assert c90.can_implement_fused(cfg) is None
         for blocks in (1, 2, 3, 5):
             for seed in range(8):
-                fused_protocol.run(cfg, blocks, seed, scores_first=True)
+                fused_protocol.run(cfg, blocks, seed)
 
 
 @pytest.mark.parametrize("fault,needles", [

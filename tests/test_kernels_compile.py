@@ -228,10 +228,13 @@ def test_sm90_dq_dk_kernels_compile(d, causal, grad):
 
 
 def test_sm90_dv_not_d_compiles():
-    """MLA-absorbed D = 576, Dv = 512: QK over nine 64-wide chunks (Q streamed), O 512 wide."""
+    """MLA-absorbed D = 576, Dv = 512: QK over nine 64-wide chunks (Q resident: K 3 / V 2
+    stages), O 512 wide; D = 1024 with Dv = 512 streams Q (resident would not fit)."""
     p = _problem(576, True, 128, 1, dv=512)
     plan = dispatch.plan_fwd(p, target="sm_90a")
-    assert plan.cfg.head_dim_v == 512 and plan.cfg.stream_q
+    assert plan.cfg.head_dim_v == 512 and not plan.cfg.stream_q
+    assert (plan.cfg.k_stages, plan.cfg.v_stages) == (3, 2)
+    assert dispatch.plan_fwd(_problem(1024, True, 8, 1, dv=512), target="sm_90a").cfg.stream_q
     ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and ".local" not in ptx
     _no_spills(ptx)

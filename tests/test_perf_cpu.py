@@ -431,46 +431,47 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
 
 
 def test_bwd_fused_experiment_plans_both_backwards():
-    """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV) and the fused one
-    with its variants (Delta, fused; `dq_grads` 0, 1, 2; `group_split` where Hq != Hkv), so
-    `--precompile` covers what the GPU run times."""
+    """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV), the fused one as
+    planned and each variant whose config differs from it (`dq_grads` 0, 1, 2, `scores_first`;
+    `group_split` where Hq != Hkv), so `--precompile` covers what the GPU run times."""
+    import dataclasses
+
     from perf import bwd_fused
 
     for case in bwd_fused.CASES:
         plans = bwd_fused.plans(case)
+        planned = plans["fused"].cfgs[1]
         names = [n for n, f in bwd_fused.FUSED_VARIANTS.items()
-                 if case[2] != case[3] or not f.get("group_split")]
+                 if (case[2] != case[3] or not f.get("group_split"))
+                 and (n == "fused" or dataclasses.replace(planned, **f) != planned)]
         assert list(plans) == ["routed", *names]
         for n in names:
-            fields = {"dq_grads": 0, "group_split": False, **bwd_fused.FUSED_VARIANTS[n]}
-            assert {f: getattr(plans[n].cfgs[1], f) for f in fields} == fields
+            assert plans[n].cfgs[1] == dataclasses.replace(planned,
+                                                           **bwd_fused.FUSED_VARIANTS[n])
         assert [type(c).__name__ for c in plans["routed"].cfgs] == [
             "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         for name in list(plans)[1:]:
             cfgs = plans[name].cfgs
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
+    assert len(bwd_fused.trace_jobs()) == len(bwd_fused.TRACE_VARIANTS)
 
 
 @pytest.mark.parametrize("d", [448, 512])
 def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
-    """perf.bwd_fused's next-step trace variants for the fused backward's dQ staging compile
-    for sm_90a at an odd (D=448: 7) and an even (D=512: 8) number of pieces per block:
-    "alternating" waits for the group two back (`wait_group.read 1`) and drains
-    (`wait_group.read 0`) only at the end, where the kernel drains at each chunk's start too;
-    "pair stores" stages by 8-byte st.shared only; no local memory."""
+    """perf.bwd_fused's trace variants at the planned config (`dq_grads` 2 at D=448, 1 at 512):
+    "pair stores" stages dQ by 8-byte st.shared only (the same values as the kernel's scalar
+    stores, paired), "S^T first" compiles, and nothing uses local memory."""
     import re
 
     from perf import bwd_fused
 
     monkeypatch.chdir(tmp_path)
-    cfg = bwd_fused.plans((d, False, 4, 4, 1024))["fused"].cfgs[-1]
-    ptx = {name: bwd_fused.TRACE_VARIANTS[name][0].compile(cfg, options="--keep-ptx").__ptx__
-           for name in ("traced", "alternating", "pair stores")}
-    drains = {n: len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", p))
-              for n, p in ptx.items()}
-    assert drains["alternating"] == 1 < drains["traced"], drains
-    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx["alternating"])
+    ptx = {}
+    for name in ("traced", "pair stores", "S^T first"):
+        cls, fields = bwd_fused.TRACE_VARIANTS[name]
+        cfg = bwd_fused._trace_cfg((d, False, 4, 4, 1024), fields)
+        ptx[name] = cls.compile(cfg, options="--keep-ptx").__ptx__
     # (scalar, 8-byte) st.shared of 32-bit values in each variant
     stores = {n: (len(re.findall(r"st\.shared\.[bf]32", p)),
                   len(re.findall(r"st\.shared\.v2\.[bf]32", p))) for n, p in ptx.items()}

@@ -220,10 +220,6 @@ class FFPABwdFusedSm90(KernelEntry):
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
-    # S^T_r(i+1) issued before P^T(i) / dS^T(i) are published, so that its WGMMAs reach the
-    # tensor pipe ahead of the dV / dK products they start (a perf.bwd_fused trace variant
-    # until measured)
-    scores_first = False
 
     @staticmethod
     def fake_inputs(cfg):
@@ -547,11 +543,11 @@ class FFPABwdFusedSm90(KernelEntry):
             #      first chunk; S^T's partial sent, the chunk reduced. P^T / dS^T are
             #      published before S^T_r(i+1) is issued, or after (`scores_first`)
             nxt = cutlass.min(i + 1, n_count - 1)
-            if const_expr(self.scores_first):
+            if const_expr(self.cfg.scores_first):
                 self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
             cute.arch.mbarrier_arrive(bars.p_full)
             self._trace(extra, 4, i)
-            if const_expr(not self.scores_first):
+            if const_expr(not self.cfg.scores_first):
                 self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
             acc0 = None
             if const_expr(own_dq):

@@ -551,7 +551,8 @@ def plan_decode(problem: AttnProblem, arch: str, page_rows: int | None,
     # 64-row blocks also for an FP8 cache: its 8-bit stages and 16-bit buffers fit beside
     # resident Q only at the smaller tile
     tile_n = 64 if (page_rows is not None and page_rows % 128) or kv_dtype else 128
-    base = {**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False)), "tile_n": tile_n,
+    base = {**dataclasses.asdict(plan_fwd(problem, arch, kv_pair=False, resident_q=False)),
+            "tile_n": tile_n,
             "page_rows": page_rows, "kv_dtype": kv_dtype, "half_align": 8}
 
     def make(k, v):
@@ -662,13 +663,17 @@ def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
 
 
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
-             persistent: bool = False, shared: bool = False) -> FwdConfigSm90:
+             persistent: bool = False, shared: bool = False,
+             resident_q: bool = True) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
-    `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `persistent`:
-    whether persistent CTAs may serve it (`Options.persistent`); `shared`: whether v being k's
-    prefix (`problem.shared_kv`) may take `shared_kv` (with SHARED_KV on, where it builds). They do for a 16-bit problem
-    with D and Dv multiples of 64 up to 512 whose tiles are (nearly) equal in length: no right
-    bound, or a sliding window (common/scheduler.py says why not under a plain causal mask).
+    `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `shared`:
+    whether v being k's prefix (`problem.shared_kv`) may take `shared_kv` (with SHARED_KV on,
+    where it builds); `resident_q`: whether Q may stay resident above D=512 (below; the dV
+    and decode planners, which start from this plan, keep it streamed there as they were
+    measured); `persistent`: whether persistent CTAs may serve it (`Options.persistent`).
+    They do for a 16-bit problem with D and Dv multiples of 64 up to 512 whose tiles are
+    (nearly) equal in length: no right bound, or a sliding window (common/scheduler.py says why
+    not under a plain causal mask).
     Measured on the H200 (persistent / one CTA per tile; docs/perf-log.md): D=384
     1.09, 448 1.04, 512 1.00-1.02, 320 0.96-1.02 without a right bound; windows 1.10 (D=512,
     left 1024) to 1.52 (left 128, MQA 64:1). D % 64 != 0 lost with exact O halves (264 0.74,
@@ -730,7 +735,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
         cfg = shared_kv_config(cls(**base))
         if can_implement(cfg) is None:
             return cfg
-    if base["stream_q"] and dv <= MAX_SINGLE_CTA_HEAD_DIM and not fp8:
+    if resident_q and base["stream_q"] and dv <= MAX_SINGLE_CTA_HEAD_DIM and not fp8:
         # D > 512 with O in one CTA (MLA's 576 / 512): Q resident where it fits beside a K
         # ring of 3 and V rings of 2 (D <= 640), measured below
         resident = {**base, "stream_q": False}
@@ -875,7 +880,8 @@ def plan_dv(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) ->
     CTA pair splitting the query blocks above 512 with `kv_pair`), the head group split where
     `group_parts` says so."""
     _check_bwd_head_dim(problem)
-    fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=kv_pair), sinks=False)
+    fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=kv_pair, resident_q=False),
+                              sinks=False)
     cfg = BwdDVConfigSm90(**dataclasses.asdict(fwd))
     cfg = dataclasses.replace(cfg, group_split=_group_split(problem, cfg.o_split))
     reason = can_implement_dv(cfg)
@@ -952,8 +958,8 @@ FUSED_DQ_PIECE = 32        # columns of one staged dQ piece (64 x 32 fp32: 8 KB,
 @dataclass(frozen=True)
 class BwdFusedConfigSm90:
     """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
-    GPU-tested: planned under `Options(deterministic=False)` where it measured faster than the
-    atomic-free kernels, canaried first while VERIFIED is False).
+    GPU-tested and sanitizer-clean: planned under `Options(deterministic=False)` where it
+    measured faster than the atomic-free kernels).
 
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
@@ -976,6 +982,11 @@ class BwdFusedConfigSm90:
                 storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
+    scores_first: the S warpgroup issues S^T_r(i+1) before it publishes P^T(i) / dS^T(i), so
+                its WGMMAs reach the tensor pipe ahead of the dV / dK products the publication
+                starts (else after). Needs two Q stages: with one, Q(i+1) is loaded by the dK
+                warpgroup only after its product on block i, which waits for the publication
+                (the protocol model's deadlock). Not planned until measured (perf.bwd_fused)
     """
 
     arch: str
@@ -987,6 +998,7 @@ class BwdFusedConfigSm90:
     window: bool = False
     dq_grads: int = 0
     group_split: bool = False
+    scores_first: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
@@ -1094,6 +1106,8 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
+    if cfg.scores_first and cfg.q_stages != 2:
+        return "scores_first needs q_stages 2 (with one the Q ring's refill waits on the hand-over)"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")

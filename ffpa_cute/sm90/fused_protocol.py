@@ -41,15 +41,15 @@ class FusedModel(ModelBase):
     steps to drop or alter (tests: the model must catch them). `alternating`: the dQ pieces
     take the staging buffers in issue order across chunks and blocks, each waiting only for
     the group two back (perf.bwd_fused's "alternating" variant), instead of the kernel's
-    per-chunk order whose first piece waits for every group. `scores_first`: S^T(i+1) issued
-    before P^T(i) / dS^T(i) are published (the kernel's class attribute of that name)."""
+    per-chunk order whose first piece waits for every group. The config's `scores_first`:
+    S^T(i+1) issued before P^T(i) / dS^T(i) are published."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
-                 alternating: bool = False, scores_first: bool = False):
+                 alternating: bool = False):
         super().__init__()
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
         self.faults, self.alternating = set(faults), alternating
-        self.scores_first = scores_first
+        self.scores_first = cfg.scores_first
         self.pieces = [w // FUSED_DQ_PIECE for w in cfg.dq_chunks]
         # (CTA, issuing warpgroup) -> its bulk groups, as issued, and those still reading:
         # a bulk group belongs to the thread that committed it
@@ -309,11 +309,10 @@ class FusedModel(ModelBase):
 
 
 def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),
-        alternating: bool = False, scores_first: bool = False) -> int:
-    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`,
-    `scores_first`: the variants `FusedModel` names); the steps taken (raises
-    ProtocolError)."""
-    return FusedModel(cfg, blocks, seed, faults, alternating, scores_first).run()
+        alternating: bool = False) -> int:
+    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`: the variant
+    `FusedModel` names); the steps taken (raises ProtocolError)."""
+    return FusedModel(cfg, blocks, seed, faults, alternating).run()
 
 
 __all__ = ["FusedModel", "run"]

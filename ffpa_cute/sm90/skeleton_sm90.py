@@ -962,10 +962,12 @@ class RingSkeletonSm90(KernelEntry):
                     # product overwrites its accumulator
                     warpgroup.wait_group(0)
                     self._first_scores(tile, io, frags, step)
-                s, phase = x % ks, (x // ks) & 1
                 if const_expr(self.shared_kv):
                     s, phase = self._shared_stage(i, c)
-                cute.arch.mbarrier_wait(bars.cols + s, phase)
+                    cute.arch.mbarrier_wait(bars.cols + s, phase)
+                else:
+                    s = x % ks
+                    cute.arch.mbarrier_wait(bars.cols + s, (x // ks) & 1)
                 sb = s  # the C buffer the WGMMAs read
                 if const_expr(self.cvt):  # chunk x-2, the last reader of buffer x % 2, is done
                     sb = x % 2
