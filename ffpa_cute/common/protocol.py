@@ -90,5 +90,29 @@ class ModelBase:
     def done(self, bar: str, phase: int) -> bool:
         return self.bars[bar].done(bar, phase)
 
+    def interleave(self, roles: dict, hardware: dict, max_steps: int) -> int:
+        """Run `roles` (name -> generator, one step per `next`) and the hardware's units (name
+        -> (has work?, one step)) in a random order until every role has finished and no unit
+        has work left; each unit moves at a speed drawn per run from `self.rng` (skewed
+        timings: one warpgroup far ahead of another, landings slow or fast). Returns the steps
+        taken; raises ProtocolError after `max_steps` (a deadlock)."""
+        speed = {u: self.rng.choice((0.1, 0.5, 1.0, 4.0)) for u in [*sorted(roles), *hardware]}
+        self.steps = 0
+        while roles or any(busy() for busy, _ in hardware.values()):
+            self.steps += 1
+            if self.steps > max_steps:
+                raise ProtocolError(f"no progress after {max_steps} steps: deadlock "
+                                    f"(roles left: {sorted(roles)})")
+            units = sorted(roles) + [u for u, (busy, _) in hardware.items() if busy()]
+            unit = self.rng.choices(units, [speed[u] for u in units])[0]
+            if unit in hardware:
+                hardware[unit][1]()
+                continue
+            try:
+                next(roles[unit])
+            except StopIteration:
+                del roles[unit]
+        return self.steps
+
 
 __all__ = ["Barrier", "Buffer", "ModelBase", "ProtocolError", "STAGE_BYTES"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 
-from ..common.protocol import STAGE_BYTES, Barrier, ModelBase, ProtocolError
+from ..common.protocol import STAGE_BYTES, Barrier, ModelBase
 from .config import FUSED_DQ_PIECE, BwdFusedConfigSm90
 
 WG_THREADS = 128
@@ -63,7 +63,6 @@ class FusedModel(ModelBase):
         self.bars = {self.bar(r, name, i): Barrier(c) for r in (0, 1)
                      for name, (k, c) in counts.items() for i in range(k)}
         self.landing: list = []  # in flight: (buffer, tag, barrier)
-        self.steps = 0
 
     # -------------------------------------------------------------- hardware
     def wait(self, bar: str, phase: int):
@@ -280,32 +279,17 @@ class FusedModel(ModelBase):
             roles[f"S{r}"] = self.score(r)
             roles[f"dV{r}"] = self.grad(r, 0)
             roles[f"dK{r}"] = self.grad(r, 1)
-        # each unit's speed, drawn per run: skewed timings (one warpgroup far ahead of
-        # another, landings slow or fast) are explored, not only even interleavings
-        speed = {u: self.rng.choice((0.1, 0.5, 1.0, 4.0)) for u in [*sorted(roles), "land",
-                                                                      "bulk"]}
-        while roles or self.landing or any(self.groups.values()):
-            self.steps += 1
-            if self.steps > max_steps:
-                raise ProtocolError(f"no progress after {max_steps} steps: deadlock "
-                                    f"(roles left: {sorted(roles)})")
-            reading = sorted(g for live in self.groups.values() for g in live)
-            units = sorted(roles) + ["land"] * bool(self.landing) + ["bulk"] * bool(reading)
-            unit = self.rng.choices(units, [speed[u] for u in units])[0]
-            if unit == "land":
-                self.land()
-                continue
-            if unit == "bulk":   # a TMA reduction has read its piece (in any order)
-                done = reading[self.rng.randrange(len(reading))]
-                for live in self.groups.values():
-                    live.discard(done)
-                self.release(done)
-                continue
-            try:
-                next(roles[unit])
-            except StopIteration:
-                del roles[unit]
-        return self.steps
+        return self.interleave(roles, {"land": (lambda: bool(self.landing), self.land),
+                                       "bulk": (lambda: any(self.groups.values()), self.bulk)},
+                               max_steps)
+
+    def bulk(self) -> None:
+        """A TMA reduction has read its piece (any of those still reading)."""
+        reading = sorted(g for live in self.groups.values() for g in live)
+        done = reading[self.rng.randrange(len(reading))]
+        for live in self.groups.values():
+            live.discard(done)
+        self.release(done)
 
 
 def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),

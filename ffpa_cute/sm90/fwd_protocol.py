@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from ..common.protocol import STAGE_BYTES, Barrier, ModelBase, ProtocolError
+from ..common.protocol import STAGE_BYTES, Barrier, ModelBase
 from .config import FwdConfigSm90
 
 
@@ -39,7 +39,6 @@ class SharedKVModel(ModelBase):
         self.bars.update({f"{x}{b}": Barrier(1 if x == "full" else 2)
                           for x in ("full", "empty") for b in (0, 1)})
         self.landing: list = []
-        self.steps = 0
 
     def stage(self, i: int, c: int) -> tuple[int, int]:
         """(stage, fill) of chunk c of block i: the stage's fill-th load (from 0) brings it, so
@@ -146,22 +145,8 @@ class SharedKVModel(ModelBase):
 
     def run(self, max_steps: int = 200000) -> int:
         roles = {"S": self.score(), "O0": self.acc(0), "O1": self.acc(1)}
-        speed = {u: self.rng.choice((0.1, 0.5, 1.0, 4.0)) for u in [*roles, "land"]}
-        while roles or self.landing:
-            self.steps += 1
-            if self.steps > max_steps:
-                raise ProtocolError(f"no progress after {max_steps} steps: deadlock "
-                                    f"(roles left: {sorted(roles)})")
-            units = sorted(roles) + ["land"] * bool(self.landing)
-            unit = self.rng.choices(units, [speed[u] for u in units])[0]
-            if unit == "land":
-                self.land()
-                continue
-            try:
-                next(roles[unit])
-            except StopIteration:
-                del roles[unit]
-        return self.steps
+        return self.interleave(roles, {"land": (lambda: bool(self.landing), self.land)},
+                               max_steps)
 
 
 def run(cfg: FwdConfigSm90, blocks: int, seed: int = 0, faults=()) -> int:
