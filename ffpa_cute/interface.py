@@ -150,8 +150,8 @@ def _fast_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, upper
     Everything `check_args`, routing and planning read is in it (types, dtypes, devices,
     shapes, strides, flags, whether v is k's prefix, the options in force), so a call with an
     equal key is checked, routed and planned exactly as the first one was; only data pointers
-    differ (`run_fwd` still checks their alignment). 4-D tensors, no mask, no dropout. `return_lse` is in the key, so
-    calls that return (out, lse) and calls that return out never share an entry.
+    differ (`run_fwd` still checks their alignment). 4-D tensors, no mask, no dropout. With
+    `return_lse` in the key, calls returning (out, lse) and calls returning out never mix.
     """
     if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
             or attn_mask is not None or type(dropout_p) not in (float, int) or dropout_p != 0

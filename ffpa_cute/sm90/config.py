@@ -647,8 +647,9 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
 # The FP8 forward takes the `overlap` schedule up to this many D chunks (128 columns each):
 # D <= 384 (`plan_fwd` says what was measured)
 OVERLAP_MAX_CHUNKS = 3
-# `shared_kv` for problems whose v is k's prefix (AttnProblem.shared_kv): off until a GPU run
-# measures it against the planned forward (perf.shared_kv)
+# `shared_kv` for problems whose v is k's prefix (AttnProblem.shared_kv): off, measured slower
+# than the planned forward (perf.shared_kv, H200, 2026-12-05: MLA 576 / 512 N=8K causal 490
+# against 520 TFLOPS, 16K 503 against 540, D=512 with v is k 519 against 569)
 SHARED_KV = False
 
 
