@@ -356,6 +356,8 @@ class Ffpa(Impl):
     def prepare(self, case, q, k, v, direction, ctx):
         if case.dtype == "fp8":
             raise Unsupported("no FP8 path compared here (FP8 rows time ffpa_cute alone)")
+        if case.dv is not None:
+            raise Unsupported("no Dv != D path compared here (MLA rows: ffpa_cute and SDPA)")
         layout, fn, bkw = self.api["layout"], self.fn, self.api["backend_kw"]
         kw = self._kwargs(case, with_backend=True)
         fallback = self._routes_to_sdpa(q, k) if layout == "bhnd" else False
@@ -412,6 +414,8 @@ class FlashAttn(Impl):
     def prepare(self, case, q, k, v, direction, ctx):
         if case.dtype == "fp8":
             raise Unsupported("no FP8 path compared here (FP8 rows time ffpa_cute alone)")
+        if case.dv is not None:
+            raise Unsupported("no Dv != D path compared here (MLA rows: ffpa_cute and SDPA)")
         fn = self.fn
 
         def call(q, k, v):

@@ -8,6 +8,8 @@ A `Case` is one attention problem in [B, H, N, D] terms. Families:
 * Shapes users run (D fixed by the model, N a free parameter):
   `gemma4` (Gemma-4 global layer: Hq 32, Hkv 4, D 512, causal, N 4K-16K),
   `mqa` (DeepSeek-V4-style MQA: Hq 64, Hkv 1, D 512, causal),
+  `mla` (DeepSeek's absorbed MLA prefill: Hq 128, Hkv 1, Dqk 576, Dv 512 with V = K[..., :512],
+  causal; FLOPs 2 B Hq pairs (Dqk + Dv)),
   `vae` (diffusion VAE mid-block: B 1, H 1, D 512, N 16K-64K, non-causal, bf16 and fp32 input).
 
 `--head-dims` and `--seqlens` replace the FFPA grid; for the user families `--seqlens` replaces
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass
 from .flops import attn_flops_bwd, attn_flops_fwd, valid_pairs
 
 FFPA_FAMILIES = ("self", "cross", "decode", "gqa", "causal", "unaligned")
-USER_FAMILIES = ("gemma4", "mqa", "vae")
+USER_FAMILIES = ("gemma4", "mqa", "mla", "vae")
 ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
 # perf/serving.py's rows (their own table; only when named: not part of "all")
 SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8", "kvprefill")
@@ -31,7 +33,7 @@ FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMI
 FFPA_SEQLENS = (8192, 16384)
 FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
 USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
-                "vae": (16384, 32768, 65536)}
+                "mla": (4096, 8192, 16384), "vae": (16384, 32768, 65536)}
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: e4m3 inputs (quantised per head), bf16 out
 DEFAULT_DTYPE = "bf16"
 CROSS_NQ = 1024
@@ -39,7 +41,9 @@ CROSS_NQ = 1024
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark problem. `causal` is bottom-right aligned (as ffpa_cute.attention)."""
+    """One benchmark problem. `causal` is bottom-right aligned (as ffpa_cute.attention). `dv`:
+    V's head dim when it differs from D, V then being K's first dv columns (MLA's absorbed
+    layout: `runner.make_inputs`)."""
 
     name: str
     dtype: str
@@ -50,12 +54,14 @@ class Case:
     nkv: int
     d: int
     causal: bool = False
+    dv: int | None = None
 
     @property
     def label(self) -> str:
         c = "c" if self.causal else "nc"
+        dv = f"-dv{self.dv}" if self.dv is not None else ""
         return (f"{self.name}-{self.dtype}-b{self.batch}-h{self.hq}x{self.hkv}"
-                f"-n{self.nq}x{self.nkv}-d{self.d}-{c}")
+                f"-n{self.nq}x{self.nkv}-d{self.d}{dv}-{c}")
 
     @property
     def gqa(self) -> bool:
@@ -67,7 +73,8 @@ class Case:
 
     def flops(self, direction: str) -> float:
         fn = attn_flops_fwd if direction == "fwd" else attn_flops_bwd
-        return fn(self.batch, self.hq, self.nq, self.nkv, self.d, self.causal)
+        return fn(self.batch, self.hq, self.nq, self.nkv, self.d, self.causal,
+                  head_dim_v=self.dv)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +101,8 @@ def _user_case(family: str, n: int, dtype: str) -> Case:
         return Case(family, dtype, 1, 32, 4, n, n, 512, causal=True)
     if family == "mqa":
         return Case(family, dtype, 1, 64, 1, n, n, 512, causal=True)
+    if family == "mla":
+        return Case(family, dtype, 1, 128, 1, n, n, 576, causal=True, dv=512)
     if family == "vae":
         return Case(family, dtype, 1, 1, 1, n, n, 512)
     raise ValueError(f"unknown user family {family!r}")
@@ -161,7 +170,8 @@ def full_cases(families=ALL_FAMILIES, head_dims=None, seqlens=None, dtypes=None)
                     for d in hds:
                         cases.append(_ffpa_case(fam, n, d, dt))
         else:
-            if head_dims and 512 not in head_dims:
+            model = _user_case(fam, 1, DEFAULT_DTYPE)   # the family's head dims
+            if head_dims and model.d not in head_dims and model.dv not in head_dims:
                 continue
             fam_dtypes = dtypes or ((DEFAULT_DTYPE, "fp32") if fam == "vae" else (DEFAULT_DTYPE,))
             for dt in fam_dtypes:

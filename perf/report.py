@@ -144,7 +144,7 @@ def table_row(row: dict, baselines: list[dict]) -> list[str]:
     ours = res.get("ours") or {}
     fb = FALLBACK_MARK if ours.get("fallback") else ""
     cells = [row["name"], row["dtype"], str(row["batch"]), f"{row['hq']}/{row['hkv']}",
-             f"{row['nq']}/{row['nkv']}", str(row["d"]), "yes" if row["causal"] else "no",
+             f"{row['nq']}/{row['nkv']}", _head_dims(row), "yes" if row["causal"] else "no",
              short_path(ours.get("backend"), ours.get("fallback", False))
              if ours.get("backend") else (BLANK if not ours.get("note") else "n/a"),
              fmt_ms(ours.get("ms")) + (_mark(ours) if _ok(ours.get("ms")) else ""),
@@ -250,7 +250,7 @@ def write_json(payload: dict, path) -> Path:
 def short_label(row: dict) -> str:
     c = " c" if row.get("causal") else ""
     h = f" {row['hq']}/{row['hkv']}h" if row["hq"] != row["hkv"] else ""
-    return f"{row['name']} {row['dtype']} D{row['d']} {row['nq']}/{row['nkv']}{h}{c}"
+    return f"{row['name']} {row['dtype']} D{_head_dims(row)} {row['nq']}/{row['nkv']}{h}{c}"
 
 
 def plot_bars(payload: dict, direction: str, path) -> str:
@@ -320,3 +320,8 @@ def write_all(payload: dict, out_dir, directions=("fwd", "bwd"), charts: bool = 
     written["raw.json"] = str(write_json(payload, out / "raw.json"))
     written["raw.csv"] = str(write_csv(payload.get("rows", []), out / "raw.csv", names))
     return written
+
+
+def _head_dims(row: dict) -> str:
+    """D, or D/Dv when V's head dim differs (a row's `dv`; rows written before it have none)."""
+    return f"{row['d']}/{row['dv']}" if row.get("dv") is not None else str(row["d"])

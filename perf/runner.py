@@ -66,14 +66,18 @@ class Ctx:
 
 
 def make_inputs(case: Case, device: torch.device, seed: int = 0):
-    """Random normal q, k, v, dout in [B, H, N, D] (never zeros)."""
+    """Random normal q, k, v, dout in [B, H, N, D] (never zeros); with `case.dv`, v is
+    k[..., :dv] (a view: MLA's absorbed layout) and dout is dv wide."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     dt = TORCH_DTYPES[case.dtype]
 
-    def rnd(h, n):
-        return torch.randn(case.batch, h, n, case.d, generator=g, device=device, dtype=dt)
+    def rnd(h, n, d=case.d):
+        return torch.randn(case.batch, h, n, d, generator=g, device=device, dtype=dt)
 
+    if case.dv is not None:
+        q, k = rnd(case.hq, case.nq), rnd(case.hkv, case.nkv)
+        return q, k, k[..., :case.dv], rnd(case.hq, case.nq, case.dv)
     return rnd(case.hq, case.nq), rnd(case.hkv, case.nkv), rnd(case.hkv, case.nkv), \
         rnd(case.hq, case.nq)
 

@@ -88,6 +88,30 @@ def test_case_flops_uses_query_heads():
     assert c.flops("bwd") == 2.5 * c.flops("fwd")
 
 
+def test_mla_family():
+    """`mla`: DeepSeek's absorbed prefill (Hq 128, Hkv 1, Dqk 576, Dv 512, causal), FLOPs on
+    2 (Dqk + Dv) per pair, v built as k[..., :512] (a view of k), selected by --head-dims 576
+    or 512, labelled D 576/512."""
+    from perf.cases import full_cases
+    from perf.flops import valid_pairs
+    from perf.report import short_label
+    from perf.runner import make_inputs
+
+    cases = full_cases(families=("mla",))
+    assert [c.nq for c in cases] == [4096, 8192, 16384]
+    c = cases[0]
+    assert (c.hq, c.hkv, c.d, c.dv, c.causal) == (128, 1, 576, 512, True)
+    assert c.flops("fwd") == 2 * 128 * valid_pairs(4096, 4096, True) * (576 + 512)
+    assert "-d576-dv512-" in c.label
+    assert full_cases(families=("mla",), head_dims=(576,)) == cases
+    assert full_cases(families=("mla",), head_dims=(320,)) == []
+    small = Case(**{**c.to_dict(), "nq": 8, "nkv": 8})
+    q, k, v, dout = make_inputs(small, torch.device("cpu"))
+    assert v.shape[-1] == dout.shape[-1] == 512 and q.shape[-1] == k.shape[-1] == 576
+    assert v.data_ptr() == k.data_ptr() and torch.equal(v, k[..., :512])
+    assert "D576/512" in short_label(dict(small.to_dict(), name="mla"))
+
+
 # ------------------------------------------------------------------------------------ cases
 def test_quick_cases_small_and_nonempty():
     q = quick_cases()
