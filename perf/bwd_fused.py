@@ -19,7 +19,7 @@ phase table per warpgroup), the next steps beside it ("S^T first": S^T(i+1) issu
 P^T(i) is published, config `scores_first`; "pair stores": 8-byte st.shared; both; "dQ in dV
 + dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's pieces
 staged but not added; dQ formed but neither staged nor added: wrong results, timing only).
-Eight variants of one case fit one device call. Measurements and their reading:
+Seven variants of one case fit one device call. Measurements and their reading:
 docs/design.md section 4, "The fused backward", and docs/perf-log.md (2026-12-05, sessions
 20-23).
 """

@@ -323,10 +323,10 @@ def test_protocol_model_runs_clean(q_stages, do_stages):
 def test_protocol_model_dq_staging(d, order):
     """dQ's staging buffers in the model (pieces written by the forming warpgroup, read by TMA
     reductions that finish in any order): clean at every D's chunking (S warpgroup: one chunk
-    of 5 pieces at 320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order, in perf.bwd_fused's
-    "alternating" one, and with dQ formed by the dV warpgroup (both buffers in turn) or by the
-    dV and dK warpgroups (one buffer each; odd atom counts at 320 and 448), one or two dO
-    stages."""
+    of 5 pieces at 320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order, in the
+    "alternating" one (each piece waits only for the group two back), and with dQ formed by
+    the dV warpgroup (both buffers in turn) or by the dV and dK warpgroups (one buffer each;
+    odd atom counts at 320 and 448), one or two dO stages."""
     from ffpa_cute.sm90 import fused_protocol
 
     base = c90.plan_bwd_fused(_problem(d, causal=True))

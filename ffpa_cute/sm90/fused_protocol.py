@@ -38,11 +38,11 @@ WG_THREADS = 128
 
 class FusedModel(ModelBase):
     """Both CTAs of a cluster on one key tile of `blocks` query blocks. `faults`: names of
-    steps to drop or alter (tests: the model must catch them). `alternating`: the dQ pieces
-    take the staging buffers in issue order across chunks and blocks, each waiting only for
-    the group two back (perf.bwd_fused's "alternating" variant), instead of the kernel's
-    per-chunk order whose first piece waits for every group. The config's `scores_first`:
-    S^T(i+1) issued before P^T(i) / dS^T(i) are published."""
+    steps to drop or alter (tests: the model must catch them). `alternating`: the S
+    warpgroup's dQ pieces (`dq_grads` 0) take the staging buffers in issue order across chunks
+    and blocks, each waiting only for the group two back (the order `dq_grads` 1's pieces
+    take), instead of its per-chunk order whose first piece waits for every group. The
+    config's `scores_first`: S^T(i+1) issued before P^T(i) / dS^T(i) are published."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
                  alternating: bool = False):
@@ -294,7 +294,7 @@ class FusedModel(ModelBase):
 
 def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),
         alternating: bool = False) -> int:
-    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`: the variant
+    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`: the schedule
     `FusedModel` names); the steps taken (raises ProtocolError)."""
     return FusedModel(cfg, blocks, seed, faults, alternating).run()
 
