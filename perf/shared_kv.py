@@ -14,6 +14,9 @@ counted on 2 (Dqk + Dv) per pair), unless the 64-key blocks' shorter WGMMAs or t
 prefetch of V (refilled only after PV[i]) cost more than the stream saves. D=512 with
 `v is k` runs the same comparison against the plain D=512 forward (tile_n 128, its stream
 256 KB per block: predicted within 5% either way, the S warpgroup's chain binds there too).
+Measured on the H200 (2026-12-05, docs/perf-log.md): slower everywhere, MLA 8K causal 490
+against 520, D=512 519 against 569: the m64n64 score WGMMAs lengthen the S chain more than the
+stream saves, so `sm90.config.SHARED_KV` is off.
 
 Each variant through `launch.run_fwd` (the kernel alone), L2 flushed, median of 3 benches; v
 is `k[..., :Dv]` for all; the outputs are compared with the planned one's (a relative error
