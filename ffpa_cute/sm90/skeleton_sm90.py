@@ -92,6 +92,10 @@ their cumulative lengths; CTA t walks them to its sequence's row tile (`_varlen_
 views start at the sequence's first row (`_from_row`) and the causal offset / window edge add
 the sequence's frame. Split head groups (`group_split`, dV / dK): grid y = heads * S, each CTA
 sums G / S of its KV head's G query heads into an fp32 workspace the host adds up.
+
+V read from the C ring (`shared_kv`, V = K's first Dv columns): no B rings; each accumulator
+warpgroup's B is its columns of a block's V chunks in the C ring, and the chunks' last readers
+refill them (the `SharedKVRing` mixin, shared_ring.py).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, FwdConfigSm90, cvt_tiling
+from .shared_ring import SharedKVRing
 from .ring_context import (BLoads, Barriers, BlockSeq, ColLoads, Convert, Counters, Mmas, Operands,
                            OutFrags, PairSmem, Roles, Scalars, ScoreFrags, ScoreIO, ScoreRegs,
                            ScoreStep, Smem, SmemLayouts, Tile)
@@ -149,7 +154,7 @@ def row_major_layout(rows: int, cols: int, dtype, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
-class RingSkeletonSm90(KernelEntry):
+class RingSkeletonSm90(SharedKVRing, KernelEntry):
     """The warp-specialised ring (module docstring): layouts, TMA, kernel entry, the S
     warpgroup's loop, the accumulator warpgroups' loop; one instance per config.
 
@@ -321,14 +326,14 @@ class RingSkeletonSm90(KernelEntry):
         sR_layout = (self._smem_layout(TILE_M, cfg.k_chunk, cfg.k_stages) if self.stream_r
                      else self._smem_layout(TILE_M, cfg.hdim_q_padded))
         sC_layout = self._smem_layout(self.tile_n, cfg.k_chunk, self.c_bufs)
-        if const_expr(self.fp8):  # transposed B stages [half x b_rows], K (= C's rows) contiguous
+        if const_expr(cfg.shared_kv):  # (tile_n, Dv, 2): the C ring's V chunks, block slots 0, 1
+            sBlo_layout = sBhi_layout = self._smem_layout(self.tile_n, cfg.dv, 2)
+        elif const_expr(self.fp8):  # transposed B stages [half x b_rows], K (= C's rows) contiguous
             sBlo_layout = self._smem_layout(dlo, self.b_rows, cfg.v_stages)
             sBhi_layout = self._smem_layout(dhi, self.b_rows, cfg.v_stages)
         else:  # B stages [b_rows x half], read as the MN-major B of P B
             sBlo_layout = self._smem_layout(self.b_rows, dlo, self.b_bufs)
             sBhi_layout = self._smem_layout(self.b_rows, dhi, self.b_bufs)
-        if const_expr(cfg.shared_kv):  # (tile_n, Dv, 2): the C ring's V chunks, block slots 0, 1
-            sBlo_layout = sBhi_layout = self._smem_layout(self.tile_n, cfg.dv, 2)
         sP_layout = self._smem_layout(TILE_M, self.tile_n, cfg.p_slots)
         rings8 = ()
         if const_expr(self.cvt):  # the TMA's 8-bit rings, read only by `_convert`
@@ -877,8 +882,7 @@ class RingSkeletonSm90(KernelEntry):
         ks = cfg.k_stages
         sR, sC, bars = smem.r, smem.c, smem.bars
         tSrR, tSrC, acc_S, acc_S_mn, tScS_mn, rP, acc_2, factor = regs[:8]  # (P's store: regs)
-        m_block, o_part, head, head_c, batch = (tile.m_block, tile.o_part, tile.head,
-                                                tile.head_c, tile.batch)
+        m_block, o_part, head, batch = tile.m_block, tile.o_part, tile.head, tile.batch
         seqlen_r = tile.seqlen_r
         mLSE = ops.mLSE
         lane = cute.arch.lane_idx()
@@ -892,14 +896,9 @@ class RingSkeletonSm90(KernelEntry):
         # (TMA) / (TMA); when R streams (TMA, k_stages) / (TMA, C)
         tRs, tRg = cpasync.tma_partition(ops.tma_r, 0, one, cute.group_modes(sR, 0, 2),
                                          cute.group_modes(gR, 0, 2))
-        # (tile_n, k_chunk, n_blocks, C)
-        gC = cute.local_tile(self._from_row(ops.gC_tma[None, None, head_c, batch], tile.row0_c),
-                             (self.tile_n, cfg.k_chunk), (None, None))
         # the ring the TMA fills: sC, or (`cvt`) the 8-bit one that `_convert` reads into sC
         sC_tma = smem.c8 if const_expr(self.cvt) else sC
-        # (TMA, k_stages) / (TMA, n_blocks, C)
-        tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, one, cute.group_modes(sC_tma, 0, 2),
-                                         cute.group_modes(gC, 0, 2))
+        tCs, tCg = self._c_partition(ops, sC_tma, tile)
         num_rows = cute.size(acc_S_mn, mode=[0])
         softmax = self._make_softmax(num_rows, tile, extra)
         frags = ScoreFrags(acc_S, acc_S_mn, tScS_mn, rP, acc_2, softmax, factor)
@@ -1167,24 +1166,16 @@ class RingSkeletonSm90(KernelEntry):
         if nxt < loads.total:
             self._load_c_chunk(loads, nxt, done % self.cfg.k_stages)
 
-    def _shared_stage(self, i, c: int):
-        """`shared_kv`: (C-ring stage, barrier phase) of chunk c (compile time) of block i: a V
-        chunk (c < Dv / 64) in block slot i % 2, filled for the (i // 2)-th time; a chunk past
-        Dv in its own stage after the V chunks, filled for the i-th time."""
-        cv = self.cfg.v_chunks
-        if c < cv:
-            return (i % 2) * cv + c, (i // 2) & 1
-        return 2 * cv + c - cv, i & 1
-
     @cute.jit
-    def _refill_shared(self, loads: ColLoads, i, c: cutlass.Constexpr):
-        """`shared_kv`: chunk c of block i has been read by QK[i]. A chunk past Dv is refilled
-        with block i + 1's (its stage holds one block); a V chunk waits for PV[i], after which
-        its accumulator warpgroup refills it (`_shared_pv`)."""
-        if const_expr(c >= self.cfg.v_chunks):
-            pos = (i + 1) * self.num_chunks + c
-            if pos < loads.total:
-                self._load_c_chunk(loads, pos, self._shared_stage(i + 1, c)[0])
+    def _c_partition(self, ops: Operands, sC_tma: cute.Tensor, tile: Tile):
+        """(tCs, tCg): the TMA partitions of the C ring's stages `sC_tma` (TMA, k_stages) and
+        of the tile's C chunks (TMA, n_blocks, C), C's rows from the tile's frame."""
+        # (tile_n, k_chunk, n_blocks, C)
+        gC = cute.local_tile(self._from_row(ops.gC_tma[None, None, tile.head_c, tile.batch],
+                                            tile.row0_c),
+                             (self.tile_n, self.cfg.k_chunk), (None, None))
+        return cpasync.tma_partition(ops.tma_c, 0, cute.make_layout(1),
+                                     cute.group_modes(sC_tma, 0, 2), cute.group_modes(gC, 0, 2))
 
     @cute.jit
     def _load_c_chunk(self, loads: ColLoads, pos, s):
@@ -1377,50 +1368,6 @@ class RingSkeletonSm90(KernelEntry):
                           and col0 + tOcO_mn[r, c][1] < cfg.dv):  # past Dv: the second CTA's
                         tOgO_mn[r, c] = rO[c]                     # last 8 when D % 16 == 8
         return x, hand + n_iter + 1
-
-    @cute.jit
-    def _shared_v_loads(self, ops: Operands, smem: Smem, tile: Tile, seq: BlockSeq, extra,
-                        tidx) -> ColLoads:
-        """`shared_kv`: an accumulator warpgroup's view of the C ring's loads (the S
-        warpgroup's TMA of C, tiled at the tile's C head), for the V chunks it refills."""
-        # (tile_n, k_chunk, n_blocks, C)
-        gC = cute.local_tile(self._from_row(ops.gC_tma[None, None, tile.head_c, tile.batch],
-                                            tile.row0_c),
-                             (self.tile_n, self.cfg.k_chunk), (None, None))
-        # (TMA, k_stages) / (TMA, n_blocks, C)
-        tCs, tCg = cpasync.tma_partition(ops.tma_c, 0, cute.make_layout(1),
-                                         cute.group_modes(smem.c, 0, 2),
-                                         cute.group_modes(gC, 0, 2))
-        return ColLoads(ops.tma_c, tCg, tCs, None, None, None, ops.gC_tma, smem.c, None,
-                        smem.bars.cols, seq, seq.n_count * self.num_chunks, 0, tile.m_block,
-                        tile.head, extra, tile.o_part, tidx)
-
-    @cute.jit
-    def _shared_pv(self, atom, frags: OutFrags, loads: ColLoads, half: cutlass.Constexpr, i,
-                   slot):
-        """`shared_kv` hand-over i: O += P[slot] V[i], V[i] this warpgroup's V chunks of block i
-        in block slot i % 2 of the C ring. QK[i] waited for them; waiting again costs nothing
-        and makes the TMA's writes visible to this warpgroup's WGMMAs by the barrier itself."""
-        acc_O, tOrP, tOrB, _ = frags
-        per = self.cfg.v_chunks // 2
-        for j in cutlass.range_constexpr(per):
-            s, phase = self._shared_stage(i, half * per + j)
-            cute.arch.mbarrier_wait(loads.bar + s, phase)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(self.tile_n // self.mma_k):
-            cute.gemm(atom, acc_O, tOrP[None, None, k, slot], tOrB[None, None, k, i % 2], acc_O)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def _refill_shared_v(self, loads: ColLoads, half: cutlass.Constexpr, i):
-        """`shared_kv`: after PV[i] (and QK[i] before it) the warpgroup's V chunks of block i
-        are read: load block i + 2's into them."""
-        per = self.cfg.v_chunks // 2
-        if i + 2 < loads.seq.n_count:
-            for j in cutlass.range_constexpr(per):
-                c = half * per + j
-                self._load_c_chunk(loads, (i + 2) * self.num_chunks + c,
-                                   self._shared_stage(i + 2, c)[0])
 
     @cute.jit
     def _pair_pv(self, atom, frags: OutFrags, loads: BLoads, x, i, b, n_count):
