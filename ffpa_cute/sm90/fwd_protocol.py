@@ -6,11 +6,11 @@ PV[i] (the accumulator warpgroup owning those columns), and its last reader refi
 i + 2's chunk. Chunks past Dv are read by QK only and refilled by the S warpgroup with block
 i + 1's. The P hand-over is the skeleton's (p_full / p_empty per buffer, P[i] published after
 `publish_after` chunks of QK[i + 1]). This module runs the three warpgroups of one CTA as
-`_score_tile`, `_acc_tile`, `_shared_pv`, `_refill_shared` and `_refill_shared_v` order their
-steps, over common/protocol.py's model of the hardware, and checks what a hang or a race would
-break: parity waits, TMA loads landing later in any order (a stage is being written from the
-load's issue until it lands), WGMMAs reading from issue until their warpgroup's wait_group, and
-every read finding the block it expects. `run(cfg, blocks, seed)` interleaves the units at
+`_score_tile`, `_acc_tile` and shared_ring.py's `_shared_pv`, `_refill_shared` and
+`_refill_shared_v` order their steps, over common/protocol.py's model of the hardware, and
+checks what a hang or a race would break: parity waits, TMA loads landing later in any order
+(a stage is being written from the load's issue until it lands), WGMMAs reading from issue
+until their warpgroup's wait_group, and every read finding the block it expects. `run(cfg, blocks, seed)` interleaves the units at
 random speeds; tests/test_shared_kv.py runs it over seeds and block counts and checks that it
 catches injected faults.
 """
