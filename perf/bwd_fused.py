@@ -54,11 +54,14 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), S^T(i+1) issued before the hand-over (`scores_first`), and with GQA / MQA the
-# head group split over CTA pairs (`group_split`)
+# (`dq_grads`), S^T(i+1) issued before the hand-over (`scores_first`), more dQ staging buffers
+# (`dq_buffers`, where the smem allows), and with GQA / MQA the head group split over CTA
+# pairs (`group_split`)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
                   "fused S^T first": dict(scores_first=True),
+                  "fused 4 buffers": dict(dq_grads=1, dq_buffers=4),
+                  "fused 6 buffers": dict(dq_grads=1, dq_buffers=6),
                   "fused split": dict(group_split=True)}
 
 
@@ -71,7 +74,7 @@ def plans(case) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import plan_bwd_fused
+    from ffpa_cute.sm90.config import can_implement_fused, plan_bwd_fused
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
@@ -82,6 +85,8 @@ def plans(case) -> dict:
         cfg = dataclasses.replace(planned, **fields)
         if name != "fused" and cfg == planned:
             continue   # the plan itself
+        if can_implement_fused(cfg):
+            continue   # e.g. more dQ buffers than the smem holds at this D
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
             DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
     return out

@@ -988,6 +988,10 @@ class BwdFusedConfigSm90:
                 starts (else after). Needs two Q stages: with one, Q(i+1) is loaded by the dK
                 warpgroup only after its product on block i, which waits for the publication
                 (the protocol model's deadlock). Not planned until measured (perf.bwd_fused)
+    dq_buffers: the dQ staging buffers (8 KB each, a (64, 32) fp32 piece). 2; 4 or 6 only
+                with `dq_grads` 1, where the pieces take the buffers in turn: more of a
+                block's dQ waits in smem for TMA to read it while the dV warpgroup goes on
+                (D <= 448 has the smem). Not planned until measured (perf.bwd_fused)
     """
 
     arch: str
@@ -1000,6 +1004,7 @@ class BwdFusedConfigSm90:
     dq_grads: int = 0
     group_split: bool = False
     scores_first: bool = False
+    dq_buffers: int = 2
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
@@ -1083,13 +1088,13 @@ class BwdFusedConfigSm90:
         """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /
         empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta), then,
         each 1 KB aligned: the exchange buffer (the peer's fp32 S^T and dP^T partials), K, V,
-        the Q and dO rings, P^T and dS^T, the two dQ staging pieces."""
+        the Q and dO rings, P^T and dS^T, the `dq_buffers` dQ staging pieces."""
         header = 8 * (1 + self.q_stages + self.do_stages + 4)
         header = _align(header, 16) + 2 * FUSED_TILE * 4
         tile = FUSED_TILE * self.half * self.elem_bytes
         regions = [2 * FUSED_TILE * FUSED_TILE * 4, tile, tile, self.q_stages * tile,
                    self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes]),
-                   2 * FUSED_TILE * FUSED_DQ_PIECE * 4]
+                   self.dq_buffers * FUSED_TILE * FUSED_DQ_PIECE * 4]
         return sum(_align(x) for x in [header, *regions])
 
 
@@ -1107,11 +1112,14 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
+    if cfg.dq_buffers not in (2, 4, 6) or (cfg.dq_buffers != 2 and cfg.dq_grads != 1):
+        return (f"dq_buffers={cfg.dq_buffers}, dq_grads={cfg.dq_grads}: 2, or 4 or 6 with "
+                "dq_grads 1 (the pieces that take the buffers in turn)")
     if cfg.scores_first and cfg.q_stages != 2:
         return "scores_first needs q_stages 2 (with one the Q ring's refill waits on the hand-over)"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
-                f"{cfg.q_stages}, do_stages {cfg.do_stages})")
+                f"{cfg.q_stages}, do_stages {cfg.do_stages}, dq_buffers {cfg.dq_buffers})")
     return None
 
 

@@ -244,14 +244,14 @@ class FusedModel(ModelBase):
         ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         me = f"{'dV' if which == 0 else 'dK'}{r}"
         atom = cfg.atom_cols // FUSED_DQ_PIECE
-        pieces, both = share // FUSED_DQ_PIECE, cfg.dq_grads == 1
+        pieces, both, nbuf = share // FUSED_DQ_PIECE, cfg.dq_grads == 1, cfg.dq_buffers
         atoms = pieces // atom
         for t in range(atoms):
             self.read(f"{r}:dst", ("ds", i), mma, hold=True)
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             for p in range(atom):
                 k = t * atom + p
-                buf = (i * pieces + k) % 2 if both else which
+                buf = (i * pieces + k) % nbuf if both else which
                 if p == 0:
                     if t == 0 and "grad_release_early" in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
@@ -261,7 +261,7 @@ class FusedModel(ModelBase):
                         self.load(r, ring, i + stages, (j, i + stages))
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
-                unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
+                unread = (nbuf - 1 if both else 0) + ("grad_wait_lax" in self.faults)
                 if "no_dq_wait" not in self.faults:
                     yield from self.bulk_wait(r, me, unread)
                 self.stage_piece(r, me, buf, ("dq", i, which, k))
