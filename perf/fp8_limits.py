@@ -170,8 +170,9 @@ def run(dev, flush) -> dict:
                                     flush=flush).median_ms * 1e3
         key = f"D={d} N={n}{' causal' if causal else ''}"
         out[key] = row
-        print(f"{key}: " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in row.items()), flush=True)
+        print(f"{key}: " + ", ".join(
+            f"{k} {v:.3g}" if "diff" in k else f"{k} {v:.0f}" if isinstance(v, float)
+            else f"{k} {v}" for k, v in row.items()), flush=True)
     return out
 
 

@@ -29,13 +29,19 @@ def rnd(*shape, dtype=BF16, grad=False):
 
 
 # --------------------------------------------------------------------- window and sinks
+# The sinks' gradient is a sum over every row of the head (exp(sink - lse) (dlse - Delta)), so
+# its relative error over a few heads is one heavy-tailed draw: D=1024 with 2 sink heads, 12
+# seeds on an H100, ours 3.6e-4 to 7.7e-3 (median 1.4e-3), what O's bf16 rounding alone gives
+# 1.2e-4 to 1.1e-2, torch bf16's 1.9e-3 to 6.4e-2; no coherent per-row error in out (mean
+# -6e-6 against a spread of 2.6e-4, as on sm80). The D=1024 case takes 8 sink heads, which
+# average it (docs/perf-log.md, session 24).
 WINDOW_CASES = [  # d, hq, hkv, nq, nkv, window, causal, sinks
     (512, 4, 1, 1000, 1000, (256, 0), True, False),
     (512, 4, 2, 777, 1000, (300, None), True, True),
     (320, 2, 2, 1000, 513, (100, 50), False, False),
     (512, 2, 2, 129, 1000, None, True, True),
     (384, 4, 4, 1000, 1000, (None, 7), False, True),
-    (1024, 2, 1, 700, 900, (200, 0), True, True),
+    (1024, 8, 1, 700, 900, (200, 0), True, True),  # 8 sink heads: the note above
     (576, 2, 2, 333, 333, (64, 64), False, True),
     (512, 32, 4, 1000, 1000, (128, 0), True, True),  # 512 tiles: persistent CTAs take several
 ]
