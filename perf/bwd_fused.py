@@ -8,20 +8,19 @@
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one as
-planned and its variants (`FUSED_VARIANTS`: who forms dQ, S^T(i+1) before the hand-over; with
-GQA / MQA the head group split over CTA pairs), each only where it differs from the plan.
+planned and its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group
+split over CTA pairs), each only where it differs from the plan.
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each, the same products in another summation order; a variant past it is reported as
 WRONG and the run goes on).
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
-phase table per warpgroup), the next steps beside it ("S^T first": S^T(i+1) issued before
-P^T(i) is published, config `scores_first`; "pair stores": 8-byte st.shared; both; "dQ in dV
-+ dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's pieces
-staged but not added; dQ formed but neither staged nor added: wrong results, timing only).
-Seven variants of one case fit one device call. Measurements and their reading:
+phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ
+in dV + dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's
+pieces staged but not added; dQ formed but neither staged nor added: wrong results, timing
+only). Five variants of one case fit one device call. Measurements and their reading:
 docs/design.md section 4, "The fused backward", and docs/perf-log.md (2026-12-05, sessions
-20-23).
+20-24).
 """
 
 from __future__ import annotations
@@ -54,14 +53,9 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), S^T(i+1) issued before the hand-over (`scores_first`), more dQ staging buffers
-# (`dq_buffers`, where the smem allows), and with GQA / MQA the head group split over CTA
-# pairs (`group_split`)
+# (`dq_grads`), and with GQA / MQA the head group split over CTA pairs (`group_split`)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
-                  "fused S^T first": dict(scores_first=True),
-                  "fused 4 buffers": dict(dq_grads=1, dq_buffers=4),
-                  "fused 6 buffers": dict(dq_grads=1, dq_buffers=6),
                   "fused split": dict(group_split=True)}
 
 
@@ -74,7 +68,7 @@ def plans(case) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import can_implement_fused, plan_bwd_fused
+    from ffpa_cute.sm90.config import plan_bwd_fused
 
     p = _problem(*case)
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
@@ -85,8 +79,6 @@ def plans(case) -> dict:
         cfg = dataclasses.replace(planned, **fields)
         if name != "fused" and cfg == planned:
             continue   # the plan itself
-        if can_implement_fused(cfg):
-            continue   # e.g. more dQ buffers than the smem holds at this D
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
             DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
     return out
@@ -209,16 +201,12 @@ class _NoPut(FusedTraced):
 
 
 # name -> (traced class, config fields over the plan's)
-TRACE_VARIANTS = {"traced": (FusedTraced, {}),
-                  "S^T first": (FusedTraced, dict(scores_first=True)),
-                  "pair stores": (_PairStores, {}),
-                  "S^T first, pair stores": (_PairStores, dict(scores_first=True)),
+TRACE_VARIANTS = {"traced": (FusedTraced, {}), "pair stores": (_PairStores, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "S^T first", "pair stores", "S^T first, pair stores",
-                    "dQ in dV + dK")
+CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK")
 
 
 def _trace_cfg(case, fields: dict):

@@ -155,7 +155,6 @@ FP8_SCHEDULES = [("planned (serial)", 512, {}, FwdFP8Traced),
                  ("serial", 320, _SERIAL_320, FwdFP8Traced),
                  ("serial, no PV", 512, {}, FwdFP8TracedNoPV),
                  ("serial, P published before QK", 512, dict(publish_after=0), FwdFP8Traced),
-                 ("serial, one exp2 in 3 by polynomial", 512, dict(poly_exp2=3), FwdFP8Traced),
                  ("serial, P = S", 512, {}, FwdFP8TracedNoExp),
                  ("overlap, no PV", 320, {}, FwdFP8TracedNoPV),
                  ("serial, no PV", 320, _SERIAL_320, FwdFP8TracedNoPV)]

@@ -126,66 +126,6 @@ def test_fp8_kernel_compiles_with_e4m3_wgmma(in_tmp, d, causal):
         assert log is None or "serialized" not in log, log
 
 
-def _exp2_poly_f32(x: torch.Tensor) -> torch.Tensor:
-    """common/softmax.py's `exp2_poly` instruction by instruction in float32 (each FMA as one
-    rounding of the exact float64 product-sum)."""
-    from ffpa_cute.common.softmax import EXP2_POLY
-
-    c0, c1, c2, c3 = (torch.tensor([w], dtype=torch.int32).view(torch.float32).double()
-                      for w in EXP2_POLY)
-    f32 = torch.float32
-    x_in = x.to(f32)
-    x = torch.clamp(x_in, min=-125.0)
-    magic = torch.tensor(12582912.0, dtype=f32)   # 1.5 * 2^23
-    t = x + magic
-    f = x - (t - magic)
-    p = (f.double() * c3 + c2).to(f32)
-    p = (p.double() * f.double() + c1).to(f32)
-    p = (p.double() * f.double() + c0).to(f32)
-    e = t.view(torch.int32) << 23
-    out = (p.view(torch.int32) + e).view(f32)
-    return torch.where(x_in >= -125.0, out, torch.zeros_like(out))
-
-
-def test_exp2_poly_is_exp2():
-    """The polynomial exp2 (Note [exp2 by polynomial]) within 8e-5 relative of 2^x over the
-    range the FP8 score step meets (P = 2^(s - frame + 8) <= 2^8, down to the -125 clamp),
-    within it at integers, and exactly 0 below it and at -inf (a masked score: a row that sees
-    no key must sum to 0)."""
-    x = torch.linspace(-125.0, 8.0, 1_000_001, dtype=torch.float32)
-    got = _exp2_poly_f32(x).double()
-    rel = (got / torch.exp2(x.double()) - 1).abs().max().item()
-    assert rel <= 8e-5, rel
-    ints = torch.arange(-125, 9, dtype=torch.float32)
-    assert ((_exp2_poly_f32(ints).double() / torch.exp2(ints.double()) - 1).abs() <= 8e-5).all()
-    low = _exp2_poly_f32(torch.tensor([-125.5, -126.0, -300.0, -float("inf")]))
-    assert (low == 0).all()
-
-
-@pytest.mark.parametrize("d,poly", [(512, 2), (320, 4)])
-def test_fp8_poly_exp2_compiles(in_tmp, d, poly):
-    """`poly_exp2` = n: one ex2 in n of the score step leaves MUFU for the polynomial (the
-    FMA-pipe sequence's magic-number rounding in the PTX), no spills, no serialised WGMMAs
-    (D=320: the `overlap` schedule)."""
-    import dataclasses
-
-    p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=1, seqlen_kv=1,
-                    head_dim=d, head_dim_v=d, causal=False, out_dtype="bf16")
-    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
-    base = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
-    ptx = plan.kernel_cls.compile(dataclasses.replace(plan.cfg, poly_exp2=poly),
-                                  options="--keep-ptx").__ptx__
-    copies = ptx.count("add.rn.f32 t, x, 0f4B400000")  # one per polynomial exp2
-    assert copies > 0 and ptx.count("ex2.approx") == base.count("ex2.approx") - copies
-    assert ".local" not in ptx
-    _no_spills(ptx)
-    log = _ptxas_log(ptx, "sm_90a")
-    assert log is None or "serialized" not in log, log
-    from ffpa_cute.sm90.config import can_implement
-
-    assert "poly_exp2" in can_implement(dataclasses.replace(plan.cfg, poly_exp2=33))
-
-
 @pytest.mark.parametrize("n", [1, 16, 77])
 def test_interleaved_vt_on_cpu(seed, n):
     """`_transposed_v(v, interleave=True)` (its torch path): byte p of each 16-key group of

@@ -456,8 +456,8 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
 
 def test_bwd_fused_experiment_plans_both_backwards():
     """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV), the fused one as
-    planned and each variant whose config differs from it (`dq_grads` 0, 1, 2, `scores_first`;
-    `group_split` where Hq != Hkv), so `--precompile` covers what the GPU run times."""
+    planned and each variant whose config differs from it (`dq_grads` 0, 1, 2; `group_split`
+    where Hq != Hkv), so `--precompile` covers what the GPU run times."""
     import dataclasses
 
     from perf import bwd_fused
@@ -485,14 +485,14 @@ def test_bwd_fused_experiment_plans_both_backwards():
 def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
     """perf.bwd_fused's trace variants at the planned config (`dq_grads` 2 at D=448, 1 at 512):
     "pair stores" stages dQ by 8-byte st.shared only (the same values as the kernel's scalar
-    stores, paired), "S^T first" compiles, and nothing uses local memory."""
+    stores, paired), and nothing uses local memory."""
     import re
 
     from perf import bwd_fused
 
     monkeypatch.chdir(tmp_path)
     ptx = {}
-    for name in ("traced", "pair stores", "S^T first"):
+    for name in ("traced", "pair stores"):
         cls, fields = bwd_fused.TRACE_VARIANTS[name]
         cfg = bwd_fused._trace_cfg((d, False, 4, 4, 1024), fields)
         ptx[name] = cls.compile(cfg, options="--keep-ptx").__ptx__

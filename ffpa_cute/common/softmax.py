@@ -22,19 +22,6 @@ max. The frame never drops more than 2^floor below the row's running max, so O s
 inside fp32 (a block whose scores all lie below that floor contributes exactly what it would
 against the running max).
 
-Note [exp2 by polynomial] (FlashAttention-4's share of the exponentials): ex2 issues on the
-MUFU at 16 per SM and clock (the conversions P takes to e4m3 run at 16 per clock too, by the
-CUDA guide's throughput table), while the FMA pipe does 128.
-`exp2_poly` computes 2^x on the FMA pipe: x clamped at -125 (so the exponent add below cannot
-wrap), x + 1.5 * 2^23 rounds to the nearest integer j in the low mantissa bits (so no
-conversion instruction), f = x - j in [-0.5, 0.5], 2^f by a degree-3 polynomial (Horner, three
-FMAs; minimax relative error 7.5e-5, coefficients fitted on [-0.5, 0.5]), j joins the exponent
-by an integer add of j << 23, and anything below -125 gives exactly 0 (a select on the input:
-a masked score is -inf, and a row that sees no key must sum to exactly 0, as with MUFU's ftz
-ex2). Nine FP32 / integer instructions and no MUFU; `OnlineSoftmax(poly_every=n)` takes one
-column in n of each row this way (FP8 forward: config `poly_exp2`). The relative error is far
-below e4m3's rounding of P (2^-4) and irrelevant to the fp32 row sum.
-
 Note [Sinks]: a learned per-head logit (GPT-OSS) joins each row's softmax denominator as one more
 "key" with no value: O = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)), and the LSE includes
 it, so the backward's P = exp(s - LSE) is already the sink-aware softmax and its kernels need no
@@ -54,36 +41,6 @@ LN2 = math.log(2.0)
 # block's own frame])
 P_BIAS_LOG2 = 8.0
 FRAME_FLOOR_LOG2 = 64.0
-
-# 2^f on [-0.5, 0.5], degree 3, minimax in relative error (7.5e-5); f32 bit patterns for the PTX
-EXP2_POLY = (0x3F7FFB4A, 0x3F31798D, 0x3E786EE6, 0x3D61FB53)  # c0 .. c3
-_EXP2_POLY = """{{
-.reg .f32 x, t, j, f, p;
-.reg .b32 tb, pb, e, r;
-.reg .pred live;
-setp.ge.f32 live, {{$r0}}, 0fC2FA0000;
-max.f32 x, {{$r0}}, 0fC2FA0000;
-add.rn.f32 t, x, 0f4B400000;
-sub.rn.f32 j, t, 0f4B400000;
-sub.rn.f32 f, x, j;
-fma.rn.f32 p, f, 0f{c3:08X}, 0f{c2:08X};
-fma.rn.f32 p, p, f, 0f{c1:08X};
-fma.rn.f32 p, p, f, 0f{c0:08X};
-mov.b32 tb, t;
-mov.b32 pb, p;
-shl.b32 e, tb, 23;
-add.s32 r, pb, e;
-selp.b32 r, r, 0, live;
-mov.b32 {{$w0}}, r;
-}}""".format(c0=EXP2_POLY[0], c1=EXP2_POLY[1], c2=EXP2_POLY[2], c3=EXP2_POLY[3])
-
-
-def exp2_poly(x: cutlass.Float32) -> cutlass.Float32:
-    """2^x on the FMA pipe (Note [exp2 by polynomial]): relative error <= 7.5e-5 for x in
-    [-125, 128); exactly 0 below -125 (-inf included: a masked score, as MUFU's ftz ex2)."""
-    return cute.arch.inline_ptx(_EXP2_POLY, write_only_types=[cutlass.Float32],
-                                read_only_args=[x])
-
 
 def mn_view(acc: cute.Tensor) -> cute.Tensor:
     """View an accumulator fragment as (rows, cols) of this thread.
@@ -123,14 +80,10 @@ class OnlineSoftmax:
 
     def __init__(self, num_rows: int, scale_log2: cutlass.Float32,
                  p_bias_log2: float | None = None, frame_floor_log2: float = 64.0,
-                 out_scale: cutlass.Float32 | None = None, poly_every: int = 0):
+                 out_scale: cutlass.Float32 | None = None):
         """p_bias_log2 (not None): P in each block's own frame, scaled by 2^bias (Note [FP8 P:
         the block's own frame]); then row_max holds the frame (scaled units) and run_max the
-        row's raw running max. out_scale multiplies the final 1 / row_sum (FP8's V descale).
-        poly_every = n > 0 (with p_bias_log2): columns c with c % n == n - 1 of each row take
-        exp2 by polynomial (Note [exp2 by polynomial]); 0: none."""
-        assert not poly_every or p_bias_log2 is not None, "poly_every: the framed update"
-        self.poly_every = poly_every
+        row's raw running max. out_scale multiplies the final 1 / row_sum (FP8's V descale)."""
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         self.framed = p_bias_log2 is not None
@@ -214,18 +167,7 @@ class OnlineSoftmax:
             safe = cutlass.Float32(0.0) if frame == -cutlass.Float32.inf else frame
             alpha = cute.math.exp2(self.row_max[r] - safe, fastmath=True)
             x = acc_S_mn[r, None].load() * self.scale_log2 - (safe - self.p_bias_log2)
-            if cutlass.const_expr(not self.poly_every):
-                p = cute.math.exp2(x, fastmath=True)
-            else:  # one column in poly_every on the FMA pipe
-                n = self.poly_every
-                xs = cute.make_rmem_tensor(cute.size(acc_S_mn, mode=[1]), cutlass.Float32)
-                xs.store(x)
-                for c in cutlass.range_constexpr(cute.size(xs)):
-                    if cutlass.const_expr(c % n == n - 1):
-                        xs[c] = exp2_poly(xs[c])
-                    else:
-                        xs[c] = cute.math.exp2(xs[c], fastmath=True)
-                p = xs.load()
+            p = cute.math.exp2(x, fastmath=True)
             acc_S_mn[r, None] = p
             self.row_sum[r] = self.row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             self.row_max[r] = frame

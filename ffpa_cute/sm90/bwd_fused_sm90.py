@@ -67,14 +67,14 @@ barrier); sm90/fused_protocol.py models them. The exchange buffer is laid out by
 fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
 thread t holds the same (key, query) positions, so no index translation is needed.
 
-The dQ reduction: each dQ chunk is staged in 32-column pieces through 8 KB fp32 smem buffers
-(two; `dq_buffers` with `dq_grads` 1) (every thread of the forming warpgroup writes its values, a proxy fence, the
+The dQ reduction: each dQ chunk is staged in 32-column pieces through two 8 KB fp32 smem
+buffers (every thread of the forming warpgroup writes its values, a proxy fence, the
 warpgroup's barrier) and added into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so
 the forming warpgroup only writes smem and L2 adds asynchronously (`red.global` from registers
 held the S warpgroup ~5100 cycles per block at D=512: L2's reduction rate). The S warpgroup's
 chunk pieces alternate between the buffers, and a buffer is rewritten once its last bulk
-group has read it; `dq_grads` 1: the dV warpgroup's pieces take the buffers in turn; 2:
-each warpgroup has one buffer.
+group has read it; `dq_grads` 1: the dV warpgroup's pieces alternate likewise; 2: each
+warpgroup has one buffer.
 
 Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
 dS^T 16 KB, dQ staging 16 KB: 230400 B (`BwdFusedConfigSm90.smem_bytes`); D <= 384 keeps two
@@ -131,7 +131,7 @@ def grad_barrier(which: int):
 
 class FusedLayouts(NamedTuple):
     """Shared-memory layouts: K_r / V_r (T, half), the Q and dO rings (T, half, stages), the
-    P^T and dS^T tiles (T keys, T queries), the dQ staging pieces (T, 32, dq_buffers) fp32."""
+    P^T and dS^T tiles (T keys, T queries), the two dQ staging pieces (T, 32, 2) fp32."""
 
     kv: object
     q: object
@@ -189,7 +189,7 @@ class FusedSmem(NamedTuple):
     dst: cute.Tensor
     stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
     x: cute.Tensor      # (4, WG_THREADS, X_FLOATS / 512): the peer's partials by position
-    dq: cute.Tensor     # (T, 32, dq_buffers) fp32: the dQ staging buffers
+    dq: cute.Tensor     # (T, 32, 2) fp32: the two dQ staging buffers
     bars: FusedBars
 
 
@@ -248,7 +248,7 @@ class FFPABwdFusedSm90(KernelEntry):
                             row_major_layout(T, h, self.dtype, cfg.q_stages),
                             row_major_layout(T, h, self.dtype, cfg.do_stages),
                             row_major_layout(T, T, self.dtype),
-                            row_major_layout(T, FUSED_DQ_PIECE, Float32, cfg.dq_buffers))
+                            row_major_layout(T, FUSED_DQ_PIECE, Float32, 2))
 
     def _mma(self, a_major, b_major, n: int):
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major,
@@ -539,16 +539,13 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.copy(thr_st, tPrP, tPsP)
             cute.copy(thr_st, tPrdS, tPsdS)
             cute.arch.fence_proxy("async.shared", space="cta")   # read by WGMMA
-            # ---- S^T_r(i+1) (after the last block its own stage again: dropped) and dQ(i)'s
-            #      first chunk; S^T's partial sent, the chunk reduced. P^T / dS^T are
-            #      published before S^T_r(i+1) is issued, or after (`scores_first`)
+            # ---- P^T / dS^T published; then S^T_r(i+1) (after the last block its own stage
+            #      again: dropped) and dQ(i)'s first chunk; S^T's partial sent, the chunk
+            #      reduced
             nxt = cutlass.min(i + 1, n_count - 1)
-            if const_expr(self.cfg.scores_first):
-                self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
             cute.arch.mbarrier_arrive(bars.p_full)
             self._trace(extra, 4, i)
-            if const_expr(not self.cfg.scores_first):
-                self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
+            self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, nxt, qs)
             acc0 = None
             if const_expr(own_dq):
                 acc0 = self._dq_issue(mmas.dq[0], sdS, sKt, 0, chunks[0], tidx)
@@ -699,7 +696,7 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.jit
     def _stage_piece(self, acc_mn, tQcQ_mn, sdq: cute.Tensor, buf, p: cutlass.Constexpr):
         """This thread's values of piece p (columns 32 p .. 32 p + 31 of the chunk; acc_mn
-        holds 8-column groups of 2) into staging buffer buf of sdq (T, 32, buffers), one st.shared
+        holds 8-column groups of 2) into staging buffer buf of sdq (T, 32, 2), one st.shared
         each."""
         per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
@@ -805,15 +802,15 @@ class FFPABwdFusedSm90(KernelEntry):
         P^T / dS^T done, so they are released: neither waits behind a staging buffer), then
         per piece warp 0 waits until the piece's staging buffer may be rewritten, the
         warpgroup's barrier, its values staged, a proxy fence, the barrier, and one TMA
-        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the
-        `dq_buffers` buffers in turn (block i's piece k: buffer (i * pieces + k) % n), each
-        rewritten once every group but the n - 1 newest has read it; with 2 the warpgroup has
-        buffer `which` alone and waits for its last group."""
+        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
+        buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
+        the group before the newest has read it; with 2 the warpgroup has buffer `which`
+        alone and waits for its last group."""
         c0, width = self.cfg.dq_shares[which]
         atom_w = self.dq_widths[0]
         per_atom = atom_w // FUSED_DQ_PIECE
         pieces = width // FUSED_DQ_PIECE
-        both, nbuf = self.cfg.dq_grads == 1, self.cfg.dq_buffers
+        both = self.cfg.dq_grads == 1
         head_q, n_block = self._block(work, i)
         sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
         sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
@@ -827,7 +824,7 @@ class FFPABwdFusedSm90(KernelEntry):
             acc_mn = mn_view(acc)
             for p in cutlass.range_constexpr(per_atom):
                 k = a * per_atom + p
-                buf = (i * pieces + k) % nbuf if const_expr(both) else which
+                buf = (i * pieces + k) % 2 if const_expr(both) else which
                 if const_expr(p == 0):
                     warpgroup.wait_group(0)
                     if const_expr(a == 0):
@@ -837,8 +834,7 @@ class FFPABwdFusedSm90(KernelEntry):
                         if cute.arch.lane_idx() == 0:
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
                 if tidx // 32 == 0:
-                    cute.arch.cp_async_bulk_wait_group(nbuf - 1 if const_expr(both) else 0,
-                                                       read=True)
+                    cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0, read=True)
                 self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
                                 piece0 + k, tidx)
         self._trace(extra, 4, i)

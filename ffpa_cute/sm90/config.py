@@ -304,14 +304,9 @@ class FwdFP8ConfigSm90(FwdConfigSm90):
     (Q, K, V and P in e4m3, K = 32 WGMMAs, fp32 accumulation) and the output's dtype.
 
     out_dtype: "bf16" | "fp16", the dtype of O (LSE stays fp32).
-    poly_exp2: 0, or n > 0: one score column in n of each row takes its exp2 by polynomial on
-               the FMA pipe instead of MUFU (common/softmax.py, Note [exp2 by polynomial]):
-               the score step's 64 ex2 and 32 e4m3 conversions per thread and block share the
-               16-per-clock MUFU; a tuning field, not routed until measured.
     """
 
     out_dtype: str = "bf16"
-    poly_exp2: int = 0
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90FP8"
 
@@ -583,9 +578,6 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         if cfg.head_dim % 16 or cfg.head_dim_v is not None:
             return (f"head_dim={cfg.head_dim}: the FP8 forward needs a multiple of 16 (16-byte "
                     "rows for TMA) and head_dim_v == head_dim")
-        if not 0 <= cfg.poly_exp2 <= cfg.tile_n // 4:
-            return (f"poly_exp2={cfg.poly_exp2}: 0 (off) or one column in n of a thread's "
-                    f"{cfg.tile_n // 4} per row, 1 <= n <= {cfg.tile_n // 4}")
     elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
@@ -983,15 +975,6 @@ class BwdFusedConfigSm90:
                 storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
-    scores_first: the S warpgroup issues S^T_r(i+1) before it publishes P^T(i) / dS^T(i), so
-                its WGMMAs reach the tensor pipe ahead of the dV / dK products the publication
-                starts (else after). Needs two Q stages: with one, Q(i+1) is loaded by the dK
-                warpgroup only after its product on block i, which waits for the publication
-                (the protocol model's deadlock). Not planned until measured (perf.bwd_fused)
-    dq_buffers: the dQ staging buffers (8 KB each, a (64, 32) fp32 piece). 2; 4 or 6 only
-                with `dq_grads` 1, where the pieces take the buffers in turn: more of a
-                block's dQ waits in smem for TMA to read it while the dV warpgroup goes on
-                (D <= 448 has the smem). Not planned until measured (perf.bwd_fused)
     """
 
     arch: str
@@ -1003,8 +986,6 @@ class BwdFusedConfigSm90:
     window: bool = False
     dq_grads: int = 0
     group_split: bool = False
-    scores_first: bool = False
-    dq_buffers: int = 2
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
@@ -1088,13 +1069,13 @@ class BwdFusedConfigSm90:
         """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /
         empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta), then,
         each 1 KB aligned: the exchange buffer (the peer's fp32 S^T and dP^T partials), K, V,
-        the Q and dO rings, P^T and dS^T, the `dq_buffers` dQ staging pieces."""
+        the Q and dO rings, P^T and dS^T, the two dQ staging pieces."""
         header = 8 * (1 + self.q_stages + self.do_stages + 4)
         header = _align(header, 16) + 2 * FUSED_TILE * 4
         tile = FUSED_TILE * self.half * self.elem_bytes
         regions = [2 * FUSED_TILE * FUSED_TILE * 4, tile, tile, self.q_stages * tile,
                    self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes]),
-                   self.dq_buffers * FUSED_TILE * FUSED_DQ_PIECE * 4]
+                   2 * FUSED_TILE * FUSED_DQ_PIECE * 4]
         return sum(_align(x) for x in [header, *regions])
 
 
@@ -1112,14 +1093,9 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
-    if cfg.dq_buffers not in (2, 4, 6) or (cfg.dq_buffers != 2 and cfg.dq_grads != 1):
-        return (f"dq_buffers={cfg.dq_buffers}, dq_grads={cfg.dq_grads}: 2, or 4 or 6 with "
-                "dq_grads 1 (the pieces that take the buffers in turn)")
-    if cfg.scores_first and cfg.q_stages != 2:
-        return "scores_first needs q_stages 2 (with one the Q ring's refill waits on the hand-over)"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
-                f"{cfg.q_stages}, do_stages {cfg.do_stages}, dq_buffers {cfg.dq_buffers})")
+                f"{cfg.q_stages}, do_stages {cfg.do_stages})")
     return None
 
 

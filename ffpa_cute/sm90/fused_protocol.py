@@ -22,8 +22,8 @@ would break:
 unit at a speed drawn per run, so skewed timings are explored too) until all finish,
 raising `ProtocolError` on a deadlock or a hazard; tests/test_bwd_fused.py runs it over seeds,
 block counts and ring depths, and checks that it catches injected faults. The roles below
-follow `FFPABwdFusedSm90._score_wg`, `_grad_wg` and `_grad_dq` step for step (each `dq_grads`,
-and `scores_first`): a change to any of them belongs here too.
+follow `FFPABwdFusedSm90._score_wg`, `_grad_wg` and `_grad_dq` step for step (each
+`dq_grads`): a change to any of them belongs here too.
 """
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ class FusedModel(ModelBase):
     steps to drop or alter (tests: the model must catch them). `alternating`: the S
     warpgroup's dQ pieces (`dq_grads` 0) take the staging buffers in issue order across chunks
     and blocks, each waiting only for the group two back (the order `dq_grads` 1's pieces
-    take), instead of its per-chunk order whose first piece waits for every group. The
-    config's `scores_first`: S^T(i+1) issued before P^T(i) / dS^T(i) are published."""
+    take), instead of its per-chunk order whose first piece waits for every group."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
                  alternating: bool = False):
         super().__init__()
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
         self.faults, self.alternating = set(faults), alternating
-        self.scores_first = cfg.scores_first
         self.pieces = [w // FUSED_DQ_PIECE for w in cfg.dq_chunks]
         # (CTA, issuing warpgroup) -> its bulk groups, as issued, and those still reading:
         # a bulk group belongs to the thread that committed it
@@ -128,12 +126,9 @@ class FusedModel(ModelBase):
             self.write(f"{r}:pt", ("p", b), me)
             self.write(f"{r}:dst", ("ds", b), me)
             nxt = min(i + 1, n - 1)
-            if self.scores_first:   # S^T(i+1) issued before P^T / dS^T are published
-                yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
             self.arrive(self.bar(r, "p_full"), WG_THREADS)
             yield
-            if not self.scores_first:
-                yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
+            yield from self.scores(r, "q", nxt, (j, nxt), qs, j)
             if own_dq:   # dQ(i)'s first chunk
                 self.read(f"{r}:dst", ("ds", b), mma, hold=True)
                 self.read(f"{r}:k", ("k", j), mma, hold=True)
@@ -244,14 +239,14 @@ class FusedModel(ModelBase):
         ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         me = f"{'dV' if which == 0 else 'dK'}{r}"
         atom = cfg.atom_cols // FUSED_DQ_PIECE
-        pieces, both, nbuf = share // FUSED_DQ_PIECE, cfg.dq_grads == 1, cfg.dq_buffers
+        pieces, both = share // FUSED_DQ_PIECE, cfg.dq_grads == 1
         atoms = pieces // atom
         for t in range(atoms):
             self.read(f"{r}:dst", ("ds", i), mma, hold=True)
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             for p in range(atom):
                 k = t * atom + p
-                buf = (i * pieces + k) % nbuf if both else which
+                buf = (i * pieces + k) % 2 if both else which
                 if p == 0:
                     if t == 0 and "grad_release_early" in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
@@ -261,7 +256,7 @@ class FusedModel(ModelBase):
                         self.load(r, ring, i + stages, (j, i + stages))
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
-                unread = (nbuf - 1 if both else 0) + ("grad_wait_lax" in self.faults)
+                unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
                 if "no_dq_wait" not in self.faults:
                     yield from self.bulk_wait(r, me, unread)
                 self.stage_piece(r, me, buf, ("dq", i, which, k))

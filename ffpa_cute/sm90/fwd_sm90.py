@@ -313,8 +313,7 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
         batch, head_kv = tile.batch, tile.head_c
         qk = extra.q[batch, head_kv] * extra.k[batch, head_kv]
         return OnlineSoftmax(num_rows, tile.scale_log2 * qk, p_bias_log2=P_BIAS_LOG2,
-                             frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv],
-                             poly_every=self.cfg.poly_exp2)
+                             frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv])
 
 
 __all__ = ["Descales", "FFPAFwdSm90", "FFPAFwdSm90FP8"]
