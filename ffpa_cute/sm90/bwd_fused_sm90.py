@@ -799,8 +799,9 @@ class FFPABwdFusedSm90(KernelEntry):
         dQ_r (`dq_shares`) formed a swizzle atom at a time (dS K_r, as `_dq_issue`) and added
         into dq_acc 32 columns a piece. Per atom: its WGMMA issued and completed (the first
         time: the product too, so the ring stage is refilled; the last time: every read of
-        P^T / dS^T done, so they are released: neither waits behind a staging buffer), then
-        per piece warp 0 waits until the piece's staging buffer may be rewritten, the
+        P^T / dS^T done, so they are released: neither waits behind a staging buffer; with
+        `refill_first` the ring stage is refilled before the first atom is issued, once the
+        product alone completed), then per piece warp 0 waits until the piece's staging buffer may be rewritten, the
         warpgroup's barrier, its values staged, a proxy fence, the barrier, and one TMA
         reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
         buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
@@ -819,7 +820,12 @@ class FFPABwdFusedSm90(KernelEntry):
         sync = grad_barrier(which)
         ts, tg = self._dq_pieces(ops, smem, work, head_q)
         piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
+        first = self.cfg.refill_first
         for a in cutlass.range_constexpr(width // atom_w):
+            if const_expr(first and a == 0):   # the product alone, then the refill
+                warpgroup.wait_group(0)
+                self._trace(extra, 3, i)
+                self._refill(ops, smem, work, i, which, tidx)
             acc = self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx)
             acc_mn = mn_view(acc)
             for p in cutlass.range_constexpr(per_atom):
@@ -827,7 +833,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 buf = (i * pieces + k) % 2 if const_expr(both) else which
                 if const_expr(p == 0):
                     warpgroup.wait_group(0)
-                    if const_expr(a == 0):
+                    if const_expr(a == 0 and not first):
                         self._trace(extra, 3, i)
                         self._refill(ops, smem, work, i, which, tidx)
                     if const_expr(a == width // atom_w - 1):

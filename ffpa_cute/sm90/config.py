@@ -975,6 +975,11 @@ class BwdFusedConfigSm90:
                 storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
+    refill_first: with `dq_grads`, a dQ-forming warpgroup refills its ring stage (the dO
+                stage the S warpgroup's next dP^T waits for, or the Q stage) once its product
+                completed, before it issues its first dQ atom (else once that atom completed
+                too: the refill then waits for the atom's WGMMAs). Not planned until measured
+                (perf.bwd_fused)
     """
 
     arch: str
@@ -986,6 +991,7 @@ class BwdFusedConfigSm90:
     window: bool = False
     dq_grads: int = 0
     group_split: bool = False
+    refill_first: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
@@ -1093,6 +1099,8 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
+    if cfg.refill_first and not cfg.dq_grads:
+        return "refill_first needs dq_grads 1 or 2 (else the refill follows the product)"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")
