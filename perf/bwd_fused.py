@@ -20,9 +20,9 @@ phase table per warpgroup), the next steps beside it ("refill first": `refill_fi
 dO stage refilled before the first dQ atom, so that the S warpgroup's next dP^T waits less;
 "pair stores": 8-byte st.shared; "dQ in dV + dK": `dq_grads` 2; their gradients checked
 against the kernel's) and knockouts (dQ's pieces staged but not added; dQ formed but neither
-staged nor added: wrong results, timing only). Six variants of one case fit one device call. Measurements and their reading:
-docs/design.md section 4, "The fused backward", and docs/perf-log.md (2026-12-05, sessions
-20-24).
+staged nor added: wrong results, timing only). Six variants of one case fit one device
+call. Measurements and their reading: docs/design.md section 4, "The fused backward", and
+docs/perf-log.md (2026-12-05, sessions 20-24).
 """
 
 from __future__ import annotations

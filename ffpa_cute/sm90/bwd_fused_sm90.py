@@ -801,12 +801,12 @@ class FFPABwdFusedSm90(KernelEntry):
         time: the product too, so the ring stage is refilled; the last time: every read of
         P^T / dS^T done, so they are released: neither waits behind a staging buffer; with
         `refill_first` the ring stage is refilled before the first atom is issued, once the
-        product alone completed), then per piece warp 0 waits until the piece's staging buffer may be rewritten, the
-        warpgroup's barrier, its values staged, a proxy fence, the barrier, and one TMA
-        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
-        buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
-        the group before the newest has read it; with 2 the warpgroup has buffer `which`
-        alone and waits for its last group."""
+        product alone completed), then per piece warp 0 waits until the piece's staging
+        buffer may be rewritten, the warpgroup's barrier, its values staged, a proxy fence,
+        the barrier, and one TMA reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1
+        the pieces take the two buffers in turn (block i's piece k: buffer (i * pieces + k) %
+        2), each rewritten once the group before the newest has read it; with 2 the warpgroup
+        has buffer `which` alone and waits for its last group."""
         c0, width = self.cfg.dq_shares[which]
         atom_w = self.dq_widths[0]
         per_atom = atom_w // FUSED_DQ_PIECE
