@@ -9,8 +9,9 @@ Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, t
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one as
 planned and its variants (`FUSED_VARIANTS`: who forms dQ, the ring stage refilled before the
-first dQ atom; with GQA / MQA the head group split over CTA pairs), each only where it
-differs from the plan.
+first dQ atom, one dO stage where two are planned (D <= 384: what D=512's single stage
+costs); with GQA / MQA the head group split over CTA pairs), each only where it differs from
+the plan.
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each, the same products in another summation order; a variant past it is reported as
 WRONG and the run goes on).
@@ -55,11 +56,13 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), the ring stage refilled before the first dQ atom (`refill_first`), and with
-# GQA / MQA the head group split over CTA pairs (`group_split`)
+# (`dq_grads`), the ring stage refilled before the first dQ atom (`refill_first`), one dO
+# stage (`do_stages`; only where the plan has two), and with GQA / MQA the head group split
+# over CTA pairs (`group_split`)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
                   "fused refill first": dict(refill_first=True),
+                  "fused one dO stage": dict(do_stages=1),
                   "fused split": dict(group_split=True)}
 
 
