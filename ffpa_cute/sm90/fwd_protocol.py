@@ -10,9 +10,9 @@ i + 1's. The P hand-over is the skeleton's (p_full / p_empty per buffer, P[i] pu
 `_refill_shared_v` order their steps, over common/protocol.py's model of the hardware, and
 checks what a hang or a race would break: parity waits, TMA loads landing later in any order
 (a stage is being written from the load's issue until it lands), WGMMAs reading from issue
-until their warpgroup's wait_group, and every read finding the block it expects. `run(cfg, blocks, seed)` interleaves the units at
-random speeds; tests/test_shared_kv.py runs it over seeds and block counts and checks that it
-catches injected faults.
+until their warpgroup's wait_group, and every read finding the block it expects.
+`run(cfg, blocks, seed)` interleaves the units at random speeds; tests/test_shared_kv.py runs
+it over seeds and block counts and checks that it catches injected faults.
 """
 
 from __future__ import annotations
