@@ -138,44 +138,22 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
         assert "serialized" not in log, log
 
 
-@pytest.mark.parametrize("d,dq_grads", [(512, 1), (448, 2), (320, 1)])
-def test_refill_first_compiles(tmp_path, monkeypatch, d, dq_grads):
-    """`refill_first` (the dQ-forming warpgroups refill their ring stage once the product
-    completed, before the first dQ atom): sm_90a PTX without local memory or spills, WGMMAs
-    not serialised (nothing in flight across the refill's branch), one more wait_group per
-    block than without; refused without `dq_grads`."""
+@pytest.mark.parametrize("d,causal", [(512, False), (512, True), (320, True), (384, False)])
+def test_rotate_compiles(tmp_path, monkeypatch, d, causal):
+    """`rotate` (each key tile's walk starts at block tile mod count): sm_90a PTX without local
+    memory or spills, WGMMAs not serialised."""
     monkeypatch.chdir(tmp_path)
-    base = dataclasses.replace(c90.plan_bwd_fused(_problem(d, True)), dq_grads=dq_grads)
-    cfg = dataclasses.replace(base, refill_first=True)
+    base = c90.plan_bwd_fused(_problem(d, causal))
+    cfg = dataclasses.replace(base, rotate=True)
     assert c90.can_implement_fused(cfg) is None
-    assert "refill_first" in c90.can_implement_fused(dataclasses.replace(cfg, dq_grads=0))
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
-    waits = lambda p: len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", p))  # noqa: E731
-    assert waits(ptx) == waits(cls.compile(base, options="--keep-ptx").__ptx__) + (
-        2 if dq_grads == 2 else 1)   # each dQ-forming warpgroup's wait for its product alone
+    assert ptx != cls.compile(base, options="--keep-ptx").__ptx__
     assert ".local" not in ptx
     _no_spills(ptx)
     log = _ptxas_log(ptx, "sm_90a")
     if log is not None:
         assert "serialized" not in log, log
-
-
-def test_protocol_model_refill_first_faults():
-    """With `refill_first`, a refill issued under the product's WGMMAs is still caught."""
-    from ffpa_cute.common.protocol import ProtocolError
-    from ffpa_cute.sm90 import fused_protocol
-
-    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, True, do_stages=1, dq_grads=1,
-                                 refill_first=True)
-    errors = []
-    for seed in range(150):
-        try:
-            fused_protocol.run(cfg, 4, seed, faults=("refill_before_wait",))
-        except ProtocolError as e:
-            errors.append(str(e))
-            break
-    assert errors and "writes" in errors[0], errors
 
 
 @pytest.mark.parametrize("dq_grads", [0, 1])
@@ -358,8 +336,7 @@ def test_protocol_model_runs_clean(q_stages, do_stages):
             fused_protocol.run(cfg, blocks, seed)
 
 
-@pytest.mark.parametrize("order", ["chunks", "alternating", "dq_grads 1", "dq_grads 2",
-                                   "dq_grads 1, refill first", "dq_grads 2, refill first"])
+@pytest.mark.parametrize("order", ["chunks", "alternating", "dq_grads 1", "dq_grads 2"])
 @pytest.mark.parametrize("d", [320, 384, 448, 512])
 def test_protocol_model_dq_staging(d, order):
     """dQ's staging buffers in the model (pieces written by the forming warpgroup, read by TMA
@@ -367,15 +344,13 @@ def test_protocol_model_dq_staging(d, order):
     of 5 pieces at 320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order, in the
     "alternating" one (each piece waits only for the group two back), and with dQ formed by
     the dV warpgroup (both buffers in turn) or by the dV and dK warpgroups (one buffer each;
-    odd atom counts at 320 and 448), one or two dO stages; and with `refill_first` (the ring
-    stage refilled once the product completed, before the first dQ atom)."""
+    odd atom counts at 320 and 448), one or two dO stages."""
     from ffpa_cute.sm90 import fused_protocol
 
     base = c90.plan_bwd_fused(_problem(d, causal=True))
-    grads = int(order[9]) if order.startswith("dq_grads") else 0
+    grads = int(order[-1]) if order.startswith("dq_grads") else 0
     for do_stages in {1, base.do_stages}:
-        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages,
-                                  refill_first=order.endswith("refill first"))
+        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages)
         for blocks in (1, 2, 3, 6):
             for seed in range(8):
                 fused_protocol.run(cfg, blocks, seed, alternating=order == "alternating")

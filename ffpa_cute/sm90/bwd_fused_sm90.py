@@ -195,7 +195,7 @@ class FusedSmem(NamedTuple):
 
 class FusedWork(NamedTuple):
     """The pair's key tile and its walk: block i is query head head_q0 + i // n_per, query
-    block n_top - 1 - i % n_per."""
+    block n_top - 1 - i % n_per (with `rotate`, i counted from another block: `_block`)."""
 
     m_block: Int32
     head: Int32           # of dK / dV (with `group_split`: of the workspace)
@@ -211,6 +211,7 @@ class FusedWork(NamedTuple):
     causal_offset: Int32
     window_lo: object     # Int32 with `window`, else None (no code for it)
     scale_log2: Float32
+    rot: object           # Int32 with `rotate`: the walk's first block; else None
 
 
 class FFPABwdFusedSm90(KernelEntry):
@@ -389,9 +390,12 @@ class FFPABwdFusedSm90(KernelEntry):
         n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
                                          self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
+        rot = None
+        if const_expr(self.cfg.rotate):
+            rot = m_block % cutlass.max(n_per * group, 1)
         return FusedWork(m_block, head, kv_head, batch, rank, head * group, n_top, n_per,
                          n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
-                         scale_log2)
+                         scale_log2, rot)
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
@@ -403,8 +407,13 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.jit
     def _block(self, work: FusedWork, i):
         """(query head, query block) of block i: heads outer, blocks highest first (block 0
-        of a tile without blocks: the first head's block n_top - 1, read and dropped)."""
+        of a tile without blocks: the first head's block n_top - 1, read and dropped); with
+        `rotate` the walk starts at its block m_block mod n_count and wraps round (computed
+        at each call: a register held through the loop spilled at D=512 causal)."""
         n_per = cutlass.max(work.n_per, 1)
+        if const_expr(self.cfg.rotate):   # from block rot, wrapped
+            i = i + work.rot
+            i = i - Int32(i >= work.n_count) * work.n_count
         return work.head_q0 + i // n_per, work.n_top - 1 - i % n_per
 
     @cute.jit
@@ -799,9 +808,8 @@ class FFPABwdFusedSm90(KernelEntry):
         dQ_r (`dq_shares`) formed a swizzle atom at a time (dS K_r, as `_dq_issue`) and added
         into dq_acc 32 columns a piece. Per atom: its WGMMA issued and completed (the first
         time: the product too, so the ring stage is refilled; the last time: every read of
-        P^T / dS^T done, so they are released: neither waits behind a staging buffer; with
-        `refill_first` the ring stage is refilled before the first atom is issued, once the
-        product alone completed), then per piece warp 0 waits until the piece's staging
+        P^T / dS^T done, so they are released: neither waits behind a staging buffer), then
+        per piece warp 0 waits until the piece's staging
         buffer may be rewritten, the warpgroup's barrier, its values staged, a proxy fence,
         the barrier, and one TMA reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1
         the pieces take the two buffers in turn (block i's piece k: buffer (i * pieces + k) %
@@ -820,12 +828,7 @@ class FFPABwdFusedSm90(KernelEntry):
         sync = grad_barrier(which)
         ts, tg = self._dq_pieces(ops, smem, work, head_q)
         piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
-        first = self.cfg.refill_first
         for a in cutlass.range_constexpr(width // atom_w):
-            if const_expr(first and a == 0):   # the product alone, then the refill
-                warpgroup.wait_group(0)
-                self._trace(extra, 3, i)
-                self._refill(ops, smem, work, i, which, tidx)
             acc = self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx)
             acc_mn = mn_view(acc)
             for p in cutlass.range_constexpr(per_atom):
@@ -833,7 +836,7 @@ class FFPABwdFusedSm90(KernelEntry):
                 buf = (i * pieces + k) % 2 if const_expr(both) else which
                 if const_expr(p == 0):
                     warpgroup.wait_group(0)
-                    if const_expr(a == 0 and not first):
+                    if const_expr(a == 0):
                         self._trace(extra, 3, i)
                         self._refill(ops, smem, work, i, which, tidx)
                     if const_expr(a == width // atom_w - 1):

@@ -975,11 +975,11 @@ class BwdFusedConfigSm90:
                 storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
-    refill_first: with `dq_grads`, a dQ-forming warpgroup refills its ring stage (the dO
-                stage the S warpgroup's next dP^T waits for, or the Q stage) once its product
-                completed, before it issues its first dQ atom (else once that atom completed
-                too: the refill then waits for the atom's WGMMAs). Not planned until measured
-                (perf.bwd_fused)
+    rotate:     each key tile walks its query blocks from block (tile mod count) on, wrapping
+                round, rather than all from the same one: the ~66 pairs on the GPU at once
+                (consecutive tiles of one head) then add their dQ into different rows of
+                dq_acc instead of into the same rows at the same time. Not planned until
+                measured (perf.bwd_fused; with `dq_grads` 2, D=448's plan, it spills 4 B)
     """
 
     arch: str
@@ -991,7 +991,7 @@ class BwdFusedConfigSm90:
     window: bool = False
     dq_grads: int = 0
     group_split: bool = False
-    refill_first: bool = False
+    rotate: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
@@ -1058,7 +1058,8 @@ class BwdFusedConfigSm90:
              warpgroup (two products, the score step and its masks) 168 where that leaves
              the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else what does
              (136 at D=512, which spills 4 B with a window and no causal mask); the dV
-             warpgroup the rest.
+             warpgroup the rest. With `rotate` an S warpgroup of 168 takes 176 (168 spilled
+             8-12 B at D=320 / 384).
           2: each of dV / dK its accumulator, a dQ one and 40; the S warpgroup the rest (104
              at D=512: enough without masks only)."""
         acc = self.half // 2
@@ -1067,6 +1068,8 @@ class BwdFusedConfigSm90:
         if self.dq_grads == 1:
             dk = acc + 32
             s = min(168, 504 - dk - (acc + self.atom_cols // 2 + 48))
+            if self.rotate and s == 168:
+                s = 176
             return s, 504 - s - dk, dk
         grads = acc + self.atom_cols // 2 + 40
         return 504 - 2 * grads, grads, grads
@@ -1099,8 +1102,6 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
-    if cfg.refill_first and not cfg.dq_grads:
-        return "refill_first needs dq_grads 1 or 2 (else the refill follows the product)"
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")

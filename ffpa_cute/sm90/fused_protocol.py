@@ -233,21 +233,15 @@ class FusedModel(ModelBase):
     def grad_dq(self, r: int, which: int, i: int, share: int, mma: str, early: bool):
         """`_grad_dq`: this warpgroup's share of block i's dQ, an atom at a time (its WGMMA
         reading dS^T and K_r), each piece through a staging buffer and a TMA reduction; the
-        ring stage refilled after the first atom's wait (with `refill_first`: after the
-        product's, before the first atom is issued), P^T / dS^T released after the last's."""
+        ring stage refilled after the first atom's wait, P^T / dS^T released after the
+        last's."""
         cfg, n, j = self.cfg, self.blocks, 0
         ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         me = f"{'dV' if which == 0 else 'dK'}{r}"
         atom = cfg.atom_cols // FUSED_DQ_PIECE
         pieces, both = share // FUSED_DQ_PIECE, cfg.dq_grads == 1
         atoms = pieces // atom
-        first = cfg.refill_first
         for t in range(atoms):
-            if first and t == 0:   # the product alone completed, then the refill
-                yield
-                self.release(mma)                         # wait_group(0)
-                if not early and i + stages < n:
-                    self.load(r, ring, i + stages, (j, i + stages))
             self.read(f"{r}:dst", ("ds", i), mma, hold=True)
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             for p in range(atom):
@@ -258,7 +252,7 @@ class FusedModel(ModelBase):
                         self.arrive(self.bar(r, "p_empty"), 4)
                     yield
                     self.release(mma)                     # wait_group(0)
-                    if t == 0 and not first and not early and i + stages < n:
+                    if t == 0 and not early and i + stages < n:
                         self.load(r, ring, i + stages, (j, i + stages))
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
