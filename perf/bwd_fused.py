@@ -8,17 +8,14 @@
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one as
-planned and its variants (`FUSED_VARIANTS`: who forms dQ, the query blocks walked from a
-per-tile block on (`rotate`); with GQA / MQA the head group split over CTA pairs), each only
-where it differs from the plan.
+planned and its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group split
+over CTA pairs), each only where it differs from the plan.
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each, the same products in another summation order; a variant past it is reported as
 WRONG and the run goes on).
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
-phase table per warpgroup), the next steps beside it ("rotate": `rotate`, each key tile's
-walk over the query blocks starting at its own block, so that the pairs on the GPU at once
-add their dQ into different rows of dq_acc; "pair stores": 8-byte st.shared; "dQ in dV + dK": `dq_grads` 2; their gradients checked
+phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in dV + dK": `dq_grads` 2; their gradients checked
 against the kernel's) and knockouts (dQ's pieces staged but not added; dQ formed but neither
 staged nor added: wrong results, timing only). Six variants of one case fit one device
 call. Measurements and their reading: docs/design.md section 4, "The fused backward", and
@@ -55,11 +52,9 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), the walk over the query blocks rotated per key tile (`rotate`), and with GQA /
-# MQA the head group split over CTA pairs (`group_split`)
+# (`dq_grads`), and with GQA / MQA the head group split over CTA pairs (`group_split`)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
-                  "fused rotate": dict(rotate=True),
                   "fused split": dict(group_split=True)}
 
 
@@ -206,13 +201,12 @@ class _NoPut(FusedTraced):
 
 # name -> (traced class, config fields over the plan's)
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
-                  "rotate": (FusedTraced, dict(rotate=True)),
                   "pair stores": (_PairStores, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "rotate", "pair stores", "dQ in dV + dK")
+CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK")
 
 
 def _trace_cfg(case, fields: dict):

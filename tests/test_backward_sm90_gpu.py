@@ -225,17 +225,6 @@ def test_fused_group_split(seed, d, causal, nq, nkv, ratio, dq_grads):
            plan=lambda p: _fused_plan(p, dq_grads=dq_grads, group_split=True))
 
 
-@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, False, 1000, 1000, 1),
-                                                   (512, True, 129, 1000, 4),
-                                                   (448, True, 1000, 1000, 2),
-                                                   (320, False, 1, 129, 4)])
-def test_fused_rotate(seed, d, causal, nq, nkv, ratio):
-    """The fused backward with each key tile's walk over its query blocks rotated (`rotate`):
-    every block still visited once, all three gradients against float64."""
-    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
-           plan=lambda p: _fused_plan(p, rotate=True))
-
-
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),
                                                    (320, False, 1000, 1000, 1)])
 def test_fused_fp16_and_beside_the_atomic_free_kernels(seed, d, causal, nq, nkv, ratio):

@@ -138,24 +138,6 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
         assert "serialized" not in log, log
 
 
-@pytest.mark.parametrize("d,causal", [(512, False), (512, True), (320, True), (384, False)])
-def test_rotate_compiles(tmp_path, monkeypatch, d, causal):
-    """`rotate` (each key tile's walk starts at block tile mod count): sm_90a PTX without local
-    memory or spills, WGMMAs not serialised."""
-    monkeypatch.chdir(tmp_path)
-    base = c90.plan_bwd_fused(_problem(d, causal))
-    cfg = dataclasses.replace(base, rotate=True)
-    assert c90.can_implement_fused(cfg) is None
-    cls = dispatch.kernel_class(cfg)
-    ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
-    assert ptx != cls.compile(base, options="--keep-ptx").__ptx__
-    assert ".local" not in ptx
-    _no_spills(ptx)
-    log = _ptxas_log(ptx, "sm_90a")
-    if log is not None:
-        assert "serialized" not in log, log
-
-
 @pytest.mark.parametrize("dq_grads", [0, 1])
 def test_group_split_compiles(tmp_path, monkeypatch, dq_grads):
     """`group_split` (head groups over S CTA pairs, partial dK / dV in fp32): sm_90a PTX with

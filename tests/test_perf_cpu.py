@@ -456,7 +456,7 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
 
 def test_bwd_fused_experiment_plans_both_backwards():
     """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV), the fused one as
-    planned and each variant whose config differs from it (`dq_grads` 0, 1, 2, `rotate`;
+    planned and each variant whose config differs from it (`dq_grads` 0, 1, 2;
     `group_split` where Hq != Hkv), so `--precompile` covers what the GPU run times."""
     import dataclasses
 

@@ -195,7 +195,7 @@ class FusedSmem(NamedTuple):
 
 class FusedWork(NamedTuple):
     """The pair's key tile and its walk: block i is query head head_q0 + i // n_per, query
-    block n_top - 1 - i % n_per (with `rotate`, i counted from another block: `_block`)."""
+    block n_top - 1 - i % n_per."""
 
     m_block: Int32
     head: Int32           # of dK / dV (with `group_split`: of the workspace)
@@ -211,7 +211,6 @@ class FusedWork(NamedTuple):
     causal_offset: Int32
     window_lo: object     # Int32 with `window`, else None (no code for it)
     scale_log2: Float32
-    rot: object           # Int32 with `rotate`: the walk's first block; else None
 
 
 class FFPABwdFusedSm90(KernelEntry):
@@ -390,12 +389,9 @@ class FFPABwdFusedSm90(KernelEntry):
         n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
                                          self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
-        rot = None
-        if const_expr(self.cfg.rotate):
-            rot = m_block % cutlass.max(n_per * group, 1)
         return FusedWork(m_block, head, kv_head, batch, rank, head * group, n_top, n_per,
                          n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
-                         scale_log2, rot)
+                         scale_log2)
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
@@ -407,13 +403,8 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.jit
     def _block(self, work: FusedWork, i):
         """(query head, query block) of block i: heads outer, blocks highest first (block 0
-        of a tile without blocks: the first head's block n_top - 1, read and dropped); with
-        `rotate` the walk starts at its block m_block mod n_count and wraps round (computed
-        at each call: a register held through the loop spilled at D=512 causal)."""
+        of a tile without blocks: the first head's block n_top - 1, read and dropped)."""
         n_per = cutlass.max(work.n_per, 1)
-        if const_expr(self.cfg.rotate):   # from block rot, wrapped
-            i = i + work.rot
-            i = i - Int32(i >= work.n_count) * work.n_count
         return work.head_q0 + i // n_per, work.n_top - 1 - i % n_per
 
     @cute.jit
@@ -809,12 +800,12 @@ class FFPABwdFusedSm90(KernelEntry):
         into dq_acc 32 columns a piece. Per atom: its WGMMA issued and completed (the first
         time: the product too, so the ring stage is refilled; the last time: every read of
         P^T / dS^T done, so they are released: neither waits behind a staging buffer), then
-        per piece warp 0 waits until the piece's staging
-        buffer may be rewritten, the warpgroup's barrier, its values staged, a proxy fence,
-        the barrier, and one TMA reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1
-        the pieces take the two buffers in turn (block i's piece k: buffer (i * pieces + k) %
-        2), each rewritten once the group before the newest has read it; with 2 the warpgroup
-        has buffer `which` alone and waits for its last group."""
+        per piece warp 0 waits until the piece's staging buffer may be rewritten, the
+        warpgroup's barrier, its values staged, a proxy fence, the barrier, and one TMA
+        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
+        buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
+        the group before the newest has read it; with 2 the warpgroup has buffer `which` alone
+        and waits for its last group."""
         c0, width = self.cfg.dq_shares[which]
         atom_w = self.dq_widths[0]
         per_atom = atom_w // FUSED_DQ_PIECE

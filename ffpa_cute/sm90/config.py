@@ -975,11 +975,6 @@ class BwdFusedConfigSm90:
                 storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
-    rotate:     each key tile walks its query blocks from block (tile mod count) on, wrapping
-                round, rather than all from the same one: the ~66 pairs on the GPU at once
-                (consecutive tiles of one head) then add their dQ into different rows of
-                dq_acc instead of into the same rows at the same time. Not planned until
-                measured (perf.bwd_fused; with `dq_grads` 2, D=448's plan, it spills 4 B)
     """
 
     arch: str
@@ -991,7 +986,6 @@ class BwdFusedConfigSm90:
     window: bool = False
     dq_grads: int = 0
     group_split: bool = False
-    rotate: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
     # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
@@ -1058,8 +1052,7 @@ class BwdFusedConfigSm90:
              warpgroup (two products, the score step and its masks) 168 where that leaves
              the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else what does
              (136 at D=512, which spills 4 B with a window and no causal mask); the dV
-             warpgroup the rest. With `rotate` an S warpgroup of 168 takes 176 (168 spilled
-             8-12 B at D=320 / 384).
+             warpgroup the rest.
           2: each of dV / dK its accumulator, a dQ one and 40; the S warpgroup the rest (104
              at D=512: enough without masks only)."""
         acc = self.half // 2
@@ -1068,8 +1061,6 @@ class BwdFusedConfigSm90:
         if self.dq_grads == 1:
             dk = acc + 32
             s = min(168, 504 - dk - (acc + self.atom_cols // 2 + 48))
-            if self.rotate and s == 168:
-                s = 176
             return s, 504 - s - dk, dk
         grads = acc + self.atom_cols // 2 + 40
         return 504 - 2 * grads, grads, grads
