@@ -535,3 +535,19 @@ def test_producer_warp_register_budget(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert producer_regs.probe(384).startswith("128 registers, 0 B")
     assert producer_regs.probe(512).startswith("refused: 128 registers per thread")
+
+
+def test_reduce_limits_compiles_its_paths(tmp_path, monkeypatch):
+    """perf.reduce_limits: each mode compiles for sm_90a to the reduction it measures (a TMA
+    bulk reduction, 16-byte `red.global.add` from registers, or both), and every variant's
+    config is among `jobs()` (what --precompile compiles)."""
+    from perf import reduce_limits as rl
+
+    monkeypatch.chdir(tmp_path)
+    for mode, bulk, red in (("tma", True, False), ("red", False, True), ("both", True, True)):
+        ptx = rl.ReduceBench.compile(rl.ReduceConfig(mode=mode), options="--keep-ptx").__ptx__
+        assert ("cp.reduce.async.bulk.tensor" in ptx) == bulk, mode
+        assert ("red.global.add.v4.f32" in ptx) == red, mode
+    assert {cfg for cfg, _, _ in rl.variants().values()} == {c for _, c in rl.jobs()}
+    with pytest.raises(ValueError, match="mode"):
+        rl.ReduceBench(rl.ReduceConfig(mode="atomic"))
