@@ -156,7 +156,6 @@ FP8_SCHEDULES = [("planned (serial)", 512, {}, FwdFP8Traced),
                  ("serial, no PV", 512, {}, FwdFP8TracedNoPV),
                  ("serial, P published before QK", 512, dict(publish_after=0), FwdFP8Traced),
                  ("serial, P = S", 512, {}, FwdFP8TracedNoExp),
-                 ("serial, P by f16 pairs", 512, dict(exp_f16=True), FwdFP8Traced),
                  ("overlap, no PV", 320, {}, FwdFP8TracedNoPV),
                  ("serial, no PV", 320, _SERIAL_320, FwdFP8TracedNoPV)]
 

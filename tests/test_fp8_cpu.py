@@ -126,33 +126,6 @@ def test_fp8_kernel_compiles_with_e4m3_wgmma(in_tmp, d, causal):
         assert log is None or "serialized" not in log, log
 
 
-@pytest.mark.parametrize("d,causal", [(512, False), (512, True)])
-def test_fp8_exp_f16_compiles(in_tmp, d, causal):
-    """`exp_f16` (P's exponentials by f16 pairs, Note [FP8 P by f16 pairs]): each pair of the
-    score step's fp32 ex2 becomes one ex2.approx.f16x2 (the rows' rescale factors stay fp32),
-    P goes to e4m3 from the f16 pairs, no local memory or spills, WGMMAs not serialised;
-    refused with `kv_pair`."""
-    import dataclasses
-
-    from ffpa_cute.sm90.config import can_implement
-
-    p = AttnProblem(dtype="e4m3", batch=1, heads_q=2, heads_kv=2, seqlen_q=1, seqlen_kv=1,
-                    head_dim=d, head_dim_v=d, causal=causal, out_dtype="bf16")
-    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
-    base = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
-    cfg = dataclasses.replace(plan.cfg, exp_f16=True)
-    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
-    pairs = ptx.count("ex2.approx.f16x2")
-    assert pairs > 0 and base.count("ex2.approx.f16x2") == 0
-    assert base.count("ex2.approx.ftz.f32") - ptx.count("ex2.approx.ftz.f32") == 2 * pairs
-    assert ptx.count("cvt.rn.satfinite.e4m3x2.f16x2") == pairs
-    assert ".local" not in ptx
-    _no_spills(ptx)
-    log = _ptxas_log(ptx, "sm_90a")
-    assert log is None or "serialized" not in log, log
-    assert "exp_f16" in can_implement(dataclasses.replace(cfg, kv_pair=True))
-
-
 @pytest.mark.parametrize("n", [1, 16, 77])
 def test_interleaved_vt_on_cpu(seed, n):
     """`_transposed_v(v, interleave=True)` (its torch path): byte p of each 16-key group of

@@ -70,59 +70,6 @@ def e4m3x4_to_16bit(word: Uint32, kind: str) -> tuple[Uint32, Uint32]:
                                 read_only_args=[word])
 
 
-# Note [FP8 P by f16 pairs]: P = exp2(x) with x <= 8 (P's frame, Note [FP8 P: the block's own
-# frame] in softmax.py) is rounded to e4m3 (3 mantissa bits, relative steps of 2^-4 down to
-# 2^-6, subnormal below) for the P V product. Taking exp2 on f16 pairs (`ex2.approx.f16x2`,
-# one MUFU operation for two values, relative error <= 2^-9.9) after rounding x to f16 (x in
-# [-16, 8] rounds by <= 2^-8 absolutely, so exp2 moves by <= 0.28%; below -9 P rounds to 0 in
-# e4m3 anyway) errs far below e4m3's rounding, and the pair converts to e4m3 in one
-# instruction. The row sums add the f16 pairs (a thread's 32 terms of a row per block, each
-# <= 2^8: sums <= 2^13, well inside f16's 65504, relative steps 2^-11) and reach fp32 once per
-# row and block.
-_E4M3_EXP2 = """{
-.reg .b32 h0, h1;
-.reg .b16 lo, hi;
-cvt.rn.f16x2.f32 h0, {$r1}, {$r0};
-cvt.rn.f16x2.f32 h1, {$r3}, {$r2};
-ex2.approx.f16x2 h0, h0;
-ex2.approx.f16x2 h1, h1;
-cvt.rn.satfinite.e4m3x2.f16x2 lo, h0;
-cvt.rn.satfinite.e4m3x2.f16x2 hi, h1;
-mov.b32 {$w0}, {lo, hi};
-add.rn.f16x2 {$w1}, h0, h1;
-}"""
-
-_F16X2_ADD = "add.rn.f16x2 {$w0}, {$r0}, {$r1};"
-
-_F16X2_TOTAL = """{
-.reg .b16 lo, hi;
-.reg .f32 a, b;
-mov.b32 {lo, hi}, {$r0};
-cvt.f32.f16 a, lo;
-cvt.f32.f16 b, hi;
-add.f32 {$w0}, a, b;
-}"""
-
-
-def e4m3_exp2_pairs(x0, x1, y0, y1) -> tuple[Uint32, Uint32]:
-    """exp2 of four fp32 exponents by f16 pairs (Note [FP8 P by f16 pairs]): (the four values
-    rounded to e4m3 in one word, bytes x0, x1, y0, y1 from the lowest, as `e4m3_pairs`; their
-    sum as an f16 pair, (x0 + y0) low, (x1 + y1) high)."""
-    return cute.arch.inline_ptx(_E4M3_EXP2, write_only_types=[Uint32, Uint32],
-                                read_only_args=[x0, x1, y0, y1])
-
-
-def f16x2_add(a: Uint32, b: Uint32) -> Uint32:
-    """a + b on f16 pairs."""
-    return cute.arch.inline_ptx(_F16X2_ADD, write_only_types=[Uint32], read_only_args=[a, b])
-
-
-def f16x2_total(a: Uint32) -> cutlass.Float32:
-    """The f16 pair's two values added in fp32."""
-    return cute.arch.inline_ptx(_F16X2_TOTAL, write_only_types=[cutlass.Float32],
-                                read_only_args=[a])
-
-
 _E4M3_PAIRS = """{
 .reg .b16 lo, hi;
 cvt.rn.satfinite.e4m3x2.f32 lo, {$r1}, {$r0};

@@ -131,17 +131,14 @@ class OnlineSoftmax:
 
     @cute.jit
     def update(self, acc_S_mn: cute.Tensor, blk_max: cute.Tensor, acc_O_mns: list,
-               alpha_out: cute.Tensor | None = None, exponentiate: cutlass.Constexpr = True):
+               alpha_out: cute.Tensor | None = None):
         """New max, P = exp2 in place of S, rescale every O chunk, accumulate partial row sums.
 
         alpha_out (optional, num_rows fp32) receives each row's O rescale factor, for kernels
         whose O lives in other threads (sm90: the O warpgroups rescale from shared memory).
-        exponentiate False (framed only): acc_S_mn receives the exponents (P = exp2 of them)
-        and the row sums are only rescaled: the caller exponentiates and adds the block's
-        terms to row_sum (the FP8 forward's `exp_f16`).
         """
         if cutlass.const_expr(self.framed):
-            self._update_framed(acc_S_mn, blk_max, acc_O_mns, alpha_out, exponentiate)
+            self._update_framed(acc_S_mn, blk_max, acc_O_mns, alpha_out)
             return
         for r in cutlass.range_constexpr(self.num_rows):
             prev = self.row_max[r]
@@ -161,7 +158,7 @@ class OnlineSoftmax:
 
     @cute.jit
     def _update_framed(self, acc_S_mn: cute.Tensor, blk_max: cute.Tensor, acc_O_mns: list,
-                       alpha_out: cute.Tensor | None, exponentiate: cutlass.Constexpr = True):
+                       alpha_out: cute.Tensor | None):
         """`update` with P in the block's own frame (Note [FP8 P: the block's own frame])."""
         for r in cutlass.range_constexpr(self.num_rows):
             run = cute.arch.fmax(self.run_max[r], blk_max[r])
@@ -170,14 +167,9 @@ class OnlineSoftmax:
             safe = cutlass.Float32(0.0) if frame == -cutlass.Float32.inf else frame
             alpha = cute.math.exp2(self.row_max[r] - safe, fastmath=True)
             x = acc_S_mn[r, None].load() * self.scale_log2 - (safe - self.p_bias_log2)
-            if cutlass.const_expr(exponentiate):
-                p = cute.math.exp2(x, fastmath=True)
-                acc_S_mn[r, None] = p
-                self.row_sum[r] = (self.row_sum[r] * alpha
-                                   + p.reduce(cute.ReductionOp.ADD, 0.0, 0))
-            else:
-                acc_S_mn[r, None] = x
-                self.row_sum[r] = self.row_sum[r] * alpha
+            p = cute.math.exp2(x, fastmath=True)
+            acc_S_mn[r, None] = p
+            self.row_sum[r] = self.row_sum[r] * alpha + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             self.row_max[r] = frame
             self.run_max[r] = run
             if cutlass.const_expr(alpha_out is not None):

@@ -304,15 +304,9 @@ class FwdFP8ConfigSm90(FwdConfigSm90):
     (Q, K, V and P in e4m3, K = 32 WGMMAs, fp32 accumulation) and the output's dtype.
 
     out_dtype: "bf16" | "fp16", the dtype of O (LSE stays fp32).
-    exp_f16:   P's exponentials two at a time in f16 (`ex2.approx.f16x2` on the exponents
-               rounded to f16, then e4m3 from the f16 pair; the row sums add the f16 pairs):
-               half the MUFU operations of the score step, for P's e4m3 rounding an error far
-               below its own (Note [FP8 P by f16 pairs] in common/convert.py). One CTA per
-               row tile (no `kv_pair`); not routed until measured (perf.fp8_limits).
     """
 
     out_dtype: str = "bf16"
-    exp_f16: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90FP8"
 
@@ -584,9 +578,6 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         if cfg.head_dim % 16 or cfg.head_dim_v is not None:
             return (f"head_dim={cfg.head_dim}: the FP8 forward needs a multiple of 16 (16-byte "
                     "rows for TMA) and head_dim_v == head_dim")
-        if cfg.exp_f16 and cfg.kv_pair:
-            return ("exp_f16 needs one CTA per row tile (no kv_pair: the pair's shared blocks "
-                    "count their row sums once)")
     elif cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:

@@ -68,9 +68,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline  # noqa: F401  (NamedBarrier, kv_pair)
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, const_expr
 
-from ..common.convert import e4m3_exp2_pairs, f16x2_add, f16x2_total
 from ..common.softmax import FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax
 from ..common.tensors import LOG2_E, fake_args, fake_cu, fake_fp8_args, fake_tensor
 from .config import TILE_M, FwdConfigSm90, can_implement
@@ -315,37 +314,6 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
         qk = extra.q[batch, head_kv] * extra.k[batch, head_kv]
         return OnlineSoftmax(num_rows, tile.scale_log2 * qk, p_bias_log2=P_BIAS_LOG2,
                              frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv])
-
-    @cute.jit
-    def _softmax_block(self, tile: Tile, frags: ScoreFrags, n_block):
-        """As the 16-bit forward's; with `exp_f16` the exponentials by f16 pairs straight into
-        rP's e4m3 words (`_exp_to_regs`)."""
-        if const_expr(self.cfg.exp_f16):
-            softmax = frags.softmax
-            self._mask_block(tile, frags, n_block)
-            blk_max = softmax.block_max(frags.acc_S_mn)
-            softmax.update(frags.acc_S_mn, blk_max, [], frags.factor, exponentiate=False)
-            self._exp_to_regs(frags)
-        else:
-            FFPAFwdSm90._softmax_block(self, tile, frags, n_block)
-
-    @cute.jit
-    def _exp_to_regs(self, frags: ScoreFrags):
-        """`exp_f16`: acc_S holds P's exponents (`OnlineSoftmax.update`, exponentiate False);
-        P = exp2 of them by f16 pairs (common/convert.py, Note [FP8 P by f16 pairs]) into
-        rP's words as `_p_to_regs` packs them, each row's terms added in f16 pairs and into
-        its fp32 row sum once."""
-        acc, words = frags.acc_S, cute.recast_tensor(frags.rP, Uint32)
-        row_sum = frags.softmax.row_sum
-        for h in cutlass.range_constexpr(2):
-            part = Uint32(0)
-            for j in cutlass.range_constexpr(cute.size(words, mode=[0, 2])):
-                w, s = e4m3_exp2_pairs(acc[(0, h, 2 * j), 0, 0], acc[(1, h, 2 * j), 0, 0],
-                                       acc[(0, h, 2 * j + 1), 0, 0],
-                                       acc[(1, h, 2 * j + 1), 0, 0])
-                words[(0, h, j), 0, 0] = w
-                part = s if const_expr(j == 0) else f16x2_add(part, s)
-            row_sum[h] = row_sum[h] + f16x2_total(part)
 
 
 __all__ = ["Descales", "FFPAFwdSm90", "FFPAFwdSm90FP8"]
