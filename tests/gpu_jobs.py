@@ -49,7 +49,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf")
+            "fused_perf", "fwd_perf", "lazy")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -58,8 +58,10 @@ def jobs(sections=SECTIONS) -> list:
     tests/sanitize.py; fused: what the fused backward's GPU tests run, the sm90 forward, the
     Delta kernel and the fused kernel at D 320-512 (a subset of main, small enough to carry
     alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced, and fwd_perf:
-    `python -m perf.shared_kv`'s (all run from the repository's root); the others as the
-    module docstring lists them)."""
+    `python -m perf.shared_kv`'s (all run from the repository's root); lazy: what
+    tests/test_lazy_rescale_gpu.py, `perf.lazy_rescale` and `perf.fp8_limits` run (the
+    forwards with `lazy_rescale`, the planned ones beside them); the others as the module
+    docstring lists them)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -190,6 +192,24 @@ def jobs(sections=SECTIONS) -> list:
         from perf import shared_kv
 
         add(shared_kv.jobs())
+    if "lazy" in sections:
+        from perf import fp8_limits, lazy_rescale
+
+        add(lazy_rescale.jobs() + fp8_limits.jobs())
+        for d, dtype, kw in ((320, "bf16", {}), (512, "bf16", {}), (448, "fp16", {}),
+                             (512, "e4m3", dict(out_dtype="bf16")),
+                             (320, "e4m3", dict(out_dtype="bf16")),
+                             (384, "e4m3", dict(out_dtype="bf16"))):
+            for causal in (False, True):
+                p = dataclasses.replace(problem(d, d, dtype, causal), **kw)
+                plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
+                lazy = dataclasses.replace(plan.cfg, lazy_rescale=True)
+                add([(plan.kernel_cls, plan.cfg), (plan.kernel_cls, lazy)])
+            if dtype == "e4m3" and not causal:   # V's transpose
+                from ffpa_cute.fp8 import vt_config
+
+                t = vt_config(plan.kernel_cls, TARGET, d)
+                add([(dispatch.kernel_class(t), t)])
     if "sanitize" in sections:
         from . import sanitize
 

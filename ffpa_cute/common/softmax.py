@@ -22,6 +22,17 @@ max. The frame never drops more than 2^floor below the row's running max, so O s
 inside fp32 (a block whose scores all lie below that floor contributes exactly what it would
 against the running max).
 
+Note [Lazy rescaling] (FlashAttention-4's conditional rescaling): a row's O and sum are rescaled
+by exp2(old max - new max) every block whose max grows; with `lazy` (above) the row keeps its
+max while a block's max exceeds it by at most `above` (log2 units), so P = exp2(s - kept max)
+reaches 2^above at most and the factor is exactly 1, which the accumulator warpgroups see
+and skip. The final 1 / row_sum and the LSE use the kept max, so the result is the same
+softmax. 16-bit P: above 8 (P <= 256, far inside bf16 / fp16 and fp32 sums). FP8 P, framed:
+the frame is kept while the block's max lies in [frame - below, frame + above]; P's bias
+drops to 8 - above so that P <= 2^8 still (FlashAttention #2716's saturation cannot happen),
+and a block whose max lies `below` under the frame still has its largest P at
+2^(bias - below), its values normal e4m3 for 2^(bias - below + 6) below that.
+
 Note [Sinks]: a learned per-head logit (GPT-OSS) joins each row's softmax denominator as one more
 "key" with no value: O = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)), and the LSE includes
 it, so the backward's P = exp(s - LSE) is already the sink-aware softmax and its kernels need no
@@ -80,16 +91,21 @@ class OnlineSoftmax:
 
     def __init__(self, num_rows: int, scale_log2: cutlass.Float32,
                  p_bias_log2: float | None = None, frame_floor_log2: float = 64.0,
-                 out_scale: cutlass.Float32 | None = None):
+                 out_scale: cutlass.Float32 | None = None,
+                 lazy: tuple[float, float] | None = None):
         """p_bias_log2 (not None): P in each block's own frame, scaled by 2^bias (Note [FP8 P:
         the block's own frame]); then row_max holds the frame (scaled units) and run_max the
-        row's raw running max. out_scale multiplies the final 1 / row_sum (FP8's V descale)."""
+        row's raw running max. out_scale multiplies the final 1 / row_sum (FP8's V descale).
+        lazy (above, below), in log2 units: a row keeps its max (or frame) while the block's
+        max is at most `above` over it (and, framed, at most `below` under it), so its factor
+        is exactly 1 (Note [Lazy rescaling])."""
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         self.framed = p_bias_log2 is not None
         self.p_bias_log2 = p_bias_log2
         self.frame_floor_log2 = frame_floor_log2
         self.out_scale = out_scale
+        self.lazy = lazy
         self.row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         self.row_max.fill(-cutlass.Float32.inf)
@@ -143,9 +159,14 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             prev = self.row_max[r]
             cur = cute.arch.fmax(prev, blk_max[r])
+            if cutlass.const_expr(self.lazy is not None):   # NaN / inf growth: a new max
+                grow = (cur - prev) * self.scale_log2
+                cur = prev if grow <= self.lazy[0] else cur
             safe = cutlass.Float32(0.0) if cur == -cutlass.Float32.inf else cur
             max_scaled = safe * self.scale_log2
             alpha = cute.math.exp2(prev * self.scale_log2 - max_scaled, fastmath=True)
+            if cutlass.const_expr(self.lazy is not None):
+                alpha = cutlass.Float32(1.0) if cur == prev else alpha
             p = cute.math.exp2(acc_S_mn[r, None].load() * self.scale_log2 - max_scaled,
                                fastmath=True)
             acc_S_mn[r, None] = p
@@ -164,8 +185,15 @@ class OnlineSoftmax:
             run = cute.arch.fmax(self.run_max[r], blk_max[r])
             frame = cute.arch.fmax(blk_max[r] * self.scale_log2,
                                    run * self.scale_log2 - self.frame_floor_log2)
+            old = self.row_max[r]
+            if cutlass.const_expr(self.lazy is not None):   # keep the frame if the block's
+                d = blk_max[r] * self.scale_log2 - old       # max lies in [-below, above]
+                keep = cute.arch.fmax(d - self.lazy[0], -d - self.lazy[1]) <= 0.0
+                frame = old if keep else frame
             safe = cutlass.Float32(0.0) if frame == -cutlass.Float32.inf else frame
-            alpha = cute.math.exp2(self.row_max[r] - safe, fastmath=True)
+            alpha = cute.math.exp2(old - safe, fastmath=True)
+            if cutlass.const_expr(self.lazy is not None):
+                alpha = cutlass.Float32(1.0) if frame == old else alpha
             x = acc_S_mn[r, None].load() * self.scale_log2 - (safe - self.p_bias_log2)
             p = cute.math.exp2(x, fastmath=True)
             acc_S_mn[r, None] = p

@@ -117,6 +117,11 @@ class FwdConfigSm90:
                    (v_stages 0, k_stages `shared_stages`), Dv a multiple of 128 (each O
                    warpgroup owns whole chunks), 16-bit, one CTA per tile (no `kv_pair`,
                    `persistent`, `overlap`, `varlen`)
+    lazy_rescale:  a row keeps its max (FP8: its frame) while a block's max stays within a few
+                   powers of 2 of it, so its factor is exactly 1 and the O warpgroups skip the
+                   row's rescale (common/softmax.py, Note [Lazy rescaling]; FlashAttention-4's
+                   conditional rescaling). The forward kernels, one CTA per row tile (no
+                   `kv_pair`); not routed until measured (perf.phase_trace, perf.fp8_limits)
     """
 
     arch: str
@@ -138,6 +143,7 @@ class FwdConfigSm90:
     group_split: bool = False
     overlap: int = 0
     shared_kv: bool = False
+    lazy_rescale: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -631,6 +637,10 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return (f"overlap={cfg.overlap}: 0, or in [1, {cfg.num_k_chunks - 1}] (the D chunks) "
                 "for the FP8 forward with Q resident (no kv_pair, stream_q, persistent) and "
                 f"k_stages >= {cfg.num_k_chunks}")
+    if cfg.lazy_rescale and (type(cfg) not in (FwdConfigSm90, FwdFP8ConfigSm90)
+                             or cfg.kv_pair):
+        return ("lazy_rescale is for the forward kernels with one CTA per row tile (no "
+                "kv_pair)")
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return f"needs {cfg.smem_bytes()} B of smem, sm_90a has {SMEM_CAPACITY}"
     return None

@@ -76,6 +76,12 @@ from .config import TILE_M, FwdConfigSm90, can_implement
 from .ring_context import Roles, ScoreFrags, ScoreIO, ScoreStep, Tile
 from .skeleton_sm90 import RingSkeletonSm90
 
+# `lazy_rescale` (common/softmax.py, Note [Lazy rescaling]): (above, below) in log2 units. 16-bit
+# P: a row's max is kept while a block's max exceeds it by <= 8 (P <= 256). FP8: the frame is
+# kept while the block's max lies 4 under to 2 over it, P's bias 8 - 2 (P <= 256 still)
+LAZY_16 = (8.0, 0.0)
+LAZY_FP8 = (2.0, 4.0)
+
 
 class FFPAFwdSm90(RingSkeletonSm90):
     """F1 forward; one instance per `FwdConfigSm90` (the compile key).
@@ -133,6 +139,13 @@ class FFPAFwdSm90(RingSkeletonSm90):
                      window_lo, num_ctas, (mCuQ, mCuK))
 
     # ---------------------------------------------------------------- the score step
+    @cute.jit
+    def _make_softmax(self, num_rows: cutlass.Constexpr, tile: Tile, extra):
+        """The online softmax at the tile's scale (`lazy_rescale`: Note [Lazy rescaling] in
+        common/softmax.py)."""
+        lazy = LAZY_16 if const_expr(self.cfg.lazy_rescale) else None
+        return OnlineSoftmax(num_rows, tile.scale_log2, lazy=lazy)
+
     @cute.jit
     def _score_step(self, tile: Tile, io: ScoreIO, frags: ScoreFrags, step: ScoreStep,
                     n_count):
@@ -312,8 +325,11 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
         V's descale."""
         batch, head_kv = tile.batch, tile.head_c
         qk = extra.q[batch, head_kv] * extra.k[batch, head_kv]
-        return OnlineSoftmax(num_rows, tile.scale_log2 * qk, p_bias_log2=P_BIAS_LOG2,
-                             frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv])
+        lazy = LAZY_FP8 if const_expr(self.cfg.lazy_rescale) else None
+        bias = P_BIAS_LOG2 - (LAZY_FP8[0] if const_expr(self.cfg.lazy_rescale) else 0.0)
+        return OnlineSoftmax(num_rows, tile.scale_log2 * qk, p_bias_log2=bias,
+                             frame_floor_log2=FRAME_FLOOR_LOG2, out_scale=extra.v[batch, head_kv],
+                             lazy=lazy)
 
 
 __all__ = ["Descales", "FFPAFwdSm90", "FFPAFwdSm90FP8"]

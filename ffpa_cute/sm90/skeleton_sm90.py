@@ -1441,10 +1441,15 @@ class RingSkeletonSm90(SharedKVRing, KernelEntry):
 
     @cute.jit
     def _scale_rows(self, acc_O_mn, tOcO_mn, sFactor, b, num_rows: cutlass.Constexpr):
-        """O's rows times the factors published in sFactor[:, b]."""
+        """O's rows times the factors published in sFactor[:, b] (`lazy_rescale`: a row whose
+        factor is 1 skipped)."""
         for r in cutlass.range_constexpr(num_rows):
             f = sFactor[tOcO_mn[r, 0][0], b]
-            acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
+            if const_expr(self.cfg.lazy_rescale):
+                if f != 1.0:
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
+            else:
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * f
 
 
 def _shared_storage(cfg: FwdConfigSm90, dtype, layouts: SmemLayouts, kv_dtype):
