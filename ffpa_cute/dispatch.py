@@ -83,7 +83,7 @@ def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
     Split-D kernel on sm_90a."""
     try:
         return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair,
-                                    persistent=opts.persistent, shared=True)
+                                    persistent=opts.persistent, shared=True, lazy=True)
     except ValueError:
         if p.head_dim_v != p.head_dim:
             raise  # Split-D needs Dv == D

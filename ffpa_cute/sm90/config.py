@@ -121,7 +121,9 @@ class FwdConfigSm90:
                    powers of 2 of it, so its factor is exactly 1 and the O warpgroups skip the
                    row's rescale (common/softmax.py, Note [Lazy rescaling]; FlashAttention-4's
                    conditional rescaling). The forward kernels, one CTA per row tile (no
-                   `kv_pair`); not routed until measured (perf.phase_trace, perf.fp8_limits)
+                   `kv_pair`); planned for the plain 16-bit forward at the head dims where it
+                   measured faster (`plan_fwd`'s `lazy`, LAZY_RESCALE_HEAD_DIMS), a tuning
+                   field elsewhere (FP8: perf.fp8_limits)
     """
 
     arch: str
@@ -665,15 +667,27 @@ def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
     return dataclasses.replace(shared, k_stages=shared.shared_stages)
 
 
+# The plain 16-bit forward skips O's rescale where it keeps a row's max (`lazy_rescale`) at these
+# head dims, where it measured faster (H100, bf16, B=1, N=8K unless noted, three runs, kernel
+# alone, planned -> lazy TFLOPS; docs/perf-log.md 2026-12-05 session 25): D=512 558-571 ->
+# 568-575, N=16K 551-563 -> 570-584, causal 501-524 -> 517-529, GQA 32/4 causal 451-485 ->
+# 513-526; D=320 480-490 -> 489-509. D=448 measured slower (475-482 -> 456-467); other head
+# dims are unmeasured.
+LAZY_RESCALE_HEAD_DIMS = (320, 512)
+
+
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
              persistent: bool = False, shared: bool = False,
-             resident_q: bool = True) -> FwdConfigSm90:
+             resident_q: bool = True, lazy: bool = False) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
     `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `shared`:
     whether v being k's prefix (`problem.shared_kv`) may take `shared_kv` (with SHARED_KV on,
     where it builds); `resident_q`: whether Q may stay resident above D=512 (below; the dV
     and decode planners, which start from this plan, keep it streamed there as they were
-    measured); `persistent`: whether persistent CTAs may serve it (`Options.persistent`).
+    measured); `persistent`: whether persistent CTAs may serve it (`Options.persistent`);
+    `lazy`: whether a plain 16-bit forward (no window, sinks, varlen or CTA pair) at a head
+    dim in LAZY_RESCALE_HEAD_DIMS takes `lazy_rescale` (the forward's route; the decode and
+    gradient planners, which start from this plan, do not).
     They do for a 16-bit problem with D and Dv multiples of 64 up to 512 whose tiles are
     (nearly) equal in length: no right bound, or a sliding window (common/scheduler.py says why
     not under a plain causal mask).
@@ -722,6 +736,9 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                 varlen=problem.varlen, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
+    if (lazy and not fp8 and not split and problem.head_dim in LAZY_RESCALE_HEAD_DIMS
+            and problem.window_lo is None and not problem.has_sinks and not problem.varlen):
+        base["lazy_rescale"] = True
     if (persistent and not fp8 and not split and problem.head_dim % 64 == 0 and dv % 64 == 0
             and (not problem.right_bounded or problem.window_lo is not None)
             and not problem.varlen):
