@@ -1,7 +1,8 @@
 """What the kernel experiments share (perf.fp8_limits, perf.decode_limits, perf.half_align,
-perf.half_align_bwd, perf.row_stride): the command line, which compiles the variants into a
-cache on the CPU box (`--precompile DIR`) or times them on the GPU and optionally writes the
-numbers as JSON (`--out FILE`); and their timing (`median_ms`). An experiment gives `jobs()`,
+perf.half_align_bwd, perf.row_stride, perf.lazy_rescale): the command line, which compiles the
+variants into a cache on the CPU box (`--precompile DIR`) or times them on the GPU and
+optionally writes the numbers as JSON (`--out FILE`); and their timing (`median_ms`, and
+`interleaved_ms` for variants compared with each other). An experiment gives `jobs()`,
 the (kernel class, config) pairs it times, and `run(dev, flush)`, which times them on the CUDA
 device `dev` with `flush` (perf.timing.L2Flusher) and returns its numbers."""
 
@@ -19,6 +20,26 @@ def median_ms(fn, dev, flush, rounds: int = 3) -> float:
     from perf.timing import bench
 
     return statistics.median(bench(fn, dev, flush=flush).median_ms for _ in range(rounds))
+
+
+def interleaved_ms(fns: dict, dev, flush, rounds: int = 5) -> dict:
+    """{name: ms} of the callables `fns`: each benched once per round (perf.timing.bench, L2
+    flushed by `flush`), the variants in an order rotated by one each round, and the median over
+    the rounds. A drift of the GPU's speed over a run then reaches every variant alike: timed
+    one after the other, the first variant of a run read up to 11% higher than the same kernel
+    timed later (perf.fp8_limits, docs/perf-log.md 2026-12-05, session 25). Call each fn once
+    before (the first call is not timed)."""
+    import statistics
+
+    from perf.timing import bench
+
+    names = list(fns)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            times[n].append(bench(fns[n], dev, flush=flush).median_ms)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def forward_jobs(plans) -> list:

@@ -25,9 +25,11 @@ Variants (each the planned config with the fields shown changed):
             inside); transpose: the byte-transpose kernel alone.
 The matmul ceiling (torch._scaled_mm, e4m3, 8192^3) is measured in the same run.
 
-TFLOPS on the 16-bit FLOP count of the attention (4 B Hq N^2 D; causal: the visible pairs). The
-kernel rows: V arrives pre-transposed (Vt). Experiments only: `no-exp` computes wrong attention
-and is never routed.
+The kernels and the call are timed in rounds, in an order rotated each round
+(`experiment.interleaved_ms`: timed one after the other, the first variant read up to 11%
+high). TFLOPS on the 16-bit FLOP count of the attention (4 B Hq N^2 D; causal: the visible
+pairs). The kernel rows: V arrives pre-transposed (Vt). Experiments only: `no-exp` computes
+wrong attention and is never routed.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def run(dev, flush) -> dict:
         ds = [torch.ones(1, HEADS, device=dev) for _ in range(3)]
         pairs = n * (n + 1) // 2 if causal else n * n
         flops = 4 * HEADS * pairs * d
-        row, ref = {}, None
+        row, ref, calls = {}, None, {}
         for name, (cls, kw) in _variants(d, causal).items():
             vcfg = _config(cfg, kw)
             fn = jit_cache().get(cls, vcfg)
@@ -158,13 +160,15 @@ def run(dev, flush) -> dict:
                 if not same:
                     print(f"  {name}: output differs from full (max |diff| "
                           f"{(o.float() - ref.float()).abs().max().item():.3g})", flush=True)
-            row[name] = flops / (bench(call, dev, flush=flush).median_ms * 1e9)
+            calls[name] = call
 
         def api():
             return ffpa_cute.attention(q, k, v, is_causal=causal)
 
         api()
-        row["call"] = flops / (bench(api, dev, flush=flush).median_ms * 1e9)
+        calls["call"] = api
+        for name, ms in experiment.interleaved_ms(calls, dev, flush, rounds=len(calls)).items():
+            row[name] = flops / (ms * 1e9)
         row["transpose us"] = bench(lambda: _transposed_v(v, interleave=True), dev,
                                     flush=flush).median_ms * 1e3
         key = f"D={d} N={n}{' causal' if causal else ''}"

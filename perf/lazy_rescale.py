@@ -5,8 +5,9 @@
 
 The 16-bit forward as planned and with `lazy_rescale` (a row keeps its max while a block's max
 exceeds it by at most 2^8, so its factor is 1 and the O warpgroups skip the row's rescale),
-bf16, B=1, N=8K unless noted: the kernel alone (run_fwd), L2 flushed, median of 3 benches,
-TFLOPS on the visible pairs; the two outputs' largest difference relative to the largest value.
+bf16, B=1, N=8K unless noted: the kernel alone (run_fwd), L2 flushed, the two timed in
+alternating order over 6 rounds (`experiment.interleaved_ms`), TFLOPS on the visible pairs;
+the two outputs' largest difference relative to the largest value.
 The FP8 forward's lazy frame is timed by perf.fp8_limits ("lazy").
 """
 
@@ -55,11 +56,12 @@ def run(dev, flush) -> dict:
         q = torch.randn(1, hq, n, d, device=dev, dtype=torch.bfloat16)
         k, v = (torch.randn(1, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         flops = attn_flops_fwd(1, hq, n, n, d, causal)
-        row, outs = {}, []
+        row, outs, fns = {}, [], {}
         for name, plan in zip(("planned", "lazy"), _plans(case)):
-            fn = lambda plan=plan: launch.run_fwd(plan, q, k, v)  # noqa: E731
-            outs.append(fn()[0].float())
-            row[name] = flops / experiment.median_ms(fn, dev, flush) / 1e9
+            fns[name] = lambda plan=plan: launch.run_fwd(plan, q, k, v)  # noqa: E731
+            outs.append(fns[name]()[0].float())
+        for name, ms in experiment.interleaved_ms(fns, dev, flush, rounds=6).items():
+            row[name] = flops / ms / 1e9
         row["diff"] = ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item()
         key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
         res[key] = row

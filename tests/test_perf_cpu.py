@@ -551,3 +551,29 @@ def test_reduce_limits_compiles_its_paths(tmp_path, monkeypatch):
     assert {cfg for cfg, _, _ in rl.variants().values()} == {c for _, c in rl.jobs()}
     with pytest.raises(ValueError, match="mode"):
         rl.ReduceBench(rl.ReduceConfig(mode="atomic"))
+
+
+def test_interleaved_timing_rotates_the_order():
+    """`experiment.interleaved_ms`: every variant timed once per round, round r starting at
+    variant r mod n (so no variant is always first), a positive median each."""
+    import torch
+
+    from perf import experiment
+
+    starts, seen = [], []
+
+    def make(name):
+        def fn():
+            seen.append(name)
+            return torch.ones(64).sum()
+        return fn
+
+    fns = {n: make(n) for n in ("a", "b", "c")}
+    res = experiment.interleaved_ms(fns, torch.device("cpu"), None, rounds=3)
+    assert set(res) == {"a", "b", "c"} and all(v > 0 for v in res.values())
+    # bench calls each fn several times in a row; the first call of each run of calls marks
+    # the order the round took
+    for i, n in enumerate(seen):
+        if i == 0 or seen[i - 1] != n:
+            starts.append(n)
+    assert starts == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
