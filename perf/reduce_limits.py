@@ -19,7 +19,10 @@ Each CTA stamps clock64 before its first piece and after its last completed (bul
 waited for, a fence for the reds), so B / clock per SM comes from the SM's own cycles; the
 kernel's wall time gives the chip's bytes per second. Varied: the CTAs (1-132: does the rate
 per SM fall when more SMs add at once, i.e. is the L2 the limit), `bufs` (1-8: is it the
-queue's depth), the rows R: every CTA into the same 64 rows (R = 64), or each into its own k
+queue's depth), loads beside the reductions (`loads`: one 8 KB TMA load per piece reduced,
+as the fused backward streams Q / dO: what the L2 gives both; the TB/s then count the
+reductions, as many bytes again are loaded), the rows R: every CTA into the same 64 rows (R =
+64), or each into its own k
 row blocks of 64 KB (R = 64 C k; k = 1 or 4: the whole tensor stays in L2, 8 / 34 MB at 132
 CTAs; k = pieces / 8: every piece its own 8 KB, 553 MB, so the adds go to DRAM).
 """
@@ -41,6 +44,8 @@ from perf import experiment
 T, W = 64, 32          # a piece: rows, fp32 columns (8 KB)
 COLS = 256             # the tensor's columns: 8 pieces per row block
 THREADS = 128
+LOAD_BUFS = 4          # `loads`: 8 KB load buffers in flight
+SRC_ROWS = 64 * 256    # `loads`' source: 16 MB of fp32, read by every CTA
 SMEM_FLOOR = 120 * 1024   # each CTA's smem at least this: one CTA per SM
 
 _RED_ADD_F32X4 = """{
@@ -55,51 +60,71 @@ red.global.add.v4.f32 [{$r0}], {a, b, c, d};
 
 @dataclasses.dataclass(frozen=True)
 class ReduceConfig:
-    """arch; mode "tma" | "red" | "both"; bufs: staging buffers (tma, both); pieces per CTA."""
+    """arch; mode "tma" | "red" | "both"; bufs: staging buffers (tma, both); pieces per CTA;
+    loads ("tma" only): each piece reduced is paired with an 8 KB TMA load of a piece of src
+    into one of LOAD_BUFS buffers (the fused backward streams as many Q / dO bytes as it
+    reduces dQ bytes): what the L2 sustains of both at once."""
 
     arch: str = "sm_90a"
     mode: str = "tma"
     bufs: int = 2
     pieces: int = 512
+    loads: bool = False
 
     KERNEL: ClassVar[str] = "perf.reduce_limits:ReduceBench"
 
 
 class ReduceBench(KernelEntry):
-    """The reduction microbenchmark (module docstring): dst [R, 256] fp32, clocks [CTAs, 2]
-    int64 (each CTA's first and last stamp); grid = clocks' rows."""
+    """The reduction microbenchmark (module docstring): dst [R, 256] fp32, src [R', 256] fp32
+    (read with `loads`, piece p of every CTA at row block p / 8 mod R' / 64: all CTAs read the
+    same rows, as the CTA pairs of one head read the same Q / dO blocks), clocks [CTAs, 2] int64
+    (each CTA's first and last stamp); grid = clocks' rows."""
 
-    OPERANDS = ("dst", "clocks")
+    OPERANDS = ("dst", "src", "clocks")
     SCALARS = ()
 
     @staticmethod
     def fake_inputs(cfg):
-        return fake_tensor(Float32, 2, 4), fake_tensor(Int64, 2, 2)
+        return fake_tensor(Float32, 2, 4), fake_tensor(Float32, 2, 4), fake_tensor(Int64, 2, 2)
 
     def __init__(self, cfg: ReduceConfig):
-        if cfg.mode not in ("tma", "red", "both") or not 1 <= cfg.bufs <= 8:
-            raise ValueError(f"ReduceBench: mode {cfg.mode!r}, bufs {cfg.bufs}")
+        if (cfg.mode not in ("tma", "red", "both") or not 1 <= cfg.bufs <= 8
+                or (cfg.loads and cfg.mode != "tma")):
+            raise ValueError(f"ReduceBench: mode {cfg.mode!r}, bufs {cfg.bufs}, loads "
+                             f"{cfg.loads} (loads with mode 'tma' only)")
         self.cfg = cfg
 
     @cute.jit
-    def __call__(self, mDst: cute.Tensor, mClk: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, mDst: cute.Tensor, mSrc: cute.Tensor, mClk: cute.Tensor,
+                 stream: cuda.CUstream):
         cfg = self.cfg
         s_layout = cute.make_layout((T, W, cfg.bufs), stride=(W, 1, T * W))
+        l_layout = cute.make_layout((T, W, LOAD_BUFS), stride=(W, 1, T * W))
         tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mDst,
                                           cute.select(s_layout, mode=[0, 1]), (T, W))
-        smem = max(cfg.bufs * T * W * 4, SMEM_FLOOR)
-        self.kernel(tma[0], tma[1], mDst, mClk, s_layout).launch(
-            grid=(mClk.shape[0], 1, 1), block=[THREADS, 1, 1], smem=smem, stream=stream)
+        tma_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mSrc,
+                                             cute.select(l_layout, mode=[0, 1]), (T, W))
+        smem = max((cfg.bufs + LOAD_BUFS) * T * W * 4 + 2048, SMEM_FLOOR)
+        self.kernel(tma[0], tma[1], tma_ld[0], tma_ld[1], mDst, mSrc, mClk, s_layout,
+                    l_layout).launch(grid=(mClk.shape[0], 1, 1), block=[THREADS, 1, 1],
+                                     smem=smem, stream=stream)
 
     @cute.kernel
-    def kernel(self, tma: cute.CopyAtom, gT: cute.Tensor, mDst: cute.Tensor, mClk: cute.Tensor,
-               s_layout: cute.Layout):
+    def kernel(self, tma: cute.CopyAtom, gT: cute.Tensor, tma_ld: cute.CopyAtom,
+               gL: cute.Tensor, mDst: cute.Tensor, mSrc: cute.Tensor, mClk: cute.Tensor,
+               s_layout: cute.Layout, l_layout: cute.Layout):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         alloc = cutlass.memory.SmemAllocator()
         sbuf = alloc.allocate_tensor(Float32, s_layout, byte_alignment=1024)
+        lbuf = alloc.allocate_tensor(Float32, l_layout, byte_alignment=1024)
+        bars = alloc.allocate_array(Int64, LOAD_BUFS)
+        if tidx == 0:
+            for b in cutlass.range_constexpr(LOAD_BUFS):
+                cute.arch.mbarrier_init(bars + b, 1)
+            cute.arch.mbarrier_init_fence()
         for e in cutlass.range(tidx, T * W * cfg.bufs, THREADS):   # staged once
             sbuf[e % (T * W) // W, e % W, e // (T * W)] = Float32(1.0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -110,6 +135,10 @@ class ReduceBench(KernelEntry):
         ts, tg = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sbuf, 0, 2),
                                        cute.group_modes(g, 0, 2))
         gp = cute.local_tile(mDst, (T, W), (None, None))
+        gl = cute.local_tile(gL, (T, W), (None, None))   # (T, W, row blocks, 8)
+        tls, tlg = cpasync.tma_partition(tma_ld, 0, cute.make_layout(1),
+                                         cute.group_modes(lbuf, 0, 2), cute.group_modes(gl, 0, 2))
+        src_blocks = mSrc.shape[0] // T
         row, col = tidx // 2, (tidx % 2) * 16
         t0 = cute.arch.clock64()
         step = 2 if const_expr(cfg.mode == "both") else 1
@@ -120,6 +149,14 @@ class ReduceBench(KernelEntry):
                     cute.copy(tma, ts[None, (p0 // step) % cfg.bufs],
                               tg[None, (cta + ctas * (p0 // 8)) % row_blocks, p0 % 8])
                     cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(cfg.loads):   # the piece's load, LOAD_BUFS in flight
+                        b = p0 % LOAD_BUFS
+                        if p0 >= LOAD_BUFS:
+                            cute.arch.mbarrier_wait(bars + b, (p0 // LOAD_BUFS - 1) & 1)
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(bars + b, T * W * 4)
+                        cute.copy(tma_ld, tlg[None, (p0 // 8) % src_blocks, p0 % 8],
+                                  tls[None, b], tma_bar_ptr=bars + b)
             if const_expr(cfg.mode != "tma"):
                 q = p0 + (step - 1)
                 piece = gp[None, None, (cta + ctas * (q // 8)) % row_blocks, q % 8]
@@ -130,6 +167,11 @@ class ReduceBench(KernelEntry):
         if const_expr(cfg.mode != "red"):
             if warp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+                if const_expr(cfg.loads):   # each buffer's last load landed
+                    for b in cutlass.range_constexpr(LOAD_BUFS):
+                        loads_b = (cfg.pieces - b + LOAD_BUFS - 1) // LOAD_BUFS
+                        if const_expr(loads_b > 0):
+                            cute.arch.mbarrier_wait(bars + b, (loads_b - 1) & 1)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier()
         if tidx == 0:
@@ -146,6 +188,9 @@ def variants() -> dict:
                 out[f"tma bufs {bufs}, {ctas} CTAs, k {k}"] = (ReduceConfig(bufs=bufs), ctas, k)
             out[f"red, {ctas} CTAs, k {k}"] = (ReduceConfig(mode="red"), ctas, k)
             out[f"both bufs 2, {ctas} CTAs, k {k}"] = (ReduceConfig(mode="both"), ctas, k)
+    for ctas in (66, 132):   # as many bytes loaded as reduced
+        for k in (1, 4):
+            out[f"tma bufs 2 + loads, {ctas} CTAs, k {k}"] = (ReduceConfig(loads=True), ctas, k)
     out["tma bufs 2, 132 CTAs, same 64 rows"] = (ReduceConfig(bufs=2), 132, 0)
     out["red, 132 CTAs, same 64 rows"] = (ReduceConfig(mode="red"), 132, 0)
     return out
@@ -167,13 +212,14 @@ def run(dev, flush) -> dict:
     from ffpa_cute.launch import jit_cache
 
     res = {}
+    src = torch.randn(SRC_ROWS, COLS, device=dev, dtype=torch.float32)   # 16 MB: L2-resident
     for label, (cfg, ctas, k) in variants().items():
         rows = T * ctas * k if k else T
         dst = torch.zeros(rows, COLS, device=dev, dtype=torch.float32)
         clk = torch.zeros(ctas, 2, device=dev, dtype=torch.int64)
         fn = jit_cache().get(ReduceBench, cfg)
-        fn(dst, clk)   # warm
-        ms = experiment.median_ms(lambda: fn(dst, clk), dev, flush)
+        fn(dst, src, clk)   # warm
+        ms = experiment.median_ms(lambda: fn(dst, src, clk), dev, flush)
         cyc = (clk[:, 1] - clk[:, 0]).double().cpu().tolist()
         per_cta = cfg.pieces * T * W * 4
         res[label] = dict(ms=ms, bytes_per_clock_sm=per_cta / statistics.median(cyc),

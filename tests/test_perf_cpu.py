@@ -539,18 +539,24 @@ def test_producer_warp_register_budget(tmp_path, monkeypatch):
 
 def test_reduce_limits_compiles_its_paths(tmp_path, monkeypatch):
     """perf.reduce_limits: each mode compiles for sm_90a to the reduction it measures (a TMA
-    bulk reduction, 16-byte `red.global.add` from registers, or both), and every variant's
-    config is among `jobs()` (what --precompile compiles)."""
+    bulk reduction, 16-byte `red.global.add` from registers, or both; `loads`: TMA loads
+    beside the reductions), and every variant's config is among `jobs()` (what --precompile
+    compiles)."""
     from perf import reduce_limits as rl
 
     monkeypatch.chdir(tmp_path)
-    for mode, bulk, red in (("tma", True, False), ("red", False, True), ("both", True, True)):
-        ptx = rl.ReduceBench.compile(rl.ReduceConfig(mode=mode), options="--keep-ptx").__ptx__
+    for mode, loads, bulk, red in (("tma", False, True, False), ("red", False, False, True),
+                                   ("both", False, True, True), ("tma", True, True, False)):
+        cfg = rl.ReduceConfig(mode=mode, loads=loads)
+        ptx = rl.ReduceBench.compile(cfg, options="--keep-ptx").__ptx__
         assert ("cp.reduce.async.bulk.tensor" in ptx) == bulk, mode
         assert ("red.global.add.v4.f32" in ptx) == red, mode
+        assert ("cp.async.bulk.tensor.2d.shared::cta.global" in ptx) == loads, mode
     assert {cfg for cfg, _, _ in rl.variants().values()} == {c for _, c in rl.jobs()}
     with pytest.raises(ValueError, match="mode"):
         rl.ReduceBench(rl.ReduceConfig(mode="atomic"))
+    with pytest.raises(ValueError, match="loads"):
+        rl.ReduceBench(rl.ReduceConfig(mode="red", loads=True))
 
 
 def test_interleaved_timing_rotates_the_order():
