@@ -30,8 +30,9 @@ and skip. The final 1 / row_sum and the LSE use the kept max, so the result is t
 softmax. 16-bit P: above 8 (P <= 256, far inside bf16 / fp16 and fp32 sums). FP8 P, framed:
 the frame is kept while the block's max lies in [frame - below, frame + above]; P's bias
 drops to 8 - above so that P <= 2^8 still (FlashAttention #2716's saturation cannot happen),
-and a block whose max lies `below` under the frame still has its largest P at
-2^(bias - below), its values normal e4m3 for 2^(bias - below + 6) below that.
+and a block whose max lies `below` under the frame still has its largest P at 2^(bias -
+below) (2^2 with the FP8 forward's 6 and 4), so its values keep e4m3's three mantissa bits
+(normal down to 2^-6) over the 2^(bias - below + 6) below its largest.
 
 Note [Sinks]: a learned per-head logit (GPT-OSS) joins each row's softmax denominator as one more
 "key" with no value: O = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)), and the LSE includes
