@@ -34,6 +34,10 @@
 #         and fused_perf)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
+#   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
+#         perf.fp8_limits (precompile: gpu_jobs' section lazy)
+#   limits perf.reduce_limits: fp32 adds into L2 by TMA / red.global, with loads beside them
+#         (precompile: `python -m perf.reduce_limits --precompile DIR`, packed alone)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -105,6 +109,17 @@ if has fwd; then
   timeout 200 pytest -m gpu -q -p no:cacheprovider tests/test_shared_kv.py 2>&1 \
       | tee "$out/gpu_shared_kv.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
   timeout 300 python -m perf.shared_kv --out "$out/shared_kv.json"
+fi
+if has lazy; then
+  step "lazy rescaling: GPU tests, perf.lazy_rescale, perf.fp8_limits"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_lazy_rescale_gpu.py 2>&1 \
+      | tee "$out/gpu_lazy.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
+  timeout 200 python -m perf.lazy_rescale --out "$out/lazy_rescale.json"
+  timeout 250 python -m perf.fp8_limits --out "$out/fp8_limits.json"
+fi
+if has limits; then
+  step "perf.reduce_limits"
+  timeout 200 python -m perf.reduce_limits --out "$out/reduce_limits.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"
