@@ -5,7 +5,6 @@ grow along the keys (so rows rescale late, by more than the kept margin), the FP
 its cases, its sink columns and FlashAttention-3's outlier experiment."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from ffpa_cute import dispatch, interface
 from ffpa_cute.reference import attention_ref, attention_same_dtype, rel_err
 from ffpa_cute.sm90 import config as sm90_config
 from test_attention_gpu import call, check_forward, make_qkv, offset_of
+import test_fp8_gpu as fp8_gpu
 from test_fp8_gpu import TOL, errors, quantized, run
 
 pytestmark = pytest.mark.gpu
@@ -94,36 +94,14 @@ def test_lazy_fp8_forward(seed, d, mode, nq, nkv, ratio):
 
 @pytest.mark.parametrize("gap", [30.0, 12.0, 4.0])
 def test_lazy_fp8_sink_columns(seed, gap):
-    """test_fp8_sink_columns's sinks (a few keys `gap` above the rest; 4: inside the kept
-    frame's margin) under the lazy frame: finite, within the FP8 bound."""
-    from test_fp8_gpu import E4M3
-
-    b, h, n, d = 1, 4, 2048, 512
+    """test_fp8_sink_columns (a few keys `gap` above the rest; 4: inside the kept frame's
+    margin) under the lazy frame: finite, within the FP8 bound."""
     with ffpa_cute.options.use(family="sm90"):
-        q8, k8, v8, ds, (qr, kr, vr) = quantized(b, h, h, n, n, d)
-        u = torch.randn(d, device="cuda", dtype=torch.float64)
-        u = u / u.norm()
-        qr = qr + 4.0 * u
-        kr = kr.clone()
-        sinks = torch.tensor([0, 1, 700], device="cuda")
-        kr[:, :, sinks] = kr[:, :, sinks] + gap * math.sqrt(d) / 4.0 * u
-        qd, kd = (x.abs().amax((-2, -1)) / 448.0 for x in (qr, kr))
-        q8 = (qr / qd[..., None, None]).to(E4M3)
-        k8 = (kr / kd[..., None, None]).to(E4M3)
-        qr, kr = q8.double() * qd[..., None, None], k8.double() * kd[..., None, None]
-        out = run(q8, k8, v8, (qd.float(), kd.float(), ds[2]))
-    ref, _ = attention_ref(qr, kr, vr)
-    err, rmse = errors(out, ref)
-    print(f"fp8 lazy sinks gap {gap}: rel err {err:.3g}, RMSE {rmse:.3g}")
-    assert torch.isfinite(out).all() and err <= TOL
+        fp8_gpu.test_fp8_sink_columns(seed, "sm90 lazy", gap)
 
 
 def test_lazy_fp8_outlier_experiment_rmse(seed):
-    """FlashAttention-3's outlier experiment at D=512: RMSE <= 9.1e-3."""
+    """test_fp8_outlier_experiment_rmse (FlashAttention-3's outlier experiment at D=512, RMSE
+    <= 9.1e-3) under the lazy frame."""
     with ffpa_cute.options.use(family="sm90"):
-        q8, k8, v8, ds, (qr, kr, vr) = quantized(1, 8, 8, 4096, 4096, 512, outliers=1e-3)
-        out = run(q8, k8, v8, ds)
-    ref, _ = attention_ref(qr, kr, vr)
-    err, rmse = errors(out, ref)
-    print(f"fp8 lazy outlier experiment D=512: rel err {err:.3g}, RMSE {rmse:.3g}")
-    assert rmse <= 9.1e-3 and torch.isfinite(out).all()
+        fp8_gpu.test_fp8_outlier_experiment_rmse(seed, "sm90 lazy")
