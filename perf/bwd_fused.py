@@ -15,10 +15,10 @@ Before timing, the fused one's gradients are checked against the routed ones (re
 WRONG and the run goes on).
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
-phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in dV + dK": `dq_grads` 2; their gradients checked
-against the kernel's) and knockouts (dQ's pieces staged but not added; dQ formed but neither
-staged nor added: wrong results, timing only). Six variants of one case fit one device
-call. Measurements and their reading: docs/design.md section 4, "The fused backward", and
+phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in
+dV + dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's
+pieces staged but not added; dQ formed but neither staged nor added: wrong results, timing
+only): five variants of one case, one device call (~20 s). Measurements and their reading: docs/design.md section 4, "The fused backward", and
 docs/perf-log.md (2026-12-05, sessions 20-24).
 """
 

@@ -60,8 +60,8 @@ def jobs(sections=SECTIONS) -> list:
     alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced, and fwd_perf:
     `python -m perf.shared_kv`'s (all run from the repository's root); lazy: what
     tests/test_lazy_rescale_gpu.py, `perf.lazy_rescale` and `perf.fp8_limits` run (the
-    forwards with `lazy_rescale`, the planned ones beside them); the others as the module
-    docstring lists them)."""
+    forwards with and without `lazy_rescale`); the others as the module docstring lists
+    them)."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -203,9 +203,9 @@ def jobs(sections=SECTIONS) -> list:
             for causal in (False, True):
                 p = dataclasses.replace(problem(d, d, dtype, causal), **kw)
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
-                lazy = dataclasses.replace(plan.cfg, lazy_rescale=True)
-                add([(plan.kernel_cls, plan.cfg), (plan.kernel_cls, lazy)])
-            if dtype == "e4m3" and not causal:   # V's transpose
+                add([(plan.kernel_cls, dataclasses.replace(plan.cfg, lazy_rescale=on))
+                     for on in (False, True)])
+            if dtype == "e4m3":   # V's transpose
                 from ffpa_cute.fp8 import vt_config
 
                 t = vt_config(plan.kernel_cls, TARGET, d)
