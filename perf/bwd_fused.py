@@ -6,7 +6,8 @@
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
-zeroed dq_acc and its cast: the host path a call would take), L2 flushed, median of 3 benches;
+zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
+rotated order (`experiment.interleaved_ms`), one round per variant;
 TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one as
 planned and its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group split
 over CTA pairs), each only where it differs from the plan.
@@ -110,7 +111,7 @@ def run(dev, flush) -> dict:
         variants = plans(case)
         ref = launch.run_bwd(variants["routed"], q, k, v, out, lse, do)
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        row = {}
+        row, fns = {}, {}
         for name, plan in variants.items():
             errs = None
             if name != "routed":
@@ -118,9 +119,10 @@ def run(dev, flush) -> dict:
                 errs = [rel_err(x, r.double()) for x, r in zip(got, ref)]
                 if max(errs) >= 1e-2:   # reported, not fatal: the other variants still run
                     print(f"{label}: {name} WRONG, dq/dk/dv errors {errs}", flush=True)
-            fn = lambda p=plan: launch.run_bwd(p, q, k, v, out, lse, do)  # noqa: E731
-            ms = experiment.median_ms(fn, dev, flush)
-            row[name] = dict(ms=ms, tflops=flops / ms / 1e9, errs=errs)
+            fns[name] = lambda p=plan: launch.run_bwd(p, q, k, v, out, lse, do)  # noqa: E731
+            row[name] = dict(errs=errs)
+        for name, ms in experiment.interleaved_ms(fns, dev, flush, rounds=len(fns)).items():
+            row[name].update(ms=ms, tflops=flops / ms / 1e9)
         print(f"{label}: " + ", ".join(
             f"{name} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS" for name, r in row.items())
             + "; dq/dk/dv vs routed " + " | ".join(
