@@ -36,8 +36,9 @@
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
 #         perf.fp8_limits (precompile: gpu_jobs' section lazy)
-#   limits perf.reduce_limits: fp32 adds into L2 by TMA / red.global, with loads beside them
-#         (precompile: `python -m perf.reduce_limits --precompile DIR`, packed alone)
+#   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
+#         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
+#         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -118,8 +119,9 @@ if has lazy; then
   timeout 250 python -m perf.fp8_limits --out "$out/fp8_limits.json"
 fi
 if has limits; then
-  step "perf.reduce_limits"
+  step "perf.reduce_limits, perf.dsmem_limits"
   timeout 200 python -m perf.reduce_limits --out "$out/reduce_limits.json"
+  timeout 200 python -m perf.dsmem_limits --out "$out/dsmem_limits.json"
 fi
 if has serving; then
   step "perf.sweep --cases serving"

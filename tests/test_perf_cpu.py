@@ -583,3 +583,21 @@ def test_interleaved_timing_rotates_the_order():
         if i == 0 or seen[i - 1] != n:
             starts.append(n)
     assert starts == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_dsmem_limits_compiles_its_exchange(tmp_path, monkeypatch):
+    """perf.dsmem_limits: each variant compiles for sm_90a to 16-byte st.async into the next
+    CTA of its cluster (`stores` per thread and step), the receiver's cluster-scope arrival on
+    its sender's "empty" barrier, no local memory; every variant's config is among `jobs()`;
+    a message that is not a whole number of 16-byte stores per thread is refused."""
+    from perf import dsmem_limits as dl
+
+    monkeypatch.chdir(tmp_path)
+    for cfg in (dl.DsmemConfig(), dl.DsmemConfig(cluster=4, kb=16, bufs=4)):
+        ptx = dl.DsmemBench.compile(cfg, options="--keep-ptx").__ptx__
+        assert ptx.count("st.async") == cfg.stores and cfg.stores == cfg.kb * 1024 // 2048
+        assert "mbarrier.arrive.release.cluster.shared::cluster" in ptx
+        assert ".local" not in ptx
+    assert {cfg for cfg, _ in dl.variants().values()} == {c for _, c in dl.jobs()}
+    with pytest.raises(ValueError, match="kb"):
+        dl.DsmemBench(dl.DsmemConfig(kb=3))
