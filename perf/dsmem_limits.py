@@ -148,8 +148,6 @@ def jobs() -> list:
 
 
 def run(dev, flush) -> dict:
-    import statistics
-
     import torch
 
     from ffpa_cute.launch import jit_cache
@@ -159,14 +157,11 @@ def run(dev, flush) -> dict:
         ctas -= ctas % cfg.cluster
         clk = torch.zeros(ctas, 2, device=dev, dtype=torch.int64)
         fn = jit_cache().get(DsmemBench, cfg)
-        fn(clk)   # warm
-        ms = experiment.median_ms(lambda: fn(clk), dev, flush)
-        cyc = (clk[:, 1] - clk[:, 0]).double().cpu().tolist()
-        per_cta = cfg.steps * cfg.kb * 1024   # sent, and as many received
-        res[label] = dict(ms=ms, bytes_per_clock_sm=per_cta / statistics.median(cyc),
-                          tb_per_s=ctas * per_cta / ms / 1e9)
-        print(f"{label:36s} {res[label]['bytes_per_clock_sm']:6.1f} B/clk/SM each way "
-              f"{res[label]['tb_per_s']:6.2f} TB/s  ({ms:.3f} ms)", flush=True)
+        # each CTA sends steps x kb KB, and receives as much
+        r = res[label] = experiment.stamped_rate(lambda: fn(clk), clk,
+                                                 cfg.steps * cfg.kb * 1024, dev, flush)
+        print(f"{label:36s} {r['bytes_per_clock_sm']:6.1f} B/clk/SM each way "
+              f"{r['tb_per_s']:6.2f} TB/s  ({r['ms']:.3f} ms)", flush=True)
     return res
 
 

@@ -42,6 +42,20 @@ def interleaved_ms(fns: dict, dev, flush, rounds: int = 5) -> dict:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def stamped_rate(fn, clk, per_cta: int, dev, flush) -> dict:
+    """A microbenchmark whose CTAs stamp clock64 before and after their work into clk [CTAs,
+    2] (perf.reduce_limits, perf.dsmem_limits), each moving per_cta bytes: {ms (median_ms of
+    fn, called once before), bytes_per_clock_sm (per_cta over the median CTA's cycles),
+    tb_per_s (all CTAs' bytes over the wall time)}."""
+    import statistics
+
+    fn()   # warm
+    ms = median_ms(fn, dev, flush)
+    cyc = (clk[:, 1] - clk[:, 0]).double().cpu().tolist()
+    return dict(ms=ms, bytes_per_clock_sm=per_cta / statistics.median(cyc),
+                tb_per_s=clk.shape[0] * per_cta / ms / 1e9)
+
+
 def forward_jobs(plans) -> list:
     """The distinct (kernel class, config) pairs of forward plans, in order (an experiment's
     `jobs()`)."""

@@ -205,8 +205,6 @@ def jobs() -> list:
 
 
 def run(dev, flush) -> dict:
-    import statistics
-
     import torch
 
     from ffpa_cute.launch import jit_cache
@@ -218,14 +216,10 @@ def run(dev, flush) -> dict:
         dst = torch.zeros(rows, COLS, device=dev, dtype=torch.float32)
         clk = torch.zeros(ctas, 2, device=dev, dtype=torch.int64)
         fn = jit_cache().get(ReduceBench, cfg)
-        fn(dst, src, clk)   # warm
-        ms = experiment.median_ms(lambda: fn(dst, src, clk), dev, flush)
-        cyc = (clk[:, 1] - clk[:, 0]).double().cpu().tolist()
-        per_cta = cfg.pieces * T * W * 4
-        res[label] = dict(ms=ms, bytes_per_clock_sm=per_cta / statistics.median(cyc),
-                          tb_per_s=ctas * per_cta / ms / 1e9)
-        print(f"{label:40s} {res[label]['bytes_per_clock_sm']:6.1f} B/clk/SM "
-              f"{res[label]['tb_per_s']:6.2f} TB/s  ({ms:.3f} ms)", flush=True)
+        r = res[label] = experiment.stamped_rate(lambda: fn(dst, src, clk), clk,
+                                                 cfg.pieces * T * W * 4, dev, flush)
+        print(f"{label:40s} {r['bytes_per_clock_sm']:6.1f} B/clk/SM {r['tb_per_s']:6.2f} TB/s "
+              f" ({r['ms']:.3f} ms)", flush=True)
     return res
 
 

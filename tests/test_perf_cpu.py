@@ -601,3 +601,21 @@ def test_dsmem_limits_compiles_its_exchange(tmp_path, monkeypatch):
     assert {cfg for cfg, _ in dl.variants().values()} == {c for _, c in dl.jobs()}
     with pytest.raises(ValueError, match="kb"):
         dl.DsmemBench(dl.DsmemConfig(kb=3))
+
+
+def test_stamped_rate_reads_the_ctas_cycles():
+    """`experiment.stamped_rate`: bytes per clock from the median CTA's stamps, TB/s from the
+    wall time over every CTA's bytes."""
+    import torch
+
+    from perf import experiment
+
+    clk = torch.zeros(3, 2, dtype=torch.int64)
+
+    def fn():
+        clk[:, 0] = 100
+        clk[:, 1] = torch.tensor([1100, 2100, 3100])   # 1000 / 2000 / 3000 cycles
+
+    r = experiment.stamped_rate(fn, clk, 4000, torch.device("cpu"), None)
+    assert r["bytes_per_clock_sm"] == 2.0 and r["ms"] > 0
+    assert r["tb_per_s"] == pytest.approx(3 * 4000 / r["ms"] / 1e9)
