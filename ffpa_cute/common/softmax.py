@@ -93,13 +93,13 @@ class OnlineSoftmax:
     def __init__(self, num_rows: int, scale_log2: cutlass.Float32,
                  p_bias_log2: float | None = None, frame_floor_log2: float = 64.0,
                  out_scale: cutlass.Float32 | None = None,
-                 lazy: tuple[float, float] | None = None):
+                 lazy: tuple[float, float | None] | None = None):
         """p_bias_log2 (not None): P in each block's own frame, scaled by 2^bias (Note [FP8 P:
         the block's own frame]); then row_max holds the frame (scaled units) and run_max the
         row's raw running max. out_scale multiplies the final 1 / row_sum (FP8's V descale).
         lazy (above, below), in log2 units: a row keeps its max (or frame) while the block's
-        max is at most `above` over it (and, framed, at most `below` under it), so its factor
-        is exactly 1 (Note [Lazy rescaling])."""
+        max is at most `above` over it (and, framed, at most `below` under it; the unframed
+        update reads no `below`), so its factor is exactly 1 (Note [Lazy rescaling])."""
         self.num_rows = num_rows
         self.scale_log2 = scale_log2
         self.framed = p_bias_log2 is not None

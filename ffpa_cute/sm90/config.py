@@ -667,12 +667,9 @@ def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
     return dataclasses.replace(shared, k_stages=shared.shared_stages)
 
 
-# The plain 16-bit forward skips O's rescale where it keeps a row's max (`lazy_rescale`) at these
-# head dims, where it measured faster (H100, bf16, B=1, N=8K unless noted, three runs, kernel
-# alone, planned -> lazy TFLOPS; docs/perf-log.md 2026-12-05 session 25): D=512 558-571 ->
-# 568-575, N=16K 551-563 -> 570-584, causal 501-524 -> 517-529, GQA 32/4 causal 451-485 ->
-# 513-526; D=320 480-490 -> 489-509. D=448 measured slower (475-482 -> 456-467); other head
-# dims are unmeasured.
+# The head dims at which the plain 16-bit forward takes `lazy_rescale`: those where it measured
+# faster than rescaling every block (D=512 +1-5%, GQA 32/4 causal +6-17%, D=320 +2-4%; D=448
+# measured slower, the others are unmeasured; docs/design.md section 3 has the numbers).
 LAZY_RESCALE_HEAD_DIMS = (320, 512)
 
 

@@ -77,9 +77,10 @@ from .ring_context import Roles, ScoreFrags, ScoreIO, ScoreStep, Tile
 from .skeleton_sm90 import RingSkeletonSm90
 
 # `lazy_rescale` (common/softmax.py, Note [Lazy rescaling]): (above, below) in log2 units. 16-bit
-# P: a row's max is kept while a block's max exceeds it by <= 8 (P <= 256). FP8: the frame is
-# kept while the block's max lies 4 under to 2 over it, P's bias 8 - 2 (P <= 256 still)
-LAZY_16 = (8.0, 0.0)
+# P: a row's max is kept while a block's max exceeds it by <= 8 (P <= 256; a max only grows, so
+# no `below`). FP8: the frame is kept while the block's max lies 4 under to 2 over it, P's bias
+# 8 - 2 (P <= 256 still)
+LAZY_16 = (8.0, None)
 LAZY_FP8 = (2.0, 4.0)
 
 
