@@ -437,15 +437,15 @@ def test_splitd_window_and_sinks_compile(target, d, fields):
                                             ("e4m3", 512, True), ("e4m3", 320, False)])
 def test_lazy_rescale_compiles(dtype, d, causal):
     """`lazy_rescale` (common/softmax.py, Note [Lazy rescaling]) on the 16-bit and FP8
-    forwards (e4m3 D=320 unmasked: the `overlap` schedule): planned for the 16-bit forward at
-    D=320 / 512, not for FP8; the O warpgroups test each row's factor against 1 before
+    forwards (e4m3 D=320 unmasked: the `overlap` schedule): planned for both at D=320 / 512
+    (LAZY_RESCALE_HEAD_DIMS); the O warpgroups test each row's factor against 1 before
     rescaling it, no spills, WGMMAs not serialised; refused by the gradient kernels and with
     `kv_pair`."""
     kw = dict(out_dtype="bf16") if dtype == "e4m3" else {}
     p = AttnProblem(dtype=dtype, batch=1, heads_q=2, heads_kv=2, seqlen_q=4096, seqlen_kv=4096,
                     head_dim=d, head_dim_v=d, causal=causal, **kw)
     plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
-    assert plan.cfg.lazy_rescale == (dtype == "bf16")   # routed: the 16-bit forward at 320 / 512
+    assert plan.cfg.lazy_rescale   # routed: the plain forward at 320 / 512
     cfg = dataclasses.replace(plan.cfg, lazy_rescale=True)
     assert sm90_config.can_implement(cfg) is None
     ones = lambda ptx: len(re.findall(r"setp\.\w+\.f32\s+%p\d+, %r\d+, 0f3F800000;", ptx))  # noqa: E731

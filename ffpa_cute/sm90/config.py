@@ -121,9 +121,9 @@ class FwdConfigSm90:
                    powers of 2 of it, so its factor is exactly 1 and the O warpgroups skip the
                    row's rescale (common/softmax.py, Note [Lazy rescaling]; FlashAttention-4's
                    conditional rescaling). The forward kernels, one CTA per row tile (no
-                   `kv_pair`); planned for the plain 16-bit forward at the head dims where it
-                   measured faster (`plan_fwd`'s `lazy`, LAZY_RESCALE_HEAD_DIMS), a tuning
-                   field elsewhere (FP8: perf.fp8_limits)
+                   `kv_pair`); planned for the plain 16-bit and FP8 forwards at the head dims
+                   where it measured faster (`plan_fwd`'s `lazy`, LAZY_RESCALE_HEAD_DIMS), a
+                   tuning field elsewhere
     """
 
     arch: str
@@ -667,10 +667,11 @@ def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
     return dataclasses.replace(shared, k_stages=shared.shared_stages)
 
 
-# The head dims at which the plain 16-bit forward takes `lazy_rescale`: those where it measured
-# faster than rescaling every block (D=512 +1-5%, GQA 32/4 causal +6-17%, D=320 +2-4%; D=448
-# measured slower, the others are unmeasured; docs/design.md section 3 has the numbers).
-LAZY_RESCALE_HEAD_DIMS = (320, 512)
+# The head dims at which the plain forward takes `lazy_rescale`, per dtype class: those where it
+# measured faster than rescaling every block (16-bit: D=512 +1-5%, GQA 32/4 causal +6-17%,
+# D=320 +2-5%; FP8: D=512 +6-7%, causal +7%, D=320 +3%; the others are unmeasured or gained
+# under 2%; docs/design.md sections 3 and 10 have the numbers).
+LAZY_RESCALE_HEAD_DIMS = {"16-bit": (320, 512), "fp8": (320, 512)}
 
 
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
@@ -682,9 +683,9 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     where it builds); `resident_q`: whether Q may stay resident above D=512 (below; the dV
     and decode planners, which start from this plan, keep it streamed there as they were
     measured); `persistent`: whether persistent CTAs may serve it (`Options.persistent`);
-    `lazy`: whether a plain 16-bit forward (no window, sinks, varlen or CTA pair) at a head
-    dim in LAZY_RESCALE_HEAD_DIMS takes `lazy_rescale` (the forward's route; the decode and
-    gradient planners, which start from this plan, do not).
+    `lazy`: whether a plain forward (no window, sinks, varlen or CTA pair) at a head dim in
+    LAZY_RESCALE_HEAD_DIMS of its dtype class takes `lazy_rescale` (the forward's route; the
+    decode and gradient planners, which start from this plan, do not).
     They do for a 16-bit problem with D and Dv multiples of 64 up to 512 whose tiles are
     (nearly) equal in length: no right bound, or a sliding window (common/scheduler.py says why
     not under a plain causal mask).
@@ -733,7 +734,8 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                 varlen=problem.varlen, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
-    if (lazy and not fp8 and not split and problem.head_dim in LAZY_RESCALE_HEAD_DIMS
+    if (lazy and not split
+            and problem.head_dim in LAZY_RESCALE_HEAD_DIMS["fp8" if fp8 else "16-bit"]
             and problem.window_lo is None and not problem.has_sinks and not problem.varlen):
         base["lazy_rescale"] = True
     if (persistent and not fp8 and not split and problem.head_dim % 64 == 0 and dv % 64 == 0
