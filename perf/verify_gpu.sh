@@ -36,6 +36,11 @@
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
 #         perf.fp8_limits (precompile: gpu_jobs' section lazy)
+#   fp8   issue 15's acceptance in one call: tests/test_fp8_gpu.py, perf.sweep FP8 beside bf16
+#         (D 320 / 512 / 1024, N 8K / 16K, causal, GQA 32/4, MQA 64/1: the whole call), the FP8
+#         cache decode in GB/s (precompile: gpu_jobs' section fp8, and
+#         `python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16,fp8
+#         --causal both --decode none,64 --cache-dir DIR`, packed)
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
@@ -117,6 +122,19 @@ if has lazy; then
       | tee "$out/gpu_lazy.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
   timeout 200 python -m perf.lazy_rescale --out "$out/lazy_rescale.json"
   timeout 250 python -m perf.fp8_limits --out "$out/fp8_limits.json"
+fi
+if has fp8; then
+  step "issue 15's acceptance: FP8 GPU tests, then perf.sweep FP8 beside bf16 and the FP8 cache"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_fp8_gpu.py 2>&1 \
+      | tee "$out/gpu_fp8.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
+  timeout 300 python -m perf.sweep --cases self,causal,gemma4,mqa --dtypes bf16,fp8 --fwd \
+      --head-dims 320,512,1024 --baselines none --no-progress --no-charts \
+      --out "$out/sweep_fp8" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep_fp8.log" 2>&1
+  grep "^| [a-z]" "$out/sweep_fp8/fwd.md" | cut -c1-160
+  timeout 120 python -m perf.sweep --cases kvdecode-fp8 --seqlens 32768 --baselines none \
+      --no-progress --no-charts --out "$out/kvdecode_fp8" --commit "${PERF_COMMIT:-unknown}" \
+      > "$out/kvdecode_fp8.log" 2>&1
+  cat "$out/kvdecode_fp8/serving.md"
 fi
 if has limits; then
   step "perf.reduce_limits, perf.dsmem_limits"
