@@ -10,6 +10,9 @@ A `Case` is one attention problem in [B, H, N, D] terms. Families:
   `mqa` (DeepSeek-V4-style MQA: Hq 64, Hkv 1, D 512, causal),
   `mla` (DeepSeek's absorbed MLA prefill: Hq 128, Hkv 1, Dqk 576, Dv 512 with V = K[..., :512],
   causal; FLOPs 2 B Hq pairs (Dqk + Dv)),
+  `mla-decode` (the same heads decoding: B 128, one query per sequence against N 4K-16K keys,
+  so each KV head's 128 query rows fill one row tile: the compute-bound regime FlashMLA's dense
+  decode measures; `attention` packs the heads into the rows),
   `vae` (diffusion VAE mid-block: B 1, H 1, D 512, N 16K-64K, non-causal, bf16 and fp32 input).
 
 `--head-dims` and `--seqlens` replace the FFPA grid; for the user families `--seqlens` replaces
@@ -23,7 +26,7 @@ from dataclasses import asdict, dataclass
 from .flops import attn_flops_bwd, attn_flops_fwd, valid_pairs
 
 FFPA_FAMILIES = ("self", "cross", "decode", "gqa", "causal", "unaligned")
-USER_FAMILIES = ("gemma4", "mqa", "mla", "vae")
+USER_FAMILIES = ("gemma4", "mqa", "mla", "mla-decode", "vae")
 ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
 # perf/serving.py's rows (their own table; only when named: not part of "all")
 SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8", "kvprefill")
@@ -32,8 +35,11 @@ FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMI
 
 FFPA_SEQLENS = (8192, 16384)
 FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
+ALL_HEAD_DIMS = tuple(range(264, 1025, 8))   # `--head-dims all`
 USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
-                "mla": (4096, 8192, 16384), "vae": (16384, 32768, 65536)}
+                "mla": (4096, 8192, 16384), "mla-decode": (4096, 8192, 16384),
+                "vae": (16384, 32768, 65536)}
+MLA_DECODE_BATCH = 128
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: e4m3 inputs (quantised per head), bf16 out
 DEFAULT_DTYPE = "bf16"
 CROSS_NQ = 1024
@@ -103,6 +109,8 @@ def _user_case(family: str, n: int, dtype: str) -> Case:
         return Case(family, dtype, 1, 64, 1, n, n, 512, causal=True)
     if family == "mla":
         return Case(family, dtype, 1, 128, 1, n, n, 576, causal=True, dv=512)
+    if family == "mla-decode":
+        return Case(family, dtype, MLA_DECODE_BATCH, 128, 1, 1, n, 576, causal=True, dv=512)
     if family == "vae":
         return Case(family, dtype, 1, 1, 1, n, n, 512)
     raise ValueError(f"unknown user family {family!r}")
@@ -207,7 +215,9 @@ def select_cases(*, quick: bool = False, cases: str | None = None, head_dims: st
                  seqlens: str | None = None, dtypes: str | None = None) -> list[Case]:
     """The CLI's case selection from its raw string arguments."""
     fams = parse_families(cases)
-    hds, sls, dts = parse_ints(head_dims), parse_ints(seqlens), parse_dtypes(dtypes)
+    hds = (ALL_HEAD_DIMS if (head_dims or "").strip().lower() == "all"
+           else parse_ints(head_dims))
+    sls, dts = parse_ints(seqlens), parse_dtypes(dtypes)
     if quick:
         return quick_cases(fams, hds, sls, dts)
     return full_cases(fams, hds, sls, dts)

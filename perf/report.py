@@ -192,7 +192,56 @@ def render_markdown(payload: dict, direction: str) -> str:
                          payload.get("command"), f"ffpa_cute attention, {name}, {gpu}")
     baselines = [im for im in payload.get("impls", []) if im["name"] != "ours"]
     return head + "\n" + render_table(payload.get("rows", []), direction, baselines) + "\n" + \
+        render_curve(payload.get("rows", []), direction) + \
         render_notes(payload.get("notes", [])) + "\n"
+
+
+CURVE_MIN_DIMS = 5      # head dims a shape needs before its curve is checked
+CURVE_TOLERANCE = 0.15  # a D this far below its neighbours' mean is a cliff
+
+
+def curve_cliffs(rows: list[dict], direction: str) -> list[tuple[str, int, float, float]]:
+    """The cliffs in D of our TFLOPS: for each shape (family, dtype, B, heads, N, causal, Dv
+    equal to D or not) timed at >= CURVE_MIN_DIMS head dims, every interior D whose TFLOPS is
+    more than CURVE_TOLERANCE below the mean of its two neighbours in D (the smooth curve through
+    them). Returns (shape, D, TFLOPS, neighbours' mean) per cliff, in the rows' order."""
+    groups: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        t = ((r.get("results") or {}).get("ours") or {}).get("tflops")
+        if r.get("direction") != direction or not _ok(t):
+            continue
+        key = (r["name"], r["dtype"], r["batch"], r["hq"], r["hkv"], r["nq"], r["nkv"],
+               r["causal"], r.get("dv") is None)
+        groups.setdefault(key, {})[r["d"]] = t
+    out = []
+    for key, by_d in groups.items():
+        ds = sorted(by_d)
+        if len(ds) < CURVE_MIN_DIMS:
+            continue
+        name, dtype, _, hq, hkv, nq, nkv, causal, _ = key
+        shape = f"{name} {dtype} {hq}/{hkv}h {nq}/{nkv}{' causal' if causal else ''}"
+        for lo, d, hi in zip(ds, ds[1:], ds[2:]):
+            mean = (by_d[lo] + by_d[hi]) / 2
+            if by_d[d] < (1 - CURVE_TOLERANCE) * mean:
+                out.append((shape, d, by_d[d], mean))
+    return out
+
+
+def render_curve(rows: list[dict], direction: str) -> str:
+    """The curve check's lines (issue 20's "no cliffs in D"), or "" when no shape spans
+    CURVE_MIN_DIMS head dims."""
+    dims = {}
+    for r in rows:
+        if r.get("direction") == direction:
+            dims.setdefault((r["name"], r["dtype"], r["nq"], r["causal"]), set()).add(r["d"])
+    if not any(len(v) >= CURVE_MIN_DIMS for v in dims.values()):
+        return ""
+    cliffs = curve_cliffs(rows, direction)
+    lines = ["", f"Curve across D: {len(cliffs)} head dims more than "
+             f"{CURVE_TOLERANCE:.0%} below the mean of their neighbours in D", ""]
+    lines += [f"- {shape}: D={d} {fmt_tflops(t)} TFLOPS against {fmt_tflops(m)}"
+              for shape, d, t, m in cliffs]
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- CSV / JSON

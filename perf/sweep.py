@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma list of case families or aliases (default: all)")
     sel.add_argument("--head-dims", metavar="LIST",
                      help=f"head dims of the FFPA grid (default {','.join(map(str, FFPA_HEAD_DIMS))})"
-                          "; filters the user shapes (their D is the model's)")
+                          "; filters the user shapes (their D is the model's); 'all': every "
+                          "multiple of 8 in [264, 1024], and the tables then flag the head dims "
+                          "more than 15%% below their neighbours (the curve across D)")
     sel.add_argument("--seqlens", metavar="LIST",
                      help=f"N values, 8k style allowed (default {','.join(map(str, FFPA_SEQLENS))} "
                           "for the FFPA grid; each user shape has its own list)")

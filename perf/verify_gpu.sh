@@ -41,6 +41,10 @@
 #         cache decode in GB/s (precompile: gpu_jobs' section fp8, and
 #         `python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16,fp8
 #         --causal both --decode none,64 --cache-dir DIR`, packed)
+#   curve the bf16 forward at every D in [264, 1024] (step 8, N=8K, B=1, H=32) with the cliffs
+#         flagged (issue 20's "no cliffs in D"), then the MLA decode (B 128, Hq 128 on one KV
+#         head, 576 / 512) (precompile: `python -m ffpa_cute.precompile --arch sm_90 --head-dims
+#         all --dtypes bf16 --causal no --cache-dir DIR`, packed: ~1.3 MB)
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
@@ -135,6 +139,17 @@ if has fp8; then
       --no-progress --no-charts --out "$out/kvdecode_fp8" --commit "${PERF_COMMIT:-unknown}" \
       > "$out/kvdecode_fp8.log" 2>&1
   cat "$out/kvdecode_fp8/serving.md"
+fi
+if has curve; then
+  step "the forward across D (every multiple of 8 in [264, 1024]) and the MLA decode"
+  timeout 400 python -m perf.sweep --cases self --head-dims all --seqlens 8k --fwd \
+      --baselines none --rep-ms 50 --err-heads 1 --no-progress --no-charts \
+      --out "$out/curve" --commit "${PERF_COMMIT:-unknown}" > "$out/curve.log" 2>&1
+  sed -n '/^Curve across D/,$p' "$out/curve/fwd.md"
+  timeout 150 python -m perf.sweep --cases mla-decode --fwd --baselines none --no-progress \
+      --no-charts --out "$out/mla_decode" --commit "${PERF_COMMIT:-unknown}" \
+      > "$out/mla_decode.log" 2>&1
+  grep "^| [a-z]" "$out/mla_decode/fwd.md" | cut -c1-160
 fi
 if has limits; then
   step "perf.reduce_limits, perf.dsmem_limits"

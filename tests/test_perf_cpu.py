@@ -110,6 +110,11 @@ def test_mla_family():
     assert v.shape[-1] == dout.shape[-1] == 512 and q.shape[-1] == k.shape[-1] == 576
     assert v.data_ptr() == k.data_ptr() and torch.equal(v, k[..., :512])
     assert "D576/512" in short_label(dict(small.to_dict(), name="mla"))
+    dec = full_cases(families=("mla-decode",))
+    assert [(c.batch, c.hq, c.hkv, c.nq, c.nkv) for c in dec] == [
+        (128, 128, 1, 1, n) for n in (4096, 8192, 16384)]
+    assert dec[0].flops("fwd") == 2 * 128 * 128 * 4096 * (576 + 512)   # every key visible
+    assert full_cases(families=("mla-decode",), head_dims=(512,)) == dec   # Dv filters too
 
 
 # ------------------------------------------------------------------------------------ cases
@@ -222,6 +227,26 @@ def test_markdown_table_blanks_and_speedup():
     assert col["×SDPA"] == "2.00×" and col["SDPA backend"] == "efficient"
     assert col["err ours"] == "2.1e-03" and col["1st call s"] == "3.50"
     assert col["ours ms"] == "2.00"
+
+
+def test_curve_across_d_flags_cliffs():
+    """`--head-dims all` selects every multiple of 8 in [264, 1024]; the tables then flag each
+    head dim more than 15% below the mean of its neighbours (issue 20's "no cliffs"), per
+    shape, and say nothing for shapes timed at fewer than five head dims."""
+    dims = select_cases(cases="self", head_dims="all", seqlens="8k")
+    assert [c.d for c in dims] == list(range(264, 1025, 8))
+    curve = {d: 500.0 for d in range(496, 553, 8)} | {520: 280.0, 536: 430.0}
+    rows = []
+    for d, t in curve.items():
+        r = _row()
+        r.update(d=d, label=f"d{d}")
+        r["results"]["ours"]["tflops"] = t
+        rows.append(r)
+    cliffs = report.curve_cliffs(rows, "fwd")
+    assert [(d, round(m)) for _, d, _, m in cliffs] == [(520, 500)]   # 536: 430 >= 0.85 * 500
+    md = report.render_markdown({"rows": rows}, "fwd")
+    assert "1 head dims more than 15% below" in md and "D=520 280 TFLOPS against 500" in md
+    assert report.render_curve(rows[:4], "fwd") == "" and report.curve_cliffs(rows, "bwd") == []
 
 
 def test_markdown_marks_fallback():
