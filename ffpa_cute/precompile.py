@@ -3,9 +3,11 @@
     python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16,fp16 \
         --cache-dir /opt/ffpa-cache
 
-Each (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch
+A head dim is D, or D/Dv where V's head dim differs (DeepSeek's absorbed MLA: 576/512). Each
+(head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch
 under the options in force (`ffpa_cute.options`; e.g. FFPA_CUTE_ARCH=sm80 for the Split-D family)
-(with --backward also the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`; with --decode
+(with --backward also the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`, for one query
+head per KV head and for GQA / MQA groups that the dV / dK kernels split; with --decode
 the split-KV decode kernels of `attention_with_kvcache` for those page sizes: 16-bit caches,
 and e4m3 caches under the 16-bit dtypes when --dtypes has fp8), compiled
 from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
@@ -39,14 +41,30 @@ def normalize_arch(arch: str) -> str:
     return ARCH_ALIASES[a]
 
 
+def head_dim_pair(x) -> tuple[int, int]:
+    """(D, Dv) of a head-dims entry: an int D (Dv = D), a (D, Dv) pair, or the CLI's "D" /
+    "D/Dv" text."""
+    if isinstance(x, str):
+        d, _, dv = x.strip().partition("/")
+        try:
+            return int(d), int(dv or d)
+        except ValueError:
+            raise ValueError(f"--head-dims entry {x!r}: a head dim D, or D/Dv (e.g. 576/512)") \
+                from None
+    if isinstance(x, tuple):
+        return int(x[0]), int(x[1])
+    return int(x), int(x)
+
+
 def plans_for(target: str, head_dims, dtypes, causals) -> list:
-    """The kernel plans dispatch would make on `target` (uncovered combinations skipped)."""
+    """The kernel plans dispatch would make on `target` (uncovered combinations skipped);
+    `head_dims` entries as `head_dim_pair` reads them."""
     plans, seen = [], set()
-    for d in head_dims:
+    for d, dv in map(head_dim_pair, head_dims):
         for dt in dtypes:
             for causal in causals:
                 p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
-                                seqlen_kv=1, head_dim=d, head_dim_v=d, causal=causal)
+                                seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
                 plan = dispatch.plan_fwd(p, target=target)
                 if plan.reason is None and (plan.kernel_cls, plan.cfg) not in seen:
                     seen.add((plan.kernel_cls, plan.cfg))
@@ -66,14 +84,14 @@ def decode_jobs(target: str, head_dims, dtypes, pages) -> list:
     q_dtypes = [dt for dt in dtypes if dt != "e4m3"] or ["bf16"]
     kv_dtypes = [None] + (["e4m3"] if "e4m3" in dtypes else [])
     jobs = []
-    for d in head_dims:
+    for d, dv in map(head_dim_pair, head_dims):
         for dt in q_dtypes:
             for kv in kv_dtypes:
                 if kv is None and dt not in dtypes:
                     continue  # only an FP8 cache was asked for under these queries
                 for rows in ((1,) if kv is None else KEYS_ROWS):
                     p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=rows,
-                                    seqlen_kv=1, head_dim=d, head_dim_v=d)
+                                    seqlen_kv=1, head_dim=d, head_dim_v=dv)
                     for page in pages:
                         plan = dispatch.plan_decode(p, page, target=target, kv_dtype=kv)
                         if plan.reason is None and (plan.kernel_cls, plan.cfg) not in jobs:
@@ -96,14 +114,16 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
             t = vt_config(plan.kernel_cls, target, plan.problem.head_dim_v)
             if (dispatch.kernel_class(t), t) not in jobs:
                 jobs.append((dispatch.kernel_class(t), t))
-    if backward:
-        for d in head_dims:
+    if backward:   # one query head per KV head, and a group over few KV tiles (GQA / MQA:
+        # the dV / dK kernels split it over CTAs, `group_split`)
+        for d, dv in map(head_dim_pair, head_dims):
             for dt in dtypes:
                 for causal in causals:
-                    p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
-                                    seqlen_kv=1, head_dim=d, head_dim_v=d, causal=causal)
-                    jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
-                             if j not in jobs]
+                    for hq in (1, 2):
+                        p = AttnProblem(dtype=dt, batch=1, heads_q=hq, heads_kv=1, seqlen_q=1,
+                                        seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
+                        jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
+                                 if j not in jobs]
     return jobs + [j for j in decode_jobs(target, head_dims, dtypes, decode_pages)
                    if j not in jobs]
 
@@ -144,7 +164,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", required=True, help="sm_80, sm_86, sm_89, sm_90, sm_120 ...")
     ap.add_argument("--head-dims", default="320,384,448,512,576,640,768,1024",
-                    help="comma list, or 'all' for every multiple of 8 in [264, 1024]")
+                    help="comma list of D, or D/Dv where V's head dim differs (e.g. 576/512), "
+                         "or 'all' for every multiple of 8 in [264, 1024]")
     ap.add_argument("--dtypes", default="bf16,fp16",
                     help="bf16, fp16, fp8 (e4m3 in, bf16 out: the FP8 forwards), fp4 (nvfp4 in, "
                          "bf16 out: sm_120's NVFP4 forward)")
@@ -158,7 +179,7 @@ def main(argv=None) -> int:
                     "fp8")
     args = ap.parse_args(argv)
     target = normalize_arch(args.arch)
-    dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, int)
+    dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, head_dim_pair)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     t0 = time.time()
     dtypes = [DTYPE_ALIASES.get(d, d) for d in _csv(args.dtypes)]

@@ -18,13 +18,18 @@ def test_precompile_then_load_without_compiling(tmp_path):
 
 def test_backward_jobs_are_what_run_bwd_compiles():
     """--backward adds the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`: the WGMMA ones
-    on sm_90a (D <= 1024), the Split-D ones on sm_80 and sm_120a, the tcgen05 ones on sm_100a
-    (never run there: canaried on first use)."""
+    on sm_90a (D <= 1024; dK / dV also with split head groups, what GQA / MQA over few KV tiles
+    plans), the Split-D ones on sm_80 and sm_120a, the tcgen05 ones on sm_100a (never run
+    there: canaried on first use)."""
     names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512, 1024], ["bf16"],
                                                                (True,), backward=True)]
              for t in ("sm_90a", "sm_80", "sm_120a", "sm_100a")}
-    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90"] + ["RowDot", "FFPABwdDQSm90",
-                                                               "FFPABwdDKSm90", "FFPABwdDVSm90"] * 2
+    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90"] + [
+        "RowDot", "FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90", "FFPABwdDKSm90",
+        "FFPABwdDVSm90"] * 2
+    splits = [cfg.group_split for cls, cfg in precompile.jobs_for(
+        "sm_90a", [512], ["bf16"], (True,), backward=True) if cls.__name__ == "FFPABwdDVSm90"]
+    assert splits == [False, True]
     assert names["sm_80"][2:] == ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
     split_d = ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
     assert names["sm_120a"] == ["FFPAFwdSm80", "FFPAFwdSm80"] + split_d
@@ -85,11 +90,11 @@ def test_backward_kernels_export_and_load(tmp_path):
 
     cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,
                                         progress=True, backward=True)
-    assert [cls for cls, _ in jobs].count(RowDot) == 1 and cache.stats.compiles == 5
+    assert [cls for cls, _ in jobs].count(RowDot) == 1 and cache.stats.compiles == 7
     fresh = JitCache(tmp_path, disk=True)
     for cls, cfg in jobs:
         fresh.get(cls, cfg)
-    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 5
+    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 7
 
 
 def test_fp8_jobs_include_the_transpose_kernel():
@@ -108,3 +113,34 @@ def test_fp8_jobs_take_the_transpose_only_where_the_kernel_reads_vt():
              for t in ("sm_90a", "sm_100a")}
     assert names["sm_90a"] == ["FFPAFwdSm90FP8", "Transpose8"]
     assert names["sm_100a"] == ["FFPAFwdSm100FP8"]
+
+
+def test_head_dims_with_their_own_v_dim(tmp_path, capsys):
+    """D/Dv entries (DeepSeek's absorbed MLA, 576/512): the forward, backward and decode
+    kernels a 576 / 512 call plans (Hq 128 on one KV head, any N, causal or not; v a prefix
+    view of k) are among the jobs, so a deployed cache serves MLA with no compile."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.problem import AttnProblem
+
+    jobs = precompile.jobs_for("sm_90a", ["576/512"], ["bf16"], (False, True), backward=True,
+                               decode_pages=[64])
+    for causal in (False, True):
+        p = AttnProblem(dtype="bf16", batch=2, heads_q=128, heads_kv=1, seqlen_q=4096,
+                        seqlen_kv=4096, head_dim=576, head_dim_v=512, causal=causal,
+                        shared_kv=True)
+        fwd = dispatch.plan_fwd(p, target="sm_90a")
+        assert fwd.reason is None and (fwd.kernel_cls, fwd.cfg) in jobs
+        assert fwd.cfg.head_dim_v == 512
+        assert all(j in jobs for j in dispatch.plan_bwd(p, target="sm_90a").jobs)
+    dec = dispatch.plan_decode(AttnProblem(dtype="bf16", batch=2, heads_q=1, heads_kv=1,
+                                           seqlen_q=128, seqlen_kv=1, head_dim=576,
+                                           head_dim_v=512), 64, target="sm_90a")
+    assert dec.reason is None and (dec.kernel_cls, dec.cfg) in jobs
+    assert precompile.head_dim_pair("576/512") == (576, 512) == precompile.head_dim_pair(
+        (576, 512))
+    assert precompile.head_dim_pair(" 512") == (512, 512) == precompile.head_dim_pair(512)
+    with pytest.raises(ValueError, match="576/512"):
+        precompile.head_dim_pair("576x512")
+    assert precompile.main(["--arch", "sm_90", "--head-dims", "576/512", "--dtypes", "bf16",
+                            "--causal", "yes", "--cache-dir", str(tmp_path)]) == 0
+    assert "1 kernels for sm_90a" in capsys.readouterr().out
