@@ -4,6 +4,7 @@
     python -m perf.bwd_fused --precompile DIR     # CPU: compile both backwards into a cache
     python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
+    python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -14,6 +15,12 @@ over CTA pairs), each only where it differs from the plan.
 Before timing, the fused one's gradients are checked against the routed ones (relative error
 < 1e-2 each, the same products in another summation order; a variant past it is reported as
 WRONG and the run goes on).
+
+`--scatter`: the fused kernel with D over C CTAs (`scatter`: the score partials
+reduce-scattered, P^T / dS^T gathered; never run before) beside the routed backward at D=576,
+768 and 1024 (the CTA pair's atomic-free kernels there: 192-228 TFLOPS against issue 17's
+250-300), and at D=320 / 512 its C = 2 form beside the pair's full exchange (`SCATTER_CASES`);
+same timing and checks as the default run.
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
 phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in
@@ -59,10 +66,18 @@ FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused split": dict(group_split=True)}
 
 
+# D over C CTAs (`--scatter`): (D, causal, Hq, Hkv, N, C); at D <= 512 C = 2 beside the pair
+SCATTER_CASES = ((576, True, 32, 32, 8192, 3), (768, False, 32, 32, 8192, 3),
+                 (1024, False, 32, 32, 8192, 4), (1024, True, 32, 32, 8192, 4),
+                 (512, False, 32, 32, 8192, 2), (320, False, 32, 32, 8192, 2))
+
+
 def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused" (as
     planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
-    split one only with GQA / MQA)."""
+    split one only with GQA / MQA); a `SCATTER_CASES` case: "routed", "fused C=<c>" (D over C
+    CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at D <= 512 the
+    pair's "fused" beside them."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -70,8 +85,18 @@ def plans(case) -> dict:
     from ffpa_cute.options import Options
     from ffpa_cute.sm90.config import plan_bwd_fused
 
-    p = _problem(*case)
+    p = _problem(*case[:5])
     out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
+    if len(case) == 6:
+        cfgs = {} if case[0] > 512 else {"fused": plan_bwd_fused(p, "sm_90a")}
+        scatter = plan_bwd_fused(p, "sm_90a", cluster_d=case[5], scatter=True)
+        for grads in (1, 2):
+            cfgs[f"fused C={case[5]} dQ in {'dV' if grads == 1 else 'dV + dK'}"] = \
+                dataclasses.replace(scatter, dq_grads=grads)
+        for name, cfg in cfgs.items():
+            out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
+                DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
+        return out
     planned = plan_bwd_fused(p, "sm_90a")
     for name, fields in FUSED_VARIANTS.items():
         if fields.get("group_split") and p.heads_q == p.heads_kv:
@@ -84,15 +109,15 @@ def plans(case) -> dict:
     return out
 
 
-def jobs() -> list:
+def jobs(cases=CASES) -> list:
     out = []
-    for case in CASES:
+    for case in cases:
         for plan in plans(case).values():
             out.extend(j for j in plan.jobs if j not in out)
     return out
 
 
-def run(dev, flush) -> dict:
+def run(dev, flush, cases=CASES) -> dict:
     import torch
 
     import ffpa_cute
@@ -101,8 +126,8 @@ def run(dev, flush) -> dict:
     from perf.flops import attn_flops_bwd
 
     res = {}
-    for case in CASES:
-        d, causal, hq, hkv, n = case
+    for case in cases:
+        d, causal, hq, hkv, n = case[:5]
         q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
@@ -297,4 +322,9 @@ if __name__ == "__main__":
         argv.remove("--trace")
         raise SystemExit(experiment.main("perf.bwd_fused --trace", __doc__, trace_jobs,
                                          run_trace, argv))
+    if "--scatter" in argv:
+        argv.remove("--scatter")
+        raise SystemExit(experiment.main(
+            "perf.bwd_fused --scatter", __doc__, lambda: jobs(SCATTER_CASES),
+            lambda dev, flush: run(dev, flush, SCATTER_CASES), argv))
     raise SystemExit(experiment.main("perf.bwd_fused", __doc__, jobs, run))

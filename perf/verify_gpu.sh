@@ -32,6 +32,11 @@
 #   fused the fused backward (routed only under deterministic=False): its GPU tests, then
 #         perf.bwd_fused beside the routed backward (precompile: gpu_jobs' sections fused
 #         and fused_perf)
+#   scatter the fused backward with D over C CTAs (`scatter`, never run before): its GPU tests
+#         (test_fused_scatter), its sanitizer cases, then perf.bwd_fused --scatter (D=576 /
+#         768 / 1024 beside the routed backward, C = 2 at 320 / 512 beside the pair)
+#         (precompile: gpu_jobs' section fused, and `python -m perf.bwd_fused --scatter
+#         --precompile DIR`, packed together)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -109,6 +114,14 @@ if has fused; then
       tests/test_features_gpu.py -k fused 2>&1 | tee "$out/gpu_fused.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -15
   timeout 300 python -m perf.bwd_fused --out "$out/bwd_fused.json"
+fi
+if has scatter; then
+  step "the fused backward over C CTAs: GPU tests, sanitizers, perf.bwd_fused --scatter"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
+      -k scatter 2>&1 | tee "$out/gpu_scatter.log" | grep -E "FAIL|ERROR|passed|failed" | tail -15
+  SANITIZE_CASES=scatter timeout 200 python -m tests.sanitize --out "$out/san_scatter" \
+      --timeout 190 2>&1 | tail -6
+  timeout 300 python -m perf.bwd_fused --scatter --out "$out/bwd_scatter.json"
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"

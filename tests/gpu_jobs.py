@@ -119,6 +119,13 @@ def jobs(sections=SECTIONS) -> list:
                         add([(dispatch.kernel_class(var), var)])
                 delta = DeltaConfig(TARGET, dtype, d)
                 add([(dispatch.kernel_class(delta), delta)])
+    # D over C CTAs (`scatter`): test_fused_scatter's configs, with their Delta kernels
+    for d, c in ((1024, 4), (576, 3), (768, 3), (640, 4), (512, 2)) if "fused" in sections else ():
+        for causal in (False, True):
+            cfg = sm90_config.plan_bwd_fused(problem(d, d, "bf16", causal), TARGET, cluster_d=c,
+                                             scatter=True)
+            delta = DeltaConfig(TARGET, "bf16", d)
+            add([(dispatch.kernel_class(cfg), cfg), (dispatch.kernel_class(delta), delta)])
     from ffpa_cute.common.config import TransposeConfig
 
     for d in FP8_HEAD_DIMS if "fp8" in sections else ():  # the FP8 forward (e4m3 in; bf16 out, fp16 at 512) and its Vt

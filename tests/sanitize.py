@@ -138,6 +138,10 @@ FUSED_CASES = [
      False, 2, False),
     ("sm90 fused backward D512 MQA 8:1 causal, head group split", 8, 1, 129, 333, 512, True, 0,
      True),
+    # D over C CTAs (`scatter`; last field: C)
+    ("sm90 fused backward D1024 over 4 CTAs, scatter, GQA", 4, 2, 129, 333, 1024, True, 1,
+     False, 4),
+    ("sm90 fused backward D576 over 3 CTAs, scatter", 2, 2, 200, 77, 576, False, 1, False, 3),
 ]
 
 def _selected(label: str) -> bool:
@@ -153,8 +157,9 @@ def _n_selected() -> int:
     return sum(map(_selected, labels))
 
 
-def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split):
-    """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel)."""
+def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=None):
+    """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel;
+    `cluster_d`: D over that many CTAs with `scatter`)."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.problem import AttnProblem
@@ -162,7 +167,9 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split):
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
-    cfg = dataclasses.replace(plan_bwd_fused(p), dq_grads=dq_grads, group_split=group_split)
+    kw = dict(cluster_d=cluster_d, scatter=True) if cluster_d else {}
+    cfg = dataclasses.replace(plan_bwd_fused(p, **kw), dq_grads=dq_grads,
+                              group_split=group_split)
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
                                                           cfg))
 
@@ -356,10 +363,10 @@ def workload() -> int:
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     from ffpa_cute import launch
 
-    for label, hq, hkv, nq, nkv, d, causal, dq_grads, split in FUSED_CASES:
+    for label, hq, hkv, nq, nkv, d, causal, *fields in FUSED_CASES:
         if not _selected(label):
             continue
-        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, split)
+        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, *fields)
         q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
                  for _ in range(2))
         k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)

@@ -369,3 +369,76 @@ def test_protocol_model_catches_faults(fault, needles):
             errors.append(str(e))
             break
     assert errors and any(n in errors[0] for n in needles), errors
+
+
+# --------------------------------------------------------------- D over C CTAs (`scatter`)
+def _scatter(d, c, causal=False, **kw):
+    return c90.BwdFusedConfigSm90("sm_90a", "bf16", d, causal, do_stages=1, dq_grads=1,
+                                  cluster_d=c, scatter=True, **kw)
+
+
+def test_scatter_constraints():
+    """`cluster_d` CTAs split D (2-4; above 2 with `scatter`, which needs dQ formed by the dV /
+    dK warpgroups), D / cluster_d a multiple of 32 up to 256, D up to 1024; the exchange
+    buffer holds one slot per peer of the largest owned share, and the D > 512 configs of
+    design section 4 fit the smem budget; never run, so not VERIFIED (canaried) and not
+    planned."""
+    for d, c, smem in ((1024, 4, 222208), (768, 3, 222208), (576, 3, 181248),
+                       (640, 4, 160768), (512, 2, 214016)):
+        cfg = _scatter(d, c)
+        assert c90.can_implement_fused(cfg) is None and cfg.smem_bytes() == smem
+        assert cfg.half == d // c and not cfg.VERIFIED and cfg.o_split == c
+    assert [_scatter(1024, 4).owned_groups(r) for r in range(4)] == [2, 2, 2, 2]
+    assert [_scatter(576, 3).owned_groups(r) for r in range(3)] == [3, 3, 2]
+    assert _scatter(576, 3).x_floats == 2 * 2 * 3 * 4 * 128
+    assert c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False).VERIFIED
+    for cfg, needle in ((dataclasses.replace(_scatter(1024, 4), scatter=False), "cluster_d"),
+                        (_scatter(1024, 5), "cluster_d"), (_scatter(704, 4), "head_dim"),
+                        (_scatter(1024, 2), "head_dim"),
+                        (dataclasses.replace(_scatter(1024, 4), dq_grads=0), "dq_grads")):
+        assert needle in c90.can_implement_fused(cfg), cfg
+    assert c90.plan_bwd_fused(_problem(512)).cluster_d == 2
+    with pytest.raises(ValueError):
+        c90.plan_bwd_fused(_problem(1024))
+
+
+@pytest.mark.parametrize("d,c,causal", [(1024, 4, False), (576, 3, True), (512, 2, False)])
+def test_scatter_compiles(tmp_path, monkeypatch, d, c, causal):
+    """sm_90a PTX of the reduce-scatter / all-gather form: the score products m64n64k16 and
+    the dV / dK m64n{D/C}k16 WGMMAs, 16-byte st.async into peers' exchange buffers at mapped
+    addresses (`peer_address`, `st_async_v4`) beside the cluster barriers; no local memory,
+    no spills, WGMMAs not serialised."""
+    monkeypatch.chdir(tmp_path)
+    cfg = _scatter(d, c, causal)
+    ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
+    for w in (64, d // c):
+        assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.bf16.bf16" in ptx
+    for op in ("mapa.shared::cluster.u32",
+               "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32",
+               "mbarrier.arrive.release.cluster.shared::cluster", "stmatrix.sync.aligned"):
+        assert op in ptx, op
+    assert ".local" not in ptx
+    _no_spills(ptx)
+    log = _ptxas_log(ptx, "sm_90a")
+    if log is not None:
+        assert "serialized" not in log, log
+
+
+@pytest.mark.parametrize("d,c", [(512, 2), (576, 3), (1024, 4)])
+def test_protocol_model_scatter(d, c):
+    """The model with `scatter` (every CTA of the cluster; the exchange buffers' two phases
+    per block: the partials, then the gathered P^T / dS^T groups in the same smem) runs clean
+    for ring depths, dQ in one or both accumulator warpgroups, 0-5 blocks; sending the groups
+    before the peers read our partials is caught."""
+    from ffpa_cute.common.protocol import ProtocolError
+    from ffpa_cute.sm90 import fused_protocol
+
+    for grads in (1, 2):
+        for q_stages in (1, 2):
+            cfg = dataclasses.replace(_scatter(d, c), dq_grads=grads, q_stages=q_stages)
+            for blocks in (0, 1, 2, 5):
+                for seed in range(6):
+                    fused_protocol.run(cfg, blocks, seed)
+    with pytest.raises(ProtocolError):
+        for seed in range(50):
+            fused_protocol.run(_scatter(d, c), 4, seed, faults=("gather_before_read",))

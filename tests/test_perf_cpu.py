@@ -504,6 +504,16 @@ def test_bwd_fused_experiment_plans_both_backwards():
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
     assert len(bwd_fused.trace_jobs()) == len(bwd_fused.TRACE_VARIANTS)
+    # `--scatter`: D over C CTAs (dQ in dV, in dV + dK) beside the routed backward, and at
+    # D <= 512 beside the pair's fused kernel too
+    for case in bwd_fused.SCATTER_CASES:
+        plans = bwd_fused.plans(case)
+        c = case[5]
+        assert list(plans) == ["routed", *(["fused"] if case[0] <= 512 else []),
+                               f"fused C={c} dQ in dV", f"fused C={c} dQ in dV + dK"]
+        for name in list(plans)[-2:]:
+            cfg = plans[name].cfgs[1]
+            assert cfg.scatter and cfg.cluster_d == c and cfg.half == case[0] // c
 
 
 @pytest.mark.parametrize("d", [448, 512])

@@ -4,8 +4,9 @@ Status: GPU-tested on the H200; its speed beside the atomic-free kernels, shape 
 its phase trace are in docs/design.md section 4, "The fused backward". Planned only under
 `Options(deterministic=False)` and only where it measured faster (config.fused_pays), and canaried
 before its first use there while its config's VERIFIED is False (selfcheck.py).
-Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 512], bf16 / fp16;
-causal either alignment, a sliding window's left edge (config `window`), GQA / MQA; no varlen.
+Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 512] for the pair (with
+`scatter` D up to 1024 over `cluster_d` CTAs, below), bf16 / fp16; causal either alignment, a
+sliding window's left edge (config `window`), GQA / MQA; no varlen.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
 (dQ: S, dP, dQ; dK: S^T, dP^T, dK; dV: S^T, dV), which caps them near 350 TFLOPS at D=512 even
 at the forward's rate per unit. This kernel forms every product once per (key tile, query
@@ -79,6 +80,19 @@ warpgroup has one buffer.
 Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 32 KB, P^T and
 dS^T 16 KB, dQ staging 16 KB: 230400 B (`BwdFusedConfigSm90.smem_bytes`); D <= 384 keeps two
 dO stages.
+
+D over C CTAs (`cluster_d` C = 2-4 with `scatter`; built and compile-verified only, never run,
+not planned): the cluster's C CTAs each own D / C columns, and the partials are summed by a
+reduce-scatter instead of every CTA receiving them all. A thread's 8 16-byte groups of each
+partial are owned round robin (group q by CTA q % C, the same positions in every CTA), so a
+CTA sends the C - 1 owners their groups (`_to_peer`: st.async at `peer_address`, its slot in
+the owner's exchange buffer (sender - owner - 1) mod C), adds the peers' slots into the groups
+it owns, runs the score step, and `_gather` sends its bf16 P^T / dS^T of those groups (4 + 4
+values: 16 bytes) back into every peer's exchange buffer, where its S^T partial lay, and takes
+theirs into its registers, so every CTA stores the whole tiles with stmatrix as the pair does.
+x_full and x_empty then turn two phases per block (the partials', the groups'); x_empty counts
+the C - 1 peers. sm90/fused_protocol.py models both forms. Registers and the rest as at
+D / C = the pair's half (D=1024 over four CTAs is D=512's per-CTA work).
 """
 
 from __future__ import annotations
@@ -103,7 +117,6 @@ from .bwd_sm90 import load_column_stat, stage_column_stat
 from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles, tma_load
 
 T = FUSED_TILE
-X_FLOATS = 2 * T * T  # the exchange: S^T and dP^T partials, fp32
 
 
 LAUNCH_REGS = 168   # registers per thread at launch: 65536 / 384 rounded down to 8
@@ -115,6 +128,30 @@ def _set_regs(n: int):
         cute.arch.warpgroup_reg_alloc(n)
     else:
         cute.arch.warpgroup_reg_dealloc(n)
+
+
+_MAPA = "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};"
+_ST_ASYNC_V4 = """{
+.reg .b32 a, b, c, d;
+mov.b32 a, {$r1};
+mov.b32 b, {$r2};
+mov.b32 c, {$r3};
+mov.b32 d, {$r4};
+st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [{$r0}], {a, b, c, d}, [{$r5}];
+}"""
+
+
+def peer_address(ptr, rank):
+    """The shared::cluster address of our smem pointer `ptr` in cluster CTA `rank`'s smem."""
+    return cute.arch.inline_ptx(_MAPA, write_only_types=[Int32],
+                                read_only_args=[Int32(ptr.toint()), Int32(rank)])
+
+
+def st_async_v4(addr, vals, bar_addr):
+    """16 bytes into a peer's smem at shared::cluster address addr, counted on its mbarrier at
+    bar_addr (both from `peer_address`): the address arithmetic stays ours, so a loop's
+    stores to a few peers keep one base register per peer, not one mapped address each."""
+    cute.arch.inline_ptx(_ST_ASYNC_V4, read_only_args=[addr, *vals, bar_addr])
 
 
 def s_barrier():
@@ -188,7 +225,7 @@ class FusedSmem(NamedTuple):
     pt: cute.Tensor
     dst: cute.Tensor
     stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
-    x: cute.Tensor      # (4, WG_THREADS, X_FLOATS / 512): the peer's partials by position
+    x: cute.Tensor      # (4, WG_THREADS, 2 groups, senders): the peers' partials by position
     dq: cute.Tensor     # (T, 32, 2) fp32: the two dQ staging buffers
     bars: FusedBars
 
@@ -301,12 +338,13 @@ class FFPABwdFusedSm90(KernelEntry):
         m_tiles = cute.ceil_div(mK.shape[2], T)
         # one CTA pair per key tile and KV head, or with `group_split` per part of its group
         heads = mdK.shape[1] if const_expr(cfg.group_split) else mK.shape[1]
-        grid = (2 * m_tiles, cute.size(heads), cute.size(mK.shape[0]))
+        grid = (cfg.cluster_d * m_tiles, cute.size(heads), cute.size(mK.shape[0]))
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
                     SharedStorage, extra).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream,
-                                          min_blocks_per_mp=1, cluster=[2, 1, 1])
+                                          min_blocks_per_mp=1,
+                                          cluster=[cfg.cluster_d, 1, 1])
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -332,7 +370,8 @@ class FFPABwdFusedSm90(KernelEntry):
                 cute.arch.mbarrier_init(bars.p_full, WG_THREADS)   # every S thread
                 cute.arch.mbarrier_init(bars.p_empty, 8)           # every dV and dK warp
                 cute.arch.mbarrier_init(bars.x_full, 1)            # our thread 0 (+ bytes)
-                cute.arch.mbarrier_init(bars.x_empty, 1)           # the peer's thread 0
+                # every peer's thread 0 (the pair: the peer's)
+                cute.arch.mbarrier_init(bars.x_empty, cfg.cluster_d - 1)
                 cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()   # the peer's barriers exist before anything reaches them
         cute.arch.cluster_wait()
@@ -346,18 +385,20 @@ class FFPABwdFusedSm90(KernelEntry):
             storage.sdSt.get_tensor(layouts.p.outer, swizzle=layouts.p.inner),
             storage.stat.get_tensor(cute.make_layout(2 * T)),
             storage.xbuf.get_tensor(cute.make_layout(
-                (4, WG_THREADS, X_FLOATS // (4 * WG_THREADS)),
-                stride=(1, 4, 4 * WG_THREADS))),
+                (4, WG_THREADS, 2 * cfg.x_slot_groups, cfg.x_floats // (8 * WG_THREADS
+                                                                        * cfg.x_slot_groups)),
+                stride=(1, 4, 4 * WG_THREADS, 8 * WG_THREADS * cfg.x_slot_groups))),
             storage.sdQ.get_tensor(layouts.dq.outer, swizzle=layouts.dq.inner),
             bars)
 
         # under causal the first key tiles see the most queries: first in the grid
         bidx, head, batch = cute.arch.block_idx()
-        m_block = bidx // 2
+        c = cfg.cluster_d
+        m_block = bidx // c
         if const_expr(not cfg.causal):
             grid_x, _, _ = cute.arch.grid_dim()
-            m_block = grid_x // 2 - 1 - bidx // 2
-        work = self._work(ops, m_block, head, batch, bidx % 2,
+            m_block = grid_x // c - 1 - bidx // c
+        work = self._work(ops, m_block, head, batch, bidx % c,
                           (causal_offset, window_lo, scale_log2))
         # registers where the dQ accumulators are (`reg_split`)
         regs = cfg.reg_split
@@ -513,13 +554,19 @@ class FFPABwdFusedSm90(KernelEntry):
             self._trace(extra, 2, i)
             # ---- the peer's partials added to ours
             self._stage_stat(smem.stat, pre, tidx)
-            cute.arch.mbarrier_wait(bars.x_full, i & 1)
+            # (`scatter`: two phases per block, the partials' then the gathered values')
+            cute.arch.mbarrier_wait(bars.x_full, 0 if const_expr(cfg.scatter) else i & 1)
             self._trace(extra, 3, i)
             self._receive(acc_S, acc_dP, smem, tidx)
             x_sync.arrive_and_wait()
             if tidx == 0:   # every S thread has read the buffer: the peer may send again
-                cute.arch.mbarrier_arrive(bars.x_empty, 1 - rank,
-                                          scope=nvvm.MemScopeKind.CLUSTER)
+                if const_expr(cfg.cluster_d == 2):
+                    cute.arch.mbarrier_arrive(bars.x_empty, 1 - rank,
+                                              scope=nvvm.MemScopeKind.CLUSTER)
+                else:
+                    for k in cutlass.range_constexpr(1, cfg.cluster_d):   # each peer
+                        cute.arch.mbarrier_arrive(bars.x_empty, (rank + k) % cfg.cluster_d,
+                                                  scope=nvvm.MemScopeKind.CLUSTER)
             # ---- P^T and dS^T * scale
             if transposed_needs_mask(work.m_block, n_block, work.seqlen_q, work.causal_offset,
                                      T, T, cfg.causal, work.window_lo):
@@ -535,6 +582,8 @@ class FFPABwdFusedSm90(KernelEntry):
                     acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - delta) * scale
             rP.store(acc_S.load().to(self.dtype))
             rdS.store(acc_dP.load().to(self.dtype))
+            if const_expr(cfg.scatter):   # the peers' groups of P^T / dS^T into ours
+                self._gather(rP, rdS, smem, rank, tidx)
             cute.arch.mbarrier_wait(bars.p_empty, (i & 1) ^ 1)   # dV / dK done with the last
             cute.copy(thr_st, tPrP, tPsP)
             cute.copy(thr_st, tPrdS, tPsdS)
@@ -552,7 +601,8 @@ class FFPABwdFusedSm90(KernelEntry):
             warpgroup.wait_group(0)
             self._trace(extra, 5, i)
             if i + 1 < n_count:
-                cute.arch.mbarrier_wait(bars.x_empty, ((i + 1) & 1) ^ 1)
+                cute.arch.mbarrier_wait(bars.x_empty,
+                                        1 if const_expr(cfg.scatter) else ((i + 1) & 1) ^ 1)
                 self._send(acc_S, smem, 0, rank, tidx)
             if const_expr(own_dq):
                 self._dq_reduce(mmas.dq[0], acc0, ops, smem, work, head_q, n_block, col0,
@@ -592,30 +642,103 @@ class FFPABwdFusedSm90(KernelEntry):
 
     @cute.jit
     def _send(self, acc, smem: FusedSmem, part: cutlass.Constexpr, rank, tidx):
-        """Our partial (part 0: S^T, 1: dP^T) into the peer's exchange buffer, 16 bytes per
-        st.async, each counted on the peer's x_full (value v of part p at [v % 4, tidx,
-        p n / 4 + v // 4], n the values per thread)."""
-        n4 = cute.size(acc) // 4
+        """Our partial (part 0: S^T, 1: dP^T) into the peers' exchange buffers, 16 bytes per
+        st.async, each counted on the receiver's x_full. Pair: all of it to the peer (value v
+        of part p at [v % 4, tidx, p n / 4 + v // 4, 0], n the values per thread); `scatter`:
+        group q (values 4q .. 4q + 3) to its owner o = q % C only, into the owner's slot of
+        this sender ((rank - o - 1) mod C) at [.., tidx, p g + q // C, slot], g the slot's
+        groups per part."""
+        c, n4 = self.cfg.cluster_d, cute.size(acc) // 4
+        per = self.cfg.x_slot_groups
         for q in cutlass.range_constexpr(n4):
-            dst = smem.x[None, tidx, part * n4 + q].iterator
-            cute.arch.store_async_dsmem(
-                dst, tuple(Float32(acc[4 * q + e]).bitcast(Int32) for e in range(4)),
-                smem.bars.x_full, 1 - rank)
+            vals = tuple(Float32(acc[4 * q + e]).bitcast(Int32) for e in range(4))
+            if const_expr(not self.cfg.scatter):
+                dst = smem.x[None, tidx, part * n4 + q, 0].iterator
+                cute.arch.store_async_dsmem(dst, vals, smem.bars.x_full, 1 - rank)
+            else:
+                owner = q % c
+                if owner != rank:
+                    slot = (rank - owner - 1 + c) % c
+                    self._to_peer(smem, owner, slot, part * per + q // c, vals, tidx)
+
+    @cute.jit
+    def _to_peer(self, smem: FusedSmem, peer, slot, idx, vals, tidx):
+        """`scatter`: 16 bytes into cluster CTA `peer`'s exchange buffer at [.., tidx, idx,
+        slot], counted on its x_full (`st_async_v4`: the mapped base plus our offset)."""
+        off = (((slot * 2 * self.cfg.x_slot_groups + idx) * WG_THREADS + tidx) * 16)
+        st_async_v4(peer_address(smem.x.iterator, peer) + off, vals,
+                    peer_address(smem.bars.x_full, peer))
 
     @cute.jit
     def _arm_exchange(self, smem: FusedSmem, tidx):
-        """Thread 0 arms this block's x_full: one arrival and the peer's X_FLOATS * 4 bytes."""
+        """Thread 0 arms this block's x_full: one arrival and the bytes the peers send us (the
+        peer's whole partials; `scatter`: each peer's values of the groups we own)."""
         if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(smem.bars.x_full, X_FLOATS * 4)
+            if const_expr(not self.cfg.scatter):
+                cute.arch.mbarrier_arrive_and_expect_tx(smem.bars.x_full,
+                                                        self.cfg.x_floats * 4)
+            else:
+                c = self.cfg.cluster_d
+                owned = (self.cfg.x_groups - 1 - cute.arch.block_idx_in_cluster()) // c + 1
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    smem.bars.x_full, (c - 1) * owned * 2 * 16 * WG_THREADS)
 
     @cute.jit
     def _receive(self, acc_S, acc_dP, smem: FusedSmem, tidx):
-        """acc += the peer's partials (same positions); S^T_0 + S^T_1 on both CTAs."""
-        n4 = cute.size(acc_S) // 4
-        for acc, base in ((acc_S, 0), (acc_dP, n4)):
+        """acc += the peers' partials (same positions): S^T_0 + S^T_1 on both CTAs of a pair;
+        `scatter`: only the groups this CTA owns, summed over every peer's slot (the others
+        keep our partial alone and are not used)."""
+        c, n4 = self.cfg.cluster_d, cute.size(acc_S) // 4
+        per = self.cfg.x_slot_groups
+        rank = cute.arch.block_idx_in_cluster()
+        for acc, part in ((acc_S, 0), (acc_dP, 1)):
             for q in cutlass.range_constexpr(n4):
-                for e in cutlass.range_constexpr(4):
-                    acc[4 * q + e] = acc[4 * q + e] + smem.x[e, tidx, base + q]
+                if const_expr(not self.cfg.scatter):
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * q + e] = acc[4 * q + e] + smem.x[e, tidx, part * n4 + q, 0]
+                elif q % c == rank:
+                    for slot in cutlass.range_constexpr(c - 1):
+                        for e in cutlass.range_constexpr(4):
+                            acc[4 * q + e] = (acc[4 * q + e]
+                                              + smem.x[e, tidx, part * per + q // c, slot])
+
+    @cute.jit
+    def _gather(self, rP, rdS, smem: FusedSmem, rank, tidx):
+        """`scatter`: our bf16 P^T / dS^T values of the fragment groups we own (4 of each: 16
+        bytes per group) sent into every peer's exchange buffer, and theirs received into the
+        groups we do not own, so that every CTA stores the whole tiles. Per block the
+        exchange buffer then takes a second phase: our thread 0 arms x_full for the peers'
+        groups; we wait until every peer has read our partials (x_empty, its first phase of
+        the block), send ours to group q's slot at [.., tidx, q // C, slot]; wait for theirs
+        (x_full's second phase), read them, the S warpgroup's barrier, and thread 0 tells
+        each peer it may send again (their x_empty's second phase)."""
+        c, n4 = self.cfg.cluster_d, cute.size(rP) // 4
+        bars = smem.bars
+        if tidx == 0:
+            owned = (self.cfg.x_groups - 1 - rank) // c + 1
+            cute.arch.mbarrier_arrive_and_expect_tx(
+                bars.x_full, (self.cfg.x_groups - owned) * 16 * WG_THREADS)
+        cute.arch.mbarrier_wait(bars.x_empty, 0)   # every peer read our partials
+        wP, wdS = cute.recast_tensor(rP, Int32), cute.recast_tensor(rdS, Int32)
+        for q in cutlass.range_constexpr(n4):
+            if q % c == rank:
+                vals = (wP[2 * q], wP[2 * q + 1], wdS[2 * q], wdS[2 * q + 1])
+                for k in cutlass.range_constexpr(1, c):
+                    # peer rank + k: our slot there is c - 1 - k
+                    self._to_peer(smem, (rank + k) % c, c - 1 - k, q // c, vals, tidx)
+        cute.arch.mbarrier_wait(bars.x_full, 1)
+        for q in cutlass.range_constexpr(n4):
+            owner = q % c
+            if owner != rank:
+                slot = (owner - rank - 1 + c) % c
+                src = cute.recast_tensor(smem.x[None, tidx, q // c, slot], Int32)
+                wP[2 * q], wP[2 * q + 1] = src[0], src[1]
+                wdS[2 * q], wdS[2 * q + 1] = src[2], src[3]
+        s_barrier().arrive_and_wait()
+        if tidx == 0:
+            for k in cutlass.range_constexpr(1, c):
+                cute.arch.mbarrier_arrive(bars.x_empty, (rank + k) % c,
+                                          scope=nvvm.MemScopeKind.CLUSTER)
 
     @cute.jit
     def _dq_issue(self, mma: cute.TiledMma, sdS: cute.Tensor, sKt: cute.Tensor,
@@ -853,7 +976,7 @@ def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
         "bar_do": mem[i64, cfg.do_stages], "bar_p_full": mem[i64, 1],
         "bar_p_empty": mem[i64, 1], "bar_x_full": mem[i64, 1], "bar_x_empty": mem[i64, 1],
         "stat": align[mem[Float32, 2 * T], 16],
-        "xbuf": align[mem[Float32, X_FLOATS], 1024],
+        "xbuf": align[mem[Float32, cfg.x_floats], 1024],
         "sK": smem(layouts.kv), "sV": smem(layouts.kv), "sQ": smem(layouts.q),
         "sdO": smem(layouts.do), "sPt": smem(layouts.p), "sdSt": smem(layouts.p),
         "sdQ": smem(layouts.dq, Float32),

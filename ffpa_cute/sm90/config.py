@@ -972,6 +972,8 @@ FUSED_DQ_MAX_WIDTH = 160   # widest dQ accumulator the S warpgroup holds (80 fp3
 #                            192 spilled 8 B at D=384)
 FUSED_DQ_PIECE = 32        # columns of one staged dQ piece (64 x 32 fp32: 8 KB, a
 #                            128-byte swizzled row each)
+FUSED_MAX_HALF = 256       # D columns per CTA: its dK_r and dV_r (64 x 256 fp32) fill the
+#                            accumulator warpgroups' registers
 
 
 @dataclass(frozen=True)
@@ -982,8 +984,9 @@ class BwdFusedConfigSm90:
 
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
-    head_dim:   D == Dv, a multiple of 64 in (256, 512]: each CTA of the pair owns D / 2
-                columns, whose rows are a whole number of 64-byte swizzle spans
+    head_dim:   D == Dv in (256, 1024]: each of the `cluster_d` CTAs owns D / cluster_d
+                columns (`half`, at most 256: its dK / dV accumulators), a multiple of 32 so
+                that its rows are whole 64-byte swizzle spans
     causal:     causal masking (the offset is a runtime argument, bottom-right or upper-left)
     q_stages:   depth of the Q ring ([64 x D/2] stages; the dK warpgroup refills it)
     do_stages:  depth of the dO ring (the dV warpgroup refills it)
@@ -1001,6 +1004,13 @@ class BwdFusedConfigSm90:
                 storing its partial dK / dV in fp32 to a workspace [B, Hkv S, Nkv, D] that
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
+    cluster_d:  the CTAs of the cluster that split D (2, 3 or 4; above 2 `scatter`)
+    scatter:    the score partials summed by a reduce-scatter, then P^T / dS^T gathered,
+                instead of every CTA receiving its peer's whole partials: CTA r adds up the
+                16-byte fragment groups q with q % cluster_d == r and sends its bf16 P^T / dS^T
+                values of them back through the peers' exchange buffers (docs/design.md
+                section 4, "D over C CTAs"). Built and compile-verified only, never run: not
+                planned
     """
 
     arch: str
@@ -1012,11 +1022,16 @@ class BwdFusedConfigSm90:
     window: bool = False
     dq_grads: int = 0
     group_split: bool = False
+    cluster_d: int = 2
+    scatter: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
-    # run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
-    # group_split; docs/verification.md)
-    VERIFIED: ClassVar[bool] = True
+
+    @property
+    def VERIFIED(self) -> bool:
+        """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
+        group_split; docs/verification.md); `scatter` never ran (selfcheck canaries it)."""
+        return not self.scatter
 
     @property
     def elem_bytes(self) -> int:
@@ -1024,13 +1039,38 @@ class BwdFusedConfigSm90:
 
     @property
     def o_split(self) -> int:
-        """CTAs per key tile (the pair), for `group_parts`."""
-        return 2
+        """CTAs per key tile (the cluster), for `group_parts`."""
+        return self.cluster_d
 
     @property
     def half(self) -> int:
-        """D columns of each CTA of the pair (its dK, dV and dQ share; its K, V, Q, dO slices)."""
-        return self.head_dim // 2
+        """D columns of each CTA of the cluster (its dK, dV and dQ share; its K, V, Q, dO
+        slices): D / cluster_d (the pair's half of D)."""
+        return self.head_dim // self.cluster_d
+
+    @property
+    def x_groups(self) -> int:
+        """16-byte groups of one score partial per S thread (64 x 64 fp32 over 128 threads)."""
+        return FUSED_TILE * FUSED_TILE // (4 * 128)
+
+    def owned_groups(self, rank: int) -> int:
+        """With `scatter`: the fragment groups q of a partial that CTA `rank` owns (q %
+        cluster_d == rank)."""
+        return len(range(rank, self.x_groups, self.cluster_d))
+
+    @property
+    def x_slot_groups(self) -> int:
+        """Groups per part of one sender's slot in the exchange buffer: the whole partial, or
+        with `scatter` the largest owned share."""
+        return -(-self.x_groups // self.cluster_d) if self.scatter else self.x_groups
+
+    @property
+    def x_floats(self) -> int:
+        """fp32 values of the exchange buffer: per sender (the peer, or with `scatter` each of
+        the cluster_d - 1 peers) both parts (S^T, dP^T) of its slot, 4 per group and S
+        thread."""
+        senders = self.cluster_d - 1 if self.scatter else 1
+        return senders * 2 * self.x_slot_groups * 4 * 128
 
     @property
     def atom_cols(self) -> int:
@@ -1093,13 +1133,14 @@ class BwdFusedConfigSm90:
 
     def smem_bytes(self) -> int:
         """The storage struct of `FFPABwdFusedSm90`: barriers (K/V, Q ring, dO ring, P full /
-        empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta), then,
-        each 1 KB aligned: the exchange buffer (the peer's fp32 S^T and dP^T partials), K, V,
+        empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta),
+        then, each 1 KB aligned: the exchange buffer (the peers' fp32 S^T and dP^T partials,
+        with `scatter` then their bf16 P^T / dS^T groups: `x_floats`), K, V,
         the Q and dO rings, P^T and dS^T, the two dQ staging pieces."""
         header = 8 * (1 + self.q_stages + self.do_stages + 4)
         header = _align(header, 16) + 2 * FUSED_TILE * 4
         tile = FUSED_TILE * self.half * self.elem_bytes
-        regions = [2 * FUSED_TILE * FUSED_TILE * 4, tile, tile, self.q_stages * tile,
+        regions = [self.x_floats * 4, tile, tile, self.q_stages * tile,
                    self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes]),
                    2 * FUSED_TILE * FUSED_DQ_PIECE * 4]
         return sum(_align(x) for x in [header, *regions])
@@ -1111,10 +1152,18 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return f"arch {cfg.arch!r}: WGMMA, TMA and clusters need sm_90a"
     if cfg.dtype not in DTYPES:
         return f"dtype {cfg.dtype!r}: the fused backward takes {DTYPES}"
-    if cfg.head_dim % 64 or not 256 < cfg.head_dim <= MAX_SINGLE_CTA_HEAD_DIM:
-        return (f"head_dim={cfg.head_dim}: the fused backward needs a multiple of 64 in (256, "
-                f"{MAX_SINGLE_CTA_HEAD_DIM}] (half of D per CTA, rows of whole 64-byte "
-                "swizzle spans)")
+    if cfg.cluster_d not in (2, 3, 4) or (cfg.cluster_d > 2 and not cfg.scatter):
+        return (f"cluster_d={cfg.cluster_d}, scatter={cfg.scatter}: 2, or 3 / 4 with scatter "
+                "(the score partials reduce-scattered)")
+    if cfg.scatter and cfg.dq_grads not in (1, 2):
+        return (f"scatter with dq_grads={cfg.dq_grads}: dQ must be formed by the dV / dK "
+                "warpgroups (1 or 2), which wait for the peers' dS^T values")
+    if (cfg.head_dim % (32 * cfg.cluster_d) or cfg.half > FUSED_MAX_HALF
+            or not 256 < cfg.head_dim <= MAX_HEAD_DIM):
+        return (f"head_dim={cfg.head_dim}: the fused backward needs D in (256, {MAX_HEAD_DIM}] "
+                f"with D / cluster_d (cluster_d={cfg.cluster_d}) a multiple of 32 up to "
+                f"{FUSED_MAX_HALF} (each CTA's columns: rows of whole 64-byte swizzle spans, "
+                "dK / dV accumulators in registers)")
     if cfg.q_stages not in (1, 2) or cfg.do_stages not in (1, 2):
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.dq_grads not in (0, 1, 2):
@@ -1155,11 +1204,14 @@ FUSED_DQ_GRADS_BY_DIM = {448: 2}
 FUSED_GROUP_SPLIT = False
 
 
-def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfigSm90:
+def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
+                   scatter: bool = False) -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
     keeps one); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it names D),
     `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the problem's head
-    groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen."""
+    groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen.
+    `cluster_d`, `scatter`: D over that many CTAs by the reduce-scatter (built and
+    compile-verified only: tests and experiments ask for it, the router does not)."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
     if problem.varlen:
@@ -1167,7 +1219,8 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a") -> BwdFusedConfig
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded, window=problem.window_lo is not None,
                 dq_grads=FUSED_DQ_GRADS_BY_DIM.get(problem.head_dim, FUSED_DQ_GRADS),
-                group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=2))
+                group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=cluster_d),
+                cluster_d=cluster_d, scatter=scatter)
     for do_stages in (2, 1):
         cfg = BwdFusedConfigSm90(**base, do_stages=do_stages)
         if can_implement_fused(cfg) is None:

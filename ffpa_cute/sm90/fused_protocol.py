@@ -2,9 +2,11 @@
 its config.
 
 The kernel's hand-overs are its own: the pair's exchange of partial scores (st.async into the
-peer's buffer, x_full / x_empty across the cluster), P^T / dS^T from the S warpgroup to the dV
+peer's buffer, x_full / x_empty across the cluster; with `scatter` each of the cluster_d CTAs
+sends every peer its owned groups, then the gathered P^T / dS^T groups through the same
+buffers, two phases per block), P^T / dS^T from the S warpgroup to the dV
 and dK warpgroups (p_full / p_empty), and Q / dO rings refilled by their last reader with no
-"empty" barrier. This module runs the three warpgroups of both CTAs as the kernel orders their
+"empty" barrier. This module runs the three warpgroups of every CTA as the kernel orders their
 steps, over a model of the hardware (common/protocol.py), and checks what a hang or a race
 would break:
 
@@ -37,11 +39,12 @@ WG_THREADS = 128
 
 
 class FusedModel(ModelBase):
-    """Both CTAs of a cluster on one key tile of `blocks` query blocks. `faults`: names of
-    steps to drop or alter (tests: the model must catch them). `alternating`: the S
-    warpgroup's dQ pieces (`dq_grads` 0) take the staging buffers in issue order across chunks
-    and blocks, each waiting only for the group two back (the order `dq_grads` 1's pieces
-    take), instead of its per-chunk order whose first piece waits for every group."""
+    """Every CTA of a cluster (the pair, or `cluster_d`) on one key tile of `blocks` query
+    blocks. `faults`: names of steps to drop or alter (tests: the model must catch them).
+    `alternating`: the S warpgroup's dQ pieces (`dq_grads` 0) take the staging buffers in
+    issue order across chunks and blocks, each waiting only for the group two back (the order
+    `dq_grads` 1's pieces take), instead of its per-chunk order whose first piece waits for
+    every group."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
                  alternating: bool = False):
@@ -53,12 +56,13 @@ class FusedModel(ModelBase):
         # a bulk group belongs to the thread that committed it
         self.order: dict[tuple, list] = {}
         self.groups: dict[tuple, set] = {}
+        self.ranks = range(cfg.cluster_d)
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
-                  "x_empty": (1, 1)}
+                  "x_empty": (1, cfg.cluster_d - 1)}
         if "p_empty_count" in self.faults:  # one warp's arrival too few
             counts["p_empty"] = (1, 9)
-        self.bars = {self.bar(r, name, i): Barrier(c) for r in (0, 1)
+        self.bars = {self.bar(r, name, i): Barrier(c) for r in self.ranks
                      for name, (k, c) in counts.items() for i in range(k)}
         self.landing: list = []  # in flight: (buffer, tag, barrier)
 
@@ -108,19 +112,24 @@ class FusedModel(ModelBase):
                 self.read(f"{r}:dst", ("ds", b - 1), mma, hold=True)
                 self.read(f"{r}:k", ("k", j), mma, hold=True)
             yield                                         # wait_group: dP^T done
-            # dP^T's partial into the peer's buffer; our x_full armed for both parts
-            self.landing.append((f"{1 - r}:xdP", ("x", r, b), self.bar(1 - r, "x_full")))
-            self.arrive(self.bar(r, "x_full"), expect=2 * STAGE_BYTES)
+            # dP^T's partial into the peers' buffers; our x_full armed for both parts
+            for p in self.peers(r):
+                self.landing.append((f"{p}:xdP.{r}", ("x", r, b), self.bar(p, "x_full")))
+            self.arrive(self.bar(r, "x_full"), expect=2 * (len(self.ranks) - 1) * STAGE_BYTES)
             yield
             self.release(mma)                             # wait_group(0)
             if own_dq and i > 0:   # dQ(i-1)'s later chunks reduced
                 yield from self.reduce(r, b - 1, range(1, len(self.pieces)))
-            yield from self.wait(self.bar(r, "x_full"), b)
-            self.read(f"{r}:xS", ("x", 1 - r, b), me + "x", hold=True)
-            self.read(f"{r}:xdP", ("x", 1 - r, b), me + "x", hold=True)
+            yield from self.wait(self.bar(r, "x_full"), self.phase(b))
+            for p in self.peers(r):
+                self.read(f"{r}:xS.{p}", ("x", p, b), me + "x", hold=True)
+                self.read(f"{r}:xdP.{p}", ("x", p, b), me + "x", hold=True)
             yield                                         # the S threads' barrier
             self.release(me + "x")
-            self.arrive(self.bar(1 - r, "x_empty"))       # remote, cluster scope
+            for p in self.peers(r):
+                self.arrive(self.bar(p, "x_empty"))       # remote, cluster scope
+            if cfg.scatter:
+                yield from self.gather(r, b)
             if "no_p_empty_wait" not in self.faults and b > 0:
                 yield from self.wait(self.bar(r, "p_empty"), b - 1)
             self.write(f"{r}:pt", ("p", b), me)
@@ -146,13 +155,44 @@ class FusedModel(ModelBase):
             yield from self.reduce(r, n - 1, range(1, len(self.pieces)))
         yield from self.bulk_wait(r, me, 0)   # every piece read before the CTA exits
 
+    def peers(self, r: int) -> list:
+        return [p for p in self.ranks if p != r]
+
+    def phase(self, b: int, second: bool = False) -> int:
+        """The exchange barriers' phase of block b: one per block, or with `scatter` two (the
+        partials', then the gathered P^T / dS^T groups')."""
+        return 2 * b + second if self.cfg.scatter else b
+
     def send(self, r: int, part: str, b: int):
-        """Block b's S^T partial (part "S") into the peer's buffer by st.async, once the peer
-        has read block b - 1's (x_empty), counted on the peer's x_full."""
+        """Block b's S^T partial (part "S") into the peers' buffers by st.async (with
+        `scatter` only the groups each owns: one landing per peer still), once every peer has
+        read what we sent for block b - 1 (x_empty), counted on the peer's x_full."""
         if "no_x_empty_wait" not in self.faults and b > 0:
-            yield from self.wait(self.bar(r, "x_empty"), b - 1)
-        self.landing.append((f"{1 - r}:x{part}", ("x", r, b), self.bar(1 - r, "x_full")))
+            yield from self.wait(self.bar(r, "x_empty"), self.phase(b - 1, second=True))
+        for p in self.peers(r):
+            self.landing.append((f"{p}:x{part}.{r}", ("x", r, b), self.bar(p, "x_full")))
         yield
+
+    def gather(self, r: int, b: int):
+        """`_gather` (`scatter`): our x_full armed for the peers' P^T / dS^T groups; once every
+        peer has read our partials (x_empty, the block's first phase) ours sent into their
+        exchange buffers (where our S^T partial lay: the same smem), theirs waited for
+        (x_full's second phase) and read, the S threads' barrier, x_empty's second phase on
+        every peer."""
+        me = f"S{r}"
+        self.arrive(self.bar(r, "x_full"), expect=(len(self.ranks) - 1) * STAGE_BYTES)
+        if "gather_before_read" not in self.faults:
+            yield from self.wait(self.bar(r, "x_empty"), self.phase(b))
+        for p in self.peers(r):
+            self.landing.append((f"{p}:xS.{r}", ("g", r, b), self.bar(p, "x_full")))
+        yield
+        yield from self.wait(self.bar(r, "x_full"), self.phase(b, second=True))
+        for p in self.peers(r):
+            self.read(f"{r}:xS.{p}", ("g", p, b), me + "g", hold=True)
+        yield                                             # the S threads' barrier
+        self.release(me + "g")
+        for p in self.peers(r):
+            self.arrive(self.bar(p, "x_empty"))
 
     def reduce(self, r: int, b: int, chunks):
         """`_dq_reduce` of block b's chunks: per piece, the wait for its staging buffer, the S
@@ -270,7 +310,7 @@ class FusedModel(ModelBase):
 
     def run(self, max_steps: int = 200000) -> int:
         roles = {}
-        for r in (0, 1):
+        for r in self.ranks:
             roles[f"S{r}"] = self.score(r)
             roles[f"dV{r}"] = self.grad(r, 0)
             roles[f"dK{r}"] = self.grad(r, 1)
@@ -289,8 +329,9 @@ class FusedModel(ModelBase):
 
 def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),
         alternating: bool = False) -> int:
-    """Model a CTA pair on one key tile of `blocks` query blocks (`alternating`: the schedule
-    `FusedModel` names); the steps taken (raises ProtocolError)."""
+    """Model the cluster (cfg.cluster_d CTAs) on one key tile of `blocks` query blocks
+    (`alternating`: the schedule `FusedModel` names); the steps taken (raises
+    ProtocolError)."""
     return FusedModel(cfg, blocks, seed, faults, alternating).run()
 
 
