@@ -38,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ffpa_cute.common.tensors import KernelEntry, fake_tensor
+from ffpa_cute.common.tensors import KernelEntry, fake_tensor, vec4_ptx
 from perf import experiment
 
 T, W = 64, 32          # a piece: rows, fp32 columns (8 KB)
@@ -48,14 +48,7 @@ LOAD_BUFS = 4          # `loads`: 8 KB load buffers in flight
 SRC_ROWS = 64 * 256    # `loads`' source: 16 MB of fp32, read by every CTA
 SMEM_FLOOR = 120 * 1024   # each CTA's smem at least this: one CTA per SM
 
-_RED_ADD_F32X4 = """{
-.reg .f32 a, b, c, d;
-mov.f32 a, {$r1};
-mov.f32 b, {$r2};
-mov.f32 c, {$r3};
-mov.f32 d, {$r4};
-red.global.add.v4.f32 [{$r0}], {a, b, c, d};
-}"""
+_RED_ADD_F32X4 = vec4_ptx("red.global.add.v4.f32 [{$r0}], {a, b, c, d};", "f32")
 
 
 @dataclasses.dataclass(frozen=True)

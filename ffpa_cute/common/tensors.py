@@ -71,6 +71,14 @@ def fake_grad_args(cfg) -> tuple:
     return q, k, v, do, grad, lse, delta
 
 
+def vec4_ptx(instr: str, reg: str = "b32") -> str:
+    """An inline-PTX block (`cute.arch.inline_ptx`) that moves its operands $r1 .. $r4 into the
+    four registers a, b, c, d of type `reg`, then runs `instr`, which names them as the vector
+    {a, b, c, d} ($r0 and any further operands as `instr` uses them)."""
+    movs = "".join(f"mov.{reg} {x}, {{$r{i + 1}}};\n" for i, x in enumerate("abcd"))
+    return f"{{\n.reg .{reg} a, b, c, d;\n{movs}{instr}\n}}"
+
+
 def env_stream():
     """The compile-time stream argument: taken at run time from the caller's environment
     (torch's current stream of the current device) by the TVM-FFI wrapper, not passed."""

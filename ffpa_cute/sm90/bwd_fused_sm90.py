@@ -111,7 +111,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from ..common.mask import apply_mask_transposed, query_block_range, transposed_needs_mask
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
-                              fake_tensor)
+                              fake_tensor, vec4_ptx)
 from .config import FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
 from .bwd_sm90 import load_column_stat, stage_column_stat
 from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles, tma_load
@@ -131,14 +131,8 @@ def _set_regs(n: int):
 
 
 _MAPA = "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};"
-_ST_ASYNC_V4 = """{
-.reg .b32 a, b, c, d;
-mov.b32 a, {$r1};
-mov.b32 b, {$r2};
-mov.b32 c, {$r3};
-mov.b32 d, {$r4};
-st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [{$r0}], {a, b, c, d}, [{$r5}];
-}"""
+_ST_ASYNC_V4 = vec4_ptx("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 "
+                        "[{$r0}], {a, b, c, d}, [{$r5}];")
 
 
 def peer_address(ptr, rank):
