@@ -49,7 +49,7 @@
 #   curve the bf16 forward at every D in [264, 1024] (step 8, N=8K, B=1, H=32) with the cliffs
 #         flagged (issue 20's "no cliffs in D"), then the MLA decode (B 128, Hq 128 on one KV
 #         head, 576 / 512) (precompile: `python -m ffpa_cute.precompile --arch sm_90 --head-dims
-#         all --dtypes bf16 --causal no --cache-dir DIR`, packed: ~1.3 MB)
+#         all --dtypes bf16 --causal no --cache-dir DIR`, packed: ~0.45 MB)
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
