@@ -540,7 +540,7 @@ class FFPABwdFusedSm90(KernelEntry):
             warpgroup.wait_group(len(accs))
             self._trace(extra, 1, i)
             self._send(acc_dP, smem, 1, rank, tidx)
-            self._arm_exchange(smem, tidx)
+            self._arm_exchange(smem, rank, tidx)
             warpgroup.wait_group(0)
             if const_expr(own_dq):
                 if i > 0:
@@ -551,7 +551,7 @@ class FFPABwdFusedSm90(KernelEntry):
             # (`scatter`: two phases per block, the partials' then the gathered values')
             cute.arch.mbarrier_wait(bars.x_full, 0 if const_expr(cfg.scatter) else i & 1)
             self._trace(extra, 3, i)
-            self._receive(acc_S, acc_dP, smem, tidx)
+            self._receive(acc_S, acc_dP, smem, rank, tidx)
             x_sync.arrive_and_wait()
             if tidx == 0:   # every S thread has read the buffer: the peer may send again
                 if const_expr(cfg.cluster_d == 2):
@@ -664,7 +664,7 @@ class FFPABwdFusedSm90(KernelEntry):
                     peer_address(smem.bars.x_full, peer))
 
     @cute.jit
-    def _arm_exchange(self, smem: FusedSmem, tidx):
+    def _arm_exchange(self, smem: FusedSmem, rank, tidx):
         """Thread 0 arms this block's x_full: one arrival and the bytes the peers send us (the
         peer's whole partials; `scatter`: each peer's values of the groups we own)."""
         if tidx == 0:
@@ -672,19 +672,17 @@ class FFPABwdFusedSm90(KernelEntry):
                 cute.arch.mbarrier_arrive_and_expect_tx(smem.bars.x_full,
                                                         self.cfg.x_floats * 4)
             else:
-                c = self.cfg.cluster_d
-                owned = (self.cfg.x_groups - 1 - cute.arch.block_idx_in_cluster()) // c + 1
                 cute.arch.mbarrier_arrive_and_expect_tx(
-                    smem.bars.x_full, (c - 1) * owned * 2 * 16 * WG_THREADS)
+                    smem.bars.x_full,
+                    (self.cfg.cluster_d - 1) * self.cfg.owned_groups(rank) * 2 * 16 * WG_THREADS)
 
     @cute.jit
-    def _receive(self, acc_S, acc_dP, smem: FusedSmem, tidx):
+    def _receive(self, acc_S, acc_dP, smem: FusedSmem, rank, tidx):
         """acc += the peers' partials (same positions): S^T_0 + S^T_1 on both CTAs of a pair;
         `scatter`: only the groups this CTA owns, summed over every peer's slot (the others
         keep our partial alone and are not used)."""
         c, n4 = self.cfg.cluster_d, cute.size(acc_S) // 4
         per = self.cfg.x_slot_groups
-        rank = cute.arch.block_idx_in_cluster()
         for acc, part in ((acc_S, 0), (acc_dP, 1)):
             for q in cutlass.range_constexpr(n4):
                 if const_expr(not self.cfg.scatter):
@@ -709,9 +707,8 @@ class FFPABwdFusedSm90(KernelEntry):
         c, n4 = self.cfg.cluster_d, cute.size(rP) // 4
         bars = smem.bars
         if tidx == 0:
-            owned = (self.cfg.x_groups - 1 - rank) // c + 1
             cute.arch.mbarrier_arrive_and_expect_tx(
-                bars.x_full, (self.cfg.x_groups - owned) * 16 * WG_THREADS)
+                bars.x_full, (self.cfg.x_groups - self.cfg.owned_groups(rank)) * 16 * WG_THREADS)
         cute.arch.mbarrier_wait(bars.x_empty, 0)   # every peer read our partials
         wP, wdS = cute.recast_tensor(rP, Int32), cute.recast_tensor(rdS, Int32)
         for q in cutlass.range_constexpr(n4):

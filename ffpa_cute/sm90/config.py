@@ -1053,10 +1053,10 @@ class BwdFusedConfigSm90:
         """16-byte groups of one score partial per S thread (64 x 64 fp32 over 128 threads)."""
         return FUSED_TILE * FUSED_TILE // (4 * 128)
 
-    def owned_groups(self, rank: int) -> int:
-        """With `scatter`: the fragment groups q of a partial that CTA `rank` owns (q %
-        cluster_d == rank)."""
-        return len(range(rank, self.x_groups, self.cluster_d))
+    def owned_groups(self, rank):
+        """With `scatter`: how many fragment groups q of a partial CTA `rank` owns (q %
+        cluster_d == rank); arithmetic only, so the kernel calls it on its runtime rank."""
+        return (self.x_groups - 1 - rank) // self.cluster_d + 1
 
     @property
     def x_slot_groups(self) -> int:
