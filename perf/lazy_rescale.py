@@ -40,12 +40,7 @@ def _plans(case):
 
 
 def jobs() -> list:
-    out = []
-    for case in CASES:
-        for plan in _plans(case):
-            if (plan.kernel_cls, plan.cfg) not in out:
-                out.append((plan.kernel_cls, plan.cfg))
-    return out
+    return experiment.forward_jobs(plan for case in CASES for plan in _plans(case))
 
 
 def run(dev, flush) -> dict:
