@@ -83,7 +83,7 @@ def _sm90_fwd(p: AttnProblem, target: str, opts: Options):
     Split-D kernel on sm_90a."""
     try:
         return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair,
-                                    persistent=opts.persistent, shared=True, lazy=True)
+                                    persistent=opts.persistent, shared=True, tuned=True)
     except ValueError:
         if p.head_dim_v != p.head_dim:
             raise  # Split-D needs Dv == D
@@ -107,7 +107,7 @@ def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
 def _sm90_fp8_fwd(p: AttnProblem, target: str, opts: Options):
     """The WGMMA forward with e4m3 operands (D a multiple of 16: the Split-D FP8 kernel would
     need the same)."""
-    return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair, lazy=True)
+    return sm90_config.plan_fwd(p, target, kv_pair=opts.kv_pair, tuned=True)
 
 
 def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: str | None):

@@ -31,23 +31,34 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# TMA reads each row of a box in 128-byte lines; a row that does not start on a line (2 D % 128
-# != 0 at 16 bits, e.g. D=520: 1040-byte rows) straddles two. Measured (perf.row_stride, H200,
-# forward, N=8K): the same kernel on rows padded to 128 bytes runs D=520 16.2 -> 13.4 ms, 712
-# 20.0 -> 17.7, 1016 26.0 -> 20.3; below 512 less (264 -10%, 328 -5%, 336 -2%), where a copy
-# of the inputs would cost as much as it saves.
+# TMA reads each row of a box in 128-byte lines of 32-byte sectors; a row that does not start
+# on a line (2 D % 128 != 0 at 16 bits, e.g. D=520: 1040-byte rows) straddles two, and one that
+# does not start on a sector (D % 16 == 8) splits every sector it touches. Measured, the same
+# kernel on rows padded to 128 bytes (forward, B=1, H=32, N=8K; perf.row_stride, perf.pad_d):
+# above 512 (H200) D=520 16.2 -> 13.4 ms, 712 20.0 -> 17.7, 1016 26.0 -> 20.3; below 512
+# (H100) 13-30% faster at every D % 16 == 8 (D=504 11.37 -> 8.71 ms, 312 8.14 -> 6.42; the
+# backward likewise), but only 1-4% at D % 16 == 0, less than the copy (the H200 read 264
+# -10%, 328 -5%, 336 -2%).
 ROW_LINE = 128
+ROW_SECTOR = 32
 
 
 def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
     """Whether `run_fwd` / `run_bwd` first copy the inputs they stream (q, k, v; dout) into
     rows padded to 128 bytes (`row_aligned`): 16-bit WGMMA kernels at D > 512 whose rows are
     not whole lines, when the attention work outweighs the copy, nq nkv >= 700 (nq + 2 nkv)
-    (about N >= 2K for Nq = Nkv: the copy is ~3% of the forward's time at N=8K). p: the
-    problem; cfg: the (forward, or a gradient) kernel's config."""
-    return (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")
-            and p.head_dim > 512 and (2 * p.head_dim) % ROW_LINE != 0
-            and nq * nkv >= 700 * (nq + 2 * nkv))
+    (about N >= 2K for Nq = Nkv: the copy is ~3% of the forward's time at N=8K); and the
+    16-bit WGMMA kernels at D <= 512 whose rows do not start on 32-byte sectors (D % 16 ==
+    8), when nq nkv >= 1000 (nq + 2 nkv) (N >= 3K; the copy is 6-9% of the forward's time at
+    N=8K, the gain 13-30%: measured with the copy 8-23% faster forward, 21-30% faster
+    backward, H100, perf.pad_d). p: the problem; cfg: the (forward, or a gradient) kernel's
+    config."""
+    if not (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")):
+        return False
+    row = 2 * p.head_dim
+    if p.head_dim > 512:
+        return row % ROW_LINE != 0 and nq * nkv >= 700 * (nq + 2 * nkv)
+    return row % ROW_SECTOR != 0 and nq * nkv >= 1000 * (nq + 2 * nkv)
 
 
 def row_aligned(t: torch.Tensor) -> torch.Tensor:

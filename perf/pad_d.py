@@ -3,49 +3,70 @@
     python -m perf.pad_d --precompile DIR     # CPU: compile the planned configs into DIR
     python -m perf.pad_d [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
 
-The curve across D (perf.sweep --head-dims all) reads D % 16 == 8 sizes 25-50% below the
-multiples of 64 next to them (D=504 11.4 ms against D=512's 7.3 with the same O halves and the
-same WGMMA work), while padding the rows to whole 128-byte lines (perf.row_stride) bought only
-2-10% below 512. What is left of the difference is the width itself: the last K chunk and the
-last V box end inside a 32-byte sector, and TMA zero-fills the columns past D. Each D is timed
-(B=1, H=32, N=8K, bf16, not causal; L2 flushed; `interleaved_ms`) as:
-  contig   the planned D kernel on contiguous inputs;
-  rows     the same kernel on rows padded to 128 bytes (a [..., :D] view of a wider buffer);
-  pad16    zero-padded copies of q, k, v to the next multiple of 16 and its planned kernel, the
-           copies and the [..., :D] copy of O counted (when D % 16 != 0);
-  pad64    the same to the next multiple of 64 (its planned kernel: persistent, lazy);
-  k64      that kernel alone on already-padded inputs (what the copies cost is pad64 - k64).
+The curve across D (perf.sweep --head-dims all, H100, a7bd98b) reads the D % 64 != 0 sizes
+13-50% below the multiples of 64 next to them (D=504 11.4 ms against D=512's 7.3 with the same
+O halves and the same WGMMA work). The first version of this experiment (dadbe0f, six D)
+found the rows' alignment to be most of it on the H100: the same kernel on rows padded to 128
+bytes ran D=504 11.37 -> 8.86 ms, 312 8.10 -> 6.42, 376 8.68 -> 7.06, 264 6.85 -> 6.03, while
+zero-padding D to the next multiple of 64 (its kernel plus the copies) was slower than that.
+This version times, at every D % 64 != 0 in [264, 504] (B=1, H=32, N=8K, bf16, not causal; L2
+flushed; `interleaved_ms`):
+  contig   the planned kernel on contiguous inputs, as they are;
+  repack   `launch.row_aligned` copies of q, k, v, then the same kernel (the copies counted:
+           what `launch.repack_rows` does inside `run_fwd`);
+  rows     the same kernel on rows padded beforehand (repack - rows: the copies' cost).
+  persist  at PERSIST_HEAD_DIMS, the planned kernel made persistent (one CTA per SM walking the
+           row tiles, as the multiples of 64 are planned), on the padded rows (and whether
+           its out and lse are the same bits as one CTA per tile's);
+and the routed (deterministic) backward at BWD_HEAD_DIMS as contig and repack (q, k, v and
+dout copied; `launch.run_bwd`'s kernels, Delta included).
 """
 
 from __future__ import annotations
 
 from perf import experiment
 
-HEAD_DIMS = (264, 312, 328, 376, 440, 504)
+HEAD_DIMS = tuple(d for d in range(264, 512, 8) if d % 64)
+PERSIST_HEAD_DIMS = (264, 328, 376, 400, 440, 504)
+BWD_HEAD_DIMS = (312, 440, 504)
 HEADS, N = 32, 8192
+
+
+def _problem(d: int):
+    from ffpa_cute.problem import AttnProblem
+
+    return AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=N,
+                       seqlen_kv=N, head_dim=d, head_dim_v=d, causal=False)
 
 
 def _plan(d: int):
     from ffpa_cute import dispatch
     from ffpa_cute.options import Options
-    from ffpa_cute.problem import AttnProblem
 
-    p = AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=N,
-                    seqlen_kv=N, head_dim=d, head_dim_v=d, causal=False)
-    return dispatch.plan_fwd(p, target="sm_90a", opts=Options())
+    return dispatch.plan_fwd(_problem(d), target="sm_90a", opts=Options())
 
 
-def _widths(d: int) -> list:
-    return sorted({d, -(-d // 16) * 16, -(-d // 64) * 64})
+def _bwd_plan(d: int):
+    from ffpa_cute import dispatch
+
+    return dispatch.plan_bwd(_problem(d), target="sm_90a")
+
+
+def _persistent(d: int):
+    import dataclasses
+
+    plan = _plan(d)
+    return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, persistent=True))
 
 
 def jobs() -> list:
-    return experiment.forward_jobs(_plan(w) for d in HEAD_DIMS for w in _widths(d))
+    bwd = [job for d in BWD_HEAD_DIMS for job in _bwd_plan(d).jobs]
+    return (experiment.forward_jobs([*map(_plan, HEAD_DIMS), *map(_persistent, PERSIST_HEAD_DIMS)])
+            + list(dict.fromkeys(bwd)))
 
 
 def run(dev, flush) -> dict:
     import torch
-    import torch.nn.functional as F
 
     from ffpa_cute import launch
 
@@ -53,23 +74,14 @@ def run(dev, flush) -> dict:
     for d in HEAD_DIMS:
         plan = _plan(d)
         qkv = [torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16) for _ in range(3)]
-        wide = -(-d // 64) * 64
-        rows = [torch.empty(1, HEADS, N, wide, device=dev, dtype=torch.bfloat16)[..., :d]
-                .copy_(t) for t in qkv]
+        rows = [launch.row_aligned(t) for t in qkv]
         fns = {"contig": lambda: launch.run_fwd(plan, *qkv),
+               "repack": lambda: launch.run_fwd(plan, *map(launch.row_aligned, qkv)),
                "rows": lambda rows=rows: launch.run_fwd(plan, *rows)}
-        for w in _widths(d)[1:]:
-            pw = _plan(w)
-            name = "pad64" if w == wide else "pad16"
-
-            def padded(pw=pw, w=w):
-                q, k, v = (F.pad(t, (0, w - d)) for t in qkv)
-                return launch.run_fwd(pw, q, k, v)[0][..., :d].contiguous()
-
-            fns[name] = padded
-            if w == wide:
-                ready = [F.pad(t, (0, w - d)) for t in qkv]
-                fns["k64"] = lambda pw=pw, ready=ready: launch.run_fwd(pw, *ready)
+        if d in PERSIST_HEAD_DIMS:
+            fns["persist"] = lambda rows=rows, pp=_persistent(d): launch.run_fwd(pp, *rows)
+            same = all(map(torch.equal, fns["persist"](), fns["rows"]()))
+            print(f"D={d:4d} persistent: the same out and lse as one CTA per tile: {same}")
         for fn in fns.values():
             fn()
         ms = experiment.interleaved_ms(fns, dev, flush)
@@ -77,6 +89,21 @@ def run(dev, flush) -> dict:
         print(f"D={d:4d} " + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:5.0f}" for n in ms),
               flush=True)
         res[str(d)] = dict(ms=ms, tflops=tf)
+    for d in BWD_HEAD_DIMS:
+        plan, fwd = _bwd_plan(d), _plan(d)
+        q, k, v, do = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
+                       for _ in range(4))
+        out, lse = launch.run_fwd(fwd, q, k, v)
+        fns = {"contig": lambda: launch.run_bwd(plan, q, k, v, out, lse, do),
+               "repack": lambda: launch.run_bwd(plan, *map(launch.row_aligned, (q, k, v)),
+                                                out, lse, launch.row_aligned(do))}
+        for fn in fns.values():
+            fn()
+        ms = experiment.interleaved_ms(fns, dev, flush)
+        tf = {n: 2.5 * 4 * HEADS * N * N * d / t / 1e9 for n, t in ms.items()}
+        print(f"bwd D={d:4d} " + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:5.0f}" for n in ms),
+              flush=True)
+        res[f"bwd-{d}"] = dict(ms=ms, tflops=tf)
     return res
 
 

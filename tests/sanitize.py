@@ -66,6 +66,9 @@ CASES = [
     # persistent CTAs (one per SM) with more tiles than SMs: rings and hand-overs carried over
     ("sm90 D320 persistent, 144 tiles", "sm90", 1, 48, 48, 130, 200, 320, 320, "none", "bf16",
      False),
+    # D % 64 != 0 persistent, the hi share from column 256 (`split_align` 64: 144 stored of 192)
+    ("sm90 D400 persistent split shares, 144 tiles", "sm90", 1, 48, 48, 130, 200, 400, 400,
+     "none", "bf16", False),
     ("sm90 D520 CTA pair (D % 16 == 8), forward and backward", "sm90", 1, 2, 1, 65, 130, 520,
      520, "bottom_right", "bf16", True),
     ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),

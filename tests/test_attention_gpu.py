@@ -134,7 +134,9 @@ def test_forward_full_grid(seed, case):
 @pytest.mark.parametrize("d,dtype,b,hq,hkv,nq,nkv", [
     (512, BF16, 2, 48, 48, 1000, 333),   # 16 row tiles x 96 heads: ~12 tiles per CTA
     (320, FP16, 1, 64, 8, 777, 1000),    # GQA, rows packed: 8 x 98 row tiles
-    (384, BF16, 3, 40, 40, 130, 2000)])  # 3 row tiles x 120 heads, the last one partial
+    (384, BF16, 3, 40, 40, 130, 2000),   # 3 row tiles x 120 heads, the last one partial
+    (328, FP16, 2, 32, 4, 500, 700),     # D % 64 != 0 (`split_align` 64), GQA rows packed
+    (400, BF16, 1, 96, 96, 1000, 1000)])  # shares 256 + 144 computed 256 + 192
 def test_persistent_tiles(seed, d, dtype, b, hq, hkv, nq, nkv):
     """The persistent forward (one CTA per SM walking the row tiles; the default without a
     right bound) with several tiles per CTA, so the rings and P hand-overs carry from tile to
@@ -190,15 +192,15 @@ def test_every_element_written(seed, mode):
         assert (out[:, :, :871] == 0).all() and torch.isneginf(lse[:, :, :871]).all()
 
 
-@pytest.mark.parametrize("d", [520, 544])
+@pytest.mark.parametrize("d", [328, 520, 544])
 def test_row_repack_is_the_same_kernel(seed, monkeypatch, d):
-    """At D > 512 with rows that are not whole 128-byte lines the inputs are copied into padded
-    rows first (`launch.repack_rows`; D=520 and 544: the WGMMA CTA pair forward and
-    backward): the same kernels on the same values, so out, lse and the
-    gradients are the same bits as without the copy."""
+    """At D > 512 with rows that are not whole 128-byte lines (D=520 and 544: the WGMMA CTA
+    pair forward and backward), and at D % 16 == 8 below (328), the inputs are copied into
+    padded rows first (`launch.repack_rows`): the same kernels on the same values, so out,
+    lse and the gradients are the same bits as without the copy."""
     from ffpa_cute import launch
 
-    n = 2300  # past the size rule's threshold (nq nkv >= 700 (nq + 2 nkv))
+    n = 3100  # past the size rule's thresholds (nq nkv >= 1000 (nq + 2 nkv) at D <= 512)
     q, k, v = (torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     problem = AttnProblem.from_tensors(q, k, v, causal=True)

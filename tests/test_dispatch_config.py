@@ -333,12 +333,15 @@ def test_fused_delta_is_a_backward_job():
     (dict(has_sinks=True), True),
     (dict(d=1024), False),                                 # O over two CTAs (kv_pair)
     (dict(d=576, head_dim_v=512), False),                  # Q streamed (D > 512): not yet
-    (dict(d=264), False), (dict(d=328), False),            # D % 64 != 0: measured slower
+    (dict(d=264), True), (dict(d=328), True),              # D % 64 != 0: plain forwards
+    (dict(d=328, window_lo=-64, window_hi=8), False),      # (with a window: not measured)
+    (dict(d=328, causal=True, causal_offset=0), False),
     (dict(d=512, head_dim_v=320), True),
     (dict(dtype="e4m3", out_dtype="bf16"), False)])        # the FP8 forward: never
 def test_persistent_rule(kw, persistent):
-    """Persistent CTAs serve the 16-bit forward at D, Dv multiples of 64 up to 512 (one CTA per
-    row tile, Q resident) where the tiles are (nearly) equal: no right bound or a sliding window;
+    """Persistent CTAs serve the 16-bit forward up to 512 (one CTA per row tile, Q resident)
+    where the tiles are (nearly) equal: with no right bound at every D (no window or sinks
+    unless D and Dv are multiples of 64), with a sliding window at D, Dv multiples of 64;
     `Options(persistent=False)` turns it off; the config refuses it where the kernel has no
     persistent mode."""
     from ffpa_cute.sm90 import config as sm90_config
@@ -383,12 +386,15 @@ def test_varlen_rule(kw):
 
 @pytest.mark.parametrize("d,n,fwd,bwd", [
     (520, 8192, True, True), (520, 1024, False, False), (576, 8192, False, False),
-    (544, 4096, True, True), (1016, 4096, True, True), (264, 8192, False, False)])
+    (544, 4096, True, True), (1016, 4096, True, True), (264, 8192, True, True),
+    (312, 4096, True, True), (312, 2048, False, False), (336, 8192, False, False),
+    (320, 8192, False, False)])
 def test_row_repack_rule(d, n, fwd, bwd):
     """Rows that are not whole 128-byte lines are copied into padded rows before the WGMMA
-    kernels at D > 512 (their TMA boxes straddle lines otherwise), forward and backward, when
-    the work is large enough; the Split-D kernels read them as they are; the copy holds the
-    same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
+    kernels at D > 512 (their TMA boxes straddle lines otherwise) and rows that do not start
+    on 32-byte sectors (D % 16 == 8) at D <= 512, forward and backward, when the work is
+    large enough; the Split-D kernels read them as they are; the copy holds
+    the same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n)
     fp, bp = dispatch.plan_fwd(p, target="sm_90a"), dispatch.plan_bwd(p, target="sm_90a")
     assert launch.repack_rows(p, fp.cfg, n, n) == fwd
@@ -463,15 +469,19 @@ def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):
 
 
 @pytest.mark.parametrize("d,halves,split,cta", [
-    (264, (192, 128), (136, 128), 264), (336, (192, 192), (168, 168), 336),
-    (320, (192, 192), (160, 160), 320), (512, (256, 256), (256, 256), 512),
+    (264, (192, 128), (192, 72), 264), (336, (192, 192), (192, 144), 336),
+    (320, (192, 128), (192, 128), 320), (512, (256, 256), (256, 256), 512),
+    (400, (256, 192), (256, 144), 400), (376, (192, 192), (192, 184), 376),
     (520, (160, 128), (136, 128), 264), (576, (160, 160), (144, 144), 288),
     (640, (160, 160), (160, 160), 320), (1016, (256, 256), (256, 256), 512)])
 def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
     """Each O warpgroup computes `dv_halves` columns (its share rounded up to 64 with one CTA
     per tile, 32 over a CTA pair, so its V stages take the 128- or 64-byte swizzle) and stores
-    its `dv_split` share; over a CTA pair each CTA owns ceil(D / 16) * 8 columns (D % 16 == 8:
-    the second CTA's last 8 lie past D). The FP8 forward keeps exact shares."""
+    its `dv_split` share; with one CTA per tile the hi share starts on a 128-byte line
+    (`split_align` 64: the padding falls in the hi share), over a CTA pair the shares are as
+    even as 8 columns allow and each CTA owns ceil(D / 16) * 8 columns (D % 16 == 8: the
+    second CTA's last 8 lie past D). The FP8 forward keeps exact shares; the gradient and
+    decode kernels keep `split_align` 8 (measured on the forward only)."""
     from ffpa_cute.sm90 import config as sm90_config
 
     cfg = dispatch.plan_fwd(prob(d=d), target="sm_90a").cfg
@@ -480,4 +490,9 @@ def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
     assert sm90_config.can_implement(dataclasses.replace(cfg, half_align=16)) is not None
     if d % 16 == 0:
         f8 = dispatch.plan_fwd(prob(d=d, dtype="e4m3", out_dtype="bf16"), target="sm_90a").cfg
-        assert f8.half_align == 8 and f8.dv_halves == f8.dv_split
+        assert f8.half_align == 8 and f8.dv_halves == f8.dv_split and f8.split_align == 8
+        assert sm90_config.can_implement(dataclasses.replace(f8, split_align=64)) is not None
+    assert all(c.split_align == 8 for c in dispatch.plan_bwd(prob(d=d), target="sm_90a").cfgs
+               if hasattr(c, "split_align"))
+    if cfg.o_split > 1:
+        assert sm90_config.can_implement(dataclasses.replace(cfg, split_align=64)) is not None

@@ -79,6 +79,12 @@ class FwdConfigSm90:
                    32-byte one or none and WGMMA's reads of V conflict); the extra columns
                    are real V columns of the other half (or TMA's zeros past Dv), computed and
                    not stored. 16-bit operands only
+    split_align:   the hi O warpgroup's first column (`dv_split`'s lo) rounded up to a multiple
+                   of this: 8, the most even shares WGMMA allows; 64 (16-bit, O in one CTA,
+                   half_align 64), a share boundary on a 128-byte line, so the hi warpgroup's V
+                   boxes start on lines and the lo share is exactly its computed width: the
+                   padded columns fall in the hi share only (D=320: 192 + 128 computed columns
+                   instead of 192 + 192; D=400: 256 + 192 instead of 256 + 256)
     persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
                    + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
@@ -122,7 +128,7 @@ class FwdConfigSm90:
                    row's rescale (common/softmax.py, Note [Lazy rescaling]; FlashAttention-4's
                    conditional rescaling). The forward kernels, one CTA per row tile (no
                    `kv_pair`); planned for the plain 16-bit and FP8 forwards at the head dims
-                   where it measured faster (`plan_fwd`'s `lazy`, LAZY_RESCALE_HEAD_DIMS), a
+                   where it measured faster (`plan_fwd`'s `tuned`, LAZY_RESCALE_HEAD_DIMS), a
                    tuning field elsewhere
     """
 
@@ -140,6 +146,7 @@ class FwdConfigSm90:
     window: bool = False
     sinks: bool = False
     half_align: int = 8
+    split_align: int = 8
     persistent: bool = False
     varlen: bool = False
     group_split: bool = False
@@ -198,8 +205,9 @@ class FwdConfigSm90:
     @property
     def dv_split(self) -> tuple[int, int]:
         """O columns each of the CTA's two O warpgroups stores: multiples of 8, lo >= hi (the
-        hi warpgroup's first column is lo)."""
-        lo = -(-self.dv_cta // 16) * 8
+        hi warpgroup's first column is lo, a multiple of `split_align`)."""
+        a = self.split_align
+        lo = -(-self.dv_cta // (2 * a)) * a
         return lo, self.dv_cta - lo
 
     @property
@@ -612,6 +620,10 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
     if cfg.half_align not in (8, 32, 64) or (cfg.half_align != 8 and cfg.elem_bytes != 2):
         return ("half_align must be 8, 32 or 64, and 8 for 8-bit operands (their V stages are "
                 "transposed: the O width is not the swizzled dimension)")
+    if cfg.split_align not in (8, 64) or (cfg.split_align == 64 and (
+            cfg.half_align != 64 or cfg.o_split != 1 or cfg.dv_split[1] <= 0)):
+        return ("split_align must be 8, or 64 with half_align 64, O in one CTA and a hi share "
+                "left (Dv > 64)")
     if max(cfg.dv_halves) > 256:
         return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
@@ -676,25 +688,26 @@ LAZY_RESCALE_HEAD_DIMS = {"16-bit": (320, 512), "fp8": (320, 512)}
 
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
              persistent: bool = False, shared: bool = False,
-             resident_q: bool = True, lazy: bool = False) -> FwdConfigSm90:
+             resident_q: bool = True, tuned: bool = False) -> FwdConfigSm90:
     """The config for `problem`; raises ValueError with the reason if this kernel cannot run it.
     `kv_pair`: whether D > 512 with Dv == D pairs the CTAs (`Options.kv_pair`); `shared`:
     whether v being k's prefix (`problem.shared_kv`) may take `shared_kv` (with SHARED_KV on,
     where it builds); `resident_q`: whether Q may stay resident above D=512 (below; the dV
     and decode planners, which start from this plan, keep it streamed there as they were
     measured); `persistent`: whether persistent CTAs may serve it (`Options.persistent`);
-    `lazy`: whether a plain forward (no window, sinks, varlen or CTA pair) at a head dim in
-    LAZY_RESCALE_HEAD_DIMS of its dtype class takes `lazy_rescale` (the forward's route; the
-    decode and gradient planners, which start from this plan, do not).
-    They do for a 16-bit problem with D and Dv multiples of 64 up to 512 whose tiles are
-    (nearly) equal in length: no right bound, or a sliding window (common/scheduler.py says why
-    not under a plain causal mask).
+    `tuned`: the forward's own route, measured on the forward only (the decode and gradient
+    planners, which start from this plan, keep the defaults): a plain forward (no window,
+    sinks, varlen or CTA pair) at a head dim in LAZY_RESCALE_HEAD_DIMS of its dtype class takes
+    `lazy_rescale`, and a 16-bit one with O in one CTA and Dv % 128 != 0 `split_align` 64.
+    They do for a 16-bit problem with O in one CTA whose tiles are (nearly) equal in length:
+    no right bound (with a window or sinks: D and Dv multiples of 64), or a sliding window at
+    D and Dv multiples of 64 (common/scheduler.py says why not under a plain causal mask).
     Measured on the H200 (persistent / one CTA per tile; docs/perf-log.md): D=384
     1.09, 448 1.04, 512 1.00-1.02, 320 0.96-1.02 without a right bound; windows 1.10 (D=512,
     left 1024) to 1.52 (left 128, MQA 64:1). D % 64 != 0 lost with exact O halves (264 0.74,
     280 0.90, 328 0.84; with a window 264 0.76, 328 0.95), and measured 1.00-1.03 once the
-    halves were widened (`half_align`); those keep one CTA per tile until a GPU run tests them
-    persistent.
+    halves were widened (`half_align`); persistent there on rows padded to lines (H100,
+    perf.pad_d, kernel alone): 264 / 328 / 376 / 440 / 504 1.02-1.05, 400 0.99, the same bits.
 
     Measured on the H200 (docs/perf-log.md, 2026-12-02): a K ring under 4 stages starves QK
     (D=512, 2 stages: 346 vs 581 TFLOPS); past that, V depth pays (D=320: 4+4 stages 507 vs
@@ -734,13 +747,17 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                 varlen=problem.varlen, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
-    if (lazy and not split
+    if (tuned and not split
             and problem.head_dim in LAZY_RESCALE_HEAD_DIMS["fp8" if fp8 else "16-bit"]
             and problem.window_lo is None and not problem.has_sinks and not problem.varlen):
         base["lazy_rescale"] = True
-    if (persistent and not fp8 and not split and problem.head_dim % 64 == 0 and dv % 64 == 0
-            and (not problem.right_bounded or problem.window_lo is not None)
-            and not problem.varlen):
+    plain = problem.window_lo is None and not problem.has_sinks and not problem.varlen
+    if tuned and not fp8 and not split and plain and dv > 64 and dv % 128:
+        base["split_align"] = 64   # the hi share from a 128-byte line (measured below)
+    aligned = problem.head_dim % 64 == 0 and dv % 64 == 0
+    if (persistent and not fp8 and not split and not problem.varlen
+            and ((plain and not problem.right_bounded)
+                 or (aligned and (not problem.right_bounded or problem.window_lo is not None)))):
         base["persistent"] = True
     min_k = 4
     chunks = -(-problem.head_dim // k_chunk)
