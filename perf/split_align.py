@@ -17,6 +17,8 @@ L2 flushed; `interleaved_ms`) as:
   routed   the plan now (`split_align` 64, persistent);
   split8   the same with `split_align` 8 (the rings refitted);
   before   `split_align` 8 and one CTA per tile (D % 64 != 0: the route before this change);
+  lazy     the routed plan with `lazy_rescale` (routed at D=320 / 512 only: is it the same
+           gain elsewhere? The routed plan already has it at 320);
 and the routed out / lse are checked to be the same bits as split8's (each O column is the same
 sum of products whichever warpgroup computes it).
 """
@@ -52,8 +54,9 @@ def variants(d: int) -> dict:
             routed.cfg, **fields, k_stages=k, v_stages=v), sm90_config.can_implement)
         return dataclasses.replace(routed, cfg=cfg)
 
+    lazy = dataclasses.replace(routed, cfg=dataclasses.replace(routed.cfg, lazy_rescale=True))
     return {"routed": routed, "split8": refit(split_align=8),
-            "before": refit(split_align=8, persistent=d % 64 == 0)}
+            "before": refit(split_align=8, persistent=d % 64 == 0), "lazy": lazy}
 
 
 def jobs() -> list:

@@ -32,7 +32,7 @@
 #   fused the fused backward (routed only under deterministic=False): its GPU tests, then
 #         perf.bwd_fused beside the routed backward (precompile: gpu_jobs' sections fused
 #         and fused_perf)
-#   scatter the fused backward with D over C CTAs (`scatter`, never run before): its GPU tests
+#   scatter the fused backward with D over C CTAs (`scatter`; first run 2026-12-05): its GPU tests
 #         (test_fused_scatter), its sanitizer cases, then perf.bwd_fused --scatter (D=576 /
 #         768 / 1024 beside the routed backward, C = 2 at 320 / 512 beside the pair)
 #         (precompile: gpu_jobs' section fused, and `python -m perf.bwd_fused --scatter

@@ -235,7 +235,7 @@ SCATTER_CASES = [(1024, 4, False, 1000, 1000, 1), (576, 3, True, 129, 1000, 4),
 @pytest.mark.parametrize("d,c,causal,nq,nkv,ratio", SCATTER_CASES)
 def test_fused_scatter(seed, d, c, causal, nq, nkv, ratio):
     """The fused backward with D over C CTAs, the score partials reduce-scattered and P^T /
-    dS^T gathered (`scatter`; compile-verified until this test ran): all three gradients
+    dS^T gathered (`scatter`; first run 2026-12-05 on an H100): all three gradients
     against float64."""
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.sm90.config import plan_bwd_fused

@@ -481,7 +481,8 @@ def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
     (`split_align` 64: the padding falls in the hi share), over a CTA pair the shares are as
     even as 8 columns allow and each CTA owns ceil(D / 16) * 8 columns (D % 16 == 8: the
     second CTA's last 8 lie past D). The FP8 forward keeps exact shares; the gradient and
-    decode kernels keep `split_align` 8 (measured on the forward only)."""
+    decode kernels keep `split_align` 8 (the gradient kernels' line shares are measured, their
+    GPU run owed)."""
     from ffpa_cute.sm90 import config as sm90_config
 
     cfg = dispatch.plan_fwd(prob(d=d), target="sm_90a").cfg

@@ -49,7 +49,7 @@ def _planned_lazy(q, k, v, **kw):
 SHAPES = [(1, 129, 1), (7, 7, 4), (129, 1000, 16), (1000, 129, 1), (4097, 4097, 4)]
 
 
-@pytest.mark.parametrize("d,dt", [(320, BF16), (512, BF16), (448, FP16)])
+@pytest.mark.parametrize("d,dt", [(320, BF16), (512, BF16), (448, FP16), (328, BF16)])
 @pytest.mark.parametrize("mode", ["none", "bottom_right", "upper_left"])
 @pytest.mark.parametrize("nq,nkv,ratio", SHAPES)
 def test_lazy_16bit_forward(seed, d, dt, mode, nq, nkv, ratio):

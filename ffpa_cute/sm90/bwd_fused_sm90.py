@@ -81,8 +81,8 @@ Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 3
 dS^T 16 KB, dQ staging 16 KB: 230400 B (`BwdFusedConfigSm90.smem_bytes`); D <= 384 keeps two
 dO stages.
 
-D over C CTAs (`cluster_d` C = 2-4 with `scatter`; built and compile-verified only, never run,
-not planned): the cluster's C CTAs each own D / C columns, and the partials are summed by a
+D over C CTAs (`cluster_d` C = 2-4 with `scatter`; run on an H100, correct and sanitizer
+clean, slower than the routed backward above 512, so not planned): the cluster's C CTAs each own D / C columns, and the partials are summed by a
 reduce-scatter instead of every CTA receiving them all. A thread's 8 16-byte groups of each
 partial are owned round robin (group q by CTA q % C, the same positions in every CTA), so a
 CTA sends the C - 1 owners their groups (`_to_peer`: st.async at `peer_address`, its slot in

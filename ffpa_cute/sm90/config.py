@@ -686,6 +686,16 @@ def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
 LAZY_RESCALE_HEAD_DIMS = {"16-bit": (320, 512), "fp8": (320, 512)}
 
 
+def _line_shares(problem: AttnProblem, width: int) -> bool:
+    """Whether an accumulator `width` columns wide (O: Dv) may start its hi share on a 128-byte
+    line (`split_align` 64): 16-bit operands, one CTA per tile (D, Dv <= 512), width > 64 and
+    not a multiple of 128 (else the even shares already are), no window or varlen (measured
+    without them: perf.split_align)."""
+    return (problem.dtype not in FP8_DTYPES
+            and max(problem.head_dim, problem.head_dim_v) <= MAX_SINGLE_CTA_HEAD_DIM
+            and width > 64 and width % 128 and problem.window_lo is None and not problem.varlen)
+
+
 def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
              persistent: bool = False, shared: bool = False,
              resident_q: bool = True, tuned: bool = False) -> FwdConfigSm90:
@@ -752,7 +762,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
             and problem.window_lo is None and not problem.has_sinks and not problem.varlen):
         base["lazy_rescale"] = True
     plain = problem.window_lo is None and not problem.has_sinks and not problem.varlen
-    if tuned and not fp8 and not split and plain and dv > 64 and dv % 128:
+    if tuned and not problem.has_sinks and _line_shares(problem, dv):
         base["split_align"] = 64   # the hi share from a 128-byte line (measured below)
     aligned = problem.head_dim % 64 == 0 and dv % 64 == 0
     if (persistent and not fp8 and not split and not problem.varlen
@@ -976,7 +986,13 @@ def plan_dk(problem: AttnProblem, arch: str = "sm_90a", seq_scores: bool | None 
 def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -> list:
     """The dQ, dK and dV configs for `problem` (in that order); raises ValueError with the
     reason when the WGMMA backward cannot run it. `kv_pair`: above 512 the CTA pair splits the
-    column blocks (`Options.kv_pair`)."""
+    column blocks (`Options.kv_pair`).
+
+    The shares stay even (`split_align` 8; dQ / dK exact). Measured but not yet planned, as
+    its GPU tests and sanitizer run are owed: the hi share from a 128-byte line (`split_align`
+    64, dQ / dK also `half_align` 64; perf.split_align_bwd, H100, B=1, H=32, N=8K, the three
+    kernels summed, the same bits at every D): D=272 159 -> 183 TFLOPS, 320 205 -> 216, 328 138
+    -> 155, 336 168 -> 189, 400 168 -> 196, 448 223 -> 225."""
     return [plan_dq(problem, arch, kv_pair), plan_dk(problem, arch, kv_pair=kv_pair),
             plan_dv(problem, arch, kv_pair)]
 
@@ -1026,8 +1042,8 @@ class BwdFusedConfigSm90:
                 instead of every CTA receiving its peer's whole partials: CTA r adds up the
                 16-byte fragment groups q with q % cluster_d == r and sends its bf16 P^T / dS^T
                 values of them back through the peers' exchange buffers (docs/design.md
-                section 4, "D over C CTAs"). Built and compile-verified only, never run: not
-                planned
+                section 4, "D over C CTAs"). Run on an H100 (float64 tests and sanitizers
+                pass) and slower than the routed backward at D=768 / 1024: not planned
     """
 
     arch: str
