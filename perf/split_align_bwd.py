@@ -12,14 +12,13 @@ measured 5-24% from starting the hi share on a line (perf.split_align, H100). Va
 (B=1, H=32, N=8K, bf16, not causal; each kernel alone, `launch.run_grad_job`, L2 flushed,
 median of 3 benches; TFLOPS of the whole backward, 2.5 x the forward's FLOPs, from the sum):
   planned   the three kernels as `plan_bwd` plans them;
-  split     dV with `split_align` 64, dQ / dK with `half_align` and `split_align` 64 (shares
-            computed 64-wide, the padding in the hi one), each with its rings refitted;
+  split     `line_shares_bwd`: dV with `split_align` 64, dQ / dK with `half_align` and
+            `split_align` 64 (shares computed 64-wide, the padding in the hi one), each with
+            its rings refitted;
 and whether each gradient is the same bits under both.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from perf import experiment
 
@@ -40,18 +39,7 @@ def variants(d: int) -> dict:
     from ffpa_cute.sm90 import config as sm90_config
 
     planned = sm90_config.plan_bwd(_problem(d))
-    split = []
-    for cfg in planned:
-        dv = isinstance(cfg, sm90_config.BwdDVConfigSm90)
-        check = sm90_config.can_implement_dv if dv else sm90_config.can_implement_dq
-        fields = dict(split_align=64) if dv else dict(half_align=64, split_align=64)
-        for v in range(4, 1, -1):
-            c = dataclasses.replace(cfg, **fields, v_stages=v)
-            if check(c) is None:
-                split.append(c)
-                break
-        else:
-            raise ValueError(check(dataclasses.replace(cfg, **fields)))
+    split = sm90_config.line_shares_bwd(_problem(d), planned)
     return {name: [(dispatch.kernel_class(c), c) for c in cfgs]
             for name, cfgs in (("planned", planned), ("split", split))}
 

@@ -37,6 +37,10 @@
 #         768 / 1024 beside the routed backward, C = 2 at 320 / 512 beside the pair)
 #         (precompile: gpu_jobs' section fused, and `python -m perf.bwd_fused --scatter
 #         --precompile DIR`, packed together)
+#   lines the shares from 128-byte lines: the gradient kernels' (`line_shares_bwd`, not planned
+#         yet) GPU tests and sanitizer cases, then perf.cta_align (the CTA pair above 512) and
+#         perf.split_align (with its lazy variant) (precompile: `python -m tests.gpu_jobs
+#         --sections lines`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -122,6 +126,15 @@ if has scatter; then
   SANITIZE_CASES=scatter timeout 200 python -m tests.sanitize --out "$out/san_scatter" \
       --timeout 190 2>&1 | tail -6
   timeout 300 python -m perf.bwd_fused --scatter --out "$out/bwd_scatter.json"
+fi
+if has lines; then
+  step "shares from 128-byte lines: gradient kernels' GPU tests and sanitizers, perf.cta_align"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 6 tests/test_backward_sm90_gpu.py \
+      -k line_shares 2>&1 | tee "$out/gpu_lines.log" | grep -E "FAIL|ERROR|passed|failed" | tail -10
+  SANITIZE_CASES=line-share timeout 150 python -m tests.sanitize --out "$out/san_lines" \
+      --timeout 140 2>&1 | tail -6
+  timeout 150 python -m perf.cta_align --out "$out/cta_align.json"
+  timeout 150 python -m perf.split_align --out "$out/split_align.json"
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"

@@ -17,14 +17,16 @@ and backward, plus the Dv != D pairs, the FP8 forwards (WGMMA and Split-D) with 
 kernel, and the non-default variants the tests select (the CTA pair off above 512, dK without sequential score
 products, one CTA per tile where the default is persistent, dV / dK with split head groups),
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
-varlen kernels with their per-sequence twins, and the fused backward (off the default route:
-`Options(deterministic=False)`). A kernel the tests need that is missing
+varlen kernels with their per-sequence twins, the fused backward (off the default route:
+`Options(deterministic=False)`), and (`lines`) the shares from 128-byte lines that the planners
+do not take yet (`line_shares_bwd`, perf.cta_align) with perf.split_align's variants. A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 HEAD_DIMS = (264, 320, 328, 384, 448, 512, 576, 640, 712, 768, 1016, 1024)
@@ -49,7 +51,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy")
+            "fused_perf", "fwd_perf", "lazy", "lines")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -221,7 +223,44 @@ def jobs(sections=SECTIONS) -> list:
         from . import sanitize
 
         add(sanitize.jobs(TARGET))
+    if "lines" in sections:
+        add(_lines_jobs())
     return out
+
+
+def _lines_jobs() -> list:
+    """The `lines` section: test_line_shares' kernels (the forward, the planned backward and
+    `line_shares_bwd`'s), the sanitizer's line-share cases, perf.cta_align and
+    perf.split_align."""
+    import dataclasses
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.sm90.config import line_shares_bwd
+    from perf import cta_align, split_align
+
+    from . import sanitize
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
+    import torch
+    from test_backward_sm90_gpu import LINE_CASES
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    out = []
+    for d, causal, nq, nkv, ratio, dt in LINE_CASES:
+        p = AttnProblem(dtype=names[dt],
+                        batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq, seqlen_kv=nkv,
+                        head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
+        fwd = dispatch.plan_fwd(p, target=TARGET)
+        bwd = dispatch.plan_bwd(p, target=TARGET)
+        lines = line_shares_bwd(p, list(bwd.cfgs[1:]))
+        out += [(fwd.kernel_cls, fwd.cfg), *bwd.jobs,
+                *dataclasses.replace(bwd, cfgs=(bwd.cfgs[0], *lines)).jobs]
+    for _, *case in sanitize.LINE_CASES:
+        p, bwd = sanitize._line_plan(*case)
+        fwd = dispatch.plan_fwd(p, target=TARGET)
+        out += [(fwd.kernel_cls, fwd.cfg), *bwd.jobs]
+    return out + cta_align.jobs() + split_align.jobs()
 
 
 def _group_split_twins(jobs) -> list:

@@ -147,6 +147,15 @@ FUSED_CASES = [
     ("sm90 fused backward D576 over 3 CTAs, scatter", 2, 2, 200, 77, 576, False, 1, False, 3),
 ]
 
+# the gradient kernels with each share from a 128-byte line (`line_shares_bwd`, not planned
+# yet), after our forward: (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right))
+LINE_CASES = [
+    ("sm90 line-share backward D320 causal, Nq > Nkv", 2, 2, 200, 77, 320, True),
+    ("sm90 line-share backward D336 GQA 8:1 causal, split head groups", 8, 1, 129, 333, 336,
+     True),
+]
+
+
 def _selected(label: str) -> bool:
     """Whether the workload runs the case labelled `label`: every case, or with SANITIZE_CASES
     set (comma-separated substrings, e.g. "fused") those whose label contains one of them."""
@@ -156,7 +165,7 @@ def _selected(label: str) -> bool:
 
 def _n_selected() -> int:
     labels = [c[0] for group in (CASES, FEATURE_CASES, FP8_FEATURE_CASES, KV_CASES,
-                                 VARLEN_CASES, FUSED_CASES) for c in group]
+                                 VARLEN_CASES, FUSED_CASES, LINE_CASES) for c in group]
     return sum(map(_selected, labels))
 
 
@@ -175,6 +184,19 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=No
                               group_split=group_split)
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
                                                           cfg))
+
+
+def _line_plan(hq, hkv, nq, nkv, d, causal):
+    """A LINE_CASES case's problem and its backward plan with `line_shares_bwd`'s configs."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.sm90.config import line_shares_bwd
+
+    p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
+                    head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
+    plan = dispatch.plan_bwd(p, target="sm_90a")
+    return p, dataclasses.replace(plan, cfgs=(plan.cfgs[0],
+                                              *line_shares_bwd(p, list(plan.cfgs[1:]))))
 
 
 def _problem(case):
@@ -257,6 +279,10 @@ def jobs(target: str = "sm_90a") -> list:
         out += [j for j in todo if j not in out]
     for _, *case in FUSED_CASES:
         p, bwd = _fused_plan(*case)
+        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
+    for _, *case in LINE_CASES:
+        p, bwd = _line_plan(*case)
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
     return out
@@ -379,6 +405,19 @@ def workload() -> int:
         launch.run_bwd(plan, q, k, v, out, lse, do)
         torch.cuda.synchronize()
         print(f"[workload] {label}: fused backward {plan.cfgs[1]}", flush=True)
+    for label, hq, hkv, nq, nkv, d, causal in LINE_CASES:
+        if not _selected(label):
+            continue
+        p, plan = _line_plan(hq, hkv, nq, nkv, d, causal)
+        q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(2))
+        k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                       return_lse=True, strict=True)
+        launch.run_bwd(plan, q, k, v, out, lse, do)
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {[c.dv_halves for c in plan.cfgs[1:]]}", flush=True)
     return 0
 
 

@@ -495,5 +495,10 @@ def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
         assert sm90_config.can_implement(dataclasses.replace(f8, split_align=64)) is not None
     assert all(c.split_align == 8 for c in dispatch.plan_bwd(prob(d=d), target="sm_90a").cfgs
                if hasattr(c, "split_align"))
-    if cfg.o_split > 1:
-        assert sm90_config.can_implement(dataclasses.replace(cfg, split_align=64)) is not None
+    if cfg.o_split > 1:  # the CTA pair: both boundaries on lines on request (perf.cta_align)
+        both = dataclasses.replace(cfg, cta_align=64, split_align=64)
+        assert sm90_config.can_implement(both) is None
+        assert both.dv_cta % 64 == 0 and both.dv_split[0] % 64 == 0
+        assert both.dv_cta * 2 >= cfg.dv and cfg.dv - both.dv_cta > 0
+    else:
+        assert sm90_config.can_implement(dataclasses.replace(cfg, cta_align=64)) is not None

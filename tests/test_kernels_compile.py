@@ -258,6 +258,23 @@ def test_sm90_kv_pair_compiles(d, causal):
     _no_spills(ptx)
 
 
+@pytest.mark.parametrize("d,fields", [(576, dict(cta_align=64)),
+                                      (584, dict(cta_align=64, split_align=64))])
+def test_sm90_line_aligned_cta_share_compiles(d, fields):
+    """The CTA pair with the second CTA's columns from a 128-byte line (`cta_align` 64; with
+    `split_align` 64 its hi share too: 192 + 128): wgmma of the planned widths, the pair's
+    exchange, no spills (a tuning variant perf.cta_align times, not planned)."""
+    p = _problem(d, False, 2, 2)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    cfg = dataclasses.replace(plan.cfg, **fields)
+    assert sm90_config.can_implement(cfg) is None and cfg.dv_cta == 320 and cfg.kv_pair
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    for w in cfg.dv_halves:
+        assert f"wgmma.mma_async.sync.aligned.m64n{w}k16" in ptx
+    assert "st.async" in ptx and ".local" not in ptx
+    _no_spills(ptx)
+
+
 def test_kv_pair_config_rules():
     c = sm90_config.FwdConfigSm90(arch="sm_90a", dtype="bf16", head_dim=512, causal=False,
                                   kv_pair=True)

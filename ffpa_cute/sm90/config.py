@@ -80,11 +80,15 @@ class FwdConfigSm90:
                    are real V columns of the other half (or TMA's zeros past Dv), computed and
                    not stored. 16-bit operands only
     split_align:   the hi O warpgroup's first column (`dv_split`'s lo) rounded up to a multiple
-                   of this: 8, the most even shares WGMMA allows; 64 (16-bit, O in one CTA,
-                   half_align 64), a share boundary on a 128-byte line, so the hi warpgroup's V
-                   boxes start on lines and the lo share is exactly its computed width: the
-                   padded columns fall in the hi share only (D=320: 192 + 128 computed columns
-                   instead of 192 + 192; D=400: 256 + 192 instead of 256 + 256)
+                   of this: 8, the most even shares WGMMA allows; 64 (16-bit, half_align 32 or
+                   64), a share boundary on a 128-byte line, so the hi warpgroup's V boxes start
+                   on lines and, with half_align 64, the lo share is exactly its computed width:
+                   the padded columns fall in the hi share only (D=320: 192 + 128 computed
+                   columns instead of 192 + 192; D=400: 256 + 192 instead of 256 + 256)
+    cta_align:     with O over two CTAs, each CTA's width (`dv_cta`) rounded up to a multiple of
+                   this: 8, the most even split; 64 (16-bit), the second CTA's first column on
+                   a 128-byte line (D=576: 320 + 256 stored instead of 288 + 288; its columns
+                   past Dv come from TMA's zeros and are not stored)
     persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
                    + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
@@ -147,6 +151,7 @@ class FwdConfigSm90:
     sinks: bool = False
     half_align: int = 8
     split_align: int = 8
+    cta_align: int = 8
     persistent: bool = False
     varlen: bool = False
     group_split: bool = False
@@ -197,10 +202,11 @@ class FwdConfigSm90:
 
     @property
     def dv_cta(self) -> int:
-        """O columns one CTA owns: Dv / o_split rounded up to a multiple of 8 (the second CTA
-        of a D % 16 == 8 split owns 8 columns past Dv, computed from TMA's zeros and not
-        stored)."""
-        return -(-self.dv // (8 * self.o_split)) * 8
+        """O columns one CTA owns: Dv / o_split rounded up to a multiple of `cta_align` (the
+        second CTA of a D % 16 == 8 split owns 8 columns past Dv, with `cta_align` 64 up to 120,
+        computed from TMA's zeros and not stored)."""
+        a = self.cta_align
+        return -(-self.dv // (a * self.o_split)) * a
 
     @property
     def dv_split(self) -> tuple[int, int]:
@@ -621,9 +627,13 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return ("half_align must be 8, 32 or 64, and 8 for 8-bit operands (their V stages are "
                 "transposed: the O width is not the swizzled dimension)")
     if cfg.split_align not in (8, 64) or (cfg.split_align == 64 and (
-            cfg.half_align != 64 or cfg.o_split != 1 or cfg.dv_split[1] <= 0)):
-        return ("split_align must be 8, or 64 with half_align 64, O in one CTA and a hi share "
-                "left (Dv > 64)")
+            cfg.half_align not in (32, 64) or cfg.dv_split[1] <= 0)):
+        return ("split_align must be 8, or 64 with half_align 32 or 64 and a hi share left "
+                "(Dv > 64)")
+    if cfg.cta_align not in (8, 64) or (cfg.cta_align == 64 and (
+            cfg.o_split != 2 or cfg.elem_bytes != 2 or cfg.dv_cta >= cfg.dv)):
+        return ("cta_align must be 8, or 64 with O over two CTAs, 16-bit operands and columns "
+                "left for the second CTA")
     if max(cfg.dv_halves) > 256:
         return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
@@ -989,12 +999,33 @@ def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -
     column blocks (`Options.kv_pair`).
 
     The shares stay even (`split_align` 8; dQ / dK exact). Measured but not yet planned, as
-    its GPU tests and sanitizer run are owed: the hi share from a 128-byte line (`split_align`
-    64, dQ / dK also `half_align` 64; perf.split_align_bwd, H100, B=1, H=32, N=8K, the three
-    kernels summed, the same bits at every D): D=272 159 -> 183 TFLOPS, 320 205 -> 216, 328 138
-    -> 155, 336 168 -> 189, 400 168 -> 196, 448 223 -> 225."""
+    its GPU tests and sanitizer run are owed: `line_shares_bwd` (perf.split_align_bwd, H100,
+    B=1, H=32, N=8K, the three kernels summed, the same bits at every D): D=272 159 -> 183
+    TFLOPS, 320 205 -> 216, 328 138 -> 155, 336 168 -> 189, 400 168 -> 196, 448 223 -> 225."""
     return [plan_dq(problem, arch, kv_pair), plan_dk(problem, arch, kv_pair=kv_pair),
             plan_dv(problem, arch, kv_pair)]
+
+
+def line_shares_bwd(problem: AttnProblem, cfgs: list) -> list:
+    """`plan_bwd`'s dQ, dK, dV configs with each accumulator's hi share from a 128-byte line
+    where `_line_shares` allows it (dV: `split_align` 64; dQ / dK: `half_align` and
+    `split_align` 64, shares computed 64 wide), each with the deepest V ring that fits; the
+    others unchanged. What perf.split_align_bwd timed and the GPU tests check before the
+    planner takes it."""
+    out = []
+    for cfg in cfgs:
+        dv = isinstance(cfg, BwdDVConfigSm90)
+        if not _line_shares(problem, problem.head_dim_v if dv else problem.head_dim):
+            out.append(cfg)
+            continue
+        check = can_implement_dv if dv else can_implement_dq
+        fields = dict(split_align=64) if dv else dict(half_align=64, split_align=64)
+        fits = [c for c in (dataclasses.replace(cfg, **fields, v_stages=v) for v in (4, 3, 2))
+                if check(c) is None]
+        if not fits:
+            raise ValueError(check(dataclasses.replace(cfg, **fields)))
+        out.append(fits[0])
+    return out
 
 
 # ==================================================================== the fused backward
