@@ -39,8 +39,8 @@
 #         --precompile DIR`, packed together)
 #   lines the shares from 128-byte lines: the gradient kernels' (`line_shares_bwd`, not planned
 #         yet) GPU tests and sanitizer cases, then perf.cta_align (the CTA pair above 512) and
-#         perf.split_align (with its lazy variant) (precompile: `python -m tests.gpu_jobs
-#         --sections lines`, packed)
+#         perf.split_align (with its lazy variant) and perf.pad_d (k and v copied, q not)
+#         (precompile: `python -m tests.gpu_jobs --sections lines`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -135,6 +135,7 @@ if has lines; then
       --timeout 140 2>&1 | tail -6
   timeout 150 python -m perf.cta_align --out "$out/cta_align.json"
   timeout 150 python -m perf.split_align --out "$out/split_align.json"
+  timeout 200 python -m perf.pad_d --out "$out/pad_d.json"
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"

@@ -19,7 +19,8 @@ products, one CTA per tile where the default is persistent, dV / dK with split h
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
 varlen kernels with their per-sequence twins, the fused backward (off the default route:
 `Options(deterministic=False)`), and (`lines`) the shares from 128-byte lines that the planners
-do not take yet (`line_shares_bwd`, perf.cta_align) with perf.split_align's variants. A kernel the tests need that is missing
+do not take yet (`line_shares_bwd`, perf.cta_align) with perf.split_align's and perf.pad_d's
+variants. A kernel the tests need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -230,14 +231,14 @@ def jobs(sections=SECTIONS) -> list:
 
 def _lines_jobs() -> list:
     """The `lines` section: test_line_shares' kernels (the forward, the planned backward and
-    `line_shares_bwd`'s), the sanitizer's line-share cases, perf.cta_align and
-    perf.split_align."""
+    `line_shares_bwd`'s), the sanitizer's line-share cases, perf.cta_align, perf.split_align
+    and perf.pad_d."""
     import dataclasses
 
     from ffpa_cute import dispatch
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.sm90.config import line_shares_bwd
-    from perf import cta_align, split_align
+    from perf import cta_align, pad_d, split_align
 
     from . import sanitize
 
@@ -260,7 +261,7 @@ def _lines_jobs() -> list:
         p, bwd = sanitize._line_plan(*case)
         fwd = dispatch.plan_fwd(p, target=TARGET)
         out += [(fwd.kernel_cls, fwd.cfg), *bwd.jobs]
-    return out + cta_align.jobs() + split_align.jobs()
+    return out + cta_align.jobs() + split_align.jobs() + pad_d.jobs()
 
 
 def _group_split_twins(jobs) -> list:
