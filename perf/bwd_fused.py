@@ -17,10 +17,10 @@ Before timing, the fused one's gradients are checked against the routed ones (re
 WRONG and the run goes on).
 
 `--scatter`: the fused kernel with D over C CTAs (`scatter`: the score partials
-reduce-scattered, P^T / dS^T gathered; first run 2026-12-05, docs/perf-log.md) beside the
-routed backward at D=576, 768 and 1024 (the CTA pair's atomic-free kernels there: 192-228 TFLOPS against issue 17's
-250-300), and at D=320 / 512 its C = 2 form beside the pair's full exchange (`SCATTER_CASES`);
-same timing and checks as the default run.
+reduce-scattered, P^T / dS^T gathered; first run 2026-12-05, docs/perf-log.md) beside the routed
+backward at D=576, 768 and 1024 (the CTA pair's atomic-free kernels there: 192-228 TFLOPS
+against issue 17's 250-300), and at D=320 / 512 its C = 2 form beside the pair's full exchange
+(`SCATTER_CASES`); same timing and checks as the default run.
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
 phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in

@@ -9,12 +9,16 @@ so at D=576 the second CTA's V boxes start at column 288 (byte 576, mid-line), a
 592; within each CTA the hi warpgroup's share starts at its lo width (160 at D=576: byte 320
 past the CTA's first column). Below 512 starting the hi share on a line alone gave +4-8% where
 the computed widths stayed the same (perf.split_align: D=328, 368, 456). Here `cta_align` 64
-rounds the CTA's width up to a multiple of 64 (D=576: 320 + 256 stored; the second CTA's
-columns past D come from TMA's zeros and are not stored); at D=576, 584, 600, 704, 712, 832 the
-computed shares do not change (160 + 160, 192 + 192, 224 + 224), at the D % 64 == 8 sizes (520,
-648, 776) they grow by 7-11%. Prediction: +4-10% where the shares keep their widths, 0 +- 5%
-at 520 / 648 / 776. Variants per D (B=1, H=32, N=8K, bf16, not causal; `launch.run_fwd`, so
-rows are repacked where `repack_rows` says; L2 flushed; `interleaved_ms`):
+rounds the CTA's width up to a multiple of 64 (D=576: 320 + 256 stored; the second CTA's columns
+past D come from TMA's zeros and are not stored); at D=576, 584, 600, 704, 712, 832 the computed
+shares do not change (160 + 160, 192 + 192, 224 + 224), at the D % 64 == 8 sizes (520, 648, 776)
+they grow by 7-11%. Below 512 the hi share's start gained where it split 32-byte sectors (D=328,
+368, 456: byte 336, 368, 464; +4-8%), while a start on a sector but mid-line (D=320: byte 320)
+was not measured apart from the padding it also removed. So the prediction: +5-15% where the
+second CTA now starts mid-sector (D=584: byte 592, 712: 720), 0-4% where it starts mid-line on a
+sector (576, 600, 704, 832), 0 +- 5% at 520 / 648 / 776 (more columns). Variants per D (B=1,
+H=32, N=8K, bf16, not causal; `launch.run_fwd`, so rows are repacked where `repack_rows` says;
+L2 flushed; `interleaved_ms`):
   routed   the plan now;
   cta64    `cta_align` 64 (rings refitted);
   both     `cta_align` 64 and `split_align` 64 (the hi share of each CTA from a line: 192 + 128

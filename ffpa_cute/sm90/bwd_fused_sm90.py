@@ -81,19 +81,19 @@ Shared memory at D=512: exchange 32 KB, K_r and V_r 64 KB, Q 2 x 32 KB, dO 1 x 3
 dS^T 16 KB, dQ staging 16 KB: 230400 B (`BwdFusedConfigSm90.smem_bytes`); D <= 384 keeps two
 dO stages.
 
-D over C CTAs (`cluster_d` C = 2-4 with `scatter`; run on an H100, correct and sanitizer
-clean, slower than the routed backward above 512, so not planned): the cluster's C CTAs each own D / C columns, and the partials are summed by a
-reduce-scatter instead of every CTA receiving them all. A thread's 8 16-byte groups of each
-partial are owned round robin (group q by CTA q % C, the same positions in every CTA), so a
-CTA sends the C - 1 owners their groups (`_to_peer`: st.async at `peer_address`, its slot in
-the owner's exchange buffer (sender - owner - 1) mod C), adds the peers' slots into the groups
-it owns, runs the score step, and `_gather` sends its bf16 P^T / dS^T of those groups (4 + 4
-values: 16 bytes) back into every peer's exchange buffer, where its S^T partial lay, and takes
-theirs into its registers, so every CTA stores the whole tiles with stmatrix as the pair does.
-x_full and x_empty then turn two phases per block (the partials', the groups'); x_empty counts
-the C - 1 peers. sm90/fused_protocol.py models both forms. Registers and the rest as at
-D / C = the pair's half (D=1024 over four CTAs is D=512's per-CTA work).
-"""
+D over C CTAs (`cluster_d` C = 2-4 with `scatter`; run on an H100, correct and sanitizer clean,
+slower than the routed backward above 512, so not planned): the cluster's C CTAs each own D / C
+columns, and the partials are summed by a reduce-scatter instead of every CTA receiving them
+all. A thread's 8 16-byte groups of each partial are owned round robin (group q by CTA q % C,
+the same positions in every CTA), so a CTA sends the C - 1 owners their groups (`_to_peer`:
+st.async at `peer_address`, its slot in the owner's exchange buffer (sender - owner - 1) mod C),
+adds the peers' slots into the groups it owns, runs the score step, and `_gather` sends its bf16
+P^T / dS^T of those groups (4 + 4 values: 16 bytes) back into every peer's exchange buffer,
+where its S^T partial lay, and takes theirs into its registers, so every CTA stores the whole
+tiles with stmatrix as the pair does. x_full and x_empty then turn two phases per block (the
+partials', the groups'); x_empty counts the C - 1 peers. sm90/fused_protocol.py models both
+forms. Registers and the rest as at D / C = the pair's half (D=1024 over four CTAs is D=512's
+per-CTA work)."""
 
 from __future__ import annotations
 
