@@ -29,39 +29,21 @@ whichever CTA and warpgroup computes it).
 
 from __future__ import annotations
 
-import dataclasses
-
 from perf import experiment
 
 HEAD_DIMS = (520, 576, 584, 600, 648, 704, 712, 776, 832, 1016)
-HEADS, N = 32, 8192
-
-
-def _problem(d: int):
-    from ffpa_cute.problem import AttnProblem
-
-    return AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=N,
-                       seqlen_kv=N, head_dim=d, head_dim_v=d, causal=False)
 
 
 def variants(d: int) -> dict:
     """{name: forward plan} at D=d (a variant that does not build is left out)."""
-    from ffpa_cute import dispatch
-    from ffpa_cute.common.config import deepest_rings
-    from ffpa_cute.options import Options
-    from ffpa_cute.sm90 import config as sm90_config
-
-    routed = dispatch.plan_fwd(_problem(d), target="sm_90a", opts=Options())
+    routed = experiment.routed_fwd(experiment.self_problem(d))
     out = {"routed": routed}
     for name, fields in (("cta64", dict(cta_align=64)),
                          ("both", dict(cta_align=64, split_align=64))):
         try:
-            cfg = deepest_rings(lambda k, v, f=fields: dataclasses.replace(
-                routed.cfg, **f, k_stages=k, v_stages=v), sm90_config.can_implement)
+            out[name] = experiment.refit(routed, **fields)
         except ValueError as e:
             print(f"D={d}: {name} does not build: {e}")
-            continue
-        out[name] = dataclasses.replace(routed, cfg=cfg)
     return out
 
 
@@ -70,27 +52,9 @@ def jobs() -> list:
 
 
 def run(dev, flush) -> dict:
-    import torch
-
-    from ffpa_cute import launch
-
-    res = {}
-    for d in HEAD_DIMS:
-        plans = variants(d)
-        q, k, v = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
-                   for _ in range(3))
-        fns = {n: (lambda p=p: launch.run_fwd(p, q, k, v)) for n, p in plans.items()}
-        ref = fns["routed"]()
-        same = {n: all(map(torch.equal, fn(), ref)) for n, fn in fns.items() if n != "routed"}
-        ms = experiment.interleaved_ms(fns, dev, flush)
-        tf = {n: 4 * HEADS * N * N * d / t / 1e9 for n, t in ms.items()}
-        shapes = {n: (p.cfg.dv_cta, p.cfg.dv_halves, p.cfg.k_stages, p.cfg.v_stages)
-                  for n, p in plans.items()}
-        print(f"D={d:4d} " + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:5.0f}" for n in ms)
-              + f"  same bits {same}  {shapes}", flush=True)
-        res[str(d)] = dict(ms=ms, tflops=tf, same_bits=same,
-                           configs={n: repr(p.cfg) for n, p in plans.items()})
-    return res
+    return experiment.time_forward_variants(
+        HEAD_DIMS, variants, dev, flush,
+        shape=lambda c: (c.dv_cta, c.dv_halves, c.k_stages, c.v_stages))
 
 
 if __name__ == "__main__":

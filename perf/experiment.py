@@ -1,5 +1,5 @@
 """What the kernel experiments share (perf.fp8_limits, perf.decode_limits, perf.half_align,
-perf.half_align_bwd, perf.row_stride, perf.lazy_rescale): the command line, which compiles the
+perf.half_align_bwd, perf.row_stride, perf.lazy_rescale, perf.split_align, perf.cta_align): the command line, which compiles the
 variants into a cache on the CPU box (`--precompile DIR`) or times them on the GPU and
 optionally writes the numbers as JSON (`--out FILE`); and their timing (`median_ms`, and
 `interleaved_ms` for variants compared with each other). An experiment gives `jobs()`,
@@ -66,6 +66,65 @@ def forward_jobs(plans) -> list:
     return out
 
 
+def self_problem(d: int, heads: int = 32, n: int = 8192):
+    """The forward experiments' problem: bf16 self-attention, B=1, `heads` heads, N=`n`, D=d,
+    not causal."""
+    from ffpa_cute.problem import AttnProblem
+
+    return AttnProblem(dtype="bf16", batch=1, heads_q=heads, heads_kv=heads, seqlen_q=n,
+                       seqlen_kv=n, head_dim=d, head_dim_v=d, causal=False)
+
+
+def routed_fwd(problem):
+    """The sm_90a forward plan the router picks for `problem` (default options)."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+
+    return dispatch.plan_fwd(problem, target="sm_90a", opts=Options())
+
+
+def refit(plan, **fields):
+    """`plan` with its config's `fields` replaced and the deepest rings that then fit
+    (`deepest_rings`); raises ValueError when none does."""
+    import dataclasses
+
+    from ffpa_cute.common.config import deepest_rings
+    from ffpa_cute.sm90 import config as sm90_config
+
+    cfg = deepest_rings(lambda k, v: dataclasses.replace(plan.cfg, **fields, k_stages=k,
+                                                         v_stages=v), sm90_config.can_implement)
+    return dataclasses.replace(plan, cfg=cfg)
+
+
+def time_forward_variants(head_dims, variants, dev, flush, heads: int = 32, n: int = 8192,
+                          shape=lambda cfg: cfg.dv_halves) -> dict:
+    """Time each D's forward plans `variants(d)` ({name: plan}, the first the reference) on
+    the same random bf16 q, k, v ([1, heads, n, d]; `launch.run_fwd`, `interleaved_ms`),
+    check each one's out / lse against the reference's bits, print a line per D and return
+    {D: {ms, tflops, same_bits, configs}}. `shape(cfg)`: what the line shows of a config."""
+    import torch
+
+    from ffpa_cute import launch
+
+    res = {}
+    for d in head_dims:
+        plans = variants(d)
+        q, k, v = (torch.randn(1, heads, n, d, device=dev, dtype=torch.bfloat16)
+                   for _ in range(3))
+        fns = {name: (lambda p=p: launch.run_fwd(p, q, k, v)) for name, p in plans.items()}
+        first, *others = fns
+        ref = fns[first]()
+        same = {name: all(map(torch.equal, fns[name](), ref)) for name in others}
+        ms = interleaved_ms(fns, dev, flush)
+        tf = {name: 4 * heads * n * n * d / t / 1e9 for name, t in ms.items()}
+        shapes = {name: shape(p.cfg) for name, p in plans.items()}
+        print(f"D={d:4d} " + "  ".join(f"{m} {ms[m]:6.3f} ms {tf[m]:5.0f}" for m in ms)
+              + f"  same bits as {first}: {same}  {shapes}", flush=True)
+        res[str(d)] = dict(ms=ms, tflops=tf, same_bits=same,
+                           configs={name: repr(p.cfg) for name, p in plans.items()})
+    return res
+
+
 def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     """Parse argv; compile `jobs()` into --precompile DIR, or `run(dev, flush) -> dict`
     (written to --out)."""
@@ -94,4 +153,5 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     return 0
 
 
-__all__ = ["forward_jobs", "main", "median_ms"]
+__all__ = ["forward_jobs", "main", "median_ms", "refit", "routed_fwd", "self_problem",
+           "time_forward_variants"]

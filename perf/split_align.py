@@ -19,8 +19,8 @@ L2 flushed; `interleaved_ms`) as:
   before   `split_align` 8 and one CTA per tile (D % 64 != 0: the route before this change);
   lazy     the routed plan with `lazy_rescale` (routed at D=320 / 512 only: is it the same
            gain elsewhere? The routed plan already has it at 320);
-and the routed out / lse are checked to be the same bits as split8's (each O column is the same
-sum of products whichever warpgroup computes it).
+and each variant's out / lse checked against routed's bits (the same for split8 and before:
+each O column is the same sum of products whichever warpgroup computes it; lazy's may differ).
 """
 
 from __future__ import annotations
@@ -30,33 +30,15 @@ import dataclasses
 from perf import experiment
 
 HEAD_DIMS = (264, 272, 320, 328, 336, 368, 400, 408, 448, 456, 480)
-HEADS, N = 32, 8192
-
-
-def _problem(d: int):
-    from ffpa_cute.problem import AttnProblem
-
-    return AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=N,
-                       seqlen_kv=N, head_dim=d, head_dim_v=d, causal=False)
 
 
 def variants(d: int) -> dict:
     """{name: forward plan} at D=d."""
-    from ffpa_cute import dispatch
-    from ffpa_cute.common.config import deepest_rings
-    from ffpa_cute.options import Options
-    from ffpa_cute.sm90 import config as sm90_config
-
-    routed = dispatch.plan_fwd(_problem(d), target="sm_90a", opts=Options())
-
-    def refit(**fields):
-        cfg = deepest_rings(lambda k, v: dataclasses.replace(
-            routed.cfg, **fields, k_stages=k, v_stages=v), sm90_config.can_implement)
-        return dataclasses.replace(routed, cfg=cfg)
-
+    routed = experiment.routed_fwd(experiment.self_problem(d))
     lazy = dataclasses.replace(routed, cfg=dataclasses.replace(routed.cfg, lazy_rescale=True))
-    return {"routed": routed, "split8": refit(split_align=8),
-            "before": refit(split_align=8, persistent=d % 64 == 0), "lazy": lazy}
+    return {"routed": routed, "split8": experiment.refit(routed, split_align=8),
+            "before": experiment.refit(routed, split_align=8, persistent=d % 64 == 0),
+            "lazy": lazy}
 
 
 def jobs() -> list:
@@ -64,28 +46,9 @@ def jobs() -> list:
 
 
 def run(dev, flush) -> dict:
-    import torch
-
-    from ffpa_cute import launch
-
-    res = {}
-    for d in HEAD_DIMS:
-        plans = variants(d)
-        q, k, v = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
-                   for _ in range(3))
-        fns = {n: (lambda p=p: launch.run_fwd(p, q, k, v)) for n, p in plans.items()}
-        same = all(map(torch.equal, fns["routed"](), fns["split8"]()))
-        for fn in fns.values():
-            fn()
-        ms = experiment.interleaved_ms(fns, dev, flush)
-        tf = {n: 4 * HEADS * N * N * d / t / 1e9 for n, t in ms.items()}
-        cfgs = {n: (p.cfg.dv_halves, p.cfg.k_stages, p.cfg.v_stages, p.cfg.persistent)
-                for n, p in plans.items()}
-        print(f"D={d:4d} " + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:5.0f}" for n in ms)
-              + f"  same bits {same}  {cfgs}", flush=True)
-        res[str(d)] = dict(ms=ms, tflops=tf, same_bits=same,
-                           configs={n: repr(p.cfg) for n, p in plans.items()})
-    return res
+    return experiment.time_forward_variants(
+        HEAD_DIMS, variants, dev, flush,
+        shape=lambda c: (c.dv_halves, c.k_stages, c.v_stages, c.persistent, c.lazy_rescale))
 
 
 if __name__ == "__main__":

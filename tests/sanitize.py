@@ -392,32 +392,22 @@ def workload() -> int:
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     from ffpa_cute import launch
 
-    for label, hq, hkv, nq, nkv, d, causal, *fields in FUSED_CASES:
+    planned = ([(c[0], lambda c=c: _fused_plan(*c[1:])) for c in FUSED_CASES]
+               + [(c[0], lambda c=c: _line_plan(*c[1:])) for c in LINE_CASES])
+    for label, plan_of in planned:   # backward plans given here, after our forward
         if not _selected(label):
             continue
-        p, plan = _fused_plan(hq, hkv, nq, nkv, d, causal, *fields)
+        p, plan = plan_of()
+        hq, hkv, nq, nkv, d = p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim
         q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
                  for _ in range(2))
         k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
-        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=p.causal, enable_gqa=hq != hkv,
                                        return_lse=True, strict=True)
         launch.run_bwd(plan, q, k, v, out, lse, do)
         torch.cuda.synchronize()
-        print(f"[workload] {label}: fused backward {plan.cfgs[1]}", flush=True)
-    for label, hq, hkv, nq, nkv, d, causal in LINE_CASES:
-        if not _selected(label):
-            continue
-        p, plan = _line_plan(hq, hkv, nq, nkv, d, causal)
-        q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
-                 for _ in range(2))
-        k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
-                for _ in range(2))
-        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
-                                       return_lse=True, strict=True)
-        launch.run_bwd(plan, q, k, v, out, lse, do)
-        torch.cuda.synchronize()
-        print(f"[workload] {label}: {[c.dv_halves for c in plan.cfgs[1:]]}", flush=True)
+        print(f"[workload] {label}: {plan.cfgs[1:]}", flush=True)
     return 0
 
 
