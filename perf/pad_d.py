@@ -18,9 +18,10 @@ flushed; `interleaved_ms`):
            each Q tile once, so Q's split sectors should cost ~1 / (2 N / 128) of the stream
            and its copy a third of repack's (prediction: kv 3-4% faster than repack at N=8K);
   rows     the same kernel on rows padded beforehand (repack - rows: the copies' cost);
-  persist  at PERSIST_HEAD_DIMS, the planned kernel made persistent (one CTA per SM walking the
-           row tiles, as the multiples of 64 are planned), on the padded rows (and whether
-           its out and lse are the same bits as one CTA per tile's);
+  tile     at TILE_HEAD_DIMS, the planned kernel with one CTA per row tile instead of
+           persistent CTAs, on the padded rows (and whether its out and lse are the same bits
+           as the planned kernel's). (The measurement that routed persistent CTAs at these D
+           timed the opposite way round, when one CTA per tile was planned.);
 and the routed (deterministic) backward at BWD_HEAD_DIMS as contig and repack (q, k, v and
 dout copied; `launch.run_bwd`'s kernels, Delta included).
 """
@@ -30,41 +31,32 @@ from __future__ import annotations
 from perf import experiment
 
 HEAD_DIMS = tuple(d for d in range(264, 512, 8) if d % 64)
-PERSIST_HEAD_DIMS = (264, 328, 376, 400, 440, 504)
+TILE_HEAD_DIMS = (264, 328, 376, 400, 440, 504)
 BWD_HEAD_DIMS = (312, 440, 504)
 HEADS, N = 32, 8192
 
 
-def _problem(d: int):
-    from ffpa_cute.problem import AttnProblem
-
-    return AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=N,
-                       seqlen_kv=N, head_dim=d, head_dim_v=d, causal=False)
-
-
 def _plan(d: int):
-    from ffpa_cute import dispatch
-    from ffpa_cute.options import Options
-
-    return dispatch.plan_fwd(_problem(d), target="sm_90a", opts=Options())
+    return experiment.routed_fwd(experiment.self_problem(d, HEADS, N))
 
 
 def _bwd_plan(d: int):
     from ffpa_cute import dispatch
 
-    return dispatch.plan_bwd(_problem(d), target="sm_90a")
+    return dispatch.plan_bwd(experiment.self_problem(d, HEADS, N), target="sm_90a")
 
 
-def _persistent(d: int):
+def _one_cta_per_tile(d: int):
     import dataclasses
 
     plan = _plan(d)
-    return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, persistent=True))
+    return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, persistent=False))
 
 
 def jobs() -> list:
     bwd = [job for d in BWD_HEAD_DIMS for job in _bwd_plan(d).jobs]
-    return (experiment.forward_jobs([*map(_plan, HEAD_DIMS), *map(_persistent, PERSIST_HEAD_DIMS)])
+    return (experiment.forward_jobs([*map(_plan, HEAD_DIMS),
+                                     *map(_one_cta_per_tile, TILE_HEAD_DIMS)])
             + list(dict.fromkeys(bwd)))
 
 
@@ -93,10 +85,10 @@ def _run(dev, flush, torch, launch) -> dict:
                "kv": lambda: launch.run_fwd(plan, q, launch.row_aligned(k),
                                             launch.row_aligned(v)),
                "rows": lambda rows=rows: launch.run_fwd(plan, *rows)}
-        if d in PERSIST_HEAD_DIMS:
-            fns["persist"] = lambda rows=rows, pp=_persistent(d): launch.run_fwd(pp, *rows)
-            same = all(map(torch.equal, fns["persist"](), fns["rows"]()))
-            print(f"D={d:4d} persistent: the same out and lse as one CTA per tile: {same}")
+        if d in TILE_HEAD_DIMS:
+            fns["tile"] = lambda rows=rows, pt=_one_cta_per_tile(d): launch.run_fwd(pt, *rows)
+            same = all(map(torch.equal, fns["tile"](), fns["rows"]()))
+            print(f"D={d:4d} one CTA per tile: the same out and lse as planned: {same}")
         for fn in fns.values():
             fn()
         ms = experiment.interleaved_ms(fns, dev, flush)

@@ -27,10 +27,7 @@ HEADS, N = 32, 8192
 
 
 def _problem(d: int):
-    from ffpa_cute.problem import AttnProblem
-
-    return AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=N,
-                       seqlen_kv=N, head_dim=d, head_dim_v=d, causal=False)
+    return experiment.self_problem(d, HEADS, N)
 
 
 def variants(d: int) -> dict:
@@ -45,10 +42,7 @@ def variants(d: int) -> dict:
 
 
 def jobs() -> list:
-    from ffpa_cute import dispatch
-    from ffpa_cute.options import Options
-
-    fwd = experiment.forward_jobs(dispatch.plan_fwd(_problem(d), target="sm_90a", opts=Options())
+    fwd = experiment.forward_jobs(experiment.routed_fwd(_problem(d))
                                   for d in HEAD_DIMS)   # the forward that makes out and lse
     return fwd + [job for d in HEAD_DIMS for kernels in variants(d).values() for job in kernels]
 
