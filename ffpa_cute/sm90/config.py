@@ -1097,7 +1097,8 @@ class BwdFusedConfigSm90:
     @property
     def VERIFIED(self) -> bool:
         """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
-        group_split; docs/verification.md); `scatter` never ran (selfcheck canaries it)."""
+        group_split; docs/verification.md); `scatter` ran only on an H100 (its tests and the
+        sanitizers pass there), so selfcheck still canaries it."""
         return not self.scatter
 
     @property
@@ -1277,8 +1278,8 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
     keeps one); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it names D),
     `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the problem's head
     groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen.
-    `cluster_d`, `scatter`: D over that many CTAs by the reduce-scatter (built and
-    compile-verified only: tests and experiments ask for it, the router does not)."""
+    `cluster_d`, `scatter`: D over that many CTAs by the reduce-scatter (tests and experiments
+    ask for it; the router does not: it measured slower than the routed backward, H100)."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
     if problem.varlen:
