@@ -35,7 +35,6 @@ FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMI
 
 FFPA_SEQLENS = (8192, 16384)
 FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
-ALL_HEAD_DIMS = tuple(range(264, 1025, 8))   # `--head-dims all`
 USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
                 "mla": (4096, 8192, 16384), "mla-decode": (4096, 8192, 16384),
                 "vae": (16384, 32768, 65536)}
@@ -215,8 +214,10 @@ def select_cases(*, quick: bool = False, cases: str | None = None, head_dims: st
                  seqlens: str | None = None, dtypes: str | None = None) -> list[Case]:
     """The CLI's case selection from its raw string arguments."""
     fams = parse_families(cases)
-    hds = (ALL_HEAD_DIMS if (head_dims or "").strip().lower() == "all"
-           else parse_ints(head_dims))
+    if (head_dims or "").strip().lower() == "all":   # every multiple of 8 the kernels take
+        from ffpa_cute.precompile import ALL_HEAD_DIMS as hds
+    else:
+        hds = parse_ints(head_dims)
     sls, dts = parse_ints(seqlens), parse_dtypes(dtypes)
     if quick:
         return quick_cases(fams, hds, sls, dts)

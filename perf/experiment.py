@@ -1,6 +1,7 @@
 """What the kernel experiments share (perf.fp8_limits, perf.decode_limits, perf.half_align,
-perf.half_align_bwd, perf.row_stride, perf.lazy_rescale, perf.split_align, perf.cta_align): the command line, which compiles the
-variants into a cache on the CPU box (`--precompile DIR`) or times them on the GPU and
+perf.half_align_bwd, perf.row_stride, perf.lazy_rescale, perf.split_align, perf.cta_align,
+perf.pad_d): the command line, which compiles the variants into a cache on the CPU box
+(`--precompile DIR`) or times them on the GPU and
 optionally writes the numbers as JSON (`--out FILE`); and their timing (`median_ms`, and
 `interleaved_ms` for variants compared with each other). An experiment gives `jobs()`,
 the (kernel class, config) pairs it times, and `run(dev, flush)`, which times them on the CUDA
