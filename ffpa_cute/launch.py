@@ -44,15 +44,16 @@ ROW_SECTOR = 32
 
 
 def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
-    """Whether `run_fwd` / `run_bwd` first copy the inputs they stream (q, k, v; dout) into
-    rows padded to 128 bytes (`row_aligned`): 16-bit WGMMA kernels at D > 512 whose rows are
-    not whole lines, when the attention work outweighs the copy, nq nkv >= 700 (nq + 2 nkv)
-    (about N >= 2K for Nq = Nkv: the copy is ~3% of the forward's time at N=8K); and the
-    16-bit WGMMA kernels at D <= 512 whose rows do not start on 32-byte sectors (D % 16 ==
-    8), when nq nkv >= 1000 (nq + 2 nkv) (N >= 3K; the copy is 6-9% of the forward's time at
-    N=8K, the gain 13-30%: measured with the copy 8-23% faster forward, 21-30% faster
-    backward, H100, perf.pad_d). p: the problem; cfg: the (forward, or a gradient) kernel's
-    config."""
+    """Whether `run_fwd` / `run_bwd` first copy the inputs they stream into rows padded to 128
+    bytes (`row_aligned`; the forward k and v, as it reads each Q tile once: copying q too
+    measured 3-4% slower (perf.pad_d `kv`, D % 16 == 8 up to 504, N=8K, H100); the backward
+    q, k, v and dout): 16-bit WGMMA kernels at D > 512 whose rows are not whole lines, when the
+    attention work outweighs the copy, nq nkv >= 700 (nq + 2 nkv) (about N >= 2K for Nq =
+    Nkv: the copy is ~3% of the forward's time at N=8K); and the 16-bit WGMMA kernels at D <=
+    512 whose rows do not start on 32-byte sectors (D % 16 == 8), when nq nkv >= 1000 (nq + 2
+    nkv) (N >= 3K; the copy is 6-9% of the forward's time at N=8K, the gain 13-30%: measured
+    with the copy 8-23% faster forward, 21-30% faster backward, H100, perf.pad_d). p: the
+    problem; cfg: the (forward, or a gradient) kernel's config."""
     if not (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")):
         return False
     row = 2 * p.head_dim
@@ -137,8 +138,8 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
         sinks = sinks.to(torch.float32).contiguous()
     if k.shape[2] == 0:  # no keys at all: every row is empty (its lse: the sink, if any)
         return out.zero_(), lse.copy_(sinks[:, None] if sinks is not None else float("-inf"))
-    if repack_rows(p, plan.cfg, nq, k.shape[2]):
-        q, k, v = (row_aligned(t) for t in (q, k, v))
+    if repack_rows(p, plan.cfg, nq, k.shape[2]):   # K, V only: Q is read once per row tile
+        k, v = row_aligned(k), row_aligned(v)
     (q, k, v, qo, lo), offset = kernel_args(plan, kernel_ready(q), k, v, out, lse)
     tensors = dict(q=kernel_ready(q), k=kernel_ready(k), v=kernel_ready(v), o=qo, lse=lo,
                    sinks=sinks)

@@ -19,12 +19,16 @@ second CTA now starts mid-sector (D=584: byte 592, 712: 720), 0-4% where it star
 sector (576, 600, 704, 832), 0 +- 5% at 520 / 648 / 776 (more columns). Variants per D (B=1,
 H=32, N=8K, bf16, not causal; `launch.run_fwd`, so rows are repacked where `repack_rows` says;
 L2 flushed; `interleaved_ms`):
-  routed   the plan now;
-  cta64    `cta_align` 64 (rings refitted);
-  both     `cta_align` 64 and `split_align` 64 (the hi share of each CTA from a line: 192 + 128
-           at D=576);
+  routed   the plan now: `cta_align` 64 and `split_align` 64 where they move a share (the hi
+           share of each CTA from a line: 192 + 128 at D=576);
+  even     `cta_align` 8 and `split_align` 8, the shares as even as 8 columns allow (rings
+           refitted; the route until the first run below);
+  cta64    `cta_align` 64 alone;
 and whether out / lse are the same bits as routed's (each column is the same sum of products
-whichever CTA and warpgroup computes it).
+whichever CTA and warpgroup computes it). First run (H100, 2026-12-05, when `even` was the
+route): routed against even D=584 277 -> 317 TFLOPS, 600 282 -> 323, 712 290 -> 323, 776
+284 -> 310, 832 344 -> 382, 576 338 -> 348, 648 281 -> 298, 704 354 -> 365, 520 279 -> 283,
+1016 unchanged; cta64 alone lost at 520 / 576 and gained less elsewhere.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ def variants(d: int) -> dict:
     """{name: forward plan} at D=d (a variant that does not build is left out)."""
     routed = experiment.routed_fwd(experiment.self_problem(d))
     out = {"routed": routed}
-    for name, fields in (("cta64", dict(cta_align=64)),
-                         ("both", dict(cta_align=64, split_align=64))):
+    for name, fields in (("even", dict(cta_align=8, split_align=8)),
+                         ("cta64", dict(cta_align=64, split_align=8))):
         try:
             out[name] = experiment.refit(routed, **fields)
         except ValueError as e:

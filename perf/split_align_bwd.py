@@ -5,17 +5,20 @@ forward measured it (perf.split_align).
     python -m perf.split_align_bwd [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
 
 The dQ, dK and dV kernels accumulate their gradient in two warpgroup shares of D, each reading
-its B operand (K, Q, dO) in [v_rows x share] stages. Planned, dV follows the forward's shares
-as the forward had them before `split_align` (both rounded up to 64: 192 + 192 at D=320) and
-dQ / dK keep exact shares (160 + 160: the hi one from byte 320 of a row, mid-line). The forward
-measured 5-24% from starting the hi share on a line (perf.split_align, H100). Variants per D
-(B=1, H=32, N=8K, bf16, not causal; each kernel alone, `launch.run_grad_job`, L2 flushed,
-median of 3 benches; TFLOPS of the whole backward, 2.5 x the forward's FLOPs, from the sum):
-  planned   the three kernels as `plan_bwd` plans them;
-  split     `line_shares_bwd`: dV with `split_align` 64, dQ / dK with `half_align` and
-            `split_align` 64 (shares computed 64-wide, the padding in the hi one), each with
-            its rings refitted;
-and whether each gradient is the same bits under both.
+its B operand (K, Q, dO) in [v_rows x share] stages. With even shares dV follows the forward's
+shares as the forward had them before `split_align` (both rounded up to 64: 192 + 192 at
+D=320) and dQ / dK keep exact shares (160 + 160: the hi one from byte 320 of a row, mid-line).
+The forward measured 5-24% from starting the hi share on a line (perf.split_align, H100).
+Variants per D (B=1, H=32, N=8K, bf16, not causal; each kernel alone, `launch.run_grad_job`,
+L2 flushed, median of 3 benches; TFLOPS of the whole backward, 2.5 x the forward's FLOPs, from
+the sum):
+  planned   `plan_bwd(lines=False)`: the even shares (the route until the run below);
+  split     the route, `line_shares_bwd`: dV with `split_align` 64, dQ / dK with `half_align`
+            and `split_align` 64 (shares computed 64-wide, the padding in the hi one), each
+            with its rings refitted;
+and whether each gradient is the same bits under both. First run (H100, 2026-12-05): D=272
+159 -> 183 TFLOPS, 320 205 -> 216, 328 138 -> 155, 336 168 -> 189, 400 168 -> 196, 448 223 ->
+225, the same bits.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def variants(d: int) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.sm90 import config as sm90_config
 
-    planned = sm90_config.plan_bwd(_problem(d))
+    planned = sm90_config.plan_bwd(_problem(d), lines=False)
     split = sm90_config.line_shares_bwd(_problem(d), planned)
     return {name: [(dispatch.kernel_class(c), c) for c in cfgs]
             for name, cfgs in (("planned", planned), ("split", split))}

@@ -37,10 +37,13 @@
 #         768 / 1024 beside the routed backward, C = 2 at 320 / 512 beside the pair)
 #         (precompile: gpu_jobs' section fused, and `python -m perf.bwd_fused --scatter
 #         --precompile DIR`, packed together)
-#   lines the shares from 128-byte lines: the gradient kernels' (`line_shares_bwd`, not planned
-#         yet) GPU tests and sanitizer cases, then perf.cta_align (the CTA pair above 512) and
-#         perf.split_align (with its lazy variant) and perf.pad_d (k and v copied, q not)
-#         (precompile: `python -m tests.gpu_jobs --sections lines`, packed)
+#   lines the shares from 128-byte lines as planned (the forward's hi share, the CTA pair's
+#         `cta_align`, the gradient kernels' `line_shares_bwd`) with lazy rescaling at its new
+#         head dims and the k, v-only row copy: the GPU tests they touch (the forward file,
+#         test_line_shares and the backward's above-512 and fp16 tests, the lazy forward
+#         tests) (precompile: `python -m tests.gpu_jobs --sections lines`, packed; the
+#         curve section measures the routes, perf.cta_align / perf.split_align_bwd time them
+#         against even shares)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -51,9 +54,10 @@
 #         `python -m ffpa_cute.precompile --arch sm_90 --head-dims 320,512,1024 --dtypes bf16,fp8
 #         --causal both --decode none,64 --cache-dir DIR`, packed)
 #   curve the bf16 forward at every D in [264, 1024] (step 8, N=8K, B=1, H=32) with the cliffs
-#         flagged (issue 20's "no cliffs in D"), then the MLA decode (B 128, Hq 128 on one KV
-#         head, 576 / 512) (precompile: `python -m ffpa_cute.precompile --arch sm_90 --head-dims
-#         all --dtypes bf16 --causal no --cache-dir DIR`, packed: ~0.45 MB)
+#         flagged (issue 20's "no cliffs in D"), then (unless CURVE_DECODE=0) the MLA decode
+#         (B 128, Hq 128 on one KV head, 576 / 512) (precompile: `python -m ffpa_cute.precompile
+#         --arch sm_90 --head-dims all --dtypes bf16 --causal no --cache-dir DIR`, packed:
+#         ~0.45 MB)
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
@@ -128,14 +132,12 @@ if has scatter; then
   timeout 300 python -m perf.bwd_fused --scatter --out "$out/bwd_scatter.json"
 fi
 if has lines; then
-  step "shares from 128-byte lines: gradient kernels' GPU tests and sanitizers, perf.cta_align"
-  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 6 tests/test_backward_sm90_gpu.py \
-      -k line_shares 2>&1 | tee "$out/gpu_lines.log" | grep -E "FAIL|ERROR|passed|failed" | tail -10
-  SANITIZE_CASES=line-share timeout 150 python -m tests.sanitize --out "$out/san_lines" \
-      --timeout 140 2>&1 | tail -6
-  timeout 150 python -m perf.cta_align --out "$out/cta_align.json"
-  timeout 150 python -m perf.split_align --out "$out/split_align.json"
-  timeout 200 python -m perf.pad_d --out "$out/pad_d.json"
+  step "shares from 128-byte lines as planned: GPU tests, then against even shares"
+  timeout 420 pytest -m "gpu and not slow" -q -p no:cacheprovider -n 6 \
+      tests/test_attention_gpu.py tests/test_lazy_rescale_gpu.py \
+      "tests/test_backward_sm90_gpu.py::test_line_shares" \
+      "tests/test_backward_sm90_gpu.py::test_fp16" 2>&1 | tee "$out/gpu_lines.log" \
+      | grep -E "FAIL|ERROR|passed|failed" | tail -20
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"
@@ -173,10 +175,10 @@ if has curve; then
       --baselines none --rep-ms 50 --err-heads 1 --no-progress --no-charts \
       --out "$out/curve" --commit "${PERF_COMMIT:-unknown}" > "$out/curve.log" 2>&1
   sed -n '/^Curve across D/,$p' "$out/curve/fwd.md"
-  timeout 150 python -m perf.sweep --cases mla-decode --fwd --baselines none --no-progress \
+  [ "${CURVE_DECODE:-1}" = 0 ] || timeout 150 python -m perf.sweep --cases mla-decode --fwd --baselines none --no-progress \
       --no-charts --out "$out/mla_decode" --commit "${PERF_COMMIT:-unknown}" \
       > "$out/mla_decode.log" 2>&1
-  grep "^| [a-z]" "$out/mla_decode/fwd.md" | cut -c1-160
+  [ "${CURVE_DECODE:-1}" = 0 ] || grep "^| [a-z]" "$out/mla_decode/fwd.md" | cut -c1-160
 fi
 if has limits; then
   step "perf.reduce_limits, perf.dsmem_limits"

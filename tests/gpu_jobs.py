@@ -18,9 +18,9 @@ kernel, and the non-default variants the tests select (the CTA pair off above 51
 products, one CTA per tile where the default is persistent, dV / dK with split head groups),
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
 varlen kernels with their per-sequence twins, the fused backward (off the default route:
-`Options(deterministic=False)`), and (`lines`) the shares from 128-byte lines that the planners
-do not take yet (`line_shares_bwd`, perf.cta_align) with perf.split_align's and perf.pad_d's
-variants. A kernel the tests need that is missing
+`Options(deterministic=False)`), and (`lines`) the plans with shares from 128-byte lines (the
+forward's and `line_shares_bwd`'s) with test_line_shares' even-share twins. A kernel the tests
+need that is missing
 here is compiled on the device on first use, as for any user.
 """
 
@@ -230,17 +230,15 @@ def jobs(sections=SECTIONS) -> list:
 
 
 def _lines_jobs() -> list:
-    """The `lines` section: test_line_shares' kernels (the forward, the planned backward and
-    `line_shares_bwd`'s), the sanitizer's line-share cases, perf.cta_align, perf.split_align
-    and perf.pad_d."""
+    """The `lines` section: the shares from 128-byte lines as planned (the forward's hi share
+    and CTA pair, the gradient kernels' `line_shares_bwd`): the sm90 forward and backward
+    plans at HEAD_DIMS (bf16, both causal modes), and test_line_shares' kernels (the
+    forward, the planned backward and its even-share twin, `plan_bwd(lines=False)`)."""
     import dataclasses
 
     from ffpa_cute import dispatch
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90.config import line_shares_bwd
-    from perf import cta_align, pad_d, split_align
-
-    from . import sanitize
+    from ffpa_cute.sm90 import config as sm90_config
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
     import torch
@@ -248,20 +246,18 @@ def _lines_jobs() -> list:
 
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     out = []
-    for d, causal, nq, nkv, ratio, dt in LINE_CASES:
+    cases = [(d, causal, 4096, 4096, 1, torch.bfloat16) for d in HEAD_DIMS
+             for causal in (False, True)] + LINE_CASES
+    for d, causal, nq, nkv, ratio, dt in cases:
         p = AttnProblem(dtype=names[dt],
                         batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq, seqlen_kv=nkv,
                         head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
         fwd = dispatch.plan_fwd(p, target=TARGET)
         bwd = dispatch.plan_bwd(p, target=TARGET)
-        lines = line_shares_bwd(p, list(bwd.cfgs[1:]))
+        even = sm90_config.plan_bwd(p, TARGET, lines=False)
         out += [(fwd.kernel_cls, fwd.cfg), *bwd.jobs,
-                *dataclasses.replace(bwd, cfgs=(bwd.cfgs[0], *lines)).jobs]
-    for _, *case in sanitize.LINE_CASES:
-        p, bwd = sanitize._line_plan(*case)
-        fwd = dispatch.plan_fwd(p, target=TARGET)
-        out += [(fwd.kernel_cls, fwd.cfg), *bwd.jobs]
-    return out + cta_align.jobs() + split_align.jobs() + pad_d.jobs()
+                *dataclasses.replace(bwd, cfgs=(bwd.cfgs[0], *even)).jobs]
+    return out
 
 
 def _group_split_twins(jobs) -> list:

@@ -147,8 +147,8 @@ FUSED_CASES = [
     ("sm90 fused backward D576 over 3 CTAs, scatter", 2, 2, 200, 77, 576, False, 1, False, 3),
 ]
 
-# the gradient kernels with each share from a 128-byte line (`line_shares_bwd`, not planned
-# yet), after our forward: (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right))
+# the gradient kernels with each share from a 128-byte line (`line_shares_bwd`, as planned),
+# after our forward: (label, Hq, Hkv, Nq, Nkv, D, causal (bottom-right))
 LINE_CASES = [
     ("sm90 line-share backward D320 causal, Nq > Nkv", 2, 2, 200, 77, 320, True),
     ("sm90 line-share backward D336 GQA 8:1 causal, split head groups", 8, 1, 129, 333, 336,
@@ -187,16 +187,16 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=No
 
 
 def _line_plan(hq, hkv, nq, nkv, d, causal):
-    """A LINE_CASES case's problem and its backward plan with `line_shares_bwd`'s configs."""
+    """A LINE_CASES case's problem and its backward plan (its shares from lines: the
+    planner's `line_shares_bwd`)."""
     from ffpa_cute import dispatch
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90.config import line_shares_bwd
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
     plan = dispatch.plan_bwd(p, target="sm_90a")
-    return p, dataclasses.replace(plan, cfgs=(plan.cfgs[0],
-                                              *line_shares_bwd(p, list(plan.cfgs[1:]))))
+    assert all(c.split_align == 64 for c in plan.cfgs[1:]), plan.cfgs
+    return p, plan
 
 
 def _problem(case):

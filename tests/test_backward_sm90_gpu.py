@@ -149,8 +149,8 @@ def test_dk_without_seq_scores(seed, d, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dk",), plan=plan)
 
 
-# the hi share from a 128-byte line (`line_shares_bwd`, not planned yet): D % 128 != 0 up to
-# 512, causal both alignments, GQA with split head groups (ratio 8 over few KV tiles), fp16
+# the hi share from a 128-byte line (`line_shares_bwd`, planned): D % 128 != 0 up to 512,
+# causal both alignments, GQA with split head groups (ratio 8 over few KV tiles), fp16
 LINE_CASES = [(320, True, 1000, 129, 1, torch.bfloat16), (264, False, 1, 129, 4, torch.bfloat16),
               (448, True, 4097, 4097, 1, torch.bfloat16), (400, False, 7, 300, 16, torch.float16),
               (336, True, 129, 1000, 8, torch.bfloat16), (272, False, 1000, 1000, 1, torch.float16)]
@@ -158,24 +158,26 @@ LINE_CASES = [(320, True, 1000, 129, 1, torch.bfloat16), (264, False, 1, 129, 4,
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", LINE_CASES)
 def test_line_shares(seed, d, causal, nq, nkv, ratio, dt):
-    """dQ, dK, dV with each share from a 128-byte line (`sm90_config.line_shares_bwd`: the
-    padding in the hi share) against float64, and the same bits as the planned even shares
-    (each column is the same sum of products whichever warpgroup computes it)."""
+    """dQ, dK, dV as planned, each share from a 128-byte line (`sm90_config.line_shares_bwd`:
+    the padding in the hi share), against float64, and the same bits as even shares
+    (`plan_bwd(lines=False)`: each column is the same sum of products whichever warpgroup
+    computes it)."""
     from ffpa_cute.sm90 import config as sm90_config
 
-    def plan(problem):
+    def even(problem):
         planned = kernels.backward_plan(problem, torch.device("cuda"), "sm90")
-        lines = sm90_config.line_shares_bwd(problem, list(planned.cfgs[1:]))
-        assert [c.split_align for c in lines] == [64, 64, 64]
-        return dataclasses.replace(planned, cfgs=(planned.cfgs[0], *lines))
+        assert [c.split_align for c in planned.cfgs[1:]] == [64, 64, 64]
+        cfgs = sm90_config.plan_bwd(problem, planned.cfgs[1].arch, lines=False)
+        assert [c.split_align for c in cfgs] == [8, 8, 8]
+        return dataclasses.replace(planned, cfgs=(planned.cfgs[0], *cfgs))
 
-    got = _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt, plan=plan)
+    got = _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt)
     q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio, dt)
-    even = kernels.backward(problem, q, k, v, out, lse, do, "sm90")
-    lines = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan(problem))
-    for x, y in zip(lines, even):
+    lines = kernels.backward(problem, q, k, v, out, lse, do, "sm90")
+    evens = kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=even(problem))
+    for x, y in zip(lines, evens):
         assert torch.equal(x, y)
-    assert all(x.shape == y.shape for x, y in zip(got, even))
+    assert all(x.shape == y.shape for x, y in zip(got, evens))
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 4),

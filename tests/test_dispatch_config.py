@@ -77,16 +77,20 @@ def test_sm90_family_kernels(d, kernel):
 
 def test_sm90_wgmma_range_and_o_split():
     """D > 512 goes to the WGMMA kernel with O split over a CTA pair that splits the KV blocks
-    (`Options.kv_pair`; off: both CTAs score every block); at D % 16 == 8 each CTA owns
-    ceil(D / 16) * 8 columns, the second's last 8 past D (computed from zeros, not stored)."""
+    (`Options.kv_pair`; off: both CTAs score every block). With a window (or sinks, varlen)
+    the shares are even: at D % 16 == 8 each CTA owns ceil(D / 16) * 8 columns, the second's
+    last 8 past D (computed from zeros, not stored); the plain forward starts the second
+    CTA's columns on a line (`cta_align` 64: 320 + 200 at D=520)."""
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
     assert plan.cfg.kv_pair
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a", opts=Options(kv_pair=False))
     assert plan.cfg.o_split == 2 and not plan.cfg.kv_pair
-    plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
+    plan = dispatch.plan_fwd(prob(d=520, window_lo=-100), target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.kv_pair
     assert plan.cfg.dv_cta == 264 and plan.cfg.dv_split == (136, 128)
+    plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
+    assert plan.cfg.dv_cta == 320 and plan.cfg.dv_split == (192, 128)
 
 
 def test_forced_family():
@@ -472,33 +476,38 @@ def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):
     (264, (192, 128), (192, 72), 264), (336, (192, 192), (192, 144), 336),
     (320, (192, 128), (192, 128), 320), (512, (256, 256), (256, 256), 512),
     (400, (256, 192), (256, 144), 400), (376, (192, 192), (192, 184), 376),
-    (520, (160, 128), (136, 128), 264), (576, (160, 160), (144, 144), 288),
-    (640, (160, 160), (160, 160), 320), (1016, (256, 256), (256, 256), 512)])
+    (520, (192, 128), (192, 128), 320), (576, (192, 128), (192, 128), 320),
+    (640, (192, 128), (192, 128), 320), (712, (192, 192), (192, 192), 384),
+    (1016, (256, 256), (256, 256), 512), (768, (192, 192), (192, 192), 384)])
 def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
     """Each O warpgroup computes `dv_halves` columns (its share rounded up to 64 with one CTA
     per tile, 32 over a CTA pair, so its V stages take the 128- or 64-byte swizzle) and stores
-    its `dv_split` share; with one CTA per tile the hi share starts on a 128-byte line
-    (`split_align` 64: the padding falls in the hi share), over a CTA pair the shares are as
-    even as 8 columns allow and each CTA owns ceil(D / 16) * 8 columns (D % 16 == 8: the
-    second CTA's last 8 lie past D). The FP8 forward keeps exact shares; the gradient and
-    decode kernels keep `split_align` 8 (the gradient kernels' line shares are measured, their
-    GPU run owed)."""
+    its `dv_split` share; the hi share starts on a 128-byte line (`split_align` 64: the
+    padding falls in the hi share), and over a CTA pair the second CTA's columns too
+    (`cta_align` 64; set only where it moves a share, so D=768 and 1016 keep their compile
+    keys). The FP8 forward keeps exact shares; so do the gradient kernels over a CTA pair,
+    while with one CTA per tile they start their hi shares on lines (`line_shares_bwd`)."""
     from ffpa_cute.sm90 import config as sm90_config
 
     cfg = dispatch.plan_fwd(prob(d=d), target="sm_90a").cfg
     assert (cfg.dv_halves, cfg.dv_split, cfg.dv_cta) == (halves, split, cta)
-    assert cfg.dv_cta * cfg.o_split - cfg.dv in (0, 8)
     assert sm90_config.can_implement(dataclasses.replace(cfg, half_align=16)) is not None
     if d % 16 == 0:
         f8 = dispatch.plan_fwd(prob(d=d, dtype="e4m3", out_dtype="bf16"), target="sm_90a").cfg
         assert f8.half_align == 8 and f8.dv_halves == f8.dv_split and f8.split_align == 8
         assert sm90_config.can_implement(dataclasses.replace(f8, split_align=64)) is not None
-    assert all(c.split_align == 8 for c in dispatch.plan_bwd(prob(d=d), target="sm_90a").cfgs
-               if hasattr(c, "split_align"))
-    if cfg.o_split > 1:  # the CTA pair: both boundaries on lines on request (perf.cta_align)
-        both = dataclasses.replace(cfg, cta_align=64, split_align=64)
-        assert sm90_config.can_implement(both) is None
-        assert both.dv_cta % 64 == 0 and both.dv_split[0] % 64 == 0
-        assert both.dv_cta * 2 >= cfg.dv and cfg.dv - both.dv_cta > 0
+    bwd = [c for c in dispatch.plan_bwd(prob(d=d), target="sm_90a").cfgs
+           if hasattr(c, "split_align")]
+    assert all(c.split_align == (64 if d <= 512 and d % 128 else 8) for c in bwd)
+    if cfg.o_split > 1:  # the CTA pair: both boundaries on lines (perf.cta_align)
+        assert cfg.dv_cta % 64 == 0 and cfg.dv_split[0] % 64 == 0
+        assert cfg.dv_cta * 2 >= cfg.dv and cfg.dv - cfg.dv_cta > 0
+        assert cfg.cta_align == (8 if d in (768, 1016) else 64)
+        even = dataclasses.replace(cfg, cta_align=8, split_align=8)
+        assert sm90_config.can_implement(even) is None
+        assert even.dv_cta * even.o_split - even.dv in (0, 8)
+        causal = dispatch.plan_fwd(prob(d=d, causal=True), target="sm_90a").cfg
+        assert (causal.dv_cta, causal.dv_split) == (cfg.dv_cta, cfg.dv_split)
     else:
+        assert cfg.dv_cta == cfg.dv
         assert sm90_config.can_implement(dataclasses.replace(cfg, cta_align=64)) is not None

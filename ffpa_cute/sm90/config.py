@@ -691,9 +691,16 @@ def shared_kv_config(cfg: FwdConfigSm90) -> FwdConfigSm90:
 
 # The head dims at which the plain forward takes `lazy_rescale`, per dtype class: those where it
 # measured faster than rescaling every block (16-bit: D=512 +1-5%, GQA 32/4 causal +6-17%,
-# D=320 +2-5%; FP8: D=512 +6-7%, causal +7%, D=320 +3%; the others are unmeasured or gained
-# under 2%; docs/design.md sections 3 and 10 have the numbers).
-LAZY_RESCALE_HEAD_DIMS = {"16-bit": (320, 512), "fp8": (320, 512)}
+# D=320 +2-5%, with the hi O share from a line (`split_align` 64, N=8K, not causal, H100) 328
+# +5.7%, 336 +4.1%, 456 +3.5%, 368 +2.6%; FP8: D=512 +6-7%, causal +7%, D=320 +3%; the others
+# are unmeasured or within 1.5% (264 / 272 / 480 -0.6 to -1.3%, 400 / 408 / 448 +0.5 to +1%);
+# docs/design.md sections 3 and 10 have the numbers).
+LAZY_RESCALE_HEAD_DIMS = {"16-bit": (320, 328, 336, 368, 456, 512), "fp8": (320, 512)}
+
+
+def _o_shares(cfg) -> tuple:
+    """How `cfg` cuts O's columns: each CTA's width, each warpgroup's stored and computed share."""
+    return cfg.dv_cta, cfg.dv_split, cfg.dv_halves
 
 
 def _line_shares(problem: AttnProblem, width: int) -> bool:
@@ -721,7 +728,12 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     `lazy_rescale`, and a 16-bit one with O in one CTA and Dv % 128 != 0 (no window, sinks or
     varlen) `split_align` 64: measured (perf.split_align, H100, B=1, H=32, N=8K, against even
     shares, the same bits) D=272 354 -> 438 TFLOPS, 320 494 -> 554, 336 392 -> 465, 400 376
-    -> 445, 448 480 -> 529, 328 / 368 / 456 +5-8%.
+    -> 445, 448 480 -> 529, 328 / 368 / 456 +5-8%. A plain 16-bit forward over the CTA pair
+    (`kv_pair`) takes `cta_align` 64 and `split_align` 64: the second CTA's columns and each
+    CTA's hi share start on 128-byte lines, the padding in the second CTA's hi share (perf.
+    cta_align, H100, B=1, H=32, N=8K, against even shares, the same bits): D=584 277 -> 317,
+    600 282 -> 323, 712 290 -> 323, 776 284 -> 310, 832 344 -> 382, 576 338 -> 348, 648
+    281 -> 298, 704 354 -> 365, 520 279 -> 283, 1016 unchanged (its shares already on lines).
     They do for a 16-bit problem with O in one CTA whose tiles are (nearly) equal in length:
     no right bound (with a window or sinks: D and Dv multiples of 64), or a sliding window at
     D and Dv multiples of 64 (common/scheduler.py says why not under a plain causal mask).
@@ -777,6 +789,12 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     plain = problem.window_lo is None and not problem.has_sinks and not problem.varlen
     if tuned and not problem.has_sinks and _line_shares(problem, dv):
         base["split_align"] = 64   # the hi share from a 128-byte line (measured below)
+    if tuned and plain and base.get("kv_pair") and not fp8:
+        # the CTA pair: the second CTA's columns and each CTA's hi share from lines (below),
+        # where that moves a share (else the compile key stays as it is)
+        lines = {**base, "cta_align": 64, "split_align": 64}
+        if _o_shares(cls(**lines)) != _o_shares(cls(**base)):
+            base = lines
     aligned = problem.head_dim % 64 == 0 and dv % 64 == 0
     if (persistent and not fp8 and not split and not problem.varlen
             and ((plain and not problem.right_bounded)
@@ -996,29 +1014,32 @@ def plan_dk(problem: AttnProblem, arch: str = "sm_90a", seq_scores: bool | None 
     return _plan_two(BwdDKConfigSm90, problem, arch, seq_scores, kv_pair)
 
 
-def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -> list:
+def plan_bwd(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True,
+             lines: bool = True) -> list:
     """The dQ, dK and dV configs for `problem` (in that order); raises ValueError with the
     reason when the WGMMA backward cannot run it. `kv_pair`: above 512 the CTA pair splits the
     column blocks (`Options.kv_pair`).
 
-    The shares stay even (`split_align` 8; dQ / dK exact). Measured but not yet planned, as
-    its GPU tests and sanitizer run are owed: `line_shares_bwd` (perf.split_align_bwd, H100,
-    B=1, H=32, N=8K, the three kernels summed, the same bits at every D): D=272 159 -> 183
-    TFLOPS, 320 205 -> 216, 328 138 -> 155, 336 168 -> 189, 400 168 -> 196, 448 223 -> 225."""
-    return [plan_dq(problem, arch, kv_pair), plan_dk(problem, arch, kv_pair=kv_pair),
+    `lines`: each accumulator's hi share from a 128-byte line where `line_shares_bwd` takes
+    it (else the shares are as even as 8 columns allow: dQ / dK exact): measured against
+    even shares (perf.split_align_bwd, H100, B=1, H=32, N=8K, the three kernels summed, the
+    same bits at every D): D=272 159 -> 183 TFLOPS, 320 205 -> 216, 328 138 -> 155, 336 168
+    -> 189, 400 168 -> 196, 448 223 -> 225."""
+    cfgs = [plan_dq(problem, arch, kv_pair), plan_dk(problem, arch, kv_pair=kv_pair),
             plan_dv(problem, arch, kv_pair)]
+    return line_shares_bwd(problem, cfgs) if lines else cfgs
 
 
 def line_shares_bwd(problem: AttnProblem, cfgs: list) -> list:
     """`plan_bwd`'s dQ, dK, dV configs with each accumulator's hi share from a 128-byte line
-    where `_line_shares` allows it (dV: `split_align` 64; dQ / dK: `half_align` and
-    `split_align` 64, shares computed 64 wide), each with the deepest V ring that fits; the
-    others unchanged. What perf.split_align_bwd timed and the GPU tests check before the
-    planner takes it."""
+    where `_line_shares` allows it without sinks (as tested) (dV: `split_align` 64; dQ / dK:
+    `half_align` and `split_align` 64, shares computed 64 wide), each with the deepest V ring
+    that fits; the others unchanged (`plan_bwd`'s `lines`)."""
     out = []
     for cfg in cfgs:
         dv = isinstance(cfg, BwdDVConfigSm90)
-        if not _line_shares(problem, problem.head_dim_v if dv else problem.head_dim):
+        if problem.has_sinks or not _line_shares(problem,
+                                                 problem.head_dim_v if dv else problem.head_dim):
             out.append(cfg)
             continue
         check = can_implement_dv if dv else can_implement_dq
