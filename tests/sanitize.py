@@ -163,6 +163,11 @@ def _selected(label: str) -> bool:
     return not only or any(x in label for x in only)
 
 
+def _chosen(cases: list) -> list:
+    """The cases of a group whose labels (their first field) `_selected` takes."""
+    return [c for c in cases if _selected(c[0])]
+
+
 def _n_selected() -> int:
     labels = [c[0] for group in (CASES, FEATURE_CASES, FP8_FEATURE_CASES, KV_CASES,
                                  VARLEN_CASES, FUSED_CASES, LINE_CASES) for c in group]
@@ -211,7 +216,8 @@ def _problem(case):
 
 
 def jobs(target: str = "sm_90a") -> list:
-    """(kernel class, config) of every kernel the workload launches on `target`."""
+    """(kernel class, config) of every kernel the workload launches on `target` (with
+    SANITIZE_CASES set, the selected cases' only)."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import CombineConfig
     from ffpa_cute.fp8 import vt_config
@@ -219,7 +225,7 @@ def jobs(target: str = "sm_90a") -> list:
     from ffpa_cute.problem import AttnProblem
 
     out = []
-    for case in CASES:
+    for case in _chosen(CASES):
         opts = Options(family=case[1])
         p = _problem(case)
         plan = dispatch.plan_fwd(p, target=target, opts=opts)
@@ -233,7 +239,7 @@ def jobs(target: str = "sm_90a") -> list:
             assert bwd.reason is None, (case[0], bwd.reason)
             todo += bwd.jobs
         out += [j for j in todo if j not in out]
-    for _, b, hq, hkv, nq, nkv, d, causal, window, sinks in FEATURE_CASES:
+    for _, b, hq, hkv, nq, nkv, d, causal, window, sinks in _chosen(FEATURE_CASES):
         left, right = window
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
@@ -243,7 +249,7 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
         out += [j for j in todo if j not in out]
-    for _, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in FP8_FEATURE_CASES:
+    for _, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in _chosen(FP8_FEATURE_CASES):
         left, right = window
         p = AttnProblem(dtype="e4m3", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=right is not None,
@@ -256,7 +262,7 @@ def jobs(target: str = "sm_90a") -> list:
         t = vt_config(plan.kernel_cls, target, d)
         out += [j for j in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(t), t))
                 if j not in out]
-    for _, b, hq, hkv, n, d, dv, page, kv, nq in KV_CASES:
+    for _, b, hq, hkv, n, d, dv, page, kv, nq in _chosen(KV_CASES):
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv,
                         seqlen_q=hq // hkv * nq, seqlen_kv=n, head_dim=d, head_dim_v=dv,
                         causal=nq > 1)
@@ -267,7 +273,7 @@ def jobs(target: str = "sm_90a") -> list:
         for job in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(combine), combine)):
             if job not in out:
                 out.append(job)
-    for _, hq, hkv, lq, lk, d, dv, causal, window, sinks in VARLEN_CASES:
+    for _, hq, hkv, lq, lk, d, dv, causal, window, sinks in _chosen(VARLEN_CASES):
         p = AttnProblem(dtype="bf16", batch=len(lq), heads_q=hq, heads_kv=hkv,
                         seqlen_q=max(lq), seqlen_kv=max(lk), head_dim=d, head_dim_v=dv,
                         causal=causal, window_lo=None if window is None else -window[0],
@@ -277,11 +283,11 @@ def jobs(target: str = "sm_90a") -> list:
         assert plan.reason is None and plan.cfg.varlen, plan.reason
         todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
         out += [j for j in todo if j not in out]
-    for _, *case in FUSED_CASES:
+    for _, *case in _chosen(FUSED_CASES):
         p, bwd = _fused_plan(*case)
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
-    for _, *case in LINE_CASES:
+    for _, *case in _chosen(LINE_CASES):
         p, bwd = _line_plan(*case)
         plan = dispatch.plan_fwd(p, target=target, opts=Options())
         out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
