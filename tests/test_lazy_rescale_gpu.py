@@ -1,6 +1,6 @@
 """The sm90 forwards with `lazy_rescale` (common/softmax.py, Note [Lazy rescaling]; routed for
-the plain 16-bit and FP8 forwards at D=320 / 512, planned here by a patched planner wherever it
-builds) against float64: the 16-bit forward on the fast grid's shapes up to D=512 and on scores that
+the plain 16-bit forward at D=320 / 328 / 336 / 368 / 456 / 512 and the FP8 one at 320 / 512,
+planned here by a patched planner wherever it builds) against float64: the 16-bit forward on the fast grid's shapes up to D=512 and on scores that
 grow along the keys (so rows rescale late, by more than the kept margin), the FP8 forward on
 its cases, its sink columns and FlashAttention-3's outlier experiment."""
 
