@@ -332,7 +332,7 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     if reason is None:
         plan = dispatch.plan_fwd(problem, q.device)
         check = selfcheck.status(plan, q.device)
-        return (f"ffpa_cute kernel: {plan.describe()}{check}; "
+        return (f"ffpa_cute kernel: {launch.describe_fwd(plan)}{check}; "
                 f"backward: {_backward_route(problem, q.device)}")
     if bounds is not None or sinks is not None:
         return f"torch-math fallback (window / sinks, forward and backward): {reason}"

@@ -57,8 +57,11 @@ def head_dim_pair(x) -> tuple[int, int]:
 
 
 def plans_for(target: str, head_dims, dtypes, causals) -> list:
-    """The kernel plans dispatch would make on `target` (uncovered combinations skipped);
-    `head_dims` entries as `head_dim_pair` reads them."""
+    """The kernel plans dispatch would make on `target` (uncovered combinations skipped), and
+    where long sequences widen the scores (`launch.widened_fwd`, D % 16 == 8) the widened
+    plan too; `head_dims` entries as `head_dim_pair` reads them."""
+    from . import launch
+
     plans, seen = [], set()
     for d, dv in map(head_dim_pair, head_dims):
         for dt in dtypes:
@@ -66,9 +69,12 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
                 p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
                                 seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
                 plan = dispatch.plan_fwd(p, target=target)
-                if plan.reason is None and (plan.kernel_cls, plan.cfg) not in seen:
-                    seen.add((plan.kernel_cls, plan.cfg))
-                    plans.append(plan)
+                long = 1 << 16
+                wide = launch.widened_fwd(plan, long, long) if plan.reason is None else None
+                for x in (plan, wide):
+                    if x is not None and x.reason is None and (x.kernel_cls, x.cfg) not in seen:
+                        seen.add((x.kernel_cls, x.cfg))
+                        plans.append(x)
     return plans
 
 

@@ -54,7 +54,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy", "lines")
+            "fused_perf", "fwd_perf", "lazy", "lines", "widened")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -228,6 +228,8 @@ def jobs(sections=SECTIONS) -> list:
         add(sanitize.jobs(TARGET))
     if "lines" in sections:
         add(_lines_jobs())
+    if "widened" in sections:
+        add(_widened_jobs())
     return out
 
 
@@ -260,6 +262,29 @@ def _lines_jobs() -> list:
         if (d, causal, nq, nkv, ratio, dt) in LINE_CASES:
             even = sm90_config.plan_bwd(p, TARGET, lines=False)
             out += dataclasses.replace(bwd, cfgs=(bwd.cfgs[0], *even)).jobs
+    return out
+
+
+def _widened_jobs() -> list:
+    """The `widened` section: test_widened_forward_is_exact's and test_row_repack_is_the_same
+    _kernel's kernels (the forward at D and the widened one `launch.widened_fwd` runs; the
+    backward of the latter test)."""
+    from ffpa_cute import dispatch, launch
+    from ffpa_cute.problem import AttnProblem
+
+    cases = [(280, "none", 3100, 3100, 1, "bf16"), (504, "bottom_right", 3000, 4097, 4, "fp16"),
+             (264, "upper_left", 4097, 3001, 8, "bf16"), (328, "none", 4096, 4096, 2, "bf16")]
+    cases += [(d, "bottom_right", 3100, 3100, 1, "bf16") for d in (328, 520, 544)]
+    out = []
+    for d, mode, nq, nkv, ratio, dt in cases:
+        p = AttnProblem(dtype=dt, batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
+                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=mode != "none",
+                        causal_offset=nkv - nq if mode == "bottom_right" else 0)
+        plan = dispatch.plan_fwd(p, target=TARGET)
+        wide = launch.widened_fwd(plan, nq, nkv)
+        out += [(plan.kernel_cls, plan.cfg)] + ([(wide.kernel_cls, wide.cfg)] if wide else [])
+        if ratio == 1 and mode == "bottom_right":
+            out += dispatch.plan_bwd(p, target=TARGET).jobs
     return out
 
 

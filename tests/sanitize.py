@@ -57,6 +57,9 @@ CASES = [
      "bf16", True),
     ("sm90 MLA 576/512 causal", "sm90", 1, 4, 1, 65, 130, 576, 512, "bottom_right", "bf16", True),
     ("sm90 decode GQA rows packed", "sm90", 2, 8, 2, 1, 300, 512, 512, "none", "bf16", False),
+    # D % 16 == 8 with long rows: q, k zero-padded to D + 8 (`launch.widened_fwd`)
+    ("sm90 D280 widened to 288, Nq != Nkv causal", "sm90", 1, 1, 1, 3100, 3200, 280, 280,
+     "bottom_right", "bf16", False),
     # O halves computed wider than stored (`half_align`): the extra columns past Dv zero-filled
     # by TMA and never stored
     ("sm90 D336 widened O halves, Nq != Nkv", "sm90", 1, 2, 2, 77, 200, 336, 336, "none",
@@ -218,7 +221,7 @@ def _problem(case):
 def jobs(target: str = "sm_90a") -> list:
     """(kernel class, config) of every kernel the workload launches on `target` (with
     SANITIZE_CASES set, the selected cases' only)."""
-    from ffpa_cute import dispatch
+    from ffpa_cute import dispatch, launch
     from ffpa_cute.common.config import CombineConfig
     from ffpa_cute.fp8 import vt_config
     from ffpa_cute.options import Options
@@ -231,6 +234,9 @@ def jobs(target: str = "sm_90a") -> list:
         plan = dispatch.plan_fwd(p, target=target, opts=opts)
         assert plan.reason is None, (case[0], plan.reason)
         todo = [(plan.kernel_cls, plan.cfg)]
+        wide = launch.widened_fwd(plan, p.seqlen_q, p.seqlen_kv)
+        if wide is not None:   # what runs instead at D % 16 == 8 with long rows
+            todo.append((wide.kernel_cls, wide.cfg))
         if case[-2] == "e4m3":
             t = vt_config(plan.kernel_cls, target, case[8])
             todo.append((dispatch.kernel_class(t), t))

@@ -221,6 +221,31 @@ def test_row_repack_is_the_same_kernel(seed, monkeypatch, d):
     assert rel_err(a, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("d,mode,nq,nkv,ratio,dt", [
+    (280, "none", 3100, 3100, 1, BF16), (504, "bottom_right", 3000, 4097, 4, torch.float16),
+    (264, "upper_left", 4097, 3001, 8, BF16), (328, "none", 4096, 4096, 2, BF16)])
+def test_widened_forward_is_exact(seed, monkeypatch, d, mode, nq, nkv, ratio, dt):
+    """At D % 16 == 8 with copied rows the forward runs the D + 8 kernel's score side on q and
+    k zero-padded to D + 8 (`launch.widened_fwd`, named by explain): the same scores, so out
+    and lse are the same bits as the D kernel's; out is D wide and contiguous; within the
+    float64 criterion. GQA (packed rows), both causal alignments with Nq != Nkv, fp16."""
+    q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, dt)
+    plan = kernel_plan(q, k, v, mode)
+    assert launch.widened_fwd(plan, nq, nkv) is not None
+    gqa = ratio > 1
+    assert f"zero-padded from D={d}" in explain(q, k, v, is_causal=mode != "none",
+                                                  enable_gqa=gqa)
+    out, lse = call(q, k, v, mode, return_lse=True)
+    monkeypatch.setattr(launch, "widened_fwd", lambda *a: None)
+    out_d, lse_d = call(q, k, v, mode, return_lse=True)
+    assert out.shape == out_d.shape and out.is_contiguous()
+    assert torch.equal(out, out_d) and torch.equal(lse, lse_d)
+    causal, off = mode != "none", offset_of(mode, nq, nkv)
+    ref, _ = attention_ref(q, k, v, causal=causal, causal_offset=off)
+    base, _ = attention_same_dtype(q, k, v, causal=causal, causal_offset=off)
+    assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+
+
 def test_deterministic(seed):
     q, k, v = make_qkv(2, 8, 2, 1000, 1000, 640, BF16)
     a = call(q, k, v, "bottom_right")

@@ -433,6 +433,37 @@ def test_backward_kv_pair_rule(d):
     assert not any(c.kv_pair for c in small.cfgs[1:])
 
 
+@pytest.mark.parametrize("d,n,causal,widened", [
+    (280, 8192, False, True), (328, 4096, True, True), (504, 8192, False, True),
+    (264, 8192, True, True), (312, 2048, False, False), (512, 8192, False, False),
+    (336, 8192, False, False), (520, 8192, False, False)])
+def test_widened_forward_rule(d, n, causal, widened):
+    """At D % 16 == 8 up to 504, where the rows are copied anyway, the forward runs the D + 8
+    kernel's score side (Dv = D) on q and k zero-padded to D + 8 columns, with D's softmax
+    scale (`launch.widened_fwd`; explain names it); the padded copy holds the values, then
+    zeros."""
+    from ffpa_cute.sm90 import config as sm90_config
+
+    p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n, causal=causal)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    wide = launch.widened_fwd(plan, n, n)
+    assert (wide is not None) == widened
+    if widened:
+        assert (wide.cfg.head_dim, wide.cfg.dv) == (d + 8, d) and wide.cfg.head_dim_v == d
+        assert wide.problem.softmax_scale == p.softmax_scale == 1 / d ** 0.5
+        assert sm90_config.can_implement(wide.cfg) is None and wide.cfg.causal == causal
+        assert f"zero-padded from D={d}" in launch.describe_fwd(plan)
+        assert launch.widened_fwd(plan, 64, n) is None   # short queries: no copy, no widening
+        win = dispatch.plan_fwd(dataclasses.replace(p, window_lo=-100), target="sm_90a")
+        assert launch.widened_fwd(win, n, n) is None
+    else:
+        assert launch.describe_fwd(plan) == plan.describe()
+    t = torch.randn(2, 3, 5, d, dtype=torch.bfloat16)
+    z = launch.zero_padded(t, d + 8)
+    assert torch.equal(z[..., :d], t) and not z[..., d:].any() and z.shape[-1] == d + 8
+    assert all(s * 2 % 128 == 0 for s in z.stride()[:-1])
+
+
 @pytest.mark.parametrize("hq,hkv,n,d,split", [
     (32, 32, 8192, 512, 1), (32, 4, 8192, 512, 1), (32, 4, 4096, 512, 2), (64, 1, 8192, 512, 4),
     (64, 1, 8192, 1024, 2), (8, 2, 1000, 512, 8 // 2), (64, 1, 128, 320, 64), (6, 2, 64, 512, 1)])

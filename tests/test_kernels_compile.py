@@ -275,6 +275,23 @@ def test_sm90_line_aligned_cta_share_compiles(d, fields):
     _no_spills(ptx)
 
 
+@pytest.mark.parametrize("d", [280, 504])
+def test_sm90_widened_forward_compiles(d):
+    """The forward `launch.widened_fwd` runs at D % 16 == 8: scores over D + 8 columns, V and O
+    D wide (head_dim_v = D, allowed only as head_dim - 8): QK's wgmma k16 over D + 8, PV's at
+    the planned O widths, no spills."""
+    p = dataclasses.replace(_problem(d, False, 2, 2), head_dim=d + 8)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    cfg = plan.cfg
+    assert cfg.head_dim_v == d and cfg.dv == d and cfg.split_align == 64
+    assert "head_dim_v" in sm90_config.can_implement(dataclasses.replace(cfg, head_dim_v=d - 16))
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    for w in cfg.dv_halves:
+        assert f"wgmma.mma_async.sync.aligned.m64n{w}k16" in ptx
+    assert ".local" not in ptx
+    _no_spills(ptx)
+
+
 def test_kv_pair_config_rules():
     c = sm90_config.FwdConfigSm90(arch="sm_90a", dtype="bf16", head_dim=512, causal=False,
                                   kv_pair=True)

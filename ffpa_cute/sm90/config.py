@@ -62,7 +62,9 @@ class FwdConfigSm90:
                    instead of staying resident: required when O is split over two CTAs (D > 512);
                    at D <= 512 it trades L2 reads of Q for smem given to the V rings.
     head_dim_v:    Dv of V and O when it differs from D (MLA-absorbed 576 / 512), else None (one
-                   key per kernel): a multiple of 16 in [64, 512] (O in one CTA)
+                   key per kernel): a multiple of 16 in [64, 512] (O in one CTA), or for the
+                   16-bit forward D - 8 (`launch.widened_fwd`: a D % 16 == 8 problem's scores
+                   over 8 zero-padded columns more)
     kv_pair:       with o_split 2: the two CTAs of a Q tile form a cluster and split the KV
                    blocks instead of both computing every S (each computes S for every other
                    block, the pair exchanges row maxima and P through distributed shared
@@ -604,10 +606,12 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return f"dtype {cfg.dtype!r} not in {DTYPES}"
     if cfg.head_dim % 8 or not MIN_HEAD_DIM <= cfg.head_dim <= MAX_HEAD_DIM:
         return f"head_dim={cfg.head_dim}: need a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
-    if cfg.head_dim_v is not None and (cfg.head_dim_v == cfg.head_dim or cfg.head_dim_v % 16
-                                       or not 64 <= cfg.head_dim_v <= MAX_SINGLE_CTA_HEAD_DIM):
+    widened = type(cfg) is FwdConfigSm90 and cfg.head_dim_v == cfg.head_dim - 8
+    if cfg.head_dim_v is not None and (
+            cfg.head_dim_v == cfg.head_dim or (cfg.head_dim_v % 16 and not widened)
+            or not 64 <= cfg.head_dim_v <= MAX_SINGLE_CTA_HEAD_DIM):
         return (f"head_dim_v={cfg.head_dim_v}: None when equal to head_dim, else a multiple of "
-                f"16 in [64, {MAX_SINGLE_CTA_HEAD_DIM}]")
+                f"16 in [64, {MAX_SINGLE_CTA_HEAD_DIM}] (or, the 16-bit forward, head_dim - 8)")
     if cfg.o_split > 1 and not cfg.stream_q:
         return f"head_dim={cfg.head_dim} > {MAX_SINGLE_CTA_HEAD_DIM} needs stream_q=True"
     if cfg.kv_pair and (cfg.o_split != 2 or cfg.head_dim_v is not None
