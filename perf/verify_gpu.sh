@@ -44,6 +44,10 @@
 #         tests) (precompile: `python -m tests.gpu_jobs --sections lines`, packed; the
 #         curve section measures the routes, perf.cta_align / perf.split_align_bwd time them
 #         against even shares)
+#   widened the forward at D % 16 == 8 with long rows on q, k zero-padded to D + 8
+#         (`launch.widened_fwd`): its GPU tests (the same bits as the D kernel, float64) and
+#         its sanitizer case (precompile: `python -m tests.gpu_jobs --sections widened`, and
+#         with SANITIZE_CASES=widened `--sections sanitize`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -138,6 +142,14 @@ if has lines; then
       "tests/test_backward_sm90_gpu.py::test_line_shares" \
       "tests/test_backward_sm90_gpu.py::test_fp16" 2>&1 | tee "$out/gpu_lines.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -20
+fi
+if has widened; then
+  step "D % 16 == 8 widened to D + 8: GPU tests, sanitizer case"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_attention_gpu.py \
+      -k "widened or row_repack" 2>&1 | tee "$out/gpu_widened.log" \
+      | grep -E "FAIL|ERROR|passed|failed" | tail -10
+  SANITIZE_CASES=widened timeout 300 python -m tests.sanitize --out "$out/san_widened" \
+      --timeout 280 2>&1 | tail -6
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"
