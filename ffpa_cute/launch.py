@@ -77,16 +77,22 @@ def row_aligned(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def widened_fwd(plan: Plan, nq: int, nkv: int) -> Plan | None:
+# The widened forward (`widened_fwd`) is compile-verified only: `run_fwd` takes it once its GPU
+# tests (test_widened_forward_is_exact: the same bits as the D kernel, float64) and sanitizer
+# case have run (perf/verify_gpu.sh SECTIONS=widened, which switch it on for themselves).
+WIDENED = False
+
+
+def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan | None:
     """The plan `run_fwd` runs instead of `plan` on q and k zero-padded to D + 8 columns (V and O
     as they are: Dv = D), or None. A 16-bit WGMMA forward at D = Dv <= 504 with D % 16 == 8,
     no window, sinks or varlen, where the rows are copied anyway (`repack_rows`): the scores
     are the same sums (the 8 columns are zeros; the softmax scale stays 1 / sqrt(D) or the
     caller's), and the kernel reads Q and K as at D + 8 (perf.pad16, H100, B=1, H=32, N=8K,
     operands padded beforehand: D + 8 wide q, k, v ran 7-13% faster than D, a D + 8 wide V
-    alone 1-6%)."""
+    alone 1-6%). None while WIDENED is off, unless `candidate` (the GPU run's kernel lists)."""
     p = plan.problem
-    if not (plan.reason is None and type(plan.cfg).__name__ == "FwdConfigSm90"
+    if not ((WIDENED or candidate) and plan.reason is None and type(plan.cfg).__name__ == "FwdConfigSm90"
             and p.head_dim == p.head_dim_v and p.head_dim % 16 == 8 and p.head_dim <= 504
             and p.window_lo is None and not p.has_sinks and not p.varlen
             and repack_rows(p, plan.cfg, nq, nkv)):
@@ -304,4 +310,4 @@ class FwdCall:
 
 __all__ = ["FwdCall", "describe_fwd", "kernel_args", "kernel_ready", "kernel_scalars",
            "repack_rows", "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_grad_jobs",
-           "run_job", "sm_count", "widened_fwd", "zero_padded"]
+           "run_job", "sm_count", "WIDENED", "widened_fwd", "zero_padded"]

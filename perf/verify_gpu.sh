@@ -47,7 +47,7 @@
 #   widened the forward at D % 16 == 8 with long rows on q, k zero-padded to D + 8
 #         (`launch.widened_fwd`): its GPU tests (the same bits as the D kernel, float64) and
 #         its sanitizer case (precompile: `python -m tests.gpu_jobs --sections widened`, and
-#         with SANITIZE_CASES=widened `--sections sanitize`, packed)
+#         with SANITIZE_CASES=zero-padded `--sections sanitize`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -148,7 +148,7 @@ if has widened; then
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_attention_gpu.py \
       -k "widened or row_repack" 2>&1 | tee "$out/gpu_widened.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -10
-  SANITIZE_CASES=widened timeout 300 python -m tests.sanitize --out "$out/san_widened" \
+  SANITIZE_CASES=zero-padded timeout 300 python -m tests.sanitize --out "$out/san_widened" \
       --timeout 280 2>&1 | tail -6
 fi
 if has trace; then

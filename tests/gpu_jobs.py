@@ -281,7 +281,7 @@ def _widened_jobs() -> list:
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=mode != "none",
                         causal_offset=nkv - nq if mode == "bottom_right" else 0)
         plan = dispatch.plan_fwd(p, target=TARGET)
-        wide = launch.widened_fwd(plan, nq, nkv)
+        wide = launch.widened_fwd(plan, nq, nkv, candidate=True)
         out += [(plan.kernel_cls, plan.cfg)] + ([(wide.kernel_cls, wide.cfg)] if wide else [])
         if ratio == 1 and mode == "bottom_right":
             out += dispatch.plan_bwd(p, target=TARGET).jobs

@@ -437,15 +437,17 @@ def test_backward_kv_pair_rule(d):
     (280, 8192, False, True), (328, 4096, True, True), (504, 8192, False, True),
     (264, 8192, True, True), (312, 2048, False, False), (512, 8192, False, False),
     (336, 8192, False, False), (520, 8192, False, False)])
-def test_widened_forward_rule(d, n, causal, widened):
-    """At D % 16 == 8 up to 504, where the rows are copied anyway, the forward runs the D + 8
-    kernel's score side (Dv = D) on q and k zero-padded to D + 8 columns, with D's softmax
-    scale (`launch.widened_fwd`; explain names it); the padded copy holds the values, then
-    zeros."""
+def test_widened_forward_rule(monkeypatch, d, n, causal, widened):
+    """At D % 16 == 8 up to 504, where the rows are copied anyway, the widened forward runs the
+    D + 8 kernel's score side (Dv = D) on q and k zero-padded to D + 8 columns, with D's
+    softmax scale (`launch.widened_fwd`, behind `launch.WIDENED` until its GPU run; explain
+    names it); the padded copy holds the values, then zeros."""
     from ffpa_cute.sm90 import config as sm90_config
 
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n, causal=causal)
     plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert launch.widened_fwd(plan, n, n) is None   # not routed until its GPU run
+    monkeypatch.setattr(launch, "WIDENED", True)
     wide = launch.widened_fwd(plan, n, n)
     assert (wide is not None) == widened
     if widened:
