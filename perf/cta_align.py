@@ -23,19 +23,26 @@ L2 flushed; `interleaved_ms`):
            share of each CTA from a line: 192 + 128 at D=576);
   even     `cta_align` 8 and `split_align` 8, the shares as even as 8 columns allow (rings
            refitted; the route until the first run below);
-  cta64    `cta_align` 64 alone;
+  cta32    `cta_align` 32 with `split_align` 64: the second CTA from a 64-byte half line, for
+           the D % 64 == 8 sizes where 64 computes 13-23% of O's columns past D (D=520: 288 +
+           232 stored, 576 computed against 640; 648: 352 + 296; 776: 416 + 360; 904: 480 +
+           424), each CTA's hi share from its width's next multiple of 64;
+  cta32e   `cta_align` 32 with even shares inside each CTA;
 and whether out / lse are the same bits as routed's (each column is the same sum of products
 whichever CTA and warpgroup computes it). First run (H100, 2026-12-05, when `even` was the
 route): routed against even D=584 277 -> 317 TFLOPS, 600 282 -> 323, 712 290 -> 323, 776
 284 -> 310, 832 344 -> 382, 576 338 -> 348, 648 281 -> 298, 704 354 -> 365, 520 279 -> 283,
-1016 unchanged; cta64 alone lost at 520 / 576 and gained less elsewhere.
+1016 unchanged; cta64 alone lost at 520 / 576 and gained less elsewhere. The second run
+times cta32 at the D % 64 == 8 sizes the curve still flags (520, 648, 776, 904; and 584),
+with 600 / 832 as controls. Prediction: at 520 / 648 / 776 / 904 cta32 +3-10% over the route
+(fewer padded columns; the second CTA on a sector but mid-line), at 584 / 600 / 832 0 to -5%.
 """
 
 from __future__ import annotations
 
 from perf import experiment
 
-HEAD_DIMS = (520, 576, 584, 600, 648, 704, 712, 776, 832, 1016)
+HEAD_DIMS = (520, 584, 648, 776, 904, 600, 832)
 
 
 def variants(d: int) -> dict:
@@ -43,7 +50,8 @@ def variants(d: int) -> dict:
     routed = experiment.routed_fwd(experiment.self_problem(d))
     out = {"routed": routed}
     for name, fields in (("even", dict(cta_align=8, split_align=8)),
-                         ("cta64", dict(cta_align=64, split_align=8))):
+                         ("cta32", dict(cta_align=32, split_align=64)),
+                         ("cta32e", dict(cta_align=32, split_align=8))):
         try:
             out[name] = experiment.refit(routed, **fields)
         except ValueError as e:

@@ -258,16 +258,18 @@ def test_sm90_kv_pair_compiles(d, causal):
     _no_spills(ptx)
 
 
-@pytest.mark.parametrize("d,fields", [(576, dict(cta_align=64)),
-                                      (584, dict(cta_align=64, split_align=64))])
-def test_sm90_line_aligned_cta_share_compiles(d, fields):
+@pytest.mark.parametrize("d,fields,cta", [(576, dict(cta_align=64, split_align=8), 320),
+                                          (584, dict(cta_align=64, split_align=64), 320),
+                                          (520, dict(cta_align=32, split_align=64), 288)])
+def test_sm90_line_aligned_cta_share_compiles(d, fields, cta):
     """The CTA pair with the second CTA's columns from a 128-byte line (`cta_align` 64; with
-    `split_align` 64 its hi share too: 192 + 128): wgmma of the planned widths, the pair's
-    exchange, no spills (a tuning variant perf.cta_align times, not planned)."""
+    `split_align` 64 its hi share too: 192 + 128, as planned) or a 64-byte half line
+    (`cta_align` 32, a variant perf.cta_align times): wgmma of the planned widths, the pair's
+    exchange, no spills."""
     p = _problem(d, False, 2, 2)
     plan = dispatch.plan_fwd(p, target="sm_90a")
     cfg = dataclasses.replace(plan.cfg, **fields)
-    assert sm90_config.can_implement(cfg) is None and cfg.dv_cta == 320 and cfg.kv_pair
+    assert sm90_config.can_implement(cfg) is None and cfg.dv_cta == cta and cfg.kv_pair
     ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
     for w in cfg.dv_halves:
         assert f"wgmma.mma_async.sync.aligned.m64n{w}k16" in ptx

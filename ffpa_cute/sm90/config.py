@@ -90,7 +90,8 @@ class FwdConfigSm90:
     cta_align:     with O over two CTAs, each CTA's width (`dv_cta`) rounded up to a multiple of
                    this: 8, the most even split; 64 (16-bit), the second CTA's first column on
                    a 128-byte line (D=576: 320 + 256 stored instead of 288 + 288; its columns
-                   past Dv come from TMA's zeros and are not stored)
+                   past Dv come from TMA's zeros and are not stored); 32 (16-bit, a tuning
+                   variant perf.cta_align times), on a 64-byte half line (D=520: 288 + 232)
     persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
                    + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
@@ -634,10 +635,10 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
             cfg.half_align not in (32, 64) or cfg.dv_split[1] <= 0)):
         return ("split_align must be 8, or 64 with half_align 32 or 64 and a hi share left "
                 "(Dv > 64)")
-    if cfg.cta_align not in (8, 64) or (cfg.cta_align == 64 and (
+    if cfg.cta_align not in (8, 32, 64) or (cfg.cta_align != 8 and (
             cfg.o_split != 2 or cfg.elem_bytes != 2 or cfg.dv_cta >= cfg.dv)):
-        return ("cta_align must be 8, or 64 with O over two CTAs, 16-bit operands and columns "
-                "left for the second CTA")
+        return ("cta_align must be 8, or 32 or 64 with O over two CTAs, 16-bit operands and "
+                "columns left for the second CTA")
     if max(cfg.dv_halves) > 256:
         return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
