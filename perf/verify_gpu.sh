@@ -48,6 +48,9 @@
 #         (`launch.widened_fwd`): its GPU tests (the same bits as the D kernel, float64) and
 #         its sanitizer case (precompile: `python -m tests.gpu_jobs --sections widened`, and
 #         with SANITIZE_CASES=zero-padded `--sections sanitize`, packed)
+#   cta   perf.cta_align: the CTA pair's second CTA from a line (routed) against even shares and
+#         a 64-byte half line (`cta_align` 32) at the D % 64 == 8 sizes above 512
+#         (precompile: `python -m perf.cta_align --precompile DIR`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -150,6 +153,10 @@ if has widened; then
       | grep -E "FAIL|ERROR|passed|failed" | tail -10
   SANITIZE_CASES=zero-padded timeout 300 python -m tests.sanitize --out "$out/san_widened" \
       --timeout 280 2>&1 | tail -6
+fi
+if has cta; then
+  step "perf.cta_align: the CTA pair's shares"
+  timeout 150 python -m perf.cta_align --out "$out/cta_align.json"
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"
