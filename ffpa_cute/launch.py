@@ -92,8 +92,9 @@ def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan 
     operands padded beforehand: D + 8 wide q, k, v ran 7-13% faster than D, a D + 8 wide V
     alone 1-6%). None while WIDENED is off, unless `candidate` (the GPU run's kernel lists)."""
     p = plan.problem
-    if not ((WIDENED or candidate) and plan.reason is None and type(plan.cfg).__name__ == "FwdConfigSm90"
-            and p.head_dim == p.head_dim_v and p.head_dim % 16 == 8 and p.head_dim <= 504
+    if not ((WIDENED or candidate) and plan.reason is None
+            and type(plan.cfg).__name__ == "FwdConfigSm90" and p.head_dim == p.head_dim_v
+            and p.head_dim % 16 == 8 and p.head_dim <= 504
             and p.window_lo is None and not p.has_sinks and not p.varlen
             and repack_rows(p, plan.cfg, nq, nkv)):
         return None

@@ -15,8 +15,9 @@ copied inside the timing; L2 flushed; `interleaved_ms`):
   d       the planned kernel at (D, Dv=D);
   v16     (D, Dv=D+8): V and O D+8 wide, V's last 8 columns zero (the score side as `d`, the
           output side as at D+8);
-  qk16    (D+8, D+8): q, k, v zero-padded to D+8 (the kernel of D+8; scores, P and O's first
-          D columns the same sums as `d`'s);
+  qk16    (D+8, D+8) at D's softmax scale: q, k, v zero-padded to D+8 (the kernel of D+8;
+          scores, P and O's first D columns the same sums as `d`'s; the first run, 125b356,
+          used D+8's default scale, so its out differed);
 each with `d`'s `lazy_rescale`;
 TFLOPS on D's FLOPs, and whether v16's and qk16's first D columns of out (and lse) are the
 same bits as d's. Prediction: if v16 reads like qk16, the output side (V boxes, O stores) holds
@@ -39,8 +40,8 @@ def _plans(d: int) -> dict:
     p = experiment.self_problem(d, HEADS, N)
     plans = {"d": experiment.routed_fwd(p),
              "v16": experiment.routed_fwd(dataclasses.replace(p, head_dim_v=d + 8)),
-             "qk16": experiment.routed_fwd(dataclasses.replace(p, head_dim=d + 8,
-                                                               head_dim_v=d + 8))}
+             "qk16": experiment.routed_fwd(dataclasses.replace(
+                 p, head_dim=d + 8, head_dim_v=d + 8, scale=p.softmax_scale))}
     lazy = plans["d"].cfg.lazy_rescale   # rescaled as d is (D+8 may be lazy where D is not)
     return {n: dataclasses.replace(x, cfg=dataclasses.replace(x.cfg, lazy_rescale=lazy))
             for n, x in plans.items()}
