@@ -72,9 +72,16 @@ def row_aligned(t: torch.Tensor) -> torch.Tensor:
     if (t.stride(-1) == 1 and t.data_ptr() % ROW_LINE == 0
             and all(s * elem % ROW_LINE == 0 for s in t.stride()[:-1])):
         return t
-    width = -(-t.shape[-1] * elem // ROW_LINE) * ROW_LINE // elem
-    out = t.new_empty(*t.shape[:-1], width)[..., :t.shape[-1]]
+    out = _line_rows(t, t.shape[-1])
     return out.copy_(t)
+
+
+def _line_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """An uninitialised [..., :width] view, t's dtype and leading shape, of a buffer whose rows
+    are padded to whole 128-byte lines."""
+    elem = t.element_size()
+    full = -(-width * elem // ROW_LINE) * ROW_LINE // elem
+    return t.new_empty(*t.shape[:-1], full)[..., :width]
 
 
 # The widened forward (`widened_fwd`) is compile-verified only: `run_fwd` takes it once its GPU
@@ -116,9 +123,7 @@ def describe_fwd(plan: Plan) -> str:
 def zero_padded(t: torch.Tensor, width: int) -> torch.Tensor:
     """t's values followed by zeros up to `width` columns, in rows that start on 128-byte lines
     (a [..., :width] view of a wider buffer, as `row_aligned`)."""
-    elem = t.element_size()
-    full = -(-width * elem // ROW_LINE) * ROW_LINE // elem
-    out = t.new_empty(*t.shape[:-1], full)[..., :width]
+    out = _line_rows(t, width)
     out[..., t.shape[-1]:].zero_()
     out[..., :t.shape[-1]].copy_(t)
     return out

@@ -62,14 +62,13 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
     plan too; `head_dims` entries as `head_dim_pair` reads them."""
     from . import launch
 
-    plans, seen = [], set()
+    plans, seen, long = [], set(), 1 << 16   # long: rows the widening rule copies
     for d, dv in map(head_dim_pair, head_dims):
         for dt in dtypes:
             for causal in causals:
                 p = AttnProblem(dtype=dt, batch=1, heads_q=1, heads_kv=1, seqlen_q=1,
                                 seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
                 plan = dispatch.plan_fwd(p, target=target)
-                long = 1 << 16
                 wide = launch.widened_fwd(plan, long, long) if plan.reason is None else None
                 for x in (plan, wide):
                     if x is not None and x.reason is None and (x.kernel_cls, x.cfg) not in seen:

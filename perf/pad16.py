@@ -51,18 +51,6 @@ def jobs() -> list:
     return experiment.forward_jobs(p for d in HEAD_DIMS for p in _plans(d).values())
 
 
-def _padded(t, width: int):
-    """t's values in the first columns of zeroed rows `width` wide, each row starting on a
-    128-byte line (`launch.row_aligned` of the zero-padded tensor)."""
-    import torch
-
-    from ffpa_cute import launch
-
-    out = torch.zeros(*t.shape[:-1], width, dtype=t.dtype, device=t.device)
-    out[..., :t.shape[-1]] = t
-    return launch.row_aligned(out)
-
-
 def run(dev, flush) -> dict:
     import torch
 
@@ -77,8 +65,8 @@ def run(dev, flush) -> dict:
             q, k, v = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
                        for _ in range(3))
             rows = [launch.row_aligned(t) for t in (q, k, v)]
-            v16 = _padded(v, d + 8)
-            wide = [_padded(t, d + 8) for t in (q, k, v)]
+            v16 = launch.zero_padded(v, d + 8)
+            wide = [launch.zero_padded(t, d + 8) for t in (q, k, v)]
             fns = {"d": lambda p=plans["d"]: launch.run_fwd(p, *rows),
                    "v16": lambda p=plans["v16"]: launch.run_fwd(p, rows[0], rows[1], v16),
                    "qk16": lambda p=plans["qk16"]: launch.run_fwd(p, *wide)}

@@ -17,8 +17,9 @@ L2 flushed; `interleaved_ms`) as:
   routed   the plan now (`split_align` 64, persistent);
   split8   the same with `split_align` 8 (the rings refitted);
   before   `split_align` 8 and one CTA per tile (D % 64 != 0: the route before this change);
-  lazy     the routed plan with `lazy_rescale` (routed at D=320 / 512 only: is it the same
-           gain elsewhere? The routed plan already has it at 320);
+  lazy     the routed plan with `lazy_rescale` (which head dims gain from it; the first run,
+           2f2d8ea, moved 328 / 336 / 368 / 456 into LAZY_RESCALE_HEAD_DIMS, so the routed
+           plan has it at those and 320);
 and each variant's out / lse checked against routed's bits (the same for split8 and before:
 each O column is the same sum of products whichever warpgroup computes it; lazy's may differ).
 """

@@ -221,9 +221,14 @@ def test_row_repack_is_the_same_kernel(seed, monkeypatch, d):
     assert rel_err(a, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("d,mode,nq,nkv,ratio,dt", [
-    (280, "none", 3100, 3100, 1, BF16), (504, "bottom_right", 3000, 4097, 4, torch.float16),
-    (264, "upper_left", 4097, 3001, 8, BF16), (328, "none", 4096, 4096, 2, BF16)])
+# the widened forward (`launch.widened_fwd`): (D, causal mode, Nq, Nkv, GQA ratio, dtype), long
+# enough for the row copy; tests/gpu_jobs.py packs their kernels
+WIDENED_CASES = [(280, "none", 3100, 3100, 1, BF16),
+                 (504, "bottom_right", 3000, 4097, 4, torch.float16),
+                 (264, "upper_left", 4097, 3001, 8, BF16), (328, "none", 4096, 4096, 2, BF16)]
+
+
+@pytest.mark.parametrize("d,mode,nq,nkv,ratio,dt", WIDENED_CASES)
 def test_widened_forward_is_exact(seed, monkeypatch, d, mode, nq, nkv, ratio, dt):
     """At D % 16 == 8 with copied rows the forward runs the D + 8 kernel's score side on q and
     k zero-padded to D + 8 (`launch.widened_fwd`, named by explain): the same scores, so out
