@@ -99,6 +99,12 @@ def kernel_operands(q, k_cache, v_cache, seqlens, block_table, splits: int, desc
         v_descale=None if descales is None else descales[1])
 
 
+def combine_config(target: str, dtype: str, dv: int) -> CombineConfig:
+    """The split combine's compile key after a decode kernel of `target` with `dtype` queries
+    and Dv = dv (what `split_kv_decode` launches and `precompile --decode` compiles)."""
+    return CombineConfig(target, dtype, dv)
+
+
 def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_table,
                     splits: int | None, descales=None):
     """(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32) of q [B, Nq, Hq, D] over each
@@ -113,7 +119,7 @@ def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_tabl
     tensors = kernel_operands(q, k_cache, v_cache, seqlens, block_table, s, descales)
     out = torch.empty(b, hkv, m, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hkv, m, dtype=torch.float32, device=q.device)
-    combine = CombineConfig(plan.target, dtype_name(q.dtype), dv)
+    combine = combine_config(plan.target, dtype_name(q.dtype), dv)
     with torch.cuda.device(q.device):
         launch.run_job(plan.kernel_cls, plan.cfg, tensors,
                        dict(softmax_scale=plan.problem.softmax_scale, num_splits=s, nq=nq))
@@ -135,4 +141,4 @@ def merge_splits(out, lse):
     return merged, torch.where(total > 0, top.squeeze(-2) + torch.log(total), float("-inf"))
 
 
-__all__ = ["decode_plan", "kernel_operands", "merge_splits", "num_splits", "split_kv_decode"]
+__all__ = ["combine_config", "decode_plan", "kernel_operands", "merge_splits", "num_splits", "split_kv_decode"]

@@ -85,7 +85,10 @@ def decode_jobs(target: str, head_dims, dtypes, pages) -> list:
     cache dtype (the query's; e4m3 too when `dtypes` has it) and page size (None: a
     contiguous cache); combinations no decode kernel serves are skipped. An e4m3 cache is
     compiled for each row count the keys-as-rows kernel keys on (8, 16, 24, 32 query rows per
-    KV head) and for the row-tiled kernel (more rows: MQA)."""
+    KV head) and for the row-tiled kernel (more rows: MQA); each with the split combine that
+    follows it (`decode.combine_config`), so a precompiled decode step compiles nothing."""
+    from .decode import combine_config
+
     q_dtypes = [dt for dt in dtypes if dt != "e4m3"] or ["bf16"]
     kv_dtypes = [None] + (["e4m3"] if "e4m3" in dtypes else [])
     jobs = []
@@ -99,8 +102,12 @@ def decode_jobs(target: str, head_dims, dtypes, pages) -> list:
                                     seqlen_kv=1, head_dim=d, head_dim_v=dv)
                     for page in pages:
                         plan = dispatch.plan_decode(p, page, target=target, kv_dtype=kv)
-                        if plan.reason is None and (plan.kernel_cls, plan.cfg) not in jobs:
-                            jobs.append((plan.kernel_cls, plan.cfg))
+                        if plan.reason is None:
+                            combine = combine_config(target, dt, dv)
+                            for job in ((plan.kernel_cls, plan.cfg),
+                                        (dispatch.kernel_class(combine), combine)):
+                                if job not in jobs:
+                                    jobs.append(job)
     return jobs
 
 

@@ -47,11 +47,16 @@ def test_decode_jobs_cover_caches_and_pages():
     assert {(c.dtype, c.kv_dtype, c.page_rows) for c in dec} == {
         ("bf16", None, None), ("bf16", None, 64), ("bf16", "e4m3", None), ("bf16", "e4m3", 64)}
     only = precompile.decode_jobs("sm_90a", [512], ["e4m3"], [64])
-    assert {(c.dtype, c.kv_dtype) for _, c in only} == {("bf16", "e4m3")}
+    assert {(c.dtype, c.kv_dtype) for cls, c in only if cls.__name__ != "SplitCombine"} == {
+        ("bf16", "e4m3")}
     # an e4m3 cache: the keys-as-rows kernel at each row count, the row-tiled one for MQA
     assert sorted(c.rows for cls, c in only if cls.__name__ == "FFPADecodeKeysSm90") == [
         8, 16, 24, 32]
     assert [cls.__name__ for cls, _ in only].count("FFPADecodeSm90") == 1
+    # the split combine every decode step launches after the decode kernel (one per dtype, Dv)
+    from ffpa_cute.decode import combine_config
+    assert [c for cls, c in jobs if cls.__name__ == "SplitCombine"] == [
+        combine_config("sm_90a", "bf16", 512)]
     assert precompile.decode_jobs("sm_80", [512], ["bf16"], [None]) == []
 
 
@@ -136,6 +141,7 @@ def test_head_dims_with_their_own_v_dim(tmp_path, capsys):
                                            seqlen_q=128, seqlen_kv=1, head_dim=576,
                                            head_dim_v=512), 64, target="sm_90a")
     assert dec.reason is None and (dec.kernel_cls, dec.cfg) in jobs
+    assert any(cls.__name__ == "SplitCombine" and c.head_dim_v == 512 for cls, c in jobs)
     assert precompile.head_dim_pair("576/512") == (576, 512) == precompile.head_dim_pair(
         (576, 512))
     assert precompile.head_dim_pair(" 512") == (512, 512) == precompile.head_dim_pair(512)
