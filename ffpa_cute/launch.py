@@ -97,7 +97,9 @@ def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan 
     are the same sums (the 8 columns are zeros; the softmax scale stays 1 / sqrt(D) or the
     caller's), and the kernel reads Q and K as at D + 8 (perf.pad16, H100, B=1, H=32, N=8K,
     operands padded beforehand: D + 8 wide q, k, v ran 7-13% faster than D, a D + 8 wide V
-    alone 1-6%). None while WIDENED is off, unless `candidate` (the GPU run's kernel lists)."""
+    alone 1-6%). The D + 8 plan keeps `plan`'s lazy rescaling (LAZY_RESCALE_HEAD_DIMS names
+    measured D, and D + 8 may differ: 504 -> 512), so out and lse are the D kernel's bits. None
+    while WIDENED is off, unless `candidate` (the GPU run's kernel lists)."""
     p = plan.problem
     if not ((WIDENED or candidate) and plan.reason is None
             and type(plan.cfg).__name__ == "FwdConfigSm90" and p.head_dim == p.head_dim_v
@@ -107,7 +109,11 @@ def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan 
         return None
     wide = dataclasses.replace(p, head_dim=p.head_dim + 8, scale=p.softmax_scale)
     wide = dispatch.plan_fwd(wide, target=plan.target)
-    return wide if wide.reason is None and wide.family == plan.family else None
+    if wide.reason is not None or wide.family != plan.family:
+        return None
+    lazy = plan.cfg.lazy_rescale
+    return (wide if wide.cfg.lazy_rescale == lazy else
+            dataclasses.replace(wide, cfg=dataclasses.replace(wide.cfg, lazy_rescale=lazy)))
 
 
 def describe_fwd(plan: Plan) -> str:
