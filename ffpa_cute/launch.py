@@ -84,10 +84,13 @@ def _line_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.new_empty(*t.shape[:-1], full)[..., :width]
 
 
-# The widened forward (`widened_fwd`) is compile-verified only: `run_fwd` takes it once its GPU
-# tests (test_widened_forward_is_exact: the same bits as the D kernel, float64) and sanitizer
-# case have run (perf/verify_gpu.sh SECTIONS=widened, which switch it on for themselves).
-WIDENED = False
+# The widened forward (`widened_fwd`) runs at D % 16 == 8 up to WIDENED_MAX_HEAD_DIM: measured
+# against the D kernel (H100, B=1, H=32, N=8K, copies counted, two interleaved rounds each;
+# docs/perf-log.md session 29) D=264 +8%, 280 +8%, 296 +3%, 312 +1%, 328 +9%, 344 +8%, 360
+# +4%, 376 +9%, 392 +2%, then 408-504 -4% to +1%. `candidate=True` plans it up to
+# WIDENED_CANDIDATE_MAX_HEAD_DIM (the experiments' and the GPU tests' kernel lists).
+WIDENED_MAX_HEAD_DIM = 392
+WIDENED_CANDIDATE_MAX_HEAD_DIM = 504
 
 
 def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan | None:
@@ -97,13 +100,15 @@ def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan 
     are the same sums (the 8 columns are zeros; the softmax scale stays 1 / sqrt(D) or the
     caller's), and the kernel reads Q and K as at D + 8 (perf.pad16, H100, B=1, H=32, N=8K,
     operands padded beforehand: D + 8 wide q, k, v ran 7-13% faster than D, a D + 8 wide V
-    alone 1-6%). The D + 8 plan keeps `plan`'s lazy rescaling (LAZY_RESCALE_HEAD_DIMS names
-    measured D, and D + 8 may differ: 504 -> 512), so out and lse are the D kernel's bits. None
-    while WIDENED is off, unless `candidate` (the GPU run's kernel lists)."""
+    alone 1-6%), up to D = WIDENED_MAX_HEAD_DIM, where it measured faster with the copies
+    counted (`candidate`: up to WIDENED_CANDIDATE_MAX_HEAD_DIM). The D + 8 plan keeps `plan`'s
+    lazy rescaling (LAZY_RESCALE_HEAD_DIMS names measured D, and D + 8 may differ: 504 ->
+    512), so out and lse are the D kernel's bits."""
     p = plan.problem
-    if not ((WIDENED or candidate) and plan.reason is None
+    top = WIDENED_CANDIDATE_MAX_HEAD_DIM if candidate else WIDENED_MAX_HEAD_DIM
+    if not (plan.reason is None
             and type(plan.cfg).__name__ == "FwdConfigSm90" and p.head_dim == p.head_dim_v
-            and p.head_dim % 16 == 8 and p.head_dim <= 504
+            and p.head_dim % 16 == 8 and p.head_dim <= top
             and p.window_lo is None and not p.has_sinks and not p.varlen
             and repack_rows(p, plan.cfg, nq, nkv)):
         return None
@@ -322,4 +327,5 @@ class FwdCall:
 
 __all__ = ["FwdCall", "describe_fwd", "kernel_args", "kernel_ready", "kernel_scalars",
            "repack_rows", "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_grad_jobs",
-           "run_job", "sm_count", "WIDENED", "widened_fwd", "zero_padded"]
+           "run_job", "sm_count", "WIDENED_CANDIDATE_MAX_HEAD_DIM", "WIDENED_MAX_HEAD_DIM",
+           "widened_fwd", "zero_padded"]

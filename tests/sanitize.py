@@ -308,7 +308,6 @@ def workload() -> int:
     import ffpa_cute
     from ffpa_cute import launch
 
-    launch.WIDENED = True   # the widened case's kernel (not routed until this and its tests run)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}
     torch.manual_seed(0)
     for case in CASES:

@@ -233,9 +233,10 @@ def test_widened_forward_is_exact(seed, monkeypatch, d, mode, nq, nkv, ratio, dt
     """At D % 16 == 8 with copied rows the forward runs the D + 8 kernel's score side on q and
     k zero-padded to D + 8 (`launch.widened_fwd`, named by explain): the same scores, so out
     and lse are the same bits as the D kernel's; out is D wide and contiguous; within the
-    float64 criterion. GQA (packed rows), both causal alignments with Nq != Nkv, fp16 (on with
-    `launch.WIDENED`, which this test's GPU run is to route)."""
-    monkeypatch.setattr(launch, "WIDENED", True)
+    float64 criterion. GQA (packed rows), both causal alignments with Nq != Nkv, fp16; up to
+    D=504 (routed up to `launch.WIDENED_MAX_HEAD_DIM`; the test widens the range to check the
+    mechanism at the largest D)."""
+    monkeypatch.setattr(launch, "WIDENED_MAX_HEAD_DIM", launch.WIDENED_CANDIDATE_MAX_HEAD_DIM)
     q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, dt)
     plan = kernel_plan(q, k, v, mode)
     assert launch.widened_fwd(plan, nq, nkv) is not None
