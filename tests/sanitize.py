@@ -306,7 +306,6 @@ def workload() -> int:
     from torch.nn.attention.bias import causal_upper_left
 
     import ffpa_cute
-    from ffpa_cute import launch
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}
     torch.manual_seed(0)
