@@ -99,15 +99,10 @@ def kernel_operands(q, k_cache, v_cache, seqlens, block_table, splits: int, desc
         v_descale=None if descales is None else descales[1])
 
 
-# The combine as a programmatic dependent launch of the decode kernel (common/combine.py, PDL):
-# compile-verified, off until perf.decode_fixed measures it (its graph_pdl_us row)
-COMBINE_PDL = False
-
-
 def combine_config(target: str, dtype: str, dv: int) -> CombineConfig:
     """The split combine's compile key after a decode kernel of `target` with `dtype` queries
     and Dv = dv (what `split_kv_decode` launches and `precompile --decode` compiles)."""
-    return CombineConfig(target, dtype, dv, pdl=COMBINE_PDL)
+    return CombineConfig(target, dtype, dv)
 
 
 def split_kv_decode(plan, q, k_cache, v_cache, seqlens, max_len: int, block_table,

@@ -8,9 +8,7 @@ whole `attention_with_kvcache(..., validate=False)` step replayed from a CUDA gr
 Cases: B=1, Hq 32 / Hkv 4, D=512, page 64, N = 4K and 32K keys, a bf16 cache (the row-tiled
 kernel) and an e4m3 cache (the keys-as-rows kernel); the splits `decode.num_splits` picks.
 Times are medians with L2 flushed before each call (perf.timing.bench), so the graph's
-number is one decode step as a serving loop replays it; `graph_pdl_us` is the same step with
-the combine launched as a programmatic dependent of the decode kernel (`decode.COMBINE_PDL`,
-common/combine.py; predicted 2-4 us under graph_us at N=4K, 0-3 at 32K).
+number is one decode step as a serving loop replays it.
 """
 
 from __future__ import annotations
@@ -42,9 +40,9 @@ def jobs() -> list:
     """The decode kernel of each cache and the combine."""
     from ffpa_cute import dispatch
 
-    combines = [CombineConfig("sm_90a", "bf16", D, pdl=pdl) for pdl in (False, True)]
+    combine = CombineConfig("sm_90a", "bf16", D)
     return [(p.kernel_cls, p.cfg) for p in map(_plan, CACHES)] + [
-        (dispatch.kernel_class(c), c) for c in combines]
+        (dispatch.kernel_class(combine), combine)]
 
 
 def run(dev, flush) -> dict:
@@ -87,16 +85,10 @@ def run(dev, flush) -> dict:
                                                         **scales)
 
             with torch.no_grad():
-                graphs, outs = {}, {}
-                for pdl in (False, True):
-                    decode.COMBINE_PDL = pdl
-                    try:
-                        outs[pdl] = step()
-                        graphs[pdl] = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graphs[pdl]):
-                            step()
-                    finally:
-                        decode.COMBINE_PDL = False
+                step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
                 row = {
                     "splits": s,
                     "kernel_us": 1e3 * median_ms(lambda: launch.run_job(cls, plan.cfg, t, sc),
@@ -105,9 +97,7 @@ def run(dev, flush) -> dict:
                         lambda: launch.run_job(cls, plan.cfg, none, sc), dev, flush),
                     "combine_us": 1e3 * median_ms(lambda: launch.run_job(comb, combine, ct, {}),
                                                   dev, flush),
-                    "graph_us": 1e3 * median_ms(graphs[False].replay, dev, flush),
-                    "graph_pdl_us": 1e3 * median_ms(graphs[True].replay, dev, flush),
-                    "pdl_same_bits": float(torch.equal(outs[False], outs[True])),
+                    "graph_us": 1e3 * median_ms(graph.replay, dev, flush),
                 }
             nbytes = 2 * B * n * HKV * D * (1 if kv == "e4m3" else 2)
             row["graph_gbps"] = nbytes / (row["graph_us"] * 1e-6) / 1e9

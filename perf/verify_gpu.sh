@@ -65,11 +65,6 @@
 #         (B 128, Hq 128 on one KV head, 576 / 512) (precompile: `python -m ffpa_cute.precompile
 #         --arch sm_90 --head-dims all --dtypes bf16 --causal no --cache-dir DIR`, packed:
 #         ~0.45 MB)
-#   pdl   the split combine as a programmatic dependent of the decode kernel
-#         (decode.COMBINE_PDL, not routed): its GPU test (the same bits, eager and in a CUDA
-#         graph), its sanitizer case, then perf.decode_fixed (graph_us against graph_pdl_us)
-#         (precompile: `python -m perf.decode_fixed --precompile DIR` and, with
-#         SANITIZE_CASES="combine PDL", `python -m tests.gpu_jobs --sections sanitize`, packed)
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
@@ -203,14 +198,6 @@ if has curve; then
       --no-charts --out "$out/mla_decode" --commit "${PERF_COMMIT:-unknown}" \
       > "$out/mla_decode.log" 2>&1
   [ "${CURVE_DECODE:-1}" = 0 ] || grep "^| [a-z]" "$out/mla_decode/fwd.md" | cut -c1-160
-fi
-if has pdl; then
-  step "the split combine by PDL: GPU test, sanitizer case, perf.decode_fixed"
-  timeout 200 pytest -m gpu -q -p no:cacheprovider tests/test_features_gpu.py \
-      -k "decode_combine_pdl" 2>&1 | tee "$out/gpu_pdl.log" | grep -E "FAIL|ERROR|passed|failed" | tail -5
-  SANITIZE_CASES="combine PDL" timeout 200 python -m tests.sanitize --out "$out/san_pdl" \
-      --timeout 180 2>&1 | tail -6
-  timeout 200 python -m perf.decode_fixed --out "$out/decode_fixed.json"
 fi
 if has limits; then
   step "perf.reduce_limits, perf.dsmem_limits"

@@ -121,10 +121,7 @@ KV_CASES = [
      "e4m3", 1),
     ("sm90 decode FP8 cache contiguous MLA MQA", 1, 16, 1, 1000, 576, 512, None, "e4m3", 1),
     ("sm90 chunked prefill (causal, Nq 5) paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 5),
-    # the split combine as a programmatic dependent launch (decode.COMBINE_PDL, not routed)
-    ("sm90 decode paged 64 GQA, combine PDL", 2, 8, 2, 300, 512, 512, 64, "bf16", 1),
 ]
-PDL_LABEL = "combine PDL"  # the KV cases whose combine waits on the decode grid
 # (label, Hq, Hkv, query lengths, key lengths, D, Dv, causal, window, sinks): one launch of
 # `varlen_attention` over packed sequences, forward and backward
 VARLEN_CASES = [
@@ -271,14 +268,14 @@ def jobs(target: str = "sm_90a") -> list:
         t = vt_config(plan.kernel_cls, target, d)
         out += [j for j in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(t), t))
                 if j not in out]
-    for label, b, hq, hkv, n, d, dv, page, kv, nq in _chosen(KV_CASES):
+    for _, b, hq, hkv, n, d, dv, page, kv, nq in _chosen(KV_CASES):
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv,
                         seqlen_q=hq // hkv * nq, seqlen_kv=n, head_dim=d, head_dim_v=dv,
                         causal=nq > 1)
         plan = dispatch.plan_decode(p, page, target=target, opts=Options(),
                                     kv_dtype=None if kv == "bf16" else kv)
         assert plan.reason is None, plan.reason
-        combine = CombineConfig(target, "bf16", dv, pdl=PDL_LABEL in label)  # the combine
+        combine = CombineConfig(target, "bf16", dv)  # the split combine after it
         for job in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(combine), combine)):
             if job not in out:
                 out.append(job)
@@ -381,12 +378,8 @@ def workload() -> int:
         lens = torch.tensor([n - 7 * i for i in range(b)], dtype=torch.int32, device="cuda")
         plan = decode.decode_plan(q, kc, vc, True, None, page, None)
         assert plan is not None and plan.cfg.causal == (nq > 1), label
-        decode.COMBINE_PDL = PDL_LABEL in label
-        try:
-            ffpa_cute.attention_with_kvcache(q, kc, vc, lens, table, strict=True)
-            torch.cuda.synchronize()
-        finally:
-            decode.COMBINE_PDL = False
+        ffpa_cute.attention_with_kvcache(q, kc, vc, lens, table, strict=True)
+        torch.cuda.synchronize()
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
     from ffpa_cute import varlen
 

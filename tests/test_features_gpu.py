@@ -384,37 +384,6 @@ def test_decode_unvalidated_captures_in_a_cuda_graph(seed, cache):
         assert rel_err(out, ref) <= 1e-2, lens
 
 
-@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
-def test_decode_combine_pdl_same_bits(seed, monkeypatch, cache):
-    """The split combine launched as a programmatic dependent of the decode kernel
-    (decode.COMBINE_PDL; common/combine.py, PDL) gives the same bits as the plain launch,
-    eagerly and replayed from a CUDA graph, over rows of many splits, none and a few keys."""
-    b, hq, hkv, page = 4, 32, 4, 64
-    k_cache, v_cache, table = _cache(b, 8192, hkv, 512, 512, page)
-    scales = {}
-    if cache == "e4m3":
-        k_cache, v_cache = (x.to(torch.float8_e4m3fn) for x in (k_cache, v_cache))
-        scales = dict(k_descale=0.5, v_descale=2.0)
-    q = rnd(b, 1, hq, 512)
-    seqlens = torch.tensor([8192, 0, 77, 5000], dtype=torch.int32, device="cuda")
-
-    def step():
-        return attention_with_kvcache(q, k_cache, v_cache, seqlens, table, validate=False,
-                                      return_lse=True, **scales)
-
-    with torch.no_grad():
-        plain = step()
-        monkeypatch.setattr(decode, "COMBINE_PDL", True)
-        eager = step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = step()
-        graph.replay()
-        torch.cuda.synchronize()
-    for got in (eager, replayed):
-        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
-
-
 # --------------------------------------------------------------------------- varlen
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_varlen_on_side_streams(seed, one_launch):

@@ -15,19 +15,9 @@ first column slice's warp writes the LSE. The column slices are a grid axis so t
 with many splits still spread over many SMs (MQA at B=1: 64 rows, up to 256 splits, 16 MB of
 partials).
 
-PDL (`CombineConfig.pdl`): the combine is launched with programmatic stream serialization
-allowed, and every thread's first instruction is `griddepcontrol.wait`, which returns once the
-grids before it on the stream (the decode kernel) have completed and their stores are visible.
-So its launch and CTA set-up overlap the decode kernel's tail instead of following its end, and
-the result cannot differ: nothing is read before the wait (with no grid before it, the wait
-returns at once). The decode kernel issues no early trigger, so the overlap is the launch gap.
-Predicted (perf.decode_fixed, B=1 GQA 32/4, D=512, bf16 page-64 cache, CUDA-graph step):
-2-4 us of the 29 us step at N=4K (the combine adds ~9 us in the graph), 0-3 us at 32K.
-
-Any arch (plain global loads and warp shuffles; `pdl`: sm_90 and newer), compiled for the
-decode kernel's target (config: common/config.py `CombineConfig`). Status: run and tested on
-the H200 through the decode tests (tests/test_features_gpu.py) without `pdl`; with `pdl`
-compile-verified only (not routed: decode.COMBINE_PDL).
+Any arch (plain global loads and warp shuffles), compiled for the decode kernel's target
+(config: common/config.py `CombineConfig`). Status: run and tested on the H200 through the
+decode tests (tests/test_features_gpu.py).
 """
 
 from __future__ import annotations
@@ -57,9 +47,6 @@ class SplitCombine:
         if cfg.dtype not in ("bf16", "fp16") or cfg.head_dim_v % VEC or cfg.head_dim_v <= 0:
             raise ValueError(f"SplitCombine: dtype {cfg.dtype!r} (bf16 / fp16) and head_dim_v "
                              f"{cfg.head_dim_v} (a positive multiple of {VEC}) required")
-        if cfg.pdl and int("".join(c for c in cfg.arch[3:] if c.isdigit())) < 90:
-            raise ValueError(f"SplitCombine: pdl=True needs sm_90 or newer (griddepcontrol), "
-                             f"got arch {cfg.arch!r}")
         self.cfg = cfg
         self.dtype = CUTLASS_DTYPES[cfg.dtype]
         self.vecs = cfg.head_dim_v // VEC       # 16-byte vectors per partial row
@@ -92,12 +79,10 @@ class SplitCombine:
         grid = (cute.ceil_div(mLse.shape[2], WARPS) * self.slices, cute.size(mLse.shape[1]),
                 cute.size(mLse.shape[0]))
         self.kernel(mOp, mLp, mO, mLse).launch(grid=grid, block=[32 * WARPS, 1, 1],
-                                               stream=stream, use_pdl=self.cfg.pdl)
+                                               stream=stream)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor):
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()  # the decode kernel's partials are visible after it
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         lane = tidx % 32

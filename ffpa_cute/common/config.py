@@ -36,14 +36,11 @@ class TransposeConfig:
 @dataclass(frozen=True)
 class CombineConfig:
     """Compile key of the split-KV decode's combine kernel (common/combine.py): target arch,
-    the output dtype ("bf16" / "fp16") and Dv (a multiple of 4). `pdl`: launched as a
-    programmatic dependent of the decode kernel before it on the stream (common/combine.py,
-    "PDL"; compile-verified, not routed: decode.COMBINE_PDL)."""
+    the output dtype ("bf16" / "fp16") and Dv (a multiple of 4)."""
 
     arch: str
     dtype: str
     head_dim_v: int
-    pdl: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.common.combine:SplitCombine"
 
