@@ -141,4 +141,5 @@ def merge_splits(out, lse):
     return merged, torch.where(total > 0, top.squeeze(-2) + torch.log(total), float("-inf"))
 
 
-__all__ = ["combine_config", "decode_plan", "kernel_operands", "merge_splits", "num_splits", "split_kv_decode"]
+__all__ = ["combine_config", "decode_plan", "kernel_operands", "merge_splits", "num_splits",
+           "split_kv_decode"]

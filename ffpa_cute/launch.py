@@ -86,8 +86,8 @@ def _line_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 # The widened forward (`widened_fwd`) runs at D % 16 == 8 up to WIDENED_MAX_HEAD_DIM: measured
 # against the D kernel (H100, B=1, H=32, N=8K, copies counted, two interleaved rounds each;
-# docs/perf-log.md session 29) D=264 +8%, 280 +8%, 296 +3%, 312 +1%, 328 +9%, 344 +8%, 360
-# +4%, 376 +9%, 392 +2%, then 408-504 -4% to +1%. `candidate=True` plans it up to
+# docs/perf-log.md session 29) D=264 +8%, 280 +7%, 296 +3%, 312 +2%, 328 +9%, 344 +8%, 360
+# +4%, 376 +9%, 392 +2%, then 408-504 -4% to 0. `candidate=True` plans it up to
 # WIDENED_CANDIDATE_MAX_HEAD_DIM (the experiments' and the GPU tests' kernel lists).
 WIDENED_MAX_HEAD_DIM = 392
 WIDENED_CANDIDATE_MAX_HEAD_DIM = 504
