@@ -388,10 +388,10 @@ def _plan_bwd(p: AttnProblem, target: str, family: str, opts: Options) -> BwdPla
 
 
 def clear_plans() -> None:
-    """Forget every cached plan (tests that swap planners)."""
-    _plan_fwd.cache_clear()
-    _plan_bwd.cache_clear()
-    _plan_decode.cache_clear()
+    """Forget every cached plan (tests that swap planners), the widened forward's too."""
+    from .launch import _widened_plan
+    for cached in (_plan_fwd, _plan_bwd, _plan_decode, _widened_plan):
+        cached.cache_clear()
 
 
 __all__ = ["BwdPlan", "DTYPE_CLASS", "FAMILIES", "FAMILY_OF_TARGET", "Family", "MAX_HEAD_DIM",

@@ -84,11 +84,11 @@ def _line_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.new_empty(*t.shape[:-1], full)[..., :width]
 
 
-# The widened forward (`widened_fwd`) runs at D % 16 == 8 up to WIDENED_MAX_HEAD_DIM: measured
-# against the D kernel (H100, B=1, H=32, N=8K, copies counted, two interleaved rounds each;
-# docs/perf-log.md session 29) D=264 +8%, 280 +7%, 296 +3%, 312 +2%, 328 +9%, 344 +8%, 360
-# +4%, 376 +9%, 392 +2%, then 408-504 -4% to 0. `candidate=True` plans it up to
-# WIDENED_CANDIDATE_MAX_HEAD_DIM (the experiments' and the GPU tests' kernel lists).
+# The widened forward (`widened_fwd`) runs at D % 16 == 8 up to WIDENED_MAX_HEAD_DIM, where it
+# measured faster than the D kernel with the copies counted (H100, B=1, H=32, N=8K: D=264 +8%,
+# 280 +7%, 296 +3%, 312 +2%, 328 +9%, 344 +8%, 360 +4%, 376 +9%, 392 +2%; 408-504 -4% to 0;
+# docs/perf-log.md). `candidate=True` plans it up to WIDENED_CANDIDATE_MAX_HEAD_DIM (the
+# experiments' and the GPU tests' kernel lists).
 WIDENED_MAX_HEAD_DIM = 392
 WIDENED_CANDIDATE_MAX_HEAD_DIM = 504
 
@@ -112,6 +112,14 @@ def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan 
             and p.window_lo is None and not p.has_sinks and not p.varlen
             and repack_rows(p, plan.cfg, nq, nkv)):
         return None
+    return _widened_plan(plan)
+
+
+@functools.lru_cache(maxsize=1024)
+def _widened_plan(plan: Plan) -> Plan | None:
+    """`widened_fwd`'s D + 8 plan for `plan` (planned once per D plan, not on every call): the
+    (D + 8, Dv = D) problem at D's softmax scale, with D's `lazy_rescale`."""
+    p = plan.problem
     wide = dataclasses.replace(p, head_dim=p.head_dim + 8, scale=p.softmax_scale)
     wide = dispatch.plan_fwd(wide, target=plan.target)
     if wide.reason is not None or wide.family != plan.family:
