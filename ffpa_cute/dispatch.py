@@ -55,6 +55,7 @@ TARGETS = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_87", (8, 9): "sm_89", (
 FAMILY_OF_TARGET = {"sm_80": "sm80", "sm_86": "sm80", "sm_87": "sm80", "sm_89": "sm80",
                     "sm_90a": "sm90", "sm_100a": "sm100", "sm_120a": "sm120", "sm_121a": "sm120"}
 DTYPE_CLASS = {"bf16": "16bit", "fp16": "16bit", "e4m3": "fp8", "e5m2": "fp8", "nvfp4": "fp4"}
+PLAN_CACHES = []  # other modules' cached plans (launch's widened forward): clear_plans' too
 
 
 # ------------------------------------------------------------------------------ planners
@@ -388,9 +389,8 @@ def _plan_bwd(p: AttnProblem, target: str, family: str, opts: Options) -> BwdPla
 
 
 def clear_plans() -> None:
-    """Forget every cached plan (tests that swap planners), the widened forward's too."""
-    from .launch import _widened_plan
-    for cached in (_plan_fwd, _plan_bwd, _plan_decode, _widened_plan):
+    """Forget every cached plan (tests that swap planners), PLAN_CACHES' too."""
+    for cached in (_plan_fwd, _plan_bwd, _plan_decode, *PLAN_CACHES):
         cached.cache_clear()
 
 

@@ -129,6 +129,9 @@ def _widened_plan(plan: Plan) -> Plan | None:
             dataclasses.replace(wide, cfg=dataclasses.replace(wide.cfg, lazy_rescale=lazy)))
 
 
+dispatch.PLAN_CACHES.append(_widened_plan)   # dispatch.clear_plans forgets these too
+
+
 def describe_fwd(plan: Plan) -> str:
     """`plan.describe()`, naming the kernel `run_fwd` runs instead where `widened_fwd` applies."""
     p = plan.problem
