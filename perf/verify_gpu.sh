@@ -51,6 +51,10 @@
 #   cta   perf.cta_align: the CTA pair's second CTA from a line (routed) against even shares and
 #         a 64-byte half line (`cta_align` 32) at the D % 64 == 8 sizes above 512
 #         (precompile: `python -m perf.cta_align --precompile DIR`, packed)
+#   cta32 the CTA pair's second CTA on a 64-byte half line at D % 128 == 8 (`cta_align` 32,
+#         planned): test_kv_pair_forward (its 520 / 648 / 776 / 904 cases among them) and the
+#         sanitizer case "D520 CTA pair" (precompile: `python -m tests.gpu_jobs --sections cta`
+#         and, with SANITIZE_CASES="D520 CTA pair", `--sections sanitize`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -157,6 +161,13 @@ fi
 if has cta; then
   step "perf.cta_align: the CTA pair's shares"
   timeout 150 python -m perf.cta_align --out "$out/cta_align.json"
+fi
+if has cta32; then
+  step "cta_align 32 at D % 128 == 8: the CTA pair's forward tests, sanitizer case"
+  timeout 250 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_attention_gpu.py \
+      -k "kv_pair_forward" 2>&1 | tee "$out/gpu_cta32.log" | grep -E "FAIL|passed|failed" | tail -8
+  SANITIZE_CASES="D520 CTA pair" timeout 250 python -m tests.sanitize --out "$out/san_cta32" \
+      --timeout 230 2>&1 | tail -6
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"

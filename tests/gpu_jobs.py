@@ -19,7 +19,8 @@ products, one CTA per tile where the default is persistent, dV / dK with split h
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
 varlen kernels with their per-sequence twins, the fused backward (off the default route:
 `Options(deterministic=False)`), and (`lines`) the plans with shares from 128-byte lines (the
-forward's and `line_shares_bwd`'s) with test_line_shares' even-share twins. A kernel the tests
+forward's and `line_shares_bwd`'s) with test_line_shares' even-share twins, and (`cta`) the
+CTA pair's forwards at D % 128 == 8 (`cta_align` 32). A kernel the tests
 need that is missing
 here is compiled on the device on first use, as for any user.
 """
@@ -54,7 +55,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy", "lines", "widened")
+            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -230,6 +231,12 @@ def jobs(sections=SECTIONS) -> list:
         add(_lines_jobs())
     if "widened" in sections:
         add(_widened_jobs())
+    # the CTA pair's second CTA on a half line (`cta_align` 32 at D % 128 == 8): the forward
+    # plans test_kv_pair_forward runs there and the curve's (not causal, and causal)
+    for d in (520, 648, 776, 904) if "cta" in sections else ():
+        for causal in (False, True):
+            plan = dispatch.plan_fwd(problem(d, d, "bf16", causal), target=TARGET)
+            add([(plan.kernel_cls, plan.cfg)])
     return out
 
 

@@ -449,18 +449,23 @@ def test_forward_sm90_split_o(seed, d, mode, nq, nkv, ratio):
 KV_PAIR_CASES = [(1024, "none", 1000, 1000, 1), (1024, "bottom_right", 129, 1000, 4),
                  (1024, "upper_left", 1000, 1000, 16), (768, "bottom_right", 1000, 129, 1),
                  (576, "none", 7, 4097, 4), (1024, "none", 1, 1, 1), (576, "upper_left", 129, 7, 1),
-                 (1024, "bottom_right", 4097, 4097, 2)]
+                 (1024, "bottom_right", 4097, 4097, 2),
+                 # D % 128 == 8: the second CTA on a 64-byte half line (`cta_align` 32)
+                 (520, "bottom_right", 1000, 129, 4), (648, "upper_left", 129, 1000, 1),
+                 (776, "none", 7, 4097, 16), (904, "bottom_right", 1000, 1000, 2)]
 
 
 @pytest.mark.parametrize("d,mode,nq,nkv,ratio", KV_PAIR_CASES)
 def test_kv_pair_forward(seed, d, mode, nq, nkv, ratio):
     """D > 512 with `kv_pair` (the CTA pair splits the KV blocks and exchanges row maxima, P
     and row sums through distributed shared memory): numerics and LSE as every forward, odd and
-    even block counts (a last block both CTAs score), both causal alignments, GQA."""
+    even block counts (a last block both CTAs score), both causal alignments, GQA; at D %
+    128 == 8 the second CTA's columns from a half line (`cta_align` 32)."""
     with sm90_only():
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, BF16)
         plan = kernel_plan(q, k, v, mode)
         assert plan.cfg.kv_pair and plan.cfg.o_split == 2
+        assert plan.cfg.cta_align == 32 or d % 128 != 8
         check_forward(d, BF16, mode, nq, nkv, ratio)
 
 

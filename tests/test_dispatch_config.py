@@ -80,7 +80,8 @@ def test_sm90_wgmma_range_and_o_split():
     (`Options.kv_pair`; off: both CTAs score every block). With a window (or sinks, varlen)
     the shares are even: at D % 16 == 8 each CTA owns ceil(D / 16) * 8 columns, the second's
     last 8 past D (computed from zeros, not stored); the plain forward starts the second
-    CTA's columns on a line (`cta_align` 64: 320 + 200 at D=520)."""
+    CTA's columns on a line (`cta_align` 64: 320 + 256 at D=576), at D % 128 == 8 on a half
+    line (`cta_align` 32: 288 + 232 at D=520)."""
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
     assert plan.cfg.kv_pair
@@ -90,6 +91,8 @@ def test_sm90_wgmma_range_and_o_split():
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.kv_pair
     assert plan.cfg.dv_cta == 264 and plan.cfg.dv_split == (136, 128)
     plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
+    assert plan.cfg.dv_cta == 288 and plan.cfg.dv_split == (192, 96)
+    plan = dispatch.plan_fwd(prob(d=576), target="sm_90a")
     assert plan.cfg.dv_cta == 320 and plan.cfg.dv_split == (192, 128)
 
 
@@ -512,7 +515,7 @@ def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):
     (264, (192, 128), (192, 72), 264), (336, (192, 192), (192, 144), 336),
     (320, (192, 128), (192, 128), 320), (512, (256, 256), (256, 256), 512),
     (400, (256, 192), (256, 144), 400), (376, (192, 192), (192, 184), 376),
-    (520, (192, 128), (192, 128), 320), (576, (192, 128), (192, 128), 320),
+    (520, (192, 96), (192, 96), 288), (576, (192, 128), (192, 128), 320),
     (640, (192, 128), (192, 128), 320), (712, (192, 192), (192, 192), 384),
     (1016, (256, 256), (256, 256), 512), (768, (192, 192), (192, 192), 384)])
 def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
@@ -536,9 +539,10 @@ def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):
            if hasattr(c, "split_align")]
     assert all(c.split_align == (64 if d <= 512 and d % 128 else 8) for c in bwd)
     if cfg.o_split > 1:  # the CTA pair: both boundaries on lines (perf.cta_align)
-        assert cfg.dv_cta % 64 == 0 and cfg.dv_split[0] % 64 == 0
+        half = d % 128 == 8   # the second CTA on a 64-byte half line (perf.cta_align)
+        assert cfg.dv_cta % (32 if half else 64) == 0 and cfg.dv_split[0] % 64 == 0
         assert cfg.dv_cta * 2 >= cfg.dv and cfg.dv - cfg.dv_cta > 0
-        assert cfg.cta_align == (8 if d in (768, 1016) else 64)
+        assert cfg.cta_align == (8 if d in (768, 1016) else 32 if half else 64)
         even = dataclasses.replace(cfg, cta_align=8, split_align=8)
         assert sm90_config.can_implement(even) is None
         assert even.dv_cta * even.o_split - even.dv in (0, 8)

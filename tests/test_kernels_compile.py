@@ -264,7 +264,7 @@ def test_sm90_kv_pair_compiles(d, causal):
 def test_sm90_line_aligned_cta_share_compiles(d, fields, cta):
     """The CTA pair with the second CTA's columns from a 128-byte line (`cta_align` 64; with
     `split_align` 64 its hi share too: 192 + 128, as planned) or a 64-byte half line
-    (`cta_align` 32, a variant perf.cta_align times): wgmma of the planned widths, the pair's
+    (`cta_align` 32, as planned at D % 128 == 8): wgmma of the planned widths, the pair's
     exchange, no spills."""
     p = _problem(d, False, 2, 2)
     plan = dispatch.plan_fwd(p, target="sm_90a")

@@ -90,8 +90,9 @@ class FwdConfigSm90:
     cta_align:     with O over two CTAs, each CTA's width (`dv_cta`) rounded up to a multiple of
                    this: 8, the most even split; 64 (16-bit), the second CTA's first column on
                    a 128-byte line (D=576: 320 + 256 stored instead of 288 + 288; its columns
-                   past Dv come from TMA's zeros and are not stored); 32 (16-bit, a tuning
-                   variant perf.cta_align times), on a 64-byte half line (D=520: 288 + 232)
+                   past Dv come from TMA's zeros and are not stored); 32 (16-bit), on a
+                   64-byte half line (D=520: 288 + 232), which the planner takes at D % 128
+                   == 8 above 512 (fewer padded columns than 64 there)
     persistent:    one CTA per SM (the runtime `num_ctas`) walks row tiles t = its index,
                    + num_ctas, ... (`common/scheduler.py`) instead of one CTA per tile, so a
                    tile's prologue (Q load, ring fill) and epilogue (last PV, O store) overlap
@@ -739,6 +740,10 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     cta_align, H100, B=1, H=32, N=8K, against even shares, the same bits): D=584 277 -> 317,
     600 282 -> 323, 712 290 -> 323, 776 284 -> 310, 832 344 -> 382, 576 338 -> 348, 648
     281 -> 298, 704 354 -> 365, 520 279 -> 283, 1016 unchanged (its shares already on lines).
+    At D % 128 == 8 (520, 648, 776, 904) the second CTA starts on a 64-byte half line instead
+    (`cta_align` 32; 64 put 13-23% of O's computed columns past D there): measured against
+    `cta_align` 64 (H100, same shapes, the same bits) 520 281 -> 295, 648 290 -> 297, 776 298
+    -> 301, 904 305 -> 313 (at 832, D % 128 == 64, 377 -> 371: not taken).
     They do for a 16-bit problem with O in one CTA whose tiles are (nearly) equal in length:
     no right bound (with a window or sinks: D and Dv multiples of 64), or a sliding window at
     D and Dv multiples of 64 (common/scheduler.py says why not under a plain causal mask).
@@ -797,7 +802,8 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     if tuned and plain and base.get("kv_pair") and not fp8:
         # the CTA pair: the second CTA's columns and each CTA's hi share from lines (below),
         # where that moves a share (else the compile key stays as it is)
-        lines = {**base, "cta_align": 64, "split_align": 64}
+        half = problem.head_dim % 128 == 8   # a half line: fewer padded columns (below)
+        lines = {**base, "cta_align": 32 if half else 64, "split_align": 64}
         if _o_shares(cls(**lines)) != _o_shares(cls(**base)):
             base = lines
     aligned = problem.head_dim % 64 == 0 and dv % 64 == 0
