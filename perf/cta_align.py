@@ -34,15 +34,35 @@ route): routed against even D=584 277 -> 317 TFLOPS, 600 282 -> 323, 712 290 -> 
 284 -> 310, 832 344 -> 382, 576 338 -> 348, 648 281 -> 298, 704 354 -> 365, 520 279 -> 283,
 1016 unchanged; cta64 alone lost at 520 / 576 and gained less elsewhere. The second run
 times cta32 at the D % 64 == 8 sizes the curve still flags (520, 648, 776, 904; and 584),
-with 600 / 832 as controls. Prediction: at 520 / 648 / 776 / 904 cta32 +3-10% over the route
-(fewer padded columns; the second CTA on a sector but mid-line), at 584 / 600 / 832 0 to -5%.
+with 600 / 832 as controls: 520 281 -> 295, 648 290 -> 297, 776 298 -> 301, 904 305 -> 313
+(H100, the same bits; predicted +3-10%), 832 377 -> 371; the planner now takes cta32 at D % 128
+== 8.
+
+`--pair` times the pair against no pair at all (`Options(kv_pair=False)`: both CTAs of a tile
+compute the whole S, each its half of O; 3 GEMM units executed for 2 counted) at D=520, 576,
+648, 776, 904 and 1024:
+  routed     the plan (the pair);
+  recompute  no pair, its planned rings and even shares;
+  recompute64  no pair, the second CTA and each CTA's hi share from lines (`cta_align` 64,
+           `split_align` 64; at D % 128 != 0);
+  recompute32  no pair, the second CTA from a half line (`cta_align` 32, `split_align` 64;
+           at D % 64 != 0);
+plus whether out / lse are the same bits as routed's. Prediction: at D=520 the pair computes
+S on 576 columns (9 chunks of 64) over two CTAs and 576 of O's columns for 520, and runs at
+~295 against D=512's ~610 (H100); without the pair each CTA streams 147 KB of K and 74 KB of V
+per 128-key block (~5400 clocks at the ~41 B / clock L2 -> SM fill rate) against 3456 clocks of
+tensor work, two CTAs per tile: ~340 (+10-20%). At 576 / 648 / 776 / 904 -5 to +10%; at 1024
+the pair's known lead (447 against 346-356 on the H200).
 """
 
 from __future__ import annotations
 
+import sys
+
 from perf import experiment
 
 HEAD_DIMS = (520, 584, 648, 776, 904, 600, 832)
+PAIR_HEAD_DIMS = (520, 576, 648, 776, 904, 1024)
 
 
 def variants(d: int) -> dict:
@@ -59,15 +79,40 @@ def variants(d: int) -> dict:
     return out
 
 
+def pair_variants(d: int) -> dict:
+    """{name: forward plan} at D=d: the pair (routed) against no pair (`--pair`)."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+
+    problem = experiment.self_problem(d)
+    recompute = dispatch.plan_fwd(problem, target="sm_90a", opts=Options(kv_pair=False))
+    out = {"routed": experiment.routed_fwd(problem), "recompute": recompute}
+    for align in [a for a in (64, 32) if d % (2 * a)]:
+        try:
+            out[f"recompute{align}"] = experiment.refit(recompute, cta_align=align,
+                                                        split_align=64)
+        except ValueError as e:
+            print(f"D={d}: recompute{align} does not build: {e}")
+    return out
+
+
+def _set() -> tuple:
+    """(head dims, variants) of the experiment the command line picks (`--pair` or not)."""
+    return (PAIR_HEAD_DIMS, pair_variants) if "--pair" in sys.argv else (HEAD_DIMS, variants)
+
+
 def jobs() -> list:
-    return experiment.forward_jobs(p for d in HEAD_DIMS for p in variants(d).values())
+    dims, vary = _set()
+    return experiment.forward_jobs(p for d in dims for p in vary(d).values())
 
 
 def run(dev, flush) -> dict:
+    dims, vary = _set()
     return experiment.time_forward_variants(
-        HEAD_DIMS, variants, dev, flush,
-        shape=lambda c: (c.dv_cta, c.dv_halves, c.k_stages, c.v_stages))
+        dims, vary, dev, flush,
+        shape=lambda c: (c.kv_pair, c.dv_cta, c.dv_halves, c.k_stages, c.v_stages))
 
 
 if __name__ == "__main__":
-    raise SystemExit(experiment.main("perf.cta_align", __doc__, jobs, run))
+    raise SystemExit(experiment.main("perf.cta_align", __doc__, jobs, run,
+                                     [a for a in sys.argv[1:] if a != "--pair"]))

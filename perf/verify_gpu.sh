@@ -55,6 +55,8 @@
 #         planned): test_kv_pair_forward (its 520 / 648 / 776 / 904 cases among them) and the
 #         sanitizer case "D520 CTA pair" (precompile: `python -m tests.gpu_jobs --sections cta`
 #         and, with SANITIZE_CASES="D520 CTA pair", `--sections sanitize`, packed)
+#   pair  perf.cta_align --pair: the CTA pair against no pair (both CTAs compute S) above 512
+#         (precompile: `python -m perf.cta_align --pair --precompile DIR`, packed)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -168,6 +170,10 @@ if has cta32; then
       -k "kv_pair_forward" 2>&1 | tee "$out/gpu_cta32.log" | grep -E "FAIL|passed|failed" | tail -8
   SANITIZE_CASES="D520 CTA pair" timeout 250 python -m tests.sanitize --out "$out/san_cta32" \
       --timeout 230 2>&1 | tail -6
+fi
+if has pair; then
+  step "perf.cta_align --pair: the CTA pair against no pair above 512"
+  timeout 200 python -m perf.cta_align --pair --out "$out/cta_pair.json"
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"
