@@ -140,6 +140,16 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
                    if j not in jobs]
 
 
+def job_label(cls, cfg) -> str:
+    """A job's line on the progress bar: the kernel, its head dim (Dv for the kernels that
+    have only that, the split combine), dtype, causal mode and cache dtype where it has them."""
+    d = getattr(cfg, "head_dim", None) or getattr(cfg, "head_dim_v", "?")
+    causal = f" causal={cfg.causal}" if hasattr(cfg, "causal") else ""
+    if getattr(cfg, "kv_dtype", None):
+        causal += f" cache={cfg.kv_dtype}"
+    return f"{cls.__name__} D={d} {getattr(cfg, 'dtype', '')}{causal}"
+
+
 def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: bool = True,
                backward: bool = False, decode_pages=()):
     """Compile every job into cache_dir; returns (the cache, its .stats count the work; the
@@ -154,11 +164,7 @@ def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: boo
         with Progress() as bar:
             task = bar.add_task(f"precompiling for {target}", total=len(plans))
             for cls, cfg in plans:
-                causal = f" causal={cfg.causal}" if hasattr(cfg, "causal") else ""
-                if getattr(cfg, "kv_dtype", None):
-                    causal += f" cache={cfg.kv_dtype}"
-                bar.update(task, description=f"{target} {cls.__name__} D={cfg.head_dim} "
-                           f"{getattr(cfg, 'dtype', '')}{causal}")
+                bar.update(task, description=f"{target} {job_label(cls, cfg)}")
                 cache.get(cls, cfg)
                 bar.advance(task)
     else:

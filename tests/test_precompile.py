@@ -102,6 +102,18 @@ def test_backward_kernels_export_and_load(tmp_path):
     assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 7
 
 
+def test_progress_labels_every_job_kind():
+    """The progress bar names every job the CLI can plan (forward, backward, FP8 with its
+    transpose, decode with its split combine, on each target): the combine's config has Dv
+    only, which the bar's label once read as head_dim and crashed `--decode`."""
+    for target in ("sm_90a", "sm_80", "sm_100a", "sm_120a"):
+        for cls, cfg in precompile.jobs_for(target, [512, "576/512"], ["bf16", "e4m3"],
+                                            (False, True), backward=True,
+                                            decode_pages=[None, 64]):
+            label = precompile.job_label(cls, cfg)
+            assert label.startswith(cls.__name__ + " D=") and "D=?" not in label
+
+
 def test_fp8_jobs_include_the_transpose_kernel():
     """--dtypes fp8 plans the FP8 forward (e4m3 in) and the byte transpose that feeds it Vt;
     D not a multiple of 16 has no FP8 kernel and is skipped."""
