@@ -561,15 +561,39 @@ def test_shared_kv_experiment(tmp_path, monkeypatch):
     _no_spills(plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__)
 
 def test_producer_warp_register_budget(tmp_path, monkeypatch):
-    """perf.producer_regs: with one more warp beside the forward's three warpgroups the launch
-    leaves 128 registers per thread; at D=384 the forward fits them, at D=512 ptxas refuses
-    (an O warpgroup's m64n256 accumulation needs more), which rules a producer warp out of
-    this design at D=512 (docs/perf-log.md, session 22)."""
-    from perf import producer_regs
+    """perf.producer_regs: beside a fourth warpgroup (or warp) the launch leaves 128 registers
+    per thread, and ptxas compiles every instruction against that: at D=384 the forward fits,
+    at D=512 its m64n256 accumulation does not (ptxas refuses); issued as m64n128 WGMMAs
+    (`SplitO`) with the registers moved by setmaxnreg (`ProducerIdle`) it compiles with no
+    spills. Every timed variant is among `jobs()` (what --precompile compiles)."""
+    from perf import producer_regs as pr
 
     monkeypatch.chdir(tmp_path)
-    assert producer_regs.probe(384).startswith("128 registers, 0 B")
-    assert producer_regs.probe(512).startswith("refused: 128 registers per thread")
+    assert pr.probe(pr.WithProducerWarp, 384).startswith("128 registers, 0 B")
+    assert pr.probe(pr.WithProducerWarp, 512).startswith("refused: 128 registers per thread")
+    idle = pr.probe(pr.ProducerIdle, 512)
+    assert idle.startswith("128 registers, 0 B") and "['m64n128k16']" in idle
+    plans = pr.variants(512)
+    assert [p.kernel_cls for p in plans.values()][1:] == [pr.SplitO, pr.ProducerIdle]
+    assert len({(p.kernel_cls, p.cfg) for p in plans.values()}) == 3
+    assert set(pr.jobs()) >= {(p.kernel_cls, p.cfg) for p in plans.values()}
+
+
+def test_fill_limits_compiles_its_protocols(tmp_path, monkeypatch):
+    """perf.fill_limits: alone, each CTA's TMA loads into its own smem; multicast, the 2-CTA
+    cluster's loads go to both CTAs (`.multicast::cluster`) and each release reaches the
+    loader's "empty" barrier across the cluster; every variant's config is among `jobs()`;
+    an odd ring under multicast (a stage with two loaders) is refused."""
+    from perf import fill_limits as fl
+
+    monkeypatch.chdir(tmp_path)
+    solo = fl.FillBench.compile(fl.FillConfig(), options="--keep-ptx").__ptx__
+    mcast = fl.FillBench.compile(fl.FillConfig(mcast=2), options="--keep-ptx").__ptx__
+    assert "multicast::cluster" not in solo and "barrier.cluster" not in solo
+    assert "multicast::cluster" in mcast and "mbarrier.arrive.shared::cluster" in mcast
+    assert {cfg for cfg, _ in fl.variants().values()} == {c for _, c in fl.jobs()}
+    with pytest.raises(ValueError, match="stages"):
+        fl.FillBench(fl.FillConfig(mcast=2, stages=3))
 
 
 def test_reduce_limits_compiles_its_paths(tmp_path, monkeypatch):
