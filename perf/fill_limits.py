@@ -4,6 +4,7 @@ or the SM's? (issue 20; the gate before a producer warpgroup with K / V multicas
 
     python -m perf.fill_limits --precompile DIR    # CPU: compile the variants into a cache
     python -m perf.fill_limits [--out FILE]        # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
+    FILL_ONLY="mcast 2, 4 stages, 132 CTAs" python -m perf.fill_limits   # one variant
 
 `FillBench`: each CTA (one per SM: its smem keeps a second off) receives `chunks` chunks of
 [128 x 64] bf16 (16 KB, the forward's K chunk) into a ring of `stages` stages from an 8 MB
@@ -26,6 +27,7 @@ ingress is, both read ~41 and the multicast design cannot move the D=512 forward
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import cuda.bindings.driver as cuda
@@ -186,7 +188,10 @@ def run(dev, flush) -> dict:
 
     res = {}
     src = torch.randn(SRC_ROWS, SRC_COLS, device=dev, dtype=torch.bfloat16)   # L2-resident
+    only = os.environ.get("FILL_ONLY")   # one variant per process: a hang stops only it
     for label, (cfg, ctas) in variants().items():
+        if only is not None and label != only:
+            continue
         clk = torch.zeros(ctas, 2, device=dev, dtype=torch.int64)
         fn = jit_cache().get(FillBench, cfg)
         r = res[label] = experiment.stamped_rate(lambda: fn(src, clk), clk,
