@@ -1,7 +1,9 @@
 """Compile cache: an in-memory dict plus a persistent on-disk cache of compiled kernels.
 
 Key: `(kernel class qualname, cfg)` where cfg is a frozen dataclass of Python scalars (shape
-*classes*, never tensors or sizes), so the key is stable across processes and pickles cleanly.
+*classes*, never tensors or sizes), so the key is stable across processes and pickles cleanly;
+a class defined outside the package (an experiment's kernel) is filed under its qualname and its
+module's source hash (`kernel_name`).
 
 Disk layout: `$FFPA_CUTE_CACHE_DIR/<fingerprint>/<key hash>.o`, where the fingerprint
 hashes the kernel sources (`common/`, `sm*/`), the cutlass-dsl version and the target arch, so a change
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 import tempfile
 import threading
 import time
@@ -92,6 +95,19 @@ def key_hash(kernel_name: str, cfg) -> str:
     """Stable across processes: built from the dataclass fields, never from id() or pickle."""
     fields = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     return hashlib.sha256(f"{kernel_name}|{type(cfg).__name__}|{fields}".encode()).hexdigest()[:32]
+
+
+def kernel_name(kernel_cls) -> str:
+    """The name a kernel class's entries are filed under: its qualname, and for a class defined
+    outside this package (an experiment's subclass in perf/, a test's) also a hash of its
+    module's source, which the directory's fingerprint (this package's kernel sources) does
+    not cover: an edited experiment kernel then compiles anew instead of loading the old one."""
+    name = kernel_cls.__qualname__
+    if not kernel_cls.__module__.startswith(__package__ + "."):
+        path = getattr(sys.modules.get(kernel_cls.__module__), "__file__", None)
+        if path:
+            name += "@" + hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:12]
+    return name
 
 
 def _mkdir_private(path: pathlib.Path) -> None:
@@ -163,7 +179,7 @@ class JitCache:
     def _load_or_compile(self, kernel_cls, cfg):
         if not self.disk_enabled:
             return self._compile(kernel_cls, cfg)
-        name = "k" + key_hash(kernel_cls.__qualname__, cfg)
+        name = "k" + key_hash(kernel_name(kernel_cls), cfg)
         d = self.entry_dir(kernel_cls.arch_of(cfg))
         obj = d / f"{name}.o"
         try:

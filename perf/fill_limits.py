@@ -18,7 +18,10 @@ and V), one thread doing what a producer and a consumer with no compute would:
            on its own "full" barrier;
   cluster  mcast 1 launched as 2-CTA clusters (what the cluster launch alone costs).
 Each CTA stamps clock64 before its first load and after its last chunk landed; B / clock per
-SM counts the bytes each SM receives. Varied: the CTAs (66, 132) and the ring depth (2, 4).
+SM counts the bytes each SM receives. The CTA is one warp and the whole warp walks the ring:
+the TMA copy elects its issuing lane by `elect.sync` over the full warp, which deadlocks when
+the other lanes wait at the closing cluster barrier (the first version's clustered variants
+hung that way). Varied: the CTAs (66, 132) and the ring depth (2, 4).
 Prediction: if the L2's output (~10 TB/s over the chip at 41 B / clock / SM) is the limit,
 mcast 2 delivers up to ~2x per SM (60-80 B / clock, then an SM-side limit); if the SM's
 ingress is, both read ~41 and the multicast design cannot move the D=512 forward.
@@ -122,23 +125,27 @@ class FillBench(KernelEntry):
         n_src = (SRC_ROWS // ROWS) * (SRC_COLS // COLS)
         first = cta // 2 * 7     # each pair starts at its own chunk, the pair on the same one
         t0 = cute.arch.clock64()
-        if tidx == 0:
-            for p in cutlass.range(S, unroll=1):   # the ring's first round
+        # the whole warp walks the ring (the TMA copy elects its issuing thread with
+        # elect.sync over the full warp, so no lane may wait elsewhere meanwhile); one lane
+        # arrives on the barriers
+        for p in cutlass.range(S, unroll=1):   # the ring's first round
+            if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(full + p, CHUNK_BYTES)
-                self._load(tma, tg, ts, full, (first + p) % n_src, p, p % cfg.mcast == rank)
-            for p in cutlass.range(cfg.chunks, unroll=1):
-                s = p % S
-                cute.arch.mbarrier_wait(full + s, (p // S) & 1)
-                q = p + S
-                if q < cfg.chunks:
-                    mine = q % cfg.mcast == rank
+            self._load(tma, tg, ts, full, (first + p) % n_src, p, p % cfg.mcast == rank)
+        for p in cutlass.range(cfg.chunks, unroll=1):
+            s = p % S
+            cute.arch.mbarrier_wait(full + s, (p // S) & 1)
+            q = p + S
+            if q < cfg.chunks:
+                mine = q % cfg.mcast == rank
+                if tidx == 0:
                     if const_expr(cfg.mcast == 2):   # release stage s to q's loader
                         cute.arch.mbarrier_arrive(empty + s, q % 2)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, CHUNK_BYTES)
-                    if const_expr(cfg.mcast == 2):
-                        if mine:   # both CTAs have read chunk p from stage s
-                            cute.arch.mbarrier_wait(empty + s, (p // S) & 1)
-                    self._load(tma, tg, ts, full, (first + q) % n_src, s, mine)
+                if const_expr(cfg.mcast == 2):
+                    if mine:   # both CTAs have read chunk p from stage s
+                        cute.arch.mbarrier_wait(empty + s, (p // S) & 1)
+                self._load(tma, tg, ts, full, (first + q) % n_src, s, mine)
         t1 = cute.arch.clock64()
         if const_expr(self.clustered):   # no CTA exits while its peer may still signal it
             cute.arch.cluster_arrive()

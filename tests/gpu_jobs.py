@@ -346,10 +346,10 @@ def pack(directory: str, sections, out: str) -> tuple[int, int]:
     import pathlib
     import tarfile
 
-    from ffpa_cute.cache import JitCache, key_hash
+    from ffpa_cute.cache import JitCache, kernel_name, key_hash
 
     entries = JitCache(directory, disk=True).entry_dir(TARGET)
-    names = sorted({f"k{key_hash(cls.__qualname__, cfg)}.o" for cls, cfg in jobs(sections)})
+    names = sorted({f"k{key_hash(kernel_name(cls), cfg)}.o" for cls, cfg in jobs(sections)})
     found = [n for n in names if (entries / n).exists()]
     root = pathlib.Path(directory).resolve().name
     with tarfile.open(out, "w:xz") as tar:

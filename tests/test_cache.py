@@ -59,6 +59,23 @@ def test_key_hash_is_stable_across_processes():
     assert key_hash("OtherKernel", cfg) != here
 
 
+def test_kernels_outside_the_package_are_filed_with_their_source(tmp_path):
+    """A kernel class defined outside ffpa_cute (an experiment's subclass in perf/, this test's
+    TinyKernel) is filed under its qualname and its module's source hash, which the directory's
+    fingerprint does not cover; the package's own kernels under their qualname alone."""
+    import hashlib
+
+    from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
+
+    assert cache_mod.kernel_name(FFPAFwdSm90) == "FFPAFwdSm90"
+    src = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:12]
+    assert cache_mod.kernel_name(TinyKernel) == f"TinyKernel@{src}"
+    cache = JitCache(tmp_path, disk=True)
+    cache.get(TinyKernel, TinyCfg(n=3))
+    name = "k" + key_hash(f"TinyKernel@{src}", TinyCfg(n=3)) + ".o"
+    assert (cache.entry_dir("sm_80") / name).exists()
+
+
 def test_fingerprint_changes_with_sources_version_and_arch():
     base = fingerprint("sm_90a", "src", "4.8.1")
     assert fingerprint("sm_90a", "src", "4.8.1") == base
@@ -164,7 +181,7 @@ def test_gpu_jobs_pack_takes_only_the_selected_entries(tmp_path, monkeypatch):
         names = tar.getnames()
         tar.extractall(tmp_path / "dev", filter="data")
     assert names == [f".precache/{c.entry_dir('sm_90a').name}/"
-                     f"k{key_hash('TinyKernel', want)}.o"]
+                     f"k{key_hash(cache_mod.kernel_name(TinyKernel), want)}.o"]
     TinyKernel.compiles = 0
     c2 = JitCache(tmp_path / "dev" / ".precache", disk=True)
     c2.get(TinyKernel, want)
