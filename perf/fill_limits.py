@@ -9,7 +9,7 @@ or the SM's? (issue 20; the gate before a producer warpgroup with K / V multicas
 `FillBench`: each CTA (one per SM: its smem keeps a second off) receives `chunks` chunks of
 [128 x 64] bf16 (16 KB, the forward's K chunk) into a ring of `stages` stages from an 8 MB
 L2-resident source (every CTA reads the same chunks, as the row tiles of one head read its K
-and V), one thread doing what a producer and a consumer with no compute would:
+and V), one warp doing what a producer and a consumer with no compute would:
   mcast 1  each CTA loads every chunk itself: a stage is refilled as soon as its chunk landed;
   mcast 2  a 2-CTA cluster; chunk p is loaded once, by CTA p % 2, into the same stage of both
            CTAs (`mcast_mask` 0b11), so the L2 serves half the bytes each SM receives; before
@@ -18,13 +18,18 @@ and V), one thread doing what a producer and a consumer with no compute would:
            on its own "full" barrier;
   cluster  mcast 1 launched as 2-CTA clusters (what the cluster launch alone costs).
 Each CTA stamps clock64 before its first load and after its last chunk landed; B / clock per
-SM counts the bytes each SM receives. The CTA is one warp and the whole warp walks the ring:
+SM counts the bytes each SM receives. Varied: the CTAs (132, 66) and the ring's depth (2-6
+stages: 32-96 KB in flight per SM). The CTA is one warp and the whole warp walks the ring:
 the TMA copy elects its issuing lane by `elect.sync` over the full warp, which deadlocks when
 the other lanes wait at the closing cluster barrier (the first version's clustered variants
-hung that way). Varied: the CTAs (66, 132) and the ring depth (2, 4).
-Prediction: if the L2's output (~10 TB/s over the chip at 41 B / clock / SM) is the limit,
-mcast 2 delivers up to ~2x per SM (60-80 B / clock, then an SM-side limit); if the SM's
-ingress is, both read ~41 and the multicast design cannot move the D=512 forward.
+hung that way).
+Prediction (first version): if the L2's output (~10 TB/s over the chip at 41 B / clock / SM)
+is the limit, mcast 2 delivers up to ~2x per SM; if the SM's ingress is, both read ~41. First
+run (H100, perf-log 2026-12-06): alone 50.0 B / clock at 2 stages on 66 CTAs, 64.5 at 4 stages
+on 132 (so 41 is neither limit for this pattern); the clustered variants hung (fixed above).
+For the rerun: the solo rate grows with the bytes in flight (Little's law: ~1000 clocks of
+latency at 4 stages) up to an L2 or SM limit; mcast 2 matches it at the same depth where
+latency sets the rate and exceeds it where the L2's output does.
 """
 
 from __future__ import annotations
@@ -168,11 +173,13 @@ class FillBench(KernelEntry):
 
 
 def variants() -> dict:
-    """{label: (config, CTAs)}."""
+    """{label: (config, CTAs)}: the rate against the bytes in flight (2-6 stages of 16 KB) on
+    every SM, and on half of them; multicast and the cluster launch alone at 2, 4 and 6."""
     out = {}
-    for ctas in (66, 132):
-        for stages in (2, 4):
+    for ctas in (132, 66):
+        for stages in (2, 3, 4, 5, 6) if ctas == 132 else (2, 4):
             out[f"mcast 1, {stages} stages, {ctas} CTAs"] = (FillConfig(stages=stages), ctas)
+        for stages in (2, 4, 6) if ctas == 132 else (4,):
             out[f"cluster, {stages} stages, {ctas} CTAs"] = (
                 FillConfig(stages=stages, cluster=True), ctas)
             out[f"mcast 2, {stages} stages, {ctas} CTAs"] = (
