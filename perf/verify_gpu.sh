@@ -57,6 +57,11 @@
 #         and, with SANITIZE_CASES="D520 CTA pair", `--sections sanitize`, packed)
 #   pair  perf.cta_align --pair: the CTA pair against no pair (both CTAs compute S) above 512
 #         (precompile: `python -m perf.cta_align --pair --precompile DIR`, packed)
+#   fill  perf.fill_limits: TMA's fill rate per SM from L2 against the bytes in flight, alone
+#         and multicast over a CTA pair, each variant in its own process (a hang stops only
+#         it) (precompile: `python -m perf.fill_limits --precompile DIR`, packed)
+#   producer  perf.producer_regs --time: the forward with m64n128 PV WGMMAs, and with an idle
+#         fourth warpgroup (precompile: `python -m perf.producer_regs --precompile DIR`)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
 #         device call alone; precompile: fused_perf)
 #   lazy  lazy rescaling (`lazy_rescale`): its GPU tests, then perf.lazy_rescale and
@@ -174,6 +179,17 @@ fi
 if has pair; then
   step "perf.cta_align --pair: the CTA pair against no pair above 512"
   timeout 200 python -m perf.cta_align --pair --out "$out/cta_pair.json"
+fi
+if has fill; then
+  step "perf.fill_limits: TMA fill rate per SM, alone and multicast"
+  python -c "import perf.fill_limits as f; print('\n'.join(f.variants()))" | while read -r v; do
+    FILL_ONLY="$v" timeout 30 python -m perf.fill_limits < /dev/null 2>&1 | tail -1
+    [ "${PIPESTATUS[0]}" = 0 ] || echo "$v: did not finish in 30 s"
+  done
+fi
+if has producer; then
+  step "perf.producer_regs --time: split PV, idle producer warpgroup"
+  timeout 200 python -m perf.producer_regs --time --out "$out/producer_regs.json"
 fi
 if has trace; then
   step "the fused backward's phase trace and variants"
