@@ -140,11 +140,7 @@ def variants() -> dict:
 
 
 def jobs() -> list:
-    out = []
-    for cfg, _ in variants().values():
-        if (DsmemBench, cfg) not in out:
-            out.append((DsmemBench, cfg))
-    return out
+    return experiment.bench_jobs(DsmemBench, (v[0] for v in variants().values()))
 
 
 def run(dev, flush) -> dict:

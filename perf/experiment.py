@@ -67,6 +67,16 @@ def forward_jobs(plans) -> list:
     return out
 
 
+def bench_jobs(cls, configs) -> list:
+    """The distinct (cls, config) pairs of a microbenchmark's configs, in order (its `jobs()`;
+    several variants share a config and differ in their launch)."""
+    out = []
+    for cfg in configs:
+        if (cls, cfg) not in out:
+            out.append((cls, cfg))
+    return out
+
+
 def self_problem(d: int, heads: int = 32, n: int = 8192):
     """The forward experiments' problem: bf16 self-attention, B=1, `heads` heads, N=`n`, D=d,
     not causal."""
@@ -154,5 +164,5 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     return 0
 
 
-__all__ = ["forward_jobs", "main", "median_ms", "refit", "routed_fwd", "self_problem",
+__all__ = ["bench_jobs", "forward_jobs", "main", "median_ms", "refit", "routed_fwd", "self_problem",
            "time_forward_variants"]

@@ -188,11 +188,7 @@ def variants() -> dict:
 
 
 def jobs() -> list:
-    out = []
-    for cfg, _ in variants().values():
-        if (FillBench, cfg) not in out:
-            out.append((FillBench, cfg))
-    return out
+    return experiment.bench_jobs(FillBench, (v[0] for v in variants().values()))
 
 
 def run(dev, flush) -> dict:

@@ -190,11 +190,7 @@ def variants() -> dict:
 
 
 def jobs() -> list:
-    out = []
-    for cfg, _, _ in variants().values():
-        if (ReduceBench, cfg) not in out:
-            out.append((ReduceBench, cfg))
-    return out
+    return experiment.bench_jobs(ReduceBench, (v[0] for v in variants().values()))
 
 
 def run(dev, flush) -> dict:
