@@ -57,24 +57,25 @@ def stamped_rate(fn, clk, per_cta: int, dev, flush) -> dict:
                 tb_per_s=clk.shape[0] * per_cta / ms / 1e9)
 
 
+def _distinct(pairs) -> list:
+    """`pairs` without repeats, in order (a list: configs hash, kernel classes compare)."""
+    out = []
+    for pair in pairs:
+        if pair not in out:
+            out.append(pair)
+    return out
+
+
 def forward_jobs(plans) -> list:
     """The distinct (kernel class, config) pairs of forward plans, in order (an experiment's
     `jobs()`)."""
-    out = []
-    for plan in plans:
-        if (plan.kernel_cls, plan.cfg) not in out:
-            out.append((plan.kernel_cls, plan.cfg))
-    return out
+    return _distinct((plan.kernel_cls, plan.cfg) for plan in plans)
 
 
 def bench_jobs(cls, configs) -> list:
     """The distinct (cls, config) pairs of a microbenchmark's configs, in order (its `jobs()`;
     several variants share a config and differ in their launch)."""
-    out = []
-    for cfg in configs:
-        if (cls, cfg) not in out:
-            out.append((cls, cfg))
-    return out
+    return _distinct((cls, cfg) for cfg in configs)
 
 
 def self_problem(d: int, heads: int = 32, n: int = 8192):
