@@ -60,6 +60,9 @@
 #   fill  perf.fill_limits: TMA's fill rate per SM from L2 against the bytes in flight, alone
 #         and multicast over a CTA pair, each variant in its own process (a hang stops only
 #         it) (precompile: `python -m perf.fill_limits --precompile DIR`, packed)
+#   one   perf.one_cta --time: the forward above D=512 with O in one CTA (`setmaxnreg`, PV as
+#         m64n96 WGMMAs) against the routed CTA pair (precompile: `python -m perf.one_cta
+#         --precompile DIR`, packed)
 #   producer  perf.producer_regs --time: the forward with m64n128 PV WGMMAs, and with an idle
 #         fourth warpgroup (precompile: `python -m perf.producer_regs --precompile DIR`)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
@@ -179,6 +182,10 @@ fi
 if has pair; then
   step "perf.cta_align --pair: the CTA pair against no pair above 512"
   timeout 200 python -m perf.cta_align --pair --out "$out/cta_pair.json"
+fi
+if has one; then
+  step "perf.one_cta: O in one CTA above D=512 against the CTA pair"
+  timeout 300 python -m perf.one_cta --time --out "$out/one_cta.json"
 fi
 if has fill; then
   step "perf.fill_limits: TMA fill rate per SM, alone and multicast"
