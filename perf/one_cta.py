@@ -42,7 +42,7 @@ from ffpa_cute.sm90.skeleton_sm90 import WG_THREADS, RingSkeletonSm90
 from perf import experiment
 
 HEAD_DIMS = (520, 528, 544, 560, 576, 592)
-TIMED_HEAD_DIMS = (520, 528, 560, 576)
+TIMED_HEAD_DIMS = (520, 528, 536, 544, 552, 560, 568, 576)
 S_REGS, O_REGS = 152, 176    # setmaxnreg: S + 2 O <= 512 (128 threads each: the 64K file)
 SWIZZLE_COLS = {128: 64, 64: 32, 32: 16}   # bytes of a row's swizzle -> bf16 columns
 
@@ -54,6 +54,17 @@ class OneCtaFwdConfigSm90(FwdConfigSm90):
     @property
     def o_split(self) -> int:
         return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LineSplitConfig(OneCtaFwdConfigSm90):
+    """OneCtaFwdConfigSm90 with the hi share starting on a 128-byte line (column 256) where
+    the rest fits one warpgroup's 288 columns, else on a half line (288)."""
+
+    @property
+    def dv_split(self) -> tuple[int, int]:
+        lo = 256 if self.dv - 256 <= 288 else 288
+        return lo, self.dv - lo
 
 
 def atom_n(width: int) -> int:
@@ -96,7 +107,7 @@ class OneCta(FFPAFwdSm90):
             self._acc_wg(mmas.o_hi, ops, scalars, smem, 1, work, extra, tidx - 2 * WG_THREADS)
 
 
-def one_cta_config(plan_cfg) -> OneCtaFwdConfigSm90:
+def one_cta_config(plan_cfg, cls=OneCtaFwdConfigSm90) -> OneCtaFwdConfigSm90:
     """The routed config with O in one CTA: Q resident, no pair, even shares (split_align 8)
     computed in multiples of 32 columns (a 64-byte swizzle at least), the deepest rings that
     fit (K >= 3)."""
@@ -105,7 +116,7 @@ def one_cta_config(plan_cfg) -> OneCtaFwdConfigSm90:
                   lazy_rescale=False)
     for v in (4, 3, 2):
         for k in range(8, 2, -1):
-            cfg = OneCtaFwdConfigSm90(**{**fields, "k_stages": k, "v_stages": v})
+            cfg = cls(**{**fields, "k_stages": k, "v_stages": v})
             if cfg.smem_bytes() <= SMEM_CAPACITY:
                 return cfg
     raise ValueError(f"no ring fits at D={plan_cfg.head_dim}")
@@ -126,9 +137,14 @@ def _with(plan, cls, cfg):
 
 
 def variants(d: int) -> dict:
-    """{name: forward plan} at D=d: the routed plan, and O in one CTA."""
+    """{name: forward plan} at D=d: the routed plan, O in one CTA with even shares, and with
+    the hi share from a line (`LineSplitConfig`) where that differs."""
     plan = experiment.routed_fwd(experiment.self_problem(d))
-    return {"pair": plan, "one": _with(plan, OneCta, one_cta_config(plan.cfg))}
+    out = {"pair": plan, "one": _with(plan, OneCta, one_cta_config(plan.cfg))}
+    line = one_cta_config(plan.cfg, LineSplitConfig)
+    if line.dv_split != out["one"].cfg.dv_split:
+        out["line"] = _with(plan, OneCta, line)
+    return out
 
 
 def probe(d: int) -> str:
