@@ -57,7 +57,7 @@ class OneCtaFwdConfigSm90(FwdConfigSm90):
 
 
 @dataclasses.dataclass(frozen=True)
-class LineSplitConfig(OneCtaFwdConfigSm90):
+class LineSplitFwdConfigSm90(OneCtaFwdConfigSm90):
     """OneCtaFwdConfigSm90 with the hi share starting on a 128-byte line (column 256) where
     the rest fits one warpgroup's 288 columns, else on a half line (288)."""
 
@@ -65,6 +65,18 @@ class LineSplitConfig(OneCtaFwdConfigSm90):
     def dv_split(self) -> tuple[int, int]:
         lo = 256 if self.dv - 256 <= 288 else 288
         return lo, self.dv - lo
+
+
+# `launch.repack_rows` copies K and V into 128-byte rows for configs whose class name ends in
+# "Sm90" (at D > 512 when a row is not whole lines); these two are read as they are
+@dataclasses.dataclass(frozen=True)
+class OneCtaNoCopy(OneCtaFwdConfigSm90):
+    """OneCtaFwdConfigSm90, K and V read in their own rows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LineSplitNoCopy(LineSplitFwdConfigSm90):
+    """LineSplitFwdConfigSm90, K and V read in their own rows."""
 
 
 def atom_n(width: int) -> int:
@@ -137,13 +149,20 @@ def _with(plan, cls, cfg):
 
 
 def variants(d: int) -> dict:
-    """{name: forward plan} at D=d: the routed plan, O in one CTA with even shares, and with
-    the hi share from a line (`LineSplitConfig`) where that differs."""
+    """{name: forward plan} at D=d: the routed plan; O in one CTA with even shares (`even`)
+    and with the hi share from a line (`line`, where that differs), each with K and V copied
+    into 128-byte rows as the routed plan is where its rows are not whole lines, and (`-nc`)
+    read in their own rows."""
     plan = experiment.routed_fwd(experiment.self_problem(d))
-    out = {"pair": plan, "one": _with(plan, OneCta, one_cta_config(plan.cfg))}
-    line = one_cta_config(plan.cfg, LineSplitConfig)
-    if line.dv_split != out["one"].cfg.dv_split:
-        out["line"] = _with(plan, OneCta, line)
+    out = {"pair": plan}
+    for name, cls, nc in (("even", OneCtaFwdConfigSm90, OneCtaNoCopy),
+                          ("line", LineSplitFwdConfigSm90, LineSplitNoCopy)):
+        cfg = one_cta_config(plan.cfg, cls)
+        if name == "line" and cfg.dv_split == out["even"].cfg.dv_split:
+            continue
+        out[name] = _with(plan, OneCta, cfg)
+        if (2 * d) % 128:
+            out[name + "-nc"] = _with(plan, OneCta, one_cta_config(plan.cfg, nc))
     return out
 
 
