@@ -52,14 +52,16 @@ def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
     q, k, v and dout): 16-bit WGMMA kernels at D > 512 whose rows are not whole lines, when the
     attention work outweighs the copy, nq nkv >= 700 (nq + 2 nkv) (about N >= 2K for Nq =
     Nkv: the copy is ~3% of the forward's time at N=8K); and the 16-bit WGMMA kernels at D <=
-    512 whose rows do not start on 32-byte sectors (D % 16 == 8), when nq nkv >= 1000 (nq + 2
-    nkv) (N >= 3K; the copy is 6-9% of the forward's time at N=8K, the gain 13-30%: measured
-    with the copy 8-23% faster forward, 21-30% faster backward, H100, perf.pad_d). p: the
-    problem; cfg: the (forward, or a gradient) kernel's config."""
+    512, or the forward with O in one CTA above it (`wide_o`), whose rows do not start on
+    32-byte sectors (D % 16 == 8), when nq nkv >= 1000 (nq + 2 nkv) (N >= 3K; the copy is 6-9%
+    of the forward's time at N=8K, the gain 13-30%: measured with the copy 8-23% faster
+    forward, 21-30% faster backward, H100, perf.pad_d; `wide_o`, perf.one_cta, H100, N=8K:
+    D=520 / 536 / 552 +17-37% with the copy, 528 / 544 +5-8% without it). p: the problem;
+    cfg: the (forward, or a gradient) kernel's config."""
     if not (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")):
         return False
     row = 2 * p.head_dim
-    if p.head_dim > 512:
+    if p.head_dim > 512 and not getattr(cfg, "wide_o", False):
         return row % ROW_LINE != 0 and nq * nkv >= 700 * (nq + 2 * nkv)
     return row % ROW_SECTOR != 0 and nq * nkv >= 1000 * (nq + 2 * nkv)
 

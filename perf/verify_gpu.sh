@@ -53,8 +53,8 @@
 #         (precompile: `python -m perf.cta_align --precompile DIR`, packed)
 #   cta32 the CTA pair's second CTA on a 64-byte half line at D % 128 == 8 (`cta_align` 32,
 #         planned): test_kv_pair_forward (its 520 / 648 / 776 / 904 cases among them) and the
-#         sanitizer case "D520 CTA pair" (precompile: `python -m tests.gpu_jobs --sections cta`
-#         and, with SANITIZE_CASES="D520 CTA pair", `--sections sanitize`, packed)
+#         sanitizer case "D648 kv_pair" (precompile: `python -m tests.gpu_jobs --sections cta`
+#         and, with SANITIZE_CASES="D648 kv_pair", `--sections sanitize`, packed)
 #   pair  perf.cta_align --pair: the CTA pair against no pair (both CTAs compute S) above 512
 #         (precompile: `python -m perf.cta_align --pair --precompile DIR`, packed)
 #   fill  perf.fill_limits: TMA's fill rate per SM from L2 against the bytes in flight, alone
@@ -176,7 +176,7 @@ if has cta32; then
   step "cta_align 32 at D % 128 == 8: the CTA pair's forward tests, sanitizer case"
   timeout 250 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_attention_gpu.py \
       -k "kv_pair_forward" 2>&1 | tee "$out/gpu_cta32.log" | grep -E "FAIL|passed|failed" | tail -8
-  SANITIZE_CASES="D520 CTA pair" timeout 250 python -m tests.sanitize --out "$out/san_cta32" \
+  SANITIZE_CASES="D648 kv_pair" timeout 250 python -m tests.sanitize --out "$out/san_cta32" \
       --timeout 230 2>&1 | tail -6
 fi
 if has pair; then

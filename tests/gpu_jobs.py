@@ -55,7 +55,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta")
+            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -233,10 +233,39 @@ def jobs(sections=SECTIONS) -> list:
         add(_widened_jobs())
     # the CTA pair's second CTA on a half line (`cta_align` 32 at D % 128 == 8): the forward
     # plans test_kv_pair_forward runs there and the curve's (not causal, and causal)
-    for d in (520, 648, 776, 904) if "cta" in sections else ():
+    for d in (648, 776, 904) if "cta" in sections else ():
         for causal in (False, True):
             plan = dispatch.plan_fwd(problem(d, d, "bf16", causal), target=TARGET)
             add([(plan.kernel_cls, plan.cfg)])
+    if "wide" in sections:
+        add(_wide_jobs())
+    return out
+
+
+def _wide_jobs() -> list:
+    """The `wide` section: the forwards of test_forward_wide_o (O in one CTA above 512), of
+    the CTA pair tests' cases (test_kv_pair_forward, test_forward_sm90_split_o: the pair with
+    and without `kv_pair`), and the fast grid's D=576 fp16 (both causal modes)."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
+    import torch
+    from test_attention_gpu import KV_PAIR_CASES, SPLIT_O_CASES, WIDE_O_CASES
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    cases = [(d, names[dt], mode, {}) for d, dt, mode, *_ in WIDE_O_CASES]
+    cases += [(d, "bf16", mode, {}) for d, mode, *_ in KV_PAIR_CASES]
+    cases += [(d, "bf16", mode, {"kv_pair": False}) for d, mode, *_ in SPLIT_O_CASES]
+    cases += [(576, "fp16", mode, {}) for mode in ("none", "bottom_right")]
+    out = []
+    for d, dt, mode, opts in cases:
+        p = AttnProblem(dtype=dt, batch=1, heads_q=2, heads_kv=2, seqlen_q=4096,
+                        seqlen_kv=4096, head_dim=d, head_dim_v=d, causal=mode != "none")
+        plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90", **opts))
+        if (plan.kernel_cls, plan.cfg) not in out:
+            out.append((plan.kernel_cls, plan.cfg))
     return out
 
 
@@ -285,7 +314,7 @@ def _widened_jobs() -> list:
 
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     cases = [(d, mode, nq, nkv, ratio, names[dt]) for d, mode, nq, nkv, ratio, dt in WIDENED_CASES]
-    cases += [(d, "bottom_right", 3100, 3100, 1, "bf16") for d in (328, 520, 544)]
+    cases += [(d, "bottom_right", 3100, 3100, 1, "bf16") for d in (328, 520, 600)]
     out = []
     for d, mode, nq, nkv, ratio, dt in cases:
         p = AttnProblem(dtype=dt, batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,

@@ -10,8 +10,8 @@ under memcheck, racecheck, synccheck and initcheck. Any error or hazard fails it
 
 What the workload runs (`CASES`): `ffpa_cute.attention` forward and backward through the public
 API, strict (a fallback would raise), for each kernel family that runs on the device, covering
-every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, the
-`kv_pair` CTA pair above 512, Dv != D, GQA rows packed for decode, persistent CTAs walking
+every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, O in
+one CTA up to 576 (`wide_o`), the `kv_pair` CTA pair above, Dv != D, GQA rows packed for decode, persistent CTAs walking
 more tiles than there are SMs), the sm90 dQ / dK / dV
 kernels (dK with sequential score products and with two accumulators, the gradient split over
 two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
@@ -64,15 +64,20 @@ CASES = [
     # by TMA and never stored
     ("sm90 D336 widened O halves, Nq != Nkv", "sm90", 1, 2, 2, 77, 200, 336, 336, "none",
      "bf16", False),
-    ("sm90 D576 kv_pair widened O halves causal", "sm90", 1, 2, 1, 65, 130, 576, 576,
+    ("sm90 D648 kv_pair, second CTA from a half line, causal", "sm90", 1, 2, 1, 65, 130, 648,
+     648, "bottom_right", "bf16", False),
+    # O in one CTA above 512 (`wide_o`): 288-column shares as m64n96 WGMMAs, `setmaxnreg`
+    ("sm90 D576 wide O in one CTA causal GQA", "sm90", 1, 4, 2, 129, 333, 576, 576,
      "bottom_right", "bf16", False),
+    ("sm90 D536 wide O, hi share from a line, upper-left", "sm90", 1, 2, 1, 77, 200, 536, 536,
+     "upper_left", "fp16", False),
     # persistent CTAs (one per SM) with more tiles than SMs: rings and hand-overs carried over
     ("sm90 D320 persistent, 144 tiles", "sm90", 1, 48, 48, 130, 200, 320, 320, "none", "bf16",
      False),
     # D % 64 != 0 persistent, the hi share from column 256 (`split_align` 64: 144 stored of 192)
     ("sm90 D400 persistent split shares, 144 tiles", "sm90", 1, 48, 48, 130, 200, 400, 400,
      "none", "bf16", False),
-    ("sm90 D520 CTA pair (D % 16 == 8), forward and backward", "sm90", 1, 2, 1, 65, 130, 520,
+    ("sm90 D520 wide O forward, CTA pair backward (D % 16 == 8)", "sm90", 1, 2, 1, 65, 130, 520,
      520, "bottom_right", "bf16", True),
     ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),
     ("sm80 D512 M4N2 GQA", "sm80", 1, 4, 2, 129, 333, 512, 512, "none", "fp16", True),
@@ -99,7 +104,7 @@ FEATURE_CASES = [
     ("sm90 D512 window persistent GQA, 144 tiles", 1, 48, 8, 130, 130, 512, True, (64, 0),
      False),
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
-    ("D520 window + sinks causal (the CTA pair, forward and backward)", 1, 2, 1, 65, 200, 520, True,
+    ("D520 window + sinks causal (wide O forward, CTA pair backward)", 1, 2, 1, 65, 200, 520, True,
      (50, 0), True),
 ]
 # (label, family, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the FP8 forwards (e4m3 in,
@@ -127,7 +132,7 @@ KV_CASES = [
 VARLEN_CASES = [
     ("sm90 varlen D512 GQA causal, Nq != Nkv, no keys, no queries", 4, 2, (129, 0, 77, 1, 40),
      (200, 30, 0, 1, 40), 512, 512, True, None, False),
-    ("sm90 varlen D576 CTA pair window + sinks", 2, 1, (65, 130), (130, 65), 576, 576, True,
+    ("sm90 varlen D576 wide O window + sinks", 2, 1, (65, 130), (130, 65), 576, 576, True,
      (64, 0), True),
 ]
 

@@ -192,10 +192,11 @@ def test_every_element_written(seed, mode):
         assert (out[:, :, :871] == 0).all() and torch.isneginf(lse[:, :, :871]).all()
 
 
-@pytest.mark.parametrize("d", [328, 520, 544])
+@pytest.mark.parametrize("d", [328, 520, 600])
 def test_row_repack_is_the_same_kernel(seed, monkeypatch, d):
-    """At D > 512 with rows that are not whole 128-byte lines (D=520 and 544: the WGMMA CTA
-    pair forward and backward), and at D % 16 == 8 below (328), the inputs are copied into
+    """At D > 512 with rows that are not whole 128-byte lines (D=600: the WGMMA CTA pair
+    forward and backward; 520: the backward's pair, the forward with O in one CTA), and at D %
+    16 == 8 (328, 520's forward) the inputs are copied into
     padded rows first (`launch.repack_rows`): the same kernels on the same values, so out,
     lse and the gradients are the same bits as without the copy."""
     from ffpa_cute import launch
@@ -429,7 +430,7 @@ def _check_backward(mode, nq, nkv, ratio, expect_kernels=False, d=512, dv=None, 
     check_grads(q, k, v, dout, causal, off)
 
 
-SPLIT_O_CASES = [(576, "none", 129, 1000, 1), (640, "bottom_right", 1000, 129, 4),
+SPLIT_O_CASES = [(592, "none", 129, 1000, 1), (640, "bottom_right", 1000, 129, 4),
                  (768, "upper_left", 7, 7, 16), (1024, "none", 1000, 1000, 1),
                  (1024, "bottom_right", 1, 129, 4), (1024, "none", 4097, 4097, 1)]
 
@@ -448,10 +449,10 @@ def test_forward_sm90_split_o(seed, d, mode, nq, nkv, ratio):
 
 KV_PAIR_CASES = [(1024, "none", 1000, 1000, 1), (1024, "bottom_right", 129, 1000, 4),
                  (1024, "upper_left", 1000, 1000, 16), (768, "bottom_right", 1000, 129, 1),
-                 (576, "none", 7, 4097, 4), (1024, "none", 1, 1, 1), (576, "upper_left", 129, 7, 1),
+                 (592, "none", 7, 4097, 4), (1024, "none", 1, 1, 1), (640, "upper_left", 129, 7, 1),
                  (1024, "bottom_right", 4097, 4097, 2),
                  # D % 128 == 8: the second CTA on a 64-byte half line (`cta_align` 32)
-                 (520, "bottom_right", 1000, 129, 4), (648, "upper_left", 129, 1000, 1),
+                 (776, "bottom_right", 1000, 129, 4), (648, "upper_left", 129, 1000, 1),
                  (776, "none", 7, 4097, 16), (904, "bottom_right", 1000, 1000, 2)]
 
 
@@ -467,6 +468,26 @@ def test_kv_pair_forward(seed, d, mode, nq, nkv, ratio):
         assert plan.cfg.kv_pair and plan.cfg.o_split == 2
         assert plan.cfg.cta_align == 32 or d % 128 != 8
         check_forward(d, BF16, mode, nq, nkv, ratio)
+
+
+WIDE_O_CASES = [(520, BF16, "none", 129, 1000, 4), (520, BF16, "bottom_right", 1000, 1000, 1),
+                (528, FP16, "upper_left", 1000, 129, 16), (536, BF16, "bottom_right", 7, 4097, 2),
+                (544, BF16, "none", 1, 4097, 64), (552, FP16, "none", 4097, 4097, 1),
+                (560, BF16, "upper_left", 129, 7, 4), (568, BF16, "bottom_right", 129, 1000, 64),
+                (576, BF16, "none", 1000, 129, 16), (576, FP16, "bottom_right", 4097, 1000, 4)]
+
+
+@pytest.mark.parametrize("d,dtype,mode,nq,nkv,ratio", WIDE_O_CASES)
+def test_forward_wide_o(seed, d, dtype, mode, nq, nkv, ratio):
+    """D in (512, 576] with O in one CTA (`wide_o`: O shares of up to 288 columns as m64n96
+    WGMMAs, `setmaxnreg` S 160 / O 176): numerics and LSE as every forward, both causal
+    alignments, GQA and MQA (rows packed), odd lengths, fp16, both share splits (the hi share
+    from column 256 up to D=544, from 288 above)."""
+    with sm90_only():
+        q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, dtype)
+        plan = kernel_plan(q, k, v, mode)
+        assert plan.cfg.wide_o and plan.cfg.o_split == 1 and not plan.cfg.kv_pair
+        check_forward(d, dtype, mode, nq, nkv, ratio)
 
 
 @contextlib.contextmanager

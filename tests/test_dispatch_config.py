@@ -66,34 +66,64 @@ def test_the_table_is_data():
 
 
 @pytest.mark.parametrize("d,kernel", [(264, "FFPAFwdSm90"), (512, "FFPAFwdSm90"),
-                                      (520, "FFPAFwdSm90"), (1024, "FFPAFwdSm90")])
+                                      (520, "FFPAFwdSm90"), (584, "FFPAFwdSm90"),
+                                      (1024, "FFPAFwdSm90")])
 def test_sm90_family_kernels(d, kernel):
-    """sm_90a: the WGMMA kernel at every D in [264, 1024] (above 512 over a CTA pair, D % 16 ==
-    8 included)."""
+    """sm_90a: the WGMMA kernel at every D in [264, 1024] (above 512 in one CTA up to 576,
+    then over a CTA pair; D % 16 == 8 included)."""
     plan = dispatch.plan_fwd(prob(d=d), target="sm_90a")
     assert plan.reason is None and plan.family == "sm90"
     assert plan.kernel_cls.__name__ == kernel and plan.cfg.arch == "sm_90a"
 
 
 def test_sm90_wgmma_range_and_o_split():
-    """D > 512 goes to the WGMMA kernel with O split over a CTA pair that splits the KV blocks
+    """D > 576 goes to the WGMMA kernel with O split over a CTA pair that splits the KV blocks
     (`Options.kv_pair`; off: both CTAs score every block). With a window (or sinks, varlen)
     the shares are even: at D % 16 == 8 each CTA owns ceil(D / 16) * 8 columns, the second's
     last 8 past D (computed from zeros, not stored); the plain forward starts the second
-    CTA's columns on a line (`cta_align` 64: 320 + 256 at D=576), at D % 128 == 8 on a half
-    line (`cta_align` 32: 288 + 232 at D=520)."""
+    CTA's columns on a line (`cta_align` 64: 384 + 328 at D=712), at D % 128 == 8 on a half
+    line (`cta_align` 32: 352 + 296 at D=648)."""
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.o_split == 2
     assert plan.cfg.kv_pair
     plan = dispatch.plan_fwd(prob(d=1024), target="sm_90a", opts=Options(kv_pair=False))
     assert plan.cfg.o_split == 2 and not plan.cfg.kv_pair
-    plan = dispatch.plan_fwd(prob(d=520, window_lo=-100), target="sm_90a")
+    plan = dispatch.plan_fwd(prob(d=584, window_lo=-100), target="sm_90a")
     assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and plan.cfg.kv_pair
-    assert plan.cfg.dv_cta == 264 and plan.cfg.dv_split == (136, 128)
-    plan = dispatch.plan_fwd(prob(d=520), target="sm_90a")
-    assert plan.cfg.dv_cta == 288 and plan.cfg.dv_split == (192, 96)
-    plan = dispatch.plan_fwd(prob(d=576), target="sm_90a")
-    assert plan.cfg.dv_cta == 320 and plan.cfg.dv_split == (192, 128)
+    assert plan.cfg.dv_cta == 296 and plan.cfg.dv_split == (152, 144)
+    plan = dispatch.plan_fwd(prob(d=648), target="sm_90a")
+    assert plan.cfg.dv_cta == 352 and plan.cfg.cta_align == 32
+    plan = dispatch.plan_fwd(prob(d=712), target="sm_90a")
+    assert plan.cfg.dv_cta == 384 and plan.cfg.dv_split == (192, 192)
+
+
+@pytest.mark.parametrize("d,split,halves", [(520, (256, 264), (256, 288)),
+                                            (544, (256, 288), (256, 288)),
+                                            (552, (288, 264), (288, 288)),
+                                            (576, (288, 288), (288, 288))])
+def test_sm90_wide_o(d, split, halves):
+    """D = Dv in (512, 576], 16-bit: O in one CTA (`wide_o`), Q resident, K 3 / V 2 stages,
+    shares of at most 288 columns with the hi share from a line (256) or a half line (288),
+    issued as m64n96 WGMMAs past 256 columns; even shares under a window; the kernels that
+    start from the forward's plan (dV, decode) and the FP8 forward keep the CTA pair, and
+    MLA's 576 / 512 its own plan (Dv <= 512)."""
+    from ffpa_cute.sm90 import config as c
+
+    cfg = dispatch.plan_fwd(prob(d=d), target="sm_90a").cfg
+    assert cfg.wide_o and cfg.o_split == 1 and not cfg.kv_pair and not cfg.stream_q
+    assert (cfg.dv_split, cfg.dv_halves, cfg.k_stages, cfg.v_stages) == (split, halves, 3, 2)
+    assert [c.pv_atom_n(w) for w in halves] == [96 if w > 256 else w for w in halves]
+    assert c.can_implement(cfg) is None
+    even = dispatch.plan_fwd(prob(d=d, window_lo=-100), target="sm_90a").cfg
+    assert even.wide_o and even.split_align == 8
+    assert not c.plan_dv(prob(d=d)).wide_o and c.plan_dv(prob(d=d)).o_split == 2
+    fp8 = dispatch.plan_fwd(prob(d=d + d % 16, dtype="e4m3"), target="sm_90a").cfg
+    assert fp8.o_split == 2 and not fp8.wide_o
+    mla = dispatch.plan_fwd(prob(d=576, head_dim_v=512), target="sm_90a").cfg
+    assert not mla.wide_o and mla.dv_halves == (256, 256)
+    # the forward's checks: shares past 288 columns, persistent CTAs
+    assert c.can_implement(dataclasses.replace(cfg, persistent=True)) is not None
+    assert c.can_implement(dataclasses.replace(cfg, half_align=8, split_align=8)) is not None
 
 
 def test_forced_family():
@@ -393,13 +423,15 @@ def test_varlen_rule(kw):
 
 @pytest.mark.parametrize("d,n,fwd,bwd", [
     (520, 8192, True, True), (520, 1024, False, False), (576, 8192, False, False),
-    (544, 4096, True, True), (1016, 4096, True, True), (264, 8192, True, True),
+    (544, 4096, False, True), (600, 4096, True, True), (1016, 4096, True, True),
+    (264, 8192, True, True),
     (312, 4096, True, True), (312, 2048, False, False), (336, 8192, False, False),
     (320, 8192, False, False)])
 def test_row_repack_rule(d, n, fwd, bwd):
     """Rows that are not whole 128-byte lines are copied into padded rows before the WGMMA
-    kernels at D > 512 (their TMA boxes straddle lines otherwise) and rows that do not start
-    on 32-byte sectors (D % 16 == 8) at D <= 512, forward and backward, when the work is
+    kernels over a CTA pair at D > 512 (their TMA boxes straddle lines otherwise) and rows
+    that do not start on 32-byte sectors (D % 16 == 8) at D <= 512 and before the forward
+    with O in one CTA above it (`wide_o`, D <= 576), forward and backward, when the work is
     large enough; the Split-D kernels read them as they are; the copy holds
     the same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n)
@@ -431,7 +463,10 @@ def test_backward_kv_pair_rule(d):
     off = dispatch.plan_bwd(p, target="sm_90a", opts=Options(kv_pair=False))
     assert not any(c.kv_pair for c in off.cfgs[1:])
     fwd = dispatch.plan_fwd(p, target="sm_90a").cfg
-    assert fwd.kv_pair and fwd.pair_stats and fwd.pair_barriers == ("bar_x", "bar_pp")
+    if d > 576:   # the forward up to 576 holds O in one CTA (`wide_o`)
+        assert fwd.kv_pair and fwd.pair_stats and fwd.pair_barriers == ("bar_x", "bar_pp")
+    else:
+        assert fwd.wide_o and not fwd.kv_pair
     small = dispatch.plan_bwd(prob(d=512, causal=True), target="sm_90a")
     assert not any(c.kv_pair for c in small.cfgs[1:])
 
@@ -515,7 +550,8 @@ def test_static_schedule_covers_every_tile_once(m_tiles, heads, batch, ctas):
     (264, (192, 128), (192, 72), 264), (336, (192, 192), (192, 144), 336),
     (320, (192, 128), (192, 128), 320), (512, (256, 256), (256, 256), 512),
     (400, (256, 192), (256, 144), 400), (376, (192, 192), (192, 184), 376),
-    (520, (192, 96), (192, 96), 288), (576, (192, 128), (192, 128), 320),
+    (520, (256, 288), (256, 264), 520), (576, (288, 288), (288, 288), 576),
+    (648, (192, 160), (192, 160), 352),
     (640, (192, 128), (192, 128), 320), (712, (192, 192), (192, 192), 384),
     (1016, (256, 256), (256, 256), 512), (768, (192, 192), (192, 192), 384)])
 def test_o_halves_widened_to_a_swizzle(d, halves, split, cta):

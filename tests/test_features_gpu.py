@@ -58,8 +58,9 @@ def _ids(c):
                          ids=_ids)
 def test_window_sinks_forward_backward(seed, case, family):
     """Forward out / lse and the gradients of q, k, v and sinks (of a loss through out and lse)
-    against float64, on the sm90 WGMMA kernels and on the Split-D kernels (D=520 on sm90: the WGMMA CTA pair forward and
-    backward, whose second CTA owns 8 columns past D)."""
+    against float64, on the sm90 WGMMA kernels and on the Split-D kernels (D=520 and 576 on
+    sm90: the forward with O in one CTA, `wide_o`, and the gradient kernels' CTA pair, whose
+    second CTA owns 8 columns past D at 520)."""
     d, hq, hkv, nq, nkv, window, causal, with_sinks = case
     kernel = "FFPAFwdSm80" if family == "sm80" else "FFPAFwdSm90"
     with ffpa_cute.options.use(family=family):
@@ -425,7 +426,7 @@ VARLEN_CASES = [  # d, dv, hq, hkv, causal, window, sinks, dtype
     (512, 512, 4, 2, True, None, False, BF16),
     (512, 512, 8, 1, False, None, True, BF16),
     (320, 320, 2, 2, True, (100, 20), True, torch.float16),
-    (576, 576, 2, 1, True, None, False, BF16),      # the CTA pair (kv_pair), split gradients
+    (576, 576, 2, 1, True, None, False, BF16),      # O in one CTA (`wide_o`), split gradients
     (576, 512, 2, 2, True, (300, None), False, BF16),   # Dv != D
     (1024, 1024, 2, 2, False, (64, 64), True, BF16),
 ]

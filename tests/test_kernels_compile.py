@@ -105,7 +105,8 @@ def test_fp16_compiles():
 
 
 SM90_CASES = [(264, True), (320, False), (384, True), (448, False), (512, True), (512, False),
-              (576, True), (768, False), (1024, True)]  # > 512: O split over two CTAs
+              (520, False), (552, True), (576, True),   # 520-576: O in one CTA (`wide_o`)
+              (640, False), (768, False), (1024, True)]  # > 576: O split over two CTAs
 
 
 @pytest.mark.parametrize("d,causal,window,sinks,dtype", [
@@ -132,7 +133,8 @@ def test_sm90_persistent_compiles(d, causal, window, sinks, dtype):
 def test_sm90_varlen_compiles(d, dv, causal, window, sinks):
     """One launch over packed sequences (`varlen`): the forward and the dQ / dK / dV kernels
     take cu_seqlens (the CTA's tile is found by a walk over them: a loop in the kernel), WGMMA
-    and TMA, no local memory, no spills; D=576 on the CTA pair (kv_pair) and Dv != D too."""
+    and TMA, no local memory, no spills; D=576 (the forward's O in one CTA, the gradients'
+    CTA pair) and Dv != D too."""
     p = dataclasses.replace(_problem(d, causal, dv=dv), varlen=True, has_sinks=sinks,
                             window_lo=-64 if window else None)
     plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options())
@@ -166,16 +168,19 @@ def test_sm90_group_split_compiles(d, hq):
 
 @pytest.mark.parametrize("d,causal", SM90_CASES)
 def test_sm90_compiles_with_wgmma_tma_and_no_spills(d, causal):
-    """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs, TMA loads, stmatrix for P,
-    no mma.sync, no local memory, no ptxas spills (384 threads: at most 168 registers)."""
+    """The WGMMA forward: m64n128k16 QK and m64nNk16 PV WGMMAs (a share wider than 256
+    columns as m64n96: `wide_o`, with `setmaxnreg` S 160 / O 176), TMA loads, stmatrix for
+    P, no mma.sync, no local memory, no ptxas spills (384 threads: at most 168 registers at
+    launch)."""
     plan = _plan("sm_90a", d, causal)
     cfg = plan.cfg
-    assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and cfg.o_split == (1 if d <= 512 else 2)
+    assert plan.kernel_cls.__name__ == "FFPAFwdSm90" and cfg.o_split == (1 if d <= 576 else 2)
+    assert cfg.wide_o == (512 < d <= 576)
     ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
-    dlo, dhi = cfg.dv_halves
+    for w in cfg.dv_halves:
+        assert f"wgmma.mma_async.sync.aligned.m64n{sm90_config.pv_atom_n(w)}k16" in ptx
+    assert ("setmaxnreg.inc.sync.aligned.u32 176" in ptx.replace("\t", "")) == cfg.wide_o
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
-    assert f"wgmma.mma_async.sync.aligned.m64n{dlo}k16" in ptx
-    assert f"wgmma.mma_async.sync.aligned.m64n{dhi}k16" in ptx
     assert "cp.async.bulk.tensor" in ptx and "stmatrix" in ptx
     assert "mma.sync" not in ptx and "tcgen05" not in ptx
     assert ".local" not in ptx, "local memory in PTX"

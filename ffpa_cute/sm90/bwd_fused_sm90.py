@@ -114,20 +114,9 @@ from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd,
                               fake_tensor, vec4_ptx)
 from .config import FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
 from .bwd_sm90 import load_column_stat, stage_column_stat
-from .skeleton_sm90 import WG_THREADS, row_major_layout, thread_roles, tma_load
+from .skeleton_sm90 import WG_THREADS, row_major_layout, set_regs, thread_roles, tma_load
 
 T = FUSED_TILE
-
-
-LAUNCH_REGS = 168   # registers per thread at launch: 65536 / 384 rounded down to 8
-
-
-def _set_regs(n: int):
-    """setmaxnreg: the calling warpgroup's registers per thread from LAUNCH_REGS to n."""
-    if n > LAUNCH_REGS:
-        cute.arch.warpgroup_reg_alloc(n)
-    else:
-        cute.arch.warpgroup_reg_dealloc(n)
 
 
 _MAPA = "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};"
@@ -397,13 +386,13 @@ class FFPABwdFusedSm90(KernelEntry):
         # registers where the dQ accumulators are (`reg_split`)
         regs = cfg.reg_split
         if wg == 0:
-            _set_regs(regs[0])
+            set_regs(regs[0])
             self._score_wg(mmas, ops, smem, work, tidx, extra)
         elif wg == 1:
-            _set_regs(regs[1])
+            set_regs(regs[1])
             self._grad_wg(mmas, ops, smem, work, 0, tidx - WG_THREADS, extra)
         else:
-            _set_regs(regs[2])
+            set_regs(regs[2])
             self._grad_wg(mmas, ops, smem, work, 1, tidx - 2 * WG_THREADS, extra)
         cute.arch.cluster_arrive()   # the peer may still write our smem until it is done
         cute.arch.cluster_wait()

@@ -15,7 +15,11 @@ return a config that its `can_implement` rejects; this module imports no cutlass
 #   16 KB), else 64.
 # Ring depths: K 4 stages (fewer starves QK), then the deepest V rings (<= 4) that fit beside
 #   resident Q and two P buffers, then any room left goes to K. publish_after = all K chunks.
-# D > 512 (o_split 2): O[64 x D] needs more than the 2 x 168 registers the O warpgroups have,
+# D in (512, 576], the 16-bit forward (`wide_o`): O stays in one CTA, each O warpgroup's share
+#   at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 160 / O 176 and the
+#   PV product issued as m64n96 WGMMAs (no instruction needs more than the launch's 168); Q
+#   resident, K ring 3, V rings 2 (perf.one_cta: 1.3-1.45x the CTA pair).
+# D > 512 otherwise (o_split 2): O[64 x D] needs more than the O warpgroups' registers,
 #   so two CTAs share each Q tile, each computing half of O's columns; both compute the full
 #   S = Q K^T (QK recomputed: at most 2/3 of the tensor work is counted), and Q streams through
 #   the K ring in [64 x 64] chunks (Q[64 x 1024] would take 128 KB of smem). Both CTAs own
@@ -40,8 +44,15 @@ DTYPES = ("bf16", "fp16")
 FP8_DTYPES = ("e4m3",)
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
-MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2
+MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2, except the 16-bit forward up to WIDE_MAX_DV
 TILE_M = 64
+# The 16-bit forward keeps O in one CTA up to this Dv (`wide_o`), each O warpgroup computing at
+# most WIDE_SHARE columns with `setmaxnreg` (S, O) = WIDE_O_REGS (160 + 2 x 176 = 512 x 128
+# threads, the 64K file): 0 spills (ptxas; S 152 spilled 20 B with varlen and causal), where a
+# 320-column share (D=584-640) spilled 1.7-3.4 KB at S 144 / O 184
+WIDE_MAX_DV = 576
+WIDE_SHARE = 288
+WIDE_O_REGS = (160, 176)
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,8 @@ class FwdConfigSm90:
 
     arch:          "sm_90a"
     dtype:         "bf16" | "fp16"; accumulation is fp32
-    head_dim:      D, a multiple of 8 in [264, 512], or of 16 in (512, 1024] (split over 2 CTAs)
+    head_dim:      D, a multiple of 8 in [264, 1024]; above 512 O is split over 2 CTAs
+                   (`o_split`) except where one holds it (`wide_o`)
     causal:        causal masking (the diagonal offset is a runtime argument)
     tile_n:        KV rows per block (the N of the QK WGMMA)
     k_stages:      depth of the K ring ([tile_n x 64] chunks)
@@ -195,9 +207,20 @@ class FwdConfigSm90:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
+    def wide_o(self) -> bool:
+        """Whether O is wider than 512 columns in one CTA: the 16-bit forward (this class, not
+        its subclasses) at Dv == D in (512, WIDE_MAX_DV] with Q resident. Its O warpgroups hold
+        up to WIDE_SHARE columns each (144 fp32 registers a thread at 288), which fit by moving
+        registers from the S warpgroup (`setmaxnreg`, WIDE_O_REGS) and issuing each PV product
+        as WGMMAs of `pv_atom_n` columns (one m64n288 would be past WGMMA's N, and no single
+        instruction may need more registers than the launch's 168)."""
+        return (type(self) is FwdConfigSm90 and not self.stream_q and self.head_dim_v is None
+                and MAX_SINGLE_CTA_HEAD_DIM < self.dv <= WIDE_MAX_DV)
+
+    @property
     def o_split(self) -> int:
         """CTAs per Q tile, each owning dv / o_split columns of O."""
-        return 1 if self.dv <= MAX_SINGLE_CTA_HEAD_DIM else 2
+        return 1 if self.dv <= MAX_SINGLE_CTA_HEAD_DIM or self.wide_o else 2
 
     @property
     def hdim_q_padded(self) -> int:
@@ -215,8 +238,13 @@ class FwdConfigSm90:
     @property
     def dv_split(self) -> tuple[int, int]:
         """O columns each of the CTA's two O warpgroups stores: multiples of 8, lo >= hi (the
-        hi warpgroup's first column is lo, a multiple of `split_align`)."""
+        hi warpgroup's first column is lo, a multiple of `split_align`). `wide_o` with
+        `split_align` 64: lo 256 (the hi share from a line) where the rest fits WIDE_SHARE,
+        else WIDE_SHARE (a half line), so lo < hi at D=520-544."""
         a = self.split_align
+        if self.wide_o and a == 64:
+            lo = 256 if self.dv_cta - 256 <= WIDE_SHARE else WIDE_SHARE
+            return lo, self.dv_cta - lo
         lo = -(-self.dv_cta // (2 * a)) * a
         return lo, self.dv_cta - lo
 
@@ -322,6 +350,16 @@ class FwdConfigSm90:
 
 def _align(nbytes: int, to: int = 1024) -> int:
     return -(-nbytes // to) * to
+
+
+def pv_atom_n(width: int) -> int:
+    """The N of the WGMMAs an O warpgroup's `width` columns are issued as: width itself up to
+    WGMMA's 256, else (`wide_o`, width a multiple of 32) the widest divisor of it that is a
+    multiple of 32 columns (a 64-byte swizzle atom of the V stage at 16 bits) and at most 256:
+    96 for 288."""
+    if width <= 256:
+        return width
+    return max(n for n in range(32, 257, 32) if width % n == 0)
 
 
 @dataclass(frozen=True)
@@ -640,7 +678,12 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
             cfg.o_split != 2 or cfg.elem_bytes != 2 or cfg.dv_cta >= cfg.dv)):
         return ("cta_align must be 8, or 32 or 64 with O over two CTAs, 16-bit operands and "
                 "columns left for the second CTA")
-    if max(cfg.dv_halves) > 256:
+    if cfg.wide_o:
+        if cfg.half_align not in (32, 64) or max(cfg.dv_halves) > WIDE_SHARE or cfg.persistent:
+            return (f"O in one CTA above {MAX_SINGLE_CTA_HEAD_DIM} columns (`wide_o`) needs "
+                    f"half_align 32 or 64, shares of at most {WIDE_SHARE} columns and no "
+                    "persistent CTAs")
+    elif max(cfg.dv_halves) > 256:
         return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
@@ -769,6 +812,15 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     Measured (perf.resident_q, kernel alone, Hq 128 / Hkv 1, H100, 2026-12-05): N=8K causal
     400 -> 490 TFLOPS, 4K 375 -> 453, 16K 408 -> 526, 8K non-causal 406 -> 528.
 
+    D = Dv in (512, WIDE_MAX_DV], 16-bit (`wide_o`; the forward's own plan: `resident_q`):
+    O in one CTA instead of the CTA pair, Q resident, K 3 and V 2 stages, the hi share from
+    a line with `tuned` (no window, sinks or varlen). Measured (perf.one_cta, H100, B=1, H=32,
+    N=8K, not causal, `run_fwd`, TFLOPS; pair -> one CTA with even shares / with the hi share
+    from a line): 520 296 -> 404 / 393, 528 299 -> 365 / 405 (426 without the K / V row
+    copy: `launch.repack_rows` then copies only at D % 16 == 8, as below 512), 536 289 ->
+    395 / 389, 544 310 -> 405 / 418 (451 without the copy), 552 296 -> 367 / 410, 560 316 ->
+    383 / 430, 568 305 -> 425, 576 348 -> 462; out within the pair's error against fp32.
+
     FP8 with at most OVERLAP_MAX_CHUNKS D chunks and neither a right nor a left edge takes the
     `overlap` schedule (h = half the D chunks, K ring >= chunks + h). Measured on the H200
     against the serial schedule, both with P stored by stmatrix (kernel, B=1, H=32, N=8K /
@@ -778,15 +830,19 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     nothing.
     """
     dv = problem.head_dim_v
-    split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM
     fp8 = problem.dtype in FP8_DTYPES
+    # O in one CTA above 512 (`wide_o`): the 16-bit forward's own plan (not the decode and dV
+    # planners', which start from this one with resident_q off)
+    wide = (resident_q and not fp8 and dv == problem.head_dim
+            and MAX_SINGLE_CTA_HEAD_DIM < dv <= WIDE_MAX_DV)
+    split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM and not wide
     cls, extra = ((FwdFP8ConfigSm90, dict(out_dtype=problem.out_dtype or "bf16")) if fp8
                   else (FwdConfigSm90, {}))
     k_chunk = 128 // ELEM_BYTES.get(problem.dtype, 2)
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 half_align=8 if fp8 else (32 if dv > MAX_SINGLE_CTA_HEAD_DIM else 64),
                 causal=problem.right_bounded, publish_after=-(-problem.head_dim // k_chunk),
-                stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM,
+                stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM and not wide,
                 head_dim_v=None if dv == problem.head_dim else dv,
                 window=problem.window_lo is not None, sinks=problem.has_sinks,
                 varlen=problem.varlen, **extra)
@@ -797,7 +853,8 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
             and problem.window_lo is None and not problem.has_sinks and not problem.varlen):
         base["lazy_rescale"] = True
     plain = problem.window_lo is None and not problem.has_sinks and not problem.varlen
-    if tuned and not problem.has_sinks and _line_shares(problem, dv):
+    if tuned and not problem.has_sinks and (_line_shares(problem, dv) or (
+            wide and problem.window_lo is None and not problem.varlen)):
         base["split_align"] = 64   # the hi share from a 128-byte line (measured below)
     if tuned and plain and base.get("kv_pair") and not fp8:
         # the CTA pair: the second CTA's columns and each CTA's hi share from lines (below),
@@ -807,11 +864,11 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
         if _o_shares(cls(**lines)) != _o_shares(cls(**base)):
             base = lines
     aligned = problem.head_dim % 64 == 0 and dv % 64 == 0
-    if (persistent and not fp8 and not split and not problem.varlen
+    if (persistent and not fp8 and not split and not wide and not problem.varlen
             and ((plain and not problem.right_bounded)
                  or (aligned and (not problem.right_bounded or problem.window_lo is not None)))):
         base["persistent"] = True
-    min_k = 4
+    min_k = 3 if wide else 4   # Q [64 x 576] resident beside V rings of 2 (below)
     chunks = -(-problem.head_dim // k_chunk)
     if (fp8 and chunks <= OVERLAP_MAX_CHUNKS and not problem.right_bounded
             and problem.window_lo is None):

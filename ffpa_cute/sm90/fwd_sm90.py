@@ -2,8 +2,9 @@
 
 What it computes: O = softmax(scale * Q K^T [+ causal mask]) V and LSE, for q [B, Hq, Nq, D],
 k/v [B, Hkv, Nkv, D] (any strides, unit stride on D), Hq a multiple of Hkv (GQA/MQA), any Nq, Nkv,
-bf16/fp16 in, fp32 accumulation, D from 264 to 512 in steps of 8, and from 528 to 1024 in steps
-of 16 with O split over two CTAs (`o_split`, below).
+bf16/fp16 in, fp32 accumulation, D from 264 to 1024 in steps of 8: O in one CTA up to 576
+(above 512 with 288-column O shares, config `wide_o`), split over two CTAs above (`o_split`,
+below).
 
 `FFPAFwdSm90` runs on `RingSkeletonSm90` (skeleton_sm90.py: the warpgroups, rings, P hand-over
 and tensor-core order) with Q as the resident rows, K as the streamed columns, V as the
@@ -31,7 +32,7 @@ right edge is the causal rule at offset min(causal, right)). O and LSE stores sk
 Sinks (config `sinks`): the head's sink logit joins each row's denominator and LSE in the final
 factors (common/softmax.py, Note [Sinks]).
 
-D > 512 (config `o_split` = 2): O[64 x D] does not fit two warpgroups' registers, so two
+D > 576 (config `o_split` = 2): O[64 x D] does not fit two warpgroups' registers, so two
 adjacent CTAs take the same Q tile and each computes D/2 columns of O (its O warpgroups D/4
 each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor work is counted at
 D=1024), and Q does not stay resident (64 x 1024 would be 128 KB): it streams through the K

@@ -80,8 +80,12 @@ first C chunks as soon as its last score WGMMAs retire, so they arrive under the
 accumulator warpgroups' epilogue (final scale, O stores) runs under the next tile's first
 score block.
 
-Output split (`o_split` = 2, O wider than 512): two adjacent CTAs take the same row tile and each
-computes half of O's columns. `kv_pair` (forward and gradients): the pair is a 2-CTA cluster that
+Wide O in one CTA (`wide_o`, the 16-bit forward at D in (512, 576]): each accumulator warpgroup
+holds up to 288 columns, issued as m64n96 WGMMAs (`_mma`, `pv_atom_n`), with registers moved
+from the S warpgroup by `setmaxnreg` (`_reg_split`).
+
+Output split (`o_split` = 2, O wider than 512 elsewhere): two adjacent CTAs take the same row
+tile and each computes half of O's columns. `kv_pair` (forward and gradients): the pair is a 2-CTA cluster that
 splits the column blocks (CTA r scores block 2 i + r of step i, P tiles in a four-slot buffer, each
 accumulator warpgroup runs both tiles of a step and also arrives on the peer's P_empty); the
 skeleton runs the steps and sends each P tile to the peer (`_send_p`), the forward also joins
@@ -115,7 +119,7 @@ from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
 from ..common.scheduler import tile_coords, tile_count
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
-from .config import TILE_M, FwdConfigSm90, cvt_tiling
+from .config import TILE_M, WIDE_O_REGS, FwdConfigSm90, cvt_tiling, pv_atom_n
 from .shared_ring import SharedKVRing
 from .ring_context import (BLoads, Barriers, BlockSeq, ColLoads, Convert, Counters, Mmas, Operands,
                            OutFrags, PairSmem, Roles, Scalars, ScoreFrags, ScoreIO, ScoreRegs,
@@ -142,6 +146,17 @@ def tma_load(tma: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar,
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
         cute.copy(tma, src, dst, tma_bar_ptr=bar)
+
+
+LAUNCH_REGS = 168   # registers per thread at launch: 65536 / 384 rounded down to 8
+
+
+def set_regs(n: int):
+    """setmaxnreg: the calling warpgroup's registers per thread from LAUNCH_REGS to n."""
+    if n > LAUNCH_REGS:
+        cute.arch.warpgroup_reg_alloc(n)
+    else:
+        cute.arch.warpgroup_reg_dealloc(n)
 
 
 def row_major_layout(rows: int, cols: int, dtype, stages: int | None = None):
@@ -303,9 +318,12 @@ class RingSkeletonSm90(SharedKVRing, KernelEntry):
         return row_major_layout(rows, cols, dtype or self.dtype, stages)
 
     def _mma(self, n: int, b_major):
+        """The tiled WGMMA of an [TILE_M x n] accumulator: one m64n`n` atom, or (n > 256, an O
+        share of `wide_o`) the m64n`pv_atom_n(n)` atom repeated along N (the same accumulator
+        registers, the same k-step order per column)."""
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, b_major, Float32,
-            (1, 1, 1), (TILE_M, n))
+            (1, 1, 1), (TILE_M, pv_atom_n(n)))
 
     def _b_major(self):
         """Major mode of P B's B operand: B's rows (MN-major) at 16 bits; at 8 bits WGMMA takes
@@ -619,20 +637,28 @@ class RingSkeletonSm90(SharedKVRing, KernelEntry):
         """Each warpgroup's role: WG0 scores, WG1 / WG2 the two halves of O. `work`: the
         CTA's (Tile, BlockSeq), or (`persistent`) None: each warpgroup walks the CTA's tiles
         (`_tiles`) with its ring and hand-over counters carried from tile to tile."""
+        regs = self._reg_split()
         if wg == 0:
-            # `overlap`: two score accumulators; the O warpgroups need 154 (multiples of 8:
-            # 184 + 2 x 160 registers x 128 threads fill the 64K register file)
-            if const_expr(self.cfg.overlap):
-                cute.arch.warpgroup_reg_alloc(184)
+            if const_expr(regs is not None):
+                set_regs(regs[0])
             self._score_wg(mmas.s, ops, scalars, smem, work, extra, tidx)
         elif wg == 1:
-            if const_expr(self.cfg.overlap):
-                cute.arch.warpgroup_reg_dealloc(160)
+            if const_expr(regs is not None):
+                set_regs(regs[1])
             self._acc_wg(mmas.o_lo, ops, scalars, smem, 0, work, extra, tidx - WG_THREADS)
         else:
-            if const_expr(self.cfg.overlap):
-                cute.arch.warpgroup_reg_dealloc(160)
+            if const_expr(regs is not None):
+                set_regs(regs[1])
             self._acc_wg(mmas.o_hi, ops, scalars, smem, 1, work, extra, tidx - 2 * WG_THREADS)
+
+    def _reg_split(self):
+        """(S, O) registers per thread by `setmaxnreg`, or None (the launch's 168 each).
+        `overlap`: two score accumulators; the O warpgroups need 154 (multiples of 8: 184 + 2 x
+        160 registers x 128 threads fill the 64K register file). `wide_o`: O shares of up to
+        288 columns (144 fp32 registers) take S 160 / O 176 (WIDE_O_REGS)."""
+        if self.cfg.wide_o:
+            return WIDE_O_REGS
+        return (184, 160) if self.cfg.overlap else None
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
