@@ -5,7 +5,7 @@
     python -m perf.one_cta --time [--out F]   # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
 
 Up to D=576 the forward keeps O[64 x D] in one CTA (`FwdConfigSm90.wide_o`): each O
-warpgroup's share is at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 160
+warpgroup's share is at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 152
 / O 176, and the PV product is issued as m64n96 WGMMAs past 256 columns; Q resident, K ring 3,
 V rings 2. Above it (and before this plan) two CTAs share each row tile (`kv_pair`): each
 scores every other block and the pair trades row maxima and P over DSMEM per block.

@@ -132,7 +132,7 @@ KV_CASES = [
 VARLEN_CASES = [
     ("sm90 varlen D512 GQA causal, Nq != Nkv, no keys, no queries", 4, 2, (129, 0, 77, 1, 40),
      (200, 30, 0, 1, 40), 512, 512, True, None, False),
-    ("sm90 varlen D576 wide O window + sinks", 2, 1, (65, 130), (130, 65), 576, 576, True,
+    ("sm90 varlen D576 CTA pair window + sinks", 2, 1, (65, 130), (130, 65), 576, 576, True,
      (64, 0), True),
 ]
 

@@ -480,7 +480,7 @@ WIDE_O_CASES = [(520, BF16, "none", 129, 1000, 4), (520, BF16, "bottom_right", 1
 @pytest.mark.parametrize("d,dtype,mode,nq,nkv,ratio", WIDE_O_CASES)
 def test_forward_wide_o(seed, d, dtype, mode, nq, nkv, ratio):
     """D in (512, 576] with O in one CTA (`wide_o`: O shares of up to 288 columns as m64n96
-    WGMMAs, `setmaxnreg` S 160 / O 176): numerics and LSE as every forward, both causal
+    WGMMAs, `setmaxnreg` S 152 / O 176): numerics and LSE as every forward, both causal
     alignments, GQA and MQA (rows packed), odd lengths, fp16, both share splits (the hi share
     from column 256 up to D=544, from 288 above)."""
     with sm90_only():

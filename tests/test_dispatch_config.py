@@ -117,6 +117,10 @@ def test_sm90_wide_o(d, split, halves):
     even = dispatch.plan_fwd(prob(d=d, window_lo=-100), target="sm_90a").cfg
     assert even.wide_o and even.split_align == 8
     assert not c.plan_dv(prob(d=d)).wide_o and c.plan_dv(prob(d=d)).o_split == 2
+    varlen = dispatch.plan_fwd(prob(d=d, varlen=True), target="sm_90a").cfg
+    assert not varlen.wide_o and varlen.kv_pair   # its S warpgroup spilled at 152 registers
+    # setmaxnreg.inc draws on the CTA's pool (the launch's 168 x 384 threads)
+    assert c.WIDE_O_REGS[0] + 2 * c.WIDE_O_REGS[1] <= 3 * 168
     fp8 = dispatch.plan_fwd(prob(d=d + d % 16, dtype="e4m3"), target="sm_90a").cfg
     assert fp8.o_split == 2 and not fp8.wide_o
     mla = dispatch.plan_fwd(prob(d=576, head_dim_v=512), target="sm_90a").cfg

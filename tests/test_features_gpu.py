@@ -426,7 +426,7 @@ VARLEN_CASES = [  # d, dv, hq, hkv, causal, window, sinks, dtype
     (512, 512, 4, 2, True, None, False, BF16),
     (512, 512, 8, 1, False, None, True, BF16),
     (320, 320, 2, 2, True, (100, 20), True, torch.float16),
-    (576, 576, 2, 1, True, None, False, BF16),      # O in one CTA (`wide_o`), split gradients
+    (576, 576, 2, 1, True, None, False, BF16),      # the CTA pair (kv_pair), split gradients
     (576, 512, 2, 2, True, (300, None), False, BF16),   # Dv != D
     (1024, 1024, 2, 2, False, (64, 64), True, BF16),
 ]

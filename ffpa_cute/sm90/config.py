@@ -16,7 +16,7 @@ return a config that its `can_implement` rejects; this module imports no cutlass
 # Ring depths: K 4 stages (fewer starves QK), then the deepest V rings (<= 4) that fit beside
 #   resident Q and two P buffers, then any room left goes to K. publish_after = all K chunks.
 # D in (512, 576], the 16-bit forward (`wide_o`): O stays in one CTA, each O warpgroup's share
-#   at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 160 / O 176 and the
+#   at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 152 / O 176 and the
 #   PV product issued as m64n96 WGMMAs (no instruction needs more than the launch's 168); Q
 #   resident, K ring 3, V rings 2 (perf.one_cta: 1.3-1.45x the CTA pair).
 # D > 512 otherwise (o_split 2): O[64 x D] needs more than the O warpgroups' registers,
@@ -47,12 +47,14 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 264, 1024
 MAX_SINGLE_CTA_HEAD_DIM = 512  # above: o_split 2, except the 16-bit forward up to WIDE_MAX_DV
 TILE_M = 64
 # The 16-bit forward keeps O in one CTA up to this Dv (`wide_o`), each O warpgroup computing at
-# most WIDE_SHARE columns with `setmaxnreg` (S, O) = WIDE_O_REGS (160 + 2 x 176 = 512 x 128
-# threads, the 64K file): 0 spills (ptxas; S 152 spilled 20 B with varlen and causal), where a
-# 320-column share (D=584-640) spilled 1.7-3.4 KB at S 144 / O 184
+# most WIDE_SHARE columns with `setmaxnreg` (S, O) = WIDE_O_REGS: 0 spills (ptxas), where a
+# 320-column share (D=584-640) spilled 1.7-3.4 KB at S 144 / O 184. `setmaxnreg.inc` takes
+# registers from the CTA's own pool, the launch's 168 x 384, so S + 2 O <= 504 (S 160 / O 176
+# hung on the GPU); with varlen (its tile walk) S 152 spilled 20 B at D=576 causal, so varlen
+# keeps the CTA pair
 WIDE_MAX_DV = 576
 WIDE_SHARE = 288
-WIDE_O_REGS = (160, 176)
+WIDE_O_REGS = (152, 176)
 
 
 @dataclass(frozen=True)
@@ -209,13 +211,14 @@ class FwdConfigSm90:
     @property
     def wide_o(self) -> bool:
         """Whether O is wider than 512 columns in one CTA: the 16-bit forward (this class, not
-        its subclasses) at Dv == D in (512, WIDE_MAX_DV] with Q resident. Its O warpgroups hold
+        its subclasses) at Dv == D in (512, WIDE_MAX_DV] with Q resident, not varlen. Its O
+        warpgroups hold
         up to WIDE_SHARE columns each (144 fp32 registers a thread at 288), which fit by moving
         registers from the S warpgroup (`setmaxnreg`, WIDE_O_REGS) and issuing each PV product
         as WGMMAs of `pv_atom_n` columns (one m64n288 would be past WGMMA's N, and no single
         instruction may need more registers than the launch's 168)."""
         return (type(self) is FwdConfigSm90 and not self.stream_q and self.head_dim_v is None
-                and MAX_SINGLE_CTA_HEAD_DIM < self.dv <= WIDE_MAX_DV)
+                and not self.varlen and MAX_SINGLE_CTA_HEAD_DIM < self.dv <= WIDE_MAX_DV)
 
     @property
     def o_split(self) -> int:
@@ -833,7 +836,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     fp8 = problem.dtype in FP8_DTYPES
     # O in one CTA above 512 (`wide_o`): the 16-bit forward's own plan (not the decode and dV
     # planners', which start from this one with resident_q off)
-    wide = (resident_q and not fp8 and dv == problem.head_dim
+    wide = (resident_q and not fp8 and dv == problem.head_dim and not problem.varlen
             and MAX_SINGLE_CTA_HEAD_DIM < dv <= WIDE_MAX_DV)
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM and not wide
     cls, extra = ((FwdFP8ConfigSm90, dict(out_dtype=problem.out_dtype or "bf16")) if fp8

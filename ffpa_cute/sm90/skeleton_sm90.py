@@ -653,12 +653,13 @@ class RingSkeletonSm90(SharedKVRing, KernelEntry):
 
     def _reg_split(self):
         """(S, O) registers per thread by `setmaxnreg`, or None (the launch's 168 each).
-        `overlap`: two score accumulators; the O warpgroups need 154 (multiples of 8: 184 + 2 x
-        160 registers x 128 threads fill the 64K register file). `wide_o`: O shares of up to
-        288 columns (144 fp32 registers) take S 160 / O 176 (WIDE_O_REGS)."""
-        if self.cfg.wide_o:
-            return WIDE_O_REGS
-        return (184, 160) if self.cfg.overlap else None
+        `overlap`: two score accumulators; the O warpgroups need 154 (multiples of 8).
+        `wide_o`: O shares of up to 288 columns (144 fp32 registers) take S 152 / O 176
+        (WIDE_O_REGS). `setmaxnreg.inc` draws on the CTA's own pool, the launch's LAUNCH_REGS
+        x 384: a request past it waits forever, so S + 2 O <= 3 LAUNCH_REGS."""
+        regs = WIDE_O_REGS if self.cfg.wide_o else (184, 160) if self.cfg.overlap else None
+        assert regs is None or regs[0] + 2 * regs[1] <= 3 * LAUNCH_REGS, regs
+        return regs
 
     # ---------------------------------------------------------------- hooks: the block walk
     @cute.jit
