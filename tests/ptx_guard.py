@@ -40,7 +40,8 @@ def kernels() -> dict:
     import dataclasses
 
     out = {}
-    for d, causal in ((320, False), (512, True), (1024, False)):
+    # (520, 576: O in one CTA above 512, `wide_o`)
+    for d, causal in ((320, False), (512, True), (1024, False), (520, False), (576, False)):
         plan = dispatch.plan_fwd(_problem(d, causal), target="sm_90a", opts=Options())
         out[f"sm90-fwd-d{d}-{'causal' if causal else 'full'}"] = (plan.kernel_cls, plan.cfg)
     for d, causal in ((512, False), (512, True), (320, False)):  # the FP8 forward, serial, or
