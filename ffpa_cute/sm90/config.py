@@ -357,12 +357,13 @@ def _align(nbytes: int, to: int = 1024) -> int:
 
 def pv_atom_n(width: int) -> int:
     """The N of the WGMMAs an O warpgroup's `width` columns are issued as: width itself up to
-    WGMMA's 256, else (`wide_o`, width a multiple of 32) the widest divisor of it that is a
-    multiple of 32 columns (a 64-byte swizzle atom of the V stage at 16 bits) and at most 256:
-    96 for 288."""
+    WGMMA's 256, else (`wide_o`, width a multiple of 32) the widest divisor of it that is at
+    most 256 and a whole number of the V stage's swizzle atoms at 16 bits (64 columns for the
+    128-byte swizzle, when width % 64 == 0; else 32 for the 64-byte one): 96 for 288."""
     if width <= 256:
         return width
-    return max(n for n in range(32, 257, 32) if width % n == 0)
+    step = 64 if width % 64 == 0 else 32
+    return max(n for n in range(step, 257, step) if width % n == 0)
 
 
 @dataclass(frozen=True)
