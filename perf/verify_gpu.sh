@@ -60,9 +60,13 @@
 #   fill  perf.fill_limits: TMA's fill rate per SM from L2 against the bytes in flight, alone
 #         and multicast over a CTA pair, each variant in its own process (a hang stops only
 #         it) (precompile: `python -m perf.fill_limits --precompile DIR`, packed)
-#   one   perf.one_cta --time: the forward above D=512 with O in one CTA (`setmaxnreg`, PV as
-#         m64n96 WGMMAs) against the routed CTA pair (precompile: `python -m perf.one_cta
-#         --precompile DIR`, packed)
+#   one   perf.one_cta --time: the routed forward at D 520-576 with O in one CTA (`wide_o`)
+#         against the CTA pair it replaced (precompile: `python -m perf.one_cta --precompile
+#         DIR`, packed)
+#   wide  `wide_o`'s GPU tests (test_forward_wide_o, the pair's tests above 576, the fast
+#         grid's D=576), its sanitizer cases, then perf.one_cta (precompile: with
+#         SANITIZE_CASES="D576 wide,D536 wide,D520 wide" `python -m tests.gpu_jobs --sections
+#         wide,sanitize`, and `python -m perf.one_cta --precompile DIR`, packed: ~0.35 MB)
 #   producer  perf.producer_regs --time: the forward with m64n128 PV WGMMAs, and with an idle
 #         fourth warpgroup (precompile: `python -m perf.producer_regs --precompile DIR`)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
@@ -184,8 +188,17 @@ if has pair; then
   timeout 200 python -m perf.cta_align --pair --out "$out/cta_pair.json"
 fi
 if has one; then
-  step "perf.one_cta: O in one CTA above D=512 against the CTA pair"
+  step "perf.one_cta: O in one CTA above D=512 (wide_o) against the CTA pair"
   timeout 300 python -m perf.one_cta --time --out "$out/one_cta.json"
+fi
+if has wide; then
+  step "wide_o: its GPU tests and sanitizer cases, then perf.one_cta"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 6 tests/test_attention_gpu.py \
+      -k "wide_o or kv_pair_forward or split_o or (fast and d576)" 2>&1 \
+      | tee "$out/gpu_wide.log" | grep -E "FAIL|passed|failed" | tail -8
+  SANITIZE_CASES="D576 wide,D536 wide,D520 wide" timeout 150 python -m tests.sanitize \
+      --out "$out/san_wide" --timeout 140 2>&1 | tail -5
+  timeout 120 python -m perf.one_cta --time --out "$out/one_cta.json"
 fi
 if has fill; then
   step "perf.fill_limits: TMA fill rate per SM, alone and multicast"
