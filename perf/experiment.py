@@ -137,6 +137,29 @@ def time_forward_variants(head_dims, variants, dev, flush, heads: int = 32, n: i
     return res
 
 
+def ptxas_summary(ptx: str) -> str:
+    """ptxas -v's verdict on sm_90a PTX for a CPU probe: registers, spill stores and the
+    distinct WGMMA shapes ("?" without ptxas)."""
+    import re
+
+    from tests.test_kernels_compile import _ptxas_log
+
+    log = _ptxas_log(ptx, "sm_90a") or ""
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    atoms = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)))
+    return (f"{regs.group(1) if regs else '?'} registers, "
+            f"{spills.group(1) if spills else '?'} B of spill stores, WGMMAs {atoms}")
+
+
+def timed_main(prog: str, doc: str, jobs, run, argv) -> int | None:
+    """`main` for an experiment whose bare command line is a CPU probe: with --time or
+    --precompile in argv (--time dropped) its exit status, else None (the probe runs)."""
+    if "--time" in argv or "--precompile" in argv:
+        return main(prog, doc, jobs, run, [a for a in argv if a != "--time"])
+    return None
+
+
 def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     """Parse argv; compile `jobs()` into --precompile DIR, or `run(dev, flush) -> dict`
     (written to --out)."""
@@ -165,5 +188,5 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     return 0
 
 
-__all__ = ["bench_jobs", "forward_jobs", "main", "median_ms", "refit", "routed_fwd", "self_problem",
-           "time_forward_variants"]
+__all__ = ["bench_jobs", "forward_jobs", "main", "median_ms", "ptxas_summary", "refit",
+           "routed_fwd", "self_problem", "time_forward_variants", "timed_main"]

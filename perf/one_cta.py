@@ -25,7 +25,6 @@ experiment subclass with S 152 / O 176; TFLOPS pair -> one CTA): 520 296 -> 393-
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 
 from perf import experiment
@@ -45,18 +44,11 @@ def variants(d: int) -> dict:
 
 def probe(d: int) -> str:
     """ptxas's verdict on the routed plan at D=d: registers, spills, the WGMMA shapes."""
-    from tests.test_kernels_compile import _ptxas_log
-
     plan = experiment.routed_fwd(experiment.self_problem(d))
     cfg = plan.cfg
     ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
-    log = _ptxas_log(ptx, "sm_90a") or ""
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores", log)
-    atoms = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)))
     return (f"wide_o {cfg.wide_o} shares {cfg.dv_split} computed {cfg.dv_halves} K "
-            f"{cfg.k_stages} V {cfg.v_stages}: {regs.group(1) if regs else '?'} registers, "
-            f"{spills.group(1) if spills else '?'} B of spill stores, WGMMAs {atoms}")
+            f"{cfg.k_stages} V {cfg.v_stages}: {experiment.ptxas_summary(ptx)}")
 
 
 def jobs() -> list:
@@ -86,9 +78,9 @@ def run(dev, flush) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--time" in argv or "--precompile" in argv:
-        return experiment.main("perf.one_cta", __doc__, jobs, run,
-                               [a for a in argv if a != "--time"])
+    rc = experiment.timed_main("perf.one_cta", __doc__, jobs, run, argv)
+    if rc is not None:
+        return rc
     for d in HEAD_DIMS:
         print(f"D={d}: {probe(d)}", flush=True)
     return 0

@@ -121,8 +121,6 @@ def _cfg(d: int):
 
 def probe(cls, d: int) -> str:
     """ptxas's verdict on `cls` at head dim d: registers and spills, or what it refused."""
-    from tests.test_kernels_compile import _ptxas_log
-
     try:
         ptx = cls.compile(_cfg(d), options="--keep-ptx").__ptx__
     except Exception as e:  # ptxas refused the PTX: the registers it asked for
@@ -130,12 +128,7 @@ def probe(cls, d: int) -> str:
                       re.S)
         return (f"refused: {m.group(1)} registers per thread, an instruction needs {m.group(2)}"
                 if m else f"refused: {str(e)[:200]}")
-    log = _ptxas_log(ptx, "sm_90a") or ""
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores", log)
-    atoms = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)))
-    return (f"{regs.group(1) if regs else '?'} registers, "
-            f"{spills.group(1) if spills else '?'} B of spill stores, WGMMAs {atoms}")
+    return experiment.ptxas_summary(ptx)
 
 
 def _with_kernel(plan, cls):
@@ -169,9 +162,9 @@ def run(dev, flush) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--time" in argv or "--precompile" in argv:
-        return experiment.main("perf.producer_regs", __doc__, jobs, run,
-                               [a for a in argv if a != "--time"])
+    rc = experiment.timed_main("perf.producer_regs", __doc__, jobs, run, argv)
+    if rc is not None:
+        return rc
     for d in HEAD_DIMS:
         for cls in (WithProducerWarp, SplitO, ProducerIdle):
             print(f"D={d} {cls.__name__}: {probe(cls, d)}", flush=True)

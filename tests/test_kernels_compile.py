@@ -264,9 +264,9 @@ def test_sm90_kv_pair_compiles(d, causal):
     _no_spills(ptx)
 
 
-@pytest.mark.parametrize("d,fields,cta", [(576, dict(cta_align=64, split_align=8), 320),
+@pytest.mark.parametrize("d,fields,cta", [(640, dict(cta_align=64, split_align=8), 320),
                                           (584, dict(cta_align=64, split_align=64), 320),
-                                          (520, dict(cta_align=32, split_align=64), 288)])
+                                          (648, dict(cta_align=32, split_align=64), 352)])
 def test_sm90_line_aligned_cta_share_compiles(d, fields, cta):
     """The CTA pair with the second CTA's columns from a 128-byte line (`cta_align` 64; with
     `split_align` 64 its hi share too: 192 + 128, as planned) or a 64-byte half line
