@@ -212,11 +212,11 @@ class FwdConfigSm90:
     def wide_o(self) -> bool:
         """Whether O is wider than 512 columns in one CTA: the 16-bit forward (this class, not
         its subclasses) at Dv == D in (512, WIDE_MAX_DV] with Q resident, not varlen. Its O
-        warpgroups hold
-        up to WIDE_SHARE columns each (144 fp32 registers a thread at 288), which fit by moving
-        registers from the S warpgroup (`setmaxnreg`, WIDE_O_REGS) and issuing each PV product
-        as WGMMAs of `pv_atom_n` columns (one m64n288 would be past WGMMA's N, and no single
-        instruction may need more registers than the launch's 168)."""
+        warpgroups hold up to WIDE_SHARE columns each (144 fp32 registers a thread at 288),
+        which fit by moving registers from the S warpgroup (`setmaxnreg`, WIDE_O_REGS) and
+        issuing each PV product as WGMMAs of `pv_atom_n` columns (one m64n288 would be past
+        WGMMA's N, and no single instruction may need more registers than the launch's
+        168)."""
         return (type(self) is FwdConfigSm90 and not self.stream_q and self.head_dim_v is None
                 and not self.varlen and MAX_SINGLE_CTA_HEAD_DIM < self.dv <= WIDE_MAX_DV)
 
@@ -857,8 +857,8 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
             and problem.window_lo is None and not problem.has_sinks and not problem.varlen):
         base["lazy_rescale"] = True
     plain = problem.window_lo is None and not problem.has_sinks and not problem.varlen
-    if tuned and not problem.has_sinks and (_line_shares(problem, dv) or (
-            wide and problem.window_lo is None and not problem.varlen)):
+    if tuned and not problem.has_sinks and (_line_shares(problem, dv)
+                                            or (wide and problem.window_lo is None)):
         base["split_align"] = 64   # the hi share from a 128-byte line (measured below)
     if tuned and plain and base.get("kv_pair") and not fp8:
         # the CTA pair: the second CTA's columns and each CTA's hi share from lines (below),
