@@ -152,12 +152,18 @@ def ptxas_summary(ptx: str) -> str:
             f"{spills.group(1) if spills else '?'} B of spill stores, WGMMAs {atoms}")
 
 
-def timed_main(prog: str, doc: str, jobs, run, argv) -> int | None:
-    """`main` for an experiment whose bare command line is a CPU probe: with --time or
-    --precompile in argv (--time dropped) its exit status, else None (the probe runs)."""
+def probe_main(prog: str, doc: str, jobs, run, probe_lines, argv=None) -> int:
+    """The command line of an experiment whose bare form is a CPU probe: with --time or
+    --precompile `main` (--time dropped), else each line of `probe_lines()` printed as it
+    comes."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
     if "--time" in argv or "--precompile" in argv:
         return main(prog, doc, jobs, run, [a for a in argv if a != "--time"])
-    return None
+    for line in probe_lines():
+        print(line, flush=True)
+    return 0
 
 
 def main(prog: str, doc: str, jobs, run, argv=None) -> int:
@@ -188,5 +194,5 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     return 0
 
 
-__all__ = ["bench_jobs", "forward_jobs", "main", "median_ms", "ptxas_summary", "refit",
-           "routed_fwd", "self_problem", "time_forward_variants", "timed_main"]
+__all__ = ["bench_jobs", "forward_jobs", "main", "median_ms", "probe_main", "ptxas_summary",
+           "refit", "routed_fwd", "self_problem", "time_forward_variants"]

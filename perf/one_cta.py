@@ -77,13 +77,8 @@ def run(dev, flush) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    rc = experiment.timed_main("perf.one_cta", __doc__, jobs, run, argv)
-    if rc is not None:
-        return rc
-    for d in HEAD_DIMS:
-        print(f"D={d}: {probe(d)}", flush=True)
-    return 0
+    return experiment.probe_main("perf.one_cta", __doc__, jobs, run,
+                                 lambda: (f"D={d}: {probe(d)}" for d in HEAD_DIMS), argv)
 
 
 if __name__ == "__main__":

@@ -161,14 +161,11 @@ def run(dev, flush) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    rc = experiment.timed_main("perf.producer_regs", __doc__, jobs, run, argv)
-    if rc is not None:
-        return rc
-    for d in HEAD_DIMS:
-        for cls in (WithProducerWarp, SplitO, ProducerIdle):
-            print(f"D={d} {cls.__name__}: {probe(cls, d)}", flush=True)
-    return 0
+    return experiment.probe_main("perf.producer_regs", __doc__, jobs, run,
+                                 lambda: (f"D={d} {cls.__name__}: {probe(cls, d)}"
+                                          for d in HEAD_DIMS
+                                          for cls in (WithProducerWarp, SplitO, ProducerIdle)),
+                                 argv)
 
 
 if __name__ == "__main__":
