@@ -52,7 +52,7 @@
 #         a 64-byte half line (`cta_align` 32) at the D % 64 == 8 sizes above 512
 #         (precompile: `python -m perf.cta_align --precompile DIR`, packed)
 #   cta32 the CTA pair's second CTA on a 64-byte half line at D % 128 == 8 (`cta_align` 32,
-#         planned): test_kv_pair_forward (its 520 / 648 / 776 / 904 cases among them) and the
+#         planned): test_kv_pair_forward (its 648 / 776 / 904 cases among them) and the
 #         sanitizer case "D648 kv_pair" (precompile: `python -m tests.gpu_jobs --sections cta`
 #         and, with SANITIZE_CASES="D648 kv_pair", `--sections sanitize`, packed)
 #   pair  perf.cta_align --pair: the CTA pair against no pair (both CTAs compute S) above 512

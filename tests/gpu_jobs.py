@@ -20,7 +20,8 @@ the sliding-window / sinks configurations, the split-KV decode kernels and the o
 varlen kernels with their per-sequence twins, the fused backward (off the default route:
 `Options(deterministic=False)`), and (`lines`) the plans with shares from 128-byte lines (the
 forward's and `line_shares_bwd`'s) with test_line_shares' even-share twins, and (`cta`) the
-CTA pair's forwards at D % 128 == 8 (`cta_align` 32). A kernel the tests
+CTA pair's forwards at D % 128 == 8 (`cta_align` 32), and (`wide`) the forwards with O in one
+CTA above 512 (`wide_o`) and the pair's test cases above 576. A kernel the tests
 need that is missing
 here is compiled on the device on first use, as for any user.
 """
