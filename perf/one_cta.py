@@ -3,6 +3,7 @@
     python -m perf.one_cta                    # CPU: ptxas's registers / spills of the wide plans
     python -m perf.one_cta --precompile DIR   # CPU: compile the timed plans into DIR
     python -m perf.one_cta --time [--out F]   # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
+    python -m perf.one_cta --bwd [--precompile DIR | --time]   # the gradient kernels, as below
 
 Up to D=576 the forward keeps O[64 x D] in one CTA (`FwdConfigSm90.wide_o`): each O
 warpgroup's share is at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 152
@@ -15,6 +16,13 @@ with its K / V row copy where `repack_rows` says, L2 flushed, interleaved rounds
 plan (`wide`) and the CTA pair the planner gives without resident Q (`pair`:
 `plan_fwd(resident_q=False)`, the route before `wide_o`), and checks both against an fp32
 reference at N=1000 (max abs error; the two walk the blocks in different orders).
+
+`--bwd`: the dQ, dK and dV kernels (`launch.run_grad_job`, each alone, L2 flushed, median of 3
+benches; TFLOPS of the whole backward, 2.5x the forward's FLOPs, from the three kernels' sum)
+planned as routed (the CTA pair above 512) and with their gradient in one CTA (`wide_o`, the
+planners' `WIDE_BWD`), at BWD_HEAD_DIMS (B=1, H=32, N=8K, bf16, causal). Prediction (before
+any run): the forward's gain, each kernel 1.25-1.4x; the backward at D=576 from ~190 (H200, the
+pair) to 240-270 TFLOPS.
 
 Measured before the route (H100, 2026-12-06, docs/perf-log.md: the one-CTA kernel as an
 experiment subclass with S 152 / O 176; TFLOPS pair -> one CTA): 520 296 -> 393-404, 528 299
@@ -31,6 +39,7 @@ from perf import experiment
 
 HEAD_DIMS = (520, 528, 536, 544, 552, 560, 568, 576)
 TIMED_HEAD_DIMS = HEAD_DIMS
+BWD_HEAD_DIMS = (520, 544, 576)
 
 
 def variants(d: int) -> dict:
@@ -76,7 +85,68 @@ def run(dev, flush) -> dict:
     return res
 
 
+def bwd_variants(d: int) -> dict:
+    """{name: [(kernel class, cfg)] of dQ, dK, dV} at D=d, causal: `pair` as routed, `wide`
+    with WIDE_BWD on."""
+    from ffpa_cute import dispatch
+    from ffpa_cute.sm90 import config as sm90_config
+
+    p = dataclasses.replace(experiment.self_problem(d), causal=True)
+    out = {}
+    for name, wide in (("pair", False), ("wide", True)):
+        own, sm90_config.WIDE_BWD = sm90_config.WIDE_BWD, wide
+        try:
+            out[name] = [(dispatch.kernel_class(c), c) for c in sm90_config.plan_bwd(p)]
+        finally:
+            sm90_config.WIDE_BWD = own
+    return out
+
+
+def bwd_jobs() -> list:
+    return [job for d in BWD_HEAD_DIMS for jobs in bwd_variants(d).values() for job in jobs]
+
+
+def run_bwd(dev, flush) -> dict:
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import launch
+
+    res = {}
+    for d in BWD_HEAD_DIMS:
+        p = dataclasses.replace(experiment.self_problem(d), causal=True)
+        q, k, v, do = (torch.randn(1, p.heads_q, p.seqlen_q, d, device=dev,
+                                   dtype=torch.bfloat16) for _ in range(4))
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=True, return_lse=True)
+        delta = (out.float() * do.float()).sum(-1)
+        scalars = launch.kernel_scalars(p, 0)
+        grads = {}
+        for name, jobs in bwd_variants(d).items():
+            t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=delta,
+                     dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+            times = {}
+            for cls, cfg in jobs:
+                fn = lambda c=cls, g=cfg: launch.run_grad_job(c, g, t, scalars)  # noqa: E731
+                fn()
+                times[cls.__name__] = experiment.median_ms(fn, dev, flush)
+            grads[name] = (t["dq"].clone(), t["dk"].clone(), t["dv"].clone())
+            total = sum(times.values())
+            tf = 2.5 * 4 * p.heads_q * p.seqlen_q * (p.seqlen_kv + 1) / 2 * d / total / 1e9
+            print(f"D={d} {name}: " + " ".join(f"{n} {ms:.2f}" for n, ms in times.items())
+                  + f" ms = {total:.2f} ms, {tf:.0f} TFLOPS", flush=True)
+            res[f"{d}-{name}"] = dict(times_ms=times, total_ms=total, tflops=tf)
+        diff = [(a.float() - b.float()).abs().max().item()
+                for a, b in zip(grads["pair"], grads["wide"])]
+        print(f"D={d} max |pair - wide| dq / dk / dv: {diff}", flush=True)
+        res[f"{d}-diff"] = diff
+    return res
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--bwd" in argv:
+        return experiment.probe_main("perf.one_cta --bwd", __doc__, bwd_jobs, run_bwd,
+                                     lambda: (), [a for a in argv if a != "--bwd"])
     return experiment.probe_main("perf.one_cta", __doc__, jobs, run,
                                  lambda: (f"D={d}: {probe(d)}" for d in HEAD_DIMS), argv)
 

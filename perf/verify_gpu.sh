@@ -64,9 +64,11 @@
 #         against the CTA pair it replaced (precompile: `python -m perf.one_cta --precompile
 #         DIR`, packed)
 #   wide  `wide_o`'s GPU tests (test_forward_wide_o, the pair's tests above 576, the fast
-#         grid's D=576), its sanitizer cases, then perf.one_cta (precompile: with
-#         SANITIZE_CASES="D576 wide,D536 wide,D520 wide" `python -m tests.gpu_jobs --sections
-#         wide,sanitize`, and `python -m perf.one_cta --precompile DIR`, packed: ~0.35 MB)
+#         grid's D=576; test_wide_gradient_kernels: the gradient kernels in one CTA, not
+#         routed), its sanitizer cases, then perf.one_cta and perf.one_cta --bwd (precompile:
+#         with SANITIZE_CASES="D576 wide,D536 wide,D520 wide" `python -m tests.gpu_jobs
+#         --sections wide,sanitize`, `python -m perf.one_cta --precompile DIR` and `python -m
+#         perf.one_cta --bwd --precompile DIR`, packed)
 #   producer  perf.producer_regs --time: the forward with m64n128 PV WGMMAs, and with an idle
 #         fourth warpgroup (precompile: `python -m perf.producer_regs --precompile DIR`)
 #   trace perf.bwd_fused --trace: the fused backward's phase trace with its variants (one
@@ -194,11 +196,13 @@ fi
 if has wide; then
   step "wide_o: its GPU tests and sanitizer cases, then perf.one_cta"
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 6 tests/test_attention_gpu.py \
-      -k "wide_o or kv_pair_forward or split_o or (fast and d576)" 2>&1 \
+      tests/test_backward_sm90_gpu.py \
+      -k "wide_o or kv_pair_forward or split_o or (fast and d576) or wide_gradient" 2>&1 \
       | tee "$out/gpu_wide.log" | grep -E "FAIL|passed|failed" | tail -8
   SANITIZE_CASES="D576 wide,D536 wide,D520 wide" timeout 150 python -m tests.sanitize \
       --out "$out/san_wide" --timeout 140 2>&1 | tail -5
   timeout 120 python -m perf.one_cta --time --out "$out/one_cta.json"
+  timeout 150 python -m perf.one_cta --bwd --time --out "$out/one_cta_bwd.json"
 fi
 if has fill; then
   step "perf.fill_limits: TMA fill rate per SM, alone and multicast"

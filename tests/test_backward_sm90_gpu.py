@@ -199,6 +199,28 @@ def test_above_512(seed, d, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"))
 
 
+WIDE_BWD_CASES = [(576, True, 129, 1000, 4, torch.bfloat16), (520, False, 1000, 129, 1, torch.bfloat16),
+                  (552, True, 700, 1000, 16, torch.float16), (544, True, 1000, 1000, 2, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", WIDE_BWD_CASES)
+def test_wide_gradient_kernels(seed, monkeypatch, d, causal, nq, nkv, ratio, dt):
+    """The dQ, dK and dV kernels with their gradient in one CTA above 512 (`wide_o`, planned
+    with `config.WIDE_BWD` on): float64 criterion, both share widths (256 + 288 at 520, 288 +
+    288 at 576), GQA 2-16, fp16."""
+    from ffpa_cute.sm90 import config as sm90_config
+
+    monkeypatch.setattr(sm90_config, "WIDE_BWD", True)
+    got_plan = []
+
+    def plan(problem):
+        got_plan.append(kernels.backward_plan(problem, torch.device("cuda"), "sm90"))
+        assert all(c.wide_o and c.o_split == 1 for c in got_plan[0].cfgs[1:])
+        return got_plan[0]
+
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt, plan=plan)
+
+
 @pytest.mark.parametrize("d,dv,causal,nq,nkv,ratio", [(576, 512, True, 129, 1000, 16),
                                                       (576, 512, False, 1000, 1000, 1),
                                                       (512, 320, True, 1000, 129, 4)])

@@ -507,3 +507,22 @@ def test_lazy_rescale_compiles(dtype, d, causal):
     if dq is not None:
         assert "lazy_rescale" in sm90_config.can_implement(
             dataclasses.replace(dq, lazy_rescale=True))
+
+
+@pytest.mark.parametrize("d", [520, 576])
+def test_sm90_wide_gradient_kernels_compile(monkeypatch, d):
+    """The dQ, dK and dV kernels with their gradient in one CTA above 512 (`wide_o`, planned
+    with `WIDE_BWD` on; off until measured): 288-column shares as m64n96 WGMMAs, `setmaxnreg`
+    S 152 / O 176, wgmma + TMA, no cluster, no spills."""
+    monkeypatch.setattr(sm90_config, "WIDE_BWD", True)
+    jobs = _bwd_jobs(_problem(d, True))
+    cfgs = [jobs[n][1] for n in ("FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90")]
+    assert all(c.wide_o and c.o_split == 1 and not c.kv_pair for c in cfgs)
+    for name in ("FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90"):
+        cls, cfg = jobs[name]
+        assert sm90_config.can_implement(cfg) is None
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__.replace("\t", "")
+        assert "wgmma.mma_async.sync.aligned.m64n96k16" in ptx, name
+        assert "setmaxnreg.inc.sync.aligned.u32 176" in ptx and "barrier.cluster" not in ptx
+        assert ".local" not in ptx, name
+        _no_spills(ptx)

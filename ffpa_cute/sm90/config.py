@@ -55,6 +55,10 @@ TILE_M = 64
 WIDE_MAX_DV = 576
 WIDE_SHARE = 288
 WIDE_O_REGS = (152, 176)
+# The gradient kernels (dQ, dK, dV) with their gradient in one CTA up to WIDE_MAX_DV too
+# (`wide_o`): off until measured against their CTA pair (perf.one_cta --bwd); ptxas: 0 spills
+# at D=520 / 576 (dQ and dK K 4 / V 4 stages, dV Q resident K 3 / V 2)
+WIDE_BWD = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,15 @@ class FwdConfigSm90:
                    `kv_pair`); planned for the plain 16-bit and FP8 forwards at the head dims
                    where it measured faster (`plan_fwd`'s `tuned`, LAZY_RESCALE_HEAD_DIMS), a
                    tuning field elsewhere
+    wide_o:        O (the gradient kernels: their gradient) wider than 512 columns in one CTA,
+                   Dv == D in (512, WIDE_MAX_DV], 16-bit, not varlen: each accumulator
+                   warpgroup holds up to WIDE_SHARE columns (144 fp32 registers a thread at
+                   288), which fit by moving registers from the S warpgroup (`setmaxnreg`,
+                   WIDE_O_REGS) and issuing each product as WGMMAs of `pv_atom_n` columns (one
+                   m64n288 would be past WGMMA's N, and no single instruction may need more
+                   registers than the launch's 168); no `kv_pair` or `persistent`. Planned for
+                   the 16-bit forward (`plan_fwd`); the gradient kernels' planners take it with
+                   WIDE_BWD on
     """
 
     arch: str
@@ -176,6 +189,7 @@ class FwdConfigSm90:
     overlap: int = 0
     shared_kv: bool = False
     lazy_rescale: bool = False
+    wide_o: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.fwd_sm90:FFPAFwdSm90"
 
@@ -207,18 +221,6 @@ class FwdConfigSm90:
     def dv(self) -> int:
         """Head dim of V and O."""
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
-    @property
-    def wide_o(self) -> bool:
-        """Whether O is wider than 512 columns in one CTA: the 16-bit forward (this class, not
-        its subclasses) at Dv == D in (512, WIDE_MAX_DV] with Q resident, not varlen. Its O
-        warpgroups hold up to WIDE_SHARE columns each (144 fp32 registers a thread at 288),
-        which fit by moving registers from the S warpgroup (`setmaxnreg`, WIDE_O_REGS) and
-        issuing each PV product as WGMMAs of `pv_atom_n` columns (one m64n288 would be past
-        WGMMA's N, and no single instruction may need more registers than the launch's
-        168)."""
-        return (type(self) is FwdConfigSm90 and not self.stream_q and self.head_dim_v is None
-                and not self.varlen and MAX_SINGLE_CTA_HEAD_DIM < self.dv <= WIDE_MAX_DV)
 
     @property
     def o_split(self) -> int:
@@ -683,10 +685,14 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
         return ("cta_align must be 8, or 32 or 64 with O over two CTAs, 16-bit operands and "
                 "columns left for the second CTA")
     if cfg.wide_o:
-        if cfg.half_align not in (32, 64) or max(cfg.dv_halves) > WIDE_SHARE or cfg.persistent:
-            return (f"O in one CTA above {MAX_SINGLE_CTA_HEAD_DIM} columns (`wide_o`) needs "
-                    f"half_align 32 or 64, shares of at most {WIDE_SHARE} columns and no "
-                    "persistent CTAs")
+        if (not MAX_SINGLE_CTA_HEAD_DIM < cfg.dv <= WIDE_MAX_DV or cfg.head_dim_v is not None
+                or cfg.elem_bytes != 2 or isinstance(cfg, DecodeConfigSm90) or cfg.varlen
+                or cfg.half_align not in (32, 64) or max(cfg.dv_halves) > WIDE_SHARE
+                or cfg.persistent):
+            return (f"wide_o (O in one CTA above {MAX_SINGLE_CTA_HEAD_DIM} columns) needs "
+                    f"Dv == D in ({MAX_SINGLE_CTA_HEAD_DIM}, {WIDE_MAX_DV}], 16-bit operands, "
+                    f"no decode, varlen or persistent CTAs, half_align 32 or 64 and shares of "
+                    f"at most {WIDE_SHARE} columns")
     elif max(cfg.dv_halves) > 256:
         return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
@@ -849,7 +855,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
                 stream_q=problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM and not wide,
                 head_dim_v=None if dv == problem.head_dim else dv,
                 window=problem.window_lo is not None, sinks=problem.has_sinks,
-                varlen=problem.varlen, **extra)
+                varlen=problem.varlen, wide_o=wide, **extra)
     if kv_pair and split and dv == problem.head_dim:
         base["kv_pair"] = True
     if (tuned and not split
@@ -1024,14 +1030,31 @@ def _group_split(problem: AttnProblem, o_split: int) -> bool:
                        o_split) > 1
 
 
+def _wide_bwd(problem: AttnProblem) -> bool:
+    """Whether the gradient kernels hold their gradient in one CTA (`wide_o`): WIDE_BWD on,
+    16-bit, D == Dv in (512, WIDE_MAX_DV], not varlen."""
+    return (WIDE_BWD and problem.dtype in DTYPES and problem.head_dim == problem.head_dim_v
+            and MAX_SINGLE_CTA_HEAD_DIM < problem.head_dim <= WIDE_MAX_DV and not problem.varlen)
+
+
+# the fields that make a gradient kernel's config `wide_o` (even shares, 64-byte swizzle)
+WIDE_BWD_FIELDS = dict(wide_o=True, kv_pair=False, half_align=32, split_align=8, cta_align=8)
+
+
 def plan_dv(problem: AttnProblem, arch: str = "sm_90a", kv_pair: bool = True) -> BwdDVConfigSm90:
     """The dV kernel's config: the forward's plan for the same problem (same ring budget; the
     CTA pair splitting the query blocks above 512 with `kv_pair`), the head group split where
-    `group_parts` says so."""
+    `group_parts` says so. With `_wide_bwd`: dV in one CTA, the K tile resident, a Q ring of
+    3 and dO rings of 2 (the forward's `wide_o` plan)."""
     _check_bwd_head_dim(problem)
     fwd = dataclasses.replace(plan_fwd(problem, arch, kv_pair=kv_pair, resident_q=False),
                               sinks=False)
     cfg = BwdDVConfigSm90(**dataclasses.asdict(fwd))
+    if _wide_bwd(problem):
+        wide = dataclasses.replace(cfg, stream_q=False, persistent=False, lazy_rescale=False,
+                                   **WIDE_BWD_FIELDS)
+        cfg = deepest_rings(lambda k, v: dataclasses.replace(wide, k_stages=k, v_stages=v),
+                            can_implement_dv, 3)
     cfg = dataclasses.replace(cfg, group_split=_group_split(problem, cfg.o_split))
     reason = can_implement_dv(cfg)
     if reason:
@@ -1053,7 +1076,7 @@ def _publish_points(problem: AttnProblem, grad: str) -> tuple[int, int | None]:
 def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool, kv_pair: bool):
     """The two-product kernels' plan: a 4-deep S ring (first product's chunks, then the
     second's), then the deepest accumulator-operand rings that fit; above 512 (`kv_pair`) the
-    CTA pair splits the column blocks."""
+    CTA pair splits the column blocks, or (`_wide_bwd`) one CTA holds the gradient."""
     _check_bwd_head_dim(problem)
     dv = problem.head_dim_v
     publish_after, publish_hi = _publish_points(
@@ -1064,6 +1087,8 @@ def _plan_two(cls, problem: AttnProblem, arch: str, seq_scores: bool, kv_pair: b
                 publish_after=publish_after, publish_hi=publish_hi, seq_scores=seq_scores,
                 second_dim=None if dv == problem.head_dim else dv, varlen=problem.varlen,
                 kv_pair=kv_pair and problem.head_dim > MAX_SINGLE_CTA_HEAD_DIM)
+    if _wide_bwd(problem):   # the gradient in one CTA (`wide_o`)
+        base.update(WIDE_BWD_FIELDS)
     for v in (4, 3, 2):
         cfg = cls(**base, k_stages=4, v_stages=v)
         if cls is BwdDKConfigSm90:  # dK sums over the head group as dV does
