@@ -57,6 +57,24 @@ def stamped_rate(fn, clk, per_cta: int, dev, flush) -> dict:
                 tb_per_s=clk.shape[0] * per_cta / ms / 1e9)
 
 
+def time_grad_jobs(jobs, inputs: dict, scalars: dict, dev, flush) -> tuple[dict, tuple]:
+    """Each gradient kernel of `jobs` ([(kernel class, config)]) timed alone
+    (`launch.run_grad_job`, called once before, `median_ms`) on `inputs` (q, k, v, do, o, lse,
+    delta) with fresh dq, dk, dv: ({kernel class name: ms}, (dq, dk, dv))."""
+    import torch
+
+    from ffpa_cute import launch
+
+    t = dict(inputs, dq=torch.empty_like(inputs["q"]), dk=torch.empty_like(inputs["k"]),
+             dv=torch.empty_like(inputs["v"]))
+    times = {}
+    for cls, cfg in jobs:
+        fn = lambda c=cls, g=cfg: launch.run_grad_job(c, g, t, scalars)  # noqa: E731
+        fn()
+        times[cls.__name__] = median_ms(fn, dev, flush)
+    return times, (t["dq"], t["dk"], t["dv"])
+
+
 def _distinct(pairs) -> list:
     """`pairs` without repeats, in order (a list: configs hash, kernel classes compare)."""
     out = []
@@ -195,4 +213,4 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
 
 
 __all__ = ["bench_jobs", "forward_jobs", "main", "median_ms", "probe_main", "ptxas_summary",
-           "refit", "routed_fwd", "self_problem", "time_forward_variants"]
+           "refit", "routed_fwd", "self_problem", "time_forward_variants", "time_grad_jobs"]

@@ -77,14 +77,9 @@ def run(dev, flush) -> dict:
         q, k, v, do = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
                        for _ in range(4))
         out, lse = ffpa_cute.attention(q, k, v, return_lse=True)
-        t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.zeros_like(lse),
-                 dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
+        inputs = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.zeros_like(lse))
         scalars = launch.kernel_scalars(_problem(d), 0)
-        times = {}
-        for cls, cfg in jobs:
-            fn = lambda c=cls, g=cfg: launch.run_grad_job(c, g, t, scalars)  # noqa: E731
-            fn()
-            times[cls.__name__] = experiment.median_ms(fn, dev, flush)
+        times, _ = experiment.time_grad_jobs(jobs, inputs, scalars, dev, flush)
         total = sum(times.values())
         tf = 2.5 * 4 * HEADS * N * N * d / total / 1e9
         shares = " ".join(f"{type(c).__name__[:-9]} {c.dv_halves} v{c.v_stages}"

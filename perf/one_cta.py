@@ -121,15 +121,9 @@ def run_bwd(dev, flush) -> dict:
         delta = (out.float() * do.float()).sum(-1)
         scalars = launch.kernel_scalars(p, 0)
         grads = {}
+        inputs = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=delta)
         for name, jobs in bwd_variants(d).items():
-            t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=delta,
-                     dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
-            times = {}
-            for cls, cfg in jobs:
-                fn = lambda c=cls, g=cfg: launch.run_grad_job(c, g, t, scalars)  # noqa: E731
-                fn()
-                times[cls.__name__] = experiment.median_ms(fn, dev, flush)
-            grads[name] = (t["dq"].clone(), t["dk"].clone(), t["dv"].clone())
+            times, grads[name] = experiment.time_grad_jobs(jobs, inputs, scalars, dev, flush)
             total = sum(times.values())
             tf = 2.5 * 4 * p.heads_q * p.seqlen_q * (p.seqlen_kv + 1) / 2 * d / total / 1e9
             print(f"D={d} {name}: " + " ".join(f"{n} {ms:.2f}" for n, ms in times.items())

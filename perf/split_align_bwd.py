@@ -63,15 +63,10 @@ def run(dev, flush) -> dict:
         out, lse = ffpa_cute.attention(q, k, v, return_lse=True)
         scalars = launch.kernel_scalars(_problem(d), 0)
         times, grads = {}, {}
+        inputs = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.zeros_like(lse))
         for name, kernels in variants(d).items():
-            t = dict(q=q, k=k, v=v, do=do, o=out, lse=lse, delta=torch.zeros_like(lse),
-                     dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v))
-            ms = {}
-            for cls, cfg in kernels:
-                fn = lambda c=cls, g=cfg: launch.run_grad_job(c, g, t, scalars)  # noqa: E731
-                fn()
-                ms[cls.__name__] = experiment.median_ms(fn, dev, flush)
-            times[name], grads[name] = ms, (t["dq"], t["dk"], t["dv"])
+            times[name], grads[name] = experiment.time_grad_jobs(kernels, inputs, scalars, dev,
+                                                                 flush)
         same = [torch.equal(a, b) for a, b in zip(grads["planned"], grads["split"])]
         line = []
         for name, ms in times.items():
