@@ -282,7 +282,7 @@ class FFPAFwdSm90FP8(FFPAFwdSm90):
          the block's own frame]), rounded to e4m3 and stored by stmatrix as byte pairs (the
          skeleton's `_p_to_regs`; common/transpose.py, Note [Interleaved keys]). Unmasked
          problems up to D=384 issue the next block's QK around the score step (config
-         `overlap`, skeleton `_overlap_blocks`).
+         `overlap`, `_overlap_blocks` in overlap_ring.py).
       3. O warpgroups: O += P Vt^T by m64nNk32 e4m3 WGMMAs, both operands K-major, Vt streamed
          in [D/2 x 64] stages.
       4. O = O / row_sum * v_descale (the final factors carry V's descale), written in
