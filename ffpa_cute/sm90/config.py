@@ -132,8 +132,8 @@ class FwdConfigSm90:
                    (into a second score accumulator; the rest of QK[i+1] after it), so the
                    tensor cores run them and PV[i-1] under the softmax of block i: the S
                    warpgroup's chain is its waits, no longer QK + softmax + P store in series
-                   (`_overlap_blocks`, overlap_ring.py). 1 <= overlap < the D chunks; one CTA per row
-                   tile with Q resident (no `kv_pair` / `stream_q` / `persistent`), the FP8
+                   (`_overlap_blocks`, overlap_ring.py). 1 <= overlap < the D chunks; one CTA
+                   per row tile with Q resident (no `kv_pair` / `stream_q` / `persistent`), the FP8
                    forward (routed up to D=384, `plan_fwd`; the 16-bit forward measured
                    slower with it at D=320, docs/perf-log.md 2026-12-05). k_stages >= chunks;
                    >= chunks + overlap gives the first chunks a whole step of prefetch (fewer
