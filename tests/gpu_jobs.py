@@ -277,11 +277,13 @@ def _wide_jobs() -> list:
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
                         causal_offset=nkv - nq)
         own, sm90_config.WIDE_BWD = sm90_config.WIDE_BWD, True
+        dispatch.clear_plans()   # planned with WIDE_BWD on; nothing of it stays cached
         try:
             plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
-            bwd = dispatch._plan_bwd.__wrapped__(p, TARGET, "sm90", Options(family="sm90"))
+            bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90"))
         finally:
             sm90_config.WIDE_BWD = own
+            dispatch.clear_plans()
         for job in [(plan.kernel_cls, plan.cfg), *bwd.jobs]:
             if job not in out:
                 out.append(job)

@@ -210,13 +210,12 @@ def test_wide_gradient_kernels(seed, monkeypatch, d, causal, nq, nkv, ratio, dt)
     288 at 576), GQA 2-16, fp16."""
     from ffpa_cute.sm90 import config as sm90_config
 
-    monkeypatch.setattr(sm90_config, "WIDE_BWD", True)
-    got_plan = []
+    monkeypatch.setattr(sm90_config, "WIDE_BWD", True)   # (each test starts with no plans)
 
     def plan(problem):
-        got_plan.append(kernels.backward_plan(problem, torch.device("cuda"), "sm90"))
-        assert all(c.wide_o and c.o_split == 1 for c in got_plan[0].cfgs[1:])
-        return got_plan[0]
+        wide = kernels.backward_plan(problem, torch.device("cuda"), "sm90")
+        assert all(c.wide_o and c.o_split == 1 for c in wide.cfgs[1:])
+        return wide
 
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt, plan=plan)
 
