@@ -29,7 +29,10 @@ run (H100, perf-log 2026-12-06): alone 50.0 B / clock at 2 stages on 66 CTAs, 64
 on 132 (so 41 is neither limit for this pattern); the clustered variants hung (fixed above).
 For the rerun: the solo rate grows with the bytes in flight (Little's law: ~1000 clocks of
 latency at 4 stages) up to an L2 or SM limit; mcast 2 matches it at the same depth where
-latency sets the rate and exceeds it where the L2's output does.
+latency sets the rate and exceeds it where the L2's output does. Rerun (H100, perf-log
+2026-12-06 session 31; B / clock per SM received, 132 CTAs): alone 2 / 3 / 4 / 5 / 6 stages 48 /
+60 / 68 / 63 / 64; cluster 2 / 4 / 6 stages 47 / 56 / 56; mcast 2 41 / 46 / 46 (66 CTAs: alone 4
+stages 75, mcast 2 46). Multicast delivers less per SM than each CTA loading its own copy.
 """
 
 from __future__ import annotations
