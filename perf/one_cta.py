@@ -19,10 +19,15 @@ reference at N=1000 (max abs error; the two walk the blocks in different orders)
 
 `--bwd`: the dQ, dK and dV kernels (`launch.run_grad_job`, each alone, L2 flushed, median of 3
 benches; TFLOPS of the whole backward, 2.5x the forward's FLOPs, from the three kernels' sum)
-planned as routed (the CTA pair above 512) and with their gradient in one CTA (`wide_o`, the
-planners' `WIDE_BWD`), at BWD_HEAD_DIMS (B=1, H=32, N=8K, bf16, causal). Prediction (before
-any run): the forward's gain, each kernel 1.25-1.4x; the backward at D=576 from ~190 (H200, the
-pair) to 240-270 TFLOPS.
+with the CTA pair (`pair`, the planners' `WIDE_BWD` off) and with their gradient in one CTA
+(`wide`, `wide_o`, routed), at BWD_HEAD_DIMS (B=1, H=32, N=8K, bf16, causal). Prediction
+(before any run): the forward's gain, each kernel 1.25-1.4x; the backward at D=576 from ~190
+(H200, the pair) to 240-270 TFLOPS. Measured (H100, 2026-12-06, ms dQ + dK + dV, pair -> wide):
+520 18.6 + 18.3 + 9.6 = 46.5 -> 16.5 + 16.5 + 7.1 = 40.1 (120 -> 139 TFLOPS); 544 41.8 -> 32.7
+(140 -> 179); 576 12.8 + 14.4 + 7.9 = 35.1 -> 12.7 + 14.1 + 6.2 = 32.9 (176 -> 188): the same
+bits (max |pair - wide| 0 on all three gradients). Short of the prediction at 576: dQ and dK
+gain 1-2% there and dV 22%, against 18-33% for all three at 544; why the two-product kernels
+barely move at 576 is not yet traced.
 
 Measured before the route (H100, 2026-12-06, docs/perf-log.md: the one-CTA kernel as an
 experiment subclass with S 152 / O 176; TFLOPS pair -> one CTA): 520 296 -> 393-404, 528 299
@@ -88,8 +93,8 @@ def run(dev, flush) -> dict:
 
 
 def bwd_variants(d: int) -> dict:
-    """{name: [(kernel class, cfg)] of dQ, dK, dV} at D=d, causal: `pair` as routed, `wide`
-    with WIDE_BWD on."""
+    """{name: [(kernel class, cfg)] of dQ, dK, dV} at D=d, causal: `pair` with WIDE_BWD off
+    (the CTA pair), `wide` with it on (the route)."""
     from ffpa_cute import dispatch
     from ffpa_cute.sm90 import config as sm90_config
 
@@ -105,7 +110,13 @@ def bwd_variants(d: int) -> dict:
 
 
 def bwd_jobs() -> list:
-    return [job for d in BWD_HEAD_DIMS for jobs in bwd_variants(d).values() for job in jobs]
+    """The gradient kernels of `bwd_variants`, and the causal forward `run_bwd` takes O and
+    the LSE from."""
+    fwd = experiment.forward_jobs(
+        experiment.routed_fwd(dataclasses.replace(experiment.self_problem(d), causal=True))
+        for d in BWD_HEAD_DIMS)
+    return fwd + [job for d in BWD_HEAD_DIMS for jobs in bwd_variants(d).values()
+                  for job in jobs]
 
 
 def run_bwd(dev, flush) -> dict:
@@ -135,6 +146,35 @@ def run_bwd(dev, flush) -> dict:
                 for a, b in zip(grads["pair"], grads["wide"])]
         print(f"D={d} max |pair - wide| dq / dk / dv: {diff}", flush=True)
         res[f"{d}-diff"] = diff
+        res[f"{d}-routed"] = _time_routed_bwd(p, inputs, dev, flush)
+    return res
+
+
+def _time_routed_bwd(p, inputs: dict, dev, flush) -> dict:
+    """`launch.run_bwd` (Delta, then dQ, dK, dV, with or without the row copy) of the pair and
+    of the wide plan, each with `repack_rows` forced on and off: {"<variant> copy|no copy":
+    ms}, printed with TFLOPS."""
+    from ffpa_cute import dispatch, launch
+
+    plan = dispatch.plan_bwd(p, dev)
+    own = launch.repack_rows
+    res = {}
+    try:
+        for name, jobs in bwd_variants(p.head_dim).items():
+            bp = dataclasses.replace(plan, cfgs=(plan.cfgs[0], *(cfg for _, cfg in jobs)))
+            for copy in (True, False):
+                launch.repack_rows = lambda *a, c=copy: c
+                fn = lambda b=bp: launch.run_bwd(b, *(inputs[n] for n in  # noqa: E731
+                                                      ("q", "k", "v", "o", "lse", "do")))
+                fn()
+                ms = experiment.median_ms(fn, dev, flush)
+                label = f"{name} {'copy' if copy else 'no copy'}"
+                tf = 2.5 * 4 * p.heads_q * p.seqlen_q * (p.seqlen_kv + 1) / 2 * p.head_dim / ms
+                print(f"D={p.head_dim} run_bwd {label}: {ms:.2f} ms, {tf / 1e9:.0f} TFLOPS",
+                      flush=True)
+                res[label] = ms
+    finally:
+        launch.repack_rows = own
     return res
 
 

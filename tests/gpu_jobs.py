@@ -270,20 +270,12 @@ def _wide_jobs() -> list:
     # test_wide_gradient_kernels: the forward and the gradient kernels in one CTA (WIDE_BWD)
     from test_backward_sm90_gpu import WIDE_BWD_CASES
 
-    from ffpa_cute.sm90 import config as sm90_config
-
     for d, causal, nq, nkv, ratio, dt in WIDE_BWD_CASES:
         p = AttnProblem(dtype=names[dt], batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
                         causal_offset=nkv - nq)
-        own, sm90_config.WIDE_BWD = sm90_config.WIDE_BWD, True
-        dispatch.clear_plans()   # planned with WIDE_BWD on; nothing of it stays cached
-        try:
-            plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
-            bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90"))
-        finally:
-            sm90_config.WIDE_BWD = own
-            dispatch.clear_plans()
+        plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
+        bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90"))
         for job in [(plan.kernel_cls, plan.cfg), *bwd.jobs]:
             if job not in out:
                 out.append(job)

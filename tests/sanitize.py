@@ -13,8 +13,8 @@ API, strict (a fallback would raise), for each kernel family that runs on the de
 every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, O in
 one CTA up to 576 (`wide_o`), the `kv_pair` CTA pair above, Dv != D, GQA rows packed for decode, persistent CTAs walking
 more tiles than there are SMs), the sm90 dQ / dK / dV
-kernels (dK with sequential score products and with two accumulators, the gradient split over
-two CTAs above 512), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
+kernels (dK with sequential score products and with two accumulators, the gradient in one CTA
+up to 576 and split over two CTAs above), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
 family) in their M8N1 / M4N2 / M2N4
 warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
 forwards (WGMMA and Split-D); a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
@@ -67,8 +67,8 @@ CASES = [
     ("sm90 D648 kv_pair, second CTA from a half line, causal", "sm90", 1, 2, 1, 65, 130, 648,
      648, "bottom_right", "bf16", False),
     # O in one CTA above 512 (`wide_o`): 288-column shares as m64n96 WGMMAs, `setmaxnreg`
-    ("sm90 D576 wide O in one CTA causal GQA", "sm90", 1, 4, 2, 129, 333, 576, 576,
-     "bottom_right", "bf16", False),
+    ("sm90 D576 wide O and gradients in one CTA causal GQA", "sm90", 1, 4, 2, 129, 333, 576,
+     576, "bottom_right", "bf16", True),
     ("sm90 D536 wide O, hi share from a line, upper-left", "sm90", 1, 2, 1, 77, 200, 536, 536,
      "upper_left", "fp16", False),
     # persistent CTAs (one per SM) with more tiles than SMs: rings and hand-overs carried over
@@ -77,7 +77,7 @@ CASES = [
     # D % 64 != 0 persistent, the hi share from column 256 (`split_align` 64: 144 stored of 192)
     ("sm90 D400 persistent split shares, 144 tiles", "sm90", 1, 48, 48, 130, 200, 400, 400,
      "none", "bf16", False),
-    ("sm90 D520 wide O forward, CTA pair backward (D % 16 == 8)", "sm90", 1, 2, 1, 65, 130, 520,
+    ("sm90 D520 wide O and gradients in one CTA (D % 16 == 8)", "sm90", 1, 2, 1, 65, 130, 520,
      520, "bottom_right", "bf16", True),
     ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),
     ("sm80 D512 M4N2 GQA", "sm80", 1, 4, 2, 129, 333, 512, 512, "none", "fp16", True),
@@ -104,8 +104,8 @@ FEATURE_CASES = [
     ("sm90 D512 window persistent GQA, 144 tiles", 1, 48, 8, 130, 130, 512, True, (64, 0),
      False),
     ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
-    ("D520 window + sinks causal (wide O forward, CTA pair backward)", 1, 2, 1, 65, 200, 520, True,
-     (50, 0), True),
+    ("D520 window + sinks causal (wide O and gradients in one CTA)", 1, 2, 1, 65, 200, 520,
+     True, (50, 0), True),
 ]
 # (label, family, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the FP8 forwards (e4m3 in,
 # forward only) with a window and sinks

@@ -195,8 +195,8 @@ def test_every_element_written(seed, mode):
 @pytest.mark.parametrize("d", [328, 520, 600])
 def test_row_repack_is_the_same_kernel(seed, monkeypatch, d):
     """At D > 512 with rows that are not whole 128-byte lines (D=600: the WGMMA CTA pair
-    forward and backward; 520: the backward's pair, the forward with O in one CTA), and at D %
-    16 == 8 (328, 520's forward) the inputs are copied into
+    forward and backward), and at D % 16 == 8 (328; 520: forward and backward with O, and
+    the gradients, in one CTA) the inputs are copied into
     padded rows first (`launch.repack_rows`): the same kernels on the same values, so out,
     lse and the gradients are the same bits as without the copy."""
     from ffpa_cute import launch

@@ -82,11 +82,11 @@ def test_same_bits_every_run(seed):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(576, True, 129, 1000, 4),
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(584, True, 129, 1000, 4),
                                                    (1024, False, 300, 129, 1),
                                                    (768, True, 1000, 1000, 2)])
 def test_kv_pair_is_the_recomputing_pair(seed, d, causal, nq, nkv, ratio):
-    """Above 512 the CTA pair splits the column blocks and exchanges P / dS (`kv_pair`, the
+    """Above 576 the CTA pair splits the column blocks and exchanges P / dS (`kv_pair`, the
     default) instead of both CTAs scoring every block: each tile a CTA gets from its peer is
     the one it would have computed, added in the same order, so dQ, dK and dV are the same
     bits as with `Options(kv_pair=False)` (test_above_512 checks the default against
@@ -194,8 +194,9 @@ def test_fp16(seed, d, causal, nq, nkv, ratio):
                                                    (520, True, 700, 1000, 2),
                                                    (712, False, 300, 129, 1)])
 def test_above_512(seed, d, causal, nq, nkv, ratio):
-    """D > 512: the gradient split over a CTA pair that splits the score blocks, as the forward
-    splits O; D % 16 == 8 (520, 712) with the second CTA's last 8 columns past D."""
+    """D > 512: up to 576 the gradient in one CTA (`wide_o`), above it split over a CTA pair
+    that splits the score blocks, as the forward splits O; D % 16 == 8 (520, 712), at 712 with
+    the second CTA's last 8 columns past D."""
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"))
 
 
@@ -204,13 +205,10 @@ WIDE_BWD_CASES = [(576, True, 129, 1000, 4, torch.bfloat16), (520, False, 1000, 
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", WIDE_BWD_CASES)
-def test_wide_gradient_kernels(seed, monkeypatch, d, causal, nq, nkv, ratio, dt):
-    """The dQ, dK and dV kernels with their gradient in one CTA above 512 (`wide_o`, planned
-    with `config.WIDE_BWD` on): float64 criterion, both share widths (256 + 288 at 520, 288 +
+def test_wide_gradient_kernels(seed, d, causal, nq, nkv, ratio, dt):
+    """The dQ, dK and dV kernels with their gradient in one CTA from 520 to 576 (`wide_o`, as
+    planned: `config.WIDE_BWD`): float64 criterion, both share widths (256 + 288 at 520, 288 +
     288 at 576), GQA 2-16, fp16."""
-    from ffpa_cute.sm90 import config as sm90_config
-
-    monkeypatch.setattr(sm90_config, "WIDE_BWD", True)   # (each test starts with no plans)
 
     def plan(problem):
         wide = kernels.backward_plan(problem, torch.device("cuda"), "sm90")

@@ -104,9 +104,9 @@ def test_sm90_wgmma_range_and_o_split():
 def test_sm90_wide_o(d, split, halves):
     """D = Dv in (512, 576], 16-bit: O in one CTA (`wide_o`), Q resident, K 3 / V 2 stages,
     shares of at most 288 columns with the hi share from a line (256) or a half line (288),
-    issued as m64n96 WGMMAs past 256 columns; even shares under a window; the kernels that
-    start from the forward's plan (dV, decode) and the FP8 forward keep the CTA pair, and
-    MLA's 576 / 512 its own plan (Dv <= 512)."""
+    issued as m64n96 WGMMAs past 256 columns; even shares under a window; the gradient
+    kernels in one CTA too (`WIDE_BWD`: even shares) except under varlen; the FP8 forward
+    keeps the CTA pair, and MLA's 576 / 512 its own plan (Dv <= 512)."""
     from ffpa_cute.sm90 import config as c
 
     cfg = dispatch.plan_fwd(prob(d=d), target="sm_90a").cfg
@@ -116,7 +116,10 @@ def test_sm90_wide_o(d, split, halves):
     assert c.can_implement(cfg) is None
     even = dispatch.plan_fwd(prob(d=d, window_lo=-100), target="sm_90a").cfg
     assert even.wide_o and even.split_align == 8
-    assert not c.plan_dv(prob(d=d)).wide_o and c.plan_dv(prob(d=d)).o_split == 2
+    grads = (c.plan_dq(prob(d=d)), c.plan_dk(prob(d=d)), c.plan_dv(prob(d=d)))
+    assert all(g.wide_o and g.o_split == 1 and not g.kv_pair and g.split_align == 8
+               for g in grads)
+    assert not c.plan_dv(prob(d=d, varlen=True)).wide_o
     varlen = dispatch.plan_fwd(prob(d=d, varlen=True), target="sm_90a").cfg
     assert not varlen.wide_o and varlen.kv_pair   # its S warpgroup spilled at 152 registers
     # setmaxnreg.inc draws on the CTA's pool (the launch's 168 x 384 threads)
@@ -427,15 +430,16 @@ def test_varlen_rule(kw):
 
 @pytest.mark.parametrize("d,n,fwd,bwd", [
     (520, 8192, True, True), (520, 1024, False, False), (576, 8192, False, False),
-    (544, 4096, False, True), (600, 4096, True, True), (1016, 4096, True, True),
+    (544, 4096, False, False), (600, 4096, True, True), (1016, 4096, True, True),
     (264, 8192, True, True),
     (312, 4096, True, True), (312, 2048, False, False), (336, 8192, False, False),
     (320, 8192, False, False)])
 def test_row_repack_rule(d, n, fwd, bwd):
     """Rows that are not whole 128-byte lines are copied into padded rows before the WGMMA
     kernels over a CTA pair at D > 512 (their TMA boxes straddle lines otherwise) and rows
-    that do not start on 32-byte sectors (D % 16 == 8) at D <= 512 and before the forward
-    with O in one CTA above it (`wide_o`, D <= 576), forward and backward, when the work is
+    that do not start on 32-byte sectors (D % 16 == 8) at D <= 512 and before the kernels
+    with O or the gradient in one CTA above it (`wide_o`, D <= 576), forward and backward,
+    when the work is
     large enough; the Split-D kernels read them as they are; the copy holds
     the same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n)
@@ -453,12 +457,16 @@ def test_row_repack_rule(d, n, fwd, bwd):
         assert a is t  # rows that are whole lines already: no copy
 
 
-@pytest.mark.parametrize("d", [520, 576, 1024])
+@pytest.mark.parametrize("d", [584, 648, 1024])
 def test_backward_kv_pair_rule(d):
-    """Above 512 the gradient kernels pair their CTAs over the column blocks (`kv_pair`,
+    """Above 576 the gradient kernels pair their CTAs over the column blocks (`kv_pair`,
     exchanging P / dS only: one exchange barrier, no peer statistics) unless
-    `Options(kv_pair=False)`."""
+    `Options(kv_pair=False)`; up to 576 they hold the gradient in one CTA (`wide_o`), as the
+    forward holds O."""
     p = prob(d=d, causal=True)
+    for w in (520, 576):
+        wide = dispatch.plan_bwd(prob(d=w, causal=True), target="sm_90a")
+        assert all(c.wide_o and not c.kv_pair for c in wide.cfgs[1:])
     plan = dispatch.plan_bwd(p, target="sm_90a")
     cfgs = plan.cfgs[1:]
     assert [type(c).__name__ for c in cfgs] == ["BwdDQConfigSm90", "BwdDKConfigSm90",
@@ -467,10 +475,7 @@ def test_backward_kv_pair_rule(d):
     off = dispatch.plan_bwd(p, target="sm_90a", opts=Options(kv_pair=False))
     assert not any(c.kv_pair for c in off.cfgs[1:])
     fwd = dispatch.plan_fwd(p, target="sm_90a").cfg
-    if d > 576:   # the forward up to 576 holds O in one CTA (`wide_o`)
-        assert fwd.kv_pair and fwd.pair_stats and fwd.pair_barriers == ("bar_x", "bar_pp")
-    else:
-        assert fwd.wide_o and not fwd.kv_pair
+    assert fwd.kv_pair and fwd.pair_stats and fwd.pair_barriers == ("bar_x", "bar_pp")
     small = dispatch.plan_bwd(prob(d=512, causal=True), target="sm_90a")
     assert not any(c.kv_pair for c in small.cfgs[1:])
 

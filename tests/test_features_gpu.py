@@ -59,8 +59,8 @@ def _ids(c):
 def test_window_sinks_forward_backward(seed, case, family):
     """Forward out / lse and the gradients of q, k, v and sinks (of a loss through out and lse)
     against float64, on the sm90 WGMMA kernels and on the Split-D kernels (D=520 and 576 on
-    sm90: the forward with O in one CTA, `wide_o`, and the gradient kernels' CTA pair, whose
-    second CTA owns 8 columns past D at 520)."""
+    sm90: the forward with O, and the gradient kernels with their gradient, in one CTA:
+    `wide_o`)."""
     d, hq, hkv, nq, nkv, window, causal, with_sinks = case
     kernel = "FFPAFwdSm80" if family == "sm80" else "FFPAFwdSm90"
     with ffpa_cute.options.use(family=family):

@@ -338,9 +338,9 @@ def test_sm90_backward_dv_not_d_compiles():
         _no_spills(ptx)
 
 
-@pytest.mark.parametrize("d", [576, 1024])
+@pytest.mark.parametrize("d", [640, 1024])
 def test_sm90_backward_above_512_compiles(d):
-    """D > 512 backward: dQ, dK and dV with the gradient split over a 2-CTA cluster that splits
+    """D > 576 backward: dQ, dK and dV with the gradient split over a 2-CTA cluster that splits
     the column blocks (`kv_pair`: the P / dS tile crosses to the peer by a shared::cluster
     bulk copy); wgmma, no local memory, no spills. Above BWD_MAX_HEAD_DIM the planner
     refuses."""
@@ -510,11 +510,10 @@ def test_lazy_rescale_compiles(dtype, d, causal):
 
 
 @pytest.mark.parametrize("d", [520, 576])
-def test_sm90_wide_gradient_kernels_compile(monkeypatch, d):
-    """The dQ, dK and dV kernels with their gradient in one CTA above 512 (`wide_o`, planned
-    with `WIDE_BWD` on; off until measured): 288-column shares as m64n96 WGMMAs, `setmaxnreg`
-    S 152 / O 176, wgmma + TMA, no cluster, no spills."""
-    monkeypatch.setattr(sm90_config, "WIDE_BWD", True)
+def test_sm90_wide_gradient_kernels_compile(d):
+    """The dQ, dK and dV kernels with their gradient in one CTA above 512 (`wide_o`, as
+    planned: `WIDE_BWD`): 288-column shares as m64n96 WGMMAs, `setmaxnreg` S 152 / O 176,
+    wgmma + TMA, no cluster, no spills."""
     jobs = _bwd_jobs(_problem(d, True))
     cfgs = [jobs[n][1] for n in ("FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90")]
     assert all(c.wide_o and c.o_split == 1 and not c.kv_pair for c in cfgs)

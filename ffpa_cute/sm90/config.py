@@ -56,9 +56,10 @@ WIDE_MAX_DV = 576
 WIDE_SHARE = 288
 WIDE_O_REGS = (152, 176)
 # The gradient kernels (dQ, dK, dV) with their gradient in one CTA up to WIDE_MAX_DV too
-# (`wide_o`): off until measured against their CTA pair (perf.one_cta --bwd); ptxas: 0 spills
-# at D=520 / 576 (dQ and dK K 4 / V 4 stages, dV Q resident K 3 / V 2)
-WIDE_BWD = False
+# (`wide_o`; dQ and dK K 4 / V 4 stages, dV the K tile resident, K 3 / V 2; ptxas 0 spills):
+# faster than their CTA pair at every D timed (perf.one_cta --bwd, H100, causal N=8K: the three
+# kernels' sum 1.16x at 520, 1.28x at 544, 1.06x at 576)
+WIDE_BWD = True
 
 
 @dataclass(frozen=True)
