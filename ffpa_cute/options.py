@@ -38,8 +38,9 @@ class Options:
     pack_gqa:    for GQA / MQA calls with few query rows and no masked row, put the query heads of
                  each KV head into the rows of one tile (fewer, fuller tiles; same bits)
                  (FFPA_CUTE_PACK_GQA).
-    kv_pair:     where two CTAs split the output's columns (the forward above D=576 (16-bit;
-                 up to 576 one CTA holds O), the FP8 forward and the backward above 512): they form
+    kv_pair:     where two CTAs split the output's columns (the forward and the backward
+                 above D=576 (16-bit; up to 576 one CTA holds O or the gradient), the FP8
+                 forward and varlen above 512): they form
                  a cluster and split the score blocks, exchanging P (dS) over distributed
                  shared memory, instead of both computing every score block; same bits
                  (FFPA_CUTE_KV_PAIR).
