@@ -368,7 +368,7 @@ def plan_bwd(problem: AttnProblem, device: torch.device | None = None,
              target: str | None = None, opts: Options | None = None) -> BwdPlan:
     """The backward's kernels for a problem whose forward runs a kernel (the same routing), or
     the reason it recomputes through SDPA."""
-    opts = opts or _options.current()
+    opts = _options.for_backward(opts or _options.current())
     fwd = plan_fwd(problem, device, target, opts)
     if fwd.reason is not None:
         return BwdPlan(problem, fwd.target, fwd.family, reason=fwd.reason)

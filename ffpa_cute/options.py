@@ -52,12 +52,14 @@ class Options:
                  backward, instead of one call per sequence (FFPA_CUTE_VARLEN_LAUNCH).
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
-    deterministic: the backward: True (default), the atomic-free kernels (the same bits every
-                 run); False: on sm90 the fused kernel where it builds and measured faster
-                 (D 320-512 in steps of 64, up to 64 query heads per KV head, Dv == D, not
-                 varlen; else the atomic-free ones): 5 GEMM units instead of 8, dQ summed by
-                 fp32 reductions in whatever order they land, so its bits vary run to run
-                 (GPU-tested and sanitizer-clean) (FFPA_CUTE_DETERMINISTIC).
+    deterministic: the backward: False (default): on sm90 the fused kernel where it builds
+                 and measured faster (D 320-512 in steps of 64, up to 64 query heads per KV
+                 head, Dv == D, not varlen; elsewhere the atomic-free kernels): 5 GEMM units
+                 instead of 8, dQ summed by fp32 reductions in whatever order they land, so
+                 dQ's last bits vary run to run (dK, dV do not; GPU-tested and
+                 sanitizer-clean). True, or torch's `use_deterministic_algorithms(True)`: the
+                 atomic-free kernels everywhere, the same bits every run
+                 (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
                  never run on the device's target (or of a kernel not verified on any GPU: the
                  fused backward) first passes a canary problem against a float32 reference,
@@ -72,7 +74,7 @@ class Options:
     persistent: bool = True
     varlen_launch: bool = True
     fast_launch: bool = True
-    deterministic: bool = True
+    deterministic: bool = False
     self_check: str = "unverified"
 
     def __post_init__(self):
@@ -140,6 +142,17 @@ def current() -> Options:
     return _CURRENT.get() or default()
 
 
+def for_backward(options: Options) -> Options:
+    """`options` as the backward plans with them: `deterministic` also while torch's
+    deterministic algorithms are on (`torch.use_deterministic_algorithms(True)`), as torch's
+    own nondeterministic kernels then refuse to run."""
+    import torch
+
+    if not options.deterministic and torch.are_deterministic_algorithms_enabled():
+        return dataclasses.replace(options, deterministic=True)
+    return options
+
+
 def set_default(options: Options | None = None, **changes) -> Options:
     """Replace the process default (`options`, or the current default with `changes`); None and
     no changes re-read the environment. Returns the previous default."""
@@ -162,4 +175,5 @@ def use(options: Options | None = None, **changes):
         _CURRENT.reset(token)
 
 
-__all__ = ["ENV", "FAMILIES", "Options", "current", "default", "from_env", "set_default", "use"]
+__all__ = ["ENV", "FAMILIES", "Options", "current", "default", "for_backward", "from_env",
+           "set_default", "use"]

@@ -1,26 +1,31 @@
-"""The fused backward (5 GEMM units, sm90/bwd_fused_sm90.py) beside the routed atomic-free one
-(8 units), issue 17's first measurement.
+"""The fused backward (5 GEMM units, sm90/bwd_fused_sm90.py; the default route where it pays)
+beside the atomic-free one (8 units, `deterministic`), issue 17's first measurement.
 
     python -m perf.bwd_fused --precompile DIR     # CPU: compile both backwards into a cache
     python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
+    python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
 rotated order (`experiment.interleaved_ms`), one round per variant;
-TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the routed (atomic-free) backward, the fused one as
+TFLOPS = 2.5 x 4 B Hq (visible pairs) D: the atomic-free backward, the fused one as
 planned and its variants (`FUSED_VARIANTS`: who forms dQ; with GQA / MQA the head group split
 over CTA pairs), each only where it differs from the plan.
-Before timing, the fused one's gradients are checked against the routed ones (relative error
+Before timing, the fused one's gradients are checked against the atomic-free ones (relative error
 < 1e-2 each, the same products in another summation order; a variant past it is reported as
 WRONG and the run goes on).
 
 `--scatter`: the fused kernel with D over C CTAs (`scatter`: the score partials
-reduce-scattered, P^T / dS^T gathered; first run 2026-12-05, docs/perf-log.md) beside the routed
+reduce-scattered, P^T / dS^T gathered; first run 2026-12-05, docs/perf-log.md) beside the atomic-free
 backward at D=576, 768 and 1024 (the CTA pair's atomic-free kernels there: 192-228 TFLOPS
 against issue 17's 250-300), and at D=320 / 512 its C = 2 form beside the pair's full exchange
 (`SCATTER_CASES`); same timing and checks as the default run.
+
+`--variation`: the default backward (the fused kernel at these D) five times on the same
+inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by
+how much (dQ's fp32 reductions land in any order; dK / dV are summed in registers).
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
 phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in
@@ -73,9 +78,9 @@ SCATTER_CASES = ((576, True, 32, 32, 8192, 3), (768, False, 32, 32, 8192, 3),
 
 
 def plans(case) -> dict:
-    """{label: plan} of a case on sm_90a: "routed" (the atomic-free kernels), "fused" (as
+    """{label: plan} of a case on sm_90a: "atomic-free" (`deterministic`), "fused" (as
     planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
-    split one only with GQA / MQA); a `SCATTER_CASES` case: "routed", "fused C=<c>" (D over C
+    split one only with GQA / MQA); a `SCATTER_CASES` case: "atomic-free", "fused C=<c>" (D over C
     CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at D <= 512 the
     pair's "fused" beside them."""
     import dataclasses
@@ -86,7 +91,8 @@ def plans(case) -> dict:
     from ffpa_cute.sm90.config import plan_bwd_fused
 
     p = _problem(*case[:5])
-    out = {"routed": dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))}
+    out = {"atomic-free": dispatch.plan_bwd(p, target="sm_90a",
+                                          opts=Options(family="sm90", deterministic=True))}
     if len(case) == 6:
         cfgs = {} if case[0] > 512 else {"fused": plan_bwd_fused(p, "sm_90a")}
         scatter = plan_bwd_fused(p, "sm_90a", cluster_d=case[5], scatter=True)
@@ -134,12 +140,12 @@ def run(dev, flush, cases=CASES) -> dict:
                                        return_lse=True)
         label = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
         variants = plans(case)
-        ref = launch.run_bwd(variants["routed"], q, k, v, out, lse, do)
+        ref = launch.run_bwd(variants["atomic-free"], q, k, v, out, lse, do)
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         row, fns = {}, {}
         for name, plan in variants.items():
             errs = None
-            if name != "routed":
+            if name != "atomic-free":
                 got = launch.run_bwd(plan, q, k, v, out, lse, do)
                 errs = [rel_err(x, r.double()) for x, r in zip(got, ref)]
                 if max(errs) >= 1e-2:   # reported, not fatal: the other variants still run
@@ -150,7 +156,7 @@ def run(dev, flush, cases=CASES) -> dict:
             row[name].update(ms=ms, tflops=flops / ms / 1e9)
         print(f"{label}: " + ", ".join(
             f"{name} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS" for name, r in row.items())
-            + "; dq/dk/dv vs routed " + " | ".join(
+            + "; dq/dk/dv vs atomic-free " + " | ".join(
                 " ".join(f"{e:.1e}" for e in r["errs"]) for r in row.values() if r["errs"]),
             flush=True)
         res[label] = row
@@ -316,8 +322,60 @@ def run_trace(dev, flush) -> dict:
     return res
 
 
+# `--variation`: (D, causal, Hq, Hkv, N) of the default backward run again and again
+VARIATION_CASES = ((512, False, 32, 32, 8192), (512, True, 32, 4, 8192),
+                   (320, False, 32, 32, 8192))
+
+
+def variation_jobs() -> list:
+    from ffpa_cute import dispatch
+
+    return [j for case in VARIATION_CASES
+            for j in dispatch.plan_bwd(_problem(*case), target="sm_90a").jobs]
+
+
+def run_variation(dev, flush, runs: int = 5) -> dict:
+    """The default backward (`launch.run_bwd` of `dispatch.plan_bwd`: the fused kernel here)
+    `runs` times on the same inputs: per gradient, the largest over the later runs of the
+    fraction of elements that differ from the first run, of the relative (Frobenius)
+    difference, and of the largest difference over the gradient's largest magnitude."""
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import dispatch, launch
+
+    res = {}
+    for case in VARIATION_CASES:
+        d, causal, hq, hkv, n = case
+        p = _problem(*case)
+        plan = dispatch.plan_bwd(p, dev)
+        q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in "qd")
+        k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in "kv")
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                       return_lse=True)
+        grads = [launch.run_bwd(plan, q, k, v, out, lse, do) for _ in range(runs)]
+        row = {"kernel": plan.jobs[1][0].__name__}
+        for i, name in enumerate(("dq", "dk", "dv")):
+            first = grads[0][i].float()
+            diff = [(g[i].float() - first).abs() for g in grads[1:]]
+            row[name] = dict(differ=max(float((x != 0).float().mean()) for x in diff),
+                             rel=max(float(x.norm() / first.norm()) for x in diff),
+                             max_rel=max(float(x.max() / first.abs().max()) for x in diff))
+        res[f"D={d}{' causal' if causal else ''} {hq}/{hkv} N={n}"] = row
+        print(f"D={d} causal={causal} Hq/Hkv={hq}/{hkv} N={n} ({row['kernel']}, {runs} runs): "
+              + "; ".join(f"{g} {row[g]['differ']:.2e} of elements differ, relative "
+                          f"{row[g]['rel']:.1e}, max {row[g]['max_rel']:.1e} of max |{g}|"
+                          for g in ("dq", "dk", "dv")),
+              flush=True)
+    return res
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if "--variation" in argv:
+        argv.remove("--variation")
+        raise SystemExit(experiment.main("perf.bwd_fused --variation", __doc__, variation_jobs,
+                                         run_variation, argv))
     if "--trace" in argv:
         argv.remove("--trace")
         raise SystemExit(experiment.main("perf.bwd_fused --trace", __doc__, trace_jobs,

@@ -19,8 +19,9 @@ Per shape the table gives each phase's median cycles per block over every traced
 from the third on, and the block period (S0 to the next S0). Experiment only: the traced kernel
 is never routed; its result is the real forward's (the stamps only add stores).
 
-Beside it, at D=512, the same traced kernel with the ring refills faked (`--variants`: a plain
-arrival completes the stage's barrier, no bytes move, the stage keeps stale data): "no K" (the
+Beside it, at D=512 and 576 (O in one CTA), the same traced kernel with the ring refills
+faked (`--variants`: a plain arrival completes the stage's barrier, no bytes move, the stage
+keeps stale data): "no K" (the
 K ring's refills), "no V" (the V rings'), "no KV" (both): how much of a block's time is the
 L2 -> SM stream's; and "no PV" (the O warpgroups wait for and refill their stages but issue no
 WGMMA): what the S warpgroup's phases take with the tensor cores free of P V (wrong results;
@@ -240,7 +241,9 @@ class BwdDKTraced(_TwoTraced, FFPABwdDKSm90):
 
 BWD_TRACED = {"FFPABwdDQSm90": BwdDQTraced, "FFPABwdDKSm90": BwdDKTraced,
               "FFPABwdDVSm90": BwdDVTraced}
-BWD_SHAPES = [(512, 8192, False)]
+# D=512, and with the gradient in one CTA (`wide_o`) at 544 (1.22x its CTA pair) and 576
+# (dQ / dK no faster than the pair's; perf.one_cta --bwd)
+BWD_SHAPES = [(512, 8192, False), (544, 8192, True), (576, 8192, True)]
 
 
 class _FakeK(FwdTraced):
@@ -277,7 +280,7 @@ class _NoPV(_NoPVMixin, FwdTraced):
 
 
 VARIANTS = {"no K": _FakeK, "no V": _FakeV, "no KV": _FakeKV, "no PV": _NoPV}
-VARIANT_SHAPES = [(512, 8192, False)]
+VARIANT_SHAPES = [(512, 8192, False), (576, 8192, False)]
 
 
 def _plan(d: int, causal: bool):
@@ -302,7 +305,8 @@ def _bwd_plan(d: int, n: int, causal: bool):
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=HEADS, heads_kv=HEADS, seqlen_q=n,
                     seqlen_kv=n, head_dim=d, head_dim_v=d, causal=causal, requires_grad=True)
-    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options())
+    # the atomic-free dQ / dK / dV kernels (`deterministic`), the ones traced here
+    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options(deterministic=True))
     assert plan.reason is None, plan.reason
     return plan
 

@@ -265,13 +265,13 @@ def _launch_paths(q, k, v, n: int) -> dict:
 
 
 def _one_bench_bwd(spec: str) -> dict:
-    """The backward's kernels (Delta, dQ, dK, dV, each timed alone) at B=1, H=32: D:N:causal
-    [:Hkv][:noseq] ("noseq": dK without `seq_scores`, the two-accumulator variant)."""
+    """The atomic-free backward's kernels (Delta, dQ, dK, dV, each timed alone) at B=1, H=32:
+    D:N:causal[:Hkv][:noseq] ("noseq": dK without `seq_scores`, the two-accumulator variant)."""
     import dataclasses
 
     import torch
 
-    from ffpa_cute import dispatch, launch
+    from ffpa_cute import dispatch, launch, options
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.sm90 import config as sm90_config
 
@@ -286,7 +286,9 @@ def _one_bench_bwd(spec: str) -> dict:
     k, v = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     problem = AttnProblem.from_tensors(q, k, v, causal=bool(causal), causal_offset=0)
     out, lse = launch.run_fwd(dispatch.plan_fwd(problem), q, k, v)
-    plan = dispatch.plan_bwd(problem)
+    # the atomic-free kernels (`deterministic`): each timed alone
+    plan = dispatch.plan_bwd(problem, opts=dataclasses.replace(options.current(),
+                                                               deterministic=True))
     assert plan.reason is None, plan.reason
     if noseq:
         cfgs = [sm90_config.plan_dk(problem, seq_scores=False)

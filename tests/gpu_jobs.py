@@ -17,8 +17,8 @@ and backward, plus the Dv != D pairs, the FP8 forwards (WGMMA and Split-D) with 
 kernel, and the non-default variants the tests select (the CTA pair off above 512, dK without sequential score
 products, one CTA per tile where the default is persistent, dV / dK with split head groups),
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
-varlen kernels with their per-sequence twins, the fused backward (off the default route:
-`Options(deterministic=False)`), and (`lines`) the plans with shares from 128-byte lines (the
+varlen kernels with their per-sequence twins, the fused backward (the default route where
+it pays) beside the atomic-free kernels (`Options(deterministic=True)`), and (`lines`) the plans with shares from 128-byte lines (the
 forward's and `line_shares_bwd`'s) with test_line_shares' even-share twins, and (`cta`) the
 CTA pair's forwards at D % 128 == 8 (`cta_align` 32), and (`wide`) the forwards with O in one
 CTA above 512 (`wide_o`) and the pair's test cases above 576. A kernel the tests
@@ -94,8 +94,11 @@ def jobs(sections=SECTIONS) -> list:
                     plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
                     if plan.reason is None:
                         add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
-                    bwd = dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs
-                    add(bwd)
+                    # the atomic-free kernels (`deterministic`), and the default route (the
+                    # fused kernel where it pays)
+                    bwd = dispatch.plan_bwd(p, target=TARGET, opts=dataclasses.replace(
+                        opts, deterministic=True)).jobs
+                    add(bwd + dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs)
                     if family == "sm90" and (dtype == "bf16" or d in (512, 1024)):
                         add(_group_split_twins(bwd))  # GQA / MQA's split head groups
                     if family == "sm90" and d > 512 and d % 16 == 0:  # the CTA pair off
@@ -159,7 +162,7 @@ def jobs(sections=SECTIONS) -> list:
         for lo, hi, causal, sinks in FEATURE_FIELDS:  # both families
             p = dataclasses.replace(problem(d, d, "bf16", causal), window_lo=lo, window_hi=hi,
                                     has_sinks=sinks)
-            for opts in (Options(), Options(family="sm80"), Options(deterministic=False)):
+            for opts in (Options(), Options(family="sm80"), Options(deterministic=True)):
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=opts)
                 add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
                 bwd = dispatch.plan_bwd(p, target=TARGET, opts=opts).jobs

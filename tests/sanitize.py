@@ -232,9 +232,12 @@ def jobs(target: str = "sm_90a") -> list:
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
 
+    def atomic_free(**fields):  # the workload's options: the atomic-free backward
+        return Options(deterministic=True, **fields)
+
     out = []
     for case in _chosen(CASES):
-        opts = Options(family=case[1])
+        opts = atomic_free(family=case[1])
         p = _problem(case)
         plan = dispatch.plan_fwd(p, target=target, opts=opts)
         assert plan.reason is None, (case[0], plan.reason)
@@ -257,8 +260,8 @@ def jobs(target: str = "sm_90a") -> list:
                         causal_offset=nkv - nq if causal else 0, window_lo=nkv - nq - left,
                         window_hi=None if right is None else nkv - nq + right,
                         has_sinks=sinks)
-        plan = dispatch.plan_fwd(p, target=target, opts=Options())
-        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
+        plan = dispatch.plan_fwd(p, target=target, opts=atomic_free())
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target, opts=atomic_free()).jobs
         out += [j for j in todo if j not in out]
     for _, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in _chosen(FP8_FEATURE_CASES):
         left, right = window
@@ -268,7 +271,7 @@ def jobs(target: str = "sm_90a") -> list:
                         window_lo=nkv - nq - left,
                         window_hi=None if right is None else nkv - nq + right,
                         has_sinks=sinks, out_dtype="bf16")
-        plan = dispatch.plan_fwd(p, target=target, opts=Options(family=family))
+        plan = dispatch.plan_fwd(p, target=target, opts=atomic_free(family=family))
         assert plan.reason is None, plan.reason
         t = vt_config(plan.kernel_cls, target, d)
         out += [j for j in ((plan.kernel_cls, plan.cfg), (dispatch.kernel_class(t), t))
@@ -277,7 +280,7 @@ def jobs(target: str = "sm_90a") -> list:
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hkv, heads_kv=hkv,
                         seqlen_q=hq // hkv * nq, seqlen_kv=n, head_dim=d, head_dim_v=dv,
                         causal=nq > 1)
-        plan = dispatch.plan_decode(p, page, target=target, opts=Options(),
+        plan = dispatch.plan_decode(p, page, target=target, opts=atomic_free(),
                                     kv_dtype=None if kv == "bf16" else kv)
         assert plan.reason is None, plan.reason
         combine = CombineConfig(target, "bf16", dv)  # the split combine after it
@@ -290,17 +293,17 @@ def jobs(target: str = "sm_90a") -> list:
                         causal=causal, window_lo=None if window is None else -window[0],
                         window_hi=None if window is None else window[1], has_sinks=sinks,
                         varlen=True)
-        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        plan = dispatch.plan_fwd(p, target=target, opts=atomic_free())
         assert plan.reason is None and plan.cfg.varlen, plan.reason
-        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target).jobs
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target, opts=atomic_free()).jobs
         out += [j for j in todo if j not in out]
     for _, *case in _chosen(FUSED_CASES):
         p, bwd = _fused_plan(*case)
-        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        plan = dispatch.plan_fwd(p, target=target, opts=atomic_free())
         out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
     for _, *case in _chosen(LINE_CASES):
         p, bwd = _line_plan(*case)
-        plan = dispatch.plan_fwd(p, target=target, opts=Options())
+        plan = dispatch.plan_fwd(p, target=target, opts=atomic_free())
         out += [j for j in [(plan.kernel_cls, plan.cfg), *bwd.jobs] if j not in out]
     return out
 
@@ -314,6 +317,9 @@ def workload() -> int:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}
     torch.manual_seed(0)
+    # the atomic-free backward (`deterministic`) wherever the cases go through the API: the
+    # fused kernel, the default at some D, runs through its own plans (FUSED_CASES)
+    ffpa_cute.options.set_default(deterministic=True)
     for case in CASES:
         label, family, b, hq, hkv, nq, nkv, d, dv, mode, dtype, backward = case
         if not _selected(label):

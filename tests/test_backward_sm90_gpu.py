@@ -250,6 +250,56 @@ def test_fused_matches_reference(seed, d, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), plan=_fused_plan)
 
 
+# the default route: the fused kernel at D 320-512 in steps of 64 (groups up to 64), else the
+# atomic-free kernels (D % 64 != 0, D > 512)
+DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),
+                 (320, False, 1000, 1000, 1, torch.float16),
+                 (448, True, 1000, 129, 64, torch.bfloat16),
+                 (384, False, 7, 300, 2, torch.bfloat16),
+                 (336, True, 700, 1000, 4, torch.bfloat16),
+                 (576, True, 129, 1000, 2, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", DEFAULT_CASES)
+def test_default_route(seed, d, causal, nq, nkv, ratio, dt):
+    """The backward as a call plans it by default (`Options.deterministic` False: the fused
+    kernel where `fused_pays` and it builds, else the atomic-free kernels): all three
+    gradients against float64; the atomic-free grid above runs with `deterministic`."""
+    from ffpa_cute.options import Options
+    from ffpa_cute.sm90.config import fused_pays
+
+    def plan(problem):
+        routed = dispatch.plan_bwd(problem, torch.device("cuda"), opts=Options(family="sm90"))
+        fused = fused_pays(problem) and d % 64 == 0 and d <= 512
+        assert (routed.jobs[1][0].__name__ == "FFPABwdFusedSm90") == fused, routed.jobs
+        return routed
+
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt, plan=plan)
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 1000, 1000, 4),
+                                                   (320, False, 4097, 4097, 1)])
+def test_default_route_run_to_run(seed, d, causal, nq, nkv, ratio):
+    """The default (fused) backward three times on the same inputs: dK and dV the same bits
+    (summed in registers in a fixed order); dQ, summed by fp32 reductions in whatever order
+    they land, differs in few elements and by far less than its error against float64 (an
+    element whose fp32 sum cancels can move by many of its own ulps; perf.bwd_fused
+    --variation measures it at N=8K)."""
+    from ffpa_cute.options import Options
+
+    q, k, v, do, problem, out, lse = _inputs(d, causal, nq, nkv, ratio)
+    plan = dispatch.plan_bwd(problem, q.device, opts=Options(family="sm90"))
+    assert plan.jobs[1][0].__name__ == "FFPABwdFusedSm90"
+    runs = [kernels.backward(problem, q, k, v, out, lse, do, "sm90", plan=plan)
+            for _ in range(3)]
+    ref = attention_grads(q, k, v, do, causal, problem.causal_offset, dtype=torch.float64)[0]
+    for other in runs[1:]:
+        assert torch.equal(runs[0][1], other[1]) and torch.equal(runs[0][2], other[2])
+        a, b = runs[0][0], other[0]
+        assert (a != b).float().mean() < 1e-2
+        assert rel_err(a, b.double()) <= 0.1 * rel_err(a, ref)
+
+
 # dq_grads (who forms dQ): odd atom counts (D=320, 448), GQA, causal both alignments, N=1
 DQ_GRADS_CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4),
                   (320, True, 1000, 129, 1), (448, True, 1000, 1000, 2), (384, False, 1, 300, 8)]

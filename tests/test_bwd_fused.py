@@ -273,25 +273,32 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, 
         assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"
 
 
-def test_routed_only_when_not_deterministic():
-    """`Options(deterministic=False)` plans the fused kernel on sm90 where it builds and
-    measured faster (D from 320, up to 64 query heads per KV head; else the atomic-free
-    kernels); the default keeps the atomic-free ones. Its config is VERIFIED (run, tested,
-    sanitizer-clean), so neither needs the canary on sm_90a."""
-    from ffpa_cute import selfcheck
-    from ffpa_cute.options import Options, from_env
+def test_routed_unless_deterministic(monkeypatch):
+    """By default (`Options.deterministic` False) the sm90 backward is the fused kernel where it
+    builds and measured faster (D from 320, up to 64 query heads per KV head; else the
+    atomic-free kernels); `deterministic=True`, FFPA_CUTE_DETERMINISTIC=1 or torch's
+    `use_deterministic_algorithms(True)` keep the atomic-free ones. Its config is VERIFIED
+    (run, tested, sanitizer-clean), so neither needs the canary on sm_90a."""
+    import torch
 
-    fast = Options(deterministic=False)
-    assert from_env({"FFPA_CUTE_DETERMINISTIC": "0"}) == fast
+    from ffpa_cute import selfcheck
+    from ffpa_cute.options import Options, for_backward, from_env
+
+    fast, exact = Options(), Options(deterministic=True)
+    assert from_env({"FFPA_CUTE_DETERMINISTIC": "1"}) == exact
+    atomic_free = ["BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
     for d, causal, hkv in ((512, True, 4), (384, False, 4), (320, False, 4), (512, True, 1)):
         p = dataclasses.replace(_problem(d, causal), heads_q=64, heads_kv=hkv)
-        plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
+        plan = dispatch.plan_bwd(p, target="sm_90a")
         assert [type(c).__name__ for c in plan.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
         assert not selfcheck.needed(plan, fast) and not selfcheck.unverified(plan)
-        default = dispatch.plan_bwd(p, target="sm_90a")
-        assert [type(c).__name__ for c in default.cfgs[1:]] == [
-            "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
-        assert not selfcheck.needed(default) and not selfcheck.unverified(default)
+        kept = dispatch.plan_bwd(p, target="sm_90a", opts=exact)
+        assert [type(c).__name__ for c in kept.cfgs[1:]] == atomic_free
+        assert not selfcheck.needed(kept, exact) and not selfcheck.unverified(kept)
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert for_backward(fast) == exact
+        assert dispatch.plan_bwd(p, target="sm_90a").cfgs == kept.cfgs
+        monkeypatch.undo()
     for p in (_problem(576), _problem(520), _problem(512, dv=256), _problem(512, varlen=True),
               dataclasses.replace(_problem(512), heads_q=128, heads_kv=1)):
         plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)
@@ -300,7 +307,7 @@ def test_routed_only_when_not_deterministic():
     # False permits run-to-run variation, it does not require it: the other families keep
     # their (atomic-free) kernels
     assert dispatch.plan_bwd(_problem(512), target="sm_100a", opts=fast).cfgs == \
-        dispatch.plan_bwd(_problem(512), target="sm_100a").cfgs
+        dispatch.plan_bwd(_problem(512), target="sm_100a", opts=exact).cfgs
 
 
 @pytest.mark.parametrize("q_stages,do_stages", [(2, 2), (2, 1), (1, 1), (1, 2)])

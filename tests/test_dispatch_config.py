@@ -235,8 +235,9 @@ def test_backward_routing(d, target, family, grads):
     dK / dV at every D up to 1024 (D % 16 == 8 above 512 too: the second CTA of the pair owns 8
     columns past D, as in the forward), on sm_80 the Split-D backward, on sm_12x the Split-D
     backward and on sm_100 the tcgen05 dQ / dK / dV (both compile-verified only; canaried on
-    first use). Delta runs first."""
-    plan = dispatch.plan_bwd(prob(d=d), target=target)
+    first use). Delta runs first. With `deterministic` off (the default) the sm90 backward at
+    D 320-512 in steps of 64 is the fused kernel instead (test_bwd_fused)."""
+    plan = dispatch.plan_bwd(prob(d=d), target=target, opts=Options(deterministic=True))
     if family is None:
         assert plan.reason and not plan.cfgs
         return
@@ -324,7 +325,7 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
 
 @pytest.mark.parametrize("hq", [2, 4])
 def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch, hq):
-    """`launch.run_bwd` runs Delta, then dQ, dK, dV, each with the tensors its `OPERANDS` name
+    """`launch.run_bwd` runs Delta, then dQ, dK, dV (the atomic-free plan), each with the tensors its `OPERANDS` name
     (dV's roles: K resident, Q streamed, dO the accumulator's B) and the problem's scalars;
     with GQA over few KV tiles dK and dV write fp32 workspaces of S parts per KV head
     (`group_split`)."""
@@ -336,7 +337,7 @@ def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch, hq):
     out, dout = torch.randn_like(q), torch.randn_like(q)
     lse = torch.randn(1, 4, 7)
     p = dataclasses.replace(AttnProblem.from_tensors(q, k, v, causal=True), device_type="cuda")
-    plan = dispatch.plan_bwd(p, target="sm_90a")
+    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options(deterministic=True))
     runs = []
     monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: cls)
     for cls, _ in plan.jobs:
@@ -365,8 +366,10 @@ def test_fused_delta_is_a_backward_job():
 
     p = prob(d=512)
     for target in ("sm_90a", "sm_80"):
-        jobs = dispatch.plan_bwd(p, target=target).jobs
+        jobs = dispatch.plan_bwd(p, target=target, opts=Options(deterministic=True)).jobs
         assert len(jobs) == 4 and jobs[0][1] == DeltaConfig(target, "bf16", 512)
+    fused = dispatch.plan_bwd(p, target="sm_90a").jobs   # the default: the fused kernel
+    assert len(fused) == 2 and fused[0][1] == DeltaConfig("sm_90a", "bf16", 512)
 
 
 @pytest.mark.parametrize("kw,persistent", [
@@ -476,7 +479,8 @@ def test_backward_kv_pair_rule(d):
     assert not any(c.kv_pair for c in off.cfgs[1:])
     fwd = dispatch.plan_fwd(p, target="sm_90a").cfg
     assert fwd.kv_pair and fwd.pair_stats and fwd.pair_barriers == ("bar_x", "bar_pp")
-    small = dispatch.plan_bwd(prob(d=512, causal=True), target="sm_90a")
+    small = dispatch.plan_bwd(prob(d=512, causal=True), target="sm_90a",
+                              opts=Options(deterministic=True))
     assert not any(c.kv_pair for c in small.cfgs[1:])
 
 

@@ -437,15 +437,19 @@ def test_varlen_one_launch_is_the_per_sequence_kernel(seed, case, monkeypatch):
     """The one-launch varlen kernels against the per-sequence route (each sequence its own
     kernel call, checked against float64 by the test above): the same tiles in the same
     order, so out, lse and every gradient are bit for bit the same. The per-sequence calls
-    rescale every block here, as the one-launch kernel does (`lazy_rescale`, the plain
+    take the one-launch kernels' forms here: every block rescaled (`lazy_rescale`, the plain
     forward's route at some head dims, skips factors of 1 and moves the running max less
-    often: equal to rounding, not bit for bit). Cross lengths per
+    often: equal to rounding, not bit for bit), the atomic-free backward (`deterministic`;
+    the fused kernel, the default at some D, sums dQ in any order), and above 512 the CTA
+    pair (the plain route holds O in one CTA up to 576, `wide_o`, whose forward walks the
+    blocks in another order). Cross lengths per
     sequence (Nq > Nkv, Nq < Nkv, no keys, no queries, 1, 7, 129), GQA / MQA, a window, sinks,
     fp16, D=576 on the CTA pair and Dv != D; one sequence also against float64."""
     from ffpa_cute import varlen, varlen_attention
     from ffpa_cute.sm90 import config as sm90_config
 
     monkeypatch.setattr(sm90_config, "LAZY_RESCALE_HEAD_DIMS", {"16-bit": (), "fp8": ()})
+    monkeypatch.setattr(sm90_config, "WIDE_MAX_DV", sm90_config.MAX_SINGLE_CTA_HEAD_DIM)
     d, dv, hq, hkv, causal, window, with_sinks, dtype = case
     lq = [129, 1000, 7, 0, 300, 1, 64, 513]
     lk = [129, 700, 300, 50, 0, 1, 1000, 64]
@@ -462,7 +466,7 @@ def test_varlen_one_launch_is_the_per_sequence_kernel(seed, case, monkeypatch):
                                    sinks) is not None
     res = {}
     for one in (True, False):
-        with ffpa_cute.options.use(varlen_launch=one):
+        with ffpa_cute.options.use(varlen_launch=one, deterministic=True):
             out, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)
             dout, dlse = ((torch.randn_like(out), torch.randn_like(lse)) if one
                           else res[True][0][1:])

@@ -156,7 +156,7 @@ def test_sm90_group_split_compiles(d, hq):
     (st.global.b32), WGMMA and TMA, no local memory, no spills."""
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=1, seqlen_q=1024,
                     seqlen_kv=1024, head_dim=d, head_dim_v=d, causal=True)
-    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options())
+    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options(deterministic=True))
     jobs = [(c, g) for c, g in plan.jobs if getattr(g, "group_split", False)]
     assert [c.__name__ for c, _ in jobs] == ["FFPABwdDKSm90", "FFPABwdDVSm90"]
     for cls, cfg in jobs:
@@ -199,8 +199,9 @@ def test_sm90_streamed_q_below_512_compiles():
 
 
 def _bwd_jobs(p, target="sm_90a"):
-    """{kernel class name: (class, config)} of the backward plan."""
-    plan = dispatch.plan_bwd(p, target=target)
+    """{kernel class name: (class, config)} of the atomic-free backward plan
+    (`deterministic`)."""
+    plan = dispatch.plan_bwd(p, target=target, opts=Options(deterministic=True))
     assert plan.reason is None, plan.reason
     return {cls.__name__: (cls, cfg) for cls, cfg in plan.jobs}
 

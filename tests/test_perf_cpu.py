@@ -480,7 +480,7 @@ def test_phase_trace_reads_stamps_and_compiles(tmp_path):
 
 
 def test_bwd_fused_experiment_plans_both_backwards():
-    """perf.bwd_fused: every case has the routed plan (Delta, dQ, dK, dV), the fused one as
+    """perf.bwd_fused: every case has the atomic-free plan (Delta, dQ, dK, dV), the fused one as
     planned and each variant whose config differs from it (`dq_grads` 0, 1, 2;
     `group_split` where Hq != Hkv), so `--precompile` covers what the GPU run times."""
     import dataclasses
@@ -493,23 +493,23 @@ def test_bwd_fused_experiment_plans_both_backwards():
         names = [n for n, f in bwd_fused.FUSED_VARIANTS.items()
                  if (case[2] != case[3] or not f.get("group_split"))
                  and (n == "fused" or dataclasses.replace(planned, **f) != planned)]
-        assert list(plans) == ["routed", *names]
+        assert list(plans) == ["atomic-free", *names]
         for n in names:
             assert plans[n].cfgs[1] == dataclasses.replace(planned,
                                                            **bwd_fused.FUSED_VARIANTS[n])
-        assert [type(c).__name__ for c in plans["routed"].cfgs] == [
+        assert [type(c).__name__ for c in plans["atomic-free"].cfgs] == [
             "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         for name in list(plans)[1:]:
             cfgs = plans[name].cfgs
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
     assert len(bwd_fused.trace_jobs()) == len(bwd_fused.TRACE_VARIANTS)
-    # `--scatter`: D over C CTAs (dQ in dV, in dV + dK) beside the routed backward, and at
+    # `--scatter`: D over C CTAs (dQ in dV, in dV + dK) beside the atomic-free backward, and at
     # D <= 512 beside the pair's fused kernel too
     for case in bwd_fused.SCATTER_CASES:
         plans = bwd_fused.plans(case)
         c = case[5]
-        assert list(plans) == ["routed", *(["fused"] if case[0] <= 512 else []),
+        assert list(plans) == ["atomic-free", *(["fused"] if case[0] <= 512 else []),
                                f"fused C={c} dQ in dV", f"fused C={c} dQ in dV + dK"]
         for name in list(plans)[-2:]:
             cfg = plans[name].cfgs[1]

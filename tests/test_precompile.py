@@ -17,18 +17,24 @@ def test_precompile_then_load_without_compiling(tmp_path):
 
 
 def test_backward_jobs_are_what_run_bwd_compiles():
-    """--backward adds the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`: the WGMMA ones
-    on sm_90a (D <= 1024; dK / dV also with split head groups, what GQA / MQA over few KV tiles
-    plans), the Split-D ones on sm_80 and sm_120a, the tcgen05 ones on sm_100a (never run
-    there: canaried on first use)."""
+    """--backward adds the kernels of `dispatch.plan_bwd` under the options in force: on
+    sm_90a the fused kernel where it is the default (D=512) and the WGMMA dQ, dK and dV
+    elsewhere (D <= 1024; dK / dV also with split head groups, what GQA / MQA over few KV tiles
+    plans), those at every D with `deterministic`; the Split-D ones on sm_80 and sm_120a, the
+    tcgen05 ones on sm_100a (never run there: canaried on first use)."""
+    import ffpa_cute
+
     names = {t: [cls.__name__ for cls, _ in precompile.jobs_for(t, [512, 1024], ["bf16"],
                                                                (True,), backward=True)]
              for t in ("sm_90a", "sm_80", "sm_120a", "sm_100a")}
-    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90"] + [
-        "RowDot", "FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90", "FFPABwdDKSm90",
-        "FFPABwdDVSm90"] * 2
-    splits = [cfg.group_split for cls, cfg in precompile.jobs_for(
-        "sm_90a", [512], ["bf16"], (True,), backward=True) if cls.__name__ == "FFPABwdDVSm90"]
+    atomic_free = ["RowDot", "FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90",
+                   "FFPABwdDKSm90", "FFPABwdDVSm90"]
+    assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90", "RowDot",
+                               "FFPABwdFusedSm90"] + atomic_free
+    with ffpa_cute.options.use(deterministic=True):
+        exact = precompile.jobs_for("sm_90a", [512, 1024], ["bf16"], (True,), backward=True)
+    assert [cls.__name__ for cls, _ in exact] == ["FFPAFwdSm90", "FFPAFwdSm90"] + atomic_free * 2
+    splits = [cfg.group_split for cls, cfg in exact[:8] if cls.__name__ == "FFPABwdDVSm90"]
     assert splits == [False, True]
     assert names["sm_80"][2:] == ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
     split_d = ["RowDot", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"] * 2
@@ -95,11 +101,12 @@ def test_backward_kernels_export_and_load(tmp_path):
 
     cache, jobs = precompile.precompile("sm_90a", [320], ["bf16"], (False,), tmp_path,
                                         progress=True, backward=True)
-    assert [cls for cls, _ in jobs].count(RowDot) == 1 and cache.stats.compiles == 7
+    # the forward, Delta and the fused backward (the default at D=320)
+    assert [cls for cls, _ in jobs].count(RowDot) == 1 and cache.stats.compiles == 3
     fresh = JitCache(tmp_path, disk=True)
     for cls, cfg in jobs:
         fresh.get(cls, cfg)
-    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 7
+    assert fresh.stats.compiles == 0 and fresh.stats.disk_loads == 3
 
 
 def test_progress_labels_every_job_kind():

@@ -15,6 +15,7 @@ from torch.nn.attention.bias import causal_upper_left
 
 import fake_kernels  # tests/ is on sys.path
 from ffpa_cute import attention, dispatch, explain, math_attention, quantize_fp8
+from ffpa_cute.options import Options
 from ffpa_cute.problem import AttnProblem
 from masked_ref import bound, ref_attention, rel_err
 
@@ -193,15 +194,18 @@ def prob(**kw):
     (dict(has_sinks=True), dict(window=False, causal=False, sinks=True))])
 def test_sm90_plans_window_and_sinks(fields, cfg):
     """The sm90 16-bit forward takes a window (left edge: `window`; right edge: the causal
-    rule) and sinks; its backward the window (sinks reach it through the lse); the problem's
+    rule) and sinks; its backward (atomic-free, and the fused kernel) the window (sinks reach
+    it through the lse); the problem's
     right edge is min(causal offset, window_hi); GQA rows are never packed with them."""
     p = prob(**fields)
     plan = dispatch.plan_fwd(p, target="sm_90a")
     assert plan.reason is None and not plan.packed
     assert {f: getattr(plan.cfg, f) for f in cfg} == cfg
-    bwd = dispatch.plan_bwd(p, target="sm_90a")
+    bwd = dispatch.plan_bwd(p, target="sm_90a", opts=Options(deterministic=True))
     assert bwd.reason is None
     assert all(c.window == cfg["window"] and not c.sinks for c in bwd.cfgs[1:])
+    fused = dispatch.plan_bwd(p, target="sm_90a").cfgs[1]   # the default: the fused kernel
+    assert type(fused).__name__ == "BwdFusedConfigSm90" and fused.window == cfg["window"]
     assert prob(window_hi=5, causal=True, causal_offset=2).right_edge == 2
     assert prob(window_hi=1, causal=True, causal_offset=2).right_edge == 1
     assert dispatch.plan_fwd(prob(heads_kv=1, seqlen_q=1, **fields), target="sm_90a").packed \
