@@ -6,8 +6,10 @@
 A head dim is D, or D/Dv where V's head dim differs (DeepSeek's absorbed MLA: 576/512). Each
 (head dim, dtype, causal) is planned exactly as `dispatch.plan_fwd` plans it for that arch
 under the options in force (`ffpa_cute.options`; e.g. FFPA_CUTE_ARCH=sm80 for the Split-D family)
-(with --backward also the Delta, dQ, dK and dV kernels of `dispatch.plan_bwd`, for one query
-head per KV head and for GQA / MQA groups that the dV / dK kernels split; with --decode
+(with --backward also the kernels of `dispatch.plan_bwd`: Delta, then the fused kernel where
+it is the default (sm90, D 320-512 in steps of 64) or dQ, dK and dV, for one query head per KV
+head and for GQA / MQA groups that the dV / dK kernels split; FFPA_CUTE_DETERMINISTIC=1 plans
+the atomic-free kernels everywhere, as `deterministic=True` runs them; with --decode
 the split-KV decode kernels of `attention_with_kvcache` for those page sizes: 16-bit caches,
 and e4m3 caches under the 16-bit dtypes when --dtypes has fp8), compiled
 from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
@@ -190,7 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--backward", action="store_true",
-                    help="also the backward kernels (training): Delta, dQ, dK, dV per config")
+                    help="also the backward kernels (training) as the options in force plan "
+                         "them: Delta, then the fused kernel or dQ, dK, dV per config")
     ap.add_argument("--decode", default="", metavar="PAGES",
                     help="also the split-KV decode kernels (serving, sm_90) for these page sizes, "
                     "e.g. 'none,64' (none: a contiguous cache); e4m3 caches when --dtypes has "

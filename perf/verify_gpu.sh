@@ -29,9 +29,10 @@
 #   sweep perf.sweep forward and backward vs SDPA (SWEEP_BASELINES=sdpa,ffpa adds FFPA)
 #   serving perf.sweep --cases serving: window, varlen, paged decode on bf16 and e4m3 caches
 #         (perf/serving.py; SERVING_CASES picks a subset, e.g. "kvdecode,kvdecode-fp8")
-#   fused the fused backward (routed only under deterministic=False): its GPU tests, then
-#         perf.bwd_fused beside the routed backward (precompile: gpu_jobs' sections fused
-#         and fused_perf)
+#   fused the fused backward (the default at D 320-512 in steps of 64; deterministic=True
+#         keeps the atomic-free kernels): its GPU tests and the default route's, then
+#         perf.bwd_fused beside the atomic-free backward and `--variation` (its run-to-run
+#         differences) (precompile: gpu_jobs' sections fused and fused_perf)
 #   scatter the fused backward with D over C CTAs (`scatter`; first run 2026-12-05): its GPU tests
 #         (test_fused_scatter), its sanitizer cases, then perf.bwd_fused --scatter (D=576 /
 #         768 / 1024 beside the routed backward, C = 2 at 320 / 512 beside the pair)
@@ -144,11 +145,12 @@ if has sweep; then
   tail -30 "$out/sweep.log"
 fi
 if has fused; then
-  step "the fused backward: GPU tests, then perf.bwd_fused"
+  step "the fused backward: GPU tests, then perf.bwd_fused and its run-to-run variation"
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
-      tests/test_features_gpu.py -k fused 2>&1 | tee "$out/gpu_fused.log" \
+      tests/test_features_gpu.py -k "fused or default_route" 2>&1 | tee "$out/gpu_fused.log" \
       | grep -E "FAIL|ERROR|passed|failed" | tail -15
   timeout 300 python -m perf.bwd_fused --out "$out/bwd_fused.json"
+  timeout 60 python -m perf.bwd_fused --variation --out "$out/bwd_variation.json"
 fi
 if has scatter; then
   step "the fused backward over C CTAs: GPU tests, sanitizers, perf.bwd_fused --scatter"
