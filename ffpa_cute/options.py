@@ -61,8 +61,9 @@ class Options:
                  atomic-free kernels everywhere, the same bits every run
                  (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
-                 never run on the device's target (or of a kernel not verified on any GPU: the
-                 fused backward) first passes a canary problem against a float32 reference,
+                 never run on the device's target (or of a configuration not verified on any
+                 GPU, e.g. the fused backward with a sliding window) first passes a canary
+                 problem against a float32 reference,
                  else it falls back (ffpa_cute/selfcheck.py); "always": every family; "off":
                  no canary (FFPA_CUTE_SELF_CHECK).
     """

@@ -97,15 +97,19 @@ CASES = [
     ("sm80 FP8 D1024 upper-left", "sm80", 1, 2, 1, 65, 130, 1024, 1024, "upper_left", "e4m3",
      False),
 ]
-# (label, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the sliding window's left edge (blocks
-# skipped and masked) and sinks in the forward, the window in dQ / dK / dV
+# (label, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks, fused): the sliding window's left edge
+# (blocks skipped and masked) and sinks in the forward, the window in dQ / dK / dV (`fused`:
+# the default backward, the fused kernel where it pays, instead of the atomic-free kernels)
 FEATURE_CASES = [
-    ("sm90 D512 window + sinks causal GQA", 1, 4, 2, 129, 333, 512, True, (64, 0), True),
+    ("sm90 D512 window + sinks causal GQA", 1, 4, 2, 129, 333, 512, True, (64, 0), True, False),
     ("sm90 D512 window persistent GQA, 144 tiles", 1, 48, 8, 130, 130, 512, True, (64, 0),
+     False, False),
+    ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False,
      False),
-    ("sm90 D1024 window both sides kv_pair", 1, 2, 1, 65, 300, 1024, False, (40, 20), False),
     ("D520 window + sinks causal (wide O and gradients in one CTA)", 1, 2, 1, 65, 200, 520,
-     True, (50, 0), True),
+     True, (50, 0), True, False),
+    ("sm90 fused backward D384 window both sides + sinks GQA", 1, 4, 2, 129, 333, 384, False,
+     (64, 16), True, True),
 ]
 # (label, family, B, Hq, Hkv, Nq, Nkv, D, causal, window, sinks): the FP8 forwards (e4m3 in,
 # forward only) with a window and sinks
@@ -253,15 +257,17 @@ def jobs(target: str = "sm_90a") -> list:
             assert bwd.reason is None, (case[0], bwd.reason)
             todo += bwd.jobs
         out += [j for j in todo if j not in out]
-    for _, b, hq, hkv, nq, nkv, d, causal, window, sinks in _chosen(FEATURE_CASES):
+    for _, b, hq, hkv, nq, nkv, d, causal, window, sinks, fused in _chosen(FEATURE_CASES):
         left, right = window
         p = AttnProblem(dtype="bf16", batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
                         seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
                         causal_offset=nkv - nq if causal else 0, window_lo=nkv - nq - left,
                         window_hi=None if right is None else nkv - nq + right,
                         has_sinks=sinks)
-        plan = dispatch.plan_fwd(p, target=target, opts=atomic_free())
-        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target, opts=atomic_free()).jobs
+        opts = Options() if fused else atomic_free()
+        plan = dispatch.plan_fwd(p, target=target, opts=opts)
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target,
+                                                                 opts=opts).jobs
         out += [j for j in todo if j not in out]
     for _, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in _chosen(FP8_FEATURE_CASES):
         left, right = window
@@ -345,7 +351,7 @@ def workload() -> int:
                 out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
-    for label, b, hq, hkv, nq, nkv, d, causal, window, sinks in FEATURE_CASES:
+    for label, b, hq, hkv, nq, nkv, d, causal, window, sinks, fused in FEATURE_CASES:
         if not _selected(label):
             continue
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -353,10 +359,12 @@ def workload() -> int:
                             requires_grad=True) for _ in range(2))
         kw = dict(is_causal=causal, enable_gqa=hq != hkv, window=window,
                   sinks=torch.randn(hq, device="cuda", requires_grad=True) if sinks else None)
-        route = ffpa_cute.explain(q, k, v, **kw)
-        out = ffpa_cute.attention(q, k, v, strict=True, **kw)
-        assert "kernels (dQ, dK, dV)" in route, (label, route)
-        out.backward(torch.randn_like(out))
+        with ffpa_cute.options.use(deterministic=not fused):
+            route = ffpa_cute.explain(q, k, v, **kw)
+            out = ffpa_cute.attention(q, k, v, strict=True, **kw)
+            assert "kernels (dQ, dK, dV)" in route, (label, route)
+            assert ("FFPABwdFusedSm90" in route) == fused, (label, route)
+            out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {route[:160]}", flush=True)
     for label, family, b, hq, hkv, nq, nkv, d, causal, window, sinks in FP8_FEATURE_CASES:

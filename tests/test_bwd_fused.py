@@ -399,6 +399,7 @@ def test_scatter_constraints():
     assert [_scatter(576, 3).owned_groups(r) for r in range(3)] == [3, 3, 2]
     assert _scatter(576, 3).x_floats == 2 * 2 * 3 * 4 * 128
     assert c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False).VERIFIED
+    assert not c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, window=True).VERIFIED
     for cfg, needle in ((dataclasses.replace(_scatter(1024, 4), scatter=False), "cluster_d"),
                         (_scatter(1024, 5), "cluster_d"), (_scatter(704, 4), "head_dim"),
                         (_scatter(1024, 2), "head_dim"),

@@ -1165,8 +1165,9 @@ FUSED_MAX_HALF = 256       # D columns per CTA: its dK_r and dV_r (64 x 256 fp32
 @dataclass(frozen=True)
 class BwdFusedConfigSm90:
     """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
-    GPU-tested and sanitizer-clean: planned under `Options(deterministic=False)` where it
-    measured faster than the atomic-free kernels).
+    GPU-tested and sanitizer-clean (with a window: GPU-tested, `VERIFIED`): the default
+    backward (`Options.deterministic` False) where it measured faster than the atomic-free
+    kernels).
 
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
@@ -1217,8 +1218,9 @@ class BwdFusedConfigSm90:
     def VERIFIED(self) -> bool:
         """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
         group_split; docs/verification.md); `scatter` ran only on an H100 (its tests and the
-        sanitizers pass there), so selfcheck still canaries it."""
-        return not self.scatter
+        sanitizers pass there), and `window` passes its GPU tests but has not run under the
+        sanitizers yet (tests/sanitize.py's fused window case), so selfcheck canaries both."""
+        return not self.scatter and not self.window
 
     @property
     def elem_bytes(self) -> int:
