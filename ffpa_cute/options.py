@@ -57,7 +57,7 @@ class Options:
                  head, Dv == D, not varlen; elsewhere the atomic-free kernels): 5 GEMM units
                  instead of 8, dQ summed by fp32 reductions in whatever order they land, so
                  dQ's last bits vary run to run (dK, dV do not; GPU-tested and
-                 sanitizer-clean). True, or torch's `use_deterministic_algorithms(True)`: the
+                 sanitizer-clean, its window form canaried on first use). True, or torch's `use_deterministic_algorithms(True)`: the
                  atomic-free kernels everywhere, the same bits every run
                  (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
