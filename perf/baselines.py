@@ -147,6 +147,8 @@ class Ours(Impl):
             # explain() named only the forward path: do not credit the backward to a kernel.
             path = "fwd path: " + path
             note = "explain() names no backward path: backward kernel not verified as ours"
+        elif direction == "bwd" and bwd_kernels(path):
+            path = f"bwd {bwd_kernels(path)}; {path}"   # the table shows the row's start
         attention = self.mod.attention
 
         def call(q, k, v):
@@ -184,6 +186,18 @@ class Ours(Impl):
 SDPA_ORDER = ("cudnn", "flash", "efficient", "math")
 _SDPA_ENUM = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
               "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def bwd_kernels(path: str) -> str | None:
+    """The backward kernels an `explain()` text names, short ("Fused", "DQ, DK, DV"), or None:
+    a backward row's path starts with them (which ran: the fused kernel or the atomic-free
+    ones)."""
+    import re
+
+    m = re.search(r"backward kernels \(dQ, dK, dV\) \[([^:\]]+)", path)
+    if m is None:
+        return None
+    return ", ".join(re.sub(r"^FFPABwd|Sm\d+$", "", n.strip()) for n in m.group(1).split(","))
 
 
 def math_bytes(case, direction: str) -> int:
