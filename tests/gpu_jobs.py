@@ -18,12 +18,12 @@ kernel, and the non-default variants the tests select (the CTA pair off above 51
 products, one CTA per tile where the default is persistent, dV / dK with split head groups),
 the sliding-window / sinks configurations, the split-KV decode kernels and the one-launch
 varlen kernels with their per-sequence twins, the fused backward (the default route where
-it pays) beside the atomic-free kernels (`Options(deterministic=True)`), and (`lines`) the plans with shares from 128-byte lines (the
-forward's and `line_shares_bwd`'s) with test_line_shares' even-share twins, and (`cta`) the
-CTA pair's forwards at D % 128 == 8 (`cta_align` 32), and (`wide`) the forwards with O in one
-CTA above 512 (`wide_o`) and the pair's test cases above 576. A kernel the tests
-need that is missing
-here is compiled on the device on first use, as for any user.
+it pays) beside the atomic-free kernels (`Options(deterministic=True)`), and (`lines`) the
+plans with shares from 128-byte lines (the forward's and `line_shares_bwd`'s) with
+test_line_shares' even-share twins, and (`cta`) the CTA pair's forwards at D % 128 == 8
+(`cta_align` 32), and (`wide`) the forwards with O in one CTA above 512 (`wide_o`), the
+pair's test cases above 576 and the gradient kernels in one CTA. A kernel the tests need that
+is missing here is compiled on the device on first use, as for any user.
 """
 
 from __future__ import annotations
