@@ -52,12 +52,13 @@ def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
     q, k, v and dout): 16-bit WGMMA kernels at D > 512 whose rows are not whole lines, when the
     attention work outweighs the copy, nq nkv >= 700 (nq + 2 nkv) (about N >= 2K for Nq =
     Nkv: the copy is ~3% of the forward's time at N=8K); and the 16-bit WGMMA kernels at D <=
-    512, or the forward with O in one CTA above it (`wide_o`), whose rows do not start on
+    512, or with O (the gradient) in one CTA above it (`wide_o`), whose rows do not start on
     32-byte sectors (D % 16 == 8), when nq nkv >= 1000 (nq + 2 nkv) (N >= 3K; the copy is 6-9%
     of the forward's time at N=8K, the gain 13-30%: measured with the copy 8-23% faster
     forward, 21-30% faster backward, H100, perf.pad_d; `wide_o`, perf.one_cta, H100, N=8K:
-    D=520 / 536 / 552 +17-37% with the copy, 528 / 544 +5-8% without it). p: the problem;
-    cfg: the (forward, or a gradient) kernel's config."""
+    the forward at D=520 / 536 / 552 +17-37% with the copy, 528 / 544 +5-8% without it; the
+    backward at 520 +18% with it, 544 +4% without it, 576 even). p: the problem; cfg: the
+    (forward, or a gradient) kernel's config."""
     if not (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")):
         return False
     row = 2 * p.head_dim

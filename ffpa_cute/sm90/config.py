@@ -15,10 +15,11 @@ return a config that its `can_implement` rejects; this module imports no cutlass
 #   16 KB), else 64.
 # Ring depths: K 4 stages (fewer starves QK), then the deepest V rings (<= 4) that fit beside
 #   resident Q and two P buffers, then any room left goes to K. publish_after = all K chunks.
-# D in (512, 576], the 16-bit forward (`wide_o`): O stays in one CTA, each O warpgroup's share
-#   at most 288 columns (144 fp32 registers a thread) with `setmaxnreg` S 152 / O 176 and the
-#   PV product issued as m64n96 WGMMAs (no instruction needs more than the launch's 168); Q
-#   resident, K ring 3, V rings 2 (perf.one_cta: 1.3-1.45x the CTA pair).
+# D in (512, 576], 16-bit, not varlen (`wide_o`): O (the gradient kernels: their gradient)
+#   stays in one CTA, each accumulator warpgroup's share at most 288 columns (144 fp32
+#   registers a thread) with `setmaxnreg` S 152 / O 176 and the product issued as m64n96
+#   WGMMAs (no instruction needs more than the launch's 168); the forward with Q resident, K
+#   ring 3, V rings 2 (perf.one_cta: 1.3-1.45x the CTA pair; the gradient kernels 1.04-1.3x).
 # D > 512 otherwise (o_split 2): O[64 x D] needs more than the O warpgroups' registers,
 #   so two CTAs share each Q tile, each computing half of O's columns; both compute the full
 #   S = Q K^T (QK recomputed: at most 2/3 of the tensor work is counted), and Q streams through
@@ -356,6 +357,13 @@ class FwdConfigSm90:
 
 def _align(nbytes: int, to: int = 1024) -> int:
     return -(-nbytes // to) * to
+
+
+def _wide_fits(problem: AttnProblem) -> bool:
+    """Whether a problem's O (or gradient) fits one CTA above 512 columns (`wide_o`): 16-bit,
+    D == Dv in (512, WIDE_MAX_DV], not varlen (its tile walk spilled the S warpgroup)."""
+    return (problem.dtype in DTYPES and problem.head_dim == problem.head_dim_v
+            and MAX_SINGLE_CTA_HEAD_DIM < problem.head_dim <= WIDE_MAX_DV and not problem.varlen)
 
 
 def pv_atom_n(width: int) -> int:
@@ -844,8 +852,7 @@ def plan_fwd(problem: AttnProblem, arch: str, kv_pair: bool = True,
     fp8 = problem.dtype in FP8_DTYPES
     # O in one CTA above 512 (`wide_o`): the 16-bit forward's own plan (not the decode and dV
     # planners', which start from this one with resident_q off)
-    wide = (resident_q and not fp8 and dv == problem.head_dim and not problem.varlen
-            and MAX_SINGLE_CTA_HEAD_DIM < dv <= WIDE_MAX_DV)
+    wide = resident_q and _wide_fits(problem)
     split = max(problem.head_dim, dv) > MAX_SINGLE_CTA_HEAD_DIM and not wide
     cls, extra = ((FwdFP8ConfigSm90, dict(out_dtype=problem.out_dtype or "bf16")) if fp8
                   else (FwdConfigSm90, {}))
@@ -1033,9 +1040,8 @@ def _group_split(problem: AttnProblem, o_split: int) -> bool:
 
 def _wide_bwd(problem: AttnProblem) -> bool:
     """Whether the gradient kernels hold their gradient in one CTA (`wide_o`): WIDE_BWD on,
-    16-bit, D == Dv in (512, WIDE_MAX_DV], not varlen."""
-    return (WIDE_BWD and problem.dtype in DTYPES and problem.head_dim == problem.head_dim_v
-            and MAX_SINGLE_CTA_HEAD_DIM < problem.head_dim <= WIDE_MAX_DV and not problem.varlen)
+    where the forward holds O in one CTA (`_wide_fits`)."""
+    return WIDE_BWD and _wide_fits(problem)
 
 
 # the fields that make a gradient kernel's config `wide_o` (even shares, 64-byte swizzle)
