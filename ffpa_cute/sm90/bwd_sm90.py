@@ -31,7 +31,9 @@ P = exp2(finite - inf) = 0. Every kernel loads the per-row / per-column statisti
 block's score step reads before the block's WGMMAs (`_block_prefetch`), so their latency hides
 behind them.
 
-Above 512 (`kv_pair`, the default) the two CTAs that split a gradient's columns form a cluster
+From 520 to 576 (16-bit, not varlen) one CTA holds the gradient (`wide_o`: 288-column shares
+as m64n96 WGMMAs with `setmaxnreg`, as the forward holds O). Above it, and under varlen above
+512, two CTAs split a gradient's columns; with `kv_pair` (the default) they form a cluster
 and split the score blocks: CTA r scores blocks 2i + r and sends its P / dS tile to the peer
 (the skeleton's `_send_p`; no row statistics cross: the LSE is known). With few KV tiles the dV
 and dK kernels split each head group over S CTAs (`group_split`: fp32 partial sums in a
@@ -40,7 +42,8 @@ workspace the host adds up in a fixed order). `varlen`: one launch over packed s
 Status (all three kernels, D up to 1024 with the gradient split over a CTA pair above 512, D %
 16 == 8 included, dK's sequential score products at D <= 512, Dv != D, split head groups,
 varlen): run and tested on the H200 against float64 (tests/test_backward_sm90_gpu.py,
-tests/test_features_gpu.py; docs/verification.md). Constraints: those of `FwdConfigSm90`;
+tests/test_features_gpu.py; docs/verification.md); the gradient in one CTA from 520 to 576
+(`wide_o`): run, tested and sanitizer-clean on an H100 only. Constraints: those of `FwdConfigSm90`;
 configs and planners in config.py.
 """
 

@@ -80,9 +80,9 @@ first C chunks as soon as its last score WGMMAs retire, so they arrive under the
 accumulator warpgroups' epilogue (final scale, O stores) runs under the next tile's first
 score block.
 
-Wide O in one CTA (`wide_o`, the 16-bit forward at D in (512, 576]): each accumulator warpgroup
-holds up to 288 columns, issued as m64n96 WGMMAs (`_mma`, `pv_atom_n`), with registers moved
-from the S warpgroup by `setmaxnreg` (`_reg_split`).
+Wide O in one CTA (`wide_o`, the 16-bit forward and gradient kernels at D in (512, 576], not
+varlen): each accumulator warpgroup holds up to 288 columns, issued as m64n96 WGMMAs (`_mma`,
+`pv_atom_n`), with registers moved from the S warpgroup by `setmaxnreg` (`_reg_split`).
 
 Output split (`o_split` = 2, O wider than 512 elsewhere): two adjacent CTAs take the same row
 tile and each computes half of O's columns. `kv_pair` (forward and gradients): the pair is a 2-CTA cluster that
