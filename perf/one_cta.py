@@ -34,7 +34,9 @@ experiment subclass with S 152 / O 176; TFLOPS pair -> one CTA): 520 296 -> 393-
 -> 405-426, 536 289 -> 389-395, 544 310 -> 418-451, 552 296 -> 410, 560 316 -> 430, 568 305 ->
 425, 576 348 -> 462; the prediction was 470-530 (D=512's bytes per FLOP with a K ring of 3).
 Routed (`--time` at ff16c84, H100): 520 295 -> 395, 528 300 -> 428, 536 286 -> 385, 544 309
--> 439, 552 295 -> 403, 560 315 -> 421, 568 303 -> 412, 576 347 -> 457. `--bwd` not yet run.
+-> 439, 552 295 -> 403, 560 315 -> 421, 568 303 -> 412, 576 347 -> 457. `--bwd` also times
+the whole `launch.run_bwd` of each plan with the row copy forced on and off (docs/perf-log.md,
+session 32: routed 520 150 -> 164, 544 135 -> 177, 576 177 -> 184 TFLOPS).
 """
 
 from __future__ import annotations

@@ -10,18 +10,19 @@ under memcheck, racecheck, synccheck and initcheck. Any error or hazard fails it
 
 What the workload runs (`CASES`): `ffpa_cute.attention` forward and backward through the public
 API, strict (a fallback would raise), for each kernel family that runs on the device, covering
-every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, O in
-one CTA up to 576 (`wide_o`), the `kv_pair` CTA pair above, Dv != D, GQA rows packed for decode, persistent CTAs walking
-more tiles than there are SMs), the sm90 dQ / dK / dV
-kernels (dK with sequential score products and with two accumulators, the gradient in one CTA
-up to 576 and split over two CTAs above), the fused Delta kernel, the Split-D mma.sync forward and backward (the sm80
-family) in their M8N1 / M4N2 / M2N4
-warp layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
-forwards (WGMMA and Split-D); a sliding window and sinks (forward and backward, `FEATURE_CASES`) and the split-KV
-decode kernel on a paged and a contiguous cache, 16-bit and e4m3, and a causal chunk
-(`KV_CASES`); the one-launch varlen forward and backward over packed sequences of unequal
-query and key lengths, empty ones included (`VARLEN_CASES`); the fused backward, which is not
-routed, through its plan (`FUSED_CASES`).
+every kernel class and mode the planners pick there: the sm90 WGMMA forward (one CTA, O in one
+CTA up to 576 (`wide_o`), the `kv_pair` CTA pair above, Dv != D, GQA rows packed for decode,
+persistent CTAs walking more tiles than there are SMs), the sm90 atomic-free dQ / dK / dV
+kernels (`deterministic`: dK with sequential score products and with two accumulators, the
+gradient in one CTA up to 576 and split over two CTAs above), the fused Delta kernel, the
+Split-D mma.sync forward and backward (the sm80 family) in their M8N1 / M4N2 / M2N4 warp
+layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8 forwards
+(WGMMA and Split-D); a sliding window and sinks (forward and backward, `FEATURE_CASES`, one of
+them through the default fused backward) and the split-KV decode kernel on a paged and a
+contiguous cache, 16-bit and e4m3, and a causal chunk (`KV_CASES`); the one-launch varlen
+forward and backward over packed sequences of unequal query and key lengths, empty ones
+included (`VARLEN_CASES`); the fused backward (the default at D 320-512 in steps of 64) through
+its plans (`FUSED_CASES`).
 
 racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would
 only slow it down); the other tools check every kernel of the process (initcheck must see
@@ -301,7 +302,8 @@ def jobs(target: str = "sm_90a") -> list:
                         varlen=True)
         plan = dispatch.plan_fwd(p, target=target, opts=atomic_free())
         assert plan.reason is None and plan.cfg.varlen, plan.reason
-        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target, opts=atomic_free()).jobs
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target,
+                                                                 opts=atomic_free()).jobs
         out += [j for j in todo if j not in out]
     for _, *case in _chosen(FUSED_CASES):
         p, bwd = _fused_plan(*case)
