@@ -228,7 +228,8 @@ def jobs(sections=SECTIONS) -> list:
                 t = vt_config(plan.kernel_cls, TARGET, d)
                 add([(dispatch.kernel_class(t), t)])
     if "sanitize" in sections:
-        from . import sanitize
+        sys.path.insert(0, str(pathlib.Path(__file__).parent))  # as a module or imported
+        import sanitize
 
         add(sanitize.jobs(TARGET))
     if "lines" in sections:

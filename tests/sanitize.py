@@ -205,14 +205,15 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=No
 
 
 def _line_plan(hq, hkv, nq, nkv, d, causal):
-    """A LINE_CASES case's problem and its backward plan (its shares from lines: the
-    planner's `line_shares_bwd`)."""
+    """A LINE_CASES case's problem and its atomic-free backward plan (`deterministic`; its
+    shares from lines: the planner's `line_shares_bwd`)."""
     from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
 
     p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
-    plan = dispatch.plan_bwd(p, target="sm_90a")
+    plan = dispatch.plan_bwd(p, target="sm_90a", opts=Options(deterministic=True))
     assert all(c.split_align == 64 for c in plan.cfgs[1:]), plan.cfgs
     return p, plan
 

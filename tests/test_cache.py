@@ -160,6 +160,18 @@ def test_read_only_cache_dir_loads_and_compiles_in_memory(tmp_path, monkeypatch)
     assert len(list(d.glob("*.o"))) == 1
 
 
+def test_gpu_job_lists_plan():
+    """`tests.gpu_jobs` (every section, the sanitizer workload's among them) plans on the CPU
+    as the device's precompile would: the default fused backward, the atomic-free kernels the
+    tests pin with `deterministic`, and the gradient kernels in one CTA above 512."""
+    import gpu_jobs
+
+    jobs = gpu_jobs.jobs()
+    names = {cls.__name__ for cls, _ in jobs}
+    assert {"FFPABwdFusedSm90", "FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90"} <= names
+    assert any(cls.__name__ == "FFPABwdDQSm90" and cfg.wide_o for cls, cfg in jobs)
+
+
 def test_gpu_jobs_pack_takes_only_the_selected_entries(tmp_path, monkeypatch):
     """`python -m tests.gpu_jobs --pack`: the selected jobs' entries and no others, in an xz
     tarball laid out as the cache, which a new cache pointed at its unpacked copy loads
