@@ -6,6 +6,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
+    python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -22,6 +23,10 @@ reduce-scattered, P^T / dS^T gathered; first run 2026-12-05, docs/perf-log.md) b
 backward at D=576, 768 and 1024 (the CTA pair's atomic-free kernels there: 192-228 TFLOPS
 against issue 17's 250-300), and at D=320 / 512 its C = 2 form beside the pair's full exchange
 (`SCATTER_CASES`); same timing and checks as the default run.
+
+`--wide`: the fused pair at D=576 (288 columns a CTA, one Q and one dO stage, dK / dV as
+m64n96 WGMMAs; not routed until measured) beside the routed backward there (the gradient
+kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the default run.
 
 `--variation`: the default backward (the fused kernel at these D) five times on the same
 inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by
@@ -77,10 +82,15 @@ SCATTER_CASES = ((576, True, 32, 32, 8192, 3), (768, False, 32, 32, 8192, 3),
                  (512, False, 32, 32, 8192, 2), (320, False, 32, 32, 8192, 2))
 
 
+# the fused pair at D=576 (`--wide`): (D, causal, Hq, Hkv, N)
+WIDE_CASES = ((576, False, 32, 32, 8192), (576, True, 32, 32, 8192), (576, True, 32, 4, 8192),
+              (576, False, 32, 32, 16384))
+
+
 def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "atomic-free" (`deterministic`), "fused" (as
     planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
-    split one only with GQA / MQA); a `SCATTER_CASES` case: "atomic-free", "fused C=<c>" (D over C
+    split one only with GQA / MQA; those that build); a `SCATTER_CASES` case: "atomic-free", "fused C=<c>" (D over C
     CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at D <= 512 the
     pair's "fused" beside them."""
     import dataclasses
@@ -88,7 +98,7 @@ def plans(case) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import plan_bwd_fused
+    from ffpa_cute.sm90.config import can_implement_fused, plan_bwd_fused
 
     p = _problem(*case[:5])
     out = {"atomic-free": dispatch.plan_bwd(p, target="sm_90a",
@@ -108,8 +118,8 @@ def plans(case) -> dict:
         if fields.get("group_split") and p.heads_q == p.heads_kv:
             continue   # one query head per KV head: nothing to split
         cfg = dataclasses.replace(planned, **fields)
-        if name != "fused" and cfg == planned:
-            continue   # the plan itself
+        if name != "fused" and (cfg == planned or can_implement_fused(cfg) is not None):
+            continue   # the plan itself, or not built (D=576 takes dq_grads 1 only)
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
             DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
     return out
@@ -385,4 +395,9 @@ if __name__ == "__main__":
         raise SystemExit(experiment.main(
             "perf.bwd_fused --scatter", __doc__, lambda: jobs(SCATTER_CASES),
             lambda dev, flush: run(dev, flush, SCATTER_CASES), argv))
+    if "--wide" in argv:
+        argv.remove("--wide")
+        raise SystemExit(experiment.main(
+            "perf.bwd_fused --wide", __doc__, lambda: jobs(WIDE_CASES),
+            lambda dev, flush: run(dev, flush, WIDE_CASES), argv))
     raise SystemExit(experiment.main("perf.bwd_fused", __doc__, jobs, run))

@@ -115,16 +115,16 @@ def jobs(sections=SECTIONS) -> list:
                         add([(dispatch.kernel_class(cfg), cfg)])
     from ffpa_cute.common.config import DeltaConfig
 
-    for d in (320, 384, 448, 512) if "fused" in sections else ():
+    for d in (320, 384, 448, 512, 576) if "fused" in sections else ():
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 p = problem(d, d, dtype, causal)
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
                 cfg = sm90_config.plan_bwd_fused(p, TARGET)
                 add([(plan.kernel_cls, plan.cfg), (dispatch.kernel_class(cfg), cfg)])
-                # who forms dQ; the head group split over CTA pairs
+                # who forms dQ; the head group split over CTA pairs (D=576: dq_grads 1 only)
                 for dq_grads, split in ((1, False), (2, False), (0, True), (1, True)):
-                    if dtype == "bf16":
+                    if dtype == "bf16" and (d <= 512 or dq_grads == 1):
                         var = dataclasses.replace(cfg, dq_grads=dq_grads, group_split=split)
                         add([(dispatch.kernel_class(var), var)])
                 delta = DeltaConfig(TARGET, dtype, d)

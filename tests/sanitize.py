@@ -154,6 +154,9 @@ FUSED_CASES = [
      False, 2, False),
     ("sm90 fused backward D512 MQA 8:1 causal, head group split", 8, 1, 129, 333, 512, True, 0,
      True),
+    # D=576 over the pair: 288 columns a CTA, dK / dV as m64n96 WGMMAs, one Q and one dO stage
+    ("sm90 fused backward D576 over the pair (wide), GQA causal", 4, 2, 129, 333, 576, True, 1,
+     False),
     # D over C CTAs (`scatter`; last field: C)
     ("sm90 fused backward D1024 over 4 CTAs, scatter, GQA", 4, 2, 129, 333, 1024, True, 1,
      False, 4),

@@ -240,7 +240,9 @@ def _fused_plan(problem, **fields):
 
 FUSED_CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4), (320, True, 1000, 129, 1),
                (384, False, 7, 300, 16), (448, True, 4097, 4097, 1), (320, False, 1, 129, 4),
-               (512, True, 1000, 1000, 8), (384, True, 64, 64, 2)]
+               (512, True, 1000, 1000, 8), (384, True, 64, 64, 2),
+               # D=576 over the pair (`wide`: 288 columns a CTA, one Q and one dO stage)
+               (576, True, 129, 1000, 4), (576, False, 1000, 1000, 1), (576, True, 1000, 129, 8)]
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", FUSED_CASES)

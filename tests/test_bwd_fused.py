@@ -39,7 +39,7 @@ def test_plan_and_constraints():
         assert all(w % cfg.atom_cols == 0 for w in chunks)
     assert c90.plan_bwd_fused(_problem(512, causal=True)).causal
     assert c90.plan_bwd_fused(_problem(512, window_lo=-8)).window
-    for d in (264, 288, 576, 256):
+    for d in (264, 288, 640, 256):
         assert "head_dim" in c90.can_implement_fused(
             c90.BwdFusedConfigSm90("sm_90a", "bf16", d, False))
     assert "sm_90a" in c90.can_implement_fused(c90.BwdFusedConfigSm90("sm_80", "bf16", 512,
@@ -51,6 +51,25 @@ def test_plan_and_constraints():
             c90.plan_bwd_fused(_problem(512, **kw))
     assert "dq_grads" in c90.can_implement_fused(
         c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
+
+
+def test_wide_pair_plan():
+    """D=576 over the pair (`wide`: 288 columns a CTA): one Q and one dO stage (two Q stages
+    do not fit 227 KB), dQ by the dV warpgroup, the registers `reg_split`'s wide row gives
+    (dK / dV 192, S 120: what compiled without spills), no window (its masks spill the S
+    warpgroup); built, canaried (not VERIFIED) and not routed by default."""
+    cfg = c90.plan_bwd_fused(_problem(576, causal=True))
+    assert cfg.wide and (cfg.q_stages, cfg.do_stages, cfg.dq_grads) == (1, 1, 1)
+    assert cfg.smem_bytes() <= c90.SMEM_CAPACITY
+    assert "shared memory" in c90.can_implement_fused(dataclasses.replace(cfg, q_stages=2))
+    assert cfg.reg_split == (120, 192, 192) and cfg.dq_widths == (32,)
+    assert not cfg.VERIFIED
+    for fields in (dict(window=True), dict(dq_grads=2), dict(dq_grads=0)):
+        assert "256 columns" in c90.can_implement_fused(dataclasses.replace(cfg, **fields))
+    with pytest.raises(ValueError):
+        c90.plan_bwd_fused(_problem(576, window_lo=-8))
+    assert not c90.plan_bwd_fused(_problem(512)).wide
+    assert not c90.fused_pays(_problem(576)) and c90.fused_pays(_problem(512))
 
 
 def test_planned_variants_follow_their_switches(monkeypatch):
@@ -99,11 +118,12 @@ def test_dq_shares_and_registers(d):
     (512, True, "fp16", False, 0), (512, True, "bf16", True, 0),
     (320, True, "bf16", False, 1), (384, False, "bf16", False, 1), (448, False, "bf16", True, 1),
     (512, True, "fp16", False, 1), (512, True, "bf16", True, 1),
-    (320, True, "bf16", False, 2), (448, False, "bf16", True, 2), (512, False, "bf16", False, 2)])
+    (320, True, "bf16", False, 2), (448, False, "bf16", True, 2), (512, False, "bf16", False, 2),
+    (576, True, "bf16", False, 1), (576, False, "fp16", False, 1)])
 def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window,
                                       dq_grads):
-    """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 WGMMAs, the dQ chunks
-    (or with `dq_grads` its swizzle atoms), TMA loads, the partials sent by 16-byte st.async
+    """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 (m64n96 at D=576)
+    WGMMAs, the dQ chunks (or with `dq_grads` its swizzle atoms), TMA loads, the partials sent by 16-byte st.async
     into the peer's smem, dQ reduced by TMA reductions from smem (bulk groups committed and
     waited), cluster barriers; no local memory, setmaxnreg as `reg_split`, no spills, and ptxas
     does not serialise the WGMMAs (none is issued under a runtime branch or left in flight
@@ -115,7 +135,7 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
     ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
-    for w in {64, d // 2, *cfg.dq_widths}:
+    for w in {64, c90.pv_atom_n(d // 2), *cfg.dq_widths}:   # dK / dV at D=576: m64n96
         assert f"wgmma.mma_async.sync.aligned.m64n{w}k16.f32.{ab}" in ptx
     red = "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add"
     assert "red.global" not in ptx and "cp.async.bulk.wait_group.read" in ptx

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fake_kernels  # tests/ is on sys.path
+import ffpa_cute
 from ffpa_cute import attention
 from ffpa_cute.distributed import ring_attention, shard_sequence, unshard_sequence
 from ffpa_cute.distributed.ring import ring_backward, ring_forward
@@ -131,13 +132,17 @@ def test_threads_ring_kernels(seed, world, d, hq, hkv, n):
 def test_world_of_one_nccl(seed):
     """ring_attention through torch.distributed (NCCL) with a world of one: the same results
     as attention() on the same sequence (one causal block on the same kernels: the same bits
-    forward, and backward up to the float32 round trip of the accumulators)."""
+    forward, and backward up to the float32 round trip of the accumulators). The backward is
+    pinned to the atomic-free kernels (`deterministic`, the process default: autograd's thread
+    plans with it): the fused default's dQ differs run to run by ~2e-5, more than the
+    round trip this test bounds."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         pytest.skip("a process group already exists")
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", torch.cuda.current_device()))
+    previous = ffpa_cute.options.set_default(deterministic=True)
     try:
         q, k, v = (torch.randn(1, h, 2000, 512, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for h in (8, 2, 2))
@@ -152,4 +157,5 @@ def test_world_of_one_nccl(seed):
         for g, t in zip(grads, (q, k, v)):
             assert rel_err(g, t.grad) <= 1e-6
     finally:
+        ffpa_cute.options.set_default(previous)
         dist.destroy_process_group()

@@ -4,9 +4,12 @@ Status: GPU-tested on the H200; its speed beside the atomic-free kernels, shape 
 its phase trace are in docs/design.md section 4, "The fused backward". Planned only under
 `Options(deterministic=False)` and only where it measured faster (config.fused_pays), and canaried
 before its first use there while its config's VERIFIED is False (selfcheck.py).
-Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 512] for the pair (with
+Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 576] for the pair (with
 `scatter` D up to 1024 over `cluster_d` CTAs, below), bf16 / fp16; causal either alignment, a
-sliding window's left edge (config `window`), GQA / MQA; no varlen.
+sliding window's left edge (config `window`; not at D=576), GQA / MQA; no varlen.
+D=576 (`wide`: 288 columns a CTA; compile-verified, not run on a GPU yet, not routed): dK_r
+and dV_r (144 fp32 registers a thread each) issued as m64n96 WGMMAs, one Q and one dO stage
+(two Q stages would need 245 KB), dQ by the dV warpgroup, setmaxnreg 120 / 192 / 192.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts
 (dQ: S, dP, dQ; dK: S^T, dP^T, dK; dV: S^T, dV), which caps them near 350 TFLOPS at D=512 even
 at the forward's rate per unit. This kernel forms every product once per (key tile, query
@@ -112,7 +115,8 @@ from ..common.mask import apply_mask_transposed, query_block_range, transposed_n
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor, vec4_ptx)
-from .config import FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
+from .config import (FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused,
+                     pv_atom_n)
 from .bwd_sm90 import load_column_stat, stage_column_stat
 from .skeleton_sm90 import WG_THREADS, row_major_layout, set_regs, thread_roles, tma_load
 
@@ -313,7 +317,7 @@ class FFPABwdFusedSm90(KernelEntry):
         ops = FusedOps(*tmas[0], *tmas[1], *tmas[2], *tmas[3], *tma_dq, mdQ, mdK, mdV, mLSE,
                        mDelta)
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        mmas = FusedMmas(self._mma(K, K, T), self._mma(K, MN, self.half),
+        mmas = FusedMmas(self._mma(K, K, T), self._mma(K, MN, pv_atom_n(self.half)),
                          tuple(self._mma(MN, MN, w) for w in self.dq_widths))
         SharedStorage = _shared_storage(cfg, self.dtype, layouts)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (

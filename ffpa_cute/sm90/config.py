@@ -1164,8 +1164,11 @@ FUSED_DQ_MAX_WIDTH = 160   # widest dQ accumulator the S warpgroup holds (80 fp3
 #                            192 spilled 8 B at D=384)
 FUSED_DQ_PIECE = 32        # columns of one staged dQ piece (64 x 32 fp32: 8 KB, a
 #                            128-byte swizzled row each)
-FUSED_MAX_HALF = 256       # D columns per CTA: its dK_r and dV_r (64 x 256 fp32) fill the
-#                            accumulator warpgroups' registers
+FUSED_MAX_HALF = 288       # D columns per CTA: its dK_r and dV_r (64 x 288 fp32 at most,
+#                            144 registers a thread each) fill the accumulator warpgroups'
+#                            registers; above 256 (`wide`: D=576) issued as m64n96 WGMMAs
+FUSED_ROUTED_MAX_HEAD_DIM = 512   # the default route takes the fused kernel up to here; D=576
+#                                   (`wide`) builds and is not routed until measured
 
 
 @dataclass(frozen=True)
@@ -1178,8 +1181,10 @@ class BwdFusedConfigSm90:
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
     head_dim:   D == Dv in (256, 1024]: each of the `cluster_d` CTAs owns D / cluster_d
-                columns (`half`, at most 256: its dK / dV accumulators), a multiple of 32 so
-                that its rows are whole 64-byte swizzle spans
+                columns (`half`, at most FUSED_MAX_HALF: its dK / dV accumulators), a multiple
+                of 32 so that its rows are whole 64-byte swizzle spans. A half above 256
+                (`wide`: D=576 over the pair) takes one Q and one dO stage (227 KB), dQ by the
+                dV warpgroup (`dq_grads` 1), no window (its masks spill the S warpgroup)
     causal:     causal masking (the offset is a runtime argument, bottom-right or upper-left)
     q_stages:   depth of the Q ring ([64 x D/2] stages; the dK warpgroup refills it)
     do_stages:  depth of the dO ring (the dV warpgroup refills it)
@@ -1224,9 +1229,10 @@ class BwdFusedConfigSm90:
     def VERIFIED(self) -> bool:
         """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
         group_split; docs/verification.md); `scatter` ran only on an H100 (its tests and the
-        sanitizers pass there), and `window` passes its GPU tests but has not run under the
-        sanitizers yet (tests/sanitize.py's fused window case), so selfcheck canaries both."""
-        return not self.scatter and not self.window
+        sanitizers pass there), `window` passes its GPU tests but not yet the sanitizers
+        (tests/sanitize.py's fused window case), and `wide` (D=576) has not run on a GPU, so
+        selfcheck canaries all three."""
+        return not self.scatter and not self.window and not self.wide
 
     @property
     def elem_bytes(self) -> int:
@@ -1242,6 +1248,12 @@ class BwdFusedConfigSm90:
         """D columns of each CTA of the cluster (its dK, dV and dQ share; its K, V, Q, dO
         slices): D / cluster_d (the pair's half of D)."""
         return self.head_dim // self.cluster_d
+
+    @property
+    def wide(self) -> bool:
+        """Whether a CTA's half is wider than one WGMMA (256 columns): dK_r / dV_r issued as
+        m64n`pv_atom_n(half)` WGMMAs, registers by `reg_split`'s wide row."""
+        return self.half > 256
 
     @property
     def x_groups(self) -> int:
@@ -1315,8 +1327,14 @@ class BwdFusedConfigSm90:
              (136 at D=512, which spills 4 B with a window and no causal mask); the dV
              warpgroup the rest.
           2: each of dV / dK its accumulator, a dQ one and 40; the S warpgroup the rest (104
-             at D=512: enough without masks only)."""
+             at D=512: enough without masks only).
+          `wide` (dq_grads 1): the dK warpgroup its accumulator and 48, the dV warpgroup its
+             accumulator, a dQ one and 32, the S warpgroup the rest (192 / 192 / 120 at D=576:
+             176 for dK or 184 for dV spilled 1 KB, 128 for S 8-24 B)."""
         acc = self.half // 2
+        if self.wide:
+            dk, dv = acc + 48, acc + self.atom_cols // 2 + 32
+            return 504 - dk - dv, dv, dk
         if self.dq_grads == 0:
             return 184, 160, 160
         if self.dq_grads == 1:
@@ -1361,6 +1379,12 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 "dK / dV accumulators in registers)")
     if cfg.q_stages not in (1, 2) or cfg.do_stages not in (1, 2):
         return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
+    if cfg.wide and (cfg.cluster_d != 2 or cfg.dq_grads != 1 or cfg.window):
+        return (f"head_dim={cfg.head_dim} over {cfg.cluster_d} CTAs ({cfg.half} columns each, "
+                f"wider than one WGMMA) with cluster_d={cfg.cluster_d}, dq_grads="
+                f"{cfg.dq_grads}, window={cfg.window}: a CTA half above 256 columns is built "
+                "for the pair only, with dQ by the dV warpgroup (dq_grads 1) and no window "
+                "(the registers that fit)")
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
     if cfg.smem_bytes() > SMEM_CAPACITY:
@@ -1380,7 +1404,7 @@ FUSED_MAX_GROUP = 64
 def fused_pays(problem: AttnProblem) -> bool:
     """Whether `Options(deterministic=False)` routes problem to the fused backward (where it
     also builds: `plan_bwd_fused`)."""
-    return (problem.head_dim >= FUSED_MIN_HEAD_DIM
+    return (FUSED_MIN_HEAD_DIM <= problem.head_dim <= FUSED_ROUTED_MAX_HEAD_DIM
             and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
 
 
@@ -1402,9 +1426,9 @@ FUSED_GROUP_SPLIT = False
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
                    scatter: bool = False) -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
-    keeps one); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it names D),
-    `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the problem's head
-    groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen.
+    keeps one, D=576 one of each); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
+    names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
+    problem's head groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen.
     `cluster_d`, `scatter`: D over that many CTAs by the reduce-scatter (tests and experiments
     ask for it; the router does not: it measured slower than the routed backward, H100)."""
     if problem.head_dim_v != problem.head_dim:
@@ -1416,8 +1440,8 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
                 dq_grads=FUSED_DQ_GRADS_BY_DIM.get(problem.head_dim, FUSED_DQ_GRADS),
                 group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=cluster_d),
                 cluster_d=cluster_d, scatter=scatter)
-    for do_stages in (2, 1):
-        cfg = BwdFusedConfigSm90(**base, do_stages=do_stages)
+    for q_stages, do_stages in ((2, 2), (2, 1), (1, 1)):
+        cfg = BwdFusedConfigSm90(**base, q_stages=q_stages, do_stages=do_stages)
         if can_implement_fused(cfg) is None:
             return cfg
     raise ValueError(can_implement_fused(cfg))
