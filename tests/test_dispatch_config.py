@@ -465,10 +465,11 @@ def test_backward_kv_pair_rule(d):
     """Above 576 the gradient kernels pair their CTAs over the column blocks (`kv_pair`,
     exchanging P / dS only: one exchange barrier, no peer statistics) unless
     `Options(kv_pair=False)`; up to 576 they hold the gradient in one CTA (`wide_o`), as the
-    forward holds O."""
+    forward holds O (at 576 the fused kernel is the default: `deterministic` plans them)."""
     p = prob(d=d, causal=True)
     for w in (520, 576):
-        wide = dispatch.plan_bwd(prob(d=w, causal=True), target="sm_90a")
+        wide = dispatch.plan_bwd(prob(d=w, causal=True), target="sm_90a",
+                                 opts=Options(deterministic=True))
         assert all(c.wide_o and not c.kv_pair for c in wide.cfgs[1:])
     plan = dispatch.plan_bwd(p, target="sm_90a")
     cfgs = plan.cfgs[1:]

@@ -7,7 +7,7 @@ before its first use there while its config's VERIFIED is False (selfcheck.py).
 Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 576] for the pair (with
 `scatter` D up to 1024 over `cluster_d` CTAs, below), bf16 / fp16; causal either alignment, a
 sliding window's left edge (config `window`; not at D=576), GQA / MQA; no varlen.
-D=576 (`wide`: 288 columns a CTA; compile-verified, not run on a GPU yet, not routed): dK_r
+D=576 (`wide`: 288 columns a CTA; GPU-tested and sanitizer-clean on an H100): dK_r
 and dV_r (144 fp32 registers a thread each) issued as m64n96 WGMMAs, one Q and one dO stage
 (two Q stages would need 245 KB), dQ by the dV warpgroup, setmaxnreg 120 / 192 / 192.
 The atomic-free kernels in bwd_sm90.py execute 8 N^2 D units for the 5 a backward counts

@@ -1167,14 +1167,14 @@ FUSED_DQ_PIECE = 32        # columns of one staged dQ piece (64 x 32 fp32: 8 KB,
 FUSED_MAX_HALF = 288       # D columns per CTA: its dK_r and dV_r (64 x 288 fp32 at most,
 #                            144 registers a thread each) fill the accumulator warpgroups'
 #                            registers; above 256 (`wide`: D=576) issued as m64n96 WGMMAs
-FUSED_ROUTED_MAX_HEAD_DIM = 512   # the default route takes the fused kernel up to here; D=576
-#                                   (`wide`) builds and is not routed until measured
+FUSED_ROUTED_MAX_HEAD_DIM = 576   # the default route takes the fused kernel up to here (D=576,
+#                                   `wide`: 282 against 196 TFLOPS, H100, 2026-12-06)
 
 
 @dataclass(frozen=True)
 class BwdFusedConfigSm90:
     """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
-    GPU-tested and sanitizer-clean (with a window: GPU-tested, `VERIFIED`): the default
+    GPU-tested and sanitizer-clean, `VERIFIED`): the default
     backward (`Options.deterministic` False) where it measured faster than the atomic-free
     kernels).
 
@@ -1228,11 +1228,9 @@ class BwdFusedConfigSm90:
     @property
     def VERIFIED(self) -> bool:
         """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
-        group_split; docs/verification.md); `scatter` ran only on an H100 (its tests and the
-        sanitizers pass there), `window` passes its GPU tests but not yet the sanitizers
-        (tests/sanitize.py's fused window case), and `wide` (D=576) has not run on a GPU, so
-        selfcheck canaries all three."""
-        return not self.scatter and not self.window and not self.wide
+        group_split, window, `wide`; docs/verification.md); `scatter` ran only on an H100 (its
+        tests and the sanitizers pass there) and is not planned, so selfcheck canaries it."""
+        return not self.scatter
 
     @property
     def elem_bytes(self) -> int:
