@@ -63,7 +63,7 @@ def jobs(sections=SECTIONS) -> list:
     """The kernels of the named `SECTIONS` (main: every head dim, dtype and causal mode under
     both families, forward and backward; sanitize: the compute-sanitizer workload's,
     tests/sanitize.py; fused: what the fused backward's GPU tests run, the sm90 forward, the
-    Delta kernel and the fused kernel at D 320-512 (a subset of main, small enough to carry
+    Delta kernel and the fused kernel at D 320-576 (a subset of main, small enough to carry
     alone); fused_perf: `python -m perf.bwd_fused`'s, timed and traced, and fwd_perf:
     `python -m perf.shared_kv`'s (all run from the repository's root); lazy: what
     tests/test_lazy_rescale_gpu.py, `perf.lazy_rescale` and `perf.fp8_limits` run (the

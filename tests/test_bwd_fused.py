@@ -29,7 +29,7 @@ def _problem(d, causal=False, dtype="bf16", **kw):
 def test_plan_and_constraints():
     """Two Q stages; two dO stages up to D=384, one from 448 (what fits 227 KB beside the 16 KB
     of dQ staging); the dQ share
-    in chunks of whole swizzle atoms; D a multiple of 64 in (256, 512]; a window's left edge as
+    in chunks of whole swizzle atoms; D a multiple of 64 in (256, 576]; a window's left edge as
     a field; no Dv != D, no varlen."""
     for d, ds, chunks in ((320, 2, (160,)), (384, 2, (128, 64)), (448, 1, (128, 96)),
                           (512, 1, (128, 128))):
