@@ -7,7 +7,6 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
-    python -m perf.bwd_fused --groups [--precompile DIR | --out FILE] # GQA / MQA walks
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -28,9 +27,6 @@ against issue 17's 250-300), and at D=320 / 512 its C = 2 form beside the pair's
 `--wide`: the fused pair at D=576 (288 columns a CTA, one Q and one dO stage, dK / dV as
 m64n96 WGMMAs; not routed until measured) beside the routed backward there (the gradient
 kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the default run.
-
-`--groups`: GQA / MQA (`GROUP_CASES`), the plan beside its head groups split over CTA pairs
-and its walk with the blocks outer (`blocks_outer`); same timing and checks.
 
 `--variation`: the default backward (the fused kernel at these D) five times on the same
 inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by
@@ -74,12 +70,10 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), and with GQA / MQA the head group split over CTA pairs (`group_split`) or
-# walked blocks outer, heads inner (`blocks_outer`)
+# (`dq_grads`), and with GQA / MQA the head group split over CTA pairs (`group_split`)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
-                  "fused split": dict(group_split=True),
-                  "fused blocks outer": dict(blocks_outer=True)}
+                  "fused split": dict(group_split=True)}
 
 
 # D over C CTAs (`--scatter`): (D, causal, Hq, Hkv, N, C); at D <= 512 C = 2 beside the pair
@@ -93,18 +87,12 @@ WIDE_CASES = ((576, False, 32, 32, 8192), (576, True, 32, 32, 8192), (576, True,
               (576, False, 32, 32, 16384))
 
 
-# GQA / MQA walks (`--groups`): (D, causal, Hq, Hkv, N), and the variants timed
-GROUP_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (512, False, 64, 1, 8192),
-               (576, True, 32, 4, 8192), (320, True, 32, 4, 8192))
-GROUP_VARIANTS = ("atomic-free", "fused", "fused split", "fused blocks outer")
-
-
-def plans(case, only=None) -> dict:
+def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "atomic-free" (`deterministic`), "fused" (as
-    planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (split
-    and blocks outer only with GQA / MQA; those that build), or with `only` those labels; a
-    `SCATTER_CASES` case: "atomic-free", "fused C=<c>" (D over C CTAs, `scatter`) with dQ in
-    the dV and in the dV + dK warpgroups, and at D <= 512 the pair's "fused" beside them."""
+    planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
+    split one only with GQA / MQA; those that build); a `SCATTER_CASES` case: "atomic-free", "fused C=<c>" (D over C
+    CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at D <= 512 the
+    pair's "fused" beside them."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -125,12 +113,10 @@ def plans(case, only=None) -> dict:
             out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
                 DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
         return out
-    if only is not None:
-        return {k: v for k, v in plans(case).items() if k in only}
     planned = plan_bwd_fused(p, "sm_90a")
     for name, fields in FUSED_VARIANTS.items():
-        if (fields.get("group_split") or fields.get("blocks_outer")) and p.heads_q == p.heads_kv:
-            continue   # one query head per KV head: nothing to split or reorder
+        if fields.get("group_split") and p.heads_q == p.heads_kv:
+            continue   # one query head per KV head: nothing to split
         cfg = dataclasses.replace(planned, **fields)
         if name != "fused" and (cfg == planned or can_implement_fused(cfg) is not None):
             continue   # the plan itself, or not built (D=576 takes dq_grads 1 only)
@@ -139,15 +125,15 @@ def plans(case, only=None) -> dict:
     return out
 
 
-def jobs(cases=CASES, only=None) -> list:
+def jobs(cases=CASES) -> list:
     out = []
     for case in cases:
-        for plan in plans(case, only).values():
+        for plan in plans(case).values():
             out.extend(j for j in plan.jobs if j not in out)
     return out
 
 
-def run(dev, flush, cases=CASES, only=None) -> dict:
+def run(dev, flush, cases=CASES) -> dict:
     import torch
 
     import ffpa_cute
@@ -163,7 +149,7 @@ def run(dev, flush, cases=CASES, only=None) -> dict:
         out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
                                        return_lse=True)
         label = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
-        variants = plans(case, only)
+        variants = plans(case)
         ref = launch.run_bwd(variants["atomic-free"], q, k, v, out, lse, do)
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         row, fns = {}, {}
@@ -409,11 +395,6 @@ if __name__ == "__main__":
         raise SystemExit(experiment.main(
             "perf.bwd_fused --scatter", __doc__, lambda: jobs(SCATTER_CASES),
             lambda dev, flush: run(dev, flush, SCATTER_CASES), argv))
-    if "--groups" in argv:
-        argv.remove("--groups")
-        raise SystemExit(experiment.main(
-            "perf.bwd_fused --groups", __doc__, lambda: jobs(GROUP_CASES, GROUP_VARIANTS),
-            lambda dev, flush: run(dev, flush, GROUP_CASES, GROUP_VARIANTS), argv))
     if "--wide" in argv:
         argv.remove("--wide")
         raise SystemExit(experiment.main(

@@ -252,16 +252,6 @@ def test_fused_matches_reference(seed, d, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), plan=_fused_plan)
 
 
-@pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 8),
-                                                   (576, True, 1000, 129, 4),
-                                                   (320, False, 700, 700, 64)])
-def test_fused_blocks_outer(seed, d, causal, nq, nkv, ratio):
-    """The fused backward walking a key tile's query blocks outer and its G query heads inner
-    (`blocks_outer`): all three gradients against float64."""
-    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
-           plan=lambda p: _fused_plan(p, blocks_outer=True))
-
-
 # the default route: the fused kernel at D 320-576 in steps of 64 (groups up to 64), else the
 # atomic-free kernels (D % 64 != 0, D > 576)
 DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),

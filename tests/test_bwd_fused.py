@@ -158,22 +158,6 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
         assert "serialized" not in log, log
 
 
-@pytest.mark.parametrize("d,causal,window", [(512, True, False), (576, True, False),
-                                             (320, False, True)])
-def test_blocks_outer_compiles(tmp_path, monkeypatch, d, causal, window):
-    """`blocks_outer` (the walk's blocks outer, heads inner): no spills, WGMMAs not
-    serialised."""
-    monkeypatch.chdir(tmp_path)
-    cfg = dataclasses.replace(
-        c90.plan_bwd_fused(_problem(d, causal, window_lo=-100 if window else None)),
-        blocks_outer=True)
-    ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
-    _no_spills(ptx)
-    log = _ptxas_log(ptx, "sm_90a")
-    if log is not None:
-        assert "serialized" not in log, log
-
-
 @pytest.mark.parametrize("dq_grads", [0, 1])
 def test_group_split_compiles(tmp_path, monkeypatch, dq_grads):
     """`group_split` (head groups over S CTA pairs, partial dK / dV in fp32): sm_90a PTX with

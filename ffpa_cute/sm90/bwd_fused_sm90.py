@@ -30,7 +30,7 @@ block), as FlashAttention-3 does at head dim 256, by splitting D over a 2-CTA cl
 Both CTAs add the same two partials (fp32 addition commutes), so P^T and dS^T are the same bits
 on both. Executed tensor work per pair and block: 2 x (S^T_r, dP^T_r, dV_r, dK_r, dQ_r) = 5
 units of a full-D product. GQA / MQA: the pair walks the query blocks of all G query heads of
-its KV head (heads outer, or with `blocks_outer` blocks outer; under causal only the blocks with a query that sees the tile's first
+its KV head (heads outer, under causal only the blocks with a query that sees the tile's first
 key, under a window's left edge up to the last query that sees its last key), so dK and dV
 sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
@@ -218,9 +218,8 @@ class FusedSmem(NamedTuple):
 
 
 class FusedWork(NamedTuple):
-    """The pair's key tile and its walk over n_count = group x n_per blocks (`_block`: block
-    i is query head head_q0 + i // n_per, query block n_top - 1 - i % n_per; with
-    `blocks_outer` head head_q0 + i % group, block n_top - 1 - i // group)."""
+    """The pair's key tile and its walk: block i is query head head_q0 + i // n_per, query
+    block n_top - 1 - i % n_per."""
 
     m_block: Int32
     head: Int32           # of dK / dV (with `group_split`: of the workspace)
@@ -230,7 +229,6 @@ class FusedWork(NamedTuple):
     head_q0: Int32
     n_top: Int32
     n_per: Int32
-    group: Int32          # query heads walked (G, or G / S with `group_split`)
     n_count: Int32
     seqlen_q: Int32
     seqlen_k: Int32
@@ -420,7 +418,7 @@ class FFPABwdFusedSm90(KernelEntry):
                                          self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
         return FusedWork(m_block, head, kv_head, batch, rank, head * group, n_top, n_per,
-                         group, n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
+                         n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
                          scale_log2)
 
     @cute.jit
@@ -432,11 +430,8 @@ class FFPABwdFusedSm90(KernelEntry):
     # ---------------------------------------------------------------- loads
     @cute.jit
     def _block(self, work: FusedWork, i):
-        """(query head, query block) of block i: heads outer, blocks highest first, or with
-        `blocks_outer` blocks outer (highest first), heads inner (block 0 of a tile without
-        blocks: the first head's block n_top - 1, read and dropped)."""
-        if const_expr(self.cfg.blocks_outer):
-            return work.head_q0 + i % work.group, work.n_top - 1 - i // work.group
+        """(query head, query block) of block i: heads outer, blocks highest first (block 0
+        of a tile without blocks: the first head's block n_top - 1, read and dropped)."""
         n_per = cutlass.max(work.n_per, 1)
         return work.head_q0 + i // n_per, work.n_top - 1 - i % n_per
 

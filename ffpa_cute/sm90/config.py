@@ -1203,14 +1203,6 @@ class BwdFusedConfigSm90:
                 the host adds up in a fixed order: few KV heads (MQA) otherwise leave one
                 unbalanced wave of long causal tiles
     cluster_d:  the CTAs of the cluster that split D (2, 3 or 4; above 2 `scatter`)
-    blocks_outer: the walk over a key tile's (query head, query block) pairs with the blocks
-                outer and the G query heads inner (block n_top - 1 of every head, then
-                n_top - 2, ...), instead of each head's blocks in turn: under causal masking
-                the pairs on the GPU at once then stay at the same (block, head) (tiles differ
-                only in how far down they walk), so their Q / dO loads and dQ reductions meet
-                in the same lines, where with heads outer they drift over all G heads' dq_acc
-                (1 GB at MQA 64:1, D=512, N=8K: past L2). The same products, dK / dV summed
-                in another order (other bits); with G = 1 the same walk
     scatter:    the score partials summed by a reduce-scatter, then P^T / dS^T gathered,
                 instead of every CTA receiving its peer's whole partials: CTA r adds up the
                 16-byte fragment groups q with q % cluster_d == r and sends its bf16 P^T / dS^T
@@ -1230,7 +1222,6 @@ class BwdFusedConfigSm90:
     group_split: bool = False
     cluster_d: int = 2
     scatter: bool = False
-    blocks_outer: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
 
