@@ -4,6 +4,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --precompile DIR     # CPU: compile both backwards into a cache
     python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
+    python -m perf.bwd_fused --trace-wide [...]   # traced at D=576 / 512, MQA / MHA causal
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
@@ -248,6 +249,11 @@ TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
+# `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
+# traced and with dQ's pieces not added ("no put"), and MQA 64/1 causal beside MHA causal
+TRACE_WIDE_CASES = ((576, False, 32, 32, 8192), (512, False, 32, 32, 8192),
+                    (512, True, 64, 1, 8192), (512, True, 32, 32, 8192))
+TRACE_WIDE_VARIANTS = ("traced", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK")
 
@@ -259,9 +265,9 @@ def _trace_cfg(case, fields: dict):
     return dataclasses.replace(plans(case)["fused"].cfgs[-1], **fields)
 
 
-def trace_jobs() -> list:
-    return [(cls, _trace_cfg(case, f)) for case in TRACE_CASES
-            for cls, f in TRACE_VARIANTS.values()]
+def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:
+    return [(cls, _trace_cfg(case, f)) for case in cases
+            for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]
 
 
 def trace_phases(trace) -> dict:
@@ -281,7 +287,7 @@ def trace_phases(trace) -> dict:
     return medians(out)
 
 
-def run_trace(dev, flush) -> dict:
+def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> dict:
     import torch
 
     import ffpa_cute
@@ -290,7 +296,7 @@ def run_trace(dev, flush) -> dict:
     from perf.flops import attn_flops_bwd
 
     res = {}
-    for case in TRACE_CASES:
+    for case in cases:
         grads = None
         d, causal, hq, hkv, n = case
         plan = plans(case)["fused"]
@@ -306,6 +312,8 @@ def run_trace(dev, flush) -> dict:
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         for name, (cls, fields) in TRACE_VARIANTS.items():
+            if name not in variants:
+                continue
             cfg = _trace_cfg(case, fields)
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
@@ -386,6 +394,13 @@ if __name__ == "__main__":
         argv.remove("--variation")
         raise SystemExit(experiment.main("perf.bwd_fused --variation", __doc__, variation_jobs,
                                          run_variation, argv))
+    if "--trace-wide" in argv:
+        argv.remove("--trace-wide")
+        raise SystemExit(experiment.main(
+            "perf.bwd_fused --trace-wide", __doc__,
+            lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
+            lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
+            argv))
     if "--trace" in argv:
         argv.remove("--trace")
         raise SystemExit(experiment.main("perf.bwd_fused --trace", __doc__, trace_jobs,
