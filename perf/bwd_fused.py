@@ -5,6 +5,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
     python -m perf.bwd_fused --trace-wide [...]   # traced at D=576 / 512, MQA / MHA causal
+    python -m perf.bwd_fused --schedule [...]     # where and when each CTA ran (GQA / MQA)
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
@@ -48,7 +49,7 @@ import sys
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
@@ -204,6 +205,34 @@ class FusedTraced(FFPABwdFusedSm90):
         _stamp(extra, event, i)
 
 
+END_EVENT = S_EVENTS.index("P^T / dS^T published")
+
+
+class FusedScheduled(FusedTraced):
+    """The fused backward stamping where each CTA ran (`--schedule`): the S warpgroup's thread
+    0 writes trace[cta, 3, 0..3, 0] = (globaltimer at its first block's start, %smid,
+    globaltimer at its last block's P^T publication, blocks walked); each warpgroup's thread 0
+    stamps clock64 at trace[cta, warpgroup, i % MAXB, event], so the stamps left are those of
+    the walk's last MAXB blocks."""
+
+    @cute.jit
+    def _trace(self, extra, event: cutlass.Constexpr, i):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        cta = bx + gx * (by + gy * bz)
+        if tidx == 0:
+            if const_expr(event == 0):
+                if i == 0:
+                    extra[cta, 3, 0, 0] = cutlass.Int64(cute.arch.globaltimer())
+                    extra[cta, 3, 1, 0] = cutlass.Int64(cute.arch.smid())
+            if const_expr(event == END_EVENT):
+                extra[cta, 3, 2, 0] = cutlass.Int64(cute.arch.globaltimer())
+                extra[cta, 3, 3, 0] = cutlass.Int64(i + 1)
+        if tidx % 128 == 0:
+            extra[cta, tidx // 128, i % MAXB, event] = cute.arch.clock64()
+
+
 class _NoCopy(FusedTraced):
     """dQ's pieces staged through smem (the barriers included), never added (dq wrong;
     timing only: what the TMA reductions' waits cost)."""
@@ -340,6 +369,83 @@ def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> 
     return res
 
 
+# `--schedule`: (D, causal, Hq, Hkv, N) whose CTAs' placement in time is stamped
+SCHEDULE_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (512, True, 32, 32, 8192),
+                  (512, False, 64, 1, 8192))
+
+
+def schedule_jobs() -> list:
+    return [(FusedScheduled, plans(case)["fused"].cfgs[-1]) for case in SCHEDULE_CASES]
+
+
+def schedule_summary(trace, n_tiles: int, heads_kv: int) -> dict:
+    """From a `FusedScheduled` trace: the kernel's span (us), the SMs used, the busy fraction
+    (CTA time over SMs x span), when the running CTAs first fall below 90% of the SMs (us before
+    the end), how far launch order strays from the grid's (the largest start rank minus grid
+    rank, in CTAs), the period (median cycles) over each CTA's last MAXB blocks, and the span's
+    share a perfectly balanced walk would take (blocks x period / SMs, from the block counts)."""
+    import torch
+
+    t = trace.double()
+    start, sm, end, blocks = t[:, 3, 0, 0], t[:, 3, 1, 0], t[:, 3, 2, 0], t[:, 3, 3, 0]
+    live = end > 0
+    start, sm, end, blocks = start[live], sm[live], end[live], blocks[live]
+    t0 = start.min()
+    span = (end.max() - t0) / 1e3
+    n_sm = int(torch.unique(sm).numel())
+    busy = float((end - start).sum() / 1e3 / (n_sm * span))
+    edges = torch.cat([start - t0, end - t0]) / 1e3
+    steps = torch.cat([torch.ones_like(start), -torch.ones_like(end)])
+    order = torch.argsort(edges)
+    running = torch.cumsum(steps[order], 0)
+    times = edges[order]
+    full = (running >= 0.9 * n_sm).nonzero()
+    drop = float(span - times[full[-1, 0] + 1]) if full.numel() else float("nan")
+    rank = torch.argsort(torch.argsort(start))
+    stray = int((rank - torch.arange(rank.numel())).abs().max())
+    per = period(t[:, 0])
+    return dict(span_us=float(span), sms=n_sm, busy=busy, below_90pct_us=drop,
+                launch_order_stray=stray, last_blocks_period=float(per.median()),
+                blocks_max=float(blocks.max()), blocks_mean=float(blocks.mean()),
+                ctas=int(live.sum()), tiles=n_tiles, heads_kv=heads_kv)
+
+
+def run_schedule(dev, flush) -> dict:
+    import torch
+
+    import ffpa_cute
+    from ffpa_cute import launch
+
+    res = {}
+    for case in SCHEDULE_CASES:
+        d, causal, hq, hkv, n = case
+        plan = plans(case)["fused"]
+        cfg = plan.cfgs[-1]
+        q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                       return_lse=True)
+        t = dict(q=q, k=k, v=v, do=do, lse=lse.contiguous(),
+                 delta=(do.float() * out.float()).sum(-1).contiguous(),
+                 dq_acc=torch.zeros(q.shape, dtype=torch.float32, device=dev),
+                 dk=torch.empty_like(k), dv=torch.empty_like(v))
+        scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
+        tiles = -(-n // 64)
+        ctas = 2 * tiles * hkv * B
+        trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
+        args = {**t, "trace": trace}
+        for _ in range(2):   # the first run warms up; the second is read
+            trace.zero_()
+            args["dq_acc"].zero_()
+            launch.run_job(FusedScheduled, cfg, args, scalars)
+            torch.cuda.synchronize()
+        key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
+        res[key] = schedule_summary(trace.cpu(), tiles, hkv)
+        print(f"{key}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in res[key].items()), flush=True)
+    return res
+
+
 # `--variation`: (D, causal, Hq, Hkv, N) of the default backward run again and again
 VARIATION_CASES = ((512, False, 32, 32, 8192), (512, True, 32, 4, 8192),
                    (320, False, 32, 32, 8192))
@@ -394,6 +500,10 @@ if __name__ == "__main__":
         argv.remove("--variation")
         raise SystemExit(experiment.main("perf.bwd_fused --variation", __doc__, variation_jobs,
                                          run_variation, argv))
+    if "--schedule" in argv:
+        argv.remove("--schedule")
+        raise SystemExit(experiment.main("perf.bwd_fused --schedule", __doc__, schedule_jobs,
+                                         run_schedule, argv))
     if "--trace-wide" in argv:
         argv.remove("--trace-wide")
         raise SystemExit(experiment.main(
