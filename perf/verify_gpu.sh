@@ -89,6 +89,9 @@
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
+#   bwd17 issue 17's acceptance table in one call: perf.sweep --bwd at D 320 / 512 / 576 /
+#         1024, N 8K / 16K, causal, GQA 32/4 causal (gemma4) and MQA 64/1 causal, with
+#         SWEEP_BASELINES (default sdpa,ffpa: stage with STAGE_PEERS=1)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -143,6 +146,13 @@ if has sweep; then
   timeout 500 python -m perf.sweep --quick --baselines "${SWEEP_BASELINES:-sdpa}" --no-progress \
       --out "$out/sweep" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep.log" 2>&1
   tail -30 "$out/sweep.log"
+fi
+if has bwd17; then
+  step "issue 17: the backward beside ${SWEEP_BASELINES:-sdpa,ffpa}"
+  timeout 580 python -m perf.sweep --cases self,causal,gemma4,mqa --head-dims 320,512,576,1024 \
+      --seqlens 8k,16k --bwd --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" --no-progress \
+      --out "$out/sweep_bwd17" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep_bwd17.log" 2>&1
+  grep "^| [a-z]" "$out/sweep_bwd17/bwd.md" | cut -c1-200
 fi
 if has fused; then
   step "the fused backward: GPU tests, then perf.bwd_fused and its run-to-run variation"
