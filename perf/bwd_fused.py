@@ -316,10 +316,30 @@ def trace_phases(trace) -> dict:
     return medians(out)
 
 
-def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> dict:
+def _kernel_inputs(case, dev):
+    """(the fused plan, the kernel's tensors, its scalars) of a (D, causal, Hq, Hkv, N) case on
+    fresh random inputs, the forward's out / lse and Delta computed as `launch.run_bwd` would."""
     import torch
 
     import ffpa_cute
+    from ffpa_cute import launch
+
+    d, causal, hq, hkv, n = case
+    plan = plans(case)["fused"]
+    q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
+                                   return_lse=True)
+    t = dict(q=q, k=k, v=v, do=do, lse=lse.contiguous(),
+             delta=(do.float() * out.float()).sum(-1).contiguous(),
+             dq_acc=torch.zeros(q.shape, dtype=torch.float32, device=dev),
+             dk=torch.empty_like(k), dv=torch.empty_like(v))
+    return plan, t, launch.kernel_scalars(plan.problem, plan.problem.right_edge)
+
+
+def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> dict:
+    import torch
+
     from ffpa_cute import launch
     from ffpa_cute.reference import rel_err
     from perf.flops import attn_flops_bwd
@@ -328,16 +348,7 @@ def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> 
     for case in cases:
         grads = None
         d, causal, hq, hkv, n = case
-        plan = plans(case)["fused"]
-        q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
-                                       return_lse=True)
-        t = dict(q=q, k=k, v=v, do=do, lse=lse.contiguous(),
-                 delta=(do.float() * out.float()).sum(-1).contiguous(),
-                 dq_acc=torch.zeros(q.shape, dtype=torch.float32, device=dev),
-                 dk=torch.empty_like(k), dv=torch.empty_like(v))
-        scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
+        plan, t, scalars = _kernel_inputs(case, dev)
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         for name, (cls, fields) in TRACE_VARIANTS.items():
@@ -413,23 +424,13 @@ def schedule_summary(trace, n_tiles: int, heads_kv: int) -> dict:
 def run_schedule(dev, flush) -> dict:
     import torch
 
-    import ffpa_cute
     from ffpa_cute import launch
 
     res = {}
     for case in SCHEDULE_CASES:
         d, causal, hq, hkv, n = case
-        plan = plans(case)["fused"]
+        plan, t, scalars = _kernel_inputs(case, dev)
         cfg = plan.cfgs[-1]
-        q, do = (torch.randn(B, hq, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(B, hkv, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
-                                       return_lse=True)
-        t = dict(q=q, k=k, v=v, do=do, lse=lse.contiguous(),
-                 delta=(do.float() * out.float()).sum(-1).contiguous(),
-                 dq_acc=torch.zeros(q.shape, dtype=torch.float32, device=dev),
-                 dk=torch.empty_like(k), dv=torch.empty_like(v))
-        scalars = launch.kernel_scalars(plan.problem, plan.problem.right_edge)
         tiles = -(-n // 64)
         ctas = 2 * tiles * hkv * B
         trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
@@ -494,35 +495,25 @@ def run_variation(dev, flush, runs: int = 5) -> dict:
     return res
 
 
+# flag -> (the jobs to precompile, the run): each mode of the module docstring
+MODES = {
+    "--variation": (variation_jobs, run_variation),
+    "--schedule": (schedule_jobs, run_schedule),
+    "--trace-wide": (lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
+                     lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES,
+                                                  TRACE_WIDE_VARIANTS)),
+    "--trace": (trace_jobs, run_trace),
+    "--scatter": (lambda: jobs(SCATTER_CASES),
+                  lambda dev, flush: run(dev, flush, SCATTER_CASES)),
+    "--wide": (lambda: jobs(WIDE_CASES), lambda dev, flush: run(dev, flush, WIDE_CASES)),
+}
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--variation" in argv:
-        argv.remove("--variation")
-        raise SystemExit(experiment.main("perf.bwd_fused --variation", __doc__, variation_jobs,
-                                         run_variation, argv))
-    if "--schedule" in argv:
-        argv.remove("--schedule")
-        raise SystemExit(experiment.main("perf.bwd_fused --schedule", __doc__, schedule_jobs,
-                                         run_schedule, argv))
-    if "--trace-wide" in argv:
-        argv.remove("--trace-wide")
-        raise SystemExit(experiment.main(
-            "perf.bwd_fused --trace-wide", __doc__,
-            lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
-            lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
-            argv))
-    if "--trace" in argv:
-        argv.remove("--trace")
-        raise SystemExit(experiment.main("perf.bwd_fused --trace", __doc__, trace_jobs,
-                                         run_trace, argv))
-    if "--scatter" in argv:
-        argv.remove("--scatter")
-        raise SystemExit(experiment.main(
-            "perf.bwd_fused --scatter", __doc__, lambda: jobs(SCATTER_CASES),
-            lambda dev, flush: run(dev, flush, SCATTER_CASES), argv))
-    if "--wide" in argv:
-        argv.remove("--wide")
-        raise SystemExit(experiment.main(
-            "perf.bwd_fused --wide", __doc__, lambda: jobs(WIDE_CASES),
-            lambda dev, flush: run(dev, flush, WIDE_CASES), argv))
+    for flag, (mode_jobs, mode_run) in MODES.items():
+        if flag in argv:
+            argv.remove(flag)
+            raise SystemExit(experiment.main(f"perf.bwd_fused {flag}", __doc__, mode_jobs,
+                                             mode_run, argv))
     raise SystemExit(experiment.main("perf.bwd_fused", __doc__, jobs, run))
