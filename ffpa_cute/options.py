@@ -57,8 +57,9 @@ class Options:
                  head, Dv == D, not varlen, D=576 without a window; elsewhere the
                  atomic-free kernels): 5 GEMM units instead of 8, dQ summed by fp32
                  reductions in whatever order they land, so dQ's last bits vary run to run
-                 (dK, dV do not; GPU-tested and sanitizer-clean). True, or torch's `use_deterministic_algorithms(True)`: the
-                 atomic-free kernels everywhere, the same bits every run
+                 (dK, dV do not; GPU-tested and sanitizer-clean). True, or torch's
+                 `use_deterministic_algorithms(True)`: the atomic-free kernels everywhere,
+                 the same bits every run
                  (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
                  never run on the device's target (or of a configuration not verified on any

@@ -331,10 +331,10 @@ def workload() -> int:
     torch.manual_seed(0)
     # the atomic-free backward (`deterministic`) wherever the cases go through the API: the
     # fused kernel, the default at some D, runs through its own plans (FUSED_CASES); no
-    # canaries (`self_check` "off"): a canary adds torch's reference computation, in which
-    # initcheck reported torch's own kernels reading a cuBLAS matmul's result as uninitialized
-    # and under which racecheck once ended in an internal sanitizer error (2026-12-06); the
-    # kernels a canary would run are the workload's own, on the cases' shapes
+    # canaries (`self_check` "off"): a canary adds torch's reference computation to what the
+    # tools check (initcheck flags torch's own kernels reading a cuBLAS result in it, and
+    # racecheck has ended in an internal error under it: docs/verification.md); the kernels a
+    # canary would run are the workload's own, on the cases' shapes
     ffpa_cute.options.set_default(deterministic=True, self_check="off")
     for case in CASES:
         label, family, b, hq, hkv, nq, nkv, d, dv, mode, dtype, backward = case

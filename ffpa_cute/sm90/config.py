@@ -1426,9 +1426,10 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
     keeps one, D=576 one of each); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
     names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
-    problem's head groups. Raises ValueError with the reason for problems it does not take: Dv != D, varlen.
-    `cluster_d`, `scatter`: D over that many CTAs by the reduce-scatter (tests and experiments
-    ask for it; the router does not: it measured slower than the routed backward, H100)."""
+    problem's head groups. Raises ValueError with the reason for problems it does not take:
+    Dv != D, varlen, a window at D=576. `cluster_d`, `scatter`: D over that many CTAs by the
+    reduce-scatter (tests and experiments ask for it; the router does not: it measured slower
+    than the routed backward, H100)."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
     if problem.varlen:
