@@ -367,6 +367,18 @@ def test_protocol_model_dq_staging(d, order):
                 fused_protocol.run(cfg, blocks, seed, alternating=order == "alternating")
 
 
+def test_protocol_model_wide():
+    """D=576 over the pair (`wide`): one Q and one dO stage, dQ formed by the dV warpgroup in
+    nine 32-column atoms a block through both staging buffers: the model runs clean."""
+    from ffpa_cute.sm90 import fused_protocol
+
+    cfg = c90.plan_bwd_fused(_problem(576, causal=True))
+    assert cfg.wide and cfg.half // cfg.atom_cols == 9
+    for blocks in (0, 1, 2, 3, 6):
+        for seed in range(12):
+            fused_protocol.run(cfg, blocks, seed)
+
+
 @pytest.mark.parametrize("fault,needles", [
     ("no_x_empty_wait", (":x",)),            # partials sent before the peer read the last
     # P^T / dS^T rewritten under dV / dK's WGMMAs (or the S warpgroup two phases ahead)
