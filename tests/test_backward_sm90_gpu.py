@@ -259,7 +259,8 @@ DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),
                  (448, True, 1000, 129, 64, torch.bfloat16),
                  (384, False, 7, 300, 2, torch.bfloat16),
                  (336, True, 700, 1000, 4, torch.bfloat16),
-                 (576, True, 129, 1000, 2, torch.bfloat16)]
+                 (576, True, 129, 1000, 2, torch.bfloat16),
+                 (576, False, 700, 1000, 4, torch.float16)]
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", DEFAULT_CASES)
