@@ -63,7 +63,7 @@ def test_wide_pair_plan():
     assert cfg.smem_bytes() <= c90.SMEM_CAPACITY
     assert "shared memory" in c90.can_implement_fused(dataclasses.replace(cfg, q_stages=2))
     assert cfg.reg_split == (120, 192, 192) and cfg.dq_widths == (32,)
-    assert cfg.VERIFIED
+    assert cfg.VERIFIED and not c90.plan_bwd_fused(_problem(576, True, "fp16")).VERIFIED
     for fields in (dict(window=True), dict(dq_grads=2), dict(dq_grads=0)):
         assert "256 columns" in c90.can_implement_fused(dataclasses.replace(cfg, **fields))
     with pytest.raises(ValueError):
