@@ -67,6 +67,15 @@ def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
     return row % ROW_SECTOR != 0 and nq * nkv >= 1000 * (nq + 2 * nkv)
 
 
+def fused_width(plan: BwdPlan) -> int:
+    """The head dim a backward plan's fused kernel runs at, above D where D % 64 != 0 is
+    planned on the next multiple of 64 (`sm90/config.fused_head_dim`: `run_bwd` zero-pads q,
+    k, v and dout and drops the extra columns' gradients), else D."""
+    cfg = plan.cfgs[-1]
+    return (cfg.head_dim if type(cfg).__name__ == "BwdFusedConfigSm90"
+            else plan.problem.head_dim)
+
+
 def row_aligned(t: torch.Tensor) -> torch.Tensor:
     """t's values in rows that start on 128-byte lines: a [..., :D] view of a buffer whose rows
     are padded (the padding is never read: TMA stops at D), or t itself when every row already
@@ -180,15 +189,19 @@ def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
         tensors[name].copy_(ws[name].view(b, h, parts, n, -1).sum(2))
 
 
-def run_grad_jobs(plan: BwdPlan, tensors: dict, scalars: dict, dlse=None) -> None:
+def run_grad_jobs(plan: BwdPlan, tensors: dict, scalars: dict, dlse=None,
+                  padded: dict | None = None) -> None:
     """A backward plan's kernels in order (`run_grad_job`): Delta first, then the gradient
     kernels; dlse (not None): subtracted from Delta between the two, so that the gradient
     kernels (and a sink's gradient read from tensors["delta"]) take lse's gradient too (Note
-    [The gradient of lse] in math_attention.py)."""
+    [The gradient of lse] in math_attention.py). padded: tensors the gradient kernels read in
+    place of the Delta kernel's (a zero-padded plan's q, k, v and dout: `run_bwd`)."""
     for cls, cfg in plan.jobs:
         run_grad_job(cls, cfg, tensors, scalars)
-        if dlse is not None and isinstance(cfg, DeltaConfig):
-            tensors["delta"].sub_(dlse.reshape(tensors["delta"].shape))
+        if isinstance(cfg, DeltaConfig):
+            if dlse is not None:
+                tensors["delta"].sub_(dlse.reshape(tensors["delta"].shape))
+            tensors.update(padded or {})
 
 
 def kernel_args(plan: Plan, q, k, v, out, lse):
@@ -262,7 +275,9 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
-    if q.numel() and k.numel() and repack_rows(p, plan.cfgs[-1], q.shape[2], k.shape[2]):
+    width = fused_width(plan)   # > D: the fused kernel on zero-padded operands
+    if (width == p.head_dim and q.numel() and k.numel()
+            and repack_rows(p, plan.cfgs[-1], q.shape[2], k.shape[2])):
         q, k, v, dout = (row_aligned(t) for t in (q, k, v, dout))
     q, k, v, dout, out = (kernel_ready(t) for t in (q, k, v, dout, out))
     t = dict(q=q, k=k, v=v, do=dout, o=out, lse=lse.contiguous())
@@ -280,12 +295,20 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
     # a kernel that reduces dQ into fp32 (the fused backward) reads a zeroed accumulator
     reduces_dq = any("dq_acc" in cls.OPERANDS for cls, _ in plan.jobs)
     if reduces_dq:
-        t["dq_acc"] = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    scalars = kernel_scalars(p, p.right_edge)
-    run_grad_jobs(plan, t, scalars, dlse)
-    if reduces_dq:
-        t["dq"].copy_(t["dq_acc"])
+        t["dq_acc"] = torch.zeros(*q.shape[:-1], width, dtype=torch.float32, device=q.device)
     grads = t["dq"], t["dk"], t["dv"]
+    padded = None
+    if width != p.head_dim:   # Delta reads dout and out as they are, the fused kernel padded
+        padded = {n: zero_padded(t[n], width) for n in ("q", "k", "v", "do")}
+        padded.update(dk=t["dk"].new_empty(*k.shape[:-1], width),
+                      dv=t["dv"].new_empty(*k.shape[:-1], width))
+    scalars = kernel_scalars(p, p.right_edge)
+    run_grad_jobs(plan, t, scalars, dlse, padded)
+    if reduces_dq:
+        grads[0].copy_(t["dq_acc"][..., :p.head_dim])
+    if padded:
+        grads[1].copy_(padded["dk"][..., :p.head_dim])
+        grads[2].copy_(padded["dv"][..., :p.head_dim])
     return (*grads, t["delta"]) if with_delta else grads
 
 

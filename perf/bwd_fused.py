@@ -9,6 +9,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
+    python -m perf.bwd_fused --padded [...]       # D % 64 != 0 on the fused kernel, padded
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -29,6 +30,10 @@ against issue 17's 250-300), and at D=320 / 512 its C = 2 form beside the pair's
 `--wide`: the fused pair at D=576 (288 columns a CTA, one Q and one dO stage, dK / dV as
 m64n96 WGMMAs; not routed until measured) beside the routed backward there (the gradient
 kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the default run.
+
+`--padded`: D % 64 != 0 on the fused kernel at the next multiple of 64 (q, k, v, dout
+zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/config.FUSED_PAD`, off until
+this measures it) beside the atomic-free backward the route takes there (`PAD_CASES`).
 
 `--variation`: the default backward (the fused kernel at these D) five times on the same
 inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by
@@ -89,12 +94,18 @@ WIDE_CASES = ((576, False, 32, 32, 8192), (576, True, 32, 32, 8192), (576, True,
               (576, False, 32, 32, 16384))
 
 
+# D % 64 != 0 padded onto the fused kernel (`--padded`): (D, causal, Hq, Hkv, N)
+PAD_CASES = tuple((d, causal, 32, 32, 8192) for d in (264, 336, 400, 480, 520, 544)
+                  for causal in (False, True)) + ((336, True, 32, 4, 8192),)
+
+
 def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "atomic-free" (`deterministic`), "fused" (as
     planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
-    split one only with GQA / MQA; those that build); a `SCATTER_CASES` case: "atomic-free", "fused C=<c>" (D over C
-    CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at D <= 512 the
-    pair's "fused" beside them."""
+    split one only with GQA / MQA; those that build), at D % 64 != 0 "fused padded" (the
+    kernel at the next multiple of 64) instead; a `SCATTER_CASES` case: "atomic-free", "fused
+    C=<c>" (D over C CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at
+    D <= 512 the pair's "fused" beside them."""
     import dataclasses
 
     from ffpa_cute import dispatch
@@ -114,6 +125,10 @@ def plans(case) -> dict:
         for name, cfg in cfgs.items():
             out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
                 DeltaConfig("sm_90a", p.dtype, p.head_dim_v), cfg))
+        return out
+    if p.head_dim % 64:
+        out["fused padded"] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
+            DeltaConfig("sm_90a", p.dtype, p.head_dim_v), plan_bwd_fused(p, "sm_90a", pad=True)))
         return out
     planned = plan_bwd_fused(p, "sm_90a")
     for name, fields in FUSED_VARIANTS.items():
@@ -506,6 +521,7 @@ MODES = {
     "--scatter": (lambda: jobs(SCATTER_CASES),
                   lambda dev, flush: run(dev, flush, SCATTER_CASES)),
     "--wide": (lambda: jobs(WIDE_CASES), lambda dev, flush: run(dev, flush, WIDE_CASES)),
+    "--padded": (lambda: jobs(PAD_CASES), lambda dev, flush: run(dev, flush, PAD_CASES)),
 }
 
 

@@ -252,6 +252,24 @@ def test_fused_matches_reference(seed, d, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), plan=_fused_plan)
 
 
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", [
+    (336, True, 129, 1000, 4, torch.bfloat16), (520, False, 1000, 1000, 1, torch.bfloat16),
+    (264, True, 1000, 129, 8, torch.float16), (472, True, 700, 700, 2, torch.bfloat16)])
+def test_fused_padded(seed, d, causal, nq, nkv, ratio, dt):
+    """D % 64 != 0 on the fused kernel at the next multiple of 64 (`plan_bwd_fused(pad=True)`:
+    q, k, v and dout zero-padded by `launch.run_bwd`, the extra columns' gradients dropped):
+    all three gradients against float64."""
+    from ffpa_cute.common.config import DeltaConfig
+    from ffpa_cute.sm90.config import plan_bwd_fused
+
+    def plan(problem):
+        return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
+            DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v),
+            plan_bwd_fused(problem, pad=True)))
+
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt, plan=plan)
+
+
 # the default route: the fused kernel at D 320-576 in steps of 64 (groups up to 64), else the
 # atomic-free kernels (D % 64 != 0, D > 576)
 DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),

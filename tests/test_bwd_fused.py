@@ -16,7 +16,8 @@ import torch
 from ffpa_cute import dispatch, launch
 from ffpa_cute.common.config import DeltaConfig
 from ffpa_cute.problem import AttnProblem
-from ffpa_cute.reference import attention_grads, rel_err
+from ffpa_cute.options import Options
+from ffpa_cute.reference import attention_grads, attention_ref, rel_err
 from ffpa_cute.sm90 import config as c90
 from test_kernels_compile import _no_spills, _ptxas_log
 
@@ -291,6 +292,79 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, 
         assert x.dtype == dt
         err, base_err = rel_err(x, r), rel_err(bb, r)
         assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,left", [(336, True, 129, 200, None),
+                                                   (264, False, 150, 150, 100),
+                                                   (520, True, 70, 130, None)])
+def test_padded_host_path_with_the_kernel_emulated(monkeypatch, d, causal, nq, nkv, left):
+    """D % 64 != 0 on the fused kernel at the next multiple of 64 (`pad`): its config at that
+    width, Delta at D on dout and out as they are, the fused kernel (emulated) on q, k, v and
+    dout zero-padded to the width, dQ / dK / dV cut back to D: all three meet the GPU tests'
+    bound against float64, with the softmax scale of D."""
+    torch.manual_seed(1)
+    dt = torch.bfloat16
+    q, do = (torch.randn(1, 4, nq, d, dtype=dt) for _ in range(2))
+    k, v = (torch.randn(1, 2, nkv, d, dtype=dt) for _ in range(2))
+    offset = nkv - nq
+    lo = None if left is None else offset - left
+    problem = AttnProblem.from_tensors(q, k, v, causal=causal, causal_offset=offset,
+                                       bounds=None if lo is None else (lo, None))
+    out, lse = attention_ref(q, k, v, causal=causal, causal_offset=offset, window_lo=lo,
+                             upcast=torch.float32)
+    cfg = c90.plan_bwd_fused(problem, pad=True)
+    width = -(-d // 64) * 64
+    assert cfg.head_dim == width == c90.fused_head_dim(problem, pad=True)
+    plan = dispatch.BwdPlan(problem, "sm_90a", "sm90",
+                            cfgs=(DeltaConfig("sm_90a", "bf16", d), cfg))
+    assert launch.fused_width(plan) == width
+    seen = []
+
+    def fake_run_job(cls, cfg, tensors, scalars):
+        seen.append((cls.__name__, tensors["do"].shape[-1]))
+        if cls.__name__ == "RowDot":
+            tensors["delta"].copy_((tensors["do"].float() * tensors["o"].float()).sum(-1))
+            return
+        for n in ("q", "k", "v", "do", "dq_acc", "dk", "dv"):
+            assert tensors[n].shape[-1] == width, n
+        for n in ("q", "k", "v", "do"):
+            assert not tensors[n][..., d:].any(), n
+        assert scalars["softmax_scale"] == pytest.approx(1 / math.sqrt(d))
+        _emulate_fused(tensors, scalars, cfg.causal, cfg.window)
+
+    monkeypatch.setattr(launch, "run_job", fake_run_job)
+    dq, dk, dv = launch.run_bwd(plan, q, k, v, out.to(dt), lse, do)
+    assert seen == [("RowDot", d), ("FFPABwdFusedSm90", width)]
+    ref = attention_grads(q, k, v, do, causal, offset, dtype=torch.float64, window_lo=lo)
+    base = attention_grads(q, k, v, do, causal, offset, dtype=dt, window_lo=lo)
+    for name, x, r, bb in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+        assert x.shape == r.shape and x.dtype == dt
+        err, base_err = rel_err(x, r), rel_err(bb, r)
+        assert err <= 2 * base_err + 1e-3, f"{name} err {err:.3g} vs torch {base_err:.3g}"
+
+
+def test_padded_plan(monkeypatch):
+    """`FUSED_PAD` (off by default): with it the default route plans D % 64 != 0 from 264 on
+    the fused kernel at the next multiple of 64 (Delta at D), up to 576 and not with a window
+    at 576; without it those D keep the atomic-free kernels."""
+    fast = Options()
+    for d in (264, 336, 520):
+        assert "BwdFusedConfigSm90" not in [type(c).__name__ for c in dispatch.plan_bwd(
+            _problem(d, True), target="sm_90a", opts=fast).cfgs]
+    monkeypatch.setattr(c90, "FUSED_PAD", True)
+    dispatch.clear_plans()
+    try:
+        for d, width in ((264, 320), (336, 384), (520, 576), (568, 576), (512, 512)):
+            plan = dispatch.plan_bwd(_problem(d, True), target="sm_90a", opts=fast)
+            delta, fused = plan.cfgs
+            assert (delta.head_dim, fused.head_dim, launch.fused_width(plan)) == (
+                d, width, width)
+        for p in (_problem(520, window_lo=-8), _problem(584), _problem(336, dv=320)):
+            assert "BwdFusedConfigSm90" not in [type(c).__name__ for c in dispatch.plan_bwd(
+                p, target="sm_90a", opts=fast).cfgs], p
+    finally:
+        monkeypatch.undo()
+        dispatch.clear_plans()
 
 
 def test_routed_unless_deterministic(monkeypatch):

@@ -1398,12 +1398,24 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
 # against 216)
 FUSED_MIN_HEAD_DIM = 320
 FUSED_MAX_GROUP = 64
+# D % 64 != 0 on the fused kernel at the next multiple of 64 (`fused_head_dim`: q, k, v and
+# dout zero-padded by `launch.run_bwd`): off until measured against the atomic-free kernels
+FUSED_PAD = False
+
+
+def fused_head_dim(problem: AttnProblem, pad: bool | None = None) -> int:
+    """The head dim the fused backward runs a problem at: D, or with `pad` (default FUSED_PAD)
+    and D % 64 != 0 the next multiple of 64 (the extra columns zeros: the same scores, their
+    gradients dropped)."""
+    pad = FUSED_PAD if pad is None else pad
+    d = problem.head_dim
+    return -(-d // 64) * 64 if pad and d % 64 and d == problem.head_dim_v else d
 
 
 def fused_pays(problem: AttnProblem) -> bool:
     """Whether `Options(deterministic=False)` routes problem to the fused backward (where it
-    also builds: `plan_bwd_fused`)."""
-    return (FUSED_MIN_HEAD_DIM <= problem.head_dim <= FUSED_ROUTED_MAX_HEAD_DIM
+    also builds: `plan_bwd_fused`), judged at the head dim it runs at (`fused_head_dim`)."""
+    return (FUSED_MIN_HEAD_DIM <= fused_head_dim(problem) <= FUSED_ROUTED_MAX_HEAD_DIM
             and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
 
 
@@ -1423,18 +1435,23 @@ FUSED_GROUP_SPLIT = False
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
-                   scatter: bool = False) -> BwdFusedConfigSm90:
+                   scatter: bool = False, pad: bool | None = None) -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
     keeps one, D=576 one of each); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
     names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
     problem's head groups. Raises ValueError with the reason for problems it does not take:
     Dv != D, varlen, a window at D=576. `cluster_d`, `scatter`: D over that many CTAs by the
     reduce-scatter (tests and experiments ask for it; the router does not: it measured slower
-    than the routed backward, H100)."""
+    than the routed backward, H100). `pad` (default FUSED_PAD): D % 64 != 0 planned at
+    `fused_head_dim` (its config's head_dim; `launch.run_bwd` pads the operands)."""
     if problem.head_dim_v != problem.head_dim:
         raise ValueError("the fused backward needs head_dim_v == head_dim")
     if problem.varlen:
         raise ValueError("the fused backward takes no varlen yet")
+    d = fused_head_dim(problem, pad)
+    if d != problem.head_dim:   # the scale stays 1 / sqrt(D) (or the caller's)
+        problem = dataclasses.replace(problem, head_dim=d, head_dim_v=d,
+                                      scale=problem.softmax_scale)
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded, window=problem.window_lo is not None,
                 dq_grads=FUSED_DQ_GRADS_BY_DIM.get(problem.head_dim, FUSED_DQ_GRADS),
