@@ -92,6 +92,9 @@
 #   bwd17 issue 17's acceptance table in one call: perf.sweep --bwd at D 320 / 512 / 576 /
 #         1024, N 8K / 16K, causal, GQA 32/4 causal (gemma4) and MQA 64/1 causal, with
 #         SWEEP_BASELINES (default sdpa,ffpa: stage with STAGE_PEERS=1)
+#   padded the fused backward at D % 64 != 0 on zero-padded operands (`FUSED_PAD`, off):
+#         test_fused_padded (float64), then perf.bwd_fused --padded beside the atomic-free
+#         backward (precompile: `python -m perf.bwd_fused --padded --precompile DIR`, packed)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -153,6 +156,12 @@ if has bwd17; then
       --seqlens 8k,16k --bwd --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" --no-progress \
       --out "$out/sweep_bwd17" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep_bwd17.log" 2>&1
   grep "^| [a-z]" "$out/sweep_bwd17/bwd.md" | cut -c1-200
+fi
+if has padded; then
+  step "the fused backward on zero-padded operands: GPU tests, perf.bwd_fused --padded"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
+      -k padded 2>&1 | tee "$out/gpu_padded.log" | grep -E "FAIL|ERROR|passed|failed" | tail -8
+  timeout 300 python -m perf.bwd_fused --padded --out "$out/bwd_padded.json"
 fi
 if has fused; then
   step "the fused backward: GPU tests, then perf.bwd_fused and its run-to-run variation"
