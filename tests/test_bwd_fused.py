@@ -124,11 +124,11 @@ def test_dq_shares_and_registers(d):
 def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, window,
                                       dq_grads):
     """sm_90a PTX: the score products m64n64k16 and dV / dK m64n{D/2}k16 (m64n96 at D=576)
-    WGMMAs, the dQ chunks (or with `dq_grads` its swizzle atoms), TMA loads, the partials sent by 16-byte st.async
-    into the peer's smem, dQ reduced by TMA reductions from smem (bulk groups committed and
-    waited), cluster barriers; no local memory, setmaxnreg as `reg_split`, no spills, and ptxas
-    does not serialise the WGMMAs (none is issued under a runtime branch or left in flight
-    across one)."""
+    WGMMAs, the dQ chunks (or with `dq_grads` its swizzle atoms), TMA loads, the partials sent
+    by 16-byte st.async into the peer's smem, dQ reduced by TMA reductions from smem (bulk
+    groups committed and waited), cluster barriers; no local memory, setmaxnreg as
+    `reg_split`, no spills, and ptxas does not serialise the WGMMAs (none is issued under a
+    runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     cfg = dataclasses.replace(cfg, dq_grads=dq_grads)
