@@ -59,13 +59,11 @@ class Options:
                  reductions in whatever order they land, so dQ's last bits vary run to run
                  (dK, dV do not; GPU-tested and sanitizer-clean). True, or torch's
                  `use_deterministic_algorithms(True)`: the atomic-free kernels everywhere,
-                 the same bits every run
-                 (FFPA_CUTE_DETERMINISTIC).
+                 the same bits every run (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
                  never run on the device's target (or of a configuration not verified on any
-                 GPU, e.g. the fused backward with a sliding window) first passes a canary
-                 problem against a float32 reference,
-                 else it falls back (ffpa_cute/selfcheck.py); "always": every family; "off":
+                 GPU, e.g. the fused backward at D=576 in fp16) first passes a canary problem
+                 against a float32 reference, else it falls back (ffpa_cute/selfcheck.py); "always": every family; "off":
                  no canary (FFPA_CUTE_SELF_CHECK).
     """
 

@@ -43,8 +43,8 @@ Status (all three kernels, D up to 1024 with the gradient split over a CTA pair 
 16 == 8 included, dK's sequential score products at D <= 512, Dv != D, split head groups,
 varlen): run and tested on the H200 against float64 (tests/test_backward_sm90_gpu.py,
 tests/test_features_gpu.py; docs/verification.md); the gradient in one CTA from 520 to 576
-(`wide_o`): run, tested and sanitizer-clean on an H100 only. Constraints: those of `FwdConfigSm90`;
-configs and planners in config.py.
+(`wide_o`): run, tested and sanitizer-clean on an H100 only. Constraints: those of
+`FwdConfigSm90`; configs and planners in config.py.
 """
 
 from __future__ import annotations

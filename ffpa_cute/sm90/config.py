@@ -41,6 +41,7 @@ from ..common.config import deepest_rings
 from ..problem import AttnProblem
 
 SMEM_CAPACITY = 232448  # bytes per CTA on sm_90a
+WGMMA_MAX_N = 256       # the widest WGMMA (m64nNk16) accumulator
 DTYPES = ("bf16", "fp16")
 FP8_DTYPES = ("e4m3",)
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "e4m3": 1}
@@ -368,13 +369,13 @@ def _wide_fits(problem: AttnProblem) -> bool:
 
 def pv_atom_n(width: int) -> int:
     """The N of the WGMMAs an O warpgroup's `width` columns are issued as: width itself up to
-    WGMMA's 256, else (`wide_o`, width a multiple of 32) the widest divisor of it that is at
-    most 256 and a whole number of the V stage's swizzle atoms at 16 bits (64 columns for the
+    WGMMA_MAX_N, else (`wide_o`, width a multiple of 32) the widest divisor of it that is at
+    most WGMMA_MAX_N and a whole number of the V stage's swizzle atoms at 16 bits (64 columns for the
     128-byte swizzle, when width % 64 == 0; else 32 for the 64-byte one): 96 for 288."""
-    if width <= 256:
+    if width <= WGMMA_MAX_N:
         return width
     step = 64 if width % 64 == 0 else 32
-    return max(n for n in range(step, 257, step) if width % n == 0)
+    return max(n for n in range(step, WGMMA_MAX_N + 1, step) if width % n == 0)
 
 
 @dataclass(frozen=True)
@@ -702,8 +703,8 @@ def can_implement(cfg: FwdConfigSm90) -> str | None:
                     f"Dv == D in ({MAX_SINGLE_CTA_HEAD_DIM}, {WIDE_MAX_DV}], 16-bit operands, "
                     f"no decode, varlen or persistent CTAs, half_align 32 or 64 and shares of "
                     f"at most {WIDE_SHARE} columns")
-    elif max(cfg.dv_halves) > 256:
-        return f"O warpgroup width {max(cfg.dv_halves)} > 256 (a WGMMA N)"
+    elif max(cfg.dv_halves) > WGMMA_MAX_N:
+        return f"O warpgroup width {max(cfg.dv_halves)} > {WGMMA_MAX_N} (a WGMMA N)"
     if cfg.tile_n not in (64, 128):
         return "tile_n must be 128 (64: the backward's dQ kernel, two score accumulators)"
     if cfg.shared_kv:
@@ -1174,9 +1175,8 @@ FUSED_ROUTED_MAX_HEAD_DIM = 576   # the default route takes the fused kernel up 
 @dataclass(frozen=True)
 class BwdFusedConfigSm90:
     """Compile key of the fused backward (`FFPABwdFusedSm90`; issue 17's 5-unit design,
-    GPU-tested and sanitizer-clean, `VERIFIED`): the default
-    backward (`Options.deterministic` False) where it measured faster than the atomic-free
-    kernels).
+    GPU-tested and sanitizer-clean, `VERIFIED`): the default backward (`Options.deterministic`
+    False) where it measured faster than the atomic-free kernels).
 
     arch:       "sm_90a"
     dtype:      "bf16" | "fp16"
@@ -1250,9 +1250,9 @@ class BwdFusedConfigSm90:
 
     @property
     def wide(self) -> bool:
-        """Whether a CTA's half is wider than one WGMMA (256 columns): dK_r / dV_r issued as
-        m64n`pv_atom_n(half)` WGMMAs, registers by `reg_split`'s wide row."""
-        return self.half > 256
+        """Whether a CTA's half is wider than one WGMMA (WGMMA_MAX_N columns): dK_r / dV_r
+        issued as m64n`pv_atom_n(half)` WGMMAs, registers by `reg_split`'s wide row."""
+        return self.half > WGMMA_MAX_N
 
     @property
     def x_groups(self) -> int:
@@ -1381,9 +1381,9 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
     if cfg.wide and (cfg.cluster_d != 2 or cfg.dq_grads != 1 or cfg.window):
         return (f"head_dim={cfg.head_dim} over {cfg.cluster_d} CTAs ({cfg.half} columns each, "
                 f"wider than one WGMMA) with cluster_d={cfg.cluster_d}, dq_grads="
-                f"{cfg.dq_grads}, window={cfg.window}: a CTA half above 256 columns is built "
-                "for the pair only, with dQ by the dV warpgroup (dq_grads 1) and no window "
-                "(the registers that fit)")
+                f"{cfg.dq_grads}, window={cfg.window}: a CTA half above {WGMMA_MAX_N} columns "
+                "is built for the pair only, with dQ by the dV warpgroup (dq_grads 1) and no "
+                "window (the registers that fit)")
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
     if cfg.smem_bytes() > SMEM_CAPACITY:

@@ -34,9 +34,10 @@ factors (common/softmax.py, Note [Sinks]).
 
 D > 576, and the FP8 and varlen forwards above 512 (config `o_split` = 2): O[64 x D] does
 not fit two warpgroups' registers, so two adjacent CTAs take the same Q tile and each computes
-D/2 columns of O (its O warpgroups D/4 each). Both compute the whole S = Q K^T (QK is recomputed: 2/3 of the tensor work is counted at
-D=1024), and Q does not stay resident (64 x 1024 would be 128 KB): it streams through the K
-ring, a [64 x 64] Q chunk beside each [128 x 64] K chunk, on the same barrier. CTA 0 writes LSE.
+D/2 columns of O (its O warpgroups D/4 each). Both compute the whole S = Q K^T (QK is
+recomputed: 2/3 of the tensor work is counted at D=1024), and Q does not stay resident (64 x
+1024 would be 128 KB): it streams through the K ring, a [64 x 64] Q chunk beside each [128 x
+64] K chunk, on the same barrier. CTA 0 writes LSE.
 Run and tested on the H200; the forward's route for D > 512 only with `Options.kv_pair` off (the
 backward kernels split their gradient this way above 512).
 
