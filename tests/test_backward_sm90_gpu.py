@@ -227,13 +227,13 @@ def test_dv_not_d(seed, d, dv, causal, nq, nkv, ratio):
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dv=dv)
 
 
-def _fused_plan(problem, **fields):
-    """The fused backward (planned here, whatever the options; `fields` change its config),
-    after the Delta kernel."""
+def _fused_plan(problem, pad=None, **fields):
+    """The fused backward (planned here, whatever the options; `pad`: `plan_bwd_fused`'s;
+    `fields` change its config), after the Delta kernel."""
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.sm90.config import plan_bwd_fused
 
-    cfg = dataclasses.replace(plan_bwd_fused(problem), **fields)
+    cfg = dataclasses.replace(plan_bwd_fused(problem, pad=pad), **fields)
     return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
         DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v), cfg))
 
@@ -259,15 +259,8 @@ def test_fused_padded(seed, d, causal, nq, nkv, ratio, dt):
     """D % 64 != 0 on the fused kernel at the next multiple of 64 (`plan_bwd_fused(pad=True)`:
     q, k, v and dout zero-padded by `launch.run_bwd`, the extra columns' gradients dropped):
     all three gradients against float64."""
-    from ffpa_cute.common.config import DeltaConfig
-    from ffpa_cute.sm90.config import plan_bwd_fused
-
-    def plan(problem):
-        return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
-            DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v),
-            plan_bwd_fused(problem, pad=True)))
-
-    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt, plan=plan)
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt,
+           plan=lambda p: _fused_plan(p, pad=True))
 
 
 # the default route: the fused kernel at D 320-576 in steps of 64 (groups up to 64), else the
