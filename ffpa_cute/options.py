@@ -53,8 +53,9 @@ class Options:
     fast_launch: a repeated no-grad call with the same signature goes straight to a launcher
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     deterministic: the backward: False (default): on sm90 the fused kernel where it builds
-                 and measured faster (D 320-576 in steps of 64, up to 64 query heads per KV
-                 head, Dv == D, not varlen, D=576 without a window; elsewhere the
+                 and measured faster (D 264-576, D % 64 != 0 on operands zero-padded to
+                 the next multiple of 64; up to 64 query heads per KV head, Dv == D, not
+                 varlen, D 520-576 without a window; elsewhere the
                  atomic-free kernels): 5 GEMM units instead of 8, dQ summed by fp32
                  reductions in whatever order they land, so dQ's last bits vary run to run
                  (dK, dV do not; GPU-tested and sanitizer-clean). True, or torch's

@@ -21,7 +21,7 @@ layouts; causal in both alignments, Nq != Nkv, GQA / MQA, bf16 and fp16; the FP8
 them through the default fused backward) and the split-KV decode kernel on a paged and a
 contiguous cache, 16-bit and e4m3, and a causal chunk (`KV_CASES`); the one-launch varlen
 forward and backward over packed sequences of unequal query and key lengths, empty ones
-included (`VARLEN_CASES`); the fused backward (the default at D 320-576 in steps of 64) through
+included (`VARLEN_CASES`); the fused backward (the default at D 264-576) through
 its plans (`FUSED_CASES`).
 
 racecheck checks only our kernels (`--kernel-name kns=ffpa_cute`: torch's own kernels would

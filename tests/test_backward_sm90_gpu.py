@@ -263,8 +263,8 @@ def test_fused_padded(seed, d, causal, nq, nkv, ratio, dt):
            plan=lambda p: _fused_plan(p, pad=True))
 
 
-# the default route: the fused kernel at D 320-576 in steps of 64 (groups up to 64), else the
-# atomic-free kernels (D % 64 != 0, D > 576)
+# the default route: the fused kernel at D 264-576 (D % 64 != 0 on operands zero-padded to the
+# next multiple of 64; groups up to 64), else the atomic-free kernels (D > 576)
 DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),
                  (320, False, 1000, 1000, 1, torch.float16),
                  (448, True, 1000, 129, 64, torch.bfloat16),
@@ -280,11 +280,10 @@ def test_default_route(seed, d, causal, nq, nkv, ratio, dt):
     kernel where `fused_pays` and it builds, else the atomic-free kernels): all three
     gradients against float64; the atomic-free grid above runs with `deterministic`."""
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import fused_pays
 
     def plan(problem):
         routed = dispatch.plan_bwd(problem, torch.device("cuda"), opts=Options(family="sm90"))
-        fused = fused_pays(problem) and d % 64 == 0 and d <= 576
+        fused = 264 <= d <= 576 and ratio <= 64
         assert (routed.jobs[1][0].__name__ == "FFPABwdFusedSm90") == fused, routed.jobs
         return routed
 

@@ -344,24 +344,24 @@ def test_padded_host_path_with_the_kernel_emulated(monkeypatch, d, causal, nq, n
 
 
 def test_padded_plan(monkeypatch):
-    """`FUSED_PAD` (off by default): with it the default route plans D % 64 != 0 from 264 on
-    the fused kernel at the next multiple of 64 (Delta at D), up to 576 and not with a window
-    at 576; without it those D keep the atomic-free kernels."""
+    """`FUSED_PAD` (on by default): the default route plans D % 64 != 0 from 264 on the fused
+    kernel at the next multiple of 64 (Delta at D), up to 576 and not with a window at 576;
+    with it off those D keep the atomic-free kernels."""
     fast = Options()
-    for d in (264, 336, 520):
+    dispatch.clear_plans()
+    for d, width in ((264, 320), (336, 384), (520, 576), (568, 576), (512, 512)):
+        plan = dispatch.plan_bwd(_problem(d, True), target="sm_90a", opts=fast)
+        delta, fused = plan.cfgs
+        assert (delta.head_dim, fused.head_dim, launch.fused_width(plan)) == (d, width, width)
+    for p in (_problem(520, window_lo=-8), _problem(584), _problem(336, dv=320)):
         assert "BwdFusedConfigSm90" not in [type(c).__name__ for c in dispatch.plan_bwd(
-            _problem(d, True), target="sm_90a", opts=fast).cfgs]
-    monkeypatch.setattr(c90, "FUSED_PAD", True)
+            p, target="sm_90a", opts=fast).cfgs], p
+    monkeypatch.setattr(c90, "FUSED_PAD", False)
     dispatch.clear_plans()
     try:
-        for d, width in ((264, 320), (336, 384), (520, 576), (568, 576), (512, 512)):
-            plan = dispatch.plan_bwd(_problem(d, True), target="sm_90a", opts=fast)
-            delta, fused = plan.cfgs
-            assert (delta.head_dim, fused.head_dim, launch.fused_width(plan)) == (
-                d, width, width)
-        for p in (_problem(520, window_lo=-8), _problem(584), _problem(336, dv=320)):
+        for d in (264, 336, 520):
             assert "BwdFusedConfigSm90" not in [type(c).__name__ for c in dispatch.plan_bwd(
-                p, target="sm_90a", opts=fast).cfgs], p
+                _problem(d, True), target="sm_90a", opts=fast).cfgs]
     finally:
         monkeypatch.undo()
         dispatch.clear_plans()
@@ -369,7 +369,7 @@ def test_padded_plan(monkeypatch):
 
 def test_routed_unless_deterministic(monkeypatch):
     """By default (`Options.deterministic` False) the sm90 backward is the fused kernel where it
-    builds and measured faster (D 320-576 in steps of 64, up to 64 query heads per KV head;
+    builds and measured faster (D 264-576, D % 64 != 0 padded, up to 64 query heads per KV head;
     else the atomic-free kernels); `deterministic=True`, FFPA_CUTE_DETERMINISTIC=1 or torch's
     `use_deterministic_algorithms(True)` keep the atomic-free ones. Its config is VERIFIED
     (run, tested, sanitizer-clean), so neither needs the canary on sm_90a."""
@@ -382,7 +382,7 @@ def test_routed_unless_deterministic(monkeypatch):
     assert from_env({"FFPA_CUTE_DETERMINISTIC": "1"}) == exact
     atomic_free = ["BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
     for d, causal, hkv in ((512, True, 4), (384, False, 4), (320, False, 4), (512, True, 1),
-                           (576, True, 4)):
+                           (576, True, 4), (336, True, 4), (520, False, 4)):
         p = dataclasses.replace(_problem(d, causal), heads_q=64, heads_kv=hkv)
         plan = dispatch.plan_bwd(p, target="sm_90a")
         assert [type(c).__name__ for c in plan.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
@@ -394,7 +394,7 @@ def test_routed_unless_deterministic(monkeypatch):
         assert for_backward(fast) == exact
         assert dispatch.plan_bwd(p, target="sm_90a").cfgs == kept.cfgs
         monkeypatch.undo()
-    for p in (_problem(640), _problem(520), _problem(512, dv=256), _problem(512, varlen=True),
+    for p in (_problem(640), _problem(584), _problem(512, dv=256), _problem(512, varlen=True),
               _problem(576, window_lo=-8),
               dataclasses.replace(_problem(512), heads_q=128, heads_kv=1)):
         plan = dispatch.plan_bwd(p, target="sm_90a", opts=fast)

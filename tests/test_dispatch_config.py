@@ -236,7 +236,7 @@ def test_backward_routing(d, target, family, grads):
     columns past D, as in the forward), on sm_80 the Split-D backward, on sm_12x the Split-D
     backward and on sm_100 the tcgen05 dQ / dK / dV (both compile-verified only; canaried on
     first use). Delta runs first. With `deterministic` off (the default) the sm90 backward at
-    D 320-576 in steps of 64 is the fused kernel instead (test_bwd_fused)."""
+    D 264-576 is the fused kernel instead (test_bwd_fused)."""
     plan = dispatch.plan_bwd(prob(d=d), target=target, opts=Options(deterministic=True))
     if family is None:
         assert plan.reason and not plan.cfgs

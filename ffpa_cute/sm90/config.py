@@ -1399,8 +1399,12 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
 FUSED_MIN_HEAD_DIM = 320
 FUSED_MAX_GROUP = 64
 # D % 64 != 0 on the fused kernel at the next multiple of 64 (`fused_head_dim`: q, k, v and
-# dout zero-padded by `launch.run_bwd`): off until measured against the atomic-free kernels
-FUSED_PAD = False
+# dout zero-padded by `launch.run_bwd`, the copies included), against the atomic-free kernels
+# (H100, bf16, B=1, H=32, N=8K, TFLOPS, not causal / causal; perf.bwd_fused --padded,
+# 2026-12-06): D=264 215 / 202 against 175 / 167, 336 257 / 235 against 195 / 187, 400 248 /
+# 230 against 201 / 195, 480 284 / 262 against 214 / 210, 520 241 / 224 against 172 / 164,
+# 544 251 / 229 against 190 / 178, GQA 32/4 causal at 336 230 against 189
+FUSED_PAD = True
 
 
 def fused_head_dim(problem: AttnProblem, pad: bool | None = None) -> int:
