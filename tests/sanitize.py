@@ -157,6 +157,10 @@ FUSED_CASES = [
     # D=576 over the pair: 288 columns a CTA, dK / dV as m64n96 WGMMAs, one Q and one dO stage
     ("sm90 fused backward D576 over the pair (wide), GQA causal", 4, 2, 129, 333, 576, True, 1,
      False),
+    ("sm90 fused backward D576 over the pair (wide) fp16, Nq > Nkv", 2, 2, 200, 77, 576, False,
+     1, False, None, "fp16"),
+    # D % 64 != 0 on operands zero-padded to the next multiple of 64 (`FUSED_PAD`)
+    ("sm90 fused backward D520 padded to 576, GQA causal", 4, 2, 129, 333, 520, True, 1, False),
     # D over C CTAs (`scatter`; last field: C)
     ("sm90 fused backward D1024 over 4 CTAs, scatter, GQA", 4, 2, 129, 333, 1024, True, 1,
      False, 4),
@@ -190,20 +194,22 @@ def _n_selected() -> int:
     return sum(map(_selected, labels))
 
 
-def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=None):
+def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=None,
+                dtype="bf16"):
     """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel;
-    `cluster_d`: D over that many CTAs with `scatter`)."""
+    `cluster_d`: D over that many CTAs with `scatter`; D % 64 != 0 at the next multiple of 64
+    on zero-padded operands, as `plan_bwd_fused` plans it)."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.sm90.config import plan_bwd_fused
 
-    p = AttnProblem(dtype="bf16", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
+    p = AttnProblem(dtype=dtype, batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
     kw = dict(cluster_d=cluster_d, scatter=True) if cluster_d else {}
     cfg = dataclasses.replace(plan_bwd_fused(p, **kw), dq_grads=dq_grads,
                               group_split=group_split)
-    return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", "bf16", d),
+    return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", dtype, d),
                                                           cfg))
 
 
@@ -440,10 +446,9 @@ def workload() -> int:
             continue
         p, plan = plan_of()
         hq, hkv, nq, nkv, d = p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim
-        q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=torch.bfloat16)
-                 for _ in range(2))
-        k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=torch.bfloat16)
-                for _ in range(2))
+        dt = dtypes[p.dtype]
+        q, do = (torch.randn(1, hq, nq, d, device="cuda", dtype=dt) for _ in range(2))
+        k, v = (torch.randn(1, hkv, nkv, d, device="cuda", dtype=dt) for _ in range(2))
         out, lse = ffpa_cute.attention(q, k, v, is_causal=p.causal, enable_gqa=hq != hkv,
                                        return_lse=True, strict=True)
         launch.run_bwd(plan, q, k, v, out, lse, do)
