@@ -10,7 +10,6 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
     python -m perf.bwd_fused --padded [...]       # D % 64 != 0 on the fused kernel, padded
-    python -m perf.bwd_fused --rotated [...]      # GQA / MQA walk and layout (BHSD / BSHD)
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -463,88 +462,6 @@ def run_schedule(dev, flush) -> dict:
     return res
 
 
-# `--rotated`: GQA / MQA cases whose walk is timed as planned and blocks outer, heads rotated
-ROTATED_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (512, True, 32, 32, 8192))
-
-
-class _Rotated(FFPABwdFusedSm90):
-    """The pair's walk with the query blocks outer and the group's heads inner, rotated by the
-    key tile: step i is block row n_top - 1 - i // G of head (i + m_block) % G. Under causal
-    masking every tile's walk starts at the same top row, so the ~66 pairs on the GPU stay on
-    one block row (its Q / dO and dQ rows over the G heads: 8 MB each at MQA 64:1, D=512, inside
-    L2) while adding into different heads' dQ rows; the planned walk (heads outer) lets the
-    pairs drift over all G heads (`--schedule`: MQA 64/1 causal's period grows from ~8170 to
-    ~9400 cycles along the walk). Same blocks, another order: dK / dV sum the same products."""
-
-    @cute.jit
-    def _block(self, work, i):
-        n_per = cutlass.max(work.n_per, 1)
-        group = cutlass.max(work.n_count // n_per, 1)
-        return (work.head_q0 + (i % group + work.m_block) % group,
-                work.n_top - 1 - i // group)
-
-
-ROTATED_VARIANTS = {"planned walk": FFPABwdFusedSm90, "blocks outer, heads rotated": _Rotated}
-
-
-def rotated_jobs() -> list:
-    return [(cls, plans(case)["fused"].cfgs[-1]) for case in ROTATED_CASES
-            for cls in ROTATED_VARIANTS.values()]
-
-
-def _bshd(x):
-    """x's values in [B, N, H, D] storage, viewed [B, H, N, D] (every head's row n adjacent)."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def run_rotated(dev, flush) -> dict:
-    """The kernel alone, each walk on the same inputs in two layouts: [B, H, N, D] (each head's
-    rows contiguous) and [B, N, H, D] storage for q, k, v, dO and dq_acc (a block row's heads
-    adjacent: the rotated walk's pairs then touch 4 MB of Q, not 64 heads' 64 KB slices 16 MB
-    apart). If the late walk's period is address translation (pages touched at once) rather
-    than L2 capacity, the rotated walk gains in [B, N, H, D] only. Gradients against the
-    planned walk's in [B, H, N, D] (relative error < 5e-3: dK / dV summed in another order)."""
-    import torch
-
-    from ffpa_cute import launch
-    from ffpa_cute.reference import rel_err
-    from perf.flops import attn_flops_bwd
-
-    res = {}
-    for case in ROTATED_CASES:
-        d, causal, hq, hkv, n = case
-        plan, t, scalars = _kernel_inputs(case, dev)
-        cfg = plan.cfgs[-1]
-        flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
-        fns, grads, row = {}, {}, {}
-        for layout in ("BHSD", "BSHD"):
-            for name, cls in ROTATED_VARIANTS.items():
-                if hq == hkv and name != "planned walk":
-                    continue   # one head per group: nothing to rotate
-                conv = _bshd if layout == "BSHD" else (lambda x: x)
-                args = {**t, **{x: conv(t[x]) for x in ("q", "k", "v", "do")},
-                        "dq_acc": conv(torch.zeros_like(t["dq_acc"])),
-                        "dk": conv(torch.empty_like(t["dk"])),
-                        "dv": conv(torch.empty_like(t["dv"]))}
-                launch.run_job(cls, cfg, args, scalars)
-                torch.cuda.synchronize()
-                label = f"{name} {layout}"
-                grads[label] = [args[x].clone() for x in ("dq_acc", "dk", "dv")]
-                fns[label] = lambda c=cls, a=args: launch.run_job(c, cfg, a, scalars)  # noqa: E731
-        first = grads["planned walk BHSD"]
-        for label, ms in experiment.interleaved_ms(fns, dev, flush, rounds=4).items():
-            errs = [rel_err(x, y.double()) for x, y in zip(grads[label], first)]
-            row[label] = dict(ms=ms, tflops=flops / ms / 1e9, errs=errs)
-            if max(errs) >= 5e-3:   # reported, not fatal
-                print(f"{key} {label}: WRONG, dq/dk/dv errors {errs}", flush=True)
-        res[key] = row
-        print(f"{key} (the kernel alone): " + ", ".join(
-            f"{name} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS" for name, r in row.items()),
-            flush=True)
-    return res
-
-
 # `--variation`: (D, causal, Hq, Hkv, N) of the default backward run again and again
 VARIATION_CASES = ((512, False, 32, 32, 8192), (512, True, 32, 4, 8192),
                    (320, False, 32, 32, 8192))
@@ -597,7 +514,6 @@ def run_variation(dev, flush, runs: int = 5) -> dict:
 MODES = {
     "--variation": (variation_jobs, run_variation),
     "--schedule": (schedule_jobs, run_schedule),
-    "--rotated": (rotated_jobs, run_rotated),
     "--trace-wide": (lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
                      lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES,
                                                   TRACE_WIDE_VARIANTS)),
