@@ -57,9 +57,12 @@ def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
     of the forward's time at N=8K, the gain 13-30%: measured with the copy 8-23% faster
     forward, 21-30% faster backward, H100, perf.pad_d; `wide_o`, perf.one_cta, H100, N=8K:
     the forward at D=520 / 536 / 552 +17-37% with the copy, 528 / 544 +5-8% without it; the
-    backward at 520 +18% with it, 544 +4% without it, 576 even). p: the problem; cfg: the
-    (forward, or a gradient) kernel's config."""
+    backward at 520 +18% with it, 544 +4% without it, 576 even). Never for the fused backward
+    at a head dim above D (`fused_width`): `run_bwd` copies into zeroed rows of that width
+    instead. p: the problem; cfg: the (forward, or a gradient) kernel's config."""
     if not (type(cfg).__name__.endswith("Sm90") and p.dtype in ("bf16", "fp16")):
+        return False
+    if type(cfg).__name__ == "BwdFusedConfigSm90" and cfg.head_dim != p.head_dim:
         return False
     row = 2 * p.head_dim
     if p.head_dim > 512 and not getattr(cfg, "wide_o", False):
