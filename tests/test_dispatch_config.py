@@ -442,10 +442,10 @@ def test_row_repack_rule(d, n, fwd, bwd):
     kernels over a CTA pair at D > 512 (their TMA boxes straddle lines otherwise) and rows
     that do not start on 32-byte sectors (D % 16 == 8) at D <= 512 and before the kernels
     with O or the gradient in one CTA above it (`wide_o`, D <= 576), forward and backward,
-    when the work is
-    large enough (the fused backward at D % 64 != 0 copies into zeroed rows of the next multiple
-    of 64 instead: no repack, `FUSED_PAD`); the Split-D kernels read them as they are; the copy holds
-    the same values in [..., :D] of rows padded to 128 bytes, and an aligned tensor is kept."""
+    when the work is large enough (the fused backward at D % 64 != 0 copies into zeroed rows
+    of the next multiple of 64 instead: no repack, `FUSED_PAD`); the Split-D kernels read them
+    as they are; the copy holds the same values in [..., :D] of rows padded to 128 bytes, and
+    an aligned tensor is kept."""
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n)
     fp, bp = dispatch.plan_fwd(p, target="sm_90a"), dispatch.plan_bwd(p, target="sm_90a")
     assert launch.repack_rows(p, fp.cfg, n, n) == fwd
