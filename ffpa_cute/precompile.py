@@ -10,8 +10,9 @@ under the options in force (`ffpa_cute.options`; e.g. FFPA_CUTE_ARCH=sm80 for th
 it is the default (sm90, D 264-576, at the next multiple of 64) or dQ, dK and dV, for one
 query head per KV head and for GQA / MQA groups that the dV / dK kernels split;
 FFPA_CUTE_DETERMINISTIC=1 plans the atomic-free kernels everywhere, as `deterministic=True`
-runs them; with --decode the split-KV decode kernels of `attention_with_kvcache` for those page sizes: 16-bit caches,
-and e4m3 caches under the 16-bit dtypes when --dtypes has fp8), compiled
+runs them; with --decode the split-KV decode kernels of `attention_with_kvcache` for those
+page sizes: 16-bit caches, and e4m3 caches under the 16-bit dtypes when --dtypes has fp8),
+compiled
 from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
 an object file into `<cache-dir>/<fingerprint>/`. A process on the GPU machine that sets
 `FFPA_CUTE_CACHE_DIR` to the same directory (same package sources and cutlass-dsl version) loads
