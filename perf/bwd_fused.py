@@ -32,8 +32,8 @@ m64n96 WGMMAs; not routed until measured) beside the routed backward there (the 
 kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the default run.
 
 `--padded`: D % 64 != 0 on the fused kernel at the next multiple of 64 (q, k, v, dout
-zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/config.FUSED_PAD`, off until
-this measures it) beside the atomic-free backward the route takes there (`PAD_CASES`).
+zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/config.FUSED_PAD`, on since
+this measured it, 2026-12-06) beside the atomic-free backward (`deterministic`) (`PAD_CASES`).
 
 `--variation`: the default backward (the fused kernel at these D) five times on the same
 inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by

@@ -92,7 +92,7 @@
 #   bwd17 issue 17's acceptance table in one call: perf.sweep --bwd at D 320 / 512 / 576 /
 #         1024, N 8K / 16K, causal, GQA 32/4 causal (gemma4) and MQA 64/1 causal, with
 #         SWEEP_BASELINES (default sdpa,ffpa: stage with STAGE_PEERS=1)
-#   padded the fused backward at D % 64 != 0 on zero-padded operands (`FUSED_PAD`, off):
+#   padded the fused backward at D % 64 != 0 on zero-padded operands (`FUSED_PAD`, routed):
 #         test_fused_padded (float64), then perf.bwd_fused --padded beside the atomic-free
 #         backward (precompile: `python -m perf.bwd_fused --padded --precompile DIR`, packed)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
