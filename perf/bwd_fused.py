@@ -10,6 +10,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
     python -m perf.bwd_fused --padded [...]       # D % 64 != 0 on the fused kernel, padded
+    python -m perf.bwd_fused --l2-probe [...]     # MQA / MHA causal once each, for ncu
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -462,6 +463,35 @@ def run_schedule(dev, flush) -> dict:
     return res
 
 
+# `--l2-probe`: (D, causal, Hq, Hkv, N) whose fused kernel runs once each, for a profiler
+L2_PROBE_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 32, 8192), (512, False, 64, 1, 8192))
+
+
+def l2_probe_jobs() -> list:
+    return [(FFPABwdFusedSm90, plans(case)["fused"].cfgs[-1]) for case in L2_PROBE_CASES]
+
+
+def run_l2_probe(dev, flush) -> dict:
+    """The planned fused kernel launched once per case on fresh inputs, nothing timed: the
+    workload for Nsight Compute's counters (verify_gpu.sh's `l2` section reads DRAM bytes and
+    the L2 hit rate of each launch), to test whether MQA causal's longer period is its pairs
+    re-reading Q / dO and re-fetching dq_acc lines from DRAM (each (head, block) visited by up
+    to 128 key tiles at times far apart) where MHA's and non-causal MQA's pairs, in step, find
+    them in L2."""
+    import torch
+
+    from ffpa_cute import launch
+
+    for case in L2_PROBE_CASES:
+        plan, t, scalars = _kernel_inputs(case, dev)
+        torch.cuda.synchronize()
+        launch.run_job(FFPABwdFusedSm90, plan.cfgs[-1], t, scalars)
+        torch.cuda.synchronize()
+        print(f"launched: D={case[0]} {'causal' if case[1] else 'full'} {case[2]}/{case[3]} "
+              f"N={case[4]}", flush=True)
+    return {}
+
+
 # `--variation`: (D, causal, Hq, Hkv, N) of the default backward run again and again
 VARIATION_CASES = ((512, False, 32, 32, 8192), (512, True, 32, 4, 8192),
                    (320, False, 32, 32, 8192))
@@ -514,6 +544,7 @@ def run_variation(dev, flush, runs: int = 5) -> dict:
 MODES = {
     "--variation": (variation_jobs, run_variation),
     "--schedule": (schedule_jobs, run_schedule),
+    "--l2-probe": (l2_probe_jobs, run_l2_probe),
     "--trace-wide": (lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
                      lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES,
                                                   TRACE_WIDE_VARIANTS)),

@@ -95,6 +95,10 @@
 #   padded the fused backward at D % 64 != 0 on zero-padded operands (`FUSED_PAD`, routed):
 #         test_fused_padded (float64), then perf.bwd_fused --padded beside the atomic-free
 #         backward (precompile: `python -m perf.bwd_fused --padded --precompile DIR`, packed)
+#   l2    Nsight Compute on the fused backward (perf.bwd_fused --l2-probe: D=512 MQA 64/1
+#         causal, MHA causal, MQA not causal, one launch each): DRAM bytes read / written and
+#         the L2 hit rate, MQA causal's longer period against the in-step walks (precompile:
+#         `python -m perf.bwd_fused --l2-probe --precompile DIR`, packed)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -162,6 +166,13 @@ if has padded; then
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
       -k padded 2>&1 | tee "$out/gpu_padded.log" | grep -E "FAIL|ERROR|passed|failed" | tail -8
   timeout 300 python -m perf.bwd_fused --padded --out "$out/bwd_padded.json"
+fi
+if has l2; then
+  step "the fused backward under Nsight Compute: DRAM bytes and L2 hit rate (MQA / MHA causal)"
+  timeout 400 ncu --clock-control none --kernel-name regex:Fused --metrics \
+      dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+      python -m perf.bwd_fused --l2-probe > "$out/l2.log" 2>&1
+  grep -E "launched|dram__|lts__|gpu__time|Fused|==ERR|==WARN" "$out/l2.log" | cut -c1-160
 fi
 if has fused; then
   step "the fused backward: GPU tests, then perf.bwd_fused and its run-to-run variation"
