@@ -463,32 +463,58 @@ def run_schedule(dev, flush) -> dict:
     return res
 
 
-# `--l2-probe`: (D, causal, Hq, Hkv, N) whose fused kernel runs once each, for a profiler
-L2_PROBE_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 32, 8192), (512, False, 64, 1, 8192))
+# `--l2-probe`: (D, causal, Hq, Hkv, N, walk) whose fused kernel runs once each, for a profiler
+class _BlocksOuter(FFPABwdFusedSm90):
+    """The pair's walk with the query blocks outer and the group's heads inner: step i is block
+    row n_top - 1 - i // G of head i % G, so the pairs of a wave visit each (head, block) at
+    the same step (MQA causal's planned walk, heads outer, spreads them over the heads)."""
+
+    @cute.jit
+    def _block(self, work, i):
+        n_per = cutlass.max(work.n_per, 1)
+        group = cutlass.max(work.n_count // n_per, 1)
+        return work.head_q0 + i % group, work.n_top - 1 - i // group
+
+
+class _Rotated(FFPABwdFusedSm90):
+    """`_BlocksOuter` with each tile's heads rotated by its index: step i is block row n_top - 1
+    - i // G of head (i + m_block) % G (a wave's pairs on one block row, on different heads)."""
+
+    @cute.jit
+    def _block(self, work, i):
+        n_per = cutlass.max(work.n_per, 1)
+        group = cutlass.max(work.n_count // n_per, 1)
+        return (work.head_q0 + (i % group + work.m_block) % group,
+                work.n_top - 1 - i // group)
+
+
+WALKS = {"planned": FFPABwdFusedSm90, "blocks outer": _BlocksOuter, "rotated": _Rotated}
+L2_PROBE_CASES = ((512, True, 64, 1, 8192, "planned"), (512, True, 64, 1, 8192, "blocks outer"),
+                  (512, True, 64, 1, 8192, "rotated"), (512, True, 32, 32, 8192, "planned"),
+                  (512, False, 64, 1, 8192, "planned"))
 
 
 def l2_probe_jobs() -> list:
-    return [(FFPABwdFusedSm90, plans(case)["fused"].cfgs[-1]) for case in L2_PROBE_CASES]
+    return [(WALKS[case[5]], plans(case[:5])["fused"].cfgs[-1]) for case in L2_PROBE_CASES]
 
 
 def run_l2_probe(dev, flush) -> dict:
-    """The planned fused kernel launched once per case on fresh inputs, nothing timed: the
-    workload for Nsight Compute's counters (verify_gpu.sh's `l2` section reads DRAM bytes and
-    the L2 hit rate of each launch), to test whether MQA causal's longer period is its pairs
-    re-reading Q / dO and re-fetching dq_acc lines from DRAM (each (head, block) visited by up
-    to 128 key tiles at times far apart) where MHA's and non-causal MQA's pairs, in step, find
-    them in L2."""
+    """The fused kernel (the planned walk, or at MQA causal the walks of `WALKS`) launched once
+    per case on fresh inputs, nothing timed: the workload for Nsight Compute's counters
+    (verify_gpu.sh's `l2` section reads DRAM bytes and the L2 hit rate of each launch): MQA
+    causal's planned walk visits each (head, block) from up to 128 key tiles at times far apart,
+    where MHA's and non-causal MQA's pairs, in step, find Q / dO and dq_acc in L2."""
     import torch
 
     from ffpa_cute import launch
 
     for case in L2_PROBE_CASES:
-        plan, t, scalars = _kernel_inputs(case, dev)
+        plan, t, scalars = _kernel_inputs(case[:5], dev)
         torch.cuda.synchronize()
-        launch.run_job(FFPABwdFusedSm90, plan.cfgs[-1], t, scalars)
+        launch.run_job(WALKS[case[5]], plan.cfgs[-1], t, scalars)
         torch.cuda.synchronize()
         print(f"launched: D={case[0]} {'causal' if case[1] else 'full'} {case[2]}/{case[3]} "
-              f"N={case[4]}", flush=True)
+              f"N={case[4]} {case[5]} walk", flush=True)
     return {}
 
 
