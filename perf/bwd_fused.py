@@ -11,6 +11,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --wide [--precompile DIR | --out FILE]   # D=576 over the pair
     python -m perf.bwd_fused --padded [...]       # D % 64 != 0 on the fused kernel, padded
     python -m perf.bwd_fused --l2-probe [...]     # MQA / MHA causal once each, for ncu
+    python -m perf.bwd_fused --row-units [...]    # grouped causal by (row, tile) units
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -58,7 +59,8 @@ import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, const_expr
 
 from ffpa_cute.common.tensors import fake_tensor
-from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
+from ffpa_cute.common.mask import query_block_range
+from ffpa_cute.sm90.bwd_fused_sm90 import T, FFPABwdFusedSm90, FusedWork
 from ffpa_cute.sm90.config import FUSED_DQ_PIECE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp, medians, period, span
@@ -488,9 +490,58 @@ class _Rotated(FFPABwdFusedSm90):
                 work.n_top - 1 - i // group)
 
 
-WALKS = {"planned": FFPABwdFusedSm90, "blocks outer": _BlocksOuter, "rotated": _Rotated}
+class _RowUnits(FFPABwdFusedSm90):
+    """Grouped causal backward by row units (docs/perf-log.md session 34's proposal): a CTA
+    pair per (query block row r, key tile m), rows outer from the top and tiles inner, so the
+    pairs on the GPU share a row; a unit walks the G query heads of its row (none where the
+    causal bound leaves the tile out of the row) and adds its dK / dV partial sums into zeroed
+    fp32 workspaces (red.global.add.f32 from registers) that the caller casts. dQ as planned."""
+
+    @staticmethod
+    def fake_inputs(cfg):
+        q, k, v, do, dq, _, _, lse, delta = FFPABwdFusedSm90.fake_inputs(cfg)
+        return q, k, v, do, dq, fake_tensor(Float32, 4, 4), fake_tensor(Float32, 4, 4), lse, delta
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.out_dtype = Float32
+
+    def _units(self, mQ, mK):
+        return cute.ceil_div(mK.shape[2], T) * cute.ceil_div(mQ.shape[2], T)
+
+    @cute.jit
+    def _work(self, ops, m_block, head, batch, rank, scalars):
+        causal_offset, window_lo, scale_log2 = scalars
+        seqlen_q = ops.mdQ.shape[2]
+        tiles = (ops.mdK.shape[2] + T - 1) // T
+        row = (seqlen_q + T - 1) // T - 1 - m_block // tiles
+        m = m_block % tiles
+        group = ops.mdQ.shape[1] // ops.mdK.shape[1]
+        n_top, n_low = query_block_range(m, seqlen_q, causal_offset, window_lo, T, T,
+                                         self.cfg.causal)
+        n_per = Int32(0)
+        seqlen_k = Int32(0)   # an empty unit stores nothing (`_store_grad`'s rows_left)
+        if row >= n_low and row < n_top:
+            n_per = Int32(1)
+            seqlen_k = ops.mdK.shape[2]
+        return FusedWork(m, head, head, batch, rank, head * group, row + 1, n_per,
+                         n_per * group, seqlen_q, seqlen_k, causal_offset, window_lo,
+                         scale_log2)
+
+    @cute.jit
+    def _store_grad(self, acc_mn, tOgO_mn, tOcO_mn, rows_left):
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            if tOcO_mn[r, 0][0] < rows_left:
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    cute.arch.red(tOgO_mn.iterator + cute.crd2idx((r, c), tOgO_mn.layout),
+                                  acc_mn[r, c], op="add", dtype="f32", sem="relaxed",
+                                  scope="gpu")
+
+
+WALKS = {"planned": FFPABwdFusedSm90, "blocks outer": _BlocksOuter, "rotated": _Rotated,
+         "row units": _RowUnits}
 L2_PROBE_CASES = ((512, True, 64, 1, 8192, "planned"), (512, True, 64, 1, 8192, "blocks outer"),
-                  (512, True, 64, 1, 8192, "rotated"), (512, True, 32, 32, 8192, "planned"),
+                  (512, True, 64, 1, 8192, "rotated"), (512, True, 64, 1, 8192, "row units"), (512, True, 32, 32, 8192, "planned"),
                   (512, False, 64, 1, 8192, "planned"))
 
 
@@ -510,12 +561,72 @@ def run_l2_probe(dev, flush) -> dict:
 
     for case in L2_PROBE_CASES:
         plan, t, scalars = _kernel_inputs(case[:5], dev)
+        if case[5] == "row units":   # dK / dV partials added into zeroed fp32 workspaces
+            t.update(dk=t["dk"].float().zero_(), dv=t["dv"].float().zero_())
         torch.cuda.synchronize()
         launch.run_job(WALKS[case[5]], plan.cfgs[-1], t, scalars)
         torch.cuda.synchronize()
         print(f"launched: D={case[0]} {'causal' if case[1] else 'full'} {case[2]}/{case[3]} "
               f"N={case[4]} {case[5]} walk", flush=True)
     return {}
+
+
+# `--row-units`: grouped causal cases timed with the planned walk and by row units
+ROW_UNIT_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (576, True, 64, 1, 8192))
+
+
+def row_unit_jobs() -> list:
+    return [(cls, plans(case)["fused"].cfgs[-1]) for case in ROW_UNIT_CASES
+            for cls in (FFPABwdFusedSm90, _RowUnits)]
+
+
+def run_row_units(dev, flush) -> dict:
+    """Per case, the planned fused kernel against `_RowUnits` on the same inputs: dQ, dK, dV
+    compared (relative error < 5e-3: the same products summed in another order, dK / dV
+    through fp32 partial sums), then both timed in interleaved rounds, the row units with
+    their workspaces' zeroing and cast (what a routed form would run)."""
+    import torch
+
+    from ffpa_cute import launch
+    from ffpa_cute.reference import rel_err
+    from perf.flops import attn_flops_bwd
+
+    res = {}
+    for case in ROW_UNIT_CASES:
+        d, causal, hq, hkv, n = case
+        plan, t, scalars = _kernel_inputs(case, dev)
+        cfg = plan.cfgs[-1]
+        flops = attn_flops_bwd(B, hq, n, n, d, causal)
+        key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
+        planned = {**t, "dq_acc": torch.zeros_like(t["dq_acc"])}
+        rows = {**t, "dq_acc": torch.zeros_like(t["dq_acc"]),
+                "dk": t["dk"].float().zero_(), "dv": t["dv"].float().zero_()}
+        dk, dv = torch.empty_like(t["dk"]), torch.empty_like(t["dv"])
+
+        def by_rows():
+            rows["dk"].zero_()
+            rows["dv"].zero_()
+            launch.run_job(_RowUnits, cfg, rows, scalars)
+            dk.copy_(rows["dk"])
+            dv.copy_(rows["dv"])
+
+        launch.run_job(FFPABwdFusedSm90, cfg, planned, scalars)
+        by_rows()
+        torch.cuda.synchronize()
+        errs = [rel_err(x, y.double()) for x, y in zip(
+            (rows["dq_acc"], dk, dv), (planned["dq_acc"], planned["dk"], planned["dv"]))]
+        fns = {"planned walk": lambda: launch.run_job(FFPABwdFusedSm90, cfg, planned, scalars),
+               "row units": by_rows}
+        row = {name: dict(ms=ms, tflops=flops / ms / 1e9) for name, ms in
+               experiment.interleaved_ms(fns, dev, flush, rounds=4).items()}
+        row["row units"]["errs"] = errs
+        if max(errs) >= 5e-3:   # reported, not fatal
+            print(f"{key} row units: WRONG, dq/dk/dv errors {errs}", flush=True)
+        res[key] = row
+        print(f"{key} (the kernel alone): " + ", ".join(
+            f"{name} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS" for name, r in row.items())
+            + "; dq/dk/dv vs planned " + " ".join(f"{e:.1e}" for e in errs), flush=True)
+    return res
 
 
 # `--variation`: (D, causal, Hq, Hkv, N) of the default backward run again and again
@@ -571,6 +682,7 @@ MODES = {
     "--variation": (variation_jobs, run_variation),
     "--schedule": (schedule_jobs, run_schedule),
     "--l2-probe": (l2_probe_jobs, run_l2_probe),
+    "--row-units": (row_unit_jobs, run_row_units),
     "--trace-wide": (lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
                      lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES,
                                                   TRACE_WIDE_VARIANTS)),

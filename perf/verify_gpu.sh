@@ -96,9 +96,12 @@
 #         test_fused_padded (float64), then perf.bwd_fused --padded beside the atomic-free
 #         backward (precompile: `python -m perf.bwd_fused --padded --precompile DIR`, packed)
 #   l2    Nsight Compute on the fused backward (perf.bwd_fused --l2-probe: D=512 MQA 64/1
-#         causal, MHA causal, MQA not causal, one launch each): DRAM bytes read / written and
-#         the L2 hit rate, MQA causal's longer period against the in-step walks (precompile:
-#         `python -m perf.bwd_fused --l2-probe --precompile DIR`, packed)
+#         causal by four walks (planned, blocks outer, rotated, row units), MHA causal, MQA
+#         not causal, one launch each): DRAM bytes read / written and the L2 hit rate
+#         (precompile: `python -m perf.bwd_fused --l2-probe --precompile DIR`, packed)
+#   rows  perf.bwd_fused --row-units: grouped causal backward by (query row, key tile) units
+#         against the planned walk (MQA 64/1 and GQA 32/4 at D=512, MQA at 576), gradients
+#         compared, timed (precompile: `python -m perf.bwd_fused --row-units --precompile DIR`)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -173,6 +176,10 @@ if has l2; then
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       python -m perf.bwd_fused --l2-probe > "$out/l2.log" 2>&1
   grep -E "launched|dram__|lts__|gpu__time|Fused|==ERR|==WARN" "$out/l2.log" | cut -c1-160
+fi
+if has rows; then
+  step "grouped causal backward by row units against the planned walk"
+  timeout 300 python -m perf.bwd_fused --row-units --out "$out/row_units.json"
 fi
 if has fused; then
   step "the fused backward: GPU tests, then perf.bwd_fused and its run-to-run variation"

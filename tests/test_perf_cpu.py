@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -686,3 +687,17 @@ def test_stamped_rate_reads_the_ctas_cycles():
     r = experiment.stamped_rate(fn, clk, 4000, torch.device("cpu"), None)
     assert r["bytes_per_clock_sm"] == 2.0 and r["ms"] > 0
     assert r["tb_per_s"] == pytest.approx(3 * 4000 / r["ms"] / 1e9)
+
+
+def test_row_units_compile_to_reductions(tmp_path, monkeypatch):
+    """perf.bwd_fused's row-unit walk (an experiment subclass of the fused backward, not
+    routed; docs/perf-log.md session 34) compiles for sm_90a and adds its dK / dV partial sums
+    with fp32 reductions from registers instead of storing them."""
+    monkeypatch.chdir(tmp_path)   # the compiler may leave its PTX in the working directory
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    from perf import bwd_fused
+
+    cfg = bwd_fused.plans(bwd_fused.ROW_UNIT_CASES[0])["fused"].cfgs[-1]
+    ptx = bwd_fused._RowUnits.compile(cfg, options="--keep-ptx").__ptx__
+    assert re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx), "no fp32 red"
+    assert "wgmma.mma_async" in ptx

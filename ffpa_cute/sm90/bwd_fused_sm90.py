@@ -322,16 +322,19 @@ class FFPABwdFusedSm90(KernelEntry):
         SharedStorage = _shared_storage(cfg, self.dtype, layouts)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
-        m_tiles = cute.ceil_div(mK.shape[2], T)
         # one CTA pair per key tile and KV head, or with `group_split` per part of its group
         heads = mdK.shape[1] if const_expr(cfg.group_split) else mK.shape[1]
-        grid = (cfg.cluster_d * m_tiles, cute.size(heads), cute.size(mK.shape[0]))
+        grid = (cfg.cluster_d * self._units(mQ, mK), cute.size(heads), cute.size(mK.shape[0]))
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
                     SharedStorage, extra).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream,
                                           min_blocks_per_mp=1,
                                           cluster=[cfg.cluster_d, 1, 1])
+
+    def _units(self, mQ: cute.Tensor, mK: cute.Tensor):
+        """Work units along the grid's x (a CTA pair each): one per key tile."""
+        return cute.ceil_div(mK.shape[2], T)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -881,7 +884,12 @@ class FFPABwdFusedSm90(KernelEntry):
         tOgO_mn = mn_view(thr.partition_C(gO))
         tOcO_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, h))))
         acc_mn = mn_view(acc)
-        rows_left = work.seqlen_k - work.m_block * T
+        self._store_grad(acc_mn, tOgO_mn, tOcO_mn, work.seqlen_k - work.m_block * T)
+
+    @cute.jit
+    def _store_grad(self, acc_mn, tOgO_mn, tOcO_mn, rows_left):
+        """A gradient warpgroup's dK or dV accumulators (rows, columns view) into its rows <
+        rows_left of gmem, converted to the stored dtype."""
         ncols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             if tOcO_mn[r, 0][0] < rows_left:
