@@ -279,8 +279,7 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
         raise NotImplementedError(plan.reason)
     p = plan.problem
     width = fused_width(plan)   # > D: the fused kernel on zero-padded operands
-    if (width == p.head_dim and q.numel() and k.numel()
-            and repack_rows(p, plan.cfgs[-1], q.shape[2], k.shape[2])):
+    if q.numel() and k.numel() and repack_rows(p, plan.cfgs[-1], q.shape[2], k.shape[2]):
         q, k, v, dout = (row_aligned(t) for t in (q, k, v, dout))
     q, k, v, dout, out = (kernel_ready(t) for t in (q, k, v, dout, out))
     t = dict(q=q, k=k, v=v, do=dout, o=out, lse=lse.contiguous())

@@ -63,9 +63,10 @@ class Options:
                  the same bits every run (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family
                  never run on the device's target (or of a configuration not verified on any
-                 GPU, e.g. the fused backward at D=576 in fp16) first passes a canary problem
-                 against a float32 reference, else it falls back (ffpa_cute/selfcheck.py); "always": every family; "off":
-                 no canary (FFPA_CUTE_SELF_CHECK).
+                 GPU, e.g. the fused backward with D over C CTAs, `scatter`) first passes a
+                 canary problem against a float32 reference, else it falls back
+                 (ffpa_cute/selfcheck.py); "always": every family; "off": no canary
+                 (FFPA_CUTE_SELF_CHECK).
     """
 
     family: str | None = None

@@ -469,25 +469,22 @@ def run_schedule(dev, flush) -> dict:
 class _BlocksOuter(FFPABwdFusedSm90):
     """The pair's walk with the query blocks outer and the group's heads inner: step i is block
     row n_top - 1 - i // G of head i % G, so the pairs of a wave visit each (head, block) at
-    the same step (MQA causal's planned walk, heads outer, spreads them over the heads)."""
+    the same step (MQA causal's planned walk, heads outer, spreads them over the heads).
+    ROTATE: each tile's heads rotated by its index, head (i + m_block) % G (a wave's pairs on
+    one block row, on different heads)."""
+
+    ROTATE = False
 
     @cute.jit
     def _block(self, work, i):
         n_per = cutlass.max(work.n_per, 1)
         group = cutlass.max(work.n_count // n_per, 1)
-        return work.head_q0 + i % group, work.n_top - 1 - i // group
+        step = i + work.m_block if const_expr(self.ROTATE) else i
+        return work.head_q0 + step % group, work.n_top - 1 - i // group
 
 
-class _Rotated(FFPABwdFusedSm90):
-    """`_BlocksOuter` with each tile's heads rotated by its index: step i is block row n_top - 1
-    - i // G of head (i + m_block) % G (a wave's pairs on one block row, on different heads)."""
-
-    @cute.jit
-    def _block(self, work, i):
-        n_per = cutlass.max(work.n_per, 1)
-        group = cutlass.max(work.n_count // n_per, 1)
-        return (work.head_q0 + (i % group + work.m_block) % group,
-                work.n_top - 1 - i // group)
+class _Rotated(_BlocksOuter):
+    ROTATE = True
 
 
 class _RowUnits(FFPABwdFusedSm90):
@@ -500,7 +497,8 @@ class _RowUnits(FFPABwdFusedSm90):
     @staticmethod
     def fake_inputs(cfg):
         q, k, v, do, dq, _, _, lse, delta = FFPABwdFusedSm90.fake_inputs(cfg)
-        return q, k, v, do, dq, fake_tensor(Float32, 4, 4), fake_tensor(Float32, 4, 4), lse, delta
+        dk, dv = fake_tensor(Float32, 4, 4), fake_tensor(Float32, 4, 4)
+        return q, k, v, do, dq, dk, dv, lse, delta
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -540,9 +538,8 @@ class _RowUnits(FFPABwdFusedSm90):
 
 WALKS = {"planned": FFPABwdFusedSm90, "blocks outer": _BlocksOuter, "rotated": _Rotated,
          "row units": _RowUnits}
-L2_PROBE_CASES = ((512, True, 64, 1, 8192, "planned"), (512, True, 64, 1, 8192, "blocks outer"),
-                  (512, True, 64, 1, 8192, "rotated"), (512, True, 64, 1, 8192, "row units"), (512, True, 32, 32, 8192, "planned"),
-                  (512, False, 64, 1, 8192, "planned"))
+L2_PROBE_CASES = (*((512, True, 64, 1, 8192, walk) for walk in WALKS),
+                  (512, True, 32, 32, 8192, "planned"), (512, False, 64, 1, 8192, "planned"))
 
 
 def l2_probe_jobs() -> list:

@@ -370,8 +370,8 @@ def _wide_fits(problem: AttnProblem) -> bool:
 def pv_atom_n(width: int) -> int:
     """The N of the WGMMAs an O warpgroup's `width` columns are issued as: width itself up to
     WGMMA_MAX_N, else (`wide_o`, width a multiple of 32) the widest divisor of it that is at
-    most WGMMA_MAX_N and a whole number of the V stage's swizzle atoms at 16 bits (64 columns for the
-    128-byte swizzle, when width % 64 == 0; else 32 for the 64-byte one): 96 for 288."""
+    most WGMMA_MAX_N and a whole number of the V stage's swizzle atoms at 16 bits (64 columns
+    for the 128-byte swizzle, when width % 64 == 0; else 32 for the 64-byte one): 96 for 288."""
     if width <= WGMMA_MAX_N:
         return width
     step = 64 if width % 64 == 0 else 32
