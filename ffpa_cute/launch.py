@@ -177,7 +177,16 @@ def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
     """`run_job` for a backward kernel: a config with `group_split` (dV, dK, the fused
     kernel) writes S partial sums per KV head of each of its outputs (dk, dv) in fp32 to a
     workspace [B, H * S, N, D] (S from `group_parts` for these tensors), added up here in a
-    fixed order (torch's sum over that dimension: the same bits every run) into the output."""
+    fixed order (torch's sum over that dimension: the same bits every run) into the output.
+    A fused config with `row_units` adds its partial sums into zeroed fp32 workspaces of the
+    outputs' shapes (reductions in whatever order they land), cast here into the outputs."""
+    if getattr(cfg, "row_units", False):
+        ws = {name: torch.zeros(tensors[name].shape, dtype=torch.float32,
+                                device=tensors[name].device) for name in ("dk", "dv")}
+        run_job(cls, cfg, {**tensors, **ws}, scalars)
+        for name, w in ws.items():
+            tensors[name].copy_(w)
+        return None
     if not getattr(cfg, "group_split", False):
         return run_job(cls, cfg, tensors, scalars)
     from .sm90.config import group_parts

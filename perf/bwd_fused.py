@@ -51,6 +51,7 @@ docs/perf-log.md (2026-12-05, sessions 20-24).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import cutlass
@@ -59,8 +60,7 @@ import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, const_expr
 
 from ffpa_cute.common.tensors import fake_tensor
-from ffpa_cute.common.mask import query_block_range
-from ffpa_cute.sm90.bwd_fused_sm90 import T, FFPABwdFusedSm90, FusedWork
+from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
 from ffpa_cute.sm90.config import FUSED_DQ_PIECE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp, medians, period, span
@@ -305,11 +305,16 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK")
 
 
-def _trace_cfg(case, fields: dict):
-    """The fused config a trace case runs: the plan's with the variant's fields."""
-    import dataclasses
+def _tiles_cfg(case, **fields):
+    """The fused config of a case walking by key tiles (`row_units` off: what the trace and
+    schedule experiments read, one pair per key tile), with `fields` changed."""
+    return dataclasses.replace(plans(case)["fused"].cfgs[-1], **{"row_units": False, **fields})
 
-    return dataclasses.replace(plans(case)["fused"].cfgs[-1], **fields)
+
+def _trace_cfg(case, fields: dict):
+    """The fused config a trace case runs: the plan's, by key tiles, with the variant's
+    fields."""
+    return _tiles_cfg(case, **fields)
 
 
 def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:
@@ -404,7 +409,7 @@ SCHEDULE_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (512, True
 
 
 def schedule_jobs() -> list:
-    return [(FusedScheduled, plans(case)["fused"].cfgs[-1]) for case in SCHEDULE_CASES]
+    return [(FusedScheduled, _tiles_cfg(case)) for case in SCHEDULE_CASES]
 
 
 def schedule_summary(trace, n_tiles: int, heads_kv: int) -> dict:
@@ -448,7 +453,7 @@ def run_schedule(dev, flush) -> dict:
     for case in SCHEDULE_CASES:
         d, causal, hq, hkv, n = case
         plan, t, scalars = _kernel_inputs(case, dev)
-        cfg = plan.cfgs[-1]
+        cfg = _tiles_cfg(case)
         tiles = -(-n // 64)
         ctas = 2 * tiles * hkv * B
         trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
@@ -487,70 +492,29 @@ class _Rotated(_BlocksOuter):
     ROTATE = True
 
 
-class _RowUnits(FFPABwdFusedSm90):
-    """Grouped causal backward by row units (docs/perf-log.md session 34's proposal): a CTA
-    pair per (query block row r, key tile m), rows outer from the top and tiles inner, so the
-    pairs on the GPU share a row; a unit walks the G query heads of its row (none where the
-    causal bound leaves the tile out of the row) and adds its dK / dV partial sums into zeroed
-    fp32 workspaces (red.global.add.f32 from registers) that the caller casts. dQ as planned."""
-
-    @staticmethod
-    def fake_inputs(cfg):
-        q, k, v, do, dq, _, _, lse, delta = FFPABwdFusedSm90.fake_inputs(cfg)
-        dk, dv = fake_tensor(Float32, 4, 4), fake_tensor(Float32, 4, 4)
-        return q, k, v, do, dq, dk, dv, lse, delta
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.out_dtype = Float32
-
-    def _units(self, mQ, mK):
-        return cute.ceil_div(mK.shape[2], T) * cute.ceil_div(mQ.shape[2], T)
-
-    @cute.jit
-    def _work(self, ops, m_block, head, batch, rank, scalars):
-        causal_offset, window_lo, scale_log2 = scalars
-        seqlen_q = ops.mdQ.shape[2]
-        tiles = (ops.mdK.shape[2] + T - 1) // T
-        row = (seqlen_q + T - 1) // T - 1 - m_block // tiles
-        m = m_block % tiles
-        group = ops.mdQ.shape[1] // ops.mdK.shape[1]
-        n_top, n_low = query_block_range(m, seqlen_q, causal_offset, window_lo, T, T,
-                                         self.cfg.causal)
-        n_per = Int32(0)
-        seqlen_k = Int32(0)   # an empty unit stores nothing (`_store_grad`'s rows_left)
-        if row >= n_low and row < n_top:
-            n_per = Int32(1)
-            seqlen_k = ops.mdK.shape[2]
-        return FusedWork(m, head, head, batch, rank, head * group, row + 1, n_per,
-                         n_per * group, seqlen_q, seqlen_k, causal_offset, window_lo,
-                         scale_log2)
-
-    @cute.jit
-    def _store_grad(self, acc_mn, tOgO_mn, tOcO_mn, rows_left):
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            if tOcO_mn[r, 0][0] < rows_left:
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    cute.arch.red(tOgO_mn.iterator + cute.crd2idx((r, c), tOgO_mn.layout),
-                                  acc_mn[r, c], op="add", dtype="f32", sem="relaxed",
-                                  scope="gpu")
-
-
-WALKS = {"planned": FFPABwdFusedSm90, "blocks outer": _BlocksOuter, "rotated": _Rotated,
-         "row units": _RowUnits}
+# walk -> (kernel class, row_units): by key tiles (heads outer), its experiment subclasses, and
+# the config's row units (`row_units`: one pair per (query block row, key tile))
+WALKS = {"key tiles": (FFPABwdFusedSm90, False), "blocks outer": (_BlocksOuter, False),
+         "rotated": (_Rotated, False), "row units": (FFPABwdFusedSm90, True)}
 L2_PROBE_CASES = (*((512, True, 64, 1, 8192, walk) for walk in WALKS),
-                  (512, True, 32, 32, 8192, "planned"), (512, False, 64, 1, 8192, "planned"))
+                  (512, True, 32, 32, 8192, "key tiles"), (512, False, 64, 1, 8192, "key tiles"))
+
+
+def _walk_job(case, walk) -> tuple:
+    """(kernel class, config) of a (D, causal, Hq, Hkv, N) case's fused kernel on `walk`."""
+    cls, rows = WALKS[walk]
+    return cls, _tiles_cfg(case, row_units=rows)
 
 
 def l2_probe_jobs() -> list:
-    return [(WALKS[case[5]], plans(case[:5])["fused"].cfgs[-1]) for case in L2_PROBE_CASES]
+    return [_walk_job(case[:5], case[5]) for case in L2_PROBE_CASES]
 
 
 def run_l2_probe(dev, flush) -> dict:
-    """The fused kernel (the planned walk, or at MQA causal the walks of `WALKS`) launched once
+    """The fused kernel (by key tiles, or at MQA causal the walks of `WALKS`) launched once
     per case on fresh inputs, nothing timed: the workload for Nsight Compute's counters
     (verify_gpu.sh's `l2` section reads DRAM bytes and the L2 hit rate of each launch): MQA
-    causal's planned walk visits each (head, block) from up to 128 key tiles at times far apart,
+    causal's key-tile walk visits each (head, block) from up to 128 key tiles at times far apart,
     where MHA's and non-causal MQA's pairs, in step, find Q / dO and dq_acc in L2."""
     import torch
 
@@ -558,30 +522,36 @@ def run_l2_probe(dev, flush) -> dict:
 
     for case in L2_PROBE_CASES:
         plan, t, scalars = _kernel_inputs(case[:5], dev)
-        if case[5] == "row units":   # dK / dV partials added into zeroed fp32 workspaces
+        cls, cfg = _walk_job(case[:5], case[5])
+        if cfg.row_units:   # dK / dV partials added into zeroed fp32 workspaces
             t.update(dk=t["dk"].float().zero_(), dv=t["dv"].float().zero_())
         torch.cuda.synchronize()
-        launch.run_job(WALKS[case[5]], plan.cfgs[-1], t, scalars)
+        launch.run_job(cls, cfg, t, scalars)
         torch.cuda.synchronize()
         print(f"launched: D={case[0]} {'causal' if case[1] else 'full'} {case[2]}/{case[3]} "
               f"N={case[4]} {case[5]} walk", flush=True)
     return {}
 
 
-# `--row-units`: grouped causal cases timed with the planned walk and by row units
-ROW_UNIT_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (576, True, 64, 1, 8192))
+# `--row-units`: grouped cases timed by key tiles and by row units (`row_units`), the rows that
+# set FUSED_ROW_UNITS_MIN_GROUP (causal G = 8-64, D, N, not causal)
+ROW_UNIT_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (576, True, 64, 1, 8192),
+                  (512, True, 64, 4, 8192), (512, True, 64, 2, 8192), (512, True, 32, 1, 8192),
+                  (512, True, 16, 1, 8192), (320, True, 64, 1, 8192), (384, True, 64, 1, 8192),
+                  (512, True, 64, 1, 16384), (512, False, 64, 1, 8192))
 
 
 def row_unit_jobs() -> list:
-    return [(cls, plans(case)["fused"].cfgs[-1]) for case in ROW_UNIT_CASES
-            for cls in (FFPABwdFusedSm90, _RowUnits)]
+    return [(FFPABwdFusedSm90, _tiles_cfg(case, row_units=rows)) for case in ROW_UNIT_CASES
+            for rows in (False, True)]
 
 
 def run_row_units(dev, flush) -> dict:
-    """Per case, the planned fused kernel against `_RowUnits` on the same inputs: dQ, dK, dV
-    compared (relative error < 5e-3: the same products summed in another order, dK / dV
-    through fp32 partial sums), then both timed in interleaved rounds, the row units with
-    their workspaces' zeroing and cast (what a routed form would run)."""
+    """Per case, the fused kernel by key tiles against by row units on the same inputs: dQ,
+    dK, dV compared (relative error < 5e-3: the same products summed in another order, dK / dV
+    through fp32 partial sums), then both timed in interleaved rounds, the row units with their
+    workspaces' zeroing and cast (as `launch.run_grad_job` runs them); Delta and dQ's cast are
+    left out of both."""
     import torch
 
     from ffpa_cute import launch
@@ -591,44 +561,40 @@ def run_row_units(dev, flush) -> dict:
     res = {}
     for case in ROW_UNIT_CASES:
         d, causal, hq, hkv, n = case
-        plan, t, scalars = _kernel_inputs(case, dev)
-        cfg = plan.cfgs[-1]
+        _, t, scalars = _kernel_inputs(case, dev)
+        by_tiles, by_rows = (_tiles_cfg(case, row_units=rows) for rows in (False, True))
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         key = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
-        planned = {**t, "dq_acc": torch.zeros_like(t["dq_acc"])}
-        rows = {**t, "dq_acc": torch.zeros_like(t["dq_acc"]),
-                "dk": t["dk"].float().zero_(), "dv": t["dv"].float().zero_()}
-        dk, dv = torch.empty_like(t["dk"]), torch.empty_like(t["dv"])
+        tiles_t = {**t, "dq_acc": torch.zeros_like(t["dq_acc"])}
+        rows_t = {**t, "dq_acc": torch.zeros_like(t["dq_acc"]),
+                  "dk": torch.empty_like(t["dk"]), "dv": torch.empty_like(t["dv"])}
 
-        def by_rows():
-            rows["dk"].zero_()
-            rows["dv"].zero_()
-            launch.run_job(_RowUnits, cfg, rows, scalars)
-            dk.copy_(rows["dk"])
-            dv.copy_(rows["dv"])
+        def rows():
+            launch.run_grad_job(FFPABwdFusedSm90, by_rows, rows_t, scalars)
 
-        launch.run_job(FFPABwdFusedSm90, cfg, planned, scalars)
-        by_rows()
+        def tiles():
+            launch.run_job(FFPABwdFusedSm90, by_tiles, tiles_t, scalars)
+
+        tiles()
+        rows()
         torch.cuda.synchronize()
-        errs = [rel_err(x, y.double()) for x, y in zip(
-            (rows["dq_acc"], dk, dv), (planned["dq_acc"], planned["dk"], planned["dv"]))]
-        fns = {"planned walk": lambda: launch.run_job(FFPABwdFusedSm90, cfg, planned, scalars),
-               "row units": by_rows}
+        errs = [rel_err(rows_t[x], tiles_t[x].double()) for x in ("dq_acc", "dk", "dv")]
         row = {name: dict(ms=ms, tflops=flops / ms / 1e9) for name, ms in
-               experiment.interleaved_ms(fns, dev, flush, rounds=4).items()}
+               experiment.interleaved_ms({"key tiles": tiles, "row units": rows}, dev, flush,
+                                         rounds=4).items()}
         row["row units"]["errs"] = errs
         if max(errs) >= 5e-3:   # reported, not fatal
             print(f"{key} row units: WRONG, dq/dk/dv errors {errs}", flush=True)
         res[key] = row
-        print(f"{key} (the kernel alone): " + ", ".join(
+        print(f"{key} (the kernels, no Delta / dQ cast): " + ", ".join(
             f"{name} {r['ms']:.2f} ms {r['tflops']:.0f} TFLOPS" for name, r in row.items())
-            + "; dq/dk/dv vs planned " + " ".join(f"{e:.1e}" for e in errs), flush=True)
+            + "; dq/dk/dv vs key tiles " + " ".join(f"{e:.1e}" for e in errs), flush=True)
     return res
 
 
 # `--variation`: (D, causal, Hq, Hkv, N) of the default backward run again and again
 VARIATION_CASES = ((512, False, 32, 32, 8192), (512, True, 32, 4, 8192),
-                   (320, False, 32, 32, 8192))
+                   (320, False, 32, 32, 8192), (512, True, 64, 1, 8192))
 
 
 def variation_jobs() -> list:

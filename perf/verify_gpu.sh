@@ -96,12 +96,15 @@
 #         test_fused_padded (float64), then perf.bwd_fused --padded beside the atomic-free
 #         backward (precompile: `python -m perf.bwd_fused --padded --precompile DIR`, packed)
 #   l2    Nsight Compute on the fused backward (perf.bwd_fused --l2-probe: D=512 MQA 64/1
-#         causal by four walks (planned, blocks outer, rotated, row units), MHA causal, MQA
+#         causal by four walks (key tiles, blocks outer, rotated, row units), MHA causal, MQA
 #         not causal, one launch each): DRAM bytes read / written and the L2 hit rate
 #         (precompile: `python -m perf.bwd_fused --l2-probe --precompile DIR`, packed)
-#   rows  perf.bwd_fused --row-units: grouped causal backward by (query row, key tile) units
-#         against the planned walk (MQA 64/1 and GQA 32/4 at D=512, MQA at 576), gradients
-#         compared, timed (precompile: `python -m perf.bwd_fused --row-units --precompile DIR`)
+#   rows  the fused backward by (query block row, key tile) units (`row_units`, planned for
+#         causal groups of 32+): its GPU tests and the default route's, its sanitizer cases,
+#         then perf.bwd_fused --row-units (by key tiles against row units, G 8-64, D 320-576,
+#         gradients compared) and --variation (precompile: with SANITIZE_CASES="row units"
+#         `python -m tests.gpu_jobs --sections rows,sanitize`, `python -m perf.bwd_fused
+#         --row-units --precompile DIR` and `--variation --precompile DIR`, packed)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -178,8 +181,14 @@ if has l2; then
   grep -E "launched|dram__|lts__|gpu__time|Fused|==ERR|==WARN" "$out/l2.log" | cut -c1-160
 fi
 if has rows; then
-  step "grouped causal backward by row units against the planned walk"
+  step "the fused backward by row units: GPU tests, sanitizers, against key tiles, variation"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
+      -k "row_units or default_route" 2>&1 | tee "$out/gpu_rows.log" \
+      | grep -E "FAIL|ERROR|passed|failed" | tail -12
+  SANITIZE_CASES="row units" timeout 200 python -m tests.sanitize --out "$out/san_rows" \
+      --timeout 190 2>&1 | tail -6
   timeout 300 python -m perf.bwd_fused --row-units --out "$out/row_units.json"
+  timeout 100 python -m perf.bwd_fused --variation --out "$out/bwd_variation.json"
 fi
 if has fused; then
   step "the fused backward: GPU tests, then perf.bwd_fused and its run-to-run variation"

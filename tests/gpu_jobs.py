@@ -56,7 +56,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide")
+            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide", "rows")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -129,6 +129,8 @@ def jobs(sections=SECTIONS) -> list:
                         add([(dispatch.kernel_class(var), var)])
                 delta = DeltaConfig(TARGET, dtype, d)
                 add([(dispatch.kernel_class(delta), delta)])
+    if "rows" in sections:
+        add(_row_unit_jobs())
     # D over C CTAs (`scatter`): test_fused_scatter's configs, with their Delta kernels
     for d, c in ((1024, 4), (576, 3), (768, 3), (640, 4), (512, 2)) if "fused" in sections else ():
         for causal in (False, True):
@@ -342,6 +344,38 @@ def _widened_jobs() -> list:
         out += [(plan.kernel_cls, plan.cfg)] + ([(wide.kernel_cls, wide.cfg)] if wide else [])
         if ratio == 1 and mode == "bottom_right":
             out += dispatch.plan_bwd(p, target=TARGET).jobs
+    return out
+
+
+def _row_unit_jobs() -> list:
+    """(`rows`) test_fused_row_units' and test_default_route's kernels as their problems plan
+    them (the forward, Delta, the fused backward: with `row_units` forced, or as routed)."""
+    import dataclasses
+
+    import torch
+
+    from ffpa_cute import dispatch
+    from ffpa_cute.options import Options
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.sm90.config import plan_bwd_fused
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
+    from test_backward_sm90_gpu import DEFAULT_CASES, ROW_UNIT_CASES
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    out = []
+    for forced, cases in ((True, ROW_UNIT_CASES), (False, DEFAULT_CASES)):
+        for d, causal, nq, nkv, ratio, dt in cases:
+            p = AttnProblem(dtype=names[dt], batch=1, heads_q=2 * ratio, heads_kv=2,
+                            seqlen_q=nq, seqlen_kv=nkv, head_dim=d, head_dim_v=d,
+                            causal=causal, causal_offset=nkv - nq)
+            plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
+            out.append((plan.kernel_cls, plan.cfg))
+            bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs
+            if forced:
+                cfg = dataclasses.replace(plan_bwd_fused(p, TARGET), row_units=True)
+                bwd = [bwd[0], (dispatch.kernel_class(cfg), cfg)]
+            out += bwd
     return out
 
 

@@ -313,6 +313,27 @@ def test_default_route_run_to_run(seed, d, causal, nq, nkv, ratio):
         assert rel_err(a, b.double()) <= 0.1 * rel_err(a, ref)
 
 
+# row units (`row_units`; planned for causal groups of 32+): bottom-right causal with Nq < Nkv
+# and Nq > Nkv (rows that see no key), D=576 (`wide`), D % 64 != 0 padded, fp16, an odd length,
+# and where the planner would not take them (G = 16, no causal mask, G = 2)
+ROW_UNIT_CASES = [(512, True, 129, 1000, 32, torch.bfloat16),
+                  (320, True, 1000, 129, 32, torch.float16),
+                  (576, True, 1000, 1000, 32, torch.bfloat16),
+                  (336, True, 300, 700, 32, torch.bfloat16),
+                  (384, True, 7, 300, 8, torch.bfloat16),
+                  (512, False, 300, 200, 4, torch.bfloat16),
+                  (448, True, 4097, 4097, 2, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", ROW_UNIT_CASES)
+def test_fused_row_units(seed, d, causal, nq, nkv, ratio, dt):
+    """The fused backward by (query block row, key tile) units (`row_units`: each walks the
+    row's block in its G query heads, dK / dV added into zeroed fp32 workspaces): all three
+    gradients against float64."""
+    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt,
+           plan=lambda p: _fused_plan(p, row_units=True))
+
+
 # dq_grads (who forms dQ): odd atom counts (D=320, 448), GQA, causal both alignments, N=1
 DQ_GRADS_CASES = [(512, False, 1000, 1000, 1), (512, True, 129, 1000, 4),
                   (320, True, 1000, 129, 1), (448, True, 1000, 1000, 2), (384, False, 1, 300, 8)]

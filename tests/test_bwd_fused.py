@@ -77,7 +77,8 @@ def test_wide_pair_plan():
 def test_planned_variants_follow_their_switches(monkeypatch):
     """`plan_bwd_fused` plans `dq_grads` FUSED_DQ_GRADS (1: measured fastest; 2 at D=448,
     FUSED_DQ_GRADS_BY_DIM) and `group_split` only with FUSED_GROUP_SPLIT on (off: measured
-    not worth it) and where `group_parts` splits the problem (MQA 64:1 at 8K: yes; MHA: no)."""
+    not worth it) and where `group_parts` splits the problem (MQA 64:1 at 8K: yes; MHA: no),
+    except where `row_units` splits the groups' sums (MQA causal)."""
     mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
                       seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
     mha = dataclasses.replace(mqa, heads_q=32, heads_kv=32)
@@ -85,11 +86,60 @@ def test_planned_variants_follow_their_switches(monkeypatch):
     assert (cfg.dq_grads, cfg.group_split) == (1, False)
     monkeypatch.setattr(c90, "FUSED_DQ_GRADS", 2)
     monkeypatch.setattr(c90, "FUSED_GROUP_SPLIT", True)
-    assert (c90.plan_bwd_fused(mqa).dq_grads, c90.plan_bwd_fused(mqa).group_split) == (2, True)
+    full = dataclasses.replace(mqa, causal=False)
+    assert (c90.plan_bwd_fused(full).dq_grads, c90.plan_bwd_fused(full).group_split) == (2, True)
+    assert c90.plan_bwd_fused(mqa).row_units and not c90.plan_bwd_fused(mqa).group_split
     assert not c90.plan_bwd_fused(mha).group_split
     monkeypatch.setattr(c90, "FUSED_DQ_GRADS", 1)
     d448 = dataclasses.replace(mha, head_dim=448, head_dim_v=448)
     assert c90.plan_bwd_fused(d448).dq_grads == c90.FUSED_DQ_GRADS_BY_DIM[448] == 2
+
+
+def test_row_units_rule():
+    """`row_units` (one CTA pair per (query block row, key tile), dK / dV added into fp32
+    workspaces) for causal head groups of FUSED_ROW_UNITS_MIN_GROUP (32) or more, as measured:
+    not below it, not without causal masking, not under a window (its walks are of one length),
+    never with `group_split` or `scatter`; canaried (not VERIFIED) until sanitizer-clean."""
+    mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
+                      seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
+    assert c90.FUSED_ROW_UNITS_MIN_GROUP == 32
+    for hq, hkv, fields, rows in ((64, 1, {}, True), (32, 1, {}, True), (64, 2, {}, True),
+                                  (16, 1, {}, False), (32, 4, {}, False), (64, 4, {}, False),
+                                  (64, 1, dict(causal=False), False),
+                                  (64, 1, dict(window_lo=-1000), False),
+                                  (64, 1, dict(head_dim=320, head_dim_v=320), True),
+                                  (64, 1, dict(head_dim=576, head_dim_v=576), True),
+                                  (64, 1, dict(head_dim=336, head_dim_v=336), True)):
+        p = dataclasses.replace(mqa, heads_q=hq, heads_kv=hkv, **fields)
+        cfg = c90.plan_bwd_fused(p)
+        assert cfg.row_units == rows, (hq, hkv, fields)
+        assert not cfg.group_split
+        assert cfg.VERIFIED == (not rows)
+        routed = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))
+        assert routed.cfgs[-1] == cfg
+    assert not c90.plan_bwd_fused(mqa, cluster_d=4, scatter=True).row_units
+    cfg = c90.plan_bwd_fused(mqa)
+    for fields in (dict(group_split=True), dict(scatter=True, cluster_d=4)):
+        assert "row_units" in c90.can_implement_fused(dataclasses.replace(cfg, **fields))
+
+
+def test_row_units_compile_to_reductions(tmp_path, monkeypatch):
+    """`row_units`: sm_90a PTX that adds dK / dV with fp32 reductions from registers (column
+    pairs, red.global.add.v2.f32) and stores no 16-bit dK / dV, no spills, WGMMAs not serialised, at
+    D=512 (two Q stages) and D=576 (`wide`)."""
+    monkeypatch.chdir(tmp_path)
+    for d in (512, 576):
+        p = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=4096,
+                        seqlen_kv=4096, head_dim=d, head_dim_v=d, causal=True)
+        cfg = c90.plan_bwd_fused(p)
+        assert cfg.row_units
+        ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
+        assert re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx), "no fp32 red"
+        assert "st.global.b16" not in ptx and "wgmma.mma_async" in ptx
+        _no_spills(ptx)
+        log = _ptxas_log(ptx, "sm_90a")
+        if log is not None:
+            assert "serialized" not in log, log
 
 
 @pytest.mark.parametrize("d", [320, 384, 448, 512])
@@ -234,16 +284,18 @@ def _emulate_fused(t: dict, scalars: dict, causal: bool, window: bool):
                 t["dv"][bi, y, keys] = dv.to(t["dv"].dtype)
 
 
-@pytest.mark.parametrize("causal,nq,nkv,left,split", [
-    (True, 129, 200, None, False), (False, 70, 7, None, False), (True, 300, 64, None, False),
-    (True, 200, 260, 70, False), (False, 150, 150, 100, False), (True, 129, 200, None, True),
-    (False, 150, 150, 100, True)])
-def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, split):
+@pytest.mark.parametrize("causal,nq,nkv,left,variant", [
+    (True, 129, 200, None, ""), (False, 70, 7, None, ""), (True, 300, 64, None, ""),
+    (True, 200, 260, 70, ""), (False, 150, 150, 100, ""), (True, 129, 200, None, "split"),
+    (False, 150, 150, 100, "split"), (True, 129, 200, None, "rows"), (True, 300, 64, None, "rows")])
+def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, variant):
     """`launch.run_bwd` on a plan of the Delta kernel and the fused one: dq_acc zeroed, the
     kernel fed by its OPERANDS names and SCALARS, dQ cast from dq_acc. With the kernel emulated
     (`_emulate_fused`) all three gradients meet the GPU tests' bound against float64, a window
-    (`left` keys behind the bottom-right diagonal) included; `split`: with `group_split`, dK
-    and dV come from fp32 workspaces of 2 parts per KV head, summed by the host."""
+    (`left` keys behind the bottom-right diagonal) included; "split": with `group_split`, dK
+    and dV come from fp32 workspaces of 2 parts per KV head, summed by the host; "rows": with
+    `row_units`, from zeroed fp32 workspaces of their shapes (the kernel adds into them), cast
+    by the host."""
     torch.manual_seed(0)
     d, dt = 320, torch.bfloat16
     q = torch.randn(1, 4, nq, d, dtype=dt)
@@ -262,7 +314,8 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, 
                           -math.inf)
     lse = torch.logsumexp(s, -1)
     out = (torch.softmax(s, -1).nan_to_num() @ v.float().repeat_interleave(2, 1)).to(dt)
-    cfg = dataclasses.replace(c90.plan_bwd_fused(problem), group_split=split)
+    split, rows = variant == "split", variant == "rows"
+    cfg = dataclasses.replace(c90.plan_bwd_fused(problem), group_split=split, row_units=rows)
     plan = dispatch.BwdPlan(problem, "sm_90a", "sm90",
                             cfgs=(DeltaConfig("sm_90a", "bf16", d), cfg))
     ran = []
@@ -279,7 +332,9 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, 
             heads = tensors["dk"].shape[1]
             assert heads == (4 if split else 2), heads   # S = group_parts = 2: G = 2
             assert tensors["dv"].shape[1] == heads
-            assert (tensors["dk"].dtype == torch.float32) == split
+            assert (tensors["dk"].dtype == torch.float32) == (split or rows)
+            if rows:   # added into: zeroed
+                assert not tensors["dk"].any() and not tensors["dv"].any()
             assert cfg.window == (lo is not None)
             assert set(cls.SCALARS) <= set(scalars)
             _emulate_fused(tensors, scalars, cfg.causal, cfg.window)
@@ -372,8 +427,8 @@ def test_routed_unless_deterministic(monkeypatch):
     """By default (`Options.deterministic` False) the sm90 backward is the fused kernel where it
     builds and measured faster (D 264-576, D % 64 != 0 padded, up to 64 query heads per KV head;
     else the atomic-free kernels); `deterministic=True`, FFPA_CUTE_DETERMINISTIC=1 or torch's
-    `use_deterministic_algorithms(True)` keep the atomic-free ones. Its config is VERIFIED
-    (run, tested, sanitizer-clean), so neither needs the canary on sm_90a."""
+    `use_deterministic_algorithms(True)` keep the atomic-free ones. The canary runs before a
+    fused config only while it is not VERIFIED (run, tested, sanitizer-clean)."""
     import torch
 
     from ffpa_cute import selfcheck
@@ -387,7 +442,7 @@ def test_routed_unless_deterministic(monkeypatch):
         p = dataclasses.replace(_problem(d, causal), heads_q=64, heads_kv=hkv)
         plan = dispatch.plan_bwd(p, target="sm_90a")
         assert [type(c).__name__ for c in plan.cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
-        assert not selfcheck.needed(plan, fast) and not selfcheck.unverified(plan)
+        assert selfcheck.needed(plan, fast) == (not plan.cfgs[-1].VERIFIED)
         kept = dispatch.plan_bwd(p, target="sm_90a", opts=exact)
         assert [type(c).__name__ for c in kept.cfgs[1:]] == atomic_free
         assert not selfcheck.needed(kept, exact) and not selfcheck.unverified(kept)

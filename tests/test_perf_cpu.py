@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -530,7 +531,6 @@ def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
     """perf.bwd_fused's trace variants at the planned config (`dq_grads` 2 at D=448, 1 at 512):
     "pair stores" stages dQ by 8-byte st.shared only (the same values as the kernel's scalar
     stores, paired), and nothing uses local memory."""
-    import re
 
     from perf import bwd_fused
 
@@ -689,15 +689,17 @@ def test_stamped_rate_reads_the_ctas_cycles():
     assert r["tb_per_s"] == pytest.approx(3 * 4000 / r["ms"] / 1e9)
 
 
-def test_row_units_compile_to_reductions(tmp_path, monkeypatch):
-    """perf.bwd_fused's row-unit walk (an experiment subclass of the fused backward, not
-    routed; docs/perf-log.md session 34) compiles for sm_90a and adds its dK / dV partial sums
-    with fp32 reductions from registers instead of storing them."""
-    monkeypatch.chdir(tmp_path)   # the compiler may leave its PTX in the working directory
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+def test_walk_experiments_pair_their_configs():
+    """perf.bwd_fused's walk experiments run the fused config by key tiles beside its
+    variants: `--row-units` each case with `row_units` off and on (nothing else changed),
+    `--l2-probe` its subclassed walks by key tiles and the row units through the config."""
     from perf import bwd_fused
 
-    cfg = bwd_fused.plans(bwd_fused.ROW_UNIT_CASES[0])["fused"].cfgs[-1]
-    ptx = bwd_fused._RowUnits.compile(cfg, options="--keep-ptx").__ptx__
-    assert re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx), "no fp32 red"
-    assert "wgmma.mma_async" in ptx
+    jobs = bwd_fused.row_unit_jobs()
+    assert len(jobs) == 2 * len(bwd_fused.ROW_UNIT_CASES)
+    for (c0, tiles), (c1, rows) in zip(jobs[::2], jobs[1::2]):
+        assert c0 is c1 is bwd_fused.FFPABwdFusedSm90
+        assert (tiles.row_units, rows.row_units) == (False, True)
+        assert dataclasses.replace(rows, row_units=False) == tiles
+    for case, (cls, cfg) in zip(bwd_fused.L2_PROBE_CASES, bwd_fused.l2_probe_jobs()):
+        assert (cls, cfg.row_units) == bwd_fused.WALKS[case[5]]

@@ -36,6 +36,16 @@ sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
 atomic-free kernels).
 
+Row units (`row_units`, large causal head groups): under causal masking a KV head's tiles walk
+query ranges of different lengths, so with G = 32-64 query heads per KV head the up-to-128
+visits of one (query head, block) come far apart in time and each refetches Q, dO and dq_acc's
+lines from DRAM (MQA 64:1 at D=512: 149 KB of DRAM per pair block, L2 hit rate 64%, against
+12 KB and 97% for MHA; docs/design.md section 4). There a CTA pair takes one (query block row,
+key tile) unit and walks the G query heads of that row, units ordered rows outer (the highest
+row first) and tiles inner, so the pairs on the GPU at one time share a row: each unit adds its
+dK / dV partial sums (over its G heads) into zeroed fp32 workspaces with `red.global.add.f32`
+from registers, which the host casts. Units above the causal diagonal store nothing.
+
 Warpgroups (384 threads; setmaxnreg per config, `reg_split`: 184 / 160 / 160 as below):
   WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block i,
             pipelined so that the exchange runs under tensor work (32 KB each way, ~2300-3500
@@ -247,11 +257,11 @@ class FFPABwdFusedSm90(KernelEntry):
 
     @staticmethod
     def fake_inputs(cfg):
-        """q, k, v, do, dq_acc (fp32), dk, dv (fp32 workspaces with `group_split`), lse,
-        delta."""
+        """q, k, v, do, dq_acc (fp32), dk, dv (fp32 workspaces with `group_split` or
+        `row_units`), lse, delta."""
         q, k, v, do, lse = fake_args(cfg)
         dk, dv, _, _, delta = fake_args(cfg)
-        if cfg.group_split:
+        if cfg.group_split or cfg.row_units:
             dk, dv = fake_tensor(Float32, 4, 4), fake_tensor(Float32, 4, 4)
         return q, k, v, do, fake_tensor(Float32, 4, 4), dk, dv, lse, delta
 
@@ -262,8 +272,9 @@ class FFPABwdFusedSm90(KernelEntry):
         self.half = cfg.half
         self.dq_widths = cfg.dq_widths   # the dQ accumulators (`mmas.dq`, one per width)
         self.tile_bytes = T * cfg.half * cfg.elem_bytes
-        # dK / dV as stored: partial sums in fp32 with `group_split`, else the input dtype
-        self.out_dtype = Float32 if cfg.group_split else self.dtype
+        # dK / dV as stored: partial sums in fp32 with `group_split` or `row_units`, else the
+        # input dtype
+        self.out_dtype = Float32 if cfg.group_split or cfg.row_units else self.dtype
 
     # ---------------------------------------------------------------- host side
     def _layouts(self) -> FusedLayouts:
@@ -322,19 +333,24 @@ class FFPABwdFusedSm90(KernelEntry):
         SharedStorage = _shared_storage(cfg, self.dtype, layouts)
         assert SharedStorage.size_in_bytes() == cfg.smem_bytes(), (
             SharedStorage.size_in_bytes(), cfg.smem_bytes())
-        # one CTA pair per key tile and KV head, or with `group_split` per part of its group
-        heads = mdK.shape[1] if const_expr(cfg.group_split) else mK.shape[1]
-        grid = (cfg.cluster_d * self._units(mQ, mK), cute.size(heads), cute.size(mK.shape[0]))
         self.kernel(ops, layouts, mmas, softmax_scale * LOG2_E, causal_offset,
                     window_lo if const_expr(cfg.window) else None,
-                    SharedStorage, extra).launch(grid=grid, block=[3 * WG_THREADS, 1, 1],
+                    SharedStorage, extra).launch(grid=self._grid(mQ, mK, mdK),
+                                                 block=[3 * WG_THREADS, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream,
                                           min_blocks_per_mp=1,
                                           cluster=[cfg.cluster_d, 1, 1])
 
-    def _units(self, mQ: cute.Tensor, mK: cute.Tensor):
-        """Work units along the grid's x (a CTA pair each): one per key tile."""
-        return cute.ceil_div(mK.shape[2], T)
+    def _grid(self, mQ: cute.Tensor, mK: cute.Tensor, mdK: cute.Tensor):
+        """A CTA pair (a cluster along x) per key tile, by KV head (y; with `group_split` the
+        workspace's heads: S parts per KV head) and batch (z); with `row_units` per (key tile,
+        query block row (y), KV head + Hkv batch (z)), so that the units on the GPU at one
+        time share a row (x runs fastest)."""
+        tiles = cute.ceil_div(mK.shape[2], T) * self.cfg.cluster_d
+        if const_expr(self.cfg.row_units):
+            return (tiles, cute.ceil_div(mQ.shape[2], T), mK.shape[1] * mK.shape[0])
+        heads = mdK.shape[1] if const_expr(self.cfg.group_split) else mK.shape[1]
+        return (tiles, cute.size(heads), cute.size(mK.shape[0]))
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -388,8 +404,13 @@ class FFPABwdFusedSm90(KernelEntry):
         if const_expr(not cfg.causal):
             grid_x, _, _ = cute.arch.grid_dim()
             m_block = grid_x // c - 1 - bidx // c
-        work = self._work(ops, m_block, head, batch, bidx % c,
-                          (causal_offset, window_lo, scale_log2))
+        scalars = (causal_offset, window_lo, scale_log2)
+        if const_expr(cfg.row_units):   # y: the row from the top, z: KV head + Hkv batch
+            heads = ops.mdK.shape[1]
+            work = self._row_unit(ops, head, m_block, batch % heads, batch // heads, bidx % c,
+                                  scalars)
+        else:
+            work = self._work(ops, m_block, head, batch, bidx % c, scalars)
         # registers where the dQ accumulators are (`reg_split`)
         regs = cfg.reg_split
         if wg == 0:
@@ -421,6 +442,24 @@ class FFPABwdFusedSm90(KernelEntry):
                                          self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
         return FusedWork(m_block, head, kv_head, batch, rank, head * group, n_top, n_per,
+                         n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
+                         scale_log2)
+
+    @cute.jit
+    def _row_unit(self, ops: FusedOps, y, m_block, head, batch, rank, scalars) -> FusedWork:
+        """`row_units`' unit (query block row R - 1 - y of R, key tile m_block) of KV head
+        `head`, walking the row's block in each of the head's G query heads (a walk of one
+        block per head: n_per 1). A unit whose tile the row's queries do not see (causal, a
+        window) walks nothing and adds nothing (n_count 0: `_grad_wg` passes no rows left)."""
+        causal_offset, window_lo, scale_log2 = scalars
+        seqlen_q = ops.mdQ.shape[2]
+        row = (seqlen_q + T - 1) // T - 1 - y
+        group = ops.mdQ.shape[1] // ops.mdK.shape[1]
+        n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
+                                         self.cfg.causal)
+        # 1 where n_low <= row < n_top, else 0
+        n_per = cutlass.max(cutlass.min(n_top, row + 1) - cutlass.max(n_low, row), 0)
+        return FusedWork(m_block, head, head, batch, rank, head * group, row + 1, n_per,
                          n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
                          scale_log2)
 
@@ -884,15 +923,29 @@ class FFPABwdFusedSm90(KernelEntry):
         tOgO_mn = mn_view(thr.partition_C(gO))
         tOcO_mn = mn_view(thr.partition_C(cute.make_identity_tensor((T, h))))
         acc_mn = mn_view(acc)
-        self._store_grad(acc_mn, tOgO_mn, tOcO_mn, work.seqlen_k - work.m_block * T)
+        rows_left = work.seqlen_k - work.m_block * T
+        if const_expr(self.cfg.row_units):   # a unit that walked nothing adds nothing
+            if work.n_count == 0:
+                rows_left = Int32(0)
+        self._store_grad(acc_mn, tOgO_mn, tOcO_mn, rows_left)
 
     @cute.jit
     def _store_grad(self, acc_mn, tOgO_mn, tOcO_mn, rows_left):
         """A gradient warpgroup's dK or dV accumulators (rows, columns view) into its rows <
-        rows_left of gmem, converted to the stored dtype."""
+        rows_left of gmem, converted to the stored dtype, or with `row_units` added into the
+        fp32 workspace (`red.global.add.f32` per value: other units add to the same rows)."""
         ncols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            if tOcO_mn[r, 0][0] < rows_left:
+            if const_expr(self.cfg.row_units):
+                if tOcO_mn[r, 0][0] < rows_left:
+                    for c in cutlass.range_constexpr(0, ncols, 2):   # adjacent column pairs
+                        pair = cute.make_rmem_tensor(2, Float32)
+                        pair[0] = acc_mn[r, c]
+                        pair[1] = acc_mn[r, c + 1]
+                        cute.arch.red(tOgO_mn.iterator + cute.crd2idx((r, c), tOgO_mn.layout),
+                                      pair.load(), op="add", dtype="f32", sem="relaxed",
+                                      scope="gpu")
+            elif tOcO_mn[r, 0][0] < rows_left:
                 rO = cute.make_rmem_tensor(ncols, self.out_dtype)
                 rO.store(acc_mn[r, None].load().to(self.out_dtype))
                 for c in cutlass.range_constexpr(ncols):

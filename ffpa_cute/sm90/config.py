@@ -1209,6 +1209,11 @@ class BwdFusedConfigSm90:
                 values of them back through the peers' exchange buffers (docs/design.md
                 section 4, "D over C CTAs"). Run on an H100 (float64 tests and sanitizers
                 pass) and slower than the routed backward at D=768 / 1024: not planned
+    row_units:  one CTA pair per (query block row, key tile) walking the row's block in the G
+                query heads, rows outer, dK / dV partial sums added into zeroed fp32 workspaces
+                [B, Hkv, Nkv, D] by red.global.add (the host casts): large causal head groups,
+                whose key tiles' walks of different lengths otherwise revisit each (head,
+                block) far apart in time, from DRAM (FUSED_ROW_UNITS_MIN_GROUP)
     """
 
     arch: str
@@ -1222,6 +1227,7 @@ class BwdFusedConfigSm90:
     group_split: bool = False
     cluster_d: int = 2
     scatter: bool = False
+    row_units: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
 
@@ -1230,8 +1236,8 @@ class BwdFusedConfigSm90:
         """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
         group_split, window, `wide` in bf16 and fp16; docs/verification.md); `scatter` ran
         only on an H100 (its tests and the sanitizers pass there) and is not planned, so
-        selfcheck canaries it."""
-        return not self.scatter
+        selfcheck canaries it; `row_units` until its sanitizer run."""
+        return not (self.scatter or self.row_units)
 
     @property
     def elem_bytes(self) -> int:
@@ -1386,6 +1392,9 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 "window (the registers that fit)")
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
+    if cfg.row_units and (cfg.group_split or cfg.scatter):
+        return (f"row_units with group_split={cfg.group_split}, scatter={cfg.scatter}: row "
+                "units split the head groups' sums themselves (over rows), for the pair only")
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
                 f"{cfg.q_stages}, do_stages {cfg.do_stages})")
@@ -1436,6 +1445,12 @@ def fused_pays(problem: AttnProblem) -> bool:
 FUSED_DQ_GRADS = 1
 FUSED_DQ_GRADS_BY_DIM = {448: 2}
 FUSED_GROUP_SPLIT = False
+# `row_units` for causal head groups of at least this many query heads (no window: its walks
+# are of one length). Against the planned walk (H100, bf16, B=1, N=8K, TFLOPS, the workspaces'
+# zeroing and cast counted; perf.bwd_fused --row-units, 2026-12-06): D=512 MQA 64/1 245 -> 303,
+# 64/2 255 -> 280, 32/1 252 -> 276, 64/4 266 -> 242, 16/1 262 -> 240, 32/4 289 -> 186; 64/1 at
+# D=320 178 -> 255, 384 185 -> 292, 576 160 -> 276, N=16K 270 -> 299; not causal 315 -> 300
+FUSED_ROW_UNITS_MIN_GROUP = 32
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
@@ -1443,7 +1458,7 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
     keeps one, D=576 one of each); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
     names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
-    problem's head groups. Raises ValueError with the reason for problems it does not take:
+    problem's head groups, `row_units` for causal groups of FUSED_ROW_UNITS_MIN_GROUP or more. Raises ValueError with the reason for problems it does not take:
     Dv != D, varlen, a window at D=576. `cluster_d`, `scatter`: D over that many CTAs by the
     reduce-scatter (tests and experiments ask for it; the router does not: it measured slower
     than the routed backward, H100). `pad` (default FUSED_PAD): D % 64 != 0 planned at
@@ -1461,6 +1476,9 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
                 dq_grads=FUSED_DQ_GRADS_BY_DIM.get(problem.head_dim, FUSED_DQ_GRADS),
                 group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=cluster_d),
                 cluster_d=cluster_d, scatter=scatter)
+    base["row_units"] = (problem.causal and problem.window_lo is None and not scatter
+                         and problem.heads_q // problem.heads_kv >= FUSED_ROW_UNITS_MIN_GROUP)
+    base["group_split"] &= not base["row_units"]
     for q_stages, do_stages in ((2, 2), (2, 1), (1, 1)):
         cfg = BwdFusedConfigSm90(**base, q_stages=q_stages, do_stages=do_stages)
         if can_implement_fused(cfg) is None:
