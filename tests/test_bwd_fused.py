@@ -99,7 +99,7 @@ def test_row_units_rule():
     """`row_units` (one CTA pair per (query block row, key tile), dK / dV added into fp32
     workspaces) for causal head groups of FUSED_ROW_UNITS_MIN_GROUP (32) or more, as measured:
     not below it, not without causal masking, not under a window (its walks are of one length),
-    never with `group_split` or `scatter`; canaried (not VERIFIED) until sanitizer-clean."""
+    never with `group_split` or `scatter`; VERIFIED (GPU-tested, sanitizer-clean on an H100)."""
     mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
                       seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
     assert c90.FUSED_ROW_UNITS_MIN_GROUP == 32
@@ -114,7 +114,7 @@ def test_row_units_rule():
         cfg = c90.plan_bwd_fused(p)
         assert cfg.row_units == rows, (hq, hkv, fields)
         assert not cfg.group_split
-        assert cfg.VERIFIED == (not rows)
+        assert cfg.VERIFIED
         routed = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))
         assert routed.cfgs[-1] == cfg
     assert not c90.plan_bwd_fused(mqa, cluster_d=4, scatter=True).row_units

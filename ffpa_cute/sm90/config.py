@@ -1234,10 +1234,10 @@ class BwdFusedConfigSm90:
     @property
     def VERIFIED(self) -> bool:
         """Run, GPU-tested and clean under compute-sanitizer's four tools (dq_grads 0-2,
-        group_split, window, `wide` in bf16 and fp16; docs/verification.md); `scatter` ran
-        only on an H100 (its tests and the sanitizers pass there) and is not planned, so
-        selfcheck canaries it; `row_units` until its sanitizer run."""
-        return not (self.scatter or self.row_units)
+        group_split, window, `wide` in bf16 and fp16, `row_units` on an H100;
+        docs/verification.md); `scatter` ran only on an H100 (its tests and the sanitizers pass
+        there) and is not planned, so selfcheck canaries it."""
+        return not self.scatter
 
     @property
     def elem_bytes(self) -> int:
@@ -1446,10 +1446,10 @@ FUSED_DQ_GRADS = 1
 FUSED_DQ_GRADS_BY_DIM = {448: 2}
 FUSED_GROUP_SPLIT = False
 # `row_units` for causal head groups of at least this many query heads (no window: its walks
-# are of one length). Against the planned walk (H100, bf16, B=1, N=8K, TFLOPS, the workspaces'
-# zeroing and cast counted; perf.bwd_fused --row-units, 2026-12-06): D=512 MQA 64/1 245 -> 303,
-# 64/2 255 -> 280, 32/1 252 -> 276, 64/4 266 -> 242, 16/1 262 -> 240, 32/4 289 -> 186; 64/1 at
-# D=320 178 -> 255, 384 185 -> 292, 576 160 -> 276, N=16K 270 -> 299; not causal 315 -> 300
+# are of one length). Against the key-tile walk (H100, bf16, B=1, N=8K, TFLOPS, the workspaces'
+# zeroing and cast counted; perf.bwd_fused --row-units, 2026-12-06): D=512 MQA 64/1 236 -> 317,
+# 64/2 258 -> 298, 32/1 257 -> 294, 64/4 269 -> 268, 16/1 268 -> 265, 32/4 292 -> 219; 64/1 at
+# D=320 182 -> 269, 384 183 -> 301, 576 160 -> 273, N=16K 281 -> 312; not causal 325 -> 316
 FUSED_ROW_UNITS_MIN_GROUP = 32
 
 
