@@ -129,12 +129,13 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
             t = vt_config(plan.kernel_cls, target, plan.problem.head_dim_v)
             if (dispatch.kernel_class(t), t) not in jobs:
                 jobs.append((dispatch.kernel_class(t), t))
-    if backward:   # one query head per KV head, and a group over few KV tiles (GQA / MQA:
-        # the dV / dK kernels split it over CTAs, `group_split`)
+    if backward:   # one query head per KV head, a group over few KV tiles (GQA / MQA:
+        # the dV / dK kernels split it over CTAs, `group_split`), and a large causal group
+        # (the fused kernel by row units, `row_units`)
         for d, dv in map(head_dim_pair, head_dims):
             for dt in dtypes:
                 for causal in causals:
-                    for hq in (1, 2):
+                    for hq in (1, 2, 32):
                         p = AttnProblem(dtype=dt, batch=1, heads_q=hq, heads_kv=1, seqlen_q=1,
                                         seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
                         jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
