@@ -12,6 +12,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --padded [...]       # D % 64 != 0 on the fused kernel, padded
     python -m perf.bwd_fused --l2-probe [...]     # MQA / MHA causal once each, for ncu
     python -m perf.bwd_fused --row-units [...]    # grouped causal by (row, tile) units
+    python -m perf.bwd_fused --big-group [...]    # MQA 128:1 (DeepSeek-V4 Pro's group)
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -36,6 +37,10 @@ kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the defau
 `--padded`: D % 64 != 0 on the fused kernel at the next multiple of 64 (q, k, v, dout
 zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/config.FUSED_PAD`, on since
 this measured it, 2026-12-06) beside the atomic-free backward (`deterministic`) (`PAD_CASES`).
+
+`--big-group`: MQA 128:1 at D=512 (DeepSeek-V4 Pro), above FUSED_MAX_GROUP, where the route is
+the atomic-free backward: the fused kernel as `plan_bwd_fused` plans it (by row units under
+causal masking) beside it (`BIG_GROUP_CASES`); same timing and checks as the default run.
 
 `--variation`: the default backward (the fused kernel at these D) five times on the same
 inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by
@@ -97,6 +102,8 @@ WIDE_CASES = ((576, False, 32, 32, 8192), (576, True, 32, 32, 8192), (576, True,
               (576, False, 32, 32, 16384))
 
 
+# MQA 128:1, causal (`--big-group`): (D, causal, Hq, Hkv, N)
+BIG_GROUP_CASES = ((512, True, 128, 1, 8192), (512, True, 128, 1, 4096))
 # D % 64 != 0 padded onto the fused kernel (`--padded`): (D, causal, Hq, Hkv, N)
 PAD_CASES = tuple((d, causal, 32, 32, 8192) for d in (264, 336, 400, 480, 520, 544)
                   for causal in (False, True)) + ((336, True, 32, 4, 8192),)
@@ -146,8 +153,13 @@ def plans(case) -> dict:
 
 
 def jobs(cases=CASES) -> list:
+    """The cases' kernels: the forward that gives out / lse, then every backward of `plans`."""
+    from ffpa_cute import dispatch
+
     out = []
     for case in cases:
+        fwd = dispatch.plan_fwd(_problem(*case[:5]), target="sm_90a")
+        out.append((fwd.kernel_cls, fwd.cfg))
         for plan in plans(case).values():
             out.extend(j for j in plan.jobs if j not in out)
     return out
@@ -654,6 +666,8 @@ MODES = {
                   lambda dev, flush: run(dev, flush, SCATTER_CASES)),
     "--wide": (lambda: jobs(WIDE_CASES), lambda dev, flush: run(dev, flush, WIDE_CASES)),
     "--padded": (lambda: jobs(PAD_CASES), lambda dev, flush: run(dev, flush, PAD_CASES)),
+    "--big-group": (lambda: jobs(BIG_GROUP_CASES),
+                    lambda dev, flush: run(dev, flush, BIG_GROUP_CASES)),
 }
 
 
