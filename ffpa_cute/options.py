@@ -54,11 +54,12 @@ class Options:
                  that only writes the data pointers (FFPA_CUTE_FAST_LAUNCH).
     deterministic: the backward: False (default): on sm90 the fused kernel where it builds
                  and measured faster (D 264-576, D % 64 != 0 on operands zero-padded to
-                 the next multiple of 64; up to 64 query heads per KV head, Dv == D, not
-                 varlen, D 520-576 without a window; elsewhere the
+                 the next multiple of 64; up to 64 query heads per KV head, more when
+                 causal, Dv == D, not varlen, D 520-576 without a window; elsewhere the
                  atomic-free kernels): 5 GEMM units instead of 8, dQ summed by fp32
                  reductions in whatever order they land, so dQ's last bits vary run to run
-                 (dK, dV do not; GPU-tested and sanitizer-clean). True, or torch's
+                 (dK, dV do not, but for causal groups of 32+, walked by row units whose dK /
+                 dV are fp32 reductions too; GPU-tested and sanitizer-clean). True, or torch's
                  `use_deterministic_algorithms(True)`: the atomic-free kernels everywhere,
                  the same bits every run (FFPA_CUTE_DETERMINISTIC).
     self_check:  "unverified" (default): the first call of each kernel configuration of a family

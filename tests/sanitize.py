@@ -167,6 +167,8 @@ FUSED_CASES = [
      False),
     ("sm90 fused backward D576 (wide) MQA 32:1 causal, row units, Nq > Nkv", 32, 1, 200, 77,
      576, True, 1, False),
+    ("sm90 fused backward D320 fp16 MQA 32:1 causal, row units", 32, 1, 129, 333, 320, True, 1,
+     False, None, "fp16"),
     # D over C CTAs (`scatter`; last field: C)
     ("sm90 fused backward D1024 over 4 CTAs, scatter, GQA", 4, 2, 129, 333, 1024, True, 1,
      False, 4),

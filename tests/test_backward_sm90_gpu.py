@@ -264,14 +264,16 @@ def test_fused_padded(seed, d, causal, nq, nkv, ratio, dt):
 
 
 # the default route: the fused kernel at D 264-576 (D % 64 != 0 on operands zero-padded to the
-# next multiple of 64; groups up to 64), else the atomic-free kernels (D > 576)
+# next multiple of 64; groups up to 64, above by row units when causal), else the atomic-free
+# kernels (D > 576)
 DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),
                  (320, False, 1000, 1000, 1, torch.float16),
                  (448, True, 1000, 129, 64, torch.bfloat16),
                  (384, False, 7, 300, 2, torch.bfloat16),
                  (336, True, 700, 1000, 4, torch.bfloat16),
                  (576, True, 129, 1000, 2, torch.bfloat16),
-                 (576, False, 700, 1000, 4, torch.float16)]
+                 (576, False, 700, 1000, 4, torch.float16),
+                 (512, True, 300, 300, 128, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", DEFAULT_CASES)
@@ -283,7 +285,7 @@ def test_default_route(seed, d, causal, nq, nkv, ratio, dt):
 
     def plan(problem):
         routed = dispatch.plan_bwd(problem, torch.device("cuda"), opts=Options(family="sm90"))
-        fused = 264 <= d <= 576 and ratio <= 64
+        fused = 264 <= d <= 576 and (ratio <= 64 or causal)
         assert (routed.jobs[1][0].__name__ == "FFPABwdFusedSm90") == fused, routed.jobs
         return routed
 

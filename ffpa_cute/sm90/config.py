@@ -1330,12 +1330,15 @@ class BwdFusedConfigSm90:
              warpgroup (two products, the score step and its masks) 168 where that leaves
              the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else what does
              (136 at D=512, which spills 4 B with a window and no causal mask); the dV
-             warpgroup the rest.
+             warpgroup the rest. With `row_units` the dK warpgroup takes 48 beside its
+             accumulator where the S warpgroup keeps 168 (D 320 / 384: the reductions'
+             addresses spilled 12-20 B at D=320 with 32).
           2: each of dV / dK its accumulator, a dQ one and 40; the S warpgroup the rest (104
              at D=512: enough without masks only).
           `wide` (dq_grads 1): the dK warpgroup its accumulator and 48, the dV warpgroup its
              accumulator, a dQ one and 32, the S warpgroup the rest (192 / 192 / 120 at D=576:
-             176 for dK or 184 for dV spilled 1 KB, 128 for S 8-24 B)."""
+             176 for dK or 184 for dV spilled 1 KB, 128 for S 8-24 B; with `row_units`
+             32 B spill at every split tried, kept: measured 160 -> 273 TFLOPS at MQA 64:1)."""
         acc = self.half // 2
         if self.wide:
             dk, dv = acc + 48, acc + self.atom_cols // 2 + 32
@@ -1344,6 +1347,8 @@ class BwdFusedConfigSm90:
             return 184, 160, 160
         if self.dq_grads == 1:
             dk = acc + 32
+            if self.row_units and 504 - (acc + 48) - (acc + self.atom_cols // 2 + 48) >= 168:
+                dk = acc + 48
             s = min(168, 504 - dk - (acc + self.atom_cols // 2 + 48))
             return s, 504 - s - dk, dk
         grads = acc + self.atom_cols // 2 + 40
@@ -1427,9 +1432,17 @@ def fused_head_dim(problem: AttnProblem, pad: bool | None = None) -> int:
 
 def fused_pays(problem: AttnProblem) -> bool:
     """Whether `Options(deterministic=False)` routes problem to the fused backward (where it
-    also builds: `plan_bwd_fused`), judged at the head dim it runs at (`fused_head_dim`)."""
+    also builds: `plan_bwd_fused`), judged at the head dim it runs at (`fused_head_dim`);
+    groups above FUSED_MAX_GROUP by row units only (MQA 128:1 causal, D=512, H100: 220 -> 299
+    TFLOPS at N=8K, 198 -> 296 at 4K against the atomic-free kernels)."""
     return (FUSED_MIN_HEAD_DIM <= fused_head_dim(problem) <= FUSED_ROUTED_MAX_HEAD_DIM
-            and problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP)
+            and (problem.heads_q // problem.heads_kv <= FUSED_MAX_GROUP or _row_units(problem)))
+
+
+def _row_units(problem: AttnProblem) -> bool:
+    """Whether the fused backward walks `problem` by row units (FUSED_ROW_UNITS_MIN_GROUP)."""
+    return (problem.causal and problem.window_lo is None
+            and problem.heads_q // problem.heads_kv >= FUSED_ROW_UNITS_MIN_GROUP)
 
 
 # Who forms dQ (`dq_grads`: FUSED_DQ_GRADS, or FUSED_DQ_GRADS_BY_DIM's at that D) and whether
@@ -1476,8 +1489,7 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
                 dq_grads=FUSED_DQ_GRADS_BY_DIM.get(problem.head_dim, FUSED_DQ_GRADS),
                 group_split=FUSED_GROUP_SPLIT and _group_split(problem, o_split=cluster_d),
                 cluster_d=cluster_d, scatter=scatter)
-    base["row_units"] = (problem.causal and problem.window_lo is None and not scatter
-                         and problem.heads_q // problem.heads_kv >= FUSED_ROW_UNITS_MIN_GROUP)
+    base["row_units"] = _row_units(problem) and not scatter
     base["group_split"] &= not base["row_units"]
     for q_stages, do_stages in ((2, 2), (2, 1), (1, 1)):
         cfg = BwdFusedConfigSm90(**base, q_stages=q_stages, do_stages=do_stages)
