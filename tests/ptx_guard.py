@@ -66,6 +66,10 @@ def kernels() -> dict:
     for d in (512, 576):  # the fused backward, the default (at 576 288 columns a CTA)
         cfg = sm90_config.plan_bwd_fused(_problem(d, True))
         out[f"sm90-bwd-fused-d{d}-causal"] = (dispatch.kernel_class(cfg), cfg)
+    for d in (320, 512, 576):  # causal MQA 64:1 by row units (`row_units`)
+        cfg = sm90_config.plan_bwd_fused(dataclasses.replace(_problem(d, True), heads_q=64))
+        assert cfg.row_units
+        out[f"sm90-bwd-fused-d{d}-mqa-causal-row-units"] = (dispatch.kernel_class(cfg), cfg)
     for kind in ("dq", "dv"):
         cfg = sm80_config.plan_bwd(kind, _problem(1024, True), "sm_90a")
         out[f"splitd-bwd-{kind}-d1024-causal-sm90a"] = (dispatch.kernel_class(cfg), cfg)
