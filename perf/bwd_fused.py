@@ -546,16 +546,26 @@ def run_l2_probe(dev, flush) -> dict:
 
 
 # `--row-units`: grouped cases timed by key tiles and by row units (`row_units`), the rows that
-# set FUSED_ROW_UNITS_MIN_GROUP (causal G = 8-64, D, N, not causal)
+# set FUSED_ROW_UNITS_MIN_GROUP (causal G = 8-64, D, N, not causal; G = 8 / 16 at D 320-576)
 ROW_UNIT_CASES = ((512, True, 64, 1, 8192), (512, True, 32, 4, 8192), (576, True, 64, 1, 8192),
                   (512, True, 64, 4, 8192), (512, True, 64, 2, 8192), (512, True, 32, 1, 8192),
                   (512, True, 16, 1, 8192), (320, True, 64, 1, 8192), (384, True, 64, 1, 8192),
-                  (512, True, 64, 1, 16384), (512, False, 64, 1, 8192))
+                  (512, True, 64, 1, 16384), (512, False, 64, 1, 8192),
+                  (320, True, 32, 2, 8192), (320, True, 32, 4, 8192), (576, True, 32, 2, 8192),
+                  (576, True, 32, 4, 8192), (384, True, 32, 2, 8192))
 
 
 def row_unit_jobs() -> list:
-    return [(FFPABwdFusedSm90, _tiles_cfg(case, row_units=rows)) for case in ROW_UNIT_CASES
-            for rows in (False, True)]
+    """Per case the forward that gives out / lse, then the fused kernel by key tiles and by
+    row units."""
+    from ffpa_cute import dispatch
+
+    out = []
+    for case in ROW_UNIT_CASES:
+        fwd = dispatch.plan_fwd(_problem(*case), target="sm_90a")
+        out += [(fwd.kernel_cls, fwd.cfg)] * ((fwd.kernel_cls, fwd.cfg) not in out)
+        out += [(FFPABwdFusedSm90, _tiles_cfg(case, row_units=rows)) for rows in (False, True)]
+    return out
 
 
 def run_row_units(dev, flush) -> dict:
