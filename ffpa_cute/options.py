@@ -58,7 +58,7 @@ class Options:
                  causal, Dv == D, not varlen, D 520-576 without a window; elsewhere the
                  atomic-free kernels): 5 GEMM units instead of 8, dQ summed by fp32
                  reductions in whatever order they land, so dQ's last bits vary run to run
-                 (dK, dV do not, but for causal groups of 32+, walked by row units whose dK /
+                 (dK, dV do not, but for causal groups of 16+, walked by row units whose dK /
                  dV are fp32 reductions too; GPU-tested and sanitizer-clean). True, or torch's
                  `use_deterministic_algorithms(True)`: the atomic-free kernels everywhere,
                  the same bits every run (FFPA_CUTE_DETERMINISTIC).

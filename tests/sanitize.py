@@ -162,7 +162,7 @@ FUSED_CASES = [
     # D % 64 != 0 on operands zero-padded to the next multiple of 64 (`FUSED_PAD`)
     ("sm90 fused backward D520 padded to 576, GQA causal", 4, 2, 129, 333, 520, True, 1, False),
     # (query block row, key tile) units, dK / dV by fp32 reductions (`row_units`: planned for
-    # causal groups of 32+)
+    # causal groups of 16+)
     ("sm90 fused backward D512 MQA 32:1 causal, row units", 32, 1, 129, 333, 512, True, 1,
      False),
     ("sm90 fused backward D576 (wide) MQA 32:1 causal, row units, Nq > Nkv", 32, 1, 200, 77,

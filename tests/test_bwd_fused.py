@@ -97,14 +97,15 @@ def test_planned_variants_follow_their_switches(monkeypatch):
 
 def test_row_units_rule():
     """`row_units` (one CTA pair per (query block row, key tile), dK / dV added into fp32
-    workspaces) for causal head groups of FUSED_ROW_UNITS_MIN_GROUP (32) or more, as measured:
+    workspaces) for causal head groups of FUSED_ROW_UNITS_MIN_GROUP (16) or more, as measured:
     not below it, not without causal masking, not under a window (its walks are of one length),
     never with `group_split` or `scatter`; VERIFIED (GPU-tested, sanitizer-clean on an H100)."""
     mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
                       seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
-    assert c90.FUSED_ROW_UNITS_MIN_GROUP == 32
+    assert c90.FUSED_ROW_UNITS_MIN_GROUP == 16
     for hq, hkv, fields, rows in ((64, 1, {}, True), (32, 1, {}, True), (64, 2, {}, True),
-                                  (16, 1, {}, False), (32, 4, {}, False), (64, 4, {}, False),
+                                  (16, 1, {}, True), (64, 4, {}, True), (32, 4, {}, False),
+                                  (8, 1, {}, False),
                                   (64, 1, dict(causal=False), False),
                                   (64, 1, dict(window_lo=-1000), False),
                                   (64, 1, dict(head_dim=320, head_dim_v=320), True),

@@ -1460,10 +1460,11 @@ FUSED_DQ_GRADS_BY_DIM = {448: 2}
 FUSED_GROUP_SPLIT = False
 # `row_units` for causal head groups of at least this many query heads (no window: its walks
 # are of one length). Against the key-tile walk (H100, bf16, B=1, N=8K, TFLOPS, the workspaces'
-# zeroing and cast counted; perf.bwd_fused --row-units, 2026-12-06): D=512 MQA 64/1 236 -> 317,
-# 64/2 258 -> 298, 32/1 257 -> 294, 64/4 269 -> 268, 16/1 268 -> 265, 32/4 292 -> 219; 64/1 at
-# D=320 182 -> 269, 384 183 -> 301, 576 160 -> 273, N=16K 281 -> 312; not causal 325 -> 316
-FUSED_ROW_UNITS_MIN_GROUP = 32
+# zeroing and cast counted; perf.bwd_fused --row-units, 2026-12-06): G=64 (MQA 64/1) at D=320
+# 169 -> 268, 384 177 -> 306, 512 215-237 -> 316, 576 157 -> 273; G=32 at 512 237-257 ->
+# 290-298; G=16 at 320 224 -> 230, 384 235 -> 266, 512 259-272 -> 264-268, 576 205 -> 239;
+# G=8 loses (512 290 -> 219, 320 268 -> 191, 576 253 -> 199); not causal 323 -> 313
+FUSED_ROW_UNITS_MIN_GROUP = 16
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
