@@ -273,7 +273,8 @@ DEFAULT_CASES = [(512, True, 129, 1000, 4, torch.bfloat16),
                  (336, True, 700, 1000, 4, torch.bfloat16),
                  (576, True, 129, 1000, 2, torch.bfloat16),
                  (576, False, 700, 1000, 4, torch.float16),
-                 (512, True, 300, 300, 128, torch.bfloat16)]
+                 (512, True, 300, 300, 128, torch.bfloat16),
+                 (384, True, 700, 1000, 16, torch.float16)]
 
 
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", DEFAULT_CASES)
