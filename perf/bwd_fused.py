@@ -85,10 +85,12 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), and with GQA / MQA the head group split over CTA pairs (`group_split`)
+# (`dq_grads`), where row units are planned the key-tile walk, and with GQA / MQA the head
+# group split over CTA pairs (`group_split`, by key tiles)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
                   "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
-                  "fused split": dict(group_split=True)}
+                  "fused by key tiles": dict(row_units=False),
+                  "fused split": dict(group_split=True, row_units=False)}
 
 
 # D over C CTAs (`--scatter`): (D, causal, Hq, Hkv, N, C); at D <= 512 C = 2 beside the pair

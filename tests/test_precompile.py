@@ -18,9 +18,10 @@ def test_precompile_then_load_without_compiling(tmp_path):
 
 def test_backward_jobs_are_what_run_bwd_compiles():
     """--backward adds the kernels of `dispatch.plan_bwd` under the options in force: on
-    sm_90a the fused kernel where it is the default (D=512) and the WGMMA dQ, dK and dV
-    elsewhere (D <= 1024; dK / dV also with split head groups, what GQA / MQA over few KV tiles
-    plans), those at every D with `deterministic`; the Split-D ones on sm_80 and sm_120a, the
+    sm_90a the fused kernel where it is the default (D=512; by key tiles, and by row units for
+    a causal group of 32) and the WGMMA dQ, dK and dV elsewhere (D <= 1024; dK / dV also with
+    split head groups, what GQA / MQA over few KV tiles plans), those at every D with
+    `deterministic`; the Split-D ones on sm_80 and sm_120a, the
     tcgen05 ones on sm_100a (never run there: canaried on first use)."""
     import ffpa_cute
 
@@ -30,7 +31,11 @@ def test_backward_jobs_are_what_run_bwd_compiles():
     atomic_free = ["RowDot", "FFPABwdDQSm90", "FFPABwdDKSm90", "FFPABwdDVSm90",
                    "FFPABwdDKSm90", "FFPABwdDVSm90"]
     assert names["sm_90a"] == ["FFPAFwdSm90", "FFPAFwdSm90", "RowDot",
-                               "FFPABwdFusedSm90"] + atomic_free
+                               "FFPABwdFusedSm90", "FFPABwdFusedSm90"] + atomic_free
+    fused = [cfg for cls, cfg in precompile.jobs_for("sm_90a", [512], ["bf16"], (True,),
+                                                     backward=True)
+             if cls.__name__ == "FFPABwdFusedSm90"]
+    assert [cfg.row_units for cfg in fused] == [False, True]
     with ffpa_cute.options.use(deterministic=True):
         exact = precompile.jobs_for("sm_90a", [512, 1024], ["bf16"], (True,), backward=True)
     assert [cls.__name__ for cls, _ in exact] == ["FFPAFwdSm90", "FFPAFwdSm90"] + atomic_free * 2
