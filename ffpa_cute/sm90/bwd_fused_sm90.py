@@ -36,15 +36,16 @@ sum over the group in registers; dQ is a reduction either way, so its bits
 depend on the order the reductions reach L2 (not deterministic: `deterministic=True` keeps the
 atomic-free kernels).
 
-Row units (`row_units`, large causal head groups): under causal masking a KV head's tiles walk
-query ranges of different lengths, so with G = 32-64 query heads per KV head the up-to-128
+Row units (`row_units`, causal head groups of 16+): under causal masking a KV head's tiles walk
+query ranges of different lengths, so with many query heads per KV head the up-to-128
 visits of one (query head, block) come far apart in time and each refetches Q, dO and dq_acc's
 lines from DRAM (MQA 64:1 at D=512: 149 KB of DRAM per pair block, L2 hit rate 64%, against
 12 KB and 97% for MHA; docs/design.md section 4). There a CTA pair takes one (query block row,
 key tile) unit and walks the G query heads of that row, units ordered rows outer (the highest
 row first) and tiles inner, so the pairs on the GPU at one time share a row: each unit adds its
-dK / dV partial sums (over its G heads) into zeroed fp32 workspaces with `red.global.add.f32`
-from registers, which the host casts. Units above the causal diagonal store nothing.
+dK / dV partial sums (over its G heads) into zeroed fp32 workspaces with
+`red.global.add.v2.f32` (column pairs) from registers, which the host casts. Units above the
+causal diagonal add nothing.
 
 Warpgroups (384 threads; setmaxnreg per config, `reg_split`: 184 / 160 / 160 as below):
   WG0 "S"   loads K_r, V_r (once per tile) and the tile's first Q / dO stages; per block i,
@@ -933,7 +934,8 @@ class FFPABwdFusedSm90(KernelEntry):
     def _store_grad(self, acc_mn, tOgO_mn, tOcO_mn, rows_left):
         """A gradient warpgroup's dK or dV accumulators (rows, columns view) into its rows <
         rows_left of gmem, converted to the stored dtype, or with `row_units` added into the
-        fp32 workspace (`red.global.add.f32` per value: other units add to the same rows)."""
+        fp32 workspace (`red.global.add.v2.f32` per column pair: other units add to the same
+        rows)."""
         ncols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             if const_expr(self.cfg.row_units):

@@ -1458,9 +1458,9 @@ def _row_units(problem: AttnProblem) -> bool:
 FUSED_DQ_GRADS = 1
 FUSED_DQ_GRADS_BY_DIM = {448: 2}
 FUSED_GROUP_SPLIT = False
-# `row_units` for causal head groups of at least this many query heads (no window: its walks
-# are of one length). Against the key-tile walk (H100, bf16, B=1, N=8K, TFLOPS, the workspaces'
-# zeroing and cast counted; perf.bwd_fused --row-units, 2026-12-06): G=64 (MQA 64/1) at D=320
+# `row_units` for causal head groups of at least this many query heads (no window), against
+# the key-tile walk (H100, bf16, B=1, N=8K, TFLOPS with the workspaces' zeroing and cast;
+# perf.bwd_fused --row-units, 2026-12-06): G=64 (MQA 64/1) at D=320
 # 169 -> 268, 384 177 -> 306, 512 215-237 -> 316, 576 157 -> 273; G=32 at 512 237-257 ->
 # 290-298; G=16 at 320 224 -> 230, 384 235 -> 266, 512 259-272 -> 264-268, 576 205 -> 239;
 # G=8 loses (512 290 -> 219, 320 268 -> 191, 576 253 -> 199); not causal 323 -> 313
@@ -1472,7 +1472,8 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
     keeps one, D=576 one of each); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
     names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
-    problem's head groups, `row_units` for causal groups of FUSED_ROW_UNITS_MIN_GROUP or more. Raises ValueError with the reason for problems it does not take:
+    problem's head groups, else `row_units` for causal groups of FUSED_ROW_UNITS_MIN_GROUP or
+    more. Raises ValueError with the reason for problems it does not take:
     Dv != D, varlen, a window at D=576. `cluster_d`, `scatter`: D over that many CTAs by the
     reduce-scatter (tests and experiments ask for it; the router does not: it measured slower
     than the routed backward, H100). `pad` (default FUSED_PAD): D % 64 != 0 planned at
