@@ -318,7 +318,7 @@ def test_default_route_run_to_run(seed, d, causal, nq, nkv, ratio):
 
 # row units (`row_units`; planned for causal groups of 16+): bottom-right causal with Nq < Nkv
 # and Nq > Nkv (rows that see no key), D=576 (`wide`), D % 64 != 0 padded, fp16, an odd length,
-# and where the planner would not take them (G = 16, no causal mask, G = 2)
+# and where the planner would not take them (G = 8, no causal mask, G = 2)
 ROW_UNIT_CASES = [(512, True, 129, 1000, 32, torch.bfloat16),
                   (320, True, 1000, 129, 32, torch.float16),
                   (576, True, 1000, 1000, 32, torch.bfloat16),
