@@ -100,7 +100,7 @@
 #         not causal, one launch each): DRAM bytes read / written and the L2 hit rate
 #         (precompile: `python -m perf.bwd_fused --l2-probe --precompile DIR`, packed)
 #   rows  the fused backward by (query block row, key tile) units (`row_units`, planned for
-#         causal groups of 32+): its GPU tests and the default route's, its sanitizer cases,
+#         causal groups of 16+): its GPU tests and the default route's, its sanitizer cases,
 #         then perf.bwd_fused --row-units (by key tiles against row units, G 8-64, D 320-576,
 #         gradients compared) and --variation (precompile: with SANITIZE_CASES="row units"
 #         `python -m tests.gpu_jobs --sections rows,sanitize`, `python -m perf.bwd_fused

@@ -22,7 +22,8 @@ it pays) beside the atomic-free kernels (`Options(deterministic=True)`), and (`l
 plans with shares from 128-byte lines (the forward's and `line_shares_bwd`'s) with
 test_line_shares' even-share twins, and (`cta`) the CTA pair's forwards at D % 128 == 8
 (`cta_align` 32), and (`wide`) the forwards with O in one CTA above 512 (`wide_o`), the
-pair's test cases above 576 and the gradient kernels in one CTA. A kernel the tests need that
+pair's test cases above 576 and the gradient kernels in one CTA, and (`rows`) the fused
+backward's row-unit tests and its default route's. A kernel the tests need that
 is missing here is compiled on the device on first use, as for any user.
 """
 
