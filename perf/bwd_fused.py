@@ -537,10 +537,8 @@ def run_l2_probe(dev, flush) -> dict:
     for case in L2_PROBE_CASES:
         plan, t, scalars = _kernel_inputs(case[:5], dev)
         cls, cfg = _walk_job(case[:5], case[5])
-        if cfg.row_units:   # dK / dV partials added into zeroed fp32 workspaces
-            t.update(dk=t["dk"].float().zero_(), dv=t["dv"].float().zero_())
         torch.cuda.synchronize()
-        launch.run_job(cls, cfg, t, scalars)
+        launch.run_grad_job(cls, cfg, t, scalars)   # row units: with their fp32 workspaces
         torch.cuda.synchronize()
         print(f"launched: D={case[0]} {'causal' if case[1] else 'full'} {case[2]}/{case[3]} "
               f"N={case[4]} {case[5]} walk", flush=True)
@@ -565,7 +563,8 @@ def row_unit_jobs() -> list:
     out = []
     for case in ROW_UNIT_CASES:
         fwd = dispatch.plan_fwd(_problem(*case), target="sm_90a")
-        out += [(fwd.kernel_cls, fwd.cfg)] * ((fwd.kernel_cls, fwd.cfg) not in out)
+        if (fwd.kernel_cls, fwd.cfg) not in out:
+            out.append((fwd.kernel_cls, fwd.cfg))
         out += [(FFPABwdFusedSm90, _tiles_cfg(case, row_units=rows)) for rows in (False, True)]
     return out
 

@@ -938,8 +938,8 @@ class FFPABwdFusedSm90(KernelEntry):
         rows)."""
         ncols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            if const_expr(self.cfg.row_units):
-                if tOcO_mn[r, 0][0] < rows_left:
+            if tOcO_mn[r, 0][0] < rows_left:
+                if const_expr(self.cfg.row_units):
                     for c in cutlass.range_constexpr(0, ncols, 2):   # adjacent column pairs
                         pair = cute.make_rmem_tensor(2, Float32)
                         pair[0] = acc_mn[r, c]
@@ -947,11 +947,11 @@ class FFPABwdFusedSm90(KernelEntry):
                         cute.arch.red(tOgO_mn.iterator + cute.crd2idx((r, c), tOgO_mn.layout),
                                       pair.load(), op="add", dtype="f32", sem="relaxed",
                                       scope="gpu")
-            elif tOcO_mn[r, 0][0] < rows_left:
-                rO = cute.make_rmem_tensor(ncols, self.out_dtype)
-                rO.store(acc_mn[r, None].load().to(self.out_dtype))
-                for c in cutlass.range_constexpr(ncols):
-                    tOgO_mn[r, c] = rO[c]
+                else:
+                    rO = cute.make_rmem_tensor(ncols, self.out_dtype)
+                    rO.store(acc_mn[r, None].load().to(self.out_dtype))
+                    for c in cutlass.range_constexpr(ncols):
+                        tOgO_mn[r, c] = rO[c]
 
     @cute.jit
     def _refill(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, i, which: cutlass.Constexpr,
