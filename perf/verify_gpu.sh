@@ -89,9 +89,14 @@
 #   limits perf.reduce_limits (fp32 adds into L2 by TMA / red.global, with loads beside
 #         them) and perf.dsmem_limits (st.async between the CTAs of 2- and 4-CTA clusters)
 #         (precompile: each `python -m perf.<name> --precompile DIR`, packed together)
-#   bwd17 issue 17's acceptance table in one call: perf.sweep --bwd at D 320 / 512 / 576 /
-#         1024, N 8K / 16K, causal, GQA 32/4 causal (gemma4) and MQA 64/1 causal, with
-#         SWEEP_BASELINES (default sdpa,ffpa: stage with STAGE_PEERS=1)
+#   bwd17 issue 17's acceptance table: perf.sweep --bwd at D 320 / 512 / 576 / 1024, N 8K /
+#         16K, causal, GQA 32/4 causal (gemma4) and MQA 64/1 causal, with SWEEP_BASELINES
+#         (default sdpa,ffpa); BWD17_DIMS / BWD17_SEQLENS / BWD17_CASES narrow it (FFPA
+#         compiles its kernels in-process at every first call, so the whole table with FFPA
+#         takes more than one call: e.g. D=512 8K / 16K in one, 320,576,1024 at 8K in the
+#         next) (precompile: `python -m ffpa_cute.precompile --arch sm_90 --head-dims
+#         320,512,576,1024 --dtypes bf16 --causal both --backward --cache-dir DIR`, packed;
+#         the FFPA peer as .device_peers/peers.tar.xz, below)
 #   padded the fused backward at D % 64 != 0 on zero-padded operands (`FUSED_PAD`, routed):
 #         test_fused_padded (float64), then perf.bwd_fused --padded beside the atomic-free
 #         backward (precompile: `python -m perf.bwd_fused --padded --precompile DIR`, packed)
@@ -108,7 +113,17 @@
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
+#
+# The FFPA peer beside a pack: STAGE_PEERS=1 adds its two wheels (1.25 MB) to .device, and with
+# the tracked tree and a pack that passes the 64 MiB that travels. Instead unzip both wheels
+# into one xz tarball (~0.8 MB), .device_peers/peers.tar.xz (.device_peers in
+# .git/info/exclude), and carry .device_peers in the calls that time FFPA:
+#   mkdir -p /tmp/peers .device_peers && for w in <stage cache>/peers/*.whl; do
+#     unzip -q -o "$w" -d /tmp/peers; done && tar cJf .device_peers/peers.tar.xz -C /tmp/peers .
 set -uo pipefail
+if [ -f .device_peers/peers.tar.xz ] && ! python3 -c "import ffpa_attn" 2>/dev/null; then
+  tar xJf .device_peers/peers.tar.xz -C /tmp/site
+fi
 out="${OUT:-./out}"
 mkdir -p "$out"
 for pack in .pc/*.tar.xz; do
@@ -162,8 +177,9 @@ if has sweep; then
 fi
 if has bwd17; then
   step "issue 17: the backward beside ${SWEEP_BASELINES:-sdpa,ffpa}"
-  timeout 580 python -m perf.sweep --cases self,causal,gemma4,mqa --head-dims 320,512,576,1024 \
-      --seqlens 8k,16k --bwd --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" --no-progress \
+  timeout 580 python -m perf.sweep --cases "${BWD17_CASES:-self,causal,gemma4,mqa}" \
+      --head-dims "${BWD17_DIMS:-320,512,576,1024}" --seqlens "${BWD17_SEQLENS:-8k,16k}" --bwd \
+      --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" --no-progress \
       --out "$out/sweep_bwd17" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep_bwd17.log" 2>&1
   grep "^| [a-z]" "$out/sweep_bwd17/bwd.md" | cut -c1-200
 fi
