@@ -5,6 +5,7 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
     python -m perf.bwd_fused --trace [--precompile DIR | --out FILE]   # the phase trace
     python -m perf.bwd_fused --trace-wide [...]   # traced at D=576 / 512, MQA / MHA causal
+    python -m perf.bwd_fused --trace-narrow [...]   # traced at D=320 / 384
     python -m perf.bwd_fused --schedule [...]     # where and when each CTA ran (GQA / MQA)
     python -m perf.bwd_fused --scatter [--precompile DIR | --out FILE] # D over C CTAs
     python -m perf.bwd_fused --variation [--precompile DIR | --out FILE]   # run to run
@@ -50,7 +51,8 @@ how much (dQ's fp32 reductions land in any order; dK / dV are summed in register
 phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in
 dV + dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's
 pieces staged but not added; dQ formed but neither staged nor added: wrong results, timing
-only): five variants of one case, one device call (~20 s). Measurements and their reading: docs/design.md section 4, "The fused backward", and
+only): five variants of one case, one device call (~20 s). `--trace-narrow` traces D=320 / 384
+the same way with the two knockouts. Measurements and their reading: docs/design.md section 4, "The fused backward", and
 docs/perf-log.md (2026-12-05, sessions 20-24).
 """
 
@@ -315,6 +317,12 @@ TRACE_CASES = ((512, False, 32, 32, 8192),)
 TRACE_WIDE_CASES = ((576, False, 32, 32, 8192), (512, False, 32, 32, 8192),
                     (512, True, 64, 1, 8192), (512, True, 32, 32, 8192))
 TRACE_WIDE_VARIANTS = ("traced", "no put")
+# `--trace-narrow`: D=320 / 384 (two Q and two dO stages; issue 17 asks 350 TFLOPS at 320),
+# traced, with dQ staged but not added ("no copy") and not staged ("no put"): whether the
+# S warpgroup's chain or the reductions set the period there, and how long the dV / dK
+# warpgroups wait for their stages
+TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
+TRACE_NARROW_VARIANTS = ("traced", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK")
 
@@ -672,6 +680,9 @@ MODES = {
     "--trace-wide": (lambda: trace_jobs(TRACE_WIDE_CASES, TRACE_WIDE_VARIANTS),
                      lambda dev, flush: run_trace(dev, flush, TRACE_WIDE_CASES,
                                                   TRACE_WIDE_VARIANTS)),
+    "--trace-narrow": (lambda: trace_jobs(TRACE_NARROW_CASES, TRACE_NARROW_VARIANTS),
+                       lambda dev, flush: run_trace(dev, flush, TRACE_NARROW_CASES,
+                                                    TRACE_NARROW_VARIANTS)),
     "--trace": (trace_jobs, run_trace),
     "--scatter": (lambda: jobs(SCATTER_CASES),
                   lambda dev, flush: run(dev, flush, SCATTER_CASES)),
