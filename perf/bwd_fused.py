@@ -310,7 +310,8 @@ class _NoPut(FusedTraced):
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "pair stores": (_PairStores, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
-                  "no copy": (_NoCopy, {}), "no put": (_NoPut, {})}
+                  "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
+                  "3 stages": (FusedTraced, dict(q_stages=3, do_stages=3))}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
 # traced and with dQ's pieces not added ("no put"), and MQA 64/1 causal beside MHA causal
@@ -320,11 +321,12 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # `--trace-narrow`: D=320 / 384 (two Q and two dO stages; issue 17 asks 350 TFLOPS at 320),
 # traced, with dQ staged but not added ("no copy") and not staged ("no put"): whether the
 # S warpgroup's chain or the reductions set the period there, and how long the dV / dK
-# warpgroups wait for their stages
+# warpgroups wait for their stages; and three Q and three dO stages where they fit (D=320:
+# 230400 B), whose loads start a block earlier
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
-TRACE_NARROW_VARIANTS = ("traced", "no copy", "no put")
+TRACE_NARROW_VARIANTS = ("traced", "no copy", "no put", "3 stages")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK")
+CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "3 stages")
 
 
 def _tiles_cfg(case, **fields):
@@ -339,9 +341,18 @@ def _trace_cfg(case, fields: dict):
     return _tiles_cfg(case, **fields)
 
 
-def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:
-    return [(cls, _trace_cfg(case, f)) for case in cases
+def _trace_runs(cases, variants) -> list:
+    """(case, variant name, traced class, config) of each variant that builds at each case (3
+    stages do not at D=384: shared memory)."""
+    from ffpa_cute.sm90.config import can_implement_fused
+
+    runs = [(case, name, cls, _trace_cfg(case, f)) for case in cases
             for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]
+    return [r for r in runs if can_implement_fused(r[3]) is None]
+
+
+def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:
+    return [(cls, cfg) for _, _, cls, cfg in _trace_runs(cases, variants)]
 
 
 def trace_phases(trace) -> dict:
@@ -396,10 +407,7 @@ def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> 
         plan, t, scalars = _kernel_inputs(case, dev)
         ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
-        for name, (cls, fields) in TRACE_VARIANTS.items():
-            if name not in variants:
-                continue
-            cfg = _trace_cfg(case, fields)
+        for _, name, cls, cfg in _trace_runs((case,), variants):
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
             args = {**t, "trace": trace}
             launch.run_job(cls, cfg, args, scalars)

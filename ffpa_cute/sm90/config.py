@@ -1387,8 +1387,8 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 f"with D / cluster_d (cluster_d={cfg.cluster_d}) a multiple of 32 up to "
                 f"{FUSED_MAX_HALF} (each CTA's columns: rows of whole 64-byte swizzle spans, "
                 "dK / dV accumulators in registers)")
-    if cfg.q_stages not in (1, 2) or cfg.do_stages not in (1, 2):
-        return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
+    if cfg.q_stages not in (1, 2, 3) or cfg.do_stages not in (1, 2, 3):
+        return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1, 2 or 3 each"
     if cfg.wide and (cfg.cluster_d != 2 or cfg.dq_grads != 1 or cfg.window):
         return (f"head_dim={cfg.head_dim} over {cfg.cluster_d} CTAs ({cfg.half} columns each, "
                 f"wider than one WGMMA) with cluster_d={cfg.cluster_d}, dq_grads="
