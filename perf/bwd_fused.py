@@ -35,7 +35,7 @@ m64n96 WGMMAs; not routed until measured) beside the routed backward there (the 
 kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the default run.
 
 `--padded`: D % 64 != 0 on the fused kernel at the next multiple of 64 (q, k, v, dout
-zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/config.FUSED_PAD`, on since
+zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/fused_config.FUSED_PAD`, on since
 this measured it, 2026-12-06) beside the atomic-free backward (`deterministic`) (`PAD_CASES`).
 
 `--big-group`: MQA 128:1 at D=512 (DeepSeek-V4 Pro), above FUSED_MAX_GROUP, where the route is
@@ -66,7 +66,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
-from ffpa_cute.sm90.config import FUSED_DQ_PIECE
+from ffpa_cute.sm90.fused_config import FUSED_DQ_PIECE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp, medians, period, span
 
@@ -123,7 +123,7 @@ def plans(case) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import can_implement_fused, plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import can_implement_fused, plan_bwd_fused
 
     p = _problem(*case[:5])
     out = {"atomic-free": dispatch.plan_bwd(p, target="sm_90a",
