@@ -43,6 +43,7 @@ from .options import Options
 from .problem import AttnProblem
 from .sm80 import config as sm80_config
 from .sm90 import config as sm90_config
+from .sm90 import fused_config as sm90_fused
 from .sm100 import config as sm100_config
 from .sm120 import config as sm120_config
 
@@ -95,9 +96,9 @@ def _sm90_bwd(p: AttnProblem, target: str, opts: Options):
     """The fused kernel when not `deterministic`, where it builds and measured faster, else the
     WGMMA dQ / dK / dV where they build, else (Dv == D) the Split-D backward."""
     try:
-        if not opts.deterministic and sm90_config.fused_pays(p):
+        if not opts.deterministic and sm90_fused.fused_pays(p):
             with contextlib.suppress(ValueError):  # where it does not build: the others
-                return [sm90_config.plan_bwd_fused(p, target)]
+                return [sm90_fused.plan_bwd_fused(p, target)]
         return sm90_config.plan_bwd(p, target, kv_pair=opts.kv_pair)
     except ValueError:
         if p.head_dim_v != p.head_dim:

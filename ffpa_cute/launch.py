@@ -72,7 +72,7 @@ def repack_rows(p, cfg, nq: int, nkv: int) -> bool:
 
 def fused_width(plan: BwdPlan) -> int:
     """The head dim a backward plan's fused kernel runs at, above D where D % 64 != 0 is
-    planned on the next multiple of 64 (`sm90/config.fused_head_dim`: `run_bwd` zero-pads q,
+    planned on the next multiple of 64 (`sm90/fused_config.fused_head_dim`: `run_bwd` zero-pads q,
     k, v and dout and drops the extra columns' gradients), else D."""
     cfg = plan.cfgs[-1]
     return (cfg.head_dim if type(cfg).__name__ == "BwdFusedConfigSm90"

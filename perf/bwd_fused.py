@@ -36,7 +36,7 @@ m64n96 WGMMAs; not routed until measured) beside the routed backward there (the 
 kernels in one CTA, `wide_o`), `WIDE_CASES`; same timing and checks as the default run.
 
 `--padded`: D % 64 != 0 on the fused kernel at the next multiple of 64 (q, k, v, dout
-zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/config.FUSED_PAD`, on since
+zero-padded by `launch.run_bwd`, the copies timed with it; `sm90/fused_config.FUSED_PAD`, on since
 this measured it, 2026-12-06) beside the atomic-free backward (`deterministic`) (`PAD_CASES`).
 
 `--big-group`: MQA 128:1 at D=512 (DeepSeek-V4 Pro), above FUSED_MAX_GROUP, where the route is
@@ -68,7 +68,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ffpa_cute.common.tensors import fake_tensor
 from ffpa_cute.sm90.bwd_fused_sm90 import FFPABwdFusedSm90
-from ffpa_cute.sm90.config import FUSED_DQ_PIECE
+from ffpa_cute.sm90.fused_config import FUSED_DQ_PIECE
 from perf import experiment
 from perf.phase_trace import EVENTS, MAXB, SLOTS, _stamp, medians, period, span
 
@@ -125,7 +125,7 @@ def plans(case) -> dict:
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.options import Options
-    from ffpa_cute.sm90.config import can_implement_fused, plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import can_implement_fused, plan_bwd_fused
 
     p = _problem(*case[:5])
     out = {"atomic-free": dispatch.plan_bwd(p, target="sm_90a",
@@ -344,7 +344,7 @@ def _trace_cfg(case, fields: dict):
 def _trace_runs(cases, variants) -> list:
     """(case, variant name, traced class, config) of each variant that builds at each case (3
     stages do not at D=384: shared memory)."""
-    from ffpa_cute.sm90.config import can_implement_fused
+    from ffpa_cute.sm90.fused_config import can_implement_fused
 
     runs = [(case, name, cls, _trace_cfg(case, f)) for case in cases
             for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]

@@ -76,6 +76,7 @@ def jobs(sections=SECTIONS) -> list:
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
     from ffpa_cute.sm90 import config as sm90_config
+    from ffpa_cute.sm90 import fused_config as sm90_fused
 
     out = []
 
@@ -112,7 +113,7 @@ def jobs(sections=SECTIONS) -> list:
                         cfg = sm90_config.plan_dk(p, TARGET, seq_scores=False)
                         add([(dispatch.kernel_class(cfg), cfg)])
                     if family == "sm90" and d % 64 == 0 and 256 < d <= 512:  # the fused
-                        cfg = sm90_config.plan_bwd_fused(p, TARGET)         # backward
+                        cfg = sm90_fused.plan_bwd_fused(p, TARGET)         # backward
                         add([(dispatch.kernel_class(cfg), cfg)])
     from ffpa_cute.common.config import DeltaConfig
 
@@ -121,7 +122,7 @@ def jobs(sections=SECTIONS) -> list:
             for causal in (False, True):
                 p = problem(d, d, dtype, causal)
                 plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
-                cfg = sm90_config.plan_bwd_fused(p, TARGET)
+                cfg = sm90_fused.plan_bwd_fused(p, TARGET)
                 add([(plan.kernel_cls, plan.cfg), (dispatch.kernel_class(cfg), cfg)])
                 # who forms dQ; the head group split over CTA pairs (D=576: dq_grads 1 only)
                 for dq_grads, split in ((1, False), (2, False), (0, True), (1, True)):
@@ -135,7 +136,7 @@ def jobs(sections=SECTIONS) -> list:
     # D over C CTAs (`scatter`): test_fused_scatter's configs, with their Delta kernels
     for d, c in ((1024, 4), (576, 3), (768, 3), (640, 4), (512, 2)) if "fused" in sections else ():
         for causal in (False, True):
-            cfg = sm90_config.plan_bwd_fused(problem(d, d, "bf16", causal), TARGET, cluster_d=c,
+            cfg = sm90_fused.plan_bwd_fused(problem(d, d, "bf16", causal), TARGET, cluster_d=c,
                                              scatter=True)
             delta = DeltaConfig(TARGET, "bf16", d)
             add([(dispatch.kernel_class(cfg), cfg), (dispatch.kernel_class(delta), delta)])
@@ -358,7 +359,7 @@ def _row_unit_jobs() -> list:
     from ffpa_cute import dispatch
     from ffpa_cute.options import Options
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90.config import plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import plan_bwd_fused
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
     from test_backward_sm90_gpu import DEFAULT_CASES, ROW_UNIT_CASES

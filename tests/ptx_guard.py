@@ -36,6 +36,7 @@ def kernels() -> dict:
     from ffpa_cute.common.config import CombineConfig, DeltaConfig
     from ffpa_cute.sm80 import config as sm80_config
     from ffpa_cute.sm90 import config as sm90_config
+    from ffpa_cute.sm90 import fused_config as sm90_fused
 
     import dataclasses
 
@@ -64,10 +65,10 @@ def kernels() -> dict:
             cfg = plan(p)
             out[f"sm90-bwd-{name}-d{d}-causal"] = (dispatch.kernel_class(cfg), cfg)
     for d in (512, 576):  # the fused backward, the default (at 576 288 columns a CTA)
-        cfg = sm90_config.plan_bwd_fused(_problem(d, True))
+        cfg = sm90_fused.plan_bwd_fused(_problem(d, True))
         out[f"sm90-bwd-fused-d{d}-causal"] = (dispatch.kernel_class(cfg), cfg)
     for d in (320, 512, 576):  # causal MQA 64:1 by row units (`row_units`)
-        cfg = sm90_config.plan_bwd_fused(dataclasses.replace(_problem(d, True), heads_q=64))
+        cfg = sm90_fused.plan_bwd_fused(dataclasses.replace(_problem(d, True), heads_q=64))
         assert cfg.row_units
         out[f"sm90-bwd-fused-d{d}-mqa-causal-row-units"] = (dispatch.kernel_class(cfg), cfg)
     for kind in ("dq", "dv"):

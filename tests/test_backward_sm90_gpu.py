@@ -231,7 +231,7 @@ def _fused_plan(problem, pad=None, **fields):
     """The fused backward (planned here, whatever the options; `pad`: `plan_bwd_fused`'s;
     `fields` change its config), after the Delta kernel."""
     from ffpa_cute.common.config import DeltaConfig
-    from ffpa_cute.sm90.config import plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import plan_bwd_fused
 
     cfg = dataclasses.replace(plan_bwd_fused(problem, pad=pad), **fields)
     return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
@@ -375,7 +375,7 @@ def test_fused_scatter(seed, d, c, causal, nq, nkv, ratio):
     dS^T gathered (`scatter`; first run 2026-12-05 on an H100): all three gradients
     against float64."""
     from ffpa_cute.common.config import DeltaConfig
-    from ffpa_cute.sm90.config import plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import plan_bwd_fused
 
     def plan(problem):
         cfg = plan_bwd_fused(problem, cluster_d=c, scatter=True)

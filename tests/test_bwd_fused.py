@@ -19,6 +19,7 @@ from ffpa_cute.problem import AttnProblem
 from ffpa_cute.options import Options
 from ffpa_cute.reference import attention_grads, attention_ref, rel_err
 from ffpa_cute.sm90 import config as c90
+from ffpa_cute.sm90 import fused_config as f90
 from test_kernels_compile import _no_spills, _ptxas_log, _ptxas_spills
 
 
@@ -34,24 +35,24 @@ def test_plan_and_constraints():
     a field; no Dv != D, no varlen."""
     for d, ds, chunks in ((320, 2, (160,)), (384, 2, (128, 64)), (448, 1, (128, 96)),
                           (512, 1, (128, 128))):
-        cfg = c90.plan_bwd_fused(_problem(d))
+        cfg = f90.plan_bwd_fused(_problem(d))
         assert (cfg.q_stages, cfg.do_stages, cfg.dq_chunks) == (2, ds, chunks)
         assert cfg.smem_bytes() <= c90.SMEM_CAPACITY and sum(chunks) == d // 2
         assert all(w % cfg.atom_cols == 0 for w in chunks)
-    assert c90.plan_bwd_fused(_problem(512, causal=True)).causal
-    assert c90.plan_bwd_fused(_problem(512, window_lo=-8)).window
+    assert f90.plan_bwd_fused(_problem(512, causal=True)).causal
+    assert f90.plan_bwd_fused(_problem(512, window_lo=-8)).window
     for d in (264, 288, 640, 256):
-        assert "head_dim" in c90.can_implement_fused(
-            c90.BwdFusedConfigSm90("sm_90a", "bf16", d, False))
-    assert "sm_90a" in c90.can_implement_fused(c90.BwdFusedConfigSm90("sm_80", "bf16", 512,
+        assert "head_dim" in f90.can_implement_fused(
+            f90.BwdFusedConfigSm90("sm_90a", "bf16", d, False))
+    assert "sm_90a" in f90.can_implement_fused(f90.BwdFusedConfigSm90("sm_80", "bf16", 512,
                                                                         False))
-    assert "shared memory" in c90.can_implement_fused(
-        c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=2))
+    assert "shared memory" in f90.can_implement_fused(
+        f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=2))
     for kw in (dict(dv=256), dict(varlen=True)):
         with pytest.raises(ValueError):
-            c90.plan_bwd_fused(_problem(512, **kw))
-    assert "dq_grads" in c90.can_implement_fused(
-        c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
+            f90.plan_bwd_fused(_problem(512, **kw))
+    assert "dq_grads" in f90.can_implement_fused(
+        f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
 
 
 def test_wide_pair_plan():
@@ -60,18 +61,18 @@ def test_wide_pair_plan():
     (dK / dV 192, S 120: what compiled without spills), no window (its masks spill the S
     warpgroup); GPU-tested and sanitizer-clean in bf16 and fp16 (VERIFIED), routed by
     default."""
-    cfg = c90.plan_bwd_fused(_problem(576, causal=True))
+    cfg = f90.plan_bwd_fused(_problem(576, causal=True))
     assert cfg.wide and (cfg.q_stages, cfg.do_stages, cfg.dq_grads) == (1, 1, 1)
     assert cfg.smem_bytes() <= c90.SMEM_CAPACITY
-    assert "shared memory" in c90.can_implement_fused(dataclasses.replace(cfg, q_stages=2))
+    assert "shared memory" in f90.can_implement_fused(dataclasses.replace(cfg, q_stages=2))
     assert cfg.reg_split == (120, 192, 192) and cfg.dq_widths == (32,)
-    assert cfg.VERIFIED and c90.plan_bwd_fused(_problem(576, True, "fp16")).VERIFIED
+    assert cfg.VERIFIED and f90.plan_bwd_fused(_problem(576, True, "fp16")).VERIFIED
     for fields in (dict(window=True), dict(dq_grads=2), dict(dq_grads=0)):
-        assert "256 columns" in c90.can_implement_fused(dataclasses.replace(cfg, **fields))
+        assert "256 columns" in f90.can_implement_fused(dataclasses.replace(cfg, **fields))
     with pytest.raises(ValueError):
-        c90.plan_bwd_fused(_problem(576, window_lo=-8))
-    assert not c90.plan_bwd_fused(_problem(512)).wide
-    assert c90.fused_pays(_problem(576)) and not c90.fused_pays(_problem(640))
+        f90.plan_bwd_fused(_problem(576, window_lo=-8))
+    assert not f90.plan_bwd_fused(_problem(512)).wide
+    assert f90.fused_pays(_problem(576)) and not f90.fused_pays(_problem(640))
 
 
 def test_planned_variants_follow_their_switches(monkeypatch):
@@ -82,17 +83,17 @@ def test_planned_variants_follow_their_switches(monkeypatch):
     mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
                       seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
     mha = dataclasses.replace(mqa, heads_q=32, heads_kv=32)
-    cfg = c90.plan_bwd_fused(mqa)
+    cfg = f90.plan_bwd_fused(mqa)
     assert (cfg.dq_grads, cfg.group_split) == (1, False)
-    monkeypatch.setattr(c90, "FUSED_DQ_GRADS", 2)
-    monkeypatch.setattr(c90, "FUSED_GROUP_SPLIT", True)
+    monkeypatch.setattr(f90, "FUSED_DQ_GRADS", 2)
+    monkeypatch.setattr(f90, "FUSED_GROUP_SPLIT", True)
     full = dataclasses.replace(mqa, causal=False)
-    assert (c90.plan_bwd_fused(full).dq_grads, c90.plan_bwd_fused(full).group_split) == (2, True)
-    assert c90.plan_bwd_fused(mqa).row_units and not c90.plan_bwd_fused(mqa).group_split
-    assert not c90.plan_bwd_fused(mha).group_split
-    monkeypatch.setattr(c90, "FUSED_DQ_GRADS", 1)
+    assert (f90.plan_bwd_fused(full).dq_grads, f90.plan_bwd_fused(full).group_split) == (2, True)
+    assert f90.plan_bwd_fused(mqa).row_units and not f90.plan_bwd_fused(mqa).group_split
+    assert not f90.plan_bwd_fused(mha).group_split
+    monkeypatch.setattr(f90, "FUSED_DQ_GRADS", 1)
     d448 = dataclasses.replace(mha, head_dim=448, head_dim_v=448)
-    assert c90.plan_bwd_fused(d448).dq_grads == c90.FUSED_DQ_GRADS_BY_DIM[448] == 2
+    assert f90.plan_bwd_fused(d448).dq_grads == f90.FUSED_DQ_GRADS_BY_DIM[448] == 2
 
 
 def test_row_units_rule():
@@ -102,7 +103,7 @@ def test_row_units_rule():
     never with `group_split` or `scatter`; VERIFIED (GPU-tested, sanitizer-clean on an H100)."""
     mqa = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=8192,
                       seqlen_kv=8192, head_dim=512, head_dim_v=512, causal=True)
-    assert c90.FUSED_ROW_UNITS_MIN_GROUP == 16
+    assert f90.FUSED_ROW_UNITS_MIN_GROUP == 16
     for hq, hkv, fields, rows in ((64, 1, {}, True), (32, 1, {}, True), (64, 2, {}, True),
                                   (16, 1, {}, True), (64, 4, {}, True), (32, 4, {}, False),
                                   (8, 1, {}, False),
@@ -112,13 +113,13 @@ def test_row_units_rule():
                                   (64, 1, dict(head_dim=576, head_dim_v=576), True),
                                   (64, 1, dict(head_dim=336, head_dim_v=336), True)):
         p = dataclasses.replace(mqa, heads_q=hq, heads_kv=hkv, **fields)
-        cfg = c90.plan_bwd_fused(p)
+        cfg = f90.plan_bwd_fused(p)
         assert cfg.row_units == rows, (hq, hkv, fields)
         assert not cfg.group_split
         assert cfg.VERIFIED
         routed = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))
         assert routed.cfgs[-1] == cfg
-    assert not c90.plan_bwd_fused(mqa, cluster_d=4, scatter=True).row_units
+    assert not f90.plan_bwd_fused(mqa, cluster_d=4, scatter=True).row_units
     # above FUSED_MAX_GROUP (64) routed by row units only: causal without a window
     for fields, fused in ((dict(), True), (dict(causal=False), False),
                           (dict(window_lo=-1000), False)):
@@ -126,9 +127,9 @@ def test_row_units_rule():
         routed = dispatch.plan_bwd(p, target="sm_90a", opts=Options(family="sm90"))
         assert (type(routed.cfgs[-1]).__name__ == "BwdFusedConfigSm90") == fused, fields
         assert not fused or routed.cfgs[-1].row_units
-    cfg = c90.plan_bwd_fused(mqa)
+    cfg = f90.plan_bwd_fused(mqa)
     for fields in (dict(group_split=True), dict(scatter=True, cluster_d=4)):
-        assert "row_units" in c90.can_implement_fused(dataclasses.replace(cfg, **fields))
+        assert "row_units" in f90.can_implement_fused(dataclasses.replace(cfg, **fields))
 
 
 def test_row_units_compile_to_reductions(tmp_path, monkeypatch):
@@ -141,7 +142,7 @@ def test_row_units_compile_to_reductions(tmp_path, monkeypatch):
     for d in (320, 512, 576):
         p = AttnProblem(dtype="bf16", batch=1, heads_q=64, heads_kv=1, seqlen_q=4096,
                         seqlen_kv=4096, head_dim=d, head_dim_v=d, causal=True)
-        cfg = c90.plan_bwd_fused(p)
+        cfg = f90.plan_bwd_fused(p)
         assert cfg.row_units
         ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
         assert re.search(r"red\.relaxed\.gpu\.global\.add\.v2\.f32", ptx), "no fp32 red"
@@ -162,7 +163,7 @@ def test_dq_shares_and_registers(d):
     CTA's half once (all in the dV warpgroup with 1; the dV warpgroup the larger with 2); the
     three warpgroups' setmaxnreg counts are multiples of 8 in [24, 256] summing to 504."""
     for g in (0, 1, 2):
-        cfg = dataclasses.replace(c90.plan_bwd_fused(_problem(d)), dq_grads=g)
+        cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_grads=g)
         regs = cfg.reg_split
         assert sum(regs) == 504 and all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
         if g == 0:
@@ -195,7 +196,7 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     `reg_split`, no spills, and ptxas does not serialise the WGMMAs (none is issued under a
     runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
-    cfg = c90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
+    cfg = f90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
     cfg = dataclasses.replace(cfg, dq_grads=dq_grads)
     assert cfg.window == window
     cls = dispatch.kernel_class(cfg)
@@ -230,7 +231,7 @@ def test_group_split_compiles(tmp_path, monkeypatch, dq_grads):
     32-bit dK / dV stores and no 16-bit ones, no spills, WGMMAs not serialised; the config
     gives `group_parts` the pair (o_split 2)."""
     monkeypatch.chdir(tmp_path)
-    cfg = dataclasses.replace(c90.plan_bwd_fused(_problem(512, True)), group_split=True,
+    cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(512, True)), group_split=True,
                               dq_grads=dq_grads)
     assert cfg.o_split == 2
     assert c90.group_parts(1, 64, 1, 8192, cfg.o_split) == 2   # MQA 64:1 at 8K: 512 CTAs
@@ -329,7 +330,7 @@ def test_host_path_with_the_kernel_emulated(monkeypatch, causal, nq, nkv, left, 
     lse = torch.logsumexp(s, -1)
     out = (torch.softmax(s, -1).nan_to_num() @ v.float().repeat_interleave(2, 1)).to(dt)
     split, rows = variant == "split", variant == "rows"
-    cfg = dataclasses.replace(c90.plan_bwd_fused(problem), group_split=split, row_units=rows)
+    cfg = dataclasses.replace(f90.plan_bwd_fused(problem), group_split=split, row_units=rows)
     plan = dispatch.BwdPlan(problem, "sm_90a", "sm90",
                             cfgs=(DeltaConfig("sm_90a", "bf16", d), cfg))
     ran = []
@@ -382,9 +383,9 @@ def test_padded_host_path_with_the_kernel_emulated(monkeypatch, d, causal, nq, n
                                        bounds=None if lo is None else (lo, None))
     out, lse = attention_ref(q, k, v, causal=causal, causal_offset=offset, window_lo=lo,
                              upcast=torch.float32)
-    cfg = c90.plan_bwd_fused(problem, pad=True)
+    cfg = f90.plan_bwd_fused(problem, pad=True)
     width = -(-d // 64) * 64
-    assert cfg.head_dim == width == c90.fused_head_dim(problem, pad=True)
+    assert cfg.head_dim == width == f90.fused_head_dim(problem, pad=True)
     plan = dispatch.BwdPlan(problem, "sm_90a", "sm90",
                             cfgs=(DeltaConfig("sm_90a", "bf16", d), cfg))
     assert launch.fused_width(plan) == width
@@ -426,7 +427,7 @@ def test_padded_plan(monkeypatch):
     for p in (_problem(520, window_lo=-8), _problem(584), _problem(336, dv=320)):
         assert "BwdFusedConfigSm90" not in [type(c).__name__ for c in dispatch.plan_bwd(
             p, target="sm_90a", opts=fast).cfgs], p
-    monkeypatch.setattr(c90, "FUSED_PAD", False)
+    monkeypatch.setattr(f90, "FUSED_PAD", False)
     dispatch.clear_plans()
     try:
         for d in (264, 336, 520):
@@ -484,7 +485,7 @@ def test_protocol_model_runs_clean(q_stages, do_stages):
     many interleavings."""
     from ffpa_cute.sm90 import fused_protocol
 
-    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", 512 if q_stages < 3 else 320, True,
+    cfg = f90.BwdFusedConfigSm90("sm_90a", "bf16", 512 if q_stages < 3 else 320, True,
                                  q_stages=q_stages, do_stages=do_stages)
     for blocks in (0, 1, 2, 3, 5, 8):
         for seed in range(20):
@@ -502,7 +503,7 @@ def test_protocol_model_dq_staging(d, order):
     odd atom counts at 320 and 448), one or two dO stages."""
     from ffpa_cute.sm90 import fused_protocol
 
-    base = c90.plan_bwd_fused(_problem(d, causal=True))
+    base = f90.plan_bwd_fused(_problem(d, causal=True))
     grads = int(order[-1]) if order.startswith("dq_grads") else 0
     for do_stages in {1, base.do_stages}:
         cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages)
@@ -516,7 +517,7 @@ def test_protocol_model_wide():
     nine 32-column atoms a block through both staging buffers: the model runs clean."""
     from ffpa_cute.sm90 import fused_protocol
 
-    cfg = c90.plan_bwd_fused(_problem(576, causal=True))
+    cfg = f90.plan_bwd_fused(_problem(576, causal=True))
     assert cfg.wide and cfg.half // cfg.atom_cols == 9
     for blocks in (0, 1, 2, 3, 6):
         for seed in range(12):
@@ -545,7 +546,7 @@ def test_protocol_model_catches_faults(fault, needles):
 
     fault, grads = fault if isinstance(fault, tuple) else (fault, 0)
     d = 320 if fault == "chunk_wait_one" else 512
-    cfg = c90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1, dq_grads=grads)
+    cfg = f90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1, dq_grads=grads)
     errors = []
     for seed in range(150):
         try:
@@ -558,7 +559,7 @@ def test_protocol_model_catches_faults(fault, needles):
 
 # --------------------------------------------------------------- D over C CTAs (`scatter`)
 def _scatter(d, c, causal=False, **kw):
-    return c90.BwdFusedConfigSm90("sm_90a", "bf16", d, causal, do_stages=1, dq_grads=1,
+    return f90.BwdFusedConfigSm90("sm_90a", "bf16", d, causal, do_stages=1, dq_grads=1,
                                   cluster_d=c, scatter=True, **kw)
 
 
@@ -571,21 +572,21 @@ def test_scatter_constraints():
     for d, c, smem in ((1024, 4, 222208), (768, 3, 222208), (576, 3, 181248),
                        (640, 4, 160768), (512, 2, 214016)):
         cfg = _scatter(d, c)
-        assert c90.can_implement_fused(cfg) is None and cfg.smem_bytes() == smem
+        assert f90.can_implement_fused(cfg) is None and cfg.smem_bytes() == smem
         assert cfg.half == d // c and not cfg.VERIFIED and cfg.o_split == c
     assert [_scatter(1024, 4).owned_groups(r) for r in range(4)] == [2, 2, 2, 2]
     assert [_scatter(576, 3).owned_groups(r) for r in range(3)] == [3, 3, 2]
     assert _scatter(576, 3).x_floats == 2 * 2 * 3 * 4 * 128
-    assert c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False).VERIFIED
-    assert c90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, window=True).VERIFIED
+    assert f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False).VERIFIED
+    assert f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, window=True).VERIFIED
     for cfg, needle in ((dataclasses.replace(_scatter(1024, 4), scatter=False), "cluster_d"),
                         (_scatter(1024, 5), "cluster_d"), (_scatter(704, 4), "head_dim"),
                         (_scatter(1024, 2), "head_dim"),
                         (dataclasses.replace(_scatter(1024, 4), dq_grads=0), "dq_grads")):
-        assert needle in c90.can_implement_fused(cfg), cfg
-    assert c90.plan_bwd_fused(_problem(512)).cluster_d == 2
+        assert needle in f90.can_implement_fused(cfg), cfg
+    assert f90.plan_bwd_fused(_problem(512)).cluster_d == 2
     with pytest.raises(ValueError):
-        c90.plan_bwd_fused(_problem(1024))
+        f90.plan_bwd_fused(_problem(1024))
 
 
 @pytest.mark.parametrize("d,c,causal", [(1024, 4, False), (576, 3, True), (512, 2, False)])

@@ -16,7 +16,7 @@ import torch
 
 import ffpa_cute
 from ffpa_cute import attention, attention_with_kvcache, decode, dispatch, explain
-from ffpa_cute.sm90.config import FUSED_MAX_GROUP, FUSED_MIN_HEAD_DIM
+from ffpa_cute.sm90.fused_config import FUSED_MAX_GROUP, FUSED_MIN_HEAD_DIM
 from masked_ref import bound, ref_attention, rel_err
 
 pytestmark = pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 Status: GPU-tested on the H200; its speed beside the atomic-free kernels, shape by shape, and
 its phase trace are in docs/design.md section 4, "The fused backward". Planned only under
-`Options(deterministic=False)` and only where it measured faster (config.fused_pays), and canaried
+`Options(deterministic=False)` and only where it measured faster (fused_config.fused_pays), and canaried
 before its first use there while its config's VERIFIED is False (selfcheck.py).
 Constraints (`can_implement_fused`): D == Dv a multiple of 64 in (256, 576] for the pair (with
 `scatter` D up to 1024 over `cluster_d` CTAs, below), bf16 / fp16; causal either alignment, a
@@ -126,8 +126,8 @@ from ..common.mask import apply_mask_transposed, query_block_range, transposed_n
 from ..common.softmax import mn_view
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhnd, fake_args,
                               fake_tensor, vec4_ptx)
-from .config import (FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused,
-                     pv_atom_n)
+from .config import pv_atom_n
+from .fused_config import FUSED_DQ_PIECE, FUSED_TILE, BwdFusedConfigSm90, can_implement_fused
 from .bwd_sm90 import load_column_stat, stage_column_stat
 from .skeleton_sm90 import WG_THREADS, row_major_layout, set_regs, thread_roles, tma_load
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import random
 
 from ..common.protocol import STAGE_BYTES, Barrier, ModelBase
-from .config import FUSED_DQ_PIECE, BwdFusedConfigSm90
+from .fused_config import FUSED_DQ_PIECE, BwdFusedConfigSm90
 
 WG_THREADS = 128
 
