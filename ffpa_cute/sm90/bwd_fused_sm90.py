@@ -255,6 +255,10 @@ class FFPABwdFusedSm90(KernelEntry):
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
+    # where the config's `dq_ahead` allows: the next dQ atom's WGMMA issued before this
+    # one's pieces are staged, so its latency runs under the staging (one more [64 x atom]
+    # accumulator live)
+    DQ_AHEAD = True
 
     @staticmethod
     def fake_inputs(cfg):
@@ -975,7 +979,9 @@ class FFPABwdFusedSm90(KernelEntry):
         reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
         buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
         the group before the newest has read it; with 2 the warpgroup has buffer `which` alone
-        and waits for its last group."""
+        and waits for its last group. With DQ_AHEAD and the config's `dq_ahead` atom a + 1
+        is issued before atom a's pieces are staged (the wait then leaves that newest group
+        in flight)."""
         c0, width = self.cfg.dq_shares[which]
         atom_w = self.dq_widths[0]
         per_atom = atom_w // FUSED_DQ_PIECE
@@ -989,18 +995,25 @@ class FFPABwdFusedSm90(KernelEntry):
         sync = grad_barrier(which)
         ts, tg = self._dq_pieces(ops, smem, work, head_q)
         piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
-        for a in cutlass.range_constexpr(width // atom_w):
-            acc = self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx)
-            acc_mn = mn_view(acc)
+        atoms = width // atom_w
+        accs = [self._dq_issue(mma, sdS, sKt, c0, atom_w, tidx)]
+        for a in cutlass.range_constexpr(atoms):
+            pipelined = self.DQ_AHEAD and self.cfg.dq_ahead
+            ahead = pipelined and a + 1 < atoms
+            if const_expr(a > 0 and not pipelined):
+                accs.append(self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx))
+            if const_expr(ahead):
+                accs.append(self._dq_issue(mma, sdS, sKt, c0 + (a + 1) * atom_w, atom_w, tidx))
+            acc_mn = mn_view(accs[a])
             for p in cutlass.range_constexpr(per_atom):
                 k = a * per_atom + p
                 buf = (i * pieces + k) % 2 if const_expr(both) else which
                 if const_expr(p == 0):
-                    warpgroup.wait_group(0)
+                    warpgroup.wait_group(1 if const_expr(ahead) else 0)
                     if const_expr(a == 0):
                         self._trace(extra, 3, i)
                         self._refill(ops, smem, work, i, which, tidx)
-                    if const_expr(a == width // atom_w - 1):
+                    if const_expr(a == atoms - 1):
                         if cute.arch.lane_idx() == 0:
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
                 if tidx // 32 == 0:

@@ -147,6 +147,17 @@ class BwdFusedConfigSm90:
         return 64 if self.half * self.elem_bytes % 128 == 0 else 32
 
     @property
+    def dq_ahead(self) -> bool:
+        """Whether the dV warpgroup (`dq_grads` 1, the pair) issues the next dQ atom's WGMMA
+        before staging this one's pieces (FFPABwdFusedSm90.DQ_AHEAD), so its latency runs
+        under the staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of
+        the 168 registers ptxas gives every thread, i.e. halves of up to 160 columns with
+        32-column atoms (D=320 and the D it pads to 320); at D=384 (160 registers) and 512
+        (192) they spilled 288-584 B."""
+        return (self.dq_grads == 1 and not self.scatter
+                and self.half // 2 + self.atom_cols <= 112)
+
+    @property
     def dq_chunks(self) -> tuple[int, ...]:
         """Widths of the dQ accumulators the S warpgroup forms its share of dQ in, one after
         the other: the whole share up to FUSED_DQ_MAX_WIDTH columns, else 128-column chunks
