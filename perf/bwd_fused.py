@@ -306,11 +306,12 @@ class _NoPut(FusedTraced):
         pass
 
 
-class _DqSerial(FusedTraced):
-    """dQ's atoms one at a time (each WGMMA issued, then waited, then its pieces staged): the
-    order before DQ_AHEAD, beside the plan's (correct results)."""
+class _DqAhead(FusedTraced):
+    """The next dQ atom's WGMMA issued before this one's pieces are staged (DQ_AHEAD, where
+    the config's `dq_ahead` allows: D=320), beside the kernel's one atom at a time (correct
+    results)."""
 
-    DQ_AHEAD = False
+    DQ_AHEAD = True
 
 
 # name -> (traced class, config fields over the plan's)
@@ -319,7 +320,7 @@ TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "3 stages": (FusedTraced, dict(q_stages=3, do_stages=3)),
-                  "dQ atoms serial": (_DqSerial, {})}
+                  "dQ atoms ahead": (_DqAhead, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
 # traced and with dQ's pieces not added ("no put"), and MQA 64/1 causal beside MHA causal
@@ -330,12 +331,12 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # traced, with dQ staged but not added ("no copy") and not staged ("no put"): whether the
 # S warpgroup's chain or the reductions set the period there, and how long the dV / dK
 # warpgroups wait for their stages; three Q and three dO stages where they fit (D=320:
-# 230400 B), whose loads start a block earlier; and dQ's atoms one at a time ("dQ atoms
-# serial") where the plan issues the next ahead (`dq_ahead`: D=320)
+# 230400 B), whose loads start a block earlier; and the next dQ atom issued before this
+# one is staged ("dQ atoms ahead", where the config's `dq_ahead` allows: D=320)
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
-TRACE_NARROW_VARIANTS = ("traced", "dQ atoms serial", "no copy", "no put", "3 stages")
+TRACE_NARROW_VARIANTS = ("traced", "dQ atoms ahead", "no copy", "no put", "3 stages")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "3 stages", "dQ atoms serial")
+CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "3 stages", "dQ atoms ahead")
 
 
 def _tiles_cfg(case, **fields):
@@ -353,13 +354,13 @@ def _trace_cfg(case, fields: dict):
 def _trace_runs(cases, variants) -> list:
     """(case, variant name, traced class, config) of each variant that builds at each case (3
     stages do not at D=384: shared memory) and differs from the plan's code ("dQ atoms
-    serial" where the plan's `dq_ahead` is off: the same order)."""
+    ahead" where the config's `dq_ahead` is off: the same order)."""
     from ffpa_cute.sm90.fused_config import can_implement_fused
 
     runs = [(case, name, cls, _trace_cfg(case, f)) for case in cases
             for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]
     return [r for r in runs if can_implement_fused(r[3]) is None
-            and (r[1] != "dQ atoms serial" or r[3].dq_ahead)]
+            and (r[1] != "dQ atoms ahead" or r[3].dq_ahead)]
 
 
 def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:

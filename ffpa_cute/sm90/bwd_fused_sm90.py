@@ -257,8 +257,9 @@ class FFPABwdFusedSm90(KernelEntry):
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
     # where the config's `dq_ahead` allows: the next dQ atom's WGMMA issued before this
     # one's pieces are staged, so its latency runs under the staging (one more [64 x atom]
-    # accumulator live)
-    DQ_AHEAD = True
+    # accumulator live). Off until measured and GPU-tested (perf.bwd_fused --trace-narrow's
+    # "dQ atoms ahead" turns it on): the routed kernels stay the verified code
+    DQ_AHEAD = False
 
     @staticmethod
     def fake_inputs(cfg):

@@ -148,9 +148,9 @@ class BwdFusedConfigSm90:
 
     @property
     def dq_ahead(self) -> bool:
-        """Whether the dV warpgroup (`dq_grads` 1, the pair) issues the next dQ atom's WGMMA
-        before staging this one's pieces (FFPABwdFusedSm90.DQ_AHEAD), so its latency runs
-        under the staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of
+        """Whether the dV warpgroup (`dq_grads` 1, the pair) may issue the next dQ atom's
+        WGMMA before staging this one's pieces (where FFPABwdFusedSm90.DQ_AHEAD is on), so
+        its latency runs under the staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of
         the 168 registers ptxas gives every thread, i.e. halves of up to 160 columns with
         32-column atoms (D=320 and the D it pads to 320); at D=384 (160 registers) and 512
         (192) they spilled 288-584 B."""
