@@ -314,13 +314,19 @@ class _DqAhead(FusedTraced):
     DQ_AHEAD = True
 
 
+class _PairAhead(_PairStores):
+    """"pair stores" and "dQ atoms ahead" together."""
+
+    DQ_AHEAD = True
+
+
 # name -> (traced class, config fields over the plan's)
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "pair stores": (_PairStores, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "3 stages": (FusedTraced, dict(q_stages=3, do_stages=3)),
-                  "dQ atoms ahead": (_DqAhead, {})}
+                  "dQ atoms ahead": (_DqAhead, {}), "pair stores, ahead": (_PairAhead, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
 # traced and with dQ's pieces not added ("no put"), and MQA 64/1 causal beside MHA causal
@@ -332,11 +338,14 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # S warpgroup's chain or the reductions set the period there, and how long the dV / dK
 # warpgroups wait for their stages; three Q and three dO stages where they fit (D=320:
 # 230400 B), whose loads start a block earlier; and the next dQ atom issued before this
-# one is staged ("dQ atoms ahead", where the config's `dq_ahead` allows: D=320)
+# one is staged ("dQ atoms ahead", where the config's `dq_ahead` allows: D=320), 8-byte
+# stores of the staged pairs ("pair stores"), and both
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
-TRACE_NARROW_VARIANTS = ("traced", "dQ atoms ahead", "no copy", "no put", "3 stages")
+TRACE_NARROW_VARIANTS = ("traced", "dQ atoms ahead", "pair stores", "pair stores, ahead",
+                         "no copy", "no put", "3 stages")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "3 stages", "dQ atoms ahead")
+CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "3 stages", "dQ atoms ahead",
+                    "pair stores, ahead")
 
 
 def _tiles_cfg(case, **fields):
@@ -360,7 +369,7 @@ def _trace_runs(cases, variants) -> list:
     runs = [(case, name, cls, _trace_cfg(case, f)) for case in cases
             for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]
     return [r for r in runs if can_implement_fused(r[3]) is None
-            and (r[1] != "dQ atoms ahead" or r[3].dq_ahead)]
+            and ("ahead" not in r[1] or r[3].dq_ahead)]
 
 
 def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:
