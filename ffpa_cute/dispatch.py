@@ -42,8 +42,7 @@ from .common.config import DeltaConfig
 from .options import Options
 from .problem import AttnProblem
 from .sm80 import config as sm80_config
-from .sm90 import config as sm90_config
-from .sm90 import fused_config as sm90_fused
+from .sm90 import config as sm90_config, fused_config as sm90_fused
 from .sm100 import config as sm100_config
 from .sm120 import config as sm120_config
 

@@ -513,7 +513,17 @@ def test_bwd_fused_experiment_plans_both_backwards():
             cfgs = plans[name].cfgs
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
-    assert len(bwd_fused.trace_jobs()) == len(bwd_fused.TRACE_VARIANTS)
+    # the trace's variants where they build and differ from the plan: at D=512 three stages
+    # do not fit and `dq_ahead` is off; at D=320 all of `--trace-narrow`'s run, at 384 four
+    def traced(cases, variants):
+        return [(r[0][0], r[1]) for r in bwd_fused._trace_runs(cases, variants)]
+
+    assert [n for _, n in traced(bwd_fused.TRACE_CASES, tuple(bwd_fused.TRACE_VARIANTS))] == [
+        "traced", "pair stores", "dQ in dV + dK", "no copy", "no put"]
+    narrow = traced(bwd_fused.TRACE_NARROW_CASES, bwd_fused.TRACE_NARROW_VARIANTS)
+    assert sorted(n for d, n in narrow if d == 320) == sorted(bwd_fused.TRACE_NARROW_VARIANTS)
+    assert [n for d, n in narrow if d == 384] == ["traced", "pair stores", "no copy", "no put"]
+    assert len(bwd_fused.trace_jobs()) == 5
     # `--scatter`: D over C CTAs (dQ in dV, in dV + dK) beside the atomic-free backward, and at
     # D <= 512 beside the pair's fused kernel too
     for case in bwd_fused.SCATTER_CASES:
