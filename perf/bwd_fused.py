@@ -52,7 +52,7 @@ phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.s
 dV + dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's
 pieces staged but not added; dQ formed but neither staged nor added: wrong results, timing
 only): five variants of one case, one device call (~20 s). `--trace-narrow` traces D=320 / 384
-the same way with the two knockouts. Measurements and their reading: docs/design.md section 4, "The fused backward", and
+the same way, with the knockouts and the variants of TRACE_NARROW_VARIANTS. Measurements and their reading: docs/design.md section 4, "The fused backward", and
 docs/perf-log.md (2026-12-05, sessions 20-24).
 """
 
