@@ -308,7 +308,7 @@ class _NoPut(FusedTraced):
 
 class _DqAhead(FusedTraced):
     """The next dQ atom's WGMMA issued before this one's pieces are staged (DQ_AHEAD, where
-    the config's `dq_ahead` allows: D=320), beside the kernel's one atom at a time (correct
+    the config's `dq_ahead_fits`: D=320), beside the kernel's one atom at a time (correct
     results)."""
 
     DQ_AHEAD = True
@@ -325,7 +325,6 @@ TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "pair stores": (_PairStores, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
-                  "3 stages": (FusedTraced, dict(q_stages=3, do_stages=3)),
                   "dQ atoms ahead": (_DqAhead, {}), "pair stores, ahead": (_PairAhead, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
@@ -338,13 +337,13 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # S warpgroup's chain or the reductions set the period there, and how long the dV / dK
 # warpgroups wait for their stages; three Q and three dO stages where they fit (D=320:
 # 230400 B), whose loads start a block earlier; and the next dQ atom issued before this
-# one is staged ("dQ atoms ahead", where the config's `dq_ahead` allows: D=320), 8-byte
+# one is staged ("dQ atoms ahead", where the config's `dq_ahead_fits`: D=320), 8-byte
 # stores of the staged pairs ("pair stores"), and both
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
 TRACE_NARROW_VARIANTS = ("traced", "dQ atoms ahead", "pair stores", "pair stores, ahead",
-                         "no copy", "no put", "3 stages")
+                         "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "3 stages", "dQ atoms ahead",
+CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "dQ atoms ahead",
                     "pair stores, ahead")
 
 
@@ -361,15 +360,15 @@ def _trace_cfg(case, fields: dict):
 
 
 def _trace_runs(cases, variants) -> list:
-    """(case, variant name, traced class, config) of each variant that builds at each case (3
-    stages do not at D=384: shared memory) and differs from the plan's code ("dQ atoms
-    ahead" where the config's `dq_ahead` is off: the same order)."""
+    """(case, variant name, traced class, config) of each variant that builds at each case and
+    differs from the plan's code (a DQ_AHEAD class where the config's `dq_ahead_fits` is off
+    runs the same order: skipped)."""
     from ffpa_cute.sm90.fused_config import can_implement_fused
 
     runs = [(case, name, cls, _trace_cfg(case, f)) for case in cases
             for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]
     return [r for r in runs if can_implement_fused(r[3]) is None
-            and ("ahead" not in r[1] or r[3].dq_ahead)]
+            and (not r[2].DQ_AHEAD or r[3].dq_ahead_fits)]
 
 
 def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:

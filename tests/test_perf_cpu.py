@@ -513,8 +513,8 @@ def test_bwd_fused_experiment_plans_both_backwards():
             cfgs = plans[name].cfgs
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
-    # the trace's variants where they build and differ from the plan: at D=512 three stages
-    # do not fit and `dq_ahead` is off; at D=320 all of `--trace-narrow`'s run, at 384 four
+    # the trace's variants where they differ from the plan: at D=512 and 384 `dq_ahead_fits`
+    # is off; at D=320 all of `--trace-narrow`'s run
     def traced(cases, variants):
         return [(r[0][0], r[1]) for r in bwd_fused._trace_runs(cases, variants)]
 

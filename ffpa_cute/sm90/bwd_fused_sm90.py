@@ -255,7 +255,7 @@ class FFPABwdFusedSm90(KernelEntry):
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
-    # where the config's `dq_ahead` allows: the next dQ atom's WGMMA issued before this
+    # where the config's `dq_ahead_fits`: the next dQ atom's WGMMA issued before this
     # one's pieces are staged, so its latency runs under the staging (one more [64 x atom]
     # accumulator live). Off until measured and GPU-tested (perf.bwd_fused --trace-narrow's
     # "dQ atoms ahead" turns it on): the routed kernels stay the verified code
@@ -980,7 +980,7 @@ class FFPABwdFusedSm90(KernelEntry):
         reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
         buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
         the group before the newest has read it; with 2 the warpgroup has buffer `which` alone
-        and waits for its last group. With DQ_AHEAD and the config's `dq_ahead` atom a + 1
+        and waits for its last group. With DQ_AHEAD and the config's `dq_ahead_fits` atom a + 1
         is issued before atom a's pieces are staged (the wait then leaves that newest group
         in flight)."""
         c0, width = self.cfg.dq_shares[which]
@@ -997,9 +997,9 @@ class FFPABwdFusedSm90(KernelEntry):
         ts, tg = self._dq_pieces(ops, smem, work, head_q)
         piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
         atoms = width // atom_w
+        pipelined = self.DQ_AHEAD and self.cfg.dq_ahead_fits
         accs = [self._dq_issue(mma, sdS, sKt, c0, atom_w, tidx)]
         for a in cutlass.range_constexpr(atoms):
-            pipelined = self.DQ_AHEAD and self.cfg.dq_ahead
             ahead = pipelined and a + 1 < atoms
             if const_expr(a > 0 and not pipelined):
                 accs.append(self._dq_issue(mma, sdS, sKt, c0 + a * atom_w, atom_w, tidx))

@@ -147,7 +147,7 @@ class BwdFusedConfigSm90:
         return 64 if self.half * self.elem_bytes % 128 == 0 else 32
 
     @property
-    def dq_ahead(self) -> bool:
+    def dq_ahead_fits(self) -> bool:
         """Whether the dV warpgroup (`dq_grads` 1, the pair) may issue the next dQ atom's
         WGMMA before staging this one's pieces (where FFPABwdFusedSm90.DQ_AHEAD is on), so
         its latency runs under the staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of
@@ -254,8 +254,8 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 f"with D / cluster_d (cluster_d={cfg.cluster_d}) a multiple of 32 up to "
                 f"{FUSED_MAX_HALF} (each CTA's columns: rows of whole 64-byte swizzle spans, "
                 "dK / dV accumulators in registers)")
-    if cfg.q_stages not in (1, 2, 3) or cfg.do_stages not in (1, 2, 3):
-        return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1, 2 or 3 each"
+    if cfg.q_stages not in (1, 2) or cfg.do_stages not in (1, 2):
+        return f"q_stages={cfg.q_stages}, do_stages={cfg.do_stages}: 1 or 2 each"
     if cfg.wide and (cfg.cluster_d != 2 or cfg.dq_grads != 1 or cfg.window):
         return (f"head_dim={cfg.head_dim} over {cfg.cluster_d} CTAs ({cfg.half} columns each, "
                 f"wider than one WGMMA) with cluster_d={cfg.cluster_d}, dq_grads="
