@@ -296,13 +296,34 @@ class _PairStores(FusedTraced):
                     dst, (1, 2), (row, (cc - p * FUSED_DQ_PIECE) // 2))))
 
 
+class _QuadStores(FusedTraced):
+    """Timing only (dq wrong: columns permuted within each 32-column piece): each thread's
+    eight values of a row in a piece staged by two 16-byte st.shared (a quarter of the
+    store instructions), as a layout of dq_acc whose columns the host cast un-permutes
+    would store them; with three buffers (`dq_buffers` 3, one barrier a piece)."""
+
+    @cute.jit
+    def _stage_piece(self, acc_mn, tQcQ_mn, sdq, buf, p: cutlass.Constexpr):
+        dst = sdq[None, None, buf]
+        per = FUSED_DQ_PIECE // 4
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row, cc = tQcQ_mn[r, p * per]
+            quad = (cc - p * FUSED_DQ_PIECE) // 2   # the thread's column pair in a group
+            for h in cutlass.range_constexpr(2):
+                vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                for j in cutlass.range_constexpr(4):
+                    vals[j] = acc_mn[r, p * per + 4 * h + j]
+                cute.autovec_copy(vals, cute.flatten(cute.local_tile(
+                    dst, (1, 4), (row, 2 * quad + h))))
+
+
 class _NoPut(FusedTraced):
     """dQ's products formed, neither staged nor added (dq wrong; timing only: what staging
     and reducing dQ cost the dQ-forming warpgroups)."""
 
     @cute.jit
     def _put_piece(self, ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p: cutlass.Constexpr,
-                   n_block, piece, tidx):
+                   n_block, piece, tidx, unread: cutlass.Constexpr = -1):
         pass
 
 
@@ -325,7 +346,11 @@ TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "pair stores": (_PairStores, {}),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
-                  "dQ atoms ahead": (_DqAhead, {}), "pair stores, ahead": (_PairAhead, {})}
+                  "dQ atoms ahead": (_DqAhead, {}), "pair stores, ahead": (_PairAhead, {}),
+                  "three buffers": (FusedTraced, dict(dq_buffers=3)),
+                  "three buffers, ahead": (_DqAhead, dict(dq_buffers=3)),
+                  "three buffers, pair, ahead": (_PairAhead, dict(dq_buffers=3)),
+                  "quad stores (timing only)": (_QuadStores, dict(dq_buffers=3))}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
 # traced and with dQ's pieces not added ("no put"), and MQA 64/1 causal beside MHA causal
@@ -338,13 +363,17 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # warpgroups wait for their stages; three Q and three dO stages where they fit (D=320:
 # 230400 B), whose loads start a block earlier; and the next dQ atom issued before this
 # one is staged ("dQ atoms ahead", where the config's `dq_ahead_fits`: D=320), 8-byte
-# stores of the staged pairs ("pair stores"), and both
+# stores of the staged pairs ("pair stores"), and both; three staging buffers with one
+# barrier a piece (`dq_buffers` 3), alone and with the others, and with 16-byte stores of
+# permuted columns (timing only: what a column-permuted dq_acc would save)
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
 TRACE_NARROW_VARIANTS = ("traced", "dQ atoms ahead", "pair stores", "pair stores, ahead",
-                         "no copy", "no put")
+                         "three buffers", "three buffers, ahead", "three buffers, pair, ahead",
+                         "quad stores (timing only)", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "dQ atoms ahead",
-                    "pair stores, ahead")
+                    "pair stores, ahead", "three buffers", "three buffers, ahead",
+                    "three buffers, pair, ahead")
 
 
 def _tiles_cfg(case, **fields):

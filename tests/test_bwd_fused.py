@@ -53,6 +53,16 @@ def test_plan_and_constraints():
             f90.plan_bwd_fused(_problem(512, **kw))
     assert "dq_grads" in f90.can_implement_fused(
         f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
+    # three dQ staging buffers: with dq_grads 1 only, 8 KB more (not at D=512 beside one dO
+    # stage), the planner keeps two
+    for grads, d, why in ((0, 320, "dq_buffers"), (2, 320, "dq_buffers"),
+                          (1, 512, "shared memory"), (1, 320, None), (1, 448, None)):
+        cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_grads=grads, dq_buffers=3)
+        got = f90.can_implement_fused(cfg)
+        assert (got is None) if why is None else why in got, (grads, d, got)
+    assert "dq_buffers" in f90.can_implement_fused(dataclasses.replace(
+        f90.plan_bwd_fused(_problem(320)), dq_buffers=4))
+    assert {f90.plan_bwd_fused(_problem(d)).dq_buffers for d in (320, 384, 448, 512)} == {2}
 
 
 def test_wide_pair_plan():
@@ -223,6 +233,25 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     log = _ptxas_log(ptx, "sm_90a")
     if log is not None:
         assert "serialized" not in log, log
+
+
+def test_three_dq_buffers_compile(tmp_path, monkeypatch):
+    """`dq_buffers` 3 (D=320, dq_grads 1): the dV warpgroup's barrier once per staged piece (5
+    a block, against 10 with two buffers), its bulk waits unchanged in number; no spills and
+    no serialised WGMMAs."""
+    monkeypatch.chdir(tmp_path)
+    base = f90.plan_bwd_fused(_problem(320))
+    counts = {}
+    for bufs in (2, 3):
+        cfg = dataclasses.replace(base, dq_grads=1, dq_buffers=bufs)
+        ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
+        counts[bufs] = (len(re.findall(r"bar\.sync\s+2, 128", ptx)),
+                        ptx.count("cp.async.bulk.wait_group.read"))
+        _no_spills(ptx)
+        log = _ptxas_log(ptx, "sm_90a")
+        if log is not None:
+            assert "serialized" not in log, log
+    assert counts[2] == (10, counts[3][1]) and counts[3][0] == 5, counts
 
 
 @pytest.mark.parametrize("dq_grads", [0, 1])
@@ -492,21 +521,25 @@ def test_protocol_model_runs_clean(q_stages, do_stages):
             fused_protocol.run(cfg, blocks, seed)
 
 
-@pytest.mark.parametrize("order", ["chunks", "alternating", "dq_grads 1", "dq_grads 2"])
+@pytest.mark.parametrize("order", ["chunks", "alternating", "dq_grads 1", "dq_grads 2",
+                                   "three buffers"])
 @pytest.mark.parametrize("d", [320, 384, 448, 512])
 def test_protocol_model_dq_staging(d, order):
     """dQ's staging buffers in the model (pieces written by the forming warpgroup, read by TMA
     reductions that finish in any order): clean at every D's chunking (S warpgroup: one chunk
     of 5 pieces at 320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order, in the
     "alternating" one (each piece waits only for the group two back), and with dQ formed by
-    the dV warpgroup (both buffers in turn) or by the dV and dK warpgroups (one buffer each;
-    odd atom counts at 320 and 448), one or two dO stages."""
+    the dV warpgroup (both buffers in turn, or three with one barrier a piece: its wait after
+    its stores) or by the dV and dK warpgroups (one buffer each; odd atom counts at 320 and
+    448), one or two dO stages."""
     from ffpa_cute.sm90 import fused_protocol
 
     base = f90.plan_bwd_fused(_problem(d, causal=True))
-    grads = int(order[-1]) if order.startswith("dq_grads") else 0
+    grads = 1 if order == "three buffers" else (
+        int(order[-1]) if order.startswith("dq_grads") else 0)
     for do_stages in {1, base.do_stages}:
-        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages)
+        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages,
+                                  dq_buffers=3 if order == "three buffers" else 2)
         for blocks in (1, 2, 3, 6):
             for seed in range(8):
                 fused_protocol.run(cfg, blocks, seed, alternating=order == "alternating")
@@ -536,17 +569,21 @@ def test_protocol_model_wide():
     # bulk group too few waited for; dS^T released before the last dQ WGMMA read it
     (("no_dq_wait", 1), (":dq",)), (("grad_wait_lax", 1), (":dq",)),
     (("grad_wait_lax", 2), (":dq",)), (("grad_release_early", 1), (":dst",)),
-    (("grad_release_early", 2), (":dst",))])
+    (("grad_release_early", 2), (":dst",)),
+    # three staging buffers, one barrier a piece: no wait, or one group too few waited for
+    (("no_dq_wait", 1, 3), (":dq",)), (("grad_wait_lax", 1, 3), (":dq",))])
 def test_protocol_model_catches_faults(fault, needles):
     """Each injected fault is caught (a hazard or a hang) in some interleaving (a tile of four
-    blocks; D=512, or D=320 where a chunk's odd piece count makes its start's drain needed;
-    (fault, n): with `dq_grads` n)."""
+    blocks; D=512, or D=320 where a chunk's odd piece count makes its start's drain needed, or
+    with three staging buffers (they fit there); (fault, n[, b]): with `dq_grads` n and b
+    buffers)."""
     from ffpa_cute.common.protocol import ProtocolError
     from ffpa_cute.sm90 import fused_protocol
 
-    fault, grads = fault if isinstance(fault, tuple) else (fault, 0)
-    d = 320 if fault == "chunk_wait_one" else 512
-    cfg = f90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1, dq_grads=grads)
+    fault, grads, bufs = (*fault, 2)[:3] if isinstance(fault, tuple) else (fault, 0, 2)
+    d = 320 if fault == "chunk_wait_one" or bufs == 3 else 512
+    cfg = f90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1, dq_grads=grads,
+                                 dq_buffers=bufs)
     errors = []
     for seed in range(150):
         try:

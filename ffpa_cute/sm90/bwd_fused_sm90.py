@@ -82,8 +82,8 @@ barrier); sm90/fused_protocol.py models them. The exchange buffer is laid out by
 fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
 thread t holds the same (key, query) positions, so no index translation is needed.
 
-The dQ reduction: each dQ chunk is staged in 32-column pieces through two 8 KB fp32 smem
-buffers (every thread of the forming warpgroup writes its values, a proxy fence, the
+The dQ reduction: each dQ chunk is staged in 32-column pieces through two (`dq_buffers`: or
+three) 8 KB fp32 smem buffers (every thread of the forming warpgroup writes its values, a proxy fence, the
 warpgroup's barrier) and added into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so
 the forming warpgroup only writes smem and L2 adds asynchronously (`red.global` from registers
 held the S warpgroup ~5100 cycles per block at D=512: L2's reduction rate). The S warpgroup's
@@ -166,7 +166,7 @@ def grad_barrier(which: int):
 
 class FusedLayouts(NamedTuple):
     """Shared-memory layouts: K_r / V_r (T, half), the Q and dO rings (T, half, stages), the
-    P^T and dS^T tiles (T keys, T queries), the two dQ staging pieces (T, 32, 2) fp32."""
+    P^T and dS^T tiles (T keys, T queries), the dQ staging pieces (T, 32, dq_buffers) fp32."""
 
     kv: object
     q: object
@@ -224,7 +224,7 @@ class FusedSmem(NamedTuple):
     dst: cute.Tensor
     stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
     x: cute.Tensor      # (4, WG_THREADS, 2 groups, senders): the peers' partials by position
-    dq: cute.Tensor     # (T, 32, 2) fp32: the two dQ staging buffers
+    dq: cute.Tensor     # (T, 32, dq_buffers) fp32: the dQ staging buffers
     bars: FusedBars
 
 
@@ -289,7 +289,7 @@ class FFPABwdFusedSm90(KernelEntry):
                             row_major_layout(T, h, self.dtype, cfg.q_stages),
                             row_major_layout(T, h, self.dtype, cfg.do_stages),
                             row_major_layout(T, T, self.dtype),
-                            row_major_layout(T, FUSED_DQ_PIECE, Float32, 2))
+                            row_major_layout(T, FUSED_DQ_PIECE, Float32, cfg.dq_buffers))
 
     def _mma(self, a_major, b_major, n: int):
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major,
@@ -836,14 +836,22 @@ class FFPABwdFusedSm90(KernelEntry):
 
     @cute.jit
     def _put_piece(self, ops: FusedOps, smem: FusedSmem, sync, acc_mn, tQcQ_mn, ts, tg, buf,
-                   p: cutlass.Constexpr, n_block, piece, tidx):
+                   p: cutlass.Constexpr, n_block, piece, tidx, unread: cutlass.Constexpr = -1):
         """Piece p of a completed dQ accumulator into dq_acc's piece (n_block, piece) through
         staging buffer buf (`_dq_pieces`' views ts, tg; the caller's warp 0 has waited until
         the buffer may be rewritten): the forming warpgroup's barrier `sync`, its values
-        staged, a proxy fence, the barrier, then one TMA reduction by warp 0."""
-        sync.arrive_and_wait()
+        staged, a proxy fence, the barrier, then one TMA reduction by warp 0. With `unread`
+        >= 0 (three buffers taken in turn) the first barrier goes: warp 0 waits until at most
+        `unread` of its bulk groups are unread before the barrier after the stores, so past
+        it the buffer the next piece takes is free (the one this piece takes was freed so by
+        the piece before)."""
+        if const_expr(unread < 0):
+            sync.arrive_and_wait()
         self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)
         cute.arch.fence_proxy("async.shared", space="cta")   # read by TMA
+        if const_expr(unread >= 0):
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(unread, read=True)
         sync.arrive_and_wait()
         if tidx // 32 == 0:
             self._add_piece(ops.tma_dq, ts[None, buf], tg[None, n_block, piece])
@@ -977,10 +985,11 @@ class FFPABwdFusedSm90(KernelEntry):
         P^T / dS^T done, so they are released: neither waits behind a staging buffer), then
         per piece warp 0 waits until the piece's staging buffer may be rewritten, the
         warpgroup's barrier, its values staged, a proxy fence, the barrier, and one TMA
-        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the two
-        buffers in turn (block i's piece k: buffer (i * pieces + k) % 2), each rewritten once
-        the group before the newest has read it; with 2 the warpgroup has buffer `which` alone
-        and waits for its last group. With DQ_AHEAD and the config's `dq_ahead_fits` atom a + 1
+        reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the
+        `dq_buffers` buffers in turn (block i's piece k: buffer (i * pieces + k) % dq_buffers):
+        two, each rewritten once the group before the newest has read it; three, one barrier a
+        piece (`_put_piece`'s `unread`). With 2 the warpgroup has buffer `which` alone and
+        waits for its last group. With DQ_AHEAD and the config's `dq_ahead_fits` atom a + 1
         is issued before atom a's pieces are staged (the wait then leaves that newest group
         in flight)."""
         c0, width = self.cfg.dq_shares[which]
@@ -988,6 +997,8 @@ class FFPABwdFusedSm90(KernelEntry):
         per_atom = atom_w // FUSED_DQ_PIECE
         pieces = width // FUSED_DQ_PIECE
         both = self.cfg.dq_grads == 1
+        nbuf = self.cfg.dq_buffers
+        single = both and nbuf == 3   # one barrier per piece (`_put_piece`'s `unread`)
         head_q, n_block = self._block(work, i)
         sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
         sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
@@ -1008,7 +1019,7 @@ class FFPABwdFusedSm90(KernelEntry):
             acc_mn = mn_view(accs[a])
             for p in cutlass.range_constexpr(per_atom):
                 k = a * per_atom + p
-                buf = (i * pieces + k) % 2 if const_expr(both) else which
+                buf = (i * pieces + k) % nbuf if const_expr(both) else which
                 if const_expr(p == 0):
                     warpgroup.wait_group(1 if const_expr(ahead) else 0)
                     if const_expr(a == 0):
@@ -1017,10 +1028,15 @@ class FFPABwdFusedSm90(KernelEntry):
                     if const_expr(a == atoms - 1):
                         if cute.arch.lane_idx() == 0:
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
-                if tidx // 32 == 0:
-                    cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0, read=True)
-                self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
-                                piece0 + k, tidx)
+                if const_expr(single):
+                    self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
+                                    piece0 + k, tidx, unread=1)
+                else:
+                    if tidx // 32 == 0:
+                        cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0,
+                                                           read=True)
+                    self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
+                                    piece0 + k, tidx)
         self._trace(extra, 4, i)
 
 def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):

@@ -65,6 +65,9 @@ class BwdFusedConfigSm90:
                 values of them back through the peers' exchange buffers (docs/design.md
                 section 4, "D over C CTAs"). Run on an H100 (float64 tests and sanitizers
                 pass) and slower than the routed backward at D=768 / 1024: not planned
+    dq_buffers: the fp32 dQ staging buffers (8 KB each): 2, or 3 with `dq_grads` 1, whose
+                pieces then take one barrier each instead of two (the wait for the buffer the
+                next piece takes moves behind this piece's stores: `_grad_dq`)
     row_units:  one CTA pair per (query block row, key tile) walking the row's block in the G
                 query heads, rows outer, dK / dV partial sums added into zeroed fp32 workspaces
                 [B, Hkv, Nkv, D] by red.global.add (the host casts): large causal head groups,
@@ -84,6 +87,7 @@ class BwdFusedConfigSm90:
     cluster_d: int = 2
     scatter: bool = False
     row_units: bool = False
+    dq_buffers: int = 2
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
 
@@ -226,13 +230,13 @@ class BwdFusedConfigSm90:
         empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta),
         then, each 1 KB aligned: the exchange buffer (the peers' fp32 S^T and dP^T partials,
         with `scatter` then their bf16 P^T / dS^T groups: `x_floats`), K, V,
-        the Q and dO rings, P^T and dS^T, the two dQ staging pieces."""
+        the Q and dO rings, P^T and dS^T, the dQ staging pieces (`dq_buffers`)."""
         header = 8 * (1 + self.q_stages + self.do_stages + 4)
         header = _align(header, 16) + 2 * FUSED_TILE * 4
         tile = FUSED_TILE * self.half * self.elem_bytes
         regions = [self.x_floats * 4, tile, tile, self.q_stages * tile,
                    self.do_stages * tile, *(2 * [FUSED_TILE * FUSED_TILE * self.elem_bytes]),
-                   2 * FUSED_TILE * FUSED_DQ_PIECE * 4]
+                   self.dq_buffers * FUSED_TILE * FUSED_DQ_PIECE * 4]
         return sum(_align(x) for x in [header, *regions])
 
 
@@ -264,12 +268,15 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 "window (the registers that fit)")
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
+    if cfg.dq_buffers not in (2, 3) or (cfg.dq_buffers == 3 and cfg.dq_grads != 1):
+        return (f"dq_buffers={cfg.dq_buffers} with dq_grads={cfg.dq_grads}: 2, or 3 with "
+                "dq_grads 1 (the dV warpgroup's pieces in turn)")
     if cfg.row_units and (cfg.group_split or cfg.scatter):
         return (f"row_units with group_split={cfg.group_split}, scatter={cfg.scatter}: row "
                 "units split the head groups' sums themselves (over rows), for the pair only")
     if cfg.smem_bytes() > SMEM_CAPACITY:
         return (f"shared memory {cfg.smem_bytes()} B > {SMEM_CAPACITY} B (q_stages "
-                f"{cfg.q_stages}, do_stages {cfg.do_stages})")
+                f"{cfg.q_stages}, do_stages {cfg.do_stages}, dq_buffers {cfg.dq_buffers})")
     return None
 
 

@@ -215,6 +215,11 @@ class FusedModel(ModelBase):
         """A dQ piece written into staging buffer buf of CTA r by warpgroup `who`, then read by
         the TMA reduction of a new bulk group of `who`'s until that group finishes."""
         self.write(f"{r}:dq{buf}", tag, who)
+        self.issue_piece(r, who, buf, tag)
+
+    def issue_piece(self, r: int, who: str, buf: int, tag) -> None:
+        """The TMA reduction of the piece in staging buffer buf of CTA r, a new bulk group of
+        `who`'s reading it until that group finishes."""
         order = self.order.setdefault((r, who), [])
         group = f"{who}.bulk{len(order)}"
         self.read(f"{r}:dq{buf}", tag, group, hold=True)
@@ -286,7 +291,7 @@ class FusedModel(ModelBase):
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             for p in range(atom):
                 k = t * atom + p
-                buf = (i * pieces + k) % 2 if both else which
+                buf = (i * pieces + k) % cfg.dq_buffers if both else which
                 if p == 0:
                     if t == 0 and "grad_release_early" in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
@@ -297,9 +302,18 @@ class FusedModel(ModelBase):
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
                 unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
+                tag = ("dq", i, which, k)
+                if both and cfg.dq_buffers == 3:   # the stores, then the wait (one barrier)
+                    self.write(f"{r}:dq{buf}", tag, me)
+                    yield
+                    if "no_dq_wait" not in self.faults:
+                        yield from self.bulk_wait(r, me, unread)
+                    self.issue_piece(r, me, buf, tag)
+                    yield
+                    continue
                 if "no_dq_wait" not in self.faults:
                     yield from self.bulk_wait(r, me, unread)
-                self.stage_piece(r, me, buf, ("dq", i, which, k))
+                self.stage_piece(r, me, buf, tag)
                 yield
 
     # -------------------------------------------------------------- the interleaving
