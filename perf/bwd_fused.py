@@ -48,10 +48,10 @@ inputs (`VARIATION_CASES`): how many elements of each gradient differ from the f
 how much (dQ's fp32 reductions land in any order; dK / dV are summed in registers).
 
 `--trace`: the fused kernel as planned at D=512 with clock64 stamps at its `_trace` hooks (the
-phase table per warpgroup), the next steps beside it ("pair stores": 8-byte st.shared; "dQ in
-dV + dK": `dq_grads` 2; their gradients checked against the kernel's) and knockouts (dQ's
-pieces staged but not added; dQ formed but neither staged nor added: wrong results, timing
-only): five variants of one case, one device call (~20 s). `--trace-narrow` traces D=320 / 384
+phase table per warpgroup), the next steps beside it ("dQ in dV + dK": `dq_grads` 2; its
+gradients checked against the kernel's) and knockouts (dQ's pieces staged but not added; dQ
+formed but neither staged nor added; 16-byte stores of permuted columns: wrong results,
+timing only), one device call (~20 s). `--trace-narrow` traces D=320 / 384
 the same way, with the knockouts and the variants of TRACE_NARROW_VARIANTS. Measurements and their reading: docs/design.md section 4, "The fused backward", and
 docs/perf-log.md (2026-12-05, sessions 20-24).
 """
@@ -87,10 +87,12 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`), where row units are planned the key-tile walk, and with GQA / MQA the head
+# (`dq_grads`) through how many staging buffers (`dq_buffers`), where row units are planned the key-tile walk, and with GQA / MQA the head
 # group split over CTA pairs (`group_split`, by key tiles)
-FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0),
-                  "fused dQ in dV": dict(dq_grads=1), "fused dQ in dV + dK": dict(dq_grads=2),
+FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0, dq_buffers=2),
+                  "fused dQ in dV": dict(dq_grads=1, dq_buffers=2),
+                  "fused dQ in dV, 3 buffers": dict(dq_grads=1, dq_buffers=3),
+                  "fused dQ in dV + dK": dict(dq_grads=2, dq_buffers=2),
                   "fused by key tiles": dict(row_units=False),
                   "fused split": dict(group_split=True, row_units=False)}
 
@@ -276,31 +278,11 @@ class _NoCopy(FusedTraced):
         pass
 
 
-class _PairStores(FusedTraced):
-    """A next step, to measure (correct results): each thread's two adjacent columns of a row
-    staged by one 8-byte st.shared (st.shared.v2.b32: half the store instructions; the 128-byte
-    swizzle keeps an even column's pair contiguous). Staging costs ~890 cycles per block at
-    D=512 today (perf-log, session 21); predicted: ~300-450 of them saved."""
-
-    @cute.jit
-    def _stage_piece(self, acc_mn, tQcQ_mn, sdq, buf, p: cutlass.Constexpr):
-        dst = sdq[None, None, buf]
-        per = FUSED_DQ_PIECE // 4
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            for c2 in cutlass.range_constexpr(p * per // 2, (p + 1) * per // 2):
-                row, cc = tQcQ_mn[r, 2 * c2]
-                pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-                pair[0] = acc_mn[r, 2 * c2]
-                pair[1] = acc_mn[r, 2 * c2 + 1]
-                cute.autovec_copy(pair, cute.flatten(cute.local_tile(
-                    dst, (1, 2), (row, (cc - p * FUSED_DQ_PIECE) // 2))))
-
-
 class _QuadStores(FusedTraced):
     """Timing only (dq wrong: columns permuted within each 32-column piece): each thread's
-    eight values of a row in a piece staged by two 16-byte st.shared (a quarter of the
-    store instructions), as a layout of dq_acc whose columns the host cast un-permutes
-    would store them; with three buffers (`dq_buffers` 3, one barrier a piece)."""
+    eight values of a row in a piece staged by two 16-byte st.shared (half the kernel's
+    8-byte stores), as a layout of dq_acc whose columns the host cast un-permutes would
+    store them."""
 
     @cute.jit
     def _stage_piece(self, acc_mn, tQcQ_mn, sdq, buf, p: cutlass.Constexpr):
@@ -327,53 +309,29 @@ class _NoPut(FusedTraced):
         pass
 
 
-class _DqAhead(FusedTraced):
-    """The next dQ atom's WGMMA issued before this one's pieces are staged (DQ_AHEAD, where
-    the config's `dq_ahead_fits`: D=320), beside the kernel's one atom at a time (correct
-    results)."""
-
-    DQ_AHEAD = True
-
-
-class _PairAhead(_PairStores):
-    """"pair stores" and "dQ atoms ahead" together."""
-
-    DQ_AHEAD = True
-
-
 # name -> (traced class, config fields over the plan's)
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
-                  "pair stores": (_PairStores, {}),
-                  "dQ in dV + dK": (FusedTraced, dict(dq_grads=2)),
+                  "two buffers": (FusedTraced, dict(dq_buffers=2)),
+                  "dQ in dV + dK": (FusedTraced, dict(dq_grads=2, dq_buffers=2)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
-                  "dQ atoms ahead": (_DqAhead, {}), "pair stores, ahead": (_PairAhead, {}),
-                  "three buffers": (FusedTraced, dict(dq_buffers=3)),
-                  "three buffers, ahead": (_DqAhead, dict(dq_buffers=3)),
-                  "three buffers, pair, ahead": (_PairAhead, dict(dq_buffers=3)),
-                  "quad stores (timing only)": (_QuadStores, dict(dq_buffers=3))}
+                  "quad stores (timing only)": (_QuadStores, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
 # `--trace-wide`: D=576 over the pair (one Q and one dO stage) beside D=512 (two Q stages),
 # traced and with dQ's pieces not added ("no put"), and MQA 64/1 causal beside MHA causal
 TRACE_WIDE_CASES = ((576, False, 32, 32, 8192), (512, False, 32, 32, 8192),
                     (512, True, 64, 1, 8192), (512, True, 32, 32, 8192))
 TRACE_WIDE_VARIANTS = ("traced", "no put")
-# `--trace-narrow`: D=320 / 384 (two Q and two dO stages; issue 17 asks 350 TFLOPS at 320),
-# traced, with dQ staged but not added ("no copy") and not staged ("no put"): whether the
-# S warpgroup's chain or the reductions set the period there, and how long the dV / dK
-# warpgroups wait for their stages; three Q and three dO stages where they fit (D=320:
-# 230400 B), whose loads start a block earlier; and the next dQ atom issued before this
-# one is staged ("dQ atoms ahead", where the config's `dq_ahead_fits`: D=320), 8-byte
-# stores of the staged pairs ("pair stores"), and both; three staging buffers with one
-# barrier a piece (`dq_buffers` 3), alone and with the others, and with 16-byte stores of
-# permuted columns (timing only: what a column-permuted dq_acc would save)
+# `--trace-narrow`: D=320 / 384 (two Q and two dO stages, three dQ staging buffers; issue 17
+# asks 350 TFLOPS at 320), traced, with two staging buffers (two barriers a piece), with dQ
+# staged but not added ("no copy") and not staged ("no put"): whether the S warpgroup's chain
+# or the reductions set the period there, and how long the dV / dK warpgroups wait for their
+# stages; and with 16-byte stores of permuted columns (timing only: what a column-permuted
+# dq_acc would save)
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
-TRACE_NARROW_VARIANTS = ("traced", "dQ atoms ahead", "pair stores", "pair stores, ahead",
-                         "three buffers", "three buffers, ahead", "three buffers, pair, ahead",
-                         "quad stores (timing only)", "no copy", "no put")
+TRACE_NARROW_VARIANTS = ("traced", "two buffers", "quad stores (timing only)", "no copy",
+                         "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "pair stores", "dQ in dV + dK", "dQ atoms ahead",
-                    "pair stores, ahead", "three buffers", "three buffers, ahead",
-                    "three buffers, pair, ahead")
+CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK")
 
 
 def _tiles_cfg(case, **fields):
@@ -390,14 +348,14 @@ def _trace_cfg(case, fields: dict):
 
 def _trace_runs(cases, variants) -> list:
     """(case, variant name, traced class, config) of each variant that builds at each case and
-    differs from the plan's code (a DQ_AHEAD class where the config's `dq_ahead_fits` is off
-    runs the same order: skipped)."""
+    differs from the plan's code (a FusedTraced variant whose fields leave the plan's config
+    is skipped)."""
     from ffpa_cute.sm90.fused_config import can_implement_fused
 
     runs = [(case, name, cls, _trace_cfg(case, f)) for case in cases
             for name, (cls, f) in TRACE_VARIANTS.items() if name in variants]
     return [r for r in runs if can_implement_fused(r[3]) is None
-            and (not r[2].DQ_AHEAD or r[3].dq_ahead_fits)]
+            and (r[1] == "traced" or r[2] is not FusedTraced or r[3] != _trace_cfg(r[0], {}))]
 
 
 def trace_jobs(cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> list:

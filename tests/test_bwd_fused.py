@@ -54,7 +54,7 @@ def test_plan_and_constraints():
     assert "dq_grads" in f90.can_implement_fused(
         f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
     # three dQ staging buffers: with dq_grads 1 only, 8 KB more (not at D=512 beside one dO
-    # stage), the planner keeps two
+    # stage)
     for grads, d, why in ((0, 320, "dq_buffers"), (2, 320, "dq_buffers"),
                           (1, 512, "shared memory"), (1, 320, None), (1, 448, None)):
         cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_grads=grads, dq_buffers=3)
@@ -62,7 +62,11 @@ def test_plan_and_constraints():
         assert (got is None) if why is None else why in got, (grads, d, got)
     assert "dq_buffers" in f90.can_implement_fused(dataclasses.replace(
         f90.plan_bwd_fused(_problem(320)), dq_buffers=4))
-    assert {f90.plan_bwd_fused(_problem(d)).dq_buffers for d in (320, 384, 448, 512)} == {2}
+    # planned where they fit: D=320 / 384 (dq_grads 1), not 448 (2) or 512 (no room)
+    assert [f90.plan_bwd_fused(_problem(d)).dq_buffers for d in (320, 384, 448, 512)] == [
+        3, 3, 2, 2]
+    assert f90.fit_dq_buffers(dataclasses.replace(f90.plan_bwd_fused(_problem(320)),
+                                                  dq_grads=2)).dq_buffers == 2
 
 
 def test_wide_pair_plan():
@@ -207,7 +211,7 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = f90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
-    cfg = dataclasses.replace(cfg, dq_grads=dq_grads)
+    cfg = f90.fit_dq_buffers(dataclasses.replace(cfg, dq_grads=dq_grads))
     assert cfg.window == window
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__

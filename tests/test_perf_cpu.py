@@ -513,17 +513,16 @@ def test_bwd_fused_experiment_plans_both_backwards():
             cfgs = plans[name].cfgs
             assert [type(c).__name__ for c in cfgs] == ["DeltaConfig", "BwdFusedConfigSm90"]
             assert cfgs[1].causal == case[1]
-    # the trace's variants where they differ from the plan: at D=512 and 384 `dq_ahead_fits`
-    # is off, at D=512 three staging buffers do not fit; at D=320 all of `--trace-narrow`'s run
+    # the trace's variants where they differ from the plan: at D=512 two staging buffers are
+    # the plan (three do not fit), at D=320 / 384 three are
     def traced(cases, variants):
         return [(r[0][0], r[1]) for r in bwd_fused._trace_runs(cases, variants)]
 
     assert [n for _, n in traced(bwd_fused.TRACE_CASES, tuple(bwd_fused.TRACE_VARIANTS))] == [
-        "traced", "pair stores", "dQ in dV + dK", "no copy", "no put"]
+        "traced", "dQ in dV + dK", "no copy", "no put", "quad stores (timing only)"]
     narrow = traced(bwd_fused.TRACE_NARROW_CASES, bwd_fused.TRACE_NARROW_VARIANTS)
-    assert sorted(n for d, n in narrow if d == 320) == sorted(bwd_fused.TRACE_NARROW_VARIANTS)
-    assert [n for d, n in narrow if d == 384] == ["traced", "pair stores", "no copy", "no put",
-                                                  "three buffers"]
+    for d in (320, 384):
+        assert sorted(n for e, n in narrow if e == d) == sorted(bwd_fused.TRACE_NARROW_VARIANTS)
     assert len(bwd_fused.trace_jobs()) == 5
     # `--scatter`: D over C CTAs (dQ in dV, in dV + dK) beside the atomic-free backward, and at
     # D <= 512 beside the pair's fused kernel too
@@ -537,26 +536,26 @@ def test_bwd_fused_experiment_plans_both_backwards():
             assert cfg.scatter and cfg.cluster_d == c and cfg.half == case[0] // c
 
 
-@pytest.mark.parametrize("d", [448, 512])
-def test_bwd_fused_next_step_variants_compile(tmp_path, monkeypatch, d):
-    """perf.bwd_fused's trace variants at the planned config (`dq_grads` 2 at D=448, 1 at 512):
-    "pair stores" stages dQ by 8-byte st.shared only (the same values as the kernel's scalar
-    stores, paired), and nothing uses local memory."""
+@pytest.mark.parametrize("d", [320, 448])
+def test_bwd_fused_store_variants_compile(tmp_path, monkeypatch, d):
+    """The kernel stages dQ by 8-byte st.shared only (column pairs), perf.bwd_fused's timing-only
+    "quad stores" by 16-byte ones, half as many for the same values (D=320: three buffers,
+    D=448: `dq_grads` 2), and nothing uses local memory."""
 
     from perf import bwd_fused
 
     monkeypatch.chdir(tmp_path)
     ptx = {}
-    for name in ("traced", "pair stores"):
+    for name in ("traced", "quad stores (timing only)"):
         cls, fields = bwd_fused.TRACE_VARIANTS[name]
         cfg = bwd_fused._trace_cfg((d, False, 4, 4, 1024), fields)
         ptx[name] = cls.compile(cfg, options="--keep-ptx").__ptx__
-    # (scalar, 8-byte) st.shared of 32-bit values in each variant
-    stores = {n: (len(re.findall(r"st\.shared\.[bf]32", p)),
-                  len(re.findall(r"st\.shared\.v2\.[bf]32", p))) for n, p in ptx.items()}
-    scalar, pairs = stores["pair stores"]
-    assert stores["traced"][1] == 0 and pairs > 0, stores
-    assert scalar + 2 * pairs == stores["traced"][0], stores   # the same values, paired
+    # (scalar, 8-byte, 16-byte) st.shared of 32-bit values in each variant
+    stores = {n: tuple(len(re.findall(rf"st\.shared\.{v}[bf]32", p)) for v in ("", "v2.", "v4."))
+              for n, p in ptx.items()}
+    (scalar, pairs, quads), (qscalar, qpairs, qquads) = stores.values()
+    assert quads == 0 and qpairs == 0 and pairs == 2 * qquads > 0, stores
+    assert scalar == qscalar, stores   # the other stores (the statistics) unchanged
     assert all(".local" not in p for p in ptx.values())
 
 

@@ -255,11 +255,6 @@ class FFPABwdFusedSm90(KernelEntry):
 
     OPERANDS = ("q", "k", "v", "do", "dq_acc", "dk", "dv", "lse", "delta")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
-    # where the config's `dq_ahead_fits`: the next dQ atom's WGMMA issued before this
-    # one's pieces are staged, so its latency runs under the staging (one more [64 x atom]
-    # accumulator live). Off until measured and GPU-tested (perf.bwd_fused --trace-narrow's
-    # "dQ atoms ahead" turns it on): the routed kernels stay the verified code
-    DQ_AHEAD = False
 
     @staticmethod
     def fake_inputs(cfg):
@@ -859,13 +854,26 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.jit
     def _stage_piece(self, acc_mn, tQcQ_mn, sdq: cute.Tensor, buf, p: cutlass.Constexpr):
         """This thread's values of piece p (columns 32 p .. 32 p + 31 of the chunk; acc_mn
-        holds 8-column groups of 2) into staging buffer buf of sdq (T, 32, 2), one st.shared
-        each."""
+        holds 8-column groups of 2 adjacent columns) into staging buffer buf of sdq (T, 32,
+        dq_buffers): with `dq_grads` a column pair per 8-byte st.shared (the 128-byte swizzle
+        moves 16-byte spans, so an even column's pair stays contiguous), in the S warpgroup
+        (`dq_grads` 0) one st.shared each (pairs spilled 8 B of its registers at D=512)."""
         per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            for c in cutlass.range_constexpr(p * per, (p + 1) * per):
-                row, cc = tQcQ_mn[r, c]
-                sdq[row, cc - p * FUSED_DQ_PIECE, buf] = acc_mn[r, c]
+        if const_expr(self.cfg.dq_grads == 0):
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                for c in cutlass.range_constexpr(p * per, (p + 1) * per):
+                    row, cc = tQcQ_mn[r, c]
+                    sdq[row, cc - p * FUSED_DQ_PIECE, buf] = acc_mn[r, c]
+        else:
+            dst = sdq[None, None, buf]
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                for c2 in cutlass.range_constexpr(p * per // 2, (p + 1) * per // 2):
+                    row, cc = tQcQ_mn[r, 2 * c2]
+                    pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                    pair[0] = acc_mn[r, 2 * c2]
+                    pair[1] = acc_mn[r, 2 * c2 + 1]
+                    cute.autovec_copy(pair, cute.flatten(cute.local_tile(
+                        dst, (1, 2), (row, (cc - p * FUSED_DQ_PIECE) // 2))))
 
     def _piece_buffer(self, work: FusedWork, head_q, n_block, col, p: int):
         """(staging buffer, bulk groups that may stay unread before it is rewritten) of piece
@@ -989,9 +997,8 @@ class FFPABwdFusedSm90(KernelEntry):
         `dq_buffers` buffers in turn (block i's piece k: buffer (i * pieces + k) % dq_buffers):
         two, each rewritten once the group before the newest has read it; three, one barrier a
         piece (`_put_piece`'s `unread`). With 2 the warpgroup has buffer `which` alone and
-        waits for its last group. With DQ_AHEAD and the config's `dq_ahead_fits` atom a + 1
-        is issued before atom a's pieces are staged (the wait then leaves that newest group
-        in flight)."""
+        waits for its last group. Where the config's `dq_ahead`, atom a + 1 is issued before
+        atom a's pieces are staged (the wait then leaves that newest group in flight)."""
         c0, width = self.cfg.dq_shares[which]
         atom_w = self.dq_widths[0]
         per_atom = atom_w // FUSED_DQ_PIECE
@@ -1008,7 +1015,7 @@ class FFPABwdFusedSm90(KernelEntry):
         ts, tg = self._dq_pieces(ops, smem, work, head_q)
         piece0 = (work.rank * self.half + c0) // FUSED_DQ_PIECE
         atoms = width // atom_w
-        pipelined = self.DQ_AHEAD and self.cfg.dq_ahead_fits
+        pipelined = self.cfg.dq_ahead
         accs = [self._dq_issue(mma, sdS, sKt, c0, atom_w, tidx)]
         for a in cutlass.range_constexpr(atoms):
             ahead = pipelined and a + 1 < atoms

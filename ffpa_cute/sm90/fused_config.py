@@ -151,13 +151,12 @@ class BwdFusedConfigSm90:
         return 64 if self.half * self.elem_bytes % 128 == 0 else 32
 
     @property
-    def dq_ahead_fits(self) -> bool:
-        """Whether the dV warpgroup (`dq_grads` 1, the pair) may issue the next dQ atom's
-        WGMMA before staging this one's pieces (where FFPABwdFusedSm90.DQ_AHEAD is on), so
-        its latency runs under the staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of
-        the 168 registers ptxas gives every thread, i.e. halves of up to 160 columns with
-        32-column atoms (D=320 and the D it pads to 320); at D=384 (160 registers) and 512
-        (192) they spilled 288-584 B."""
+    def dq_ahead(self) -> bool:
+        """Whether the dV warpgroup (`dq_grads` 1, the pair) issues the next dQ atom's WGMMA
+        before staging this one's pieces, so that its latency runs under the staging: where
+        its accumulator and two [64 x atom] dQ ones fit in 112 of the 168 registers ptxas gives
+        every thread, i.e. halves of up to 160 columns with 32-column atoms (D=320 and the D it
+        pads to 320); at D=384 (160 registers) and 512 (192) they spilled 288-584 B."""
         return (self.dq_grads == 1 and not self.scatter
                 and self.half // 2 + self.atom_cols <= 112)
 
@@ -344,7 +343,9 @@ FUSED_ROW_UNITS_MIN_GROUP = 16
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
                    scatter: bool = False, pad: bool | None = None) -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
-    keeps one, D=576 one of each); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
+    keeps one, D=576 one of each), then three dQ staging buffers where they fit beside them
+    with `dq_grads` 1 (D=320 and 384; H100, phase trace 2026-12-06: D=384 279 -> 316 TFLOPS,
+    kernel alone); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
     names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
     problem's head groups, else `row_units` for causal groups of FUSED_ROW_UNITS_MIN_GROUP or
     more. Raises ValueError with the reason for problems it does not take:
@@ -370,5 +371,15 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
     for q_stages, do_stages in ((2, 2), (2, 1), (1, 1)):
         cfg = BwdFusedConfigSm90(**base, q_stages=q_stages, do_stages=do_stages)
         if can_implement_fused(cfg) is None:
-            return cfg
+            return fit_dq_buffers(cfg)
     raise ValueError(can_implement_fused(cfg))
+
+
+def fit_dq_buffers(cfg: BwdFusedConfigSm90) -> BwdFusedConfigSm90:
+    """cfg with three dQ staging buffers where they build (`dq_grads` 1 and the shared memory;
+    not with `scatter`, which is not planned), else two: what the planner picks, and what a
+    config with another `dq_grads` swapped in takes."""
+    three = dataclasses.replace(cfg, dq_buffers=3)
+    if not cfg.scatter and can_implement_fused(three) is None:
+        return three
+    return dataclasses.replace(cfg, dq_buffers=2)
