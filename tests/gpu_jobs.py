@@ -425,8 +425,8 @@ def _compile_part(args):
 
 def pack(directory: str, sections, out: str) -> tuple[int, int]:
     """Write the cache entries of `jobs(sections)` found under `directory` to the xz tarball
-    `out` as <directory's name>/<fingerprint>/k*.o; (packed, missing)."""
-    import pathlib
+    `out` as .precache/<fingerprint>/k*.o (whatever `directory` is called: the device
+    unpacks it into /tmp/pc and reads /tmp/pc/.precache); (packed, missing)."""
     import tarfile
 
     from ffpa_cute.cache import JitCache, kernel_name, key_hash
@@ -434,10 +434,9 @@ def pack(directory: str, sections, out: str) -> tuple[int, int]:
     entries = JitCache(directory, disk=True).entry_dir(TARGET)
     names = sorted({f"k{key_hash(kernel_name(cls), cfg)}.o" for cls, cfg in jobs(sections)})
     found = [n for n in names if (entries / n).exists()]
-    root = pathlib.Path(directory).resolve().name
     with tarfile.open(out, "w:xz") as tar:
         for n in found:
-            tar.add(entries / n, arcname=f"{root}/{entries.name}/{n}")
+            tar.add(entries / n, arcname=f".precache/{entries.name}/{n}")
     return len(found), len(names) - len(found)
 
 
