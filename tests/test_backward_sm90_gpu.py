@@ -362,7 +362,8 @@ def test_fused_group_split(seed, d, causal, nq, nkv, ratio, dq_grads):
     """The fused backward with each head group split over CTA pairs (`group_split`: partial
     dK / dV in fp32 workspaces, summed by the host): all three gradients against float64."""
     _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"),
-           plan=lambda p: _fused_plan(p, dq_grads=dq_grads, group_split=True))
+           plan=lambda p: _fused_plan(p, dq_grads=dq_grads, group_split=True,
+                                             row_units=False))
 
 
 # D over C CTAs (`scatter`): C = 4 at 1024 and 640, 3 at 576 and 768, 2 at 512; GQA, causal
