@@ -93,6 +93,7 @@ FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0, dq_buffers=2),
                   "fused dQ in dV": dict(dq_grads=1, dq_buffers=2),
                   "fused dQ in dV, 3 buffers": dict(dq_grads=1, dq_buffers=3),
                   "fused dQ in dV + dK": dict(dq_grads=2, dq_buffers=2),
+                  "fused dQ in dV + dK, 4 buffers": dict(dq_grads=2, dq_buffers=4),
                   "fused by key tiles": dict(row_units=False),
                   "fused split": dict(group_split=True, row_units=False)}
 
@@ -313,6 +314,7 @@ class _NoPut(FusedTraced):
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "two buffers": (FusedTraced, dict(dq_buffers=2)),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2, dq_buffers=2)),
+                  "dQ in dV + dK, 4 buffers": (FusedTraced, dict(dq_grads=2, dq_buffers=4)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "quad stores (timing only)": (_QuadStores, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
@@ -325,13 +327,14 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # asks 350 TFLOPS at 320), traced, with two staging buffers (two barriers a piece), with dQ
 # staged but not added ("no copy") and not staged ("no put"): whether the S warpgroup's chain
 # or the reductions set the period there, and how long the dV / dK warpgroups wait for their
-# stages; and with 16-byte stores of permuted columns (timing only: what a column-permuted
-# dq_acc would save)
+# stages; dQ split between the dV and dK warpgroups with two buffers each, one barrier a
+# piece (`dq_buffers` 4: the dK warpgroup idles ~2700 cycles a block at D=320); and with
+# 16-byte stores of permuted columns (timing only: what a column-permuted dq_acc would save)
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
-TRACE_NARROW_VARIANTS = ("traced", "two buffers", "quad stores (timing only)", "no copy",
-                         "no put")
+TRACE_NARROW_VARIANTS = ("traced", "two buffers", "dQ in dV + dK, 4 buffers",
+                         "quad stores (timing only)", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK")
+CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers")
 
 
 def _tiles_cfg(case, **fields):

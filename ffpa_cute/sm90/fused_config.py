@@ -65,9 +65,10 @@ class BwdFusedConfigSm90:
                 values of them back through the peers' exchange buffers (docs/design.md
                 section 4, "D over C CTAs"). Run on an H100 (float64 tests and sanitizers
                 pass) and slower than the routed backward at D=768 / 1024: not planned
-    dq_buffers: the fp32 dQ staging buffers (8 KB each): 2, or 3 with `dq_grads` 1, whose
-                pieces then take one barrier each instead of two (the wait for the buffer the
-                next piece takes moves behind this piece's stores: `_grad_dq`)
+    dq_buffers: the fp32 dQ staging buffers (8 KB each): 2, or 3 with `dq_grads` 1, or 4 with
+                `dq_grads` 2 (two for each warpgroup), whose pieces then take one barrier each
+                instead of two (the wait for the buffer the next piece takes moves behind this
+                piece's stores: `_grad_dq`)
     row_units:  one CTA pair per (query block row, key tile) walking the row's block in the G
                 query heads, rows outer, dK / dV partial sums added into zeroed fp32 workspaces
                 [B, Hkv, Nkv, D] by red.global.add (the host casts): large causal head groups,
@@ -267,9 +268,10 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 "window (the registers that fit)")
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
-    if cfg.dq_buffers not in (2, 3) or (cfg.dq_buffers == 3 and cfg.dq_grads != 1):
+    if cfg.dq_buffers not in {1: (2, 3), 2: (2, 4)}.get(cfg.dq_grads, (2,)):
         return (f"dq_buffers={cfg.dq_buffers} with dq_grads={cfg.dq_grads}: 2, or 3 with "
-                "dq_grads 1 (the dV warpgroup's pieces in turn)")
+                "dq_grads 1 (the dV warpgroup's pieces in turn), 4 with dq_grads 2 (two for "
+                "each warpgroup)")
     if cfg.row_units and (cfg.group_split or cfg.scatter):
         return (f"row_units with group_split={cfg.group_split}, scatter={cfg.scatter}: row "
                 "units split the head groups' sums themselves (over rows), for the pair only")
