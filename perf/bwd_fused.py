@@ -151,7 +151,7 @@ def plans(case) -> dict:
     for name, fields in FUSED_VARIANTS.items():
         if fields.get("group_split") and p.heads_q == p.heads_kv:
             continue   # one query head per KV head: nothing to split
-        cfg = dataclasses.replace(planned, **fields)
+        cfg = with_fields(planned, fields)
         if name != "fused" and (cfg == planned or can_implement_fused(cfg) is not None):
             continue   # the plan itself, or not built (D=576 takes dq_grads 1 only)
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
@@ -340,7 +340,16 @@ CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 
 def _tiles_cfg(case, **fields):
     """The fused config of a case walking by key tiles (`row_units` off: what the trace and
     schedule experiments read, one pair per key tile), with `fields` changed."""
-    return dataclasses.replace(plans(case)["fused"].cfgs[-1], **{"row_units": False, **fields})
+    return with_fields(plans(case)["fused"].cfgs[-1], {"row_units": False, **fields})
+
+
+def with_fields(cfg, fields: dict):
+    """cfg with `fields` changed, its dQ staging refitted to them (`fit_dq_staging`) and then
+    set where they name it (dq_buffers, dq_pairs, dq_ahead)."""
+    from ffpa_cute.sm90.fused_config import fit_dq_staging
+
+    staging = {k: v for k, v in fields.items() if k in ("dq_buffers", "dq_pairs", "dq_ahead")}
+    return dataclasses.replace(fit_dq_staging(dataclasses.replace(cfg, **fields)), **staging)
 
 
 def _trace_cfg(case, fields: dict):

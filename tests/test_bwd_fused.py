@@ -53,26 +53,46 @@ def test_plan_and_constraints():
             f90.plan_bwd_fused(_problem(512, **kw))
     assert "dq_grads" in f90.can_implement_fused(
         f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
-    # three dQ staging buffers: with dq_grads 1 only, 8 KB more (not at D=512 beside one dO
-    # stage)
+def test_dq_staging_fields(monkeypatch):
+    """The dQ staging fields: three buffers with dq_grads 1 only, 8 KB more (not at D=512
+    beside one dO stage), four with dq_grads 2; pairs with dq_grads 1 / 2; the next atom ahead
+    where `dq_ahead_fits` (D=320's halves); planned where they build with FUSED_DQ_STAGING,
+    else two buffers, 4-byte stores, one atom at a time (the code verified before them)."""
+    def bare(d):
+        return dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_buffers=2,
+                                   dq_pairs=False, dq_ahead=False)
+
     for grads, d, why in ((0, 320, "dq_buffers"), (2, 320, "dq_buffers"),
                           (1, 512, "shared memory"), (1, 320, None), (1, 448, None)):
-        cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_grads=grads, dq_buffers=3)
+        cfg = dataclasses.replace(bare(d), dq_grads=grads, dq_buffers=3)
         got = f90.can_implement_fused(cfg)
         assert (got is None) if why is None else why in got, (grads, d, got)
     # four with dq_grads 2 (two for each warpgroup), not with 1; D=512 has no room
     for grads, d, why in ((1, 320, "dq_buffers"), (0, 320, "dq_buffers"),
                           (2, 512, "shared memory"), (2, 320, None), (2, 448, None)):
-        cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_grads=grads, dq_buffers=4)
+        cfg = dataclasses.replace(bare(d), dq_grads=grads, dq_buffers=4)
         got = f90.can_implement_fused(cfg)
         assert (got is None) if why is None else why in got, (grads, d, got)
-    assert "dq_buffers" in f90.can_implement_fused(dataclasses.replace(
-        f90.plan_bwd_fused(_problem(320)), dq_buffers=5))
-    # planned where they fit: D=320 / 384 (dq_grads 1), not 448 (2) or 512 (no room)
-    assert [f90.plan_bwd_fused(_problem(d)).dq_buffers for d in (320, 384, 448, 512)] == [
-        3, 3, 2, 2]
-    assert f90.fit_dq_buffers(dataclasses.replace(f90.plan_bwd_fused(_problem(320)),
-                                                  dq_grads=2)).dq_buffers == 2
+    assert "dq_buffers" in f90.can_implement_fused(dataclasses.replace(bare(320), dq_buffers=5))
+    assert "dq_pairs" in f90.can_implement_fused(dataclasses.replace(bare(320), dq_grads=0,
+                                                                     dq_pairs=True))
+    for d, grads, ok in ((320, 1, True), (320, 2, False), (384, 1, False), (512, 1, False)):
+        got = f90.can_implement_fused(dataclasses.replace(bare(d), dq_grads=grads,
+                                                          dq_ahead=True))
+        assert (got is None) == ok and (ok or "dq_ahead" in got), (d, grads, got)
+    # planned: three buffers where they fit (D=320 / 384 with dq_grads 1; not 448, which
+    # plans 2, nor 512, no room), pairs wherever the dV / dK warpgroups stage, ahead at 320
+    staging = [(c.dq_buffers, c.dq_pairs, c.dq_ahead)
+               for c in (f90.plan_bwd_fused(_problem(d)) for d in (320, 384, 448, 512))]
+    assert staging == [(3, True, True), (3, True, False), (2, True, False), (2, True, False)]
+    assert f90.fit_dq_staging(dataclasses.replace(f90.plan_bwd_fused(_problem(320)),
+                                                  dq_grads=2)) == dataclasses.replace(
+        bare(320), dq_grads=2, dq_pairs=True)
+    assert f90.fit_dq_staging(dataclasses.replace(bare(320), dq_grads=0)) == \
+        dataclasses.replace(bare(320), dq_grads=0)
+    expect = [bare(d) for d in (320, 384, 448, 512)]
+    monkeypatch.setattr(f90, "FUSED_DQ_STAGING", False)
+    assert [f90.plan_bwd_fused(_problem(d)) for d in (320, 384, 448, 512)] == expect
 
 
 def test_wide_pair_plan():
@@ -217,7 +237,7 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = f90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
-    cfg = f90.fit_dq_buffers(dataclasses.replace(cfg, dq_grads=dq_grads))
+    cfg = f90.fit_dq_staging(dataclasses.replace(cfg, dq_grads=dq_grads))
     assert cfg.window == window
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
@@ -254,7 +274,7 @@ def test_one_barrier_dq_buffers_compile(tmp_path, monkeypatch):
     base = f90.plan_bwd_fused(_problem(320))
     counts = {}
     for grads, bufs in ((1, 2), (1, 3), (2, 2), (2, 4)):
-        cfg = dataclasses.replace(base, dq_grads=grads, dq_buffers=bufs)
+        cfg = dataclasses.replace(base, dq_grads=grads, dq_buffers=bufs, dq_ahead=False)
         ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
         counts[grads, bufs] = (len(re.findall(r"bar\.sync\s+2, 128", ptx)),
                                len(re.findall(r"bar\.sync\s+3, 128", ptx)),
@@ -273,8 +293,8 @@ def test_group_split_compiles(tmp_path, monkeypatch, dq_grads):
     32-bit dK / dV stores and no 16-bit ones, no spills, WGMMAs not serialised; the config
     gives `group_parts` the pair (o_split 2)."""
     monkeypatch.chdir(tmp_path)
-    cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(512, True)), group_split=True,
-                              dq_grads=dq_grads)
+    cfg = f90.fit_dq_staging(dataclasses.replace(f90.plan_bwd_fused(_problem(512, True)),
+                                                 group_split=True, dq_grads=dq_grads))
     assert cfg.o_split == 2
     assert c90.group_parts(1, 64, 1, 8192, cfg.o_split) == 2   # MQA 64:1 at 8K: 512 CTAs
     ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__

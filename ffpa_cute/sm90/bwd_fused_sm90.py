@@ -855,11 +855,11 @@ class FFPABwdFusedSm90(KernelEntry):
     def _stage_piece(self, acc_mn, tQcQ_mn, sdq: cute.Tensor, buf, p: cutlass.Constexpr):
         """This thread's values of piece p (columns 32 p .. 32 p + 31 of the chunk; acc_mn
         holds 8-column groups of 2 adjacent columns) into staging buffer buf of sdq (T, 32,
-        dq_buffers): with `dq_grads` a column pair per 8-byte st.shared (the 128-byte swizzle
-        moves 16-byte spans, so an even column's pair stays contiguous), in the S warpgroup
-        (`dq_grads` 0) one st.shared each (pairs spilled 8 B of its registers at D=512)."""
+        dq_buffers): one st.shared each, or with `dq_pairs` a column pair per 8-byte st.shared
+        (the 128-byte swizzle moves 16-byte spans, so an even column's pair stays
+        contiguous)."""
         per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
-        if const_expr(self.cfg.dq_grads == 0):
+        if const_expr(not self.cfg.dq_pairs):
             for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
                 for c in cutlass.range_constexpr(p * per, (p + 1) * per):
                     row, cc = tQcQ_mn[r, c]
