@@ -93,6 +93,7 @@ FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0, dq_buffers=2),
                   "fused dQ in dV": dict(dq_grads=1, dq_buffers=2),
                   "fused dQ in dV, 3 buffers": dict(dq_grads=1, dq_buffers=3),
                   "fused dQ in dV + dK": dict(dq_grads=2, dq_buffers=2),
+                  "fused dQ in dV + dK, 4 buffers": dict(dq_grads=2, dq_buffers=4),
                   "fused by key tiles": dict(row_units=False),
                   "fused split": dict(group_split=True, row_units=False)}
 
@@ -150,7 +151,7 @@ def plans(case) -> dict:
     for name, fields in FUSED_VARIANTS.items():
         if fields.get("group_split") and p.heads_q == p.heads_kv:
             continue   # one query head per KV head: nothing to split
-        cfg = dataclasses.replace(planned, **fields)
+        cfg = with_fields(planned, fields)
         if name != "fused" and (cfg == planned or can_implement_fused(cfg) is not None):
             continue   # the plan itself, or not built (D=576 takes dq_grads 1 only)
         out[name] = dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(
@@ -313,6 +314,7 @@ class _NoPut(FusedTraced):
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "two buffers": (FusedTraced, dict(dq_buffers=2)),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2, dq_buffers=2)),
+                  "dQ in dV + dK, 4 buffers": (FusedTraced, dict(dq_grads=2, dq_buffers=4)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "quad stores (timing only)": (_QuadStores, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
@@ -325,19 +327,29 @@ TRACE_WIDE_VARIANTS = ("traced", "no put")
 # asks 350 TFLOPS at 320), traced, with two staging buffers (two barriers a piece), with dQ
 # staged but not added ("no copy") and not staged ("no put"): whether the S warpgroup's chain
 # or the reductions set the period there, and how long the dV / dK warpgroups wait for their
-# stages; and with 16-byte stores of permuted columns (timing only: what a column-permuted
-# dq_acc would save)
+# stages; dQ split between the dV and dK warpgroups with two buffers each, one barrier a
+# piece (`dq_buffers` 4: the dK warpgroup idles ~2700 cycles a block at D=320); and with
+# 16-byte stores of permuted columns (timing only: what a column-permuted dq_acc would save)
 TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
-TRACE_NARROW_VARIANTS = ("traced", "two buffers", "quad stores (timing only)", "no copy",
-                         "no put")
+TRACE_NARROW_VARIANTS = ("traced", "two buffers", "dQ in dV + dK, 4 buffers",
+                         "quad stores (timing only)", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK")
+CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers")
 
 
 def _tiles_cfg(case, **fields):
     """The fused config of a case walking by key tiles (`row_units` off: what the trace and
     schedule experiments read, one pair per key tile), with `fields` changed."""
-    return dataclasses.replace(plans(case)["fused"].cfgs[-1], **{"row_units": False, **fields})
+    return with_fields(plans(case)["fused"].cfgs[-1], {"row_units": False, **fields})
+
+
+def with_fields(cfg, fields: dict):
+    """cfg with `fields` changed, its dQ staging refitted to them (`fit_dq_staging`) and then
+    set where they name it (dq_buffers, dq_pairs, dq_ahead)."""
+    from ffpa_cute.sm90.fused_config import fit_dq_staging
+
+    staging = {k: v for k, v in fields.items() if k in ("dq_buffers", "dq_pairs", "dq_ahead")}
+    return dataclasses.replace(fit_dq_staging(dataclasses.replace(cfg, **fields)), **staging)
 
 
 def _trace_cfg(case, fields: dict):

@@ -127,7 +127,7 @@ def jobs(sections=SECTIONS) -> list:
                 # who forms dQ; the head group split over CTA pairs (D=576: dq_grads 1 only)
                 for dq_grads, split in ((1, False), (2, False), (0, True), (1, True)):
                     if dtype == "bf16" and (d <= 512 or dq_grads == 1):
-                        var = sm90_fused.fit_dq_buffers(dataclasses.replace(
+                        var = sm90_fused.fit_dq_staging(dataclasses.replace(
                             cfg, dq_grads=dq_grads, group_split=split))
                         add([(dispatch.kernel_class(var), var)])
                 delta = DeltaConfig(TARGET, dtype, d)

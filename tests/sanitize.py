@@ -210,12 +210,12 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=No
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90.fused_config import fit_dq_buffers, plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import fit_dq_staging, plan_bwd_fused
 
     p = AttnProblem(dtype=dtype, batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
     kw = dict(cluster_d=cluster_d, scatter=True) if cluster_d else {}
-    cfg = fit_dq_buffers(dataclasses.replace(plan_bwd_fused(p, **kw), dq_grads=dq_grads,
+    cfg = fit_dq_staging(dataclasses.replace(plan_bwd_fused(p, **kw), dq_grads=dq_grads,
                                              group_split=group_split))
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", dtype, d),
                                                           cfg))

@@ -232,11 +232,11 @@ def _fused_plan(problem, pad=None, **fields):
     `fields` change its config, the staging buffers refitted unless they name them), after
     the Delta kernel."""
     from ffpa_cute.common.config import DeltaConfig
-    from ffpa_cute.sm90.fused_config import fit_dq_buffers, plan_bwd_fused
+    from ffpa_cute.sm90.fused_config import fit_dq_staging, plan_bwd_fused
 
     cfg = dataclasses.replace(plan_bwd_fused(problem, pad=pad), **fields)
     if "dq_buffers" not in fields:
-        cfg = fit_dq_buffers(cfg)
+        cfg = fit_dq_staging(cfg)
     return dispatch.BwdPlan(problem, "sm_90a", "sm90", cfgs=(
         DeltaConfig("sm_90a", problem.dtype, problem.head_dim_v), cfg))
 

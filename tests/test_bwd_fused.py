@@ -53,20 +53,46 @@ def test_plan_and_constraints():
             f90.plan_bwd_fused(_problem(512, **kw))
     assert "dq_grads" in f90.can_implement_fused(
         f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
-    # three dQ staging buffers: with dq_grads 1 only, 8 KB more (not at D=512 beside one dO
-    # stage)
+def test_dq_staging_fields(monkeypatch):
+    """The dQ staging fields: three buffers with dq_grads 1 only, 8 KB more (not at D=512
+    beside one dO stage), four with dq_grads 2; pairs with dq_grads 1 / 2; the next atom ahead
+    where `dq_ahead_fits` (D=320's halves); planned where they build with FUSED_DQ_STAGING,
+    else two buffers, 4-byte stores, one atom at a time (the code verified before them)."""
+    def bare(d):
+        return dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_buffers=2,
+                                   dq_pairs=False, dq_ahead=False)
+
     for grads, d, why in ((0, 320, "dq_buffers"), (2, 320, "dq_buffers"),
                           (1, 512, "shared memory"), (1, 320, None), (1, 448, None)):
-        cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d)), dq_grads=grads, dq_buffers=3)
+        cfg = dataclasses.replace(bare(d), dq_grads=grads, dq_buffers=3)
         got = f90.can_implement_fused(cfg)
         assert (got is None) if why is None else why in got, (grads, d, got)
-    assert "dq_buffers" in f90.can_implement_fused(dataclasses.replace(
-        f90.plan_bwd_fused(_problem(320)), dq_buffers=4))
-    # planned where they fit: D=320 / 384 (dq_grads 1), not 448 (2) or 512 (no room)
-    assert [f90.plan_bwd_fused(_problem(d)).dq_buffers for d in (320, 384, 448, 512)] == [
-        3, 3, 2, 2]
-    assert f90.fit_dq_buffers(dataclasses.replace(f90.plan_bwd_fused(_problem(320)),
-                                                  dq_grads=2)).dq_buffers == 2
+    # four with dq_grads 2 (two for each warpgroup), not with 1; D=512 has no room
+    for grads, d, why in ((1, 320, "dq_buffers"), (0, 320, "dq_buffers"),
+                          (2, 512, "shared memory"), (2, 320, None), (2, 448, None)):
+        cfg = dataclasses.replace(bare(d), dq_grads=grads, dq_buffers=4)
+        got = f90.can_implement_fused(cfg)
+        assert (got is None) if why is None else why in got, (grads, d, got)
+    assert "dq_buffers" in f90.can_implement_fused(dataclasses.replace(bare(320), dq_buffers=5))
+    assert "dq_pairs" in f90.can_implement_fused(dataclasses.replace(bare(320), dq_grads=0,
+                                                                     dq_pairs=True))
+    for d, grads, ok in ((320, 1, True), (320, 2, False), (384, 1, False), (512, 1, False)):
+        got = f90.can_implement_fused(dataclasses.replace(bare(d), dq_grads=grads,
+                                                          dq_ahead=True))
+        assert (got is None) == ok and (ok or "dq_ahead" in got), (d, grads, got)
+    # planned: three buffers where they fit (D=320 / 384 with dq_grads 1; not 448, which
+    # plans 2, nor 512, no room), pairs wherever the dV / dK warpgroups stage, ahead at 320
+    staging = [(c.dq_buffers, c.dq_pairs, c.dq_ahead)
+               for c in (f90.plan_bwd_fused(_problem(d)) for d in (320, 384, 448, 512))]
+    assert staging == [(3, True, True), (3, True, False), (2, True, False), (2, True, False)]
+    assert f90.fit_dq_staging(dataclasses.replace(f90.plan_bwd_fused(_problem(320)),
+                                                  dq_grads=2)) == dataclasses.replace(
+        bare(320), dq_grads=2, dq_pairs=True)
+    assert f90.fit_dq_staging(dataclasses.replace(bare(320), dq_grads=0)) == \
+        dataclasses.replace(bare(320), dq_grads=0)
+    expect = [bare(d) for d in (320, 384, 448, 512)]
+    monkeypatch.setattr(f90, "FUSED_DQ_STAGING", False)
+    assert [f90.plan_bwd_fused(_problem(d)) for d in (320, 384, 448, 512)] == expect
 
 
 def test_wide_pair_plan():
@@ -211,7 +237,7 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
     runtime branch or left in flight across one)."""
     monkeypatch.chdir(tmp_path)
     cfg = f90.plan_bwd_fused(_problem(d, causal, dtype, window_lo=-100 if window else None))
-    cfg = f90.fit_dq_buffers(dataclasses.replace(cfg, dq_grads=dq_grads))
+    cfg = f90.fit_dq_staging(dataclasses.replace(cfg, dq_grads=dq_grads))
     assert cfg.window == window
     cls = dispatch.kernel_class(cfg)
     ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
@@ -239,23 +265,26 @@ def test_compiles_to_its_instructions(tmp_path, monkeypatch, d, causal, dtype, w
         assert "serialized" not in log, log
 
 
-def test_three_dq_buffers_compile(tmp_path, monkeypatch):
-    """`dq_buffers` 3 (D=320, dq_grads 1): the dV warpgroup's barrier once per staged piece (5
-    a block, against 10 with two buffers), its bulk waits unchanged in number; no spills and
-    no serialised WGMMAs."""
+def test_one_barrier_dq_buffers_compile(tmp_path, monkeypatch):
+    """One barrier per staged piece (D=320): `dq_buffers` 3 with dq_grads 1, the dV
+    warpgroup's barrier 5 times a block against 10 with two buffers; 4 with dq_grads 2, the dV
+    warpgroup's (3 pieces) and the dK warpgroup's (2) 3 and 2 times against 6 and 4 with one
+    buffer each; the bulk waits unchanged in number; no spills, no serialised WGMMAs."""
     monkeypatch.chdir(tmp_path)
     base = f90.plan_bwd_fused(_problem(320))
     counts = {}
-    for bufs in (2, 3):
-        cfg = dataclasses.replace(base, dq_grads=1, dq_buffers=bufs)
+    for grads, bufs in ((1, 2), (1, 3), (2, 2), (2, 4)):
+        cfg = dataclasses.replace(base, dq_grads=grads, dq_buffers=bufs, dq_ahead=False)
         ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
-        counts[bufs] = (len(re.findall(r"bar\.sync\s+2, 128", ptx)),
-                        ptx.count("cp.async.bulk.wait_group.read"))
+        counts[grads, bufs] = (len(re.findall(r"bar\.sync\s+2, 128", ptx)),
+                               len(re.findall(r"bar\.sync\s+3, 128", ptx)),
+                               ptx.count("cp.async.bulk.wait_group.read"))
         _no_spills(ptx)
         log = _ptxas_log(ptx, "sm_90a")
         if log is not None:
             assert "serialized" not in log, log
-    assert counts[2] == (10, counts[3][1]) and counts[3][0] == 5, counts
+    assert counts[1, 2] == (10, 0, counts[1, 3][2]) and counts[1, 3][:2] == (5, 0), counts
+    assert counts[2, 2] == (6, 4, counts[2, 4][2]) and counts[2, 4][:2] == (3, 2), counts
 
 
 @pytest.mark.parametrize("dq_grads", [0, 1])
@@ -264,8 +293,8 @@ def test_group_split_compiles(tmp_path, monkeypatch, dq_grads):
     32-bit dK / dV stores and no 16-bit ones, no spills, WGMMAs not serialised; the config
     gives `group_parts` the pair (o_split 2)."""
     monkeypatch.chdir(tmp_path)
-    cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(512, True)), group_split=True,
-                              dq_grads=dq_grads)
+    cfg = f90.fit_dq_staging(dataclasses.replace(f90.plan_bwd_fused(_problem(512, True)),
+                                                 group_split=True, dq_grads=dq_grads))
     assert cfg.o_split == 2
     assert c90.group_parts(1, 64, 1, 8192, cfg.o_split) == 2   # MQA 64:1 at 8K: 512 CTAs
     ptx = dispatch.kernel_class(cfg).compile(cfg, options="--keep-ptx").__ptx__
@@ -526,7 +555,7 @@ def test_protocol_model_runs_clean(q_stages, do_stages):
 
 
 @pytest.mark.parametrize("order", ["chunks", "alternating", "dq_grads 1", "dq_grads 2",
-                                   "three buffers"])
+                                   "three buffers", "four buffers"])
 @pytest.mark.parametrize("d", [320, 384, 448, 512])
 def test_protocol_model_dq_staging(d, order):
     """dQ's staging buffers in the model (pieces written by the forming warpgroup, read by TMA
@@ -534,16 +563,15 @@ def test_protocol_model_dq_staging(d, order):
     of 5 pieces at 320, 4 + 2, 4 + 3, 4 + 4) in the kernel's per-chunk order, in the
     "alternating" one (each piece waits only for the group two back), and with dQ formed by
     the dV warpgroup (both buffers in turn, or three with one barrier a piece: its wait after
-    its stores) or by the dV and dK warpgroups (one buffer each; odd atom counts at 320 and
-    448), one or two dO stages."""
+    its stores) or by the dV and dK warpgroups (one buffer each, or two each with one barrier
+    a piece; odd atom counts at 320 and 448), one or two dO stages."""
     from ffpa_cute.sm90 import fused_protocol
 
     base = f90.plan_bwd_fused(_problem(d, causal=True))
-    grads = 1 if order == "three buffers" else (
-        int(order[-1]) if order.startswith("dq_grads") else 0)
+    grads, bufs = {"three buffers": (1, 3), "four buffers": (2, 4)}.get(
+        order, (int(order[-1]) if order.startswith("dq_grads") else 0, 2))
     for do_stages in {1, base.do_stages}:
-        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages,
-                                  dq_buffers=3 if order == "three buffers" else 2)
+        cfg = dataclasses.replace(base, dq_grads=grads, do_stages=do_stages, dq_buffers=bufs)
         for blocks in (1, 2, 3, 6):
             for seed in range(8):
                 fused_protocol.run(cfg, blocks, seed, alternating=order == "alternating")
@@ -575,17 +603,18 @@ def test_protocol_model_wide():
     (("grad_wait_lax", 2), (":dq",)), (("grad_release_early", 1), (":dst",)),
     (("grad_release_early", 2), (":dst",)),
     # three staging buffers, one barrier a piece: no wait, or one group too few waited for
-    (("no_dq_wait", 1, 3), (":dq",)), (("grad_wait_lax", 1, 3), (":dq",))])
+    (("no_dq_wait", 1, 3), (":dq",)), (("grad_wait_lax", 1, 3), (":dq",)),
+    (("no_dq_wait", 2, 4), (":dq",)), (("grad_wait_lax", 2, 4), (":dq",))])
 def test_protocol_model_catches_faults(fault, needles):
     """Each injected fault is caught (a hazard or a hang) in some interleaving (a tile of four
     blocks; D=512, or D=320 where a chunk's odd piece count makes its start's drain needed, or
-    with three staging buffers (they fit there); (fault, n[, b]): with `dq_grads` n and b
-    buffers)."""
+    with three or four staging buffers (they fit there); (fault, n[, b]): with `dq_grads` n
+    and b buffers)."""
     from ffpa_cute.common.protocol import ProtocolError
     from ffpa_cute.sm90 import fused_protocol
 
     fault, grads, bufs = (*fault, 2)[:3] if isinstance(fault, tuple) else (fault, 0, 2)
-    d = 320 if fault == "chunk_wait_one" or bufs == 3 else 512
+    d = 320 if fault == "chunk_wait_one" or bufs > 2 else 512
     cfg = f90.BwdFusedConfigSm90("sm_90a", "bf16", d, True, do_stages=1, dq_grads=grads,
                                  dq_buffers=bufs)
     errors = []

@@ -494,7 +494,6 @@ def test_bwd_fused_experiment_plans_both_backwards():
     planned and each variant whose config differs from it and builds (`dq_grads` 0, 1, 2,
     with two or three staging buffers; `group_split` where Hq != Hkv), so `--precompile`
     covers what the GPU run times."""
-    import dataclasses
 
     from ffpa_cute.sm90.fused_config import can_implement_fused
     from perf import bwd_fused
@@ -504,12 +503,12 @@ def test_bwd_fused_experiment_plans_both_backwards():
         planned = plans["fused"].cfgs[1]
         names = [n for n, f in bwd_fused.FUSED_VARIANTS.items()
                  if (case[2] != case[3] or not f.get("group_split"))
-                 and (n == "fused" or dataclasses.replace(planned, **f) != planned)
-                 and can_implement_fused(dataclasses.replace(planned, **f)) is None]
+                 and (n == "fused" or bwd_fused.with_fields(planned, f) != planned)
+                 and can_implement_fused(bwd_fused.with_fields(planned, f)) is None]
         assert list(plans) == ["atomic-free", *names]
         for n in names:
-            assert plans[n].cfgs[1] == dataclasses.replace(planned,
-                                                           **bwd_fused.FUSED_VARIANTS[n])
+            assert plans[n].cfgs[1] == bwd_fused.with_fields(planned,
+                                                             bwd_fused.FUSED_VARIANTS[n])
         assert [type(c).__name__ for c in plans["atomic-free"].cfgs] == [
             "DeltaConfig", "BwdDQConfigSm90", "BwdDKConfigSm90", "BwdDVConfigSm90"]
         for name in list(plans)[1:]:

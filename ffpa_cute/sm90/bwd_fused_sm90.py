@@ -855,11 +855,11 @@ class FFPABwdFusedSm90(KernelEntry):
     def _stage_piece(self, acc_mn, tQcQ_mn, sdq: cute.Tensor, buf, p: cutlass.Constexpr):
         """This thread's values of piece p (columns 32 p .. 32 p + 31 of the chunk; acc_mn
         holds 8-column groups of 2 adjacent columns) into staging buffer buf of sdq (T, 32,
-        dq_buffers): with `dq_grads` a column pair per 8-byte st.shared (the 128-byte swizzle
-        moves 16-byte spans, so an even column's pair stays contiguous), in the S warpgroup
-        (`dq_grads` 0) one st.shared each (pairs spilled 8 B of its registers at D=512)."""
+        dq_buffers): one st.shared each, or with `dq_pairs` a column pair per 8-byte st.shared
+        (the 128-byte swizzle moves 16-byte spans, so an even column's pair stays
+        contiguous)."""
         per = FUSED_DQ_PIECE // 4   # a piece's columns of acc_mn (8-column groups x 2)
-        if const_expr(self.cfg.dq_grads == 0):
+        if const_expr(not self.cfg.dq_pairs):
             for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
                 for c in cutlass.range_constexpr(p * per, (p + 1) * per):
                     row, cc = tQcQ_mn[r, c]
@@ -996,8 +996,11 @@ class FFPABwdFusedSm90(KernelEntry):
         reduction issued by warp 0 (`_add_piece`). With `dq_grads` 1 the pieces take the
         `dq_buffers` buffers in turn (block i's piece k: buffer (i * pieces + k) % dq_buffers):
         two, each rewritten once the group before the newest has read it; three, one barrier a
-        piece (`_put_piece`'s `unread`). With 2 the warpgroup has buffer `which` alone and
-        waits for its last group. Where the config's `dq_ahead`, atom a + 1 is issued before
+        piece (`_put_piece`'s `unread`: every group but the newest read before the barrier
+        after the stores). With 2 each warpgroup has half the buffers: one (buffer `which`,
+        rewritten once its last group has read it), or two in turn (buffers 2 which and 2
+        which + 1) with one barrier a piece, every group read before the barrier after the
+        stores. Where the config's `dq_ahead`, atom a + 1 is issued before
         atom a's pieces are staged (the wait then leaves that newest group in flight)."""
         c0, width = self.cfg.dq_shares[which]
         atom_w = self.dq_widths[0]
@@ -1005,7 +1008,8 @@ class FFPABwdFusedSm90(KernelEntry):
         pieces = width // FUSED_DQ_PIECE
         both = self.cfg.dq_grads == 1
         nbuf = self.cfg.dq_buffers
-        single = both and nbuf == 3   # one barrier per piece (`_put_piece`'s `unread`)
+        own = nbuf // 2 if self.cfg.dq_grads == 2 else nbuf   # this warpgroup's buffers
+        single = nbuf > 2   # one barrier per piece (`_put_piece`'s `unread`)
         head_q, n_block = self._block(work, i)
         sdS = cute.composition(smem.dst, cute.make_ordered_layout((T, T), order=(1, 0)))
         sKt = cute.composition(smem.k, cute.make_ordered_layout((self.half, T), order=(1, 0)))
@@ -1026,7 +1030,12 @@ class FFPABwdFusedSm90(KernelEntry):
             acc_mn = mn_view(accs[a])
             for p in cutlass.range_constexpr(per_atom):
                 k = a * per_atom + p
-                buf = (i * pieces + k) % nbuf if const_expr(both) else which
+                if const_expr(both):
+                    buf = (i * pieces + k) % nbuf
+                elif const_expr(own == 1):
+                    buf = which
+                else:
+                    buf = which * own + (i * pieces + k) % own
                 if const_expr(p == 0):
                     warpgroup.wait_group(1 if const_expr(ahead) else 0)
                     if const_expr(a == 0):
@@ -1037,7 +1046,7 @@ class FFPABwdFusedSm90(KernelEntry):
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
                 if const_expr(single):
                     self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
-                                    piece0 + k, tidx, unread=1)
+                                    piece0 + k, tidx, unread=own - 2)
                 else:
                     if tidx // 32 == 0:
                         cute.arch.cp_async_bulk_wait_group(1 if const_expr(both) else 0,

@@ -65,9 +65,15 @@ class BwdFusedConfigSm90:
                 values of them back through the peers' exchange buffers (docs/design.md
                 section 4, "D over C CTAs"). Run on an H100 (float64 tests and sanitizers
                 pass) and slower than the routed backward at D=768 / 1024: not planned
-    dq_buffers: the fp32 dQ staging buffers (8 KB each): 2, or 3 with `dq_grads` 1, whose
-                pieces then take one barrier each instead of two (the wait for the buffer the
-                next piece takes moves behind this piece's stores: `_grad_dq`)
+    dq_buffers: the fp32 dQ staging buffers (8 KB each): 2, or 3 with `dq_grads` 1, or 4 with
+                `dq_grads` 2 (two for each warpgroup), whose pieces then take one barrier each
+                instead of two (the wait for the buffer the next piece takes moves behind this
+                piece's stores: `_grad_dq`)
+    dq_pairs:   the dV / dK warpgroups (`dq_grads` 1 / 2) stage a thread's two adjacent columns
+                of a row by one 8-byte st.shared instead of two 4-byte ones (not the S
+                warpgroup's chunks: its registers spilled)
+    dq_ahead:   the dV warpgroup (`dq_grads` 1) issues the next dQ atom's WGMMA before staging
+                this one, where the registers allow it (`dq_ahead_fits`)
     row_units:  one CTA pair per (query block row, key tile) walking the row's block in the G
                 query heads, rows outer, dK / dV partial sums added into zeroed fp32 workspaces
                 [B, Hkv, Nkv, D] by red.global.add (the host casts): large causal head groups,
@@ -88,6 +94,8 @@ class BwdFusedConfigSm90:
     scatter: bool = False
     row_units: bool = False
     dq_buffers: int = 2
+    dq_pairs: bool = False
+    dq_ahead: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
 
@@ -151,10 +159,10 @@ class BwdFusedConfigSm90:
         return 64 if self.half * self.elem_bytes % 128 == 0 else 32
 
     @property
-    def dq_ahead(self) -> bool:
-        """Whether the dV warpgroup (`dq_grads` 1, the pair) issues the next dQ atom's WGMMA
-        before staging this one's pieces, so that its latency runs under the staging: where
-        its accumulator and two [64 x atom] dQ ones fit in 112 of the 168 registers ptxas gives
+    def dq_ahead_fits(self) -> bool:
+        """Whether the dV warpgroup (`dq_grads` 1, the pair) may issue the next dQ atom's WGMMA
+        before staging this one's pieces (`dq_ahead`), so that its latency runs under the
+        staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of the 168 registers ptxas gives
         every thread, i.e. halves of up to 160 columns with 32-column atoms (D=320 and the D it
         pads to 320); at D=384 (160 registers) and 512 (192) they spilled 288-584 B."""
         return (self.dq_grads == 1 and not self.scatter
@@ -267,9 +275,16 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
                 "window (the registers that fit)")
     if cfg.dq_grads not in (0, 1, 2):
         return f"dq_grads={cfg.dq_grads}: 0, 1 or 2"
-    if cfg.dq_buffers not in (2, 3) or (cfg.dq_buffers == 3 and cfg.dq_grads != 1):
+    if cfg.dq_pairs and cfg.dq_grads not in (1, 2):
+        return f"dq_pairs with dq_grads={cfg.dq_grads}: 1 or 2 (the dV / dK warpgroups' pieces)"
+    if cfg.dq_ahead and not cfg.dq_ahead_fits:
+        return (f"dq_ahead at head_dim={cfg.head_dim}, dq_grads={cfg.dq_grads}: the dV "
+                "warpgroup's registers hold two dQ atoms beside dV_r only with dq_grads 1, "
+                "halves up to 160 columns, no scatter (`dq_ahead_fits`)")
+    if cfg.dq_buffers not in {1: (2, 3), 2: (2, 4)}.get(cfg.dq_grads, (2,)):
         return (f"dq_buffers={cfg.dq_buffers} with dq_grads={cfg.dq_grads}: 2, or 3 with "
-                "dq_grads 1 (the dV warpgroup's pieces in turn)")
+                "dq_grads 1 (the dV warpgroup's pieces in turn), 4 with dq_grads 2 (two for "
+                "each warpgroup)")
     if cfg.row_units and (cfg.group_split or cfg.scatter):
         return (f"row_units with group_split={cfg.group_split}, scatter={cfg.scatter}: row "
                 "units split the head groups' sums themselves (over rows), for the pair only")
@@ -338,6 +353,10 @@ FUSED_GROUP_SPLIT = False
 # 290-298; G=16 at 320 224 -> 230, 384 235 -> 266, 512 259-272 -> 264-268, 576 205 -> 239;
 # G=8 loses (512 290 -> 219, 320 268 -> 191, 576 253 -> 199); not causal 323 -> 313
 FUSED_ROW_UNITS_MIN_GROUP = 16
+# the dQ staging of `fit_dq_staging` (8-byte stores, the next atom ahead, three buffers with
+# one barrier a piece) planned: its phase trace at D=320 / 384 (H100, kernel alone, bf16,
+# N=8K, 2026-12-06) 263 -> 301 and 279 -> 316 TFLOPS (docs/perf-log.md, session 37)
+FUSED_DQ_STAGING = True
 
 
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
@@ -371,15 +390,19 @@ def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 
     for q_stages, do_stages in ((2, 2), (2, 1), (1, 1)):
         cfg = BwdFusedConfigSm90(**base, q_stages=q_stages, do_stages=do_stages)
         if can_implement_fused(cfg) is None:
-            return fit_dq_buffers(cfg)
+            return fit_dq_staging(cfg)
     raise ValueError(can_implement_fused(cfg))
 
 
-def fit_dq_buffers(cfg: BwdFusedConfigSm90) -> BwdFusedConfigSm90:
-    """cfg with three dQ staging buffers where they build (`dq_grads` 1 and the shared memory;
-    not with `scatter`, which is not planned), else two: what the planner picks, and what a
-    config with another `dq_grads` swapped in takes."""
+def fit_dq_staging(cfg: BwdFusedConfigSm90) -> BwdFusedConfigSm90:
+    """cfg with the dQ staging the planner picks for its `dq_grads` (what a config with
+    another `dq_grads` swapped in takes too): with FUSED_DQ_STAGING, pairs where the dV / dK
+    warpgroups stage (`dq_grads` 1 / 2), the next atom ahead where `dq_ahead_fits`, three
+    buffers where they build (`dq_grads` 1 and the shared memory; not with `scatter`, which
+    is not planned); else (and otherwise) two buffers, 4-byte stores, one atom at a time."""
+    cfg = dataclasses.replace(cfg, dq_buffers=2, dq_pairs=False, dq_ahead=False)
+    if not FUSED_DQ_STAGING or cfg.scatter:
+        return cfg
+    cfg = dataclasses.replace(cfg, dq_pairs=cfg.dq_grads in (1, 2), dq_ahead=cfg.dq_ahead_fits)
     three = dataclasses.replace(cfg, dq_buffers=3)
-    if not cfg.scatter and can_implement_fused(three) is None:
-        return three
-    return dataclasses.replace(cfg, dq_buffers=2)
+    return three if can_implement_fused(three) is None else cfg

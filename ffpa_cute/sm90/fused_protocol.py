@@ -291,7 +291,8 @@ class FusedModel(ModelBase):
             self.read(f"{r}:k", ("k", j), mma, hold=True)
             for p in range(atom):
                 k = t * atom + p
-                buf = (i * pieces + k) % cfg.dq_buffers if both else which
+                own = cfg.dq_buffers // 2 if cfg.dq_grads == 2 else cfg.dq_buffers
+                buf = (i * pieces + k) % own + (0 if both else which * own)
                 if p == 0:
                     if t == 0 and "grad_release_early" in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
@@ -301,9 +302,11 @@ class FusedModel(ModelBase):
                         self.load(r, ring, i + stages, (j, i + stages))
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
-                unread = (1 if both else 0) + ("grad_wait_lax" in self.faults)
+                single = cfg.dq_buffers > 2   # the stores, then the wait (one barrier)
+                unread = (own - 2 if single else (1 if both else 0)) + (
+                    "grad_wait_lax" in self.faults)
                 tag = ("dq", i, which, k)
-                if both and cfg.dq_buffers == 3:   # the stores, then the wait (one barrier)
+                if single:
                     self.write(f"{r}:dq{buf}", tag, me)
                     yield
                     if "no_dq_wait" not in self.faults:
