@@ -82,9 +82,10 @@ barrier); sm90/fused_protocol.py models them. The exchange buffer is laid out by
 fragment position: value v of S-thread t at [v // 4][t][v % 4] (16-byte stores), and the peer's
 thread t holds the same (key, query) positions, so no index translation is needed.
 
-The dQ reduction: each dQ chunk is staged in 32-column pieces through two (`dq_buffers`: or
-three) 8 KB fp32 smem buffers (every thread of the forming warpgroup writes its values, a proxy fence, the
-warpgroup's barrier) and added into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so
+The dQ reduction: each dQ chunk is staged in 32-column pieces through 8 KB fp32 smem buffers
+(`dq_buffers`: two, or three / four with one barrier a piece; every thread of the forming
+warpgroup writes its values, 8-byte stores with `dq_pairs`, a proxy fence, the warpgroup's
+barrier) and added into dq_acc by one `cp.reduce.async.bulk.tensor` per piece, so
 the forming warpgroup only writes smem and L2 adds asynchronously (`red.global` from registers
 held the S warpgroup ~5100 cycles per block at D=512: L2's reduction rate). The S warpgroup's
 chunk pieces alternate between the buffers, and a buffer is rewritten once its last bulk
@@ -836,10 +837,10 @@ class FFPABwdFusedSm90(KernelEntry):
         staging buffer buf (`_dq_pieces`' views ts, tg; the caller's warp 0 has waited until
         the buffer may be rewritten): the forming warpgroup's barrier `sync`, its values
         staged, a proxy fence, the barrier, then one TMA reduction by warp 0. With `unread`
-        >= 0 (three buffers taken in turn) the first barrier goes: warp 0 waits until at most
-        `unread` of its bulk groups are unread before the barrier after the stores, so past
-        it the buffer the next piece takes is free (the one this piece takes was freed so by
-        the piece before)."""
+        >= 0 (a warpgroup's buffers taken in turn, `dq_buffers` above 2) the first barrier
+        goes: warp 0 waits until at most `unread` of its bulk groups are unread before the
+        barrier after the stores, so past it the buffer the next piece takes is free (the one
+        this piece takes was freed so by the piece before)."""
         if const_expr(unread < 0):
             sync.arrive_and_wait()
         self._stage_piece(acc_mn, tQcQ_mn, smem.dq, buf, p)

@@ -162,9 +162,10 @@ class BwdFusedConfigSm90:
     def dq_ahead_fits(self) -> bool:
         """Whether the dV warpgroup (`dq_grads` 1, the pair) may issue the next dQ atom's WGMMA
         before staging this one's pieces (`dq_ahead`), so that its latency runs under the
-        staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of the 168 registers ptxas gives
-        every thread, i.e. halves of up to 160 columns with 32-column atoms (D=320 and the D it
-        pads to 320); at D=384 (160 registers) and 512 (192) they spilled 288-584 B."""
+        staging: where its accumulator and two [64 x atom] dQ ones fit in 112 of the 168
+        registers ptxas gives every thread, i.e. halves of up to 160 columns with 32-column
+        atoms (D=320 and the D it pads to 320); at D=384 (160 registers) and 512 (192) they
+        spilled 288-584 B."""
         return (self.dq_grads == 1 and not self.scatter
                 and self.half // 2 + self.atom_cols <= 112)
 
@@ -362,9 +363,9 @@ FUSED_DQ_STAGING = True
 def plan_bwd_fused(problem: AttnProblem, arch: str = "sm_90a", cluster_d: int = 2,
                    scatter: bool = False, pad: bool | None = None) -> BwdFusedConfigSm90:
     """The fused backward's config: two Q stages, then two dO stages where they fit (D >= 448
-    keeps one, D=576 one of each), then three dQ staging buffers where they fit beside them
-    with `dq_grads` 1 (D=320 and 384; H100, phase trace 2026-12-06: D=384 279 -> 316 TFLOPS,
-    kernel alone); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
+    keeps one, D=576 one of each), then the dQ staging `fit_dq_staging` picks (8-byte stores,
+    three buffers where they fit beside the stages with `dq_grads` 1: D=320, 384, 576; the
+    next atom ahead at 320); `dq_grads` FUSED_DQ_GRADS (FUSED_DQ_GRADS_BY_DIM's where it
     names D), `group_split` where FUSED_GROUP_SPLIT is on and `group_parts` splits the
     problem's head groups, else `row_units` for causal groups of FUSED_ROW_UNITS_MIN_GROUP or
     more. Raises ValueError with the reason for problems it does not take:
