@@ -51,9 +51,9 @@ how much (dQ's fp32 reductions land in any order; dK / dV are summed in register
 phase table per warpgroup), the next steps beside it ("dQ in dV + dK": `dq_grads` 2; its
 gradients checked against the kernel's) and knockouts (dQ's pieces staged but not added; dQ
 formed but neither staged nor added; 16-byte stores of permuted columns: wrong results,
-timing only), one device call (~20 s). `--trace-narrow` traces D=320 / 384
-the same way, with the knockouts and the variants of TRACE_NARROW_VARIANTS. Measurements and their reading: docs/design.md section 4, "The fused backward", and
-docs/perf-log.md (2026-12-05, sessions 20-24).
+timing only), one device call (~20 s). `--trace-narrow` traces D=320 / 384 the same way,
+with the knockouts and the variants of TRACE_NARROW_VARIANTS. Measurements and their reading:
+docs/design.md section 4, "The fused backward", and docs/perf-log.md.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def _problem(d, causal, hq, hkv, n):
 
 
 # the fused kernel's variants timed beside the planned one (config fields): who forms dQ
-# (`dq_grads`) through how many staging buffers (`dq_buffers`), where row units are planned the key-tile walk, and with GQA / MQA the head
-# group split over CTA pairs (`group_split`, by key tiles)
+# (`dq_grads`) through how many staging buffers (`dq_buffers`), where row units are planned
+# the key-tile walk, and with GQA / MQA the head group split over CTA pairs (`group_split`,
+# by key tiles)
 FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0, dq_buffers=2),
                   "fused dQ in dV": dict(dq_grads=1, dq_buffers=2),
                   "fused dQ in dV, 3 buffers": dict(dq_grads=1, dq_buffers=3),

@@ -355,8 +355,8 @@ FUSED_GROUP_SPLIT = False
 # G=8 loses (512 290 -> 219, 320 268 -> 191, 576 253 -> 199); not causal 323 -> 313
 FUSED_ROW_UNITS_MIN_GROUP = 16
 # the dQ staging of `fit_dq_staging` (8-byte stores, the next atom ahead, three buffers with
-# one barrier a piece) planned: its phase trace at D=320 / 384 (H100, kernel alone, bf16,
-# N=8K, 2026-12-06) 263 -> 301 and 279 -> 316 TFLOPS (docs/perf-log.md, session 37)
+# one barrier a piece) planned: faster at D=320 / 384 (H100, bf16, N=8K, kernel alone and
+# traced: 263 -> 301 and 279 -> 316 TFLOPS; docs/perf-log.md)
 FUSED_DQ_STAGING = True
 
 
