@@ -627,6 +627,77 @@ def test_protocol_model_catches_faults(fault, needles):
     assert errors and any(n in errors[0] for n in needles), errors
 
 
+# --------------------------------------------------------------- dQ merged (`dq_merge`)
+def test_dq_merge_constraints():
+    """`dq_merge` (two CTA pairs on adjacent key tiles, a cluster of four) is built for the
+    pair with dQ by the dV warpgroup, without a window, row units, group split or scatter; it
+    adds one dq_in barrier per staging buffer and gives the dV warpgroup's 8 registers to the
+    S warpgroup at D=512 (136 spilled 8 B there); the planner does not take it (not run)."""
+    base = f90.plan_bwd_fused(_problem(512, causal=True))
+    merged = dataclasses.replace(base, dq_merge=True)
+    assert f90.can_implement_fused(merged) is None and not base.dq_merge
+    assert merged.cluster_ctas == 4 and base.cluster_ctas == 2
+    assert merged.smem_bytes() - base.smem_bytes() in (0, 16)   # header alignment
+    assert merged.reg_split == (144, 200, 160) and base.reg_split == (136, 208, 160)
+    for fields in (dict(dq_grads=2), dict(dq_grads=0), dict(window=True),
+                   dict(row_units=True), dict(group_split=True),
+                   dict(cluster_d=4, scatter=True, dq_grads=1)):
+        bad = f90.fit_dq_staging(dataclasses.replace(merged, **fields))
+        assert "dq_merge" in (f90.can_implement_fused(bad) or ""), fields
+    for d in (320, 384, 576):
+        cfg = f90.fit_dq_staging(dataclasses.replace(
+            f90.plan_bwd_fused(_problem(d, causal=True)), dq_merge=True))
+        assert cfg.dq_merge and f90.can_implement_fused(cfg) is None, d
+
+
+@pytest.mark.parametrize("d,causal", [(512, False), (320, True), (576, True)])
+def test_dq_merge_compiles(tmp_path, monkeypatch, d, causal):
+    """sm_90a PTX of `dq_merge` (launched in clusters of `cluster_ctas` 4): the merged pieces
+    sent by 16-byte st.async beside the exchange's, the received ones waited on (their own
+    mbarriers: one more init per staging buffer), TMA reductions as before; no local memory,
+    no spills, WGMMAs not serialised."""
+    monkeypatch.chdir(tmp_path)
+    base = f90.plan_bwd_fused(_problem(d, causal))
+    merged = dataclasses.replace(base, dq_merge=True)
+    ptx = dispatch.kernel_class(merged).compile(merged, options="--keep-ptx").__ptx__
+    plain = dispatch.kernel_class(base).compile(base, options="--keep-ptx").__ptx__
+    st = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
+    assert ptx.count(st) > plain.count(st)
+    assert (ptx.count("mbarrier.init.shared.b64")
+            == plain.count("mbarrier.init.shared.b64") + merged.dq_buffers)
+    assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx
+    assert ".local" not in ptx
+    _no_spills(ptx)
+    log = _ptxas_log(ptx, "sm_90a")
+    if log is not None:
+        assert "serialized" not in log, log
+
+
+@pytest.mark.parametrize("d", [320, 512, 576])
+def test_protocol_model_dq_merge(d):
+    """The model with `dq_merge` (four CTAs: the exchange within each pair, the merged pieces
+    across them, the upper tile walking 0 to all of the lower tile's blocks) runs clean, and
+    catches a send that does not wait for its bulk groups (a merged piece landing in a buffer
+    a reduction still reads: the ordering that replaces a "free" barrier) and an owner that
+    reads before its piece landed."""
+    from ffpa_cute.common.protocol import ProtocolError
+    from ffpa_cute.sm90 import fused_protocol
+
+    cfg = dataclasses.replace(f90.plan_bwd_fused(_problem(d, causal=True)), dq_merge=True)
+    for blocks, upper in ((1, 0), (1, 1), (3, 2), (5, 5), (6, 3)):
+        for seed in range(6):
+            fused_protocol.run(cfg, blocks, seed, upper_blocks=upper)
+    for fault, needle in (("merge_send_lax", "writes"), ("merge_no_in_wait", "expecting")):
+        errors = []
+        for seed in range(200):
+            try:
+                fused_protocol.run(cfg, 4, seed, faults=(fault,), upper_blocks=3)
+            except ProtocolError as e:
+                errors.append(str(e))
+                break
+        assert errors and needle in errors[0], (fault, errors)
+
+
 # --------------------------------------------------------------- D over C CTAs (`scatter`)
 def _scatter(d, c, causal=False, **kw):
     return f90.BwdFusedConfigSm90("sm_90a", "bf16", d, causal, do_stages=1, dq_grads=1,
