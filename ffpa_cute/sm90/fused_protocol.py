@@ -343,7 +343,7 @@ class FusedModel(ModelBase):
         what orders the sends behind the owner's reductions, no barrier), the owner arms
         dq_in, waits, reads it, the barrier, stages the sum and issues a TMA reduction; a
         block only our tile walks reduces alone, continuing the rotation."""
-        cfg, me, nbuf = self.cfg, f"dV{r}", self.cfg.dq_buffers
+        me, nbuf = f"dV{r}", self.cfg.dq_buffers
         partner, slot = r ^ 2, r // 2
         paired = min(self.walk(r), self.walk(partner))
         if i >= paired:
