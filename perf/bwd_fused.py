@@ -332,6 +332,7 @@ TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "two buffers": (FusedTraced, dict(dq_buffers=2)),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2, dq_buffers=2)),
                   "dQ in dV + dK, 4 buffers": (FusedTraced, dict(dq_grads=2, dq_buffers=4)),
+                  "dQ merged": (FusedTraced, dict(dq_merge=True)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "quad stores (timing only)": (_QuadStores, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
@@ -351,7 +352,8 @@ TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
 TRACE_NARROW_VARIANTS = ("traced", "two buffers", "dQ in dV + dK, 4 buffers",
                          "quad stores (timing only)", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers")
+CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers",
+                    "dQ merged")
 
 
 def _tiles_cfg(case, **fields):
@@ -441,7 +443,7 @@ def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> 
         grads = None
         d, causal, hq, hkv, n = case
         plan, t, scalars = _kernel_inputs(case, dev)
-        ctas = 2 * -(-n // 64) * hkv * B
+        ctas = 2 * (-(-n // 128) * 2) * hkv * B   # key tiles rounded up to even (`dq_merge`)
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         for _, name, cls, cfg in _trace_runs((case,), variants):
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
