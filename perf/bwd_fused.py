@@ -327,12 +327,29 @@ class _NoPut(FusedTraced):
         pass
 
 
+class _FourAlone(FusedTraced):
+    """Clusters of four as `dq_merge` launches them (the walk rows outer), every dQ piece
+    staged and reduced alone through the CTA's own buffers (correct gradients): what the
+    cluster of four costs without the merge's hand-overs."""
+
+    @cute.jit
+    def _merge_piece(self, ops, smem, work, sync, acc_mn, tQcQ_mn, ts, tg, p: cutlass.Constexpr,
+                     n_block, piece, i, k, tidx):
+        nbuf = self.cfg.dq_buffers
+        pieces = self.cfg.dq_shares[0][1] // FUSED_DQ_PIECE
+        if tidx // 32 == 0:
+            cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)
+        self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, (i * pieces + k) % nbuf, p,
+                        n_block, piece, tidx)
+
+
 # name -> (traced class, config fields over the plan's)
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "two buffers": (FusedTraced, dict(dq_buffers=2)),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2, dq_buffers=2)),
                   "dQ in dV + dK, 4 buffers": (FusedTraced, dict(dq_grads=2, dq_buffers=4)),
                   "dQ merged": (FusedTraced, dict(dq_merge=True)),
+                  "four CTAs, no merge": (_FourAlone, dict(dq_merge=True)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "quad stores (timing only)": (_QuadStores, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
@@ -353,7 +370,7 @@ TRACE_NARROW_VARIANTS = ("traced", "two buffers", "dQ in dV + dK, 4 buffers",
                          "quad stores (timing only)", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
 CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers",
-                    "dQ merged")
+                    "dQ merged", "four CTAs, no merge")
 
 
 def _tiles_cfg(case, **fields):
