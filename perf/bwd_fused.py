@@ -14,7 +14,6 @@ beside the atomic-free one (8 units, `deterministic`), issue 17's first measurem
     python -m perf.bwd_fused --l2-probe [...]     # MQA / MHA causal once each, for ncu
     python -m perf.bwd_fused --row-units [...]    # grouped causal by (row, tile) units
     python -m perf.bwd_fused --big-group [...]    # MQA 128:1 (DeepSeek-V4 Pro's group)
-    python -m perf.bwd_fused --merge [...]        # dQ of two key tiles merged (`dq_merge`)
 
 Per case, each backward through `launch.run_bwd` (Delta, the gradient kernels, the fused one's
 zeroed dq_acc and its cast: the host path a call would take), L2 flushed, timed in rounds of
@@ -43,10 +42,6 @@ this measured it, 2026-12-06) beside the atomic-free backward (`deterministic`) 
 `--big-group`: MQA 128:1 at D=512 (DeepSeek-V4 Pro), above FUSED_MAX_GROUP, where the route is
 the atomic-free backward: the fused kernel as `plan_bwd_fused` plans it (by row units under
 causal masking) beside it (`BIG_GROUP_CASES`); same timing and checks as the default run.
-
-`--merge`: the plan beside `dq_merge` (two CTA pairs on adjacent key tiles add their dQ
-pieces over DSMEM before one TMA reduction, halving the L2's reductions) at D=320-576
-(`MERGE_CASES`); same timing and checks as the default run.
 
 `--variation`: the default backward (the fused kernel at these D) five times on the same
 inputs (`VARIATION_CASES`): how many elements of each gradient differ from the first run and by
@@ -101,15 +96,7 @@ FUSED_VARIANTS = {"fused": {}, "fused dQ in S": dict(dq_grads=0, dq_buffers=2),
                   "fused dQ in dV + dK": dict(dq_grads=2, dq_buffers=2),
                   "fused dQ in dV + dK, 4 buffers": dict(dq_grads=2, dq_buffers=4),
                   "fused by key tiles": dict(row_units=False),
-                  "fused split": dict(group_split=True, row_units=False),
-                  "fused dQ merged": dict(dq_merge=True)}
-# `--merge`: dQ's pieces of two adjacent key tiles added over DSMEM before one reduction
-# (`dq_merge`) beside the plan, where the L2's reductions set D=512's period
-MERGE_CASES = ((512, False, 32, 32, 8192), (512, True, 32, 32, 8192), (512, True, 32, 4, 8192),
-               (512, False, 32, 32, 16384), (320, False, 32, 32, 8192),
-               (384, False, 32, 32, 8192), (576, False, 32, 32, 8192),
-               (576, True, 32, 32, 8192))
-MERGE_VARIANTS = ("fused", "fused dQ merged")
+                  "fused split": dict(group_split=True, row_units=False)}
 
 
 # D over C CTAs (`--scatter`): (D, causal, Hq, Hkv, N, C); at D <= 512 C = 2 beside the pair
@@ -130,11 +117,10 @@ PAD_CASES = tuple((d, causal, 32, 32, 8192) for d in (264, 336, 400, 480, 520, 5
                   for causal in (False, True)) + ((336, True, 32, 4, 8192),)
 
 
-def plans(case, names=None) -> dict:
+def plans(case) -> dict:
     """{label: plan} of a case on sm_90a: "atomic-free" (`deterministic`), "fused" (as
-    planned) and those of its `FUSED_VARIANTS` (only those `names` names, if given) whose
-    config differs from the plan's (the split one only with GQA / MQA; those that build), at
-    D % 64 != 0 "fused padded" (the
+    planned) and those of its `FUSED_VARIANTS` whose config differs from the plan's (the
+    split one only with GQA / MQA; those that build), at D % 64 != 0 "fused padded" (the
     kernel at the next multiple of 64) instead; a `SCATTER_CASES` case: "atomic-free", "fused
     C=<c>" (D over C CTAs, `scatter`) with dQ in the dV and in the dV + dK warpgroups, and at
     D <= 512 the pair's "fused" beside them."""
@@ -164,8 +150,6 @@ def plans(case, names=None) -> dict:
         return out
     planned = plan_bwd_fused(p, "sm_90a")
     for name, fields in FUSED_VARIANTS.items():
-        if names is not None and name not in names:
-            continue
         if fields.get("group_split") and p.heads_q == p.heads_kv:
             continue   # one query head per KV head: nothing to split
         cfg = with_fields(planned, fields)
@@ -176,7 +160,7 @@ def plans(case, names=None) -> dict:
     return out
 
 
-def jobs(cases=CASES, names=None) -> list:
+def jobs(cases=CASES) -> list:
     """The cases' kernels: the forward that gives out / lse, then every backward of `plans`."""
     from ffpa_cute import dispatch
 
@@ -184,12 +168,12 @@ def jobs(cases=CASES, names=None) -> list:
     for case in cases:
         fwd = dispatch.plan_fwd(_problem(*case[:5]), target="sm_90a")
         out.append((fwd.kernel_cls, fwd.cfg))
-        for plan in plans(case, names).values():
+        for plan in plans(case).values():
             out.extend(j for j in plan.jobs if j not in out)
     return out
 
 
-def run(dev, flush, cases=CASES, names=None) -> dict:
+def run(dev, flush, cases=CASES) -> dict:
     import torch
 
     import ffpa_cute
@@ -205,7 +189,7 @@ def run(dev, flush, cases=CASES, names=None) -> dict:
         out, lse = ffpa_cute.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
                                        return_lse=True)
         label = f"D={d} {'causal' if causal else 'full'} {hq}/{hkv} N={n}"
-        variants = plans(case, names)
+        variants = plans(case)
         ref = launch.run_bwd(variants["atomic-free"], q, k, v, out, lse, do)
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         row, fns = {}, {}
@@ -327,29 +311,11 @@ class _NoPut(FusedTraced):
         pass
 
 
-class _FourAlone(FusedTraced):
-    """Clusters of four as `dq_merge` launches them (the walk rows outer), every dQ piece
-    staged and reduced alone through the CTA's own buffers (correct gradients): what the
-    cluster of four costs without the merge's hand-overs."""
-
-    @cute.jit
-    def _merge_piece(self, ops, smem, work, sync, acc_mn, tQcQ_mn, ts, tg, p: cutlass.Constexpr,
-                     n_block, piece, i, k, tidx):
-        nbuf = self.cfg.dq_buffers
-        pieces = self.cfg.dq_shares[0][1] // FUSED_DQ_PIECE
-        if tidx // 32 == 0:
-            cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)
-        self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, (i * pieces + k) % nbuf, p,
-                        n_block, piece, tidx)
-
-
 # name -> (traced class, config fields over the plan's)
 TRACE_VARIANTS = {"traced": (FusedTraced, {}),
                   "two buffers": (FusedTraced, dict(dq_buffers=2)),
                   "dQ in dV + dK": (FusedTraced, dict(dq_grads=2, dq_buffers=2)),
                   "dQ in dV + dK, 4 buffers": (FusedTraced, dict(dq_grads=2, dq_buffers=4)),
-                  "dQ merged": (FusedTraced, dict(dq_merge=True)),
-                  "four CTAs, no merge": (_FourAlone, dict(dq_merge=True)),
                   "no copy": (_NoCopy, {}), "no put": (_NoPut, {}),
                   "quad stores (timing only)": (_QuadStores, {})}
 TRACE_CASES = ((512, False, 32, 32, 8192),)
@@ -369,8 +335,7 @@ TRACE_NARROW_CASES = ((320, False, 32, 32, 8192), (384, False, 32, 32, 8192))
 TRACE_NARROW_VARIANTS = ("traced", "two buffers", "dQ in dV + dK, 4 buffers",
                          "quad stores (timing only)", "no copy", "no put")
 # the variants whose gradients are right: checked against "traced"'s (relative error < 1e-3)
-CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers",
-                    "dQ merged", "four CTAs, no merge")
+CORRECT_VARIANTS = ("traced", "two buffers", "dQ in dV + dK", "dQ in dV + dK, 4 buffers")
 
 
 def _tiles_cfg(case, **fields):
@@ -460,7 +425,7 @@ def run_trace(dev, flush, cases=TRACE_CASES, variants=tuple(TRACE_VARIANTS)) -> 
         grads = None
         d, causal, hq, hkv, n = case
         plan, t, scalars = _kernel_inputs(case, dev)
-        ctas = 2 * (-(-n // 128) * 2) * hkv * B   # key tiles rounded up to even (`dq_merge`)
+        ctas = 2 * -(-n // 64) * hkv * B
         flops = attn_flops_bwd(B, hq, n, n, d, causal)
         for _, name, cls, cfg in _trace_runs((case,), variants):
             trace = torch.zeros(ctas, SLOTS, MAXB, EVENTS, dtype=torch.int64, device=dev)
@@ -753,8 +718,6 @@ MODES = {
     "--padded": (lambda: jobs(PAD_CASES), lambda dev, flush: run(dev, flush, PAD_CASES)),
     "--big-group": (lambda: jobs(BIG_GROUP_CASES),
                     lambda dev, flush: run(dev, flush, BIG_GROUP_CASES)),
-    "--merge": (lambda: jobs(MERGE_CASES, MERGE_VARIANTS),
-                lambda dev, flush: run(dev, flush, MERGE_CASES, MERGE_VARIANTS)),
 }
 
 

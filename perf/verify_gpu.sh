@@ -104,10 +104,6 @@
 #         causal by four walks (key tiles, blocks outer, rotated, row units), MHA causal, MQA
 #         not causal, one launch each): DRAM bytes read / written and the L2 hit rate
 #         (precompile: `python -m perf.bwd_fused --l2-probe --precompile DIR`, packed)
-#   merge the fused backward with dQ merged over two key tiles (`dq_merge`, not planned): its
-#         GPU tests, its sanitizer cases, perf.bwd_fused --merge beside the plan (precompile:
-#         with SANITIZE_CASES=merged `python -m tests.gpu_jobs --sections merge,sanitize`,
-#         packed)
 #   rows  the fused backward by (query block row, key tile) units (`row_units`, planned for
 #         causal groups of 16+): its GPU tests and the default route's, its sanitizer cases,
 #         then perf.bwd_fused --row-units (by key tiles against row units, G 8-64, D 320-576,
@@ -199,13 +195,6 @@ if has l2; then
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       python -m perf.bwd_fused --l2-probe > "$out/l2.log" 2>&1
   grep -E "launched|dram__|lts__|gpu__time|Fused|==ERR|==WARN" "$out/l2.log" | cut -c1-160
-fi
-if has merge; then
-  step "dQ merged over two key tiles (dq_merge): GPU tests, sanitizers, perf.bwd_fused --merge"
-  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_backward_sm90_gpu.py \
-      -k merge 2>&1 | tee "$out/gpu_merge.log" | grep -E "FAIL|ERROR|passed|failed" | tail -8
-  SANITIZE_CASES=merged timeout 300 python -m tests.sanitize --out "$out" --timeout 280
-  timeout 300 python -m perf.bwd_fused --merge --out "$out/bwd_merge.json"
 fi
 if has rows; then
   step "the fused backward by row units: GPU tests, sanitizers, against key tiles, variation"

@@ -57,7 +57,7 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide", "rows", "merge")
+            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide", "rows")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -134,8 +134,6 @@ def jobs(sections=SECTIONS) -> list:
                 add([(dispatch.kernel_class(delta), delta)])
     if "rows" in sections:
         add(_row_unit_jobs())
-    if "merge" in sections:
-        add(_merge_jobs())
     # D over C CTAs (`scatter`): test_fused_scatter's configs, with their Delta kernels
     for d, c in ((1024, 4), (576, 3), (768, 3), (640, 4), (512, 2)) if "fused" in sections else ():
         for causal in (False, True):
@@ -350,36 +348,6 @@ def _widened_jobs() -> list:
         if ratio == 1 and mode == "bottom_right":
             out += dispatch.plan_bwd(p, target=TARGET).jobs
     return out
-
-
-def _merge_jobs() -> list:
-    """(`merge`) test_fused_dq_merge's kernels as its problems plan them (the forward, Delta,
-    the fused backward with `dq_merge`, by key tiles), then `perf.bwd_fused --merge`'s."""
-    import dataclasses
-
-    import torch
-
-    from ffpa_cute import dispatch
-    from ffpa_cute.options import Options
-    from ffpa_cute.problem import AttnProblem
-    from ffpa_cute.sm90.fused_config import fit_dq_staging, plan_bwd_fused
-    from perf import bwd_fused
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
-    from test_backward_sm90_gpu import MERGE_CASES
-
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    out = []
-    for d, causal, nq, nkv, ratio, dt in MERGE_CASES:
-        p = AttnProblem(dtype=names[dt], batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
-                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
-                        causal_offset=nkv - nq)
-        plan = dispatch.plan_fwd(p, target=TARGET, opts=Options(family="sm90"))
-        bwd = dispatch.plan_bwd(p, target=TARGET, opts=Options(family="sm90")).jobs
-        cfg = fit_dq_staging(dataclasses.replace(plan_bwd_fused(p, TARGET), dq_merge=True,
-                                                 row_units=False))
-        out += [(plan.kernel_cls, plan.cfg), bwd[0], (dispatch.kernel_class(cfg), cfg)]
-    return out + bwd_fused.jobs(bwd_fused.MERGE_CASES, bwd_fused.MERGE_VARIANTS)
 
 
 def _row_unit_jobs() -> list:

@@ -173,12 +173,6 @@ FUSED_CASES = [
     ("sm90 fused backward D1024 over 4 CTAs, scatter, GQA", 4, 2, 129, 333, 1024, True, 1,
      False, 4),
     ("sm90 fused backward D576 over 3 CTAs, scatter", 2, 2, 200, 77, 576, False, 1, False, 3),
-    # two CTA pairs on adjacent key tiles add their dQ pieces over DSMEM (`dq_merge`; last
-    # field): an odd tile count (a tile past Nkv), causal (the lower tile's last rows alone)
-    ("sm90 fused backward D512 GQA causal, dQ merged, 5 key tiles", 4, 2, 129, 300, 512, True,
-     1, False, None, "bf16", True),
-    ("sm90 fused backward D320 dQ merged, Nq > Nkv", 2, 2, 200, 77, 320, False, 1, False,
-     None, "bf16", True),
 ]
 
 # the gradient kernels with each share from a 128-byte line (`line_shares_bwd`, as planned),
@@ -209,11 +203,10 @@ def _n_selected() -> int:
 
 
 def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=None,
-                dtype="bf16", merge=False):
+                dtype="bf16"):
     """A FUSED_CASES case's problem and the fused backward's plan (Delta, then the kernel;
     `cluster_d`: D over that many CTAs with `scatter`; D % 64 != 0 at the next multiple of 64
-    on zero-padded operands, as `plan_bwd_fused` plans it; `merge`: `dq_merge`, by key
-    tiles)."""
+    on zero-padded operands, as `plan_bwd_fused` plans it)."""
     from ffpa_cute import dispatch
     from ffpa_cute.common.config import DeltaConfig
     from ffpa_cute.problem import AttnProblem
@@ -222,9 +215,8 @@ def _fused_plan(hq, hkv, nq, nkv, d, causal, dq_grads, group_split, cluster_d=No
     p = AttnProblem(dtype=dtype, batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_kv=nkv,
                     head_dim=d, head_dim_v=d, causal=causal, causal_offset=nkv - nq)
     kw = dict(cluster_d=cluster_d, scatter=True) if cluster_d else {}
-    merged = dict(dq_merge=True, row_units=False) if merge else {}
     cfg = fit_dq_staging(dataclasses.replace(plan_bwd_fused(p, **kw), dq_grads=dq_grads,
-                                             group_split=group_split, **merged))
+                                             group_split=group_split))
     return p, dispatch.BwdPlan(p, "sm_90a", "sm90", cfgs=(DeltaConfig("sm_90a", dtype, d),
                                                           cfg))
 

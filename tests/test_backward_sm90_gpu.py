@@ -354,23 +354,6 @@ def test_fused_dq_in_grads(seed, d, causal, nq, nkv, ratio, dq_grads):
            plan=lambda p: _fused_plan(p, dq_grads=dq_grads))
 
 
-# dq_merge: even and odd key tile counts (129, 300, 700 keys: a tile past Nkv), causal both
-# alignments (the lower tile's last rows alone), GQA, N=7, D=320 (atoms ahead, 5 pieces a
-# block), 576 (`wide`), fp16
-MERGE_CASES = [(512, False, 1000, 1000, 1, torch.bfloat16), (512, True, 129, 1000, 4, torch.bfloat16),
-               (320, True, 1000, 129, 1, torch.bfloat16), (384, False, 7, 300, 8, torch.bfloat16),
-               (576, True, 1000, 1000, 2, torch.bfloat16), (512, True, 1000, 1000, 1, torch.bfloat16),
-               (512, True, 300, 700, 2, torch.float16)]
-
-
-@pytest.mark.parametrize("d,causal,nq,nkv,ratio,dt", MERGE_CASES)
-def test_fused_dq_merge(seed, d, causal, nq, nkv, ratio, dt):
-    """The fused backward with two CTA pairs on adjacent key tiles adding their dQ pieces
-    over DSMEM before one reduction (`dq_merge`): all three gradients against float64."""
-    _check(d, causal, nq, nkv, ratio, ("dq", "dk", "dv"), dt=dt,
-           plan=lambda p: _fused_plan(p, dq_merge=True, row_units=False))
-
-
 @pytest.mark.parametrize("dq_grads", [0, 1])
 @pytest.mark.parametrize("d,causal,nq,nkv,ratio", [(512, True, 129, 1000, 8),
                                                    (448, False, 300, 200, 4),

@@ -207,9 +207,6 @@ class FusedOps(NamedTuple):
 
 
 class FusedBars(NamedTuple):
-    """The mbarriers (module docstring); with `dq_merge` also dq_in[b]: the partner pair's
-    piece landed in our staging buffer b (its st.async bytes and our arming), else None."""
-
     kv: object
     q: object
     do: object
@@ -217,7 +214,6 @@ class FusedBars(NamedTuple):
     p_empty: object
     x_full: object
     x_empty: object
-    dq_in: object
 
 
 class FusedSmem(NamedTuple):
@@ -230,19 +226,12 @@ class FusedSmem(NamedTuple):
     stat: cute.Tensor   # (2 T,): the block's LSE (log2 units), then its Delta
     x: cute.Tensor      # (4, WG_THREADS, 2 groups, senders): the peers' partials by position
     dq: cute.Tensor     # (T, 32, dq_buffers) fp32: the dQ staging buffers
-    dq_x: cute.Tensor   # the same storage as (4, WG_THREADS, 4 groups, dq_buffers): a merged
-    #                     piece by fragment position (`dq_merge`)
     bars: FusedBars
 
 
 class FusedWork(NamedTuple):
     """The pair's key tile and its walk: block i is query head head_q0 + i // n_per, query
-    block n_top - 1 - i % n_per (with `dq_merge` rows outer: head head_q0 + i % group, block
-    n_top - 1 - i // group). rank: this CTA's half of D. With `dq_merge` (else None): the
-    head group's size; peer: the cluster rank of the CTA with the other half (else 1 - rank);
-    partner: the cluster rank of the CTA with our half on the cluster's other key tile; slot:
-    our tile's place in the cluster (0, 1); paired: the blocks both tiles walk (the first
-    `paired` of each walk)."""
+    block n_top - 1 - i % n_per."""
 
     m_block: Int32
     head: Int32           # of dK / dV (with `group_split`: of the workspace)
@@ -258,11 +247,6 @@ class FusedWork(NamedTuple):
     causal_offset: Int32
     window_lo: object     # Int32 with `window`, else None (no code for it)
     scale_log2: Float32
-    group: object
-    peer: object
-    partner: object
-    slot: object
-    paired: object
 
 
 class FFPABwdFusedSm90(KernelEntry):
@@ -357,18 +341,14 @@ class FFPABwdFusedSm90(KernelEntry):
                                                  block=[3 * WG_THREADS, 1, 1],
                                           smem=SharedStorage.size_in_bytes(), stream=stream,
                                           min_blocks_per_mp=1,
-                                          cluster=[cfg.cluster_ctas, 1, 1])
+                                          cluster=[cfg.cluster_d, 1, 1])
 
     def _grid(self, mQ: cute.Tensor, mK: cute.Tensor, mdK: cute.Tensor):
         """A CTA pair (a cluster along x) per key tile, by KV head (y; with `group_split` the
         workspace's heads: S parts per KV head) and batch (z); with `row_units` per (key tile,
         query block row (y), KV head + Hkv batch (z)), so that the units on the GPU at one
-        time share a row (x runs fastest). With `dq_merge` the key tiles are rounded up to an
-        even count (a cluster holds two; a tile past Nkv walks nothing)."""
-        tiles = cute.ceil_div(mK.shape[2], T)
-        if const_expr(self.cfg.dq_merge):
-            tiles = (tiles + 1) // 2 * 2
-        tiles = tiles * self.cfg.cluster_d
+        time share a row (x runs fastest)."""
+        tiles = cute.ceil_div(mK.shape[2], T) * self.cfg.cluster_d
         if const_expr(self.cfg.row_units):
             return (tiles, cute.ceil_div(mQ.shape[2], T), mK.shape[1] * mK.shape[0])
         heads = mdK.shape[1] if const_expr(self.cfg.group_split) else mK.shape[1]
@@ -385,8 +365,7 @@ class FFPABwdFusedSm90(KernelEntry):
         bars = FusedBars(storage.bar_kv.data_ptr(), storage.bar_q.data_ptr(),
                          storage.bar_do.data_ptr(), storage.bar_p_full.data_ptr(),
                          storage.bar_p_empty.data_ptr(), storage.bar_x_full.data_ptr(),
-                         storage.bar_x_empty.data_ptr(),
-                         storage.bar_dq_in.data_ptr() if const_expr(cfg.dq_merge) else None)
+                         storage.bar_x_empty.data_ptr())
         if warp_idx == 0:
             for tma in (ops.tma_k, ops.tma_v, ops.tma_q, ops.tma_do, ops.tma_dq):
                 cpasync.prefetch_descriptor(tma)
@@ -401,9 +380,6 @@ class FFPABwdFusedSm90(KernelEntry):
                 cute.arch.mbarrier_init(bars.x_full, 1)            # our thread 0 (+ bytes)
                 # every peer's thread 0 (the pair: the peer's)
                 cute.arch.mbarrier_init(bars.x_empty, cfg.cluster_d - 1)
-                if const_expr(cfg.dq_merge):
-                    for b in cutlass.range_constexpr(cfg.dq_buffers):
-                        cute.arch.mbarrier_init(bars.dq_in + b, 1)   # our dV thread 0
                 cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()   # the peer's barriers exist before anything reaches them
         cute.arch.cluster_wait()
@@ -421,11 +397,9 @@ class FFPABwdFusedSm90(KernelEntry):
                                                                         * cfg.x_slot_groups)),
                 stride=(1, 4, 4 * WG_THREADS, 8 * WG_THREADS * cfg.x_slot_groups))),
             storage.sdQ.get_tensor(layouts.dq.outer, swizzle=layouts.dq.inner),
-            storage.sdQ.get_tensor(cute.make_layout((4, WG_THREADS, 4, cfg.dq_buffers))),
             bars)
 
         # under causal the first key tiles see the most queries: first in the grid
-        # (with `dq_merge` key tiles 2 j, 2 j + 1 in one cluster: adjacent either way)
         bidx, head, batch = cute.arch.block_idx()
         c = cfg.cluster_d
         m_block = bidx // c
@@ -438,8 +412,7 @@ class FFPABwdFusedSm90(KernelEntry):
             work = self._row_unit(ops, head, m_block, batch % heads, batch // heads, bidx % c,
                                   scalars)
         else:
-            work = self._work(ops, m_block, head, batch, bidx % c, scalars,
-                              bidx % cfg.cluster_ctas)
+            work = self._work(ops, m_block, head, batch, bidx % c, scalars)
         # registers where the dQ accumulators are (`reg_split`)
         regs = cfg.reg_split
         if wg == 0:
@@ -455,15 +428,12 @@ class FFPABwdFusedSm90(KernelEntry):
         cute.arch.cluster_wait()
 
     @cute.jit
-    def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars, crank) -> FusedWork:
+    def _work(self, ops: FusedOps, m_block, head, batch, rank, scalars) -> FusedWork:
         """Key tile m_block of dK / dV head `head` (a KV head; with `group_split` head s of
         KV head h's S parts, h S + s, S = the workspace's heads / Hkv), batch `batch`, and
         its walk over the query blocks of the head's query heads: the G of its KV head, or
         with `group_split` the G / S of part s (h G + s G / S ..). scalars: (causal offset,
-        window_lo, scale_log2); crank: the CTA's rank in its cluster. With `dq_merge` the
-        partner's tile is m_block ^ 1 (the cluster's other), a tile past Nkv walks nothing,
-        and the blocks both walk (the same query block rows: n_top does not depend on the
-        tile without a window) are the first `paired` of each walk."""
+        window_lo, scale_log2)."""
         causal_offset, window_lo, scale_log2 = scalars
         seqlen_q = ops.mdQ.shape[2]
         group = ops.mdQ.shape[1] // ops.mdK.shape[1]   # G, or G / S
@@ -473,27 +443,9 @@ class FFPABwdFusedSm90(KernelEntry):
         n_top, n_low = query_block_range(m_block, seqlen_q, causal_offset, window_lo, T, T,
                                          self.cfg.causal)
         n_per = cutlass.max(n_top - n_low, 0)
-        merge = (None,) * 5   # group, peer, partner, slot, paired: `dq_merge` only
-        if const_expr(self.cfg.dq_merge):
-            n_per = self._walk_merged(m_block, n_per, ops.mdK.shape[2])
-            partner_top, partner_low = query_block_range(m_block ^ 1, seqlen_q, causal_offset,
-                                                         window_lo, T, T, self.cfg.causal)
-            partner_per = self._walk_merged(m_block ^ 1,
-                                            cutlass.max(partner_top - partner_low, 0),
-                                            ops.mdK.shape[2])
-            merge = (group, crank ^ 1, crank ^ 2, crank // 2,
-                     cutlass.min(n_per, partner_per) * group)
         return FusedWork(m_block, head, kv_head, batch, rank, head * group, n_top, n_per,
                          n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
-                         scale_log2, *merge)
-
-    @cute.jit
-    def _walk_merged(self, m_block, n_per, seqlen_k):
-        """`dq_merge`: key tile m_block's blocks per query head, none for a tile past Nkv
-        (the even tile count's last)."""
-        if m_block * T >= seqlen_k:
-            n_per = Int32(0)
-        return n_per
+                         scale_log2)
 
     @cute.jit
     def _row_unit(self, ops: FusedOps, y, m_block, head, batch, rank, scalars) -> FusedWork:
@@ -511,7 +463,7 @@ class FFPABwdFusedSm90(KernelEntry):
         n_per = cutlass.max(cutlass.min(n_top, row + 1) - cutlass.max(n_low, row), 0)
         return FusedWork(m_block, head, head, batch, rank, head * group, row + 1, n_per,
                          n_per * group, seqlen_q, ops.mdK.shape[2], causal_offset, window_lo,
-                         scale_log2, *(None,) * 5)
+                         scale_log2)
 
     @cute.jit
     def _trace(self, extra, event: cutlass.Constexpr, i):
@@ -523,11 +475,7 @@ class FFPABwdFusedSm90(KernelEntry):
     @cute.jit
     def _block(self, work: FusedWork, i):
         """(query head, query block) of block i: heads outer, blocks highest first (block 0
-        of a tile without blocks: the first head's block n_top - 1, read and dropped); with
-        `dq_merge` rows outer (the two tiles' walks then coincide for as many rows as the
-        shorter has)."""
-        if const_expr(self.cfg.dq_merge):
-            return work.head_q0 + i % work.group, work.n_top - 1 - i // work.group
+        of a tile without blocks: the first head's block n_top - 1, read and dropped)."""
         n_per = cutlass.max(work.n_per, 1)
         return work.head_q0 + i // n_per, work.n_top - 1 - i % n_per
 
@@ -615,7 +563,7 @@ class FFPABwdFusedSm90(KernelEntry):
         self._scores(mma_s, acc_S, tSrK, tSrQ, bars.q, 0, qs)
         warpgroup.wait_group(0)   # none in flight into the loop
         if n_count > 0:
-            self._send(acc_S, smem, 0, rank, tidx, work.peer)
+            self._send(acc_S, smem, 0, rank, tidx)
         for i in cutlass.range(n_count, unroll=1):
             head_q, n_block = self._block(work, i)
             self._trace(extra, 0, i)
@@ -628,7 +576,7 @@ class FFPABwdFusedSm90(KernelEntry):
                     for j in later]
             warpgroup.wait_group(len(accs))
             self._trace(extra, 1, i)
-            self._send(acc_dP, smem, 1, rank, tidx, work.peer)
+            self._send(acc_dP, smem, 1, rank, tidx)
             self._arm_exchange(smem, rank, tidx)
             warpgroup.wait_group(0)
             if const_expr(own_dq):
@@ -644,7 +592,7 @@ class FFPABwdFusedSm90(KernelEntry):
             x_sync.arrive_and_wait()
             if tidx == 0:   # every S thread has read the buffer: the peer may send again
                 if const_expr(cfg.cluster_d == 2):
-                    cute.arch.mbarrier_arrive(bars.x_empty, self._peer(rank, work.peer),
+                    cute.arch.mbarrier_arrive(bars.x_empty, 1 - rank,
                                               scope=nvvm.MemScopeKind.CLUSTER)
                 else:
                     for k in cutlass.range_constexpr(1, cfg.cluster_d):   # each peer
@@ -686,7 +634,7 @@ class FFPABwdFusedSm90(KernelEntry):
             if i + 1 < n_count:
                 cute.arch.mbarrier_wait(bars.x_empty,
                                         1 if const_expr(cfg.scatter) else ((i + 1) & 1) ^ 1)
-                self._send(acc_S, smem, 0, rank, tidx, work.peer)
+                self._send(acc_S, smem, 0, rank, tidx)
             if const_expr(own_dq):
                 self._dq_reduce(mmas.dq[0], acc0, ops, smem, work, head_q, n_block, col0,
                                 chunks[0], tidx)
@@ -714,11 +662,6 @@ class FFPABwdFusedSm90(KernelEntry):
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k, s], acc)
         warpgroup.commit_group()
 
-    def _peer(self, rank, peer):
-        """The cluster rank of the CTA with the other half of D: 1 - rank, or with `dq_merge`
-        the work's `peer`."""
-        return peer if const_expr(self.cfg.dq_merge) else 1 - rank
-
     @cute.jit
     def _stage_stat(self, sStat: cute.Tensor, pre, tidx):
         """The block's LSE (log2 units) and Delta (`stage_column_stat`, as the dK kernel stages
@@ -729,7 +672,7 @@ class FFPABwdFusedSm90(KernelEntry):
         sync.arrive_and_wait()
 
     @cute.jit
-    def _send(self, acc, smem: FusedSmem, part: cutlass.Constexpr, rank, tidx, peer):
+    def _send(self, acc, smem: FusedSmem, part: cutlass.Constexpr, rank, tidx):
         """Our partial (part 0: S^T, 1: dP^T) into the peers' exchange buffers, 16 bytes per
         st.async, each counted on the receiver's x_full. Pair: all of it to the peer (value v
         of part p at [v % 4, tidx, p n / 4 + v // 4, 0], n the values per thread); `scatter`:
@@ -742,8 +685,7 @@ class FFPABwdFusedSm90(KernelEntry):
             vals = tuple(Float32(acc[4 * q + e]).bitcast(Int32) for e in range(4))
             if const_expr(not self.cfg.scatter):
                 dst = smem.x[None, tidx, part * n4 + q, 0].iterator
-                cute.arch.store_async_dsmem(dst, vals, smem.bars.x_full,
-                                            self._peer(rank, peer))
+                cute.arch.store_async_dsmem(dst, vals, smem.bars.x_full, 1 - rank)
             else:
                 owner = q % c
                 if owner != rank:
@@ -1103,10 +1045,7 @@ class FFPABwdFusedSm90(KernelEntry):
                     if const_expr(a == atoms - 1):
                         if cute.arch.lane_idx() == 0:
                             cute.arch.mbarrier_arrive(smem.bars.p_empty)
-                if const_expr(self.cfg.dq_merge):
-                    self._merge_piece(ops, smem, work, sync, acc_mn, tQcQ_mn, ts, tg, p,
-                                      n_block, piece0 + k, i, k, tidx)
-                elif const_expr(single):
+                if const_expr(single):
                     self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, buf, p, n_block,
                                     piece0 + k, tidx, unread=own - 2)
                 else:
@@ -1117,78 +1056,8 @@ class FFPABwdFusedSm90(KernelEntry):
                                     piece0 + k, tidx)
         self._trace(extra, 4, i)
 
-    @cute.jit
-    def _merge_piece(self, ops: FusedOps, smem: FusedSmem, work: FusedWork, sync, acc_mn,
-                     tQcQ_mn, ts, tg, p: cutlass.Constexpr, n_block, piece, i, k, tidx):
-        """`dq_merge`: piece k of block i (the dV warpgroup's g = i * pieces + k-th), piece p
-        of its atom's accumulator. Of a block both tiles walk (i < paired), piece g is added
-        up by the CTA whose slot is g % 2, as its m = g // 2-th merged piece, in staging
-        buffer b = m % dq_buffers: the other CTA sends its values there (`_send_piece`), the
-        owner waits for them (dq_in, armed by its thread 0), adds them to its own, and stages
-        and reduces the sum as `_put_piece` does (its first barrier: every value read before
-        any is rewritten). Of a block only our tile walks (causal: the lower tile's last rows)
-        the pieces are reduced alone, continuing the same buffer rotation (every bulk group
-        but the newest dq_buffers - 1 read before the buffer is rewritten).
-
-        No barrier says that the partner's buffer b is free again: the alternation orders it.
-        Before each piece it sends, warp 0 waits until every bulk group but its newest has
-        read its buffer; the partner sends piece m + dq_buffers into buffer b only after it
-        has received our piece g + 2 dq_buffers - 1 (it reduces that one itself), which we
-        sent after our piece m + dq_buffers - 1 (>= m + 1) was issued, so our group of piece
-        m had been read (sm90/fused_protocol.py checks this ordering)."""
-        nbuf = self.cfg.dq_buffers
-        pieces = self.cfg.dq_shares[0][1] // FUSED_DQ_PIECE
-        if i < work.paired:
-            g = i * pieces + k
-            m = g // 2
-            b = m % nbuf
-            if g % 2 == work.slot:
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(smem.bars.dq_in + b,
-                                                            T * FUSED_DQ_PIECE * 4)
-                cute.arch.mbarrier_wait(smem.bars.dq_in + b, (m // nbuf) & 1)
-                self._add_received(acc_mn, smem.dq_x, b, p, tidx)
-                self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, b, p, n_block,
-                                piece, tidx)
-            else:
-                if tidx // 32 == 0:   # our pieces but the newest read (the docstring's order)
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
-                self._send_piece(acc_mn, smem, b, p, work.partner, tidx)
-        else:
-            owned = (work.paired * pieces - work.slot + 1) // 2   # the pieces we merged
-            m = owned + (i - work.paired) * pieces + k
-            if tidx // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)
-            self._put_piece(ops, smem, sync, acc_mn, tQcQ_mn, ts, tg, m % nbuf, p, n_block,
-                            piece, tidx)
-
-    @cute.jit
-    def _send_piece(self, acc_mn, smem: FusedSmem, b, p: cutlass.Constexpr, partner, tidx):
-        """`dq_merge`: this thread's 16 values of piece p (acc_mn's rows r, columns 8 p ..
-        8 p + 7, in that order) into the partner's staging buffer b by fragment position,
-        group q (values 4 q .. 4 q + 3) at dq_x[.., tidx, q, b], 16 bytes per st.async
-        counted on its dq_in[b]."""
-        per = FUSED_DQ_PIECE // 4
-        for q in cutlass.range_constexpr(4):
-            r, c0 = q // 2, p * per + (q % 2) * 4
-            vals = tuple(Float32(acc_mn[r, c0 + e]).bitcast(Int32) for e in range(4))
-            cute.arch.store_async_dsmem(smem.dq_x[None, tidx, q, b].iterator, vals,
-                                        smem.bars.dq_in + b, partner)
-
-    @cute.jit
-    def _add_received(self, acc_mn, dq_x: cute.Tensor, b, p: cutlass.Constexpr, tidx):
-        """`dq_merge`: the partner's values of piece p (`_send_piece`'s order: the same
-        thread's positions) added to ours in acc_mn."""
-        per = FUSED_DQ_PIECE // 4
-        for q in cutlass.range_constexpr(4):
-            r, c0 = q // 2, p * per + (q % 2) * 4
-            for e in cutlass.range_constexpr(4):
-                acc_mn[r, c0 + e] = acc_mn[r, c0 + e] + dq_x[e, tidx, q, b]
-
-
 def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
-    """The storage struct (`BwdFusedConfigSm90.smem_bytes` models it): barriers (with
-    `dq_merge` dq_in, one per staging buffer), the column
+    """The storage struct (`BwdFusedConfigSm90.smem_bytes` models it): barriers, the column
     statistics, then 1 KB aligned the exchange buffer, K_r, V_r, the Q and dO rings, P^T, dS^T,
     the dQ staging buffers."""
     mem, align, i64 = cute.struct.MemRange, cute.struct.Align, cutlass.Int64
@@ -1200,7 +1069,6 @@ def _shared_storage(cfg: BwdFusedConfigSm90, dtype, layouts: FusedLayouts):
         "bar_kv": mem[i64, 1], "bar_q": mem[i64, cfg.q_stages],
         "bar_do": mem[i64, cfg.do_stages], "bar_p_full": mem[i64, 1],
         "bar_p_empty": mem[i64, 1], "bar_x_full": mem[i64, 1], "bar_x_empty": mem[i64, 1],
-        **({"bar_dq_in": mem[i64, cfg.dq_buffers]} if cfg.dq_merge else {}),
         "stat": align[mem[Float32, 2 * T], 16],
         "xbuf": align[mem[Float32, cfg.x_floats], 1024],
         "sK": smem(layouts.kv), "sV": smem(layouts.kv), "sQ": smem(layouts.q),

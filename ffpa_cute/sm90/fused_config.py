@@ -74,12 +74,6 @@ class BwdFusedConfigSm90:
                 warpgroup's chunks: its registers spilled)
     dq_ahead:   the dV warpgroup (`dq_grads` 1) issues the next dQ atom's WGMMA before staging
                 this one, where the registers allow it (`dq_ahead_fits`)
-    dq_merge:   two CTA pairs on adjacent key tiles (a cluster of four) add their dQ pieces of
-                the query blocks both walk before one TMA reduction: the dV warpgroup's
-                pieces alternate between the pairs, each piece sent by one CTA into the
-                other's staging buffer (st.async) and added there to its own, so L2 takes
-                half the reductions (`dq_grads` 1, the pair, no window / row units / group
-                split; blocks walked rows outer so the two walks coincide)
     row_units:  one CTA pair per (query block row, key tile) walking the row's block in the G
                 query heads, rows outer, dK / dV partial sums added into zeroed fp32 workspaces
                 [B, Hkv, Nkv, D] by red.global.add (the host casts): large causal head groups,
@@ -102,7 +96,6 @@ class BwdFusedConfigSm90:
     dq_buffers: int = 2
     dq_pairs: bool = False
     dq_ahead: bool = False
-    dq_merge: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm90.bwd_fused_sm90:FFPABwdFusedSm90"
 
@@ -122,12 +115,6 @@ class BwdFusedConfigSm90:
     def o_split(self) -> int:
         """CTAs per key tile (the cluster), for `group_parts`."""
         return self.cluster_d
-
-    @property
-    def cluster_ctas(self) -> int:
-        """CTAs of the launch's cluster: the `cluster_d` that split D, twice that with
-        `dq_merge` (two key tiles)."""
-        return self.cluster_d * (2 if self.dq_merge else 1)
 
     @property
     def half(self) -> int:
@@ -220,9 +207,9 @@ class BwdFusedConfigSm90:
           0: the S warpgroup holds two 64 x 64 products and a dQ chunk: 184, the others 160.
           1: the dK warpgroup its [64 x D/2] fp32 accumulator (D/4 registers) and 32; the S
              warpgroup (two products, the score step and its masks) 168 where that leaves
-             the dV warpgroup its accumulator, a [64 x atom] dQ one and 48 (40 with
-             `dq_merge`: 144 at D=512, where 136 spilled 8 B), else what does (136 at D=512,
-             which spills 4 B with a window and no causal mask); the dV warpgroup the rest. With `row_units` the dK warpgroup takes 48 beside its
+             the dV warpgroup its accumulator, a [64 x atom] dQ one and 48, else what does
+             (136 at D=512, which spills 4 B with a window and no causal mask); the dV
+             warpgroup the rest. With `row_units` the dK warpgroup takes 48 beside its
              accumulator where the S warpgroup keeps 168 (D 320 / 384: the reductions'
              addresses spilled 12-20 B at D=320 with 32).
           2: each of dV / dK its accumulator, a dQ one and 40; the S warpgroup the rest (104
@@ -241,8 +228,7 @@ class BwdFusedConfigSm90:
             dk = acc + 32
             if self.row_units and 504 - (acc + 48) - (acc + self.atom_cols // 2 + 48) >= 168:
                 dk = acc + 48
-            reserve = 40 if self.dq_merge else 48
-            s = min(168, 504 - dk - (acc + self.atom_cols // 2 + reserve))
+            s = min(168, 504 - dk - (acc + self.atom_cols // 2 + 48))
             return s, 504 - s - dk, dk
         grads = acc + self.atom_cols // 2 + 40
         return 504 - 2 * grads, grads, grads
@@ -252,10 +238,8 @@ class BwdFusedConfigSm90:
         empty, exchange full / empty), the block's column statistics (64 LSE + 64 Delta),
         then, each 1 KB aligned: the exchange buffer (the peers' fp32 S^T and dP^T partials,
         with `scatter` then their bf16 P^T / dS^T groups: `x_floats`), K, V,
-        the Q and dO rings, P^T and dS^T, the dQ staging pieces (`dq_buffers`); with
-        `dq_merge` one more barrier a staging buffer."""
-        merge_bars = self.dq_buffers if self.dq_merge else 0   # dq_in
-        header = 8 * (1 + self.q_stages + self.do_stages + 4 + merge_bars)
+        the Q and dO rings, P^T and dS^T, the dQ staging pieces (`dq_buffers`)."""
+        header = 8 * (1 + self.q_stages + self.do_stages + 4)
         header = _align(header, 16) + 2 * FUSED_TILE * 4
         tile = FUSED_TILE * self.half * self.elem_bytes
         regions = [self.x_floats * 4, tile, tile, self.q_stages * tile,
@@ -302,13 +286,6 @@ def can_implement_fused(cfg: BwdFusedConfigSm90) -> str | None:
         return (f"dq_buffers={cfg.dq_buffers} with dq_grads={cfg.dq_grads}: 2, or 3 with "
                 "dq_grads 1 (the dV warpgroup's pieces in turn), 4 with dq_grads 2 (two for "
                 "each warpgroup)")
-    if cfg.dq_merge and (cfg.cluster_d != 2 or cfg.scatter or cfg.dq_grads != 1 or cfg.window
-                         or cfg.row_units or cfg.group_split):
-        return (f"dq_merge with cluster_d={cfg.cluster_d}, scatter={cfg.scatter}, dq_grads="
-                f"{cfg.dq_grads}, window={cfg.window}, row_units={cfg.row_units}, "
-                f"group_split={cfg.group_split}: built for the pair with dQ by the dV "
-                "warpgroup (dq_grads 1), without a window, row units or group split (whose "
-                "walks of two adjacent key tiles differ)")
     if cfg.row_units and (cfg.group_split or cfg.scatter):
         return (f"row_units with group_split={cfg.group_split}, scatter={cfg.scatter}: row "
                 "units split the head groups' sums themselves (over rows), for the pair only")

@@ -40,33 +40,26 @@ WG_THREADS = 128
 
 class FusedModel(ModelBase):
     """Every CTA of a cluster (the pair, or `cluster_d`) on one key tile of `blocks` query
-    blocks; with `dq_merge` two pairs (CTAs 0, 1 on the lower tile, 2, 3 on the upper, CTA r's
-    D-peer r ^ 1 and merge partner r ^ 2), the upper tile walking `upper_blocks` (at most
-    `blocks`: under causal masking the lower tile's walk is the longer, its last rows alone).
-    `faults`: names of steps to drop or alter (tests: the model must catch them).
+    blocks. `faults`: names of steps to drop or alter (tests: the model must catch them).
     `alternating`: the S warpgroup's dQ pieces (`dq_grads` 0) take the staging buffers in
     issue order across chunks and blocks, each waiting only for the group two back (the order
     `dq_grads` 1's pieces take), instead of its per-chunk order whose first piece waits for
     every group."""
 
     def __init__(self, cfg: BwdFusedConfigSm90, blocks: int, seed: int, faults=(),
-                 alternating: bool = False, upper_blocks: int | None = None):
+                 alternating: bool = False):
         super().__init__()
         self.cfg, self.blocks, self.rng = cfg, blocks, random.Random(seed)
-        self.upper_blocks = blocks if upper_blocks is None else upper_blocks
-        assert self.upper_blocks <= blocks
         self.faults, self.alternating = set(faults), alternating
         self.pieces = [w // FUSED_DQ_PIECE for w in cfg.dq_chunks]
         # (CTA, issuing warpgroup) -> its bulk groups, as issued, and those still reading:
         # a bulk group belongs to the thread that committed it
         self.order: dict[tuple, list] = {}
         self.groups: dict[tuple, set] = {}
-        self.ranks = range(cfg.cluster_ctas)
+        self.ranks = range(cfg.cluster_d)
         counts = {"kv": (1, 2), "q": (cfg.q_stages, 1), "do": (cfg.do_stages, 1),
                   "p_full": (1, WG_THREADS), "p_empty": (1, 8), "x_full": (1, 1),
                   "x_empty": (1, cfg.cluster_d - 1)}
-        if cfg.dq_merge:   # our dV thread 0 (and the partner's bytes)
-            counts.update(dq_in=(cfg.dq_buffers, 1))
         if "p_empty_count" in self.faults:  # one warp's arrival too few
             counts["p_empty"] = (1, 9)
         self.bars = {self.bar(r, name, i): Barrier(c) for r in self.ranks
@@ -89,14 +82,10 @@ class FusedModel(ModelBase):
         self.arrive(self.bar(r, ring, i), expect=STAGE_BYTES)
         self.landing.append((f"{r}:{ring}{i}", (ring, block), self.bar(r, ring, i)))
 
-    def walk(self, r: int) -> int:
-        """Blocks CTA r walks: `upper_blocks` on the upper tile of a merge, else `blocks`."""
-        return self.upper_blocks if self.cfg.dq_merge and r >= 2 else self.blocks
-
     # -------------------------------------------------------------- the warpgroups
     def score(self, r: int):
         """WG0 of CTA r (`_score_wg`)."""
-        cfg, me, n, j = self.cfg, f"S{r}", self.walk(r), 0
+        cfg, me, n, j = self.cfg, f"S{r}", self.blocks, 0
         mma = me + ".wgmma"   # its WGMMAs' reads, held until its wait_group(0)
         own_dq = cfg.dq_grads == 0   # else the dV / dK warpgroups form dQ (`grad`)
         qs, ds = cfg.q_stages, cfg.do_stages
@@ -126,7 +115,7 @@ class FusedModel(ModelBase):
             # dP^T's partial into the peers' buffers; our x_full armed for both parts
             for p in self.peers(r):
                 self.landing.append((f"{p}:xdP.{r}", ("x", r, b), self.bar(p, "x_full")))
-            self.arrive(self.bar(r, "x_full"), expect=2 * len(self.peers(r)) * STAGE_BYTES)
+            self.arrive(self.bar(r, "x_full"), expect=2 * (len(self.ranks) - 1) * STAGE_BYTES)
             yield
             self.release(mma)                             # wait_group(0)
             if own_dq and i > 0:   # dQ(i-1)'s later chunks reduced
@@ -167,9 +156,6 @@ class FusedModel(ModelBase):
         yield from self.bulk_wait(r, me, 0)   # every piece read before the CTA exits
 
     def peers(self, r: int) -> list:
-        """The CTAs r exchanges score partials with: the other CTAs on its key tile."""
-        if self.cfg.dq_merge:
-            return [r ^ 1]
         return [p for p in self.ranks if p != r]
 
     def phase(self, b: int, second: bool = False) -> int:
@@ -194,7 +180,7 @@ class FusedModel(ModelBase):
         (x_full's second phase) and read, the S threads' barrier, x_empty's second phase on
         every peer."""
         me = f"S{r}"
-        self.arrive(self.bar(r, "x_full"), expect=len(self.peers(r)) * STAGE_BYTES)
+        self.arrive(self.bar(r, "x_full"), expect=(len(self.ranks) - 1) * STAGE_BYTES)
         if "gather_before_read" not in self.faults:
             yield from self.wait(self.bar(r, "x_empty"), self.phase(b))
         for p in self.peers(r):
@@ -262,7 +248,7 @@ class FusedModel(ModelBase):
     def grad(self, r: int, which: int):
         """WG1 (which 0: dV, the dO ring) / WG2 (which 1: dK, the Q ring) of CTA r
         (`_grad_wg`, and `_grad_dq` when it forms a share of dQ)."""
-        cfg, n, j = self.cfg, self.walk(r), 0
+        cfg, n, j = self.cfg, self.blocks, 0
         ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         a = "pt" if which == 0 else "dst"
         me = f"{'dV' if which == 0 else 'dK'}{r}"
@@ -294,7 +280,7 @@ class FusedModel(ModelBase):
         reading dS^T and K_r), each piece through a staging buffer and a TMA reduction; the
         ring stage refilled after the first atom's wait, P^T / dS^T released after the
         last's."""
-        cfg, n, j = self.cfg, self.walk(r), 0
+        cfg, n, j = self.cfg, self.blocks, 0
         ring, stages = ("do", cfg.do_stages) if which == 0 else ("q", cfg.q_stages)
         me = f"{'dV' if which == 0 else 'dK'}{r}"
         atom = cfg.atom_cols // FUSED_DQ_PIECE
@@ -316,9 +302,6 @@ class FusedModel(ModelBase):
                         self.load(r, ring, i + stages, (j, i + stages))
                     if t == atoms - 1 and "grad_release_early" not in self.faults:
                         self.arrive(self.bar(r, "p_empty"), 4)
-                if cfg.dq_merge:
-                    yield from self.merge_piece(r, i, k, pieces)
-                    continue
                 single = cfg.dq_buffers > 2   # the stores, then the wait (one barrier)
                 unread = (own - 2 if single else (1 if both else 0)) + (
                     "grad_wait_lax" in self.faults)
@@ -335,42 +318,6 @@ class FusedModel(ModelBase):
                     yield from self.bulk_wait(r, me, unread)
                 self.stage_piece(r, me, buf, tag)
                 yield
-
-    def merge_piece(self, r: int, i: int, k: int, pieces: int):
-        """`_merge_piece` (`dq_merge`): piece g = i pieces + k of a block both tiles walk is
-        added up by the CTA of slot g % 2 in its buffer (g // 2) % dq_buffers: the other
-        sends it (st.async, after its bulk groups but the newest have read their buffers:
-        what orders the sends behind the owner's reductions, no barrier), the owner arms
-        dq_in, waits, reads it, the barrier, stages the sum and issues a TMA reduction; a
-        block only our tile walks reduces alone, continuing the rotation."""
-        me, nbuf = f"dV{r}", self.cfg.dq_buffers
-        partner, slot = r ^ 2, r // 2
-        paired = min(self.walk(r), self.walk(partner))
-        if i >= paired:
-            owned = (paired * pieces - slot + 1) // 2
-            m = owned + (i - paired) * pieces + k
-            if "no_dq_wait" not in self.faults:
-                yield from self.bulk_wait(r, me, nbuf - 1)
-            self.stage_piece(r, me, m % nbuf, ("dq", i, 0, k))
-            yield
-            return
-        g = i * pieces + k
-        b = (g // 2) % nbuf
-        if g % 2 != slot:   # the partner's: into its buffer b
-            if "merge_send_lax" not in self.faults:
-                yield from self.bulk_wait(r, me, 1)
-            self.landing.append((f"{partner}:dq{b}", ("dqm", i, k),
-                                 self.bar(partner, "dq_in", b)))
-            yield
-            return
-        self.arrive(self.bar(r, "dq_in", b), expect=STAGE_BYTES)
-        if "merge_no_in_wait" not in self.faults:
-            yield from self.wait(self.bar(r, "dq_in", b), (g // 2) // nbuf)
-        self.read(f"{r}:dq{b}", ("dqm", i, k), me, hold=True)
-        yield                                             # the warpgroup's barrier
-        self.release(me)
-        self.stage_piece(r, me, b, ("dq", i, 0, k))
-        yield
 
     # -------------------------------------------------------------- the interleaving
     def land(self) -> None:
@@ -398,11 +345,11 @@ class FusedModel(ModelBase):
 
 
 def run(cfg: BwdFusedConfigSm90, blocks: int, seed: int = 0, faults=(),
-        alternating: bool = False, upper_blocks: int | None = None) -> int:
-    """Model the cluster (cfg.cluster_d CTAs, or with `dq_merge` two pairs, the upper tile
-    walking `upper_blocks`) on one key tile of `blocks` query blocks (`alternating`: the
-    schedule `FusedModel` names); the steps taken (raises ProtocolError)."""
-    return FusedModel(cfg, blocks, seed, faults, alternating, upper_blocks).run()
+        alternating: bool = False) -> int:
+    """Model the cluster (cfg.cluster_d CTAs) on one key tile of `blocks` query blocks
+    (`alternating`: the schedule `FusedModel` names); the steps taken (raises
+    ProtocolError)."""
+    return FusedModel(cfg, blocks, seed, faults, alternating).run()
 
 
 __all__ = ["FusedModel", "run"]
