@@ -147,10 +147,50 @@ def _widened_plan(plan: Plan) -> Plan | None:
 dispatch.PLAN_CACHES.append(_widened_plan)   # dispatch.clear_plans forgets these too
 
 
+# The padded pair (`padded_fwd`): above 576 the 16-bit forward runs on a CTA pair, whose D % 64
+# != 0 sizes read far under the next multiple of 64 (H100, B=1, H=32, N=8K, TFLOPS: D=584 305,
+# 592 334, 600 313 against 640's 404); at these D the next multiple of 64 on zero-padded
+# copies measured faster, the copies counted (perf.pad_d's sibling perf.pad_pair; docs/perf-log.md)
+PADDED_PAIR_HEAD_DIMS: frozenset = frozenset()
+
+
+def padded_fwd(plan: Plan, nq: int, nkv: int) -> Plan | None:
+    """The plan `run_fwd` runs instead of `plan` on q, k and v zero-padded to D' (the next
+    multiple of 64; out's first D columns copied back), or None: a 16-bit WGMMA forward on the
+    CTA pair at D = Dv in PADDED_PAIR_HEAD_DIMS (D % 64 != 0 above 576), no window, sinks or
+    varlen, where the rows are copied anyway (`repack_rows`). The scores are the same sums (the
+    extra columns are zeros; the softmax scale stays D's) and O's extra columns are zeros."""
+    p = plan.problem
+    if not (plan.reason is None and type(plan.cfg).__name__ == "FwdConfigSm90"
+            and p.head_dim == p.head_dim_v and p.head_dim in PADDED_PAIR_HEAD_DIMS
+            and p.window_lo is None and not p.has_sinks and not p.varlen
+            and repack_rows(p, plan.cfg, nq, nkv)):
+        return None
+    return _padded_plan(plan)
+
+
+@functools.lru_cache(maxsize=1024)
+def _padded_plan(plan: Plan) -> Plan | None:
+    """`padded_fwd`'s plan for `plan`: the (D', D') problem at D's softmax scale."""
+    p = plan.problem
+    w = -(-p.head_dim // 64) * 64
+    wide = dispatch.plan_fwd(dataclasses.replace(p, head_dim=w, head_dim_v=w,
+                                                 scale=p.softmax_scale), target=plan.target)
+    return wide if wide.reason is None and wide.family == plan.family else None
+
+
+dispatch.PLAN_CACHES.append(_padded_plan)
+
+
 def describe_fwd(plan: Plan) -> str:
-    """`plan.describe()`, naming the kernel `run_fwd` runs instead where `widened_fwd` applies."""
+    """`plan.describe()`, naming the kernel `run_fwd` runs instead where `widened_fwd` or
+    `padded_fwd` applies."""
     p = plan.problem
     wide = widened_fwd(plan, p.seqlen_q, p.seqlen_kv) if plan.reason is None else None
+    pad = padded_fwd(plan, p.seqlen_q, p.seqlen_kv) if plan.reason is None else None
+    if pad is not None:
+        return (f"{pad.describe()} (q, k and v zero-padded from D={p.head_dim} to "
+                f"{pad.cfg.head_dim} columns: `launch.padded_fwd`)")
     if wide is None:
         return plan.describe()
     return (f"{wide.describe()} (q and k zero-padded from D={p.head_dim} to {wide.cfg.head_dim}"
@@ -242,6 +282,11 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
         sinks = sinks.to(torch.float32).contiguous()
     if k.shape[2] == 0:  # no keys at all: every row is empty (its lse: the sink, if any)
         return out.zero_(), lse.copy_(sinks[:, None] if sinks is not None else float("-inf"))
+    pad = padded_fwd(plan, nq, k.shape[2])
+    if pad is not None:   # the pair at D % 64 != 0: the next multiple of 64, zero-padded
+        w = pad.problem.head_dim
+        o, lse = run_fwd(pad, *(zero_padded(t, w) for t in (q, k, v)))
+        return out.copy_(o[..., :p.head_dim_v]), lse
     wide = widened_fwd(plan, nq, k.shape[2])
     if wide is not None:   # D % 16 == 8: the scores over D + 8 columns, 8 of them zeros
         plan, p = wide, wide.problem
@@ -376,4 +421,4 @@ class FwdCall:
 __all__ = ["FwdCall", "describe_fwd", "kernel_args", "kernel_ready", "kernel_scalars",
            "repack_rows", "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_grad_jobs",
            "run_job", "sm_count", "WIDENED_CANDIDATE_MAX_HEAD_DIM", "WIDENED_MAX_HEAD_DIM",
-           "widened_fwd", "zero_padded"]
+           "widened_fwd", "zero_padded", "padded_fwd", "PADDED_PAIR_HEAD_DIMS"]

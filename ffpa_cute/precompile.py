@@ -61,8 +61,9 @@ def head_dim_pair(x) -> tuple[int, int]:
 
 def plans_for(target: str, head_dims, dtypes, causals) -> list:
     """The kernel plans dispatch would make on `target` (uncovered combinations skipped), and
-    where long sequences widen the scores (`launch.widened_fwd`, D % 16 == 8) the widened
-    plan too; `head_dims` entries as `head_dim_pair` reads them."""
+    where long sequences widen the scores (`launch.widened_fwd`, D % 16 == 8) or pad D to the
+    next multiple of 64 (`launch.padded_fwd`) that plan too; `head_dims` entries as
+    `head_dim_pair` reads them."""
     from . import launch
 
     plans, seen, long = [], set(), 1 << 16   # long: rows the widening rule copies
@@ -73,7 +74,8 @@ def plans_for(target: str, head_dims, dtypes, causals) -> list:
                                 seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
                 plan = dispatch.plan_fwd(p, target=target)
                 wide = launch.widened_fwd(plan, long, long) if plan.reason is None else None
-                for x in (plan, wide):
+                pad = launch.padded_fwd(plan, long, long) if plan.reason is None else None
+                for x in (plan, wide, pad):
                     if x is not None and x.reason is None and (x.kernel_cls, x.cfg) not in seen:
                         seen.add((x.kernel_cls, x.cfg))
                         plans.append(x)

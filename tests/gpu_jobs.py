@@ -57,7 +57,8 @@ TARGET = "sm_90a"
 
 
 SECTIONS = ("main", "fp8", "features", "decode", "varlen", "dv", "sanitize", "fused",
-            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide", "rows")
+            "fused_perf", "fwd_perf", "lazy", "lines", "widened", "cta", "wide", "rows",
+            "padded_pair")
 
 
 def jobs(sections=SECTIONS) -> list:
@@ -241,6 +242,8 @@ def jobs(sections=SECTIONS) -> list:
         add(_lines_jobs())
     if "widened" in sections:
         add(_widened_jobs())
+    if "padded_pair" in sections:
+        add(_padded_pair_jobs())
     # the CTA pair's second CTA on a half line (`cta_align` 32 at D % 128 == 8): the forward
     # plans test_kv_pair_forward runs there and the curve's (not causal, and causal)
     for d in (648, 776, 904) if "cta" in sections else ():
@@ -321,6 +324,29 @@ def _lines_jobs() -> list:
             even = sm90_config.plan_bwd(p, TARGET, lines=False)
             out += dataclasses.replace(bwd, cfgs=(bwd.cfgs[0], *even)).jobs
     return out
+
+
+def _padded_pair_jobs() -> list:
+    """The `padded_pair` section: test_padded_pair_forward's kernels (the forward at D and the
+    pair at the next multiple of 64 that `launch.padded_fwd` runs), then perf.pad_pair's."""
+    from ffpa_cute import dispatch, launch
+    from ffpa_cute.problem import AttnProblem
+    from perf import pad_pair
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))  # the test module's own imports
+    import torch
+    from test_attention_gpu import PADDED_PAIR_CASES
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    out = []
+    for d, mode, nq, nkv, ratio, dt in PADDED_PAIR_CASES:
+        p = AttnProblem(dtype=names[dt], batch=1, heads_q=2 * ratio, heads_kv=2, seqlen_q=nq,
+                        seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=mode != "none",
+                        causal_offset=nkv - nq if mode == "bottom_right" else 0)
+        plan = dispatch.plan_fwd(p, target=TARGET)
+        pad = launch._padded_plan(plan)
+        out += [(plan.kernel_cls, plan.cfg), (pad.kernel_cls, pad.cfg)]
+    return out + pad_pair.jobs()
 
 
 def _widened_jobs() -> list:

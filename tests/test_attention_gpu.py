@@ -255,6 +255,37 @@ def test_widened_forward_is_exact(seed, monkeypatch, d, mode, nq, nkv, ratio, dt
     assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
 
 
+# the pair at the next multiple of 64 (`launch.padded_fwd`): (D, causal mode, Nq, Nkv, GQA
+# ratio, dtype), long enough for the row copy; tests/gpu_jobs.py packs their kernels
+PADDED_PAIR_CASES = [(584, "none", 3100, 3100, 1, BF16),
+                     (600, "bottom_right", 3000, 4097, 4, torch.float16),
+                     (1000, "upper_left", 4097, 3001, 2, BF16)]
+
+
+@pytest.mark.parametrize("d,mode,nq,nkv,ratio,dt", PADDED_PAIR_CASES)
+def test_padded_pair_forward(seed, monkeypatch, d, mode, nq, nkv, ratio, dt):
+    """Above 576 at D % 64 != 0 the forward may run the pair at the next multiple of 64 on
+    zero-padded q, k and v (`launch.padded_fwd`, named by explain; routed at
+    PADDED_PAIR_HEAD_DIMS, patched here): out is D wide and contiguous, lse and out within the
+    float64 criterion and close to the D kernel's. GQA, both causal alignments with Nq != Nkv,
+    fp16."""
+    monkeypatch.setattr(launch, "PADDED_PAIR_HEAD_DIMS", frozenset({d}))
+    q, k, v = make_qkv(1, 2 * ratio, 2, nq, nkv, d, dt)
+    plan = kernel_plan(q, k, v, mode)
+    assert launch.padded_fwd(plan, nq, nkv) is not None
+    assert f"zero-padded from D={d}" in explain(q, k, v, is_causal=mode != "none",
+                                                  enable_gqa=ratio > 1)
+    out, lse = call(q, k, v, mode, return_lse=True)
+    monkeypatch.setattr(launch, "PADDED_PAIR_HEAD_DIMS", frozenset())
+    out_d, lse_d = call(q, k, v, mode, return_lse=True)
+    assert out.shape == out_d.shape and out.is_contiguous()
+    assert (lse - lse_d).abs().max().item() < 1e-3
+    causal, off = mode != "none", offset_of(mode, nq, nkv)
+    ref, _ = attention_ref(q, k, v, causal=causal, causal_offset=off)
+    base, _ = attention_same_dtype(q, k, v, causal=causal, causal_offset=off)
+    assert rel_err(out, ref) <= 2 * rel_err(base, ref) + 1e-3
+
+
 def test_deterministic(seed):
     q, k, v = make_qkv(2, 8, 2, 1000, 1000, 640, BF16)
     a = call(q, k, v, "bottom_right")

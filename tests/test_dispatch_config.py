@@ -489,6 +489,30 @@ def test_backward_kv_pair_rule(d):
     assert not any(c.kv_pair for c in small.cfgs[1:])
 
 
+@pytest.mark.parametrize("d,n,causal", [(584, 8192, False), (600, 4096, True),
+                                         (1000, 8192, False)])
+def test_padded_pair_rule(monkeypatch, d, n, causal):
+    """Above 576 at the D of PADDED_PAIR_HEAD_DIMS (patched here), where the rows are copied
+    anyway, the forward runs the pair at the next multiple of 64 on zero-padded q, k, v with
+    D's softmax scale (`launch.padded_fwd`; explain names it); not for short rows, a window,
+    sinks, Dv != D or D outside the set."""
+    monkeypatch.setattr(launch, "PADDED_PAIR_HEAD_DIMS", frozenset({d}))
+    p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n, causal=causal)
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    pad = launch.padded_fwd(plan, n, n)
+    w = -(-d // 64) * 64
+    assert pad is not None and pad.cfg.head_dim == pad.problem.head_dim_v == w
+    assert pad.problem.softmax_scale == p.softmax_scale == 1 / d ** 0.5
+    assert pad.cfg.causal == causal and pad.family == plan.family == "sm90"
+    assert f"zero-padded from D={d} to {w}" in launch.describe_fwd(plan)
+    assert launch.padded_fwd(plan, 64, n) is None   # short queries: no copy, no padding
+    for other in (dict(window_lo=-100), dict(has_sinks=True), dict(head_dim_v=512)):
+        alt = dispatch.plan_fwd(dataclasses.replace(p, **other), target="sm_90a")
+        assert alt.reason is not None or launch.padded_fwd(alt, n, n) is None, other
+    monkeypatch.setattr(launch, "PADDED_PAIR_HEAD_DIMS", frozenset())
+    assert launch.padded_fwd(plan, n, n) is None
+
+
 @pytest.mark.parametrize("d,n,causal,widened", [
     (280, 8192, False, True), (328, 4096, True, True), (392, 8192, False, True),
     (264, 8192, True, True), (312, 2048, False, False), (512, 8192, False, False),
