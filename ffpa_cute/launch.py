@@ -121,13 +121,19 @@ def widened_fwd(plan: Plan, nq: int, nkv: int, candidate: bool = False) -> Plan 
     512), so out and lse are the D kernel's bits."""
     p = plan.problem
     top = WIDENED_CANDIDATE_MAX_HEAD_DIM if candidate else WIDENED_MAX_HEAD_DIM
-    if not (plan.reason is None
-            and type(plan.cfg).__name__ == "FwdConfigSm90" and p.head_dim == p.head_dim_v
-            and p.head_dim % 16 == 8 and p.head_dim <= top
-            and p.window_lo is None and not p.has_sinks and not p.varlen
-            and repack_rows(p, plan.cfg, nq, nkv)):
+    if not (_plain_copied_rows(plan, nq, nkv) and p.head_dim % 16 == 8 and p.head_dim <= top):
         return None
     return _widened_plan(plan)
+
+
+def _plain_copied_rows(plan: Plan, nq: int, nkv: int) -> bool:
+    """Whether `plan` is a 16-bit WGMMA forward at D = Dv with no window, sinks or varlen whose
+    rows `run_fwd` copies anyway (`repack_rows`): where a wider kernel on zero-padded copies
+    (`widened_fwd`, `padded_fwd`) computes the same scores for the copy it costs."""
+    p = plan.problem
+    return (plan.reason is None and type(plan.cfg).__name__ == "FwdConfigSm90"
+            and p.head_dim == p.head_dim_v and p.window_lo is None and not p.has_sinks
+            and not p.varlen and repack_rows(p, plan.cfg, nq, nkv))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -160,11 +166,8 @@ def padded_fwd(plan: Plan, nq: int, nkv: int) -> Plan | None:
     CTA pair at D = Dv in PADDED_PAIR_HEAD_DIMS (D % 64 != 0 above 576), no window, sinks or
     varlen, where the rows are copied anyway (`repack_rows`). The scores are the same sums (the
     extra columns are zeros; the softmax scale stays D's) and O's extra columns are zeros."""
-    p = plan.problem
-    if not (plan.reason is None and type(plan.cfg).__name__ == "FwdConfigSm90"
-            and p.head_dim == p.head_dim_v and p.head_dim in PADDED_PAIR_HEAD_DIMS
-            and p.window_lo is None and not p.has_sinks and not p.varlen
-            and repack_rows(p, plan.cfg, nq, nkv)):
+    if not (_plain_copied_rows(plan, nq, nkv)
+            and plan.problem.head_dim in PADDED_PAIR_HEAD_DIMS):
         return None
     return _padded_plan(plan)
 
