@@ -155,8 +155,8 @@ dispatch.PLAN_CACHES.append(_widened_plan)   # dispatch.clear_plans forgets thes
 
 # The padded pair (`padded_fwd`): above 576 the 16-bit forward runs on a CTA pair, whose D % 64
 # != 0 sizes read far under the next multiple of 64 (H100, B=1, H=32, N=8K, TFLOPS: D=584 305,
-# 592 334, 600 313 against 640's 404); at these D the next multiple of 64 on zero-padded
-# copies measured faster, the copies counted (perf.pad_d's sibling perf.pad_pair; docs/perf-log.md)
+# 592 334, 600 313 against 640's 404). It is taken at the D named here, those where perf.pad_pair
+# measures it faster with the copies counted: none yet (not run; docs/perf-log.md, 2026-12-07)
 PADDED_PAIR_HEAD_DIMS: frozenset = frozenset()
 
 
