@@ -53,6 +53,8 @@ def test_plan_and_constraints():
             f90.plan_bwd_fused(_problem(512, **kw))
     assert "dq_grads" in f90.can_implement_fused(
         f90.BwdFusedConfigSm90("sm_90a", "bf16", 512, False, do_stages=1, dq_grads=3))
+
+
 def test_dq_staging_fields(monkeypatch):
     """The dQ staging fields: three buffers with dq_grads 1 only, 8 KB more (not at D=512
     beside one dO stage), four with dq_grads 2; pairs with dq_grads 1 / 2; the next atom ahead
