@@ -190,13 +190,17 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
     ap = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precompile", metavar="DIR")
+    ap.add_argument("--shard", metavar="I/N", default="0/1",
+                    help="with --precompile: compile only jobs I, I + N, I + 2N, ... (N "
+                         "processes, each in its own working directory, fill one cache)")
     ap.add_argument("--out", metavar="FILE", help="write the numbers as JSON")
     a = ap.parse_args(argv)
     if a.precompile:
         from ffpa_cute.cache import JitCache
 
+        i, n = (int(x) for x in a.shard.split("/"))
         cache = JitCache(a.precompile, disk=True)
-        for cls, cfg in jobs():
+        for cls, cfg in jobs()[i::n]:
             cache.get(cls, cfg)
         print(f"{prog}: {cache.stats.compiles} compiled into {a.precompile}")
         return 0

@@ -1,19 +1,31 @@
 """Above D=576 the forward runs on a CTA pair, and D % 64 != 0 there reads far under the
 multiples of 64 (issue 20's curve: H100, 4566bda, D=584 305, 592 334, 600 313 TFLOPS against
-640's 404). Would the pair at the next multiple of 64, on zero-padded copies, do better?
+640's 404). Would the pair at the next multiple of 64, on zero-padded copies, do better, or the
+D kernel with Q's rows on lines too?
 
-    python -m perf.pad_pair --precompile DIR     # CPU: compile the plans into DIR
-    python -m perf.pad_pair [--out FILE]         # GPU: time them (FFPA_CUTE_CACHE_DIR=DIR)
+    python -m perf.pad_pair --precompile DIR [--shard I/N]   # CPU: compile the plans into DIR
+    python -m perf.pad_pair [--out FILE]                     # GPU: time them (FFPA_CUTE_CACHE_DIR)
 
-Per D (B=1, H=32, N=8K, bf16, not causal; L2 flushed; `interleaved_ms`), TFLOPS on D's FLOPs:
-  d       the routed forward (`launch.run_fwd` on contiguous q, k, v: its own row copies);
-  pad64   q, k, v zero-padded to D' = the next multiple of 64 (copies timed), the routed plan
-          of (D', Dv = D') at D's softmax scale (the padded columns add zeros to the scores
-          and give zero columns of O), then out[..., :D] copied out (timed);
-and how far pad64's out and lse are from d's (the same sums in another order).
-Prediction: the pair's time tracks D' (640's 404 TFLOPS would read 369 at D=584 on D's
-FLOPs), less the copies (q, k, v in, out back: ~5% at N=8K): +10-20% at 584-616, unknown
-where D' itself is slow.
+Per D (B=1, H=32, N=8K, bf16; L2 flushed; `interleaved_ms`), TFLOPS on D's FLOPs:
+  d         the routed forward (`launch.run_fwd` on contiguous q, k, v: it copies k and v into
+            rows on 128-byte lines, `repack_rows`);
+  qkv       q copied into such rows too (timed), then the same: the pair streams Q chunks
+            through the ring with K's (`stream_q`), re-reading every Q row per key block, so
+            Q's rows split across lines should cost what K's did before they were repacked;
+  pad64     q, k, v zero-padded to D' = the next multiple of 64 (copies timed), the routed plan
+            of (D', Dv = D') at D's softmax scale (the padded columns add zeros to the scores
+            and give zero columns of O), then out[..., :D] copied out (timed);
+and at DIAG_HEAD_DIMS also the kernels alone: `rows` (the D kernel on q, k, v already on
+lines) and `pad_rows` (the D' kernel on operands padded beforehand): at D % 64 != 0 the pair
+computes on 64-column chunks and 320-column CTA shares as at D' (the same O geometry, so the
+same bits), so rows ~ pad_rows unless the partial TMA boxes cost. Every D % 64 != 0 in
+(576, 1024) not causal, every D % 16 == 8 there causal; out and lse of qkv and pad64 against
+d's (the same sums: expected bit-equal).
+The first run (7 D, H100, fa0d388) read pad64 +3-8% over d (904 even), half the predicted
++10-20%: its copies took 1.6 ms of 15.6 at D=584 (the D' kernel alone 14.0 ms).
+Prediction for qkv: Q is a third of the streamed operand bytes per block (Q, K chunks and V),
+so q's copy (~0.3 ms) buys back about the time the k copy did (the rows measured 8-23% at D <=
+504 for K and V): d 16.1 -> ~15.0 ms at D=584, level with or ahead of pad64.
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ import dataclasses
 
 from perf import experiment
 
-HEAD_DIMS = (584, 600, 616, 744, 808, 904, 1000)
+DIAG_HEAD_DIMS = (584, 600, 616, 744, 808, 904, 1000)
+HEAD_DIMS = tuple(d for d in range(584, 1024, 8) if d % 64)
+CAUSAL_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d % 16 == 8)
 HEADS, N = 32, 8192
 
 
@@ -30,17 +44,24 @@ def _padded(d: int) -> int:
     return -(-d // 64) * 64
 
 
-def _plans(d: int) -> dict:
+def _plans(d: int, causal: bool = False) -> dict:
     """{"d": the routed plan at D=d, "pad64": the routed plan at D' at D's softmax scale}."""
-    p = experiment.self_problem(d, HEADS, N)
+    p = dataclasses.replace(experiment.self_problem(d, HEADS, N), causal=causal)
     wide = _padded(d)
     return {"d": experiment.routed_fwd(p),
             "pad64": experiment.routed_fwd(dataclasses.replace(
                 p, head_dim=wide, head_dim_v=wide, scale=p.softmax_scale))}
 
 
-def jobs() -> list:
-    return experiment.forward_jobs(p for d in HEAD_DIMS for p in _plans(d).values())
+def cases(head_dims=None) -> list:
+    """(D, causal) pairs timed: `head_dims` (default HEAD_DIMS) not causal, and those in
+    CAUSAL_HEAD_DIMS causal."""
+    dims = HEAD_DIMS if head_dims is None else head_dims
+    return [(d, False) for d in dims] + [(d, True) for d in dims if d in CAUSAL_HEAD_DIMS]
+
+
+def jobs(head_dims=None) -> list:
+    return experiment.forward_jobs(p for d, c in cases(head_dims) for p in _plans(d, c).values())
 
 
 def run(dev, flush) -> dict:
@@ -49,8 +70,8 @@ def run(dev, flush) -> dict:
     from ffpa_cute import launch
 
     res = {}
-    for d in HEAD_DIMS:
-        plans, wide = _plans(d), _padded(d)
+    for d, causal in cases():
+        plans, wide = _plans(d, causal), _padded(d)
         q, k, v = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
                    for _ in range(3))
 
@@ -58,19 +79,30 @@ def run(dev, flush) -> dict:
             o, lse = launch.run_fwd(p, *(launch.zero_padded(t, wide) for t in (q, k, v)))
             return o[..., :d].contiguous(), lse
 
-        fns = {"d": lambda p=plans["d"]: launch.run_fwd(p, q, k, v), "pad64": pad64}
+        fns = {"d": lambda p=plans["d"]: launch.run_fwd(p, q, k, v),
+               "qkv": lambda p=plans["d"]: launch.run_fwd(p, launch.row_aligned(q), k, v),
+               "pad64": pad64}
+        if d in DIAG_HEAD_DIMS and not causal:
+            lined = [launch.row_aligned(t) for t in (q, k, v)]
+            padded = [launch.zero_padded(t, wide) for t in (q, k, v)]
+            fns["rows"] = lambda p=plans["d"]: launch.run_fwd(p, *lined)
+            fns["pad_rows"] = lambda p=plans["pad64"]: launch.run_fwd(p, *padded)
         ref_o, ref_l = fns["d"]()
-        o, lse = pad64()
-        diff = dict(out=(o.float() - ref_o.float()).abs().max().item(),
-                    out_scale=ref_o.float().abs().max().item(),
-                    lse=(lse - ref_l).abs().max().item())
-        ms = experiment.interleaved_ms(fns, dev, flush)
-        tf = {n: 4 * HEADS * N * N * d / t / 1e9 for n, t in ms.items()}
-        print(f"D={d:4d} (D'={wide}) " + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:5.0f}"
-                                                    for n in ms) + f"  max diff {diff}",
-              flush=True)
-        res[str(d)] = dict(ms=ms, tflops=tf, diff=diff,
-                           configs={n: repr(p.cfg) for n, p in plans.items()})
+        diff = {}
+        for name in ("qkv", "pad64"):
+            o, lse = fns[name]()
+            diff[name] = dict(out=(o[..., :d].float() - ref_o.float()).abs().max().item(),
+                              lse=(lse - ref_l).abs().max().item())
+        for name in fns.keys() - diff.keys() - {"d"}:
+            fns[name]()
+        ms = experiment.interleaved_ms(fns, dev, flush, rounds=3)
+        pairs = N * (N + 1) // 2 if causal else N * N
+        tf = {n: 4 * HEADS * pairs * d / t / 1e9 for n, t in ms.items()}
+        print(f"D={d:4d}{' causal' if causal else ''} (D'={wide}) "
+              + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:4.0f}" for n in ms)
+              + f"  max diff {diff}", flush=True)
+        res[f"{d}{'c' if causal else ''}"] = dict(ms=ms, tflops=tf, diff=diff,
+                                                  configs={n: repr(p.cfg) for n, p in plans.items()})
     return res
 
 

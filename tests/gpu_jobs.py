@@ -346,7 +346,7 @@ def _padded_pair_jobs() -> list:
         plan = dispatch.plan_fwd(p, target=TARGET)
         pad = launch._padded_plan(plan)
         out += [(plan.kernel_cls, plan.cfg), (pad.kernel_cls, pad.cfg)]
-    return out + pad_pair.jobs()
+    return out + pad_pair.jobs(pad_pair.DIAG_HEAD_DIMS)
 
 
 def _widened_jobs() -> list:
