@@ -16,6 +16,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: full grid; the fast tier covers a subset")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): one per CPU this process may use, at most
+    8 (each compiling worker holds ~1-2 GB; more would not fit a small machine's memory)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, 8))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
