@@ -64,12 +64,52 @@ def jobs(head_dims=None) -> list:
     return experiment.forward_jobs(p for d, c in cases(head_dims) for p in _plans(d, c).values())
 
 
-def run(dev, flush) -> dict:
+def _as_words(t):
+    """t's rows as 8-byte words (an int64 view of the same bytes)."""
+    import torch
+
+    return t.view(torch.int64)
+
+
+def copies(dev, flush) -> dict:
+    """{D: {name: ms}}: one [1, 32, 8K, D] bf16 operand's copy into rows on lines as `launch`
+    does it (torch's copy_ of 2-byte elements into the [..., :D] view: `lines`), the same bytes
+    copied as 8-byte words (`lines_w`), and its zero-padding to D' (`pad`, `pad_w`). Prediction:
+    the strided copy of 2-byte elements runs far under the 3 TB/s the bytes allow (the pad64
+    copies took 1.6 ms where ~0.85 would do), 8-byte words close to it."""
     import torch
 
     from ffpa_cute import launch
 
     res = {}
+    for d in (584, 600, 1000):
+        t, wide = torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16), _padded(d)
+        lined = launch.row_aligned(t)
+        padded = launch.zero_padded(t, wide)
+
+        def pad_w():
+            padded[..., d:].zero_()
+            _as_words(padded[..., :d]).copy_(_as_words(t))
+
+        fns = {"lines": lambda: lined.copy_(t),
+               "lines_w": lambda: _as_words(lined).copy_(_as_words(t)),
+               "pad": lambda: launch.zero_padded(t, wide), "pad_w": pad_w}
+        for f in fns.values():
+            f()
+        ms = experiment.interleaved_ms(fns, dev, flush, rounds=3)
+        gb = 2 * t.numel() * 2 / 1e9
+        print(f"copies D={d}: " + "  ".join(f"{n} {m:.3f} ms ({gb / m * 1e3:.0f} GB/s)"
+                                            for n, m in ms.items()), flush=True)
+        res[str(d)] = ms
+    return res
+
+
+def run(dev, flush) -> dict:
+    import torch
+
+    from ffpa_cute import launch
+
+    res = {"copies": copies(dev, flush)}
     for d, causal in cases():
         plans, wide = _plans(d, causal), _padded(d)
         q, k, v = (torch.randn(1, HEADS, N, d, device=dev, dtype=torch.bfloat16)
