@@ -19,7 +19,7 @@ and at DIAG_HEAD_DIMS also the kernels alone: `rows` (the D kernel on q, k, v al
 lines) and `pad_rows` (the D' kernel on operands padded beforehand): at D % 64 != 0 the pair
 computes on 64-column chunks and 320-column CTA shares as at D' (the same O geometry, so the
 same bits), so rows ~ pad_rows unless the partial TMA boxes cost. Every D % 64 != 0 in
-(576, 1024) not causal, every D % 16 == 8 there causal; out and lse of qkv and pad64 against
+(576, 1024) not causal, DIAG_HEAD_DIMS causal; out and lse of qkv and pad64 against
 d's (the same sums: expected bit-equal).
 The first run (7 D, H100, fa0d388) read pad64 +3-8% over d (904 even), half the predicted
 +10-20%: its copies took 1.6 ms of 15.6 at D=584 (the D' kernel alone 14.0 ms).
@@ -36,7 +36,7 @@ from perf import experiment
 
 DIAG_HEAD_DIMS = (584, 600, 616, 744, 808, 904, 1000)
 HEAD_DIMS = tuple(d for d in range(584, 1024, 8) if d % 64)
-CAUSAL_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d % 16 == 8)
+CAUSAL_HEAD_DIMS = DIAG_HEAD_DIMS
 HEADS, N = 32, 8192
 
 
