@@ -87,8 +87,21 @@ def row_aligned(t: torch.Tensor) -> torch.Tensor:
     if (t.stride(-1) == 1 and t.data_ptr() % ROW_LINE == 0
             and all(s * elem % ROW_LINE == 0 for s in t.stride()[:-1])):
         return t
-    out = _line_rows(t, t.shape[-1])
-    return out.copy_(t)
+    return copy_rows(_line_rows(t, t.shape[-1]), t)
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src), as 8-byte words where both tensors' rows allow it (same dtype and
+    shape, unit last stride, rows and strides whole words): torch copies strided views element
+    by element, and the row copies measured 1.6 TB/s in 2-byte elements against 2.6 as words
+    (perf.pad_pair `copies`, H100, [1, 32, 8K, 584] bf16 into rows on lines). Returns dst."""
+    if dst.dtype == src.dtype and dst.shape == src.shape and src.element_size() < 8:
+        try:
+            dst.view(torch.int64).copy_(src.view(torch.int64))
+            return dst
+        except RuntimeError:   # rows or strides not whole words: element by element
+            pass
+    return dst.copy_(src)
 
 
 def _line_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -154,19 +167,22 @@ dispatch.PLAN_CACHES.append(_widened_plan)   # dispatch.clear_plans forgets thes
 
 
 # The padded pair (`padded_fwd`): above 576 the 16-bit forward runs on a CTA pair, whose D % 64
-# != 0 sizes read far under the next multiple of 64 (H100, B=1, H=32, N=8K, TFLOPS: D=584 305,
-# 592 334, 600 313 against 640's 404). It is taken at the D named here, those where perf.pad_pair
-# measures it faster with the copies counted: none yet (not run; docs/perf-log.md, 2026-12-07)
-PADDED_PAIR_HEAD_DIMS: frozenset = frozenset()
+# != 0 sizes read under the next multiple of 64. Not causal, at D % 16 == 8 the pair at D' ran
+# faster with the copies counted (perf.pad_pair, H100, B=1, H=32, N=8K, 2-byte copies: 584-632
+# +3-4%, 648-696 +3-6%, 712-888 +5-7%, 920-952 +2-3%, 968-1016 +8-10%), not at 904 (-1%), nor
+# at D % 16 == 0 (-1-3%: those rows start on 32-byte sectors) or causal (-2-5%: the copies are a
+# larger share of the shorter kernel); docs/perf-log.md, 2026-12-07.
+PADDED_PAIR_HEAD_DIMS: frozenset = frozenset(
+    d for d in range(584, 1024, 16) if d != 904)
 
 
 def padded_fwd(plan: Plan, nq: int, nkv: int) -> Plan | None:
     """The plan `run_fwd` runs instead of `plan` on q, k and v zero-padded to D' (the next
     multiple of 64; out's first D columns copied back), or None: a 16-bit WGMMA forward on the
-    CTA pair at D = Dv in PADDED_PAIR_HEAD_DIMS (D % 64 != 0 above 576), no window, sinks or
-    varlen, where the rows are copied anyway (`repack_rows`). The scores are the same sums (the
+    CTA pair at D = Dv in PADDED_PAIR_HEAD_DIMS (D % 16 == 8 above 576), not causal, no window,
+    sinks or varlen, where the rows are copied anyway (`repack_rows`). The scores are the same sums (the
     extra columns are zeros; the softmax scale stays D's) and O's extra columns are zeros."""
-    if not (_plain_copied_rows(plan, nq, nkv)
+    if not (_plain_copied_rows(plan, nq, nkv) and not plan.problem.causal
             and plan.problem.head_dim in PADDED_PAIR_HEAD_DIMS):
         return None
     return _padded_plan(plan)
@@ -205,7 +221,7 @@ def zero_padded(t: torch.Tensor, width: int) -> torch.Tensor:
     (a [..., :width] view of a wider buffer, as `row_aligned`)."""
     out = _line_rows(t, width)
     out[..., t.shape[-1]:].zero_()
-    out[..., :t.shape[-1]].copy_(t)
+    copy_rows(out[..., :t.shape[-1]], t)
     return out
 
 
@@ -289,7 +305,7 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
     if pad is not None:   # the pair at D % 64 != 0: the next multiple of 64, zero-padded
         w = pad.problem.head_dim
         o, lse = run_fwd(pad, *(zero_padded(t, w) for t in (q, k, v)))
-        return out.copy_(o[..., :p.head_dim_v]), lse
+        return copy_rows(out, o[..., :p.head_dim_v]), lse
     wide = widened_fwd(plan, nq, k.shape[2])
     if wide is not None:   # D % 16 == 8: the scores over D + 8 columns, 8 of them zeros
         plan, p = wide, wide.problem
@@ -366,8 +382,8 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
     if reduces_dq:
         grads[0].copy_(t["dq_acc"][..., :p.head_dim])
     if padded:
-        grads[1].copy_(padded["dk"][..., :p.head_dim])
-        grads[2].copy_(padded["dv"][..., :p.head_dim])
+        copy_rows(grads[1], padded["dk"][..., :p.head_dim])
+        copy_rows(grads[2], padded["dv"][..., :p.head_dim])
     return (*grads, t["delta"]) if with_delta else grads
 
 
@@ -424,4 +440,4 @@ class FwdCall:
 __all__ = ["FwdCall", "describe_fwd", "kernel_args", "kernel_ready", "kernel_scalars",
            "repack_rows", "row_aligned", "run_bwd", "run_fwd", "run_grad_job", "run_grad_jobs",
            "run_job", "sm_count", "WIDENED_CANDIDATE_MAX_HEAD_DIM", "WIDENED_MAX_HEAD_DIM",
-           "widened_fwd", "zero_padded", "padded_fwd", "PADDED_PAIR_HEAD_DIMS"]
+           "widened_fwd", "zero_padded", "padded_fwd", "PADDED_PAIR_HEAD_DIMS", "copy_rows"]

@@ -494,16 +494,19 @@ def test_backward_kv_pair_rule(d):
 def test_padded_pair_rule(monkeypatch, d, n, causal):
     """Above 576 at the D of PADDED_PAIR_HEAD_DIMS (patched here), where the rows are copied
     anyway, the forward runs the pair at the next multiple of 64 on zero-padded q, k, v with
-    D's softmax scale (`launch.padded_fwd`; explain names it); not for short rows, a window,
-    sinks, Dv != D or D outside the set."""
+    D's softmax scale (`launch.padded_fwd`; explain names it); not causal (measured slower),
+    not for short rows, a window, sinks, Dv != D or D outside the set."""
     monkeypatch.setattr(launch, "PADDED_PAIR_HEAD_DIMS", frozenset({d}))
     p = prob(d=d, heads_q=32, heads_kv=32, seqlen_q=n, seqlen_kv=n, causal=causal)
     plan = dispatch.plan_fwd(p, target="sm_90a")
     pad = launch.padded_fwd(plan, n, n)
+    if causal:
+        assert pad is None and "zero-padded" not in launch.describe_fwd(plan)
+        return
     w = -(-d // 64) * 64
     assert pad is not None and pad.cfg.head_dim == pad.problem.head_dim_v == w
     assert pad.problem.softmax_scale == p.softmax_scale == 1 / d ** 0.5
-    assert pad.cfg.causal == causal and pad.family == plan.family == "sm90"
+    assert not pad.cfg.causal and pad.family == plan.family == "sm90"
     assert f"zero-padded from D={d} to {w}" in launch.describe_fwd(plan)
     assert launch.padded_fwd(plan, 64, n) is None   # short queries: no copy, no padding
     for other in (dict(window_lo=-100), dict(has_sinks=True), dict(head_dim_v=512)):
@@ -511,6 +514,34 @@ def test_padded_pair_rule(monkeypatch, d, n, causal):
         assert alt.reason is not None or launch.padded_fwd(alt, n, n) is None, other
     monkeypatch.setattr(launch, "PADDED_PAIR_HEAD_DIMS", frozenset())
     assert launch.padded_fwd(plan, n, n) is None
+
+
+def test_padded_pair_routes_measured_head_dims():
+    """The padded pair is routed at D % 16 == 8 from 584 to 1016 but 904 (where perf.pad_pair
+    measured it faster), nowhere at D % 16 == 0."""
+    assert launch.PADDED_PAIR_HEAD_DIMS == frozenset(range(584, 1024, 16)) - {904}
+    p = prob(d=600, heads_q=32, heads_kv=32, seqlen_q=8192, seqlen_kv=8192)
+    assert launch.padded_fwd(dispatch.plan_fwd(p, target="sm_90a"), 8192, 8192) is not None
+    p = dataclasses.replace(p, head_dim=608, head_dim_v=608)
+    assert launch.padded_fwd(dispatch.plan_fwd(p, target="sm_90a"), 8192, 8192) is None
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((2, 3, 7, 584), torch.bfloat16), ((1, 2, 5, 600), torch.float16),
+    ((1, 1, 3, 10), torch.bfloat16), ((2, 4, 9, 6), torch.float32)])
+def test_copy_rows_is_a_copy(shape, dtype):
+    """launch.copy_rows copies the values of a D-wide tensor into strided rows (and back) as
+    torch's copy_ does, as 8-byte words where the rows allow it (584 / 600 bf16 / fp16) and
+    element by element where not (10 bf16 columns: 20-byte rows; a transposed source)."""
+    src, cut = torch.randn(shape).to(dtype), shape[-1]
+    lined = launch.row_aligned(src)
+    assert torch.equal(lined, src) and lined.stride(-2) * src.element_size() % 128 == 0
+    padded = launch.zero_padded(src, cut + 24)
+    assert torch.equal(padded[..., :cut], src) and not padded[..., cut:].any()
+    back = launch.copy_rows(torch.empty(shape, dtype=dtype), padded[..., :cut])
+    assert torch.equal(back, src)
+    t = src.transpose(-1, -2).contiguous().transpose(-1, -2)   # unit stride on rows' axis
+    assert torch.equal(launch.copy_rows(torch.empty(shape, dtype=dtype), t), src)
 
 
 @pytest.mark.parametrize("d,n,causal,widened", [
