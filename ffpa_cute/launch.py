@@ -180,8 +180,9 @@ def padded_fwd(plan: Plan, nq: int, nkv: int) -> Plan | None:
     """The plan `run_fwd` runs instead of `plan` on q, k and v zero-padded to D' (the next
     multiple of 64; out's first D columns copied back), or None: a 16-bit WGMMA forward on the
     CTA pair at D = Dv in PADDED_PAIR_HEAD_DIMS (D % 16 == 8 above 576), not causal, no window,
-    sinks or varlen, where the rows are copied anyway (`repack_rows`). The scores are the same sums (the
-    extra columns are zeros; the softmax scale stays D's) and O's extra columns are zeros."""
+    sinks or varlen, where the rows are copied anyway (`repack_rows`). The scores are the same
+    sums (the extra columns are zeros; the softmax scale stays D's) and O's extra columns are
+    zeros."""
     if not (_plain_copied_rows(plan, nq, nkv) and not plan.problem.causal
             and plan.problem.head_dim in PADDED_PAIR_HEAD_DIMS):
         return None
