@@ -141,8 +141,8 @@ def run(dev, flush) -> dict:
         print(f"D={d:4d}{' causal' if causal else ''} (D'={wide}) "
               + "  ".join(f"{n} {ms[n]:6.3f} ms {tf[n]:4.0f}" for n in ms)
               + f"  max diff {diff}", flush=True)
-        res[f"{d}{'c' if causal else ''}"] = dict(ms=ms, tflops=tf, diff=diff,
-                                                  configs={n: repr(p.cfg) for n, p in plans.items()})
+        res[f"{d}{'c' if causal else ''}"] = dict(
+            ms=ms, tflops=tf, diff=diff, configs={n: repr(p.cfg) for n, p in plans.items()})
     return res
 
 
