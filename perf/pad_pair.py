@@ -26,6 +26,10 @@ The first run (7 D, H100, fa0d388) read pad64 +3-8% over d (904 even), half the 
 Prediction for qkv: Q is a third of the streamed operand bytes per block (Q, K chunks and V),
 so q's copy (~0.3 ms) buys back about the time the k copy did (the rows measured 8-23% at D <=
 504 for K and V): d 16.1 -> ~15.0 ms at D=584, level with or ahead of pad64.
+Measured (H100, 2dc5d28; docs/perf-log.md 2026-12-07): qkv 15.9 ms at 584 (+1-4% at D % 16 ==
+8, -1-2% at D % 16 == 0: short of the prediction), pad64 +3-10% at D % 16 == 8 but 904 and
+-1-3% at D % 16 == 0 or causal; the copies as 8-byte words 1.6x faster. Routed: pad64 at D %
+16 == 8 not causal (`launch.PADDED_PAIR_HEAD_DIMS`), every row copy as words.
 """
 
 from __future__ import annotations
