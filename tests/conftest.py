@@ -5,10 +5,21 @@ Markers:
   slow - the full numerical grid; run with `-m slow` (the default tier is a documented subset).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# --keep-ptx compiles write <kernel function>.<arch>.ptx into CuTe DSL's dump directory and
+# read it back; the DSL fixes that directory at its first compile (the working directory then),
+# so parallel test processes (pytest-xdist) could overwrite each other's files of the same
+# name. One directory per test process, set before the DSL is imported:
+if "CUTE_DSL_DUMP_DIR" not in os.environ:
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="ffpa_cute_ptx-")
+    atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], True)
 
 
 def pytest_configure(config):
