@@ -97,10 +97,11 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     (perf.pad_pair `copies`, H100, [1, 32, 8K, 584] bf16 into rows on lines). Returns dst."""
     if dst.dtype == src.dtype and dst.shape == src.shape and src.element_size() < 8:
         try:
-            dst.view(torch.int64).copy_(src.view(torch.int64))
-            return dst
+            words = dst.view(torch.int64), src.view(torch.int64)
         except RuntimeError:   # rows or strides not whole words: element by element
-            pass
+            return dst.copy_(src)
+        words[0].copy_(words[1])
+        return dst
     return dst.copy_(src)
 
 

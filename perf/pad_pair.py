@@ -7,8 +7,9 @@ D kernel with Q's rows on lines too?
     python -m perf.pad_pair [--out FILE]                     # GPU: time them (FFPA_CUTE_CACHE_DIR)
 
 Per D (B=1, H=32, N=8K, bf16; L2 flushed; `interleaved_ms`), TFLOPS on D's FLOPs:
-  d         the routed forward (`launch.run_fwd` on contiguous q, k, v: it copies k and v into
-            rows on 128-byte lines, `repack_rows`);
+  d         the D kernel as routed before the padded pair (`launch.run_fwd` on contiguous q,
+            k, v, PADDED_PAIR_HEAD_DIMS emptied: it copies k and v into rows on 128-byte
+            lines, `repack_rows`);
   qkv       q copied into such rows too (timed), then the same: the pair streams Q chunks
             through the ring with K's (`stream_q`), re-reading every Q row per key block, so
             Q's rows split across lines should cost what K's did before they were repacked;
@@ -68,17 +69,11 @@ def jobs(head_dims=None) -> list:
     return experiment.forward_jobs(p for d, c in cases(head_dims) for p in _plans(d, c).values())
 
 
-def _as_words(t):
-    """t's rows as 8-byte words (an int64 view of the same bytes)."""
-    import torch
-
-    return t.view(torch.int64)
-
-
 def copies(dev, flush) -> dict:
-    """{D: {name: ms}}: one [1, 32, 8K, D] bf16 operand's copy into rows on lines as `launch`
-    does it (torch's copy_ of 2-byte elements into the [..., :D] view: `lines`), the same bytes
-    copied as 8-byte words (`lines_w`), and its zero-padding to D' (`pad`, `pad_w`). Prediction:
+    """{D: {name: ms}}: one [1, 32, 8K, D] bf16 operand's copy into rows on lines by torch's
+    copy_ of 2-byte elements into the [..., :D] view (`lines`), the same bytes copied as 8-byte
+    words (`lines_w`: `launch.copy_rows`), and its zero-padding to D' both ways (`pad`,
+    `pad_w`: `launch.zero_padded`). Prediction:
     the strided copy of 2-byte elements runs far under the 3 TB/s the bytes allow (the pad64
     copies took 1.6 ms where ~0.85 would do), 8-byte words close to it."""
     import torch
@@ -91,13 +86,12 @@ def copies(dev, flush) -> dict:
         lined = launch.row_aligned(t)
         padded = launch.zero_padded(t, wide)
 
-        def pad_w():
+        def pad():
             padded[..., d:].zero_()
-            _as_words(padded[..., :d]).copy_(_as_words(t))
+            padded[..., :d].copy_(t)
 
-        fns = {"lines": lambda: lined.copy_(t),
-               "lines_w": lambda: _as_words(lined).copy_(_as_words(t)),
-               "pad": lambda: launch.zero_padded(t, wide), "pad_w": pad_w}
+        fns = {"lines": lambda: lined.copy_(t), "lines_w": lambda: launch.copy_rows(lined, t),
+               "pad": pad, "pad_w": lambda: launch.zero_padded(t, wide)}
         for f in fns.values():
             f()
         ms = experiment.interleaved_ms(fns, dev, flush, rounds=3)
@@ -113,6 +107,8 @@ def run(dev, flush) -> dict:
 
     from ffpa_cute import launch
 
+    # `d` is the D kernel: the padded pair, routed at some of these D, is timed as pad64
+    launch.PADDED_PAIR_HEAD_DIMS = frozenset()
     res = {"copies": copies(dev, flush)}
     for d, causal in cases():
         plans, wide = _plans(d, causal), _padded(d)
