@@ -78,6 +78,10 @@ CASES = [
     # D % 64 != 0 persistent, the hi share from column 256 (`split_align` 64: 144 stored of 192)
     ("sm90 D400 persistent split shares, 144 tiles", "sm90", 1, 48, 48, 130, 200, 400, 400,
      "none", "bf16", False),
+    # the CTA pair at the next multiple of 64 on zero-padded q, k, v (`launch.padded_fwd`),
+    # long enough for the row copies (as 8-byte words, `launch.copy_rows`)
+    ("sm90 D600 CTA pair at 640 on zero-padded q, k, v, GQA, Nq != Nkv", "sm90", 1, 2, 1, 2100,
+     2300, 600, 600, "none", "fp16", False),
     ("sm90 D520 wide O and gradients in one CTA (D % 16 == 8)", "sm90", 1, 2, 1, 65, 130, 520,
      520, "bottom_right", "bf16", True),
     ("sm80 D320 M8N1 causal", "sm80", 1, 2, 1, 77, 129, 320, 320, "bottom_right", "bf16", True),
