@@ -16,9 +16,17 @@ import torch
 # --keep-ptx compiles write <kernel function>.<arch>.ptx into CuTe DSL's dump directory and
 # read it back; the DSL fixes that directory at its first compile (the working directory then),
 # so parallel test processes (pytest-xdist) could overwrite each other's files of the same
-# name. One directory per test process, set before the DSL is imported:
-if "CUTE_DSL_DUMP_DIR" not in os.environ:
-    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="ffpa_cute_ptx-")
+# name. One directory per test process, set before the DSL is imported. The workers inherit
+# the controller's environment (where this file ran first), so the directory is keyed by the
+# process that made it, not by the variable being set; a directory the caller chose is the
+# parent of the per-process ones.
+if os.environ.get("FFPA_CUTE_TEST_DUMP_PID") != str(os.getpid()):
+    _parent = os.environ.get("FFPA_CUTE_TEST_DUMP_PARENT", os.environ.get("CUTE_DSL_DUMP_DIR"))
+    if _parent:
+        os.environ["FFPA_CUTE_TEST_DUMP_PARENT"] = _parent
+        os.makedirs(_parent, exist_ok=True)
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="ffpa_cute_ptx-", dir=_parent)
+    os.environ["FFPA_CUTE_TEST_DUMP_PID"] = str(os.getpid())
     atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], True)
 
 
