@@ -10,7 +10,8 @@ torch.distributed) is `ffpa_cute.distributed`, imported on its own.
 
 from . import options
 from .fp8 import quantize_fp8
-from .interface import attention, explain, patch_sdpa, unpatch_sdpa
+from .interface import attention, explain
+from .sdpa_patch import patch_sdpa, unpatch_sdpa
 from .kvcache import attention_with_kvcache
 from .merge import merge_attention
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4

@@ -1,4 +1,4 @@
-"""Public API: `attention` (SDPA's signature), `explain`, and the SDPA patch.
+"""Public API: `attention` (SDPA's signature), `explain`, and the SDPA patch (sdpa_patch.py).
 
 Every call is routed one of two ways, decided from shapes/dtypes and `options.current()` only
 (never tensor data):
@@ -10,7 +10,8 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
      A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`; under
      torch.compile the custom op `ffpa_cute::feature_attention_fwd`), else exact torch math
-     (`math_attention`).
+     (`math_attention`). A dense mask that only drops keys (a key-padding mask) runs the
+     kernel route on the keys it keeps (`key_mask`; eager calls).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -24,21 +25,21 @@ as SDPA when Nq == Nkv); the SDPA patch keeps SDPA's upper-left meaning. Both ac
 kernels compute it anyway; the fallback adds it with torch math (`fallback.native_lse`).
 """
 
+import dataclasses
 import logging
 import math
-import operator
 
 import torch
-import torch.nn.functional as F
 
-from . import dispatch, fp8, launch, nested, nvfp4, ops, selfcheck
+from . import dispatch, fp8, key_mask, launch, nested, nvfp4, ops, selfcheck
 from . import options as _options
-from .fallback import fallback_details, native_attention, native_attention_lse, native_sdpa
+from .fallback import fallback_details, native_attention, native_attention_lse
 from .math_attention import math_attention
 from .problem import AttnProblem, kv_shared
+from .problem import concrete as _concrete
 from .validate import check_args, check_return_lse, check_window_sinks, resolve_mask, window_bounds
 
-__all__ = ["attention", "explain", "patch_sdpa", "unpatch_sdpa"]
+__all__ = ["attention", "explain"]
 
 log = logging.getLogger("ffpa_cute")
 
@@ -57,19 +58,6 @@ def _clear_caches() -> None:
 
 
 # ---------------------------------------------------------------------------------- routing
-
-
-def _concrete(x):
-    """A Python constant for a problem field; under torch.compile this specializes the guard.
-
-    `operator.index` / `__float__` make Dynamo burn the symbolic size or float into the graph
-    (with a guard), which is what lets `_decide` run as a plain Python call at trace time.
-    """
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if isinstance(x, (float, torch.SymFloat)):
-        return x.__float__()
-    return operator.index(x)
 
 
 def _reason(problem: AttnProblem, device: torch.device, check: bool = True):
@@ -190,6 +178,11 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     causal, offset, mask, bounds, problem = _problem(q, k, v, attn_mask, dropout_p, is_causal,
                                                      scale, upper_left, window, sinks)
     features = bounds is not None or sinks is not None
+    kept = _kept_keys(q, k, mask, dropout_p, features, problem)
+    if kept is not None:  # a key-padding mask: the kernels on the kept keys (key_mask.py)
+        return key_mask.run(kept, q, k, v, lambda *t: _attention(
+            *t, None, 0.0, False, scale, upper_left=upper_left, strict=strict, level=level,
+            return_lse=return_lse), scale=scale, strict=strict, return_lse=return_lse)
     if _route(problem, q.device, strict, level) is not None:
         if features:
             out, lse = math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds,
@@ -223,6 +216,15 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     return (out, lse) if return_lse else out
 
 
+def _kept_keys(q, k, mask, dropout_p, features, problem):
+    """The keys a dense mask keeps where the kernels serve the unmasked call (key_mask.py)."""
+    if (mask is None or dropout_p != 0 or features or q.dim() != 4 or mask.device != q.device
+            or torch.compiler.is_compiling() or _reason(dataclasses.replace(
+                problem, has_mask=False), q.device, check=False) is not None):
+        return None
+    return key_mask.kept_keys(mask, *q.shape[:3], k.shape[-2])
+
+
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False, *, strict=None, return_lse=False, window=None, sinks=None,
               q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
@@ -234,8 +236,10 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         FlashAttention; identical to SDPA when Nq == Nkv. Pass
         `torch.nn.attention.bias.causal_upper_left(Nq, Nkv)` as `attn_mask` for SDPA's alignment.
       * Rows that see no key output 0 (SDPA may give NaN).
-    Calls no kernel covers (small head dims, masks, dropout, CPU, ...) run torch's native SDPA
-    and log the reason once; `strict=True` (or `Options.strict`, env `FFPA_CUTE_STRICT=1`)
+    A dense `attn_mask` that only drops keys, the same for every query and head (a key-padding
+    mask: bool, or float zeros and values <= -65504) runs the kernels on the kept keys
+    (ffpa_cute/key_mask.py). Calls no kernel covers (small head dims, other masks, dropout,
+    CPU, ...) run torch's native SDPA and log the reason once; `strict=True` (or `Options.strict`, env `FFPA_CUTE_STRICT=1`)
     raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
     `ffpa_cute.options` holds what else can be switched.
 
@@ -328,6 +332,11 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
         raise err
     _, _, mask, bounds, problem = _problem(q, k, v, attn_mask, dropout_p, is_causal, scale,
                                            False, window, sinks)
+    kept = _kept_keys(q, k, mask, dropout_p, bounds is not None or sinks is not None, problem)
+    if kept is not None:  # the route of the unmasked call on the most keys kept
+        c = max(kept.counts)
+        return key_mask.describe(kept) + explain(q, k[..., :c, :], v[..., :c, :], scale=scale,
+                                                 enable_gqa=enable_gqa)
     reason = _reason(problem, q.device, check=False)
     if reason is None:
         plan = dispatch.plan_fwd(problem, q.device)
@@ -349,52 +358,3 @@ def _backward_route(problem: AttnProblem, device) -> str:
         return f"{plan.family} backward kernels (dQ, dK, dV){what}{selfcheck.status(plan, device)}"
     math = problem.has_window or problem.has_sinks
     return f"{'torch math' if math else 'SDPA recompute'} ({plan.reason})"
-
-
-# ------------------------------------------------------------------------------- SDPA patch
-
-_ORIGINAL_SDPA = None
-
-
-def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
-                  scale=None, enable_gqa=False):
-    """`F.scaled_dot_product_attention` with SDPA's exact semantics (upper-left `is_causal`).
-
-    Covered calls run our kernel; everything else, including calls SDPA itself would reject,
-    goes to native SDPA with the caller's arguments untouched apart from GQA expansion. Never
-    strict: routing uncovered calls is the point of the patch. Fallback reasons log at INFO.
-    """
-    fast = _fast_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, True)
-    if fast is not None:
-        hit = _FAST_CALLS.get(fast)
-        if hit is not None:
-            return _fast_call(query, key, value, *hit)[0]
-    if check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        return native_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, upper_left=True,
-                      strict=False, level=logging.INFO, fast_key=fast)
-
-
-def patch_sdpa() -> None:
-    """Route `torch.nn.functional.scaled_dot_product_attention` through ffpa_cute (idempotent).
-
-    Only code that looks the symbol up at call time (`F.scaled_dot_product_attention(...)`) is
-    affected; a name imported earlier with `from torch.nn.functional import ...` is not.
-    """
-    global _ORIGINAL_SDPA
-    if F.scaled_dot_product_attention is _patched_sdpa:
-        return
-    _ORIGINAL_SDPA = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _patched_sdpa
-
-
-def unpatch_sdpa() -> None:
-    """Restore the exact object `patch_sdpa` replaced; a no-op if we are not installed.
-
-    If someone patched over us since, leave their wrapper alone rather than clobber it.
-    """
-    global _ORIGINAL_SDPA
-    if F.scaled_dot_product_attention is _patched_sdpa and _ORIGINAL_SDPA is not None:
-        F.scaled_dot_product_attention = _ORIGINAL_SDPA
-        _ORIGINAL_SDPA = None

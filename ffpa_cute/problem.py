@@ -8,6 +8,7 @@ frozen per-kernel config, which is the compile key; sizes (B, H, N) never enter 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,20 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def concrete(x):
+    """A Python constant for a problem field; under torch.compile this specializes the guard.
+
+    `operator.index` / `__float__` make Dynamo burn the symbolic size or float into the graph
+    (with a guard), which is what lets the interface's routing run as a plain Python call at
+    trace time.
+    """
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, (float, torch.SymFloat)):
+        return x.__float__()
+    return operator.index(x)
 
 
 def kv_shared(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from . import dispatch, launch
+from . import dispatch, key_mask, launch
 from . import options as _options
 from .math_attention import compute_dtype
 from .interface import _attention
@@ -280,3 +280,5 @@ class VarlenAttention(torch.autograd.Function):
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 dsinks, None, None, None)
 
+
+key_mask.PACKED["varlen_attention"] = varlen_attention  # key-padding masks of unequal counts

@@ -69,12 +69,12 @@ def _cache_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _clean_routing(monkeypatch):
     """Each test starts unpatched, non-strict, with empty plan/log caches."""
-    from ffpa_cute import interface
+    from ffpa_cute import interface, sdpa_patch
 
     monkeypatch.delenv("FFPA_CUTE_STRICT", raising=False)
     interface._clear_caches()
     yield
-    interface.unpatch_sdpa()
+    sdpa_patch.unpatch_sdpa()
     interface._clear_caches()
 
 

@@ -1,0 +1,143 @@
+"""Key-padding masks (ffpa_cute/key_mask.py): `attention` with a dense mask that only drops
+keys, against torch SDPA given the same mask, on the GPU.
+
+    python -m perf.key_mask [--d 512] [--batch 4] [--heads 32] [--seqlen 4096] [--out FILE]
+
+Cases (bf16, B x H x N x D, not causal), each timed forward and forward + backward:
+  shared    one bool row [1, 1, 1, N] keeping 7/8 of the keys (scattered): gathered once
+            (`index_select`), then the unmasked kernel call;
+  batch     bool [B, 1, 1, N], batch element b keeping N (8 - b) / 8 keys: `varlen_attention`;
+  hf        transformers' form of the same mask: float [B, 1, N, N], 0 and finfo.min, the row
+            repeated over the queries (the mask is compared over its rows once);
+and for `shared` also `kernel`, the unmasked call on keys gathered beforehand (what the route
+costs beyond the kernel: the mask read and the gathers). Variants timed in rotated rounds
+(perf.experiment.interleaved_ms, L2 flushed); TFLOPS on the kept pairs (4 Hq Nq D times the keys kept
+summed over the batch; forward + backward 3.5x that); err: relative Frobenius error of out against a float32 reference
+of the masked attention on two heads, ours and SDPA's. SDPA runs the first of cuDNN,
+memory-efficient, math that takes the call (named in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _masks(b: int, n: int, dev):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    shared = torch.zeros(n, dtype=torch.bool)
+    shared[torch.randperm(n, generator=g)[: n * 7 // 8]] = True
+    rows = torch.zeros(b, n, dtype=torch.bool)
+    for i in range(b):
+        rows[i, torch.randperm(n, generator=g)[: n * (8 - i % 8) // 8]] = True
+    hf = torch.zeros(b, 1, n, n, dtype=torch.bfloat16)
+    hf.masked_fill_(~rows[:, None, None, :], torch.finfo(torch.bfloat16).min)
+    return {"shared": (shared.to(dev)[None, None, None], shared.expand(b, n)),
+            "batch": (rows.to(dev)[:, None, None], rows),
+            "hf": (hf.to(dev), rows)}
+
+
+def _sdpa(mask):
+    """The SDPA call on `mask` and the backend that takes it."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def make(be):
+        def call(q, k, v):
+            with sdpa_kernel([be]):
+                return torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return call
+    return [(name, make(be)) for name, be in (("cuDNN", SDPBackend.CUDNN_ATTENTION),
+                                              ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                                              ("math", SDPBackend.MATH))]
+
+
+def _ref(q, k, v, keep, heads=2):
+    """float32 masked attention of the first `heads` heads."""
+    import torch
+
+    s = q[:, :heads].float() @ k[:, :heads].float().transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~keep.to(q.device)[:, None, None, :], float("-inf"))
+    return torch.softmax(s, -1) @ v[:, :heads].float()
+
+
+def _err(out, ref):
+    heads = ref.shape[1]
+    return float((out[:, :heads].float() - ref).norm() / ref.norm())
+
+
+def run(d: int, b: int, h: int, n: int) -> dict:
+    import torch
+
+    import ffpa_cute
+    from perf.experiment import interleaved_ms
+    from perf.timing import L2Flusher
+
+    dev = torch.device("cuda")
+    flush = L2Flusher(dev)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16)
+                     for _ in range(4))
+    res = {}
+    for name, (mask, keep) in _masks(b, n, dev).items():
+        kept = int(keep.sum())
+        flops = 4 * h * n * kept * d
+        ref = _ref(q, k, v, keep)
+        fns = {"ours": lambda m=mask: ffpa_cute.attention(q, k, v, attn_mask=m)}
+        backend = None
+        for be, call in _sdpa(mask):
+            try:
+                call(q, k, v)
+                fns[f"sdpa {be}"], backend = (lambda c=call: c(q, k, v)), be
+                break
+            except RuntimeError:
+                continue
+        if name == "shared":
+            idx = keep[0].nonzero().squeeze(1).to(dev)
+            ks, vs = k.index_select(2, idx), v.index_select(2, idx)
+            fns["kernel"] = lambda: ffpa_cute.attention(q, ks, vs)
+        err = {f: _err(fn(), ref) for f, fn in fns.items()}
+        fwd = interleaved_ms(fns, dev, flush)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def train(fn_q):
+            return lambda: fn_q(*leaves).backward(dout)
+        trains = {"ours": train(lambda a, c, e, m=mask: ffpa_cute.attention(a, c, e, attn_mask=m))}
+        if backend is not None:
+            trains[f"sdpa {backend}"] = train(dict(_sdpa(mask))[backend])
+        for fn in trains.values():
+            fn()
+        both = interleaved_ms(trains, dev, flush)
+        res[name] = dict(kept=kept, fwd_ms=fwd, fwd_tflops={f: flops / t / 1e9 for f, t in
+                                                            fwd.items()},
+                         fwd_bwd_ms=both, fwd_bwd_tflops={f: 3.5 * flops / t / 1e9 for f, t in
+                                                          both.items()},
+                         err=err, route=ffpa_cute.explain(q, k, v, attn_mask=mask)[:200])
+        print(f"{name:7s} kept {kept / b / n:.3f}: fwd " + "  ".join(
+            f"{f} {t:.3f} ms {flops / t / 1e9:.0f} TF err {err[f]:.1e}" for f, t in fwd.items())
+            + " | fwd+bwd " + "  ".join(f"{f} {t:.3f} ms {3.5 * flops / t / 1e9:.0f} TF"
+                                        for f, t in both.items()), flush=True)
+        print(f"        route: {res[name]['route']}", flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.key_mask", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--out", metavar="FILE")
+    a = ap.parse_args(argv)
+    res = dict(d=a.d, batch=a.batch, heads=a.heads, seqlen=a.seqlen,
+               cases=run(a.d, a.batch, a.heads, a.seqlen))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""Key-padding masks on the kernel route (ffpa_cute/key_mask.py), on the CPU with the fake
+kernels: out, lse and gradients against the float64 reference with the mask, for bool and
+float masks of every served form (one row of keys for all, per batch element with equal and
+unequal counts, repeated rows, expanded views), the kernel calls they make (the kept keys
+only), the masks that keep the SDPA route, `explain`, strict mode and the per-mask cache.
+"""
+
+import pytest
+import torch
+
+import fake_kernels  # tests/ is on sys.path
+from ffpa_cute import attention, explain, key_mask, patch_sdpa, unpatch_sdpa
+from masked_ref import ref_attention, rel_err
+
+F64 = torch.float64
+B, HQ, HKV, NQ, NKV, D, DV = 3, 4, 2, 7, 13, 16, 24
+
+
+def inputs(grad=True, b=B):
+    def r(*s):
+        return torch.randn(*s, dtype=F64).requires_grad_(grad)
+    return r(b, HQ, NQ, D), r(b, HKV, NKV, D), r(b, HKV, NKV, DV)
+
+
+def keep_rows(b, counts=None, seed=0):
+    """A bool [b, NKV] keep pattern, scattered (not a prefix), with the given counts."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.zeros(b, NKV, dtype=torch.bool)
+    for i in range(b):
+        c = counts[i] if counts else 9
+        rows[i, torch.randperm(NKV, generator=g)[:c]] = True
+    return rows
+
+
+def as_float(keep, low=-float("inf")):
+    return torch.zeros(keep.shape, dtype=F64).masked_fill(~keep, low)
+
+
+def served_masks():
+    """(label, mask, its keep pattern broadcast to [B, NKV])."""
+    one = keep_rows(1, [8])[0]
+    equal = keep_rows(B, [9, 9, 9])
+    unequal = keep_rows(B, [5, 13, 1])
+    hf = as_float(unequal, torch.finfo(torch.float32).min)[:, None, None, :].repeat(1, 1, NQ, 1)
+    return [
+        ("[Nkv] bool", one, one.expand(B, NKV)),
+        ("[1,1,1,Nkv] float -inf", as_float(one)[None, None, None], one.expand(B, NKV)),
+        ("[B,1,1,Nkv] bool, equal counts", equal[:, None, None], equal),
+        ("[B,1,1,Nkv] bool, unequal counts", unequal[:, None, None], unequal),
+        ("[B,1,Nq,Nkv] float finfo.min, rows repeated (transformers)", hf, unequal),
+        ("[B,Hq,Nq,Nkv] expanded view, fp16 lowest", as_float(equal, -65504.0)[:, None, None]
+         .expand(B, HQ, NQ, NKV), equal),
+        ("all kept", torch.ones(NKV, dtype=torch.bool), torch.ones(B, NKV, dtype=torch.bool)),
+    ]
+
+
+@pytest.mark.parametrize("label,mask,keep", served_masks(), ids=[m[0] for m in served_masks()])
+def test_served_on_the_kept_keys(seed, monkeypatch, label, mask, keep):
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs()
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
+                         strict=True)
+    ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None, None, :])
+    assert out.shape == (B, HQ, NQ, DV) and lse.shape == (B, HQ, NQ)
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-12
+    assert fake.fwd_calls and len(fake.bwd_calls) == len(fake.fwd_calls)
+    counts = keep.sum(-1).tolist()
+    if len(set(counts)) == 1:  # one call on the kept keys
+        assert [p.seqlen_kv for p in fake.fwd_calls] == [counts[0]]
+    else:  # per batch element (varlen): each on its own kept keys
+        assert sorted(p.seqlen_kv for p in fake.fwd_calls) == sorted(counts)
+    assert "key-padding mask" in explain(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def sdpa_masks():
+    """Masks that do more than drop keys, or drop all of a row's: the SDPA route."""
+    keep = keep_rows(B)
+    per_query = torch.rand(B, 1, NQ, NKV) > 0.3
+    per_query[..., 0] = True
+    per_head = keep[:, None, None].repeat(1, HQ, 1, 1)
+    per_head[:, 1, :, :] = True
+    none_kept = keep.clone()
+    none_kept[1] = False
+    return [
+        ("varies over queries", per_query),
+        ("varies over heads", per_head),
+        ("additive bias", torch.randn(NKV, dtype=F64)),
+        ("bias of zeros and -100", as_float(keep, -100.0)),
+        ("a batch element keeps no key", none_kept[:, None, None]),
+        ("requires grad", as_float(keep, -1e9).requires_grad_()),
+    ]
+
+
+@pytest.mark.parametrize("label,mask", sdpa_masks(), ids=[m[0] for m in sdpa_masks()])
+def test_other_masks_keep_the_sdpa_route(seed, monkeypatch, label, mask):
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs(grad=False)
+    with pytest.raises(NotImplementedError, match="mask"):
+        attention(q, k, v, attn_mask=mask, enable_gqa=True, strict=True)
+    assert not fake.fwd_calls
+    assert "key-padding" not in explain(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def test_not_with_dropout_or_on_three_dims(seed, monkeypatch):
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs(grad=False)
+    mask = keep_rows(1)[0]
+    with pytest.raises(NotImplementedError):
+        attention(q, k, v, attn_mask=mask, dropout_p=0.1, enable_gqa=True, strict=True)
+    with pytest.raises(NotImplementedError):
+        attention(q[0], k[0], v[0], attn_mask=mask, enable_gqa=True, strict=True)
+    assert not fake.fwd_calls
+
+
+def test_the_sdpa_patch_serves_them_too(seed, monkeypatch):
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs(grad=False)
+    keep = keep_rows(B, [4, 9, 12])
+    patch_sdpa()
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep[:, None, None], enable_gqa=True)
+    finally:
+        unpatch_sdpa()
+    assert rel_err(out, ref_attention(q, k, v, mask=keep[:, None, None, :])[0]) <= 1e-12
+    assert sorted(p.seqlen_kv for p in fake.fwd_calls) == [4, 9, 12]
+
+
+def test_read_once_per_mask_and_version():
+    mask = keep_rows(B)[:, None, None]
+    first = key_mask.kept_keys(mask, B, HQ, NQ, NKV)
+    assert first is not None and key_mask.kept_keys(mask, B, HQ, NQ, NKV) is first
+    mask[0, 0, 0, :] = True   # an in-place write: read again
+    again = key_mask.kept_keys(mask, B, HQ, NQ, NKV)
+    assert again is not first and again.counts[0] == NKV
+    assert key_mask.kept_keys(mask, B, HQ, NQ + 1, NKV) is not again  # another call shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype,hq,hkv", [(512, torch.bfloat16, 8, 2),
+                                            (320, torch.float16, 4, 4)])
+@pytest.mark.parametrize("form", ["shared", "equal", "unequal"])
+def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
+    """The kernels on the kept keys against float64 with the mask: within twice torch's own
+    same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict (no
+    fallback anywhere)."""
+    from masked_ref import bound
+
+    b, nq, nkv = 3, 129, 1000
+    dev = torch.device("cuda")
+    keep = torch.rand(b, nkv, device=dev) > 0.3
+    if form == "shared":
+        keep[:] = keep[0]
+    elif form == "equal":
+        keep = torch.zeros(b, nkv, dtype=torch.bool, device=dev)
+        for i in range(b):
+            keep[i, torch.randperm(nkv, device=dev)[:611]] = True
+    else:
+        keep[2, 3:] = False   # 3 keys or fewer
+        keep[2, 0] = True
+    mask = keep[:, None, None, :]
+
+    def r(*s):
+        return torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
+    q, k, v = r(b, hq, nq, d), r(b, hkv, nkv, d), r(b, hkv, nkv, d)
+    out = attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv, strict=True)
+    ref = ref_attention(q, k, v, mask=mask)[0]
+    same = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), attn_mask=mask)
+    assert rel_err(out, ref) <= bound(rel_err(same, ref))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    base = torch.autograd.grad(same, (q, k, v), dout)
+    for g, w, s in zip(got, want, base):
+        assert rel_err(g, w) <= bound(rel_err(s, w))
