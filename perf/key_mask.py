@@ -3,18 +3,24 @@ keys, against torch SDPA given the same mask, on the GPU.
 
     python -m perf.key_mask [--d 512] [--batch 4] [--heads 32] [--seqlen 4096] [--out FILE]
 
-Cases (bf16, B x H x N x D, not causal), each timed forward and forward + backward:
-  shared    one bool row [1, 1, 1, N] keeping 7/8 of the keys (scattered): gathered once
-            (`index_select`), then the unmasked kernel call;
-  batch     bool [B, 1, 1, N], batch element b keeping N (8 - b) / 8 keys: `varlen_attention`;
-  hf        transformers' form of the same mask: float [B, 1, N, N], 0 and finfo.min, the row
-            repeated over the queries (the mask is compared over its rows once);
+Cases (bf16, B x H x N x D, not causal; the route each takes, key_mask.KeptKeys.route), each
+timed forward and forward + backward:
+  shared       one bool row [1, 1, 1, N] keeping 7/8 of the keys (scattered): `gather`
+               (index_select once), then the unmasked call;
+  prefix       the same row keeping the first 7/8: `prefix` (views of k and v, no copy);
+  batch        bool [B, 1, 1, N], element b keeping N (8 - b) / 8 scattered keys: `rows` (an
+               index_select and a call per element);
+  hf           transformers' form of right padding: float [B, 1, N, N], 0 and finfo.min,
+               element b keeping its first N (8 - b) / 8 keys, the row repeated over the
+               queries: `prefix rows` (a call per element on views);
+  many         bool [8 B, 1, 1, N / 4], element b keeping its first (N / 4)(8 - b % 8) / 8
+               keys: `varlen` (more elements than key_mask.PER_ELEMENT_MAX);
 and for `shared` also `kernel`, the unmasked call on keys gathered beforehand (what the route
-costs beyond the kernel: the mask read and the gathers). Variants timed in rotated rounds
-(perf.experiment.interleaved_ms, L2 flushed); TFLOPS on the kept pairs (4 Hq Nq D times the keys kept
-summed over the batch; forward + backward 3.5x that); err: relative Frobenius error of out against a float32 reference
-of the masked attention on two heads, ours and SDPA's. SDPA runs the first of cuDNN,
-memory-efficient, math that takes the call (named in the output).
+costs beyond the kernel). Variants timed in rotated rounds (perf.experiment.interleaved_ms, L2
+flushed); TFLOPS on the kept pairs (4 Hq Nq D times the keys kept summed over the batch;
+forward + backward 3.5x that); err: relative Frobenius error of out against a float32
+reference of the masked attention on two heads, ours and SDPA's. SDPA runs the first of
+cuDNN, memory-efficient, math that takes the call (named in the output).
 """
 
 from __future__ import annotations
@@ -23,20 +29,28 @@ import argparse
 import json
 
 
-def _masks(b: int, n: int, dev):
+def _masks(b: int, n: int):
+    """{case: (batch, keys, mask on the CPU, keep [batch, keys])} (module docstring)."""
     import torch
 
     g = torch.Generator(device="cpu").manual_seed(1)
     shared = torch.zeros(n, dtype=torch.bool)
     shared[torch.randperm(n, generator=g)[: n * 7 // 8]] = True
+    prefix = torch.arange(n) < n * 7 // 8
     rows = torch.zeros(b, n, dtype=torch.bool)
     for i in range(b):
         rows[i, torch.randperm(n, generator=g)[: n * (8 - i % 8) // 8]] = True
+    pre = torch.arange(n)[None] < torch.tensor([n * (8 - i % 8) // 8 for i in range(b)])[:, None]
     hf = torch.zeros(b, 1, n, n, dtype=torch.bfloat16)
-    hf.masked_fill_(~rows[:, None, None, :], torch.finfo(torch.bfloat16).min)
-    return {"shared": (shared.to(dev)[None, None, None], shared.expand(b, n)),
-            "batch": (rows.to(dev)[:, None, None], rows),
-            "hf": (hf.to(dev), rows)}
+    hf.masked_fill_(~pre[:, None, None, :], torch.finfo(torch.bfloat16).min)
+    bm, nm = 8 * b, n // 4
+    many = torch.arange(nm)[None] < torch.tensor([nm * (8 - i % 8) // 8 for i in range(bm)])[
+        :, None]
+    return {"shared": (b, n, shared[None, None, None], shared.expand(b, n)),
+            "prefix": (b, n, prefix[None, None, None], prefix.expand(b, n)),
+            "batch": (b, n, rows[:, None, None], rows),
+            "hf": (b, n, hf, pre),
+            "many": (bm, nm, many[:, None, None], many)}
 
 
 def _sdpa(mask):
@@ -77,10 +91,11 @@ def run(d: int, b: int, h: int, n: int) -> dict:
 
     dev = torch.device("cuda")
     flush = L2Flusher(dev)
-    q, k, v, dout = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16)
-                     for _ in range(4))
     res = {}
-    for name, (mask, keep) in _masks(b, n, dev).items():
+    for name, (b, n, mask, keep) in _masks(b, n).items():
+        q, k, v, dout = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16)
+                         for _ in range(4))
+        mask = mask.to(dev)
         kept = int(keep.sum())
         flops = 4 * h * n * kept * d
         ref = _ref(q, k, v, keep)
@@ -103,18 +118,19 @@ def run(d: int, b: int, h: int, n: int) -> dict:
 
         def train(fn_q):
             return lambda: fn_q(*leaves).backward(dout)
-        trains = {"ours": train(lambda a, c, e, m=mask: ffpa_cute.attention(a, c, e, attn_mask=m))}
+        trains = {"ours": train(lambda a, c, e, m=mask: ffpa_cute.attention(a, c, e,
+                                                                            attn_mask=m))}
         if backend is not None:
             trains[f"sdpa {backend}"] = train(dict(_sdpa(mask))[backend])
         for fn in trains.values():
             fn()
         both = interleaved_ms(trains, dev, flush)
-        res[name] = dict(kept=kept, fwd_ms=fwd, fwd_tflops={f: flops / t / 1e9 for f, t in
-                                                            fwd.items()},
-                         fwd_bwd_ms=both, fwd_bwd_tflops={f: 3.5 * flops / t / 1e9 for f, t in
-                                                          both.items()},
+        res[name] = dict(batch=b, seqlen=n, kept=kept, fwd_ms=fwd,
+                         fwd_tflops={f: flops / t / 1e9 for f, t in fwd.items()},
+                         fwd_bwd_ms=both,
+                         fwd_bwd_tflops={f: 3.5 * flops / t / 1e9 for f, t in both.items()},
                          err=err, route=ffpa_cute.explain(q, k, v, attn_mask=mask)[:200])
-        print(f"{name:7s} kept {kept / b / n:.3f}: fwd " + "  ".join(
+        print(f"{name:7s} B {b} N {n} kept {kept / b / n:.3f}: fwd " + "  ".join(
             f"{f} {t:.3f} ms {flops / t / 1e9:.0f} TF err {err[f]:.1e}" for f, t in fwd.items())
             + " | fwd+bwd " + "  ".join(f"{f} {t:.3f} ms {3.5 * flops / t / 1e9:.0f} TF"
                                         for f, t in both.items()), flush=True)

@@ -36,28 +36,43 @@ def as_float(keep, low=-float("inf")):
     return torch.zeros(keep.shape, dtype=F64).masked_fill(~keep, low)
 
 
+def prefix_rows(counts):
+    return torch.arange(NKV)[None, :] < torch.tensor(counts)[:, None]
+
+
 def served_masks():
-    """(label, mask, its keep pattern broadcast to [B, NKV])."""
+    """(label, mask, its keep pattern broadcast to [B, NKV], the route)."""
     one = keep_rows(1, [8])[0]
     equal = keep_rows(B, [9, 9, 9])
     unequal = keep_rows(B, [5, 13, 1])
     hf = as_float(unequal, torch.finfo(torch.float32).min)[:, None, None, :].repeat(1, 1, NQ, 1)
+    pre, pre_equal = prefix_rows([4, 13, 9]), prefix_rows([6, 6, 6])
+    hf_pre = as_float(pre, torch.finfo(torch.float32).min)[:, None, None, :].repeat(1, 1, NQ, 1)
     return [
-        ("[Nkv] bool", one, one.expand(B, NKV)),
-        ("[1,1,1,Nkv] float -inf", as_float(one)[None, None, None], one.expand(B, NKV)),
-        ("[B,1,1,Nkv] bool, equal counts", equal[:, None, None], equal),
-        ("[B,1,1,Nkv] bool, unequal counts", unequal[:, None, None], unequal),
-        ("[B,1,Nq,Nkv] float finfo.min, rows repeated (transformers)", hf, unequal),
+        ("[Nkv] bool", one, one.expand(B, NKV), "gather"),
+        ("[1,1,1,Nkv] float -inf", as_float(one)[None, None, None], one.expand(B, NKV),
+         "gather"),
+        ("[B,1,1,Nkv] bool, equal counts", equal[:, None, None], equal, "gather"),
+        ("[B,1,1,Nkv] bool, unequal counts", unequal[:, None, None], unequal, "rows"),
+        ("[B,1,Nq,Nkv] float finfo.min, rows repeated (transformers)", hf, unequal, "rows"),
         ("[B,Hq,Nq,Nkv] expanded view, fp16 lowest", as_float(equal, -65504.0)[:, None, None]
-         .expand(B, HQ, NQ, NKV), equal),
-        ("all kept", torch.ones(NKV, dtype=torch.bool), torch.ones(B, NKV, dtype=torch.bool)),
+         .expand(B, HQ, NQ, NKV), equal, "gather"),
+        ("all kept", torch.ones(NKV, dtype=torch.bool), torch.ones(B, NKV, dtype=torch.bool),
+         "all"),
+        ("[B,1,1,Nkv] prefixes, unequal", pre[:, None, None], pre, "prefix rows"),
+        ("[B,1,Nq,Nkv] prefixes, transformers", hf_pre, pre, "prefix rows"),
+        ("[B,1,1,Nkv] prefixes, equal", pre_equal[:, None, None], pre_equal, "prefix"),
+        ("[B,1,1,Nkv] the same keys in every row", equal[:1].expand(B, NKV)[:, None, None]
+         .clone(), equal[:1].expand(B, NKV), "gather"),
     ]
 
 
-@pytest.mark.parametrize("label,mask,keep", served_masks(), ids=[m[0] for m in served_masks()])
-def test_served_on_the_kept_keys(seed, monkeypatch, label, mask, keep):
+@pytest.mark.parametrize("label,mask,keep,route", served_masks(),
+                         ids=[m[0] for m in served_masks()])
+def test_served_on_the_kept_keys(seed, monkeypatch, label, mask, keep, route):
     fake = fake_kernels.install(monkeypatch)
     q, k, v = inputs()
+    assert key_mask.kept_keys(mask, B, HQ, NQ, NKV).route == route
     out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
                          strict=True)
     ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None, None, :])
@@ -117,6 +132,25 @@ def test_not_with_dropout_or_on_three_dims(seed, monkeypatch):
     assert not fake.fwd_calls
 
 
+@pytest.mark.parametrize("prefix", [False, True])
+def test_unequal_counts_of_many_elements_take_varlen(seed, monkeypatch, prefix):
+    fake = fake_kernels.install(monkeypatch)
+    b = key_mask.PER_ELEMENT_MAX + 1
+    q, k, v = inputs(b=b)
+    counts = [1 + i % NKV for i in range(b)]
+    keep = prefix_rows(counts) if prefix else keep_rows(b, counts)
+    mask = keep[:, None, None]
+    assert key_mask.kept_keys(mask, b, HQ, NQ, NKV).route == "varlen"
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True, strict=True)
+    ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None, None, :])
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, w in zip(got, torch.autograd.grad(ref.sum(), (q, k, v))):
+        assert rel_err(g, w) <= 1e-12
+    assert sorted(p.seqlen_kv for p in fake.fwd_calls) == sorted(counts)
+    assert "varlen_attention" in explain(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def test_the_sdpa_patch_serves_them_too(seed, monkeypatch):
     fake = fake_kernels.install(monkeypatch)
     q, k, v = inputs(grad=False)
@@ -144,26 +178,33 @@ def test_read_once_per_mask_and_version():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,dtype,hq,hkv", [(512, torch.bfloat16, 8, 2),
                                             (320, torch.float16, 4, 4)])
-@pytest.mark.parametrize("form", ["shared", "equal", "unequal"])
+@pytest.mark.parametrize("form", ["gather", "equal", "rows", "prefix", "prefix rows",
+                                  "varlen"])
 def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
-    """The kernels on the kept keys against float64 with the mask: within twice torch's own
-    same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict (no
-    fallback anywhere)."""
+    """The kernels on the kept keys against float64 with the mask, every route: within twice
+    torch's own same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict
+    (no fallback anywhere)."""
     from masked_ref import bound
 
-    b, nq, nkv = 3, 129, 1000
+    b, nq, nkv = (key_mask.PER_ELEMENT_MAX + 2 if form == "varlen" else 3), 129, 1000
     dev = torch.device("cuda")
     keep = torch.rand(b, nkv, device=dev) > 0.3
-    if form == "shared":
+    lengths = torch.tensor([1000, 517, 3] * b, device=dev)[:b, None]
+    if form == "gather":
         keep[:] = keep[0]
     elif form == "equal":
         keep = torch.zeros(b, nkv, dtype=torch.bool, device=dev)
         for i in range(b):
             keep[i, torch.randperm(nkv, device=dev)[:611]] = True
-    else:
+    elif form in ("rows", "varlen"):
         keep[2, 3:] = False   # 3 keys or fewer
         keep[2, 0] = True
+    elif form == "prefix":
+        keep = (torch.arange(nkv, device=dev) < 611).expand(b, nkv)
+    else:
+        keep = torch.arange(nkv, device=dev) < lengths
     mask = keep[:, None, None, :]
+    assert key_mask.kept_keys(mask, b, hq, nq, nkv).route == form.replace("equal", "gather")
 
     def r(*s):
         return torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
