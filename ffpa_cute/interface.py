@@ -11,7 +11,7 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
      A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`; under
      torch.compile the custom op `ffpa_cute::feature_attention_fwd`), else exact torch math
      (`math_attention`). A dense mask that only drops keys (a key-padding mask) runs the
-     kernel route on the keys it keeps (`key_mask`; eager calls).
+     kernel route on the keys it keeps (`dense_mask`; eager calls).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from . import dispatch, fp8, key_mask, launch, nested, nvfp4, ops, selfcheck
+from . import dispatch, fp8, dense_mask, launch, nested, nvfp4, ops, selfcheck
 from . import options as _options
 from .fallback import fallback_details, native_attention, native_attention_lse
 from .math_attention import math_attention
@@ -179,9 +179,9 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
                                                      scale, upper_left, window, sinks)
     features = bounds is not None or sinks is not None
     kept = _kept_keys(q, k, mask, dropout_p, features, problem)
-    if kept is not None:  # a key-padding mask: the kernels on the kept keys (key_mask.py)
-        return key_mask.run(kept, q, k, v, lambda *t: _attention(
-            *t, None, 0.0, False, scale, upper_left=upper_left, strict=strict, level=level,
+    if kept is not None:  # a key-padding mask: the kernels on the kept keys (dense_mask.py)
+        return dense_mask.run(kept, q, k, v, lambda *t, causal=False: _attention(
+            *t, None, 0.0, causal, scale, upper_left=False, strict=strict, level=level,
             return_lse=return_lse), scale=scale, strict=strict, return_lse=return_lse)
     if _route(problem, q.device, strict, level) is not None:
         if features:
@@ -217,12 +217,12 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
 
 
 def _kept_keys(q, k, mask, dropout_p, features, problem):
-    """The keys a dense mask keeps where the kernels serve the unmasked call (key_mask.py)."""
+    """The keys a dense mask keeps where the kernels serve the unmasked call (dense_mask.py)."""
     if (mask is None or dropout_p != 0 or features or q.dim() != 4 or mask.device != q.device
             or torch.compiler.is_compiling() or _reason(dataclasses.replace(
                 problem, has_mask=False), q.device, check=False) is not None):
         return None
-    return key_mask.kept_keys(mask, *q.shape[:3], k.shape[-2])
+    return dense_mask.kept_keys(mask, *q.shape[:3], k.shape[-2])
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -238,7 +238,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
       * Rows that see no key output 0 (SDPA may give NaN).
     A dense `attn_mask` that only drops keys, the same for every query and head (a key-padding
     mask: bool, or float zeros and values <= -65504) runs the kernels on the kept keys
-    (ffpa_cute/key_mask.py). Calls no kernel covers (small head dims, other masks, dropout,
+    (ffpa_cute/dense_mask.py). Calls no kernel covers (small head dims, other masks, dropout,
     CPU, ...) run torch's native SDPA and log the reason once; `strict=True` (or `Options.strict`, env `FFPA_CUTE_STRICT=1`)
     raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
     `ffpa_cute.options` holds what else can be switched.
@@ -334,8 +334,8 @@ def explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                            False, window, sinks)
     kept = _kept_keys(q, k, mask, dropout_p, bounds is not None or sinks is not None, problem)
     if kept is not None:  # the route of the unmasked call on the most keys kept
-        c = max(kept.counts)
-        return key_mask.describe(kept) + explain(q, k[..., :c, :], v[..., :c, :], scale=scale,
+        c = kept.most_keys
+        return dense_mask.describe(kept) + explain(q, k[..., :c, :], v[..., :c, :], scale=scale,
                                                  enable_gqa=enable_gqa)
     reason = _reason(problem, q.device, check=False)
     if reason is None:

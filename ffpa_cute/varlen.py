@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from . import dispatch, key_mask, launch
+from . import dispatch, dense_mask, launch
 from . import options as _options
 from .math_attention import compute_dtype
 from .interface import _attention
@@ -281,4 +281,4 @@ class VarlenAttention(torch.autograd.Function):
                 dsinks, None, None, None)
 
 
-key_mask.PACKED["varlen_attention"] = varlen_attention  # key-padding masks of unequal counts
+dense_mask.PACKED["varlen_attention"] = varlen_attention  # key-padding masks of unequal counts

@@ -1,10 +1,12 @@
-"""Dense masks that only drop keys (key-padding masks), served by the kernels on the kept keys.
+"""Dense masks the kernels serve without a mask operand: key-padding masks and masks whose
+rows keep a prefix of the keys (causal, block-causal, prefix-LM), each as a few unmasked or
+causal kernel calls.
 
-A dense `attn_mask` that is the same for every query row and every head ([B or 1, 1, 1, Nkv]
-after broadcasting, or a wider tensor whose rows repeat: what a key-padding mask is) selects
-the keys each batch element attends to. Attention over those keys alone is the masked
-attention, so `attention` runs the kernels on them instead of sending the call to SDPA (which
-at D > 256 has no fast kernel). How (`run`):
+**Key-padding masks** (`KeptKeys`). A dense `attn_mask` that is the same for every query row
+and every head ([B or 1, 1, 1, Nkv] after broadcasting, or a wider tensor whose rows repeat)
+selects the keys each batch element attends to. Attention over those keys alone is the
+masked attention, so `attention` runs the kernels on them instead of sending the call to SDPA
+(which at D > 256 has no fast kernel). How (`KeptKeys.route`):
   * keys kept as a prefix (padding at the end, the common case): views of k and v, no copy;
     one call when every batch element keeps as many, else one call per batch element (up to
     PER_ELEMENT_MAX elements);
@@ -13,8 +15,19 @@ at D > 256 has no fast kernel). How (`run`):
     counts (up to PER_ELEMENT_MAX elements);
   * unequal counts of more elements: the packed sequences of `varlen.varlen_attention` (its
     one launch; q copied into the packed layout, the kept keys back to back).
-The gradients reach k and v through the views and gathers; a dropped key's are 0, as under
-the mask.
+
+**Row prefixes** (`RowRuns`). A mask that varies over the queries (the same over heads) whose
+row i keeps keys [0, L(i)), L(i) >= 1: a causal mask as a tensor (L(i) = i + 1 + offset),
+Gemma's bidirectional image blocks inside a causal text mask (the rows of a block all keep
+up to the block's end), a prefix-LM mask, any of them with right padding of the keys. The
+rows split into runs that one kernel call serves each: "full" (every row keeps the same L:
+the run's queries against k[:L], unmasked) and "diagonal" (L(i) - i constant: the run's
+queries against k[:L(last row)], causal bottom-right, which gives row i exactly keys < L(i)).
+Runs are taken greedily, the longer kind first; a mask of more than MAX_RUNS runs keeps the
+SDPA route. out (and lse) are the runs' concatenated along the queries.
+
+The gradients reach q, k and v through the views, gathers and concatenations; a dropped key's
+are 0, as under the mask.
 
 Which masks: bool (True: the key takes part, SDPA's convention), or floating with every value
 either 0 (kept) or at most DROPPED (-65504: fp16's lowest, what transformers fills fp16 masks
@@ -22,11 +35,12 @@ with; -1e9, finfo.min and -inf are below it). A dropped key's softmax weight und
 exp(mask + s_k - m) with m >= a kept key's score, which is 0 in float32 unless s_k exceeds every
 kept score by more than ~65400: then the mask and this route differ, as they would between
 two masks of different large values. Not served (the caller routes the masked call as before:
-SDPA, logged): masks that vary over queries or heads, float masks with other values (a
-genuine additive bias), a batch element that keeps no key (SDPA's own semantics for such
-rows), masks that require grad, non-4-D inputs, dropout, a window or sinks, and calls under
-torch.compile (reading the mask needs the host: one device sync per mask tensor and version,
-cached like `varlen.sequence_bounds`; a model's layers sharing one mask read it once a step).
+SDPA, logged): masks that vary over heads, rows that keep other than a prefix while the rows
+differ, float masks with other values (a genuine additive bias), a row (or, for key-padding
+masks, a batch element) that keeps no key (SDPA's own semantics for such rows), masks that
+require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
+(reading the mask needs the host: device syncs once per mask tensor and version, cached like
+`varlen.sequence_bounds`; a model's layers sharing one mask read it once a step).
 """
 
 from __future__ import annotations
@@ -36,12 +50,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DROPPED", "KeptKeys", "PER_ELEMENT_MAX", "describe", "kept_keys", "run"]
+__all__ = ["DROPPED", "KeptKeys", "MAX_RUNS", "PER_ELEMENT_MAX", "RowRuns", "describe",
+           "kept_keys", "run"]
 
 DROPPED = -65504.0  # a float mask value at or below this drops its key (module docstring)
 # Unequal counts over at most this many batch elements run one call per element (views or an
 # index_select each: no copy of q, out assembled by one cat); more take varlen's one launch
 PER_ELEMENT_MAX = 16
+MAX_RUNS = 64   # row-prefix masks of more runs (over the batch elements) keep the SDPA route
 
 # `varlen.varlen_attention`, set by varlen.py when it loads (`import ffpa_cute` loads it):
 # varlen routes each sequence through the interface, which calls this module, so neither this
@@ -73,6 +89,10 @@ class KeptKeys:
         return all(c == self.keep.shape[-1] for c in self.counts)
 
     @property
+    def most_keys(self) -> int:
+        return max(self.counts)
+
+    @property
     def route(self) -> str:
         """"all", "prefix" (one call on views), "prefix rows" (a call per element on views),
         "gather" (one call on gathered keys), "rows" (a call per element on gathered keys) or
@@ -85,10 +105,50 @@ class KeptKeys:
         return "gather" if equal else "rows" if self.rows is not None else "varlen"
 
 
-def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int, nkv: int) -> KeptKeys | None:
-    """The keys `mask` keeps for inputs [batch, heads, nq, ...] x [.., nkv, ..], or None where
-    the mask does more than drop keys or drops all of a batch element's (module docstring).
-    Read once per mask tensor and version."""
+@dataclass(frozen=True)
+class RowRuns:
+    """A row-prefix mask as runs of query rows (module docstring): `runs[b]` for batch element
+    b (one entry when every element has the same), each run (start, end, "full" or
+    "diagonal", the keys its kernel call takes)."""
+    runs: tuple
+
+    @property
+    def route(self) -> str:
+        return "row runs"
+
+    @property
+    def most_keys(self) -> int:
+        return max(r[3] for e in self.runs for r in e)
+
+    @property
+    def calls(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+
+def _runs(lengths: list) -> tuple:
+    """Greedy runs of rows with keep-lengths `lengths` (module docstring)."""
+    runs, a, n = [], 0, len(lengths)
+    while a < n:
+        full = a + 1
+        while full < n and lengths[full] == lengths[a]:
+            full += 1
+        diag = a + 1
+        while diag < n and lengths[diag] - diag == lengths[a] - a:
+            diag += 1
+        if full >= diag:
+            runs.append((a, full, "full", lengths[a]))
+            a = full
+        else:
+            runs.append((a, diag, "diagonal", lengths[diag - 1]))
+            a = diag
+    return tuple(runs)
+
+
+def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int,
+              nkv: int) -> KeptKeys | RowRuns | None:
+    """The keys `mask` keeps for inputs [batch, heads, nq, ...] x [.., nkv, ..] (`KeptKeys`,
+    or `RowRuns` for row prefixes), or None where the kernels cannot serve it this way
+    (module docstring). Read once per mask tensor and version."""
     key = (mask._version, mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, batch, heads,
            nq, nkv)
     hit = _CACHE.get(id(mask))
@@ -109,18 +169,14 @@ def _read(mask, batch, heads, nq, nkv) -> KeptKeys | None:
     target = (batch, heads, nq, nkv)
     if any(s not in (1, t) for s, t in zip(m.shape, target)) or m.shape[3] != nkv:
         return None  # not broadcastable to the call: SDPA raises its own error
-    first = m[:, :1, :1, :]
-    if (m.shape[1] > 1 and m.stride(1) != 0) or (m.shape[2] > 1 and m.stride(2) != 0):
-        if not bool((m == first).all()):  # differs over heads or queries (NaN never equal)
-            return None
-    rows = first[:, 0, 0, :]   # [b', nkv]
-    if rows.dtype == torch.bool:
-        keep = rows
-    else:
-        keep = rows == 0
-        if not bool((keep | (rows <= DROPPED)).all()):  # an additive bias (or NaN)
-            return None
-    keep = keep.contiguous()
+    if m.shape[1] > 1 and m.stride(1) != 0 and not bool((m == m[:, :1]).all()):
+        return None   # differs over heads (NaN never equal)
+    m = m[:, 0]   # [b', q', nkv]
+    if m.shape[1] > 1 and m.stride(1) != 0 and not bool((m == m[:, :1]).all()):
+        return _row_runs(_kept(m), nkv)
+    keep = _kept(m[:, 0])   # [b', nkv]
+    if keep is None:
+        return None
     sums = keep.sum(-1)
     counts = tuple(sums.tolist())
     if min(counts) == 0:
@@ -145,8 +201,39 @@ def _read(mask, batch, heads, nq, nkv) -> KeptKeys | None:
                     cu_k=torch.tensor(ends, dtype=torch.int32, device=mask.device))
 
 
-def describe(kept: KeptKeys) -> str:
+def _kept(values: torch.Tensor) -> torch.Tensor | None:
+    """The bool keep pattern of mask values (contiguous), or None for an additive bias."""
+    if values.dtype == torch.bool:
+        return values.contiguous()
+    keep = values == 0
+    if not bool((keep | (values <= DROPPED)).all()):  # an additive bias (or NaN)
+        return None
+    return keep.contiguous()
+
+
+def _row_runs(keep: torch.Tensor | None, nkv: int) -> RowRuns | None:
+    """`RowRuns` of a keep pattern [b', Nq, Nkv] whose rows differ, or None unless every row
+    keeps a non-empty prefix and the runs are few."""
+    if keep is None:
+        return None
+    lengths = keep.sum(-1)   # [b', Nq]
+    if not bool((keep == (torch.arange(nkv, device=keep.device) < lengths[..., None])).all()):
+        return None
+    per = lengths.tolist()
+    if min(min(r) for r in per) == 0:
+        return None
+    if all(r == per[0] for r in per):
+        per = per[:1]
+    runs = tuple(_runs(r) for r in per)
+    return RowRuns(runs) if sum(map(len, runs)) <= MAX_RUNS else None
+
+
+def describe(kept: KeptKeys | RowRuns) -> str:
     """The start of `explain`'s line for a call this module serves."""
+    if isinstance(kept, RowRuns):
+        diag = sum(r[2] == "diagonal" for e in kept.runs for r in e)
+        return (f"row-prefix mask: {kept.calls} kernel calls on runs of query rows ({diag} "
+                f"causal, {kept.calls - diag} unmasked{', per batch element' if len(kept.runs) > 1 else ''}): ")
     counts, nkv = kept.counts, kept.keep.shape[-1]
     n = counts[0] if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
     how = {"all": "the unmasked call", "prefix": "the unmasked call on views of k and v",
@@ -162,6 +249,8 @@ def run(kept: KeptKeys, q, k, v, dense, *, scale, strict, return_lse):
     `dense(q, k, v)` is the caller's unmasked route (returning out, or (out, lse) with
     `return_lse`). varlen's out and lse come back as [B, Hq, Nq, Dv] / [B, Hq, Nq] views."""
     route = kept.route
+    if route == "row runs":
+        return _run_rows(kept, q, k, v, dense, return_lse)
     if route == "all":
         return dense(q, k, v)
     if route == "prefix":
@@ -196,3 +285,22 @@ def run(kept: KeptKeys, q, k, v, dense, *, scale, strict, return_lse):
     if not return_lse:
         return out
     return out, lse.view(hq, b, nq).transpose(0, 1)
+
+
+def _run_rows(kept: RowRuns, q, k, v, dense, return_lse):
+    """`run` for row prefixes: one `dense` call per run (on every batch element at once when
+    they share their runs), out (and lse) concatenated along the queries."""
+    outs = []
+    for b, runs in enumerate(kept.runs):
+        qb, kb, vb = (q, k, v) if len(kept.runs) == 1 else (q[b:b + 1], k[b:b + 1], v[b:b + 1])
+        parts = [dense(qb[:, :, a:e], kb[:, :, :n], vb[:, :, :n], causal=kind == "diagonal")
+                 for a, e, kind, n in runs]
+        if return_lse:
+            outs.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
+        else:
+            outs.append(torch.cat(parts, 2))
+    if len(outs) == 1:
+        return outs[0]
+    if return_lse:
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    return torch.cat(outs)

@@ -1,15 +1,17 @@
-"""Key-padding masks on the kernel route (ffpa_cute/key_mask.py), on the CPU with the fake
+"""Dense masks on the kernel route (ffpa_cute/dense_mask.py), on the CPU with the fake
 kernels: out, lse and gradients against the float64 reference with the mask, for bool and
-float masks of every served form (one row of keys for all, per batch element with equal and
-unequal counts, repeated rows, expanded views), the kernel calls they make (the kept keys
-only), the masks that keep the SDPA route, `explain`, strict mode and the per-mask cache.
+float masks of every served form (key padding: one row of keys for all, per batch element
+with equal and unequal counts, prefixes, repeated rows, expanded views; row prefixes: causal
+as a tensor, Gemma's image blocks, prefix-LM, with padding, per batch element), the kernel
+calls they make, the masks that keep the SDPA route, `explain`, strict mode and the per-mask
+cache.
 """
 
 import pytest
 import torch
 
 import fake_kernels  # tests/ is on sys.path
-from ffpa_cute import attention, explain, key_mask, patch_sdpa, unpatch_sdpa
+from ffpa_cute import attention, explain, dense_mask, patch_sdpa, unpatch_sdpa
 from masked_ref import ref_attention, rel_err
 
 F64 = torch.float64
@@ -72,7 +74,7 @@ def served_masks():
 def test_served_on_the_kept_keys(seed, monkeypatch, label, mask, keep, route):
     fake = fake_kernels.install(monkeypatch)
     q, k, v = inputs()
-    assert key_mask.kept_keys(mask, B, HQ, NQ, NKV).route == route
+    assert dense_mask.kept_keys(mask, B, HQ, NQ, NKV).route == route
     out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
                          strict=True)
     ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None, None, :])
@@ -92,6 +94,67 @@ def test_served_on_the_kept_keys(seed, monkeypatch, label, mask, keep, route):
     assert "key-padding mask" in explain(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def row_lengths(nq, nkv, kind, shift=0):
+    """Keep-lengths L(i) of a row-prefix mask (row i keeps keys [0, L(i)))."""
+    i = torch.arange(nq)
+    if kind == "causal":   # bottom-right
+        return (i + 1 + nkv - nq).clamp(max=nkv)
+    if kind == "upper-left":
+        return (i + 1).clamp(max=nkv)
+    if kind == "image blocks":   # causal text, two bidirectional blocks
+        lengths = i + 1
+        for a, e in ((1 + shift, 4 + shift), (6, 9)):
+            lengths[a:e] = e
+        return lengths.clamp(max=nkv)
+    if kind == "prefix-LM":
+        return torch.maximum(i + 1, torch.tensor(4 + shift)).clamp(max=nkv)
+    if kind == "causal, padded":
+        return (i + 1).clamp(max=nkv - 3 - shift)
+    raise ValueError(kind)
+
+
+def as_keep(lengths, nkv):
+    return torch.arange(nkv)[None, :] < lengths[..., None]
+
+
+ROW_CASES = [  # (kind, Nq = Nkv, calls, per batch element)
+    ("causal", True, 1, False), ("upper-left", False, 1, False), ("causal", False, 1, False),
+    ("image blocks", True, 5, False), ("prefix-LM", True, 2, False),
+    ("causal, padded", True, 2, False), ("image blocks", True, 14, True),
+    ("prefix-LM", True, 6, True)]
+
+
+@pytest.mark.parametrize("kind,square,calls,per_element", ROW_CASES,
+                         ids=[f"{c[0]}-{'square' if c[1] else 'Nq<Nkv'}"
+                              f"{'-per-element' if c[3] else ''}" for c in ROW_CASES])
+@pytest.mark.parametrize("as_float_mask", [False, True])
+def test_row_prefixes_run_as_causal_and_full_calls(seed, monkeypatch, kind, square, calls,
+                                                   per_element, as_float_mask):
+    fake = fake_kernels.install(monkeypatch)
+    nq, nkv = (NKV, NKV) if square else (NQ, NKV)
+    q, k, v = inputs()
+    q = torch.randn(B, HQ, nq, D, dtype=F64, requires_grad=True)
+    if per_element:
+        keep = torch.stack([as_keep(row_lengths(nq, nkv, kind, b), nkv) for b in range(B)])
+    else:
+        keep = as_keep(row_lengths(nq, nkv, kind), nkv).expand(B, nq, nkv)
+    mask = keep[:, None] if per_element else keep[0]
+    if as_float_mask:
+        mask = as_float(mask, torch.finfo(torch.float64).min)
+    kept = dense_mask.kept_keys(mask, B, HQ, nq, nkv)
+    assert kept.route == "row runs" and kept.calls == calls
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
+                         strict=True)
+    ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None])
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, w in zip(got, torch.autograd.grad(ref.sum(), (q, k, v))):
+        assert rel_err(g, w) <= 1e-12
+    assert len(fake.fwd_calls) == calls
+    assert explain(q, k, v, attn_mask=mask, enable_gqa=True).startswith(
+        f"row-prefix mask: {calls} kernel calls")
+
+
 def sdpa_masks():
     """Masks that do more than drop keys, or drop all of a row's: the SDPA route."""
     keep = keep_rows(B)
@@ -101,8 +164,14 @@ def sdpa_masks():
     per_head[:, 1, :, :] = True
     none_kept = keep.clone()
     none_kept[1] = False
+    window = as_keep(torch.arange(NQ) + 1 + NKV - NQ, NKV) & ~as_keep(
+        torch.arange(NQ) + NKV - NQ - 2, NKV)   # a sliding window: not prefixes
+    no_key = as_keep(torch.arange(NQ) - 2, NKV)   # the first two rows keep nothing
     return [
         ("varies over queries", per_query),
+        ("rows not prefixes (a sliding window)", window),
+        ("a row that keeps no key", no_key),
+        ("varies over queries and heads", per_head & window.expand(B, HQ, NQ, NKV)),
         ("varies over heads", per_head),
         ("additive bias", torch.randn(NKV, dtype=F64)),
         ("bias of zeros and -100", as_float(keep, -100.0)),
@@ -121,6 +190,20 @@ def test_other_masks_keep_the_sdpa_route(seed, monkeypatch, label, mask):
     assert "key-padding" not in explain(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def test_too_many_row_runs_keep_the_sdpa_route(seed, monkeypatch):
+    fake = fake_kernels.install(monkeypatch)
+    monkeypatch.setattr(dense_mask, "MAX_RUNS", NQ - 1)
+    q, k, v = inputs(grad=False)
+    alternating = as_keep(torch.tensor([1 + (i % 2) * 5 for i in range(NQ)]), NKV)  # NQ runs
+    with pytest.raises(NotImplementedError, match="mask"):
+        attention(q, k, v, attn_mask=alternating, enable_gqa=True, strict=True)
+    monkeypatch.setattr(dense_mask, "MAX_RUNS", NQ)
+    dense_mask._CACHE.clear()
+    out = attention(q, k, v, attn_mask=alternating, enable_gqa=True, strict=True)
+    assert rel_err(out, ref_attention(q, k, v, mask=alternating)[0]) <= 1e-12
+    assert len(fake.fwd_calls) == NQ
+
+
 def test_not_with_dropout_or_on_three_dims(seed, monkeypatch):
     fake = fake_kernels.install(monkeypatch)
     q, k, v = inputs(grad=False)
@@ -135,12 +218,12 @@ def test_not_with_dropout_or_on_three_dims(seed, monkeypatch):
 @pytest.mark.parametrize("prefix", [False, True])
 def test_unequal_counts_of_many_elements_take_varlen(seed, monkeypatch, prefix):
     fake = fake_kernels.install(monkeypatch)
-    b = key_mask.PER_ELEMENT_MAX + 1
+    b = dense_mask.PER_ELEMENT_MAX + 1
     q, k, v = inputs(b=b)
     counts = [1 + i % NKV for i in range(b)]
     keep = prefix_rows(counts) if prefix else keep_rows(b, counts)
     mask = keep[:, None, None]
-    assert key_mask.kept_keys(mask, b, HQ, NQ, NKV).route == "varlen"
+    assert dense_mask.kept_keys(mask, b, HQ, NQ, NKV).route == "varlen"
     out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True, strict=True)
     ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None, None, :])
     assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
@@ -167,26 +250,26 @@ def test_the_sdpa_patch_serves_them_too(seed, monkeypatch):
 
 def test_read_once_per_mask_and_version():
     mask = keep_rows(B)[:, None, None]
-    first = key_mask.kept_keys(mask, B, HQ, NQ, NKV)
-    assert first is not None and key_mask.kept_keys(mask, B, HQ, NQ, NKV) is first
+    first = dense_mask.kept_keys(mask, B, HQ, NQ, NKV)
+    assert first is not None and dense_mask.kept_keys(mask, B, HQ, NQ, NKV) is first
     mask[0, 0, 0, :] = True   # an in-place write: read again
-    again = key_mask.kept_keys(mask, B, HQ, NQ, NKV)
+    again = dense_mask.kept_keys(mask, B, HQ, NQ, NKV)
     assert again is not first and again.counts[0] == NKV
-    assert key_mask.kept_keys(mask, B, HQ, NQ + 1, NKV) is not again  # another call shape
+    assert dense_mask.kept_keys(mask, B, HQ, NQ + 1, NKV) is not again  # another call shape
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,dtype,hq,hkv", [(512, torch.bfloat16, 8, 2),
                                             (320, torch.float16, 4, 4)])
 @pytest.mark.parametrize("form", ["gather", "equal", "rows", "prefix", "prefix rows",
-                                  "varlen"])
+                                  "varlen", "causal rows", "image blocks"])
 def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     """The kernels on the kept keys against float64 with the mask, every route: within twice
     torch's own same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict
     (no fallback anywhere)."""
     from masked_ref import bound
 
-    b, nq, nkv = (key_mask.PER_ELEMENT_MAX + 2 if form == "varlen" else 3), 129, 1000
+    b, nq, nkv = (dense_mask.PER_ELEMENT_MAX + 2 if form == "varlen" else 3), 129, 1000
     dev = torch.device("cuda")
     keep = torch.rand(b, nkv, device=dev) > 0.3
     lengths = torch.tensor([1000, 517, 3] * b, device=dev)[:b, None]
@@ -204,13 +287,24 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     else:
         keep = torch.arange(nkv, device=dev) < lengths
     mask = keep[:, None, None, :]
-    assert key_mask.kept_keys(mask, b, hq, nq, nkv).route == form.replace("equal", "gather")
+    if form in ("causal rows", "image blocks"):   # row prefixes, Nq = Nkv = 700
+        nq = nkv = 700
+        i = torch.arange(nq, device=dev)
+        lengths = i + 1
+        if form == "image blocks":   # Gemma's bidirectional image blocks in causal text
+            for a, e in ((100, 356), (600, 700)):
+                lengths[a:e] = e
+        mask = (torch.arange(nkv, device=dev) < lengths[:, None])
+        keep = mask.expand(b, nq, nkv)[:, None]
+    route = dense_mask.kept_keys(mask, b, hq, nq, nkv).route
+    assert route == {"equal": "gather", "causal rows": "row runs",
+                     "image blocks": "row runs"}.get(form, form)
 
     def r(*s):
         return torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
     q, k, v = r(b, hq, nq, d), r(b, hkv, nkv, d), r(b, hkv, nkv, d)
     out = attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv, strict=True)
-    ref = ref_attention(q, k, v, mask=mask)[0]
+    ref = ref_attention(q, k, v, mask=keep if keep.dim() == 4 else mask)[0]
     same = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), attn_mask=mask)
     assert rel_err(out, ref) <= bound(rel_err(same, ref))

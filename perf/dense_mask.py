@@ -1,9 +1,9 @@
-"""Key-padding masks (ffpa_cute/key_mask.py): `attention` with a dense mask that only drops
+"""Key-padding masks (ffpa_cute/dense_mask.py): `attention` with a dense mask that only drops
 keys, against torch SDPA given the same mask, on the GPU.
 
-    python -m perf.key_mask [--d 512] [--batch 4] [--heads 32] [--seqlen 4096] [--out FILE]
+    python -m perf.dense_mask [--d 512] [--batch 4] [--heads 32] [--seqlen 4096] [--out FILE]
 
-Cases (bf16, B x H x N x D, not causal; the route each takes, key_mask.KeptKeys.route), each
+Cases (bf16, B x H x N x D, not causal; the route each takes, dense_mask.KeptKeys.route), each
 timed forward and forward + backward:
   shared       one bool row [1, 1, 1, N] keeping 7/8 of the keys (scattered): `gather`
                (index_select once), then the unmasked call;
@@ -14,7 +14,11 @@ timed forward and forward + backward:
                element b keeping its first N (8 - b) / 8 keys, the row repeated over the
                queries: `prefix rows` (a call per element on views);
   many         bool [8 B, 1, 1, N / 4], element b keeping its first (N / 4)(8 - b % 8) / 8
-               keys: `varlen` (more elements than key_mask.PER_ELEMENT_MAX);
+               keys: `varlen` (more elements than dense_mask.PER_ELEMENT_MAX);
+  causal       a causal bool [N, N] tensor (row prefixes: one causal call), with `kernel`
+               the same call by is_causal=True;
+  images       Gemma's bidirectional image blocks inside causal text: bool [N, N], four
+               blocks of N / 16 rows (row prefixes: nine calls, four unmasked, five causal);
 and for `shared` also `kernel`, the unmasked call on keys gathered beforehand (what the route
 costs beyond the kernel). Variants timed in rotated rounds (perf.experiment.interleaved_ms, L2
 flushed); TFLOPS on the kept pairs (4 Hq Nq D times the keys kept summed over the batch;
@@ -46,7 +50,15 @@ def _masks(b: int, n: int):
     bm, nm = 8 * b, n // 4
     many = torch.arange(nm)[None] < torch.tensor([nm * (8 - i % 8) // 8 for i in range(bm)])[
         :, None]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    lengths = torch.arange(n) + 1
+    for j in range(4):
+        a = n // 16 + j * n // 4
+        lengths[a:a + n // 16] = a + n // 16
+    images = torch.arange(n)[None] < lengths[:, None]
     return {"shared": (b, n, shared[None, None, None], shared.expand(b, n)),
+            "causal": (b, n, causal, causal.expand(b, n, n)),
+            "images": (b, n, images, images.expand(b, n, n)),
             "prefix": (b, n, prefix[None, None, None], prefix.expand(b, n)),
             "batch": (b, n, rows[:, None, None], rows),
             "hf": (b, n, hf, pre),
@@ -69,11 +81,13 @@ def _sdpa(mask):
 
 
 def _ref(q, k, v, keep, heads=2):
-    """float32 masked attention of the first `heads` heads."""
+    """float32 masked attention of the first `heads` heads (keep: [B, Nkv] or [B, Nq, Nkv])."""
     import torch
 
     s = q[:, :heads].float() @ k[:, :heads].float().transpose(-1, -2) / q.shape[-1] ** 0.5
-    s = s.masked_fill(~keep.to(q.device)[:, None, None, :], float("-inf"))
+    keep = keep.to(q.device)
+    keep = keep[:, None, None, :] if keep.dim() == 2 else keep[:, None]
+    s = s.masked_fill(~keep, float("-inf"))
     return torch.softmax(s, -1) @ v[:, :heads].float()
 
 
@@ -96,7 +110,7 @@ def run(d: int, b: int, h: int, n: int) -> dict:
         q, k, v, dout = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16)
                          for _ in range(4))
         mask = mask.to(dev)
-        kept = int(keep.sum())
+        kept = int(keep.sum()) * (1 if keep.dim() == 3 else n) // n   # kept pairs / Nq
         flops = 4 * h * n * kept * d
         ref = _ref(q, k, v, keep)
         fns = {"ours": lambda m=mask: ffpa_cute.attention(q, k, v, attn_mask=m)}
@@ -108,6 +122,8 @@ def run(d: int, b: int, h: int, n: int) -> dict:
                 break
             except RuntimeError:
                 continue
+        if name == "causal":
+            fns["kernel"] = lambda: ffpa_cute.attention(q, k, v, is_causal=True)
         if name == "shared":
             idx = keep[0].nonzero().squeeze(1).to(dev)
             ks, vs = k.index_select(2, idx), v.index_select(2, idx)
@@ -139,7 +155,7 @@ def run(d: int, b: int, h: int, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m perf.key_mask", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m perf.dense_mask", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
