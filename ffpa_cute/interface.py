@@ -10,8 +10,9 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
      A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`; under
      torch.compile the custom op `ffpa_cute::feature_attention_fwd`), else exact torch math
-     (`math_attention`). A dense mask that only drops keys (a key-padding mask) runs the
-     kernel route on the keys it keeps (`dense_mask`; eager calls).
+     (`math_attention`). A dense mask that only drops keys (a key-padding mask) or keeps a
+     key prefix in every row (causal as a tensor, image blocks) runs as kernel calls on the
+     keys it keeps (`dense_mask`; eager calls).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -31,7 +32,7 @@ import math
 
 import torch
 
-from . import dispatch, fp8, dense_mask, launch, nested, nvfp4, ops, selfcheck
+from . import dense_mask, dispatch, fp8, launch, nested, nvfp4, ops, selfcheck
 from . import options as _options
 from .fallback import fallback_details, native_attention, native_attention_lse
 from .math_attention import math_attention
@@ -179,7 +180,7 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
                                                      scale, upper_left, window, sinks)
     features = bounds is not None or sinks is not None
     kept = _kept_keys(q, k, mask, dropout_p, features, problem)
-    if kept is not None:  # a key-padding mask: the kernels on the kept keys (dense_mask.py)
+    if kept is not None:  # the kernels on the keys the mask keeps (dense_mask.py)
         return dense_mask.run(kept, q, k, v, lambda *t, causal=False: _attention(
             *t, None, 0.0, causal, scale, upper_left=False, strict=strict, level=level,
             return_lse=return_lse), scale=scale, strict=strict, return_lse=return_lse)
@@ -217,7 +218,7 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
 
 
 def _kept_keys(q, k, mask, dropout_p, features, problem):
-    """The keys a dense mask keeps where the kernels serve the unmasked call (dense_mask.py)."""
+    """What a dense mask keeps where the kernels serve the unmasked call (dense_mask.py)."""
     if (mask is None or dropout_p != 0 or features or q.dim() != 4 or mask.device != q.device
             or torch.compiler.is_compiling() or _reason(dataclasses.replace(
                 problem, has_mask=False), q.device, check=False) is not None):
@@ -236,11 +237,12 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         FlashAttention; identical to SDPA when Nq == Nkv. Pass
         `torch.nn.attention.bias.causal_upper_left(Nq, Nkv)` as `attn_mask` for SDPA's alignment.
       * Rows that see no key output 0 (SDPA may give NaN).
-    A dense `attn_mask` that only drops keys, the same for every query and head (a key-padding
-    mask: bool, or float zeros and values <= -65504) runs the kernels on the kept keys
-    (ffpa_cute/dense_mask.py). Calls no kernel covers (small head dims, other masks, dropout,
-    CPU, ...) run torch's native SDPA and log the reason once; `strict=True` (or `Options.strict`, env `FFPA_CUTE_STRICT=1`)
-    raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
+    A dense `attn_mask` (bool, or float zeros and values <= -65504) that is the same for every
+    head and either the same for every query (a key-padding mask) or keeps a prefix of the
+    keys in every row (a causal tensor, image blocks, prefix-LM) runs as kernel calls on the
+    kept keys (ffpa_cute/dense_mask.py). Calls no kernel covers (small head dims, other
+    masks, dropout, CPU, ...) run torch's native SDPA and log the reason once; `strict=True`
+    (or `Options.strict`, env `FFPA_CUTE_STRICT=1`) raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
     `ffpa_cute.options` holds what else can be switched.
 
     return_lse: also return lse [..., Hq, Nq], float32 (float64 for float64 inputs on the
