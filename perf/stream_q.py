@@ -20,6 +20,10 @@ Prediction: at 576, V 3 deep should take the PV phase toward the V-faked trace (
 the extra Q bytes cost less than the depth gains); K 5 with V 2 about even (K was the smaller
 stall: +10% faked); at 512 (K 4 / V 2 with Q resident, 64 KB) the extra 64 KB of Q per block
 cost more than depth gains: -5 to 0%.
+Measured (H100, 4b22f4e; docs/perf-log.md 2026-12-07), TFLOPS plan -> best streamed: 512 580
+-> 570 (K4 V3), 544 448 -> 414 (K5 V2), 576 473 -> 440 (K3 V3); the same bits. Q's bytes cost
+more than the depth buys (at 576 V 3 deep gains 8% over V 2 with Q streamed, short of the 16%
+Q costs). Not routed.
 """
 
 from __future__ import annotations
