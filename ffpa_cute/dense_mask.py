@@ -45,6 +45,7 @@ require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 
@@ -109,8 +110,12 @@ class KeptKeys:
 class RowRuns:
     """A row-prefix mask as runs of query rows (module docstring): `runs[b]` for batch element
     b (one entry when every element has the same), each run (start, end, "full" or
-    "diagonal", the keys its kernel call takes)."""
+    "diagonal", the keys its kernel call takes); `key_runs[b]` the same mask as runs of keys
+    for the gradient (`RowRunAttention`), (start, end, "full" or "diagonal", the first row
+    that sees the run's first key), or None where the prefix lengths ever shrink down the
+    rows (then the rows that see a key are not a suffix)."""
     runs: tuple
+    key_runs: tuple | None = None
 
     @property
     def route(self) -> str:
@@ -126,22 +131,36 @@ class RowRuns:
 
 
 def _runs(lengths: list) -> tuple:
-    """Greedy runs of rows with keep-lengths `lengths` (module docstring)."""
-    runs, a, n = [], 0, len(lengths)
+    """Greedy runs of rows with keep-lengths `lengths` (module docstring): (start, end, kind,
+    the keys of the run's call)."""
+    return tuple((a, e, kind, lengths[a] if kind == "full" else lengths[e - 1])
+                 for a, e, kind in _greedy(lengths))
+
+
+def _key_runs(lengths: list) -> tuple | None:
+    """Runs of the keys that some row keeps, for non-decreasing keep-lengths (else None):
+    key j is kept by the rows from R(j) = #{i : L(i) <= j} on, so a run of keys with R
+    constant ("full") is kept whole by rows [R, Nq), and one with R(j) - j constant
+    ("diagonal") by rows [R(c), Nq) causally from its first key c: (start, end, kind, R(c))."""
+    if any(b < a for a, b in zip(lengths, lengths[1:])):
+        return None
+    first = [bisect.bisect_right(lengths, j) for j in range(lengths[-1])]   # R(j)
+    return tuple((c, d, kind, first[c]) for c, d, kind in _greedy(first))
+
+
+def _greedy(seq: list):
+    """Maximal runs [a, e) of `seq`, each constant ("full") or rising by one a step
+    ("diagonal"), the longer kind first."""
+    a, n = 0, len(seq)
     while a < n:
         full = a + 1
-        while full < n and lengths[full] == lengths[a]:
+        while full < n and seq[full] == seq[a]:
             full += 1
         diag = a + 1
-        while diag < n and lengths[diag] - diag == lengths[a] - a:
+        while diag < n and seq[diag] - diag == seq[a] - a:
             diag += 1
-        if full >= diag:
-            runs.append((a, full, "full", lengths[a]))
-            a = full
-        else:
-            runs.append((a, diag, "diagonal", lengths[diag - 1]))
-            a = diag
-    return tuple(runs)
+        yield (a, full, "full") if full >= diag else (a, diag, "diagonal")
+        a = max(full, diag)
 
 
 def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int,
@@ -225,7 +244,11 @@ def _row_runs(keep: torch.Tensor | None, nkv: int) -> RowRuns | None:
     if all(r == per[0] for r in per):
         per = per[:1]
     runs = tuple(_runs(r) for r in per)
-    return RowRuns(runs) if sum(map(len, runs)) <= MAX_RUNS else None
+    if sum(map(len, runs)) > MAX_RUNS:
+        return None
+    keys = tuple(_key_runs(r) for r in per)
+    ok = all(r is not None for r in keys) and sum(map(len, keys)) <= MAX_RUNS
+    return RowRuns(runs, keys if ok else None)
 
 
 def describe(kept: KeptKeys | RowRuns) -> str:
@@ -250,7 +273,7 @@ def run(kept: KeptKeys, q, k, v, dense, *, scale, strict, return_lse):
     `return_lse`). varlen's out and lse come back as [B, Hq, Nq, Dv] / [B, Hq, Nq] views."""
     route = kept.route
     if route == "row runs":
-        return _run_rows(kept, q, k, v, dense, return_lse)
+        return _run_rows(kept, q, k, v, dense, return_lse, scale)
     if route == "all":
         return dense(q, k, v)
     if route == "prefix":
@@ -287,9 +310,15 @@ def run(kept: KeptKeys, q, k, v, dense, *, scale, strict, return_lse):
     return out, lse.view(hq, b, nq).transpose(0, 1)
 
 
-def _run_rows(kept: RowRuns, q, k, v, dense, return_lse):
+def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
     """`run` for row prefixes: one `dense` call per run (on every batch element at once when
-    they share their runs), out (and lse) concatenated along the queries."""
+    they share their runs), out (and lse) concatenated along the queries; where a gradient
+    will be asked for and the kernels serve every run and key run, `RowRunAttention`."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        jobs = _jobs(kept, q, k, v, scale)
+        if jobs is not None:
+            out, lse = RowRunAttention.apply(q, k, v, jobs)
+            return (out, lse) if return_lse else out
     outs = []
     for b, runs in enumerate(kept.runs):
         qb, kb, vb = (q, k, v) if len(kept.runs) == 1 else (q[b:b + 1], k[b:b + 1], v[b:b + 1])
@@ -304,3 +333,95 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse):
     if return_lse:
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
     return torch.cat(outs)
+
+
+def _elements(kept: RowRuns, b: int, per: int):
+    """The batch slice of entry b of a RowRuns tuple with `per` entries (all when one)."""
+    return slice(None) if per == 1 else slice(b, b + 1)
+
+
+def _jobs(kept: RowRuns, q, k, v, scale):
+    """The kernel calls of `RowRunAttention`: (forward [(batch slice, rows a:e, keys n, causal
+    offset or None, plan)], gradient [(batch slice, keys c:d, rows r:, causal offset or None,
+    plan)], the softmax scale), or None unless the kernels serve every one (their first-use
+    self-checks included)."""
+    import math
+
+    from . import dispatch, ops, selfcheck
+    from .problem import AttnProblem
+
+    if kept.key_runs is None:
+        return None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    fwd, bwd = [], []
+    for b, runs in enumerate(kept.runs):
+        bs = _elements(kept, b, len(kept.runs))
+        for a, e, kind, n in runs:
+            off = n - (e - a) if kind == "diagonal" else None   # bottom-right
+            qs, ks, vs = q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n]
+            plan = dispatch.plan_fwd(AttnProblem.from_tensors(
+                qs, ks, vs, causal=off is not None, causal_offset=off or 0, scale=scale),
+                q.device)
+            if plan.reason is not None or selfcheck.reason(plan, q.device) is not None:
+                return None
+            fwd.append((bs, a, e, n, off, plan))
+    for b, runs in enumerate(kept.key_runs):
+        bs = _elements(kept, b, len(kept.key_runs))
+        for c, d, kind, r in runs:
+            off = 0 if kind == "diagonal" else None   # upper-left from the run's first key
+            plan = ops.bwd_plan(q[bs][:, :, r:], k[bs][:, :, c:d], v[bs][:, :, c:d],
+                                off is not None, off or 0, scale)
+            if plan is None:
+                return None
+            bwd.append((bs, c, d, r, plan))
+    return fwd, bwd, scale
+
+
+class RowRunAttention(torch.autograd.Function):
+    """A row-prefix mask with gradients: the forward by runs of rows (each run one forward
+    kernel call, out and lse written into the whole), the backward by runs of keys (each one
+    gradient call over all the rows that keep its keys, from the forward's out and lse: P =
+    exp(S - lse) is the masked softmax of the whole row, so each call's dK / dV are the run's
+    keys' whole gradients and its dQ a part, summed in float32). A key tile's walk then
+    covers every row that sees it, where the calls of the row runs gave short runs (image
+    blocks) a few query blocks each."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, jobs):
+        from . import ops
+
+        fwd, bwd, scale = jobs
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = None
+        for bs, a, e, n, off, plan in fwd:
+            o, m = ops.kernel_forward(q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n],
+                                      off is not None, off or 0, scale, plan)
+            if lse is None:
+                lse = m.new_empty(q.shape[:-1])
+            out[bs][:, :, a:e] = o
+            lse[bs][:, :, a:e] = m
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bwd = bwd
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from . import ops
+
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq = torch.zeros(q.shape, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
+                         device=q.device)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)   # keys no row keeps: 0
+        for bs, c, d, r, plan in ctx.bwd:
+            gq, gk, gv = ops._kernel_backward(
+                plan, q[bs][:, :, r:], k[bs][:, :, c:d], v[bs][:, :, c:d], out[bs][:, :, r:],
+                lse[bs][:, :, r:], dout[bs][:, :, r:],
+                None if dlse is None else dlse[bs][:, :, r:].contiguous())
+            dq[bs][:, :, r:] += gq
+            dk[bs][:, :, c:d] = gk
+            dv[bs][:, :, c:d] = gv
+        return dq.to(q.dtype), dk, dv, None

@@ -147,12 +147,40 @@ def test_row_prefixes_run_as_causal_and_full_calls(seed, monkeypatch, kind, squa
                          strict=True)
     ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None])
     assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    for g, w in zip(got, torch.autograd.grad((ref, ref_lse), (q, k, v), (dout, dlse))):
+        assert rel_err(g, w) <= 1e-12
+    assert len(fake.fwd_calls) == calls
+    # the gradient by runs of keys (RowRunAttention): one call per key run
+    assert len(fake.bwd_calls) == sum(map(len, kept.key_runs))
+    assert explain(q, k, v, attn_mask=mask, enable_gqa=True).startswith(
+        f"row-prefix mask: {calls} kernel calls")
+
+
+def test_key_runs_of_growing_prefixes():
+    """Rows keeping [0, L(i)): key j is kept from row R(j) on; runs of R constant or rising by
+    one; lengths that shrink down the rows have none (the gradient then runs by row runs)."""
+    runs = dense_mask._key_runs([1, 2, 3, 8, 8, 8, 8, 8, 9, 10])   # an image block at rows 3-7
+    assert runs == ((0, 4, "diagonal", 0), (4, 8, "full", 3), (8, 10, "diagonal", 8))
+    assert dense_mask._key_runs([4, 4, 4, 5, 6]) == ((0, 4, "full", 0), (4, 6, "diagonal", 3))
+    assert dense_mask._key_runs([3, 2, 5]) is None
+
+
+def test_shrinking_prefixes_take_the_row_runs_gradient(seed, monkeypatch):
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs()
+    lengths = torch.tensor([5, 3, 7, 7, 2, 13, 9])
+    keep = as_keep(lengths, NKV)
+    kept = dense_mask.kept_keys(keep, B, HQ, NQ, NKV)
+    assert kept.route == "row runs" and kept.key_runs is None
+    out = attention(q, k, v, attn_mask=keep, enable_gqa=True, strict=True)
+    ref = ref_attention(q, k, v, mask=keep)[0]
+    assert rel_err(out, ref) <= 1e-12
     got = torch.autograd.grad(out.sum(), (q, k, v))
     for g, w in zip(got, torch.autograd.grad(ref.sum(), (q, k, v))):
         assert rel_err(g, w) <= 1e-12
-    assert len(fake.fwd_calls) == calls
-    assert explain(q, k, v, attn_mask=mask, enable_gqa=True).startswith(
-        f"row-prefix mask: {calls} kernel calls")
+    assert len(fake.bwd_calls) == kept.calls
 
 
 def sdpa_masks():
