@@ -391,17 +391,25 @@ class RowRunAttention(torch.autograd.Function):
         from . import ops
 
         fwd, bwd, scale = jobs
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = None
+        out = lse = None
         for bs, a, e, n, off, plan in fwd:
             o, m = ops.kernel_forward(q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n],
                                       off is not None, off or 0, scale, plan)
+            if len(fwd) == 1:   # one call for every row (a causal mask as a tensor)
+                out, lse = o, m
+                break
             if lse is None:
-                lse = m.new_empty(q.shape[:-1])
+                out, lse = q.new_empty(*q.shape[:-1], v.shape[-1]), m.new_empty(q.shape[:-1])
             out[bs][:, :, a:e] = o
             lse[bs][:, :, a:e] = m
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.bwd = bwd
+        ctx.per_element = any(job[0] != slice(None) for job in bwd)
+        if ctx.per_element:   # each element's last key kept by some row
+            ends = [0] * q.shape[0]
+            for bs, _, d, _, _ in bwd:
+                ends[bs.start] = max(ends[bs.start], d)
+            ctx.key_ends = ends
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -413,9 +421,14 @@ class RowRunAttention(torch.autograd.Function):
         if dout is None and dlse is None:
             return None, None, None, None
         dout = torch.zeros_like(out) if dout is None else dout
-        dq = torch.zeros(q.shape, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype,
-                         device=q.device)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)   # keys no row keeps: 0
+        nkv = k.shape[2]
+        if len(ctx.bwd) == 1 and ctx.bwd[0][1:4] == (0, nkv, 0):   # one call for everything
+            plan = ctx.bwd[0][4]
+            return (*ops._kernel_backward(plan, q, k, v, out, lse, dout, dlse), None)
+        wide = torch.float32 if q.dtype != torch.float64 else q.dtype
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        top = 0
         for bs, c, d, r, plan in ctx.bwd:
             gq, gk, gv = ops._kernel_backward(
                 plan, q[bs][:, :, r:], k[bs][:, :, c:d], v[bs][:, :, c:d], out[bs][:, :, r:],
@@ -424,4 +437,12 @@ class RowRunAttention(torch.autograd.Function):
             dq[bs][:, :, r:] += gq
             dk[bs][:, :, c:d] = gk
             dv[bs][:, :, c:d] = gv
+            top = max(top, d)
+        if ctx.per_element:   # elements whose rows keep fewer keys: the rest of theirs are 0
+            for b, end in enumerate(ctx.key_ends):
+                dk[b, :, end:].zero_()
+                dv[b, :, end:].zero_()
+        else:
+            dk[:, :, top:].zero_()
+            dv[:, :, top:].zero_()
         return dq.to(q.dtype), dk, dv, None
