@@ -24,10 +24,13 @@ rows split into runs that one kernel call serves each: "full" (every row keeps t
 the run's queries against k[:L], unmasked) and "diagonal" (L(i) - i constant: the run's
 queries against k[:L(last row)], causal bottom-right, which gives row i exactly keys < L(i)).
 Runs are taken greedily, the longer kind first; a mask of more than MAX_RUNS runs keeps the
-SDPA route. out (and lse) are the runs' concatenated along the queries.
+SDPA route. out (and lse) are the runs' concatenated along the queries. Where a gradient
+will be asked for, `RowRunAttention` runs the backward by runs of keys instead (one gradient
+call over every row that keeps a run of keys; its docstring), when the prefix lengths never
+shrink down the rows and the kernels serve every call.
 
-The gradients reach q, k and v through the views, gathers and concatenations; a dropped key's
-are 0, as under the mask.
+Elsewhere the gradients reach q, k and v through the views, gathers and concatenations; a
+dropped key's are 0, as under the mask.
 
 Which masks: bool (True: the key takes part, SDPA's convention), or floating with every value
 either 0 (kept) or at most DROPPED (-65504: fp16's lowest, what transformers fills fp16 masks
