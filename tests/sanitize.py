@@ -188,6 +188,34 @@ LINE_CASES = [
 ]
 
 
+# dense masks served as kernel calls (ffpa_cute/dense_mask.py: views or gathers of k / v, runs
+# of rows, the backward by runs of keys), forward and backward: (label, B, Hq, Hkv, N, D, kind)
+MASK_CASES = [
+    ("sm90 key-padding mask, scattered keys per element (gathered)", 3, 4, 2, 333, 320,
+     "scattered"),
+    ("sm90 key-padding mask, right padding per element (views)", 3, 2, 2, 333, 512, "padding"),
+    ("sm90 row-prefix mask, image blocks (row runs, key-run backward)", 1, 4, 1, 333, 512,
+     "images"),
+]
+
+
+def _mask(kind: str, b: int, n: int):
+    """A MASK_CASES mask on the GPU."""
+    import torch
+
+    i = torch.arange(n, device="cuda")
+    if kind == "scattered":
+        keep = torch.rand(b, n, device="cuda") > 0.4
+        keep[:, 0] = True
+        return keep[:, None, None]
+    if kind == "padding":
+        return (i < torch.tensor([n, n - 100, 7], device="cuda")[:b, None])[:, None, None]
+    lengths = i + 1
+    for a, e in ((40, 104), (200, 290)):
+        lengths[a:e] = e
+    return i[None] < lengths[:, None]
+
+
 def _selected(label: str) -> bool:
     """Whether the workload runs the case labelled `label`: every case, or with SANITIZE_CASES
     set (comma-separated substrings, e.g. "fused") those whose label contains one of them."""
@@ -202,7 +230,8 @@ def _chosen(cases: list) -> list:
 
 def _n_selected() -> int:
     labels = [c[0] for group in (CASES, FEATURE_CASES, FP8_FEATURE_CASES, KV_CASES,
-                                 VARLEN_CASES, FUSED_CASES, LINE_CASES) for c in group]
+                                 VARLEN_CASES, FUSED_CASES, LINE_CASES, MASK_CASES)
+              for c in group]
     return sum(map(_selected, labels))
 
 
@@ -449,6 +478,18 @@ def workload() -> int:
         out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)
+    for label, b, hq, hkv, n, d, kind in MASK_CASES:
+        if not _selected(label):
+            continue
+        q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True) for _ in range(2))
+        mask = _mask(kind, b, n)
+        route = ffpa_cute.explain(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+        out = ffpa_cute.attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv, strict=True)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print(f"[workload] {label}: {route[:160]}", flush=True)
     from ffpa_cute import launch
 
     planned = ([(c[0], lambda c=c: _fused_plan(*c[1:])) for c in FUSED_CASES]
