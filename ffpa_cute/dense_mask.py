@@ -43,7 +43,8 @@ differ, float masks with other values (a genuine additive bias), a row (or, for 
 masks, a batch element) that keeps no key (SDPA's own semantics for such rows), masks that
 require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
 (reading the mask needs the host: device syncs once per mask tensor and version, cached like
-`varlen.sequence_bounds`; a model's layers sharing one mask read it once a step).
+`varlen.sequence_bounds`; a model's layers sharing one mask read it once a step; an inference
+tensor, which has no version counter, is read at every call).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+from .problem import tensor_version
 
 __all__ = ["DROPPED", "KeptKeys", "MAX_RUNS", "PER_ELEMENT_MAX", "RowRuns", "describe",
            "kept_keys", "run"]
@@ -171,8 +174,11 @@ def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int,
     """The keys `mask` keeps for inputs [batch, heads, nq, ...] x [.., nkv, ..] (`KeptKeys`,
     or `RowRuns` for row prefixes), or None where the kernels cannot serve it this way
     (module docstring). Read once per mask tensor and version."""
-    key = (mask._version, mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, batch, heads,
-           nq, nkv)
+    version = tensor_version(mask)
+    if version is None:   # an inference tensor: read every call
+        return _read(mask, batch, heads, nq, nkv)
+    key = (version, mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, batch, heads, nq,
+           nkv)
     hit = _CACHE.get(id(mask))
     if hit is not None and hit[0]() is mask and hit[1] == key:
         return hit[2]

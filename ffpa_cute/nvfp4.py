@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .problem import tensor_version
 from .sm100.config import FP4_MMA_K, SF_ATOM_BYTES, SF_ATOM_ROWS, FwdFP4ConfigSm100
 
 BLOCK = 16
@@ -188,9 +189,10 @@ def _blocked_once(t: NVFP4Tensor, scales: torch.Tensor, **kw) -> torch.Tensor:
     is the same storage at the same version (an in-place write bumps it) and the arguments and
     shape match."""
     src = t.block_scale
-    key = (src.data_ptr(), src._version, tuple(scales.shape), tuple(sorted(kw.items())))
+    version = tensor_version(src)   # None for an inference tensor: recomputed every call
+    key = (src.data_ptr(), version, tuple(scales.shape), tuple(sorted(kw.items())))
     hit = t._blocked.get("scales")
-    if hit is None or hit[0] != key:
+    if hit is None or hit[0] != key or version is None:
         hit = (key, blocked_scales(scales, **kw))
         t._blocked["scales"] = hit
     return hit[1]

@@ -35,6 +35,16 @@ def concrete(x):
     return operator.index(x)
 
 
+def tensor_version(t) -> int | None:
+    """t's version counter (it counts in-place writes), or None where there is none to read:
+    not a tensor, or an inference tensor (made under `torch.inference_mode`, whose
+    `_version` raises). Caches of values read from a tensor key on it, and keep nothing for
+    None."""
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return None
+    return t._version
+
+
 def kv_shared(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether v is k's first Dv columns: `v is k`, or a view of k's storage at k's first
     element with k's strides (`k[..., :Dv]`: DeepSeek's absorbed MLA). Read from metadata

@@ -40,7 +40,7 @@ from . import options as _options
 from .math_attention import compute_dtype
 from .interface import _attention
 from .ops import on
-from .problem import AttnProblem, dtype_name
+from .problem import AttnProblem, dtype_name, tensor_version
 from .validate import check_args, check_return_lse, check_window_sinks, window_bounds
 
 __all__ = ["varlen_attention"]
@@ -86,7 +86,10 @@ _BOUNDS_MAX = 64
 def sequence_bounds(name: str, cu, total: int, max_name: str, max_seqlen, device):
     """[(start, end)] per sequence from a cumulative-lengths tensor, or raise naming it. The
     values are read (and checked) once per tensor and version (module docstring)."""
-    key = (getattr(cu, "_version", None), total, type(max_seqlen), max_seqlen, device)
+    version = tensor_version(cu)
+    if version is None:   # not a tensor (the read raises), or an inference tensor: no cache
+        return tuple(_read_bounds(name, cu, total, max_name, max_seqlen, device))
+    key = (version, total, type(max_seqlen), max_seqlen, device)
     hit = _BOUNDS.get(id(cu))
     if hit is not None and hit[0]() is cu and hit[1] == key:
         return hit[2]

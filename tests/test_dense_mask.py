@@ -342,3 +342,19 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     base = torch.autograd.grad(same, (q, k, v), dout)
     for g, w, s in zip(got, want, base):
         assert rel_err(g, w) <= bound(rel_err(s, w))
+
+
+def test_inference_mode_masks(seed, monkeypatch):
+    """A mask made under torch.inference_mode has no version counter: read at every call
+    (not cached), and served as any other."""
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs(grad=False)
+    with torch.inference_mode():
+        keep = keep_rows(B, [4, 9, 12])
+        mask = keep[:, None, None]
+        out = attention(q, k, v, attn_mask=mask, enable_gqa=True, strict=True)
+        again = attention(q, k, v, attn_mask=mask, enable_gqa=True, strict=True)
+    ref = ref_attention(q, k, v, mask=keep[:, None, None, :])[0]
+    assert rel_err(out, ref) <= 1e-12 and torch.equal(out, again)
+    assert sorted(p.seqlen_kv for p in fake.fwd_calls) == [4, 4, 9, 9, 12, 12]
+    assert id(mask) not in dense_mask._CACHE

@@ -405,3 +405,17 @@ def test_nvfp4_kernels_compile_with_window_and_sinks(in_tmp, target, kernel):
     ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
     assert "kind::mxf4nvf4" in ptx and ".local" not in ptx
     _no_spills(ptx, target, max_regs=255)
+
+
+def test_blocked_scales_of_an_inference_tensor():
+    """Scales made under torch.inference_mode have no version counter: their blocked layout
+    is computed at every call (never a stale cache entry), the same bytes as for a normal
+    tensor."""
+    x = torch.randn(1, 2, 128, 64)
+    with torch.inference_mode():
+        frozen = nvfp4.quantize_nvfp4(x)
+    plain = nvfp4.quantize_nvfp4(x)
+    scales = frozen.block_scale.view(torch.uint8)
+    a = nvfp4._blocked_once(frozen, scales, k_multiple=4)
+    b = nvfp4._blocked_once(plain, plain.block_scale.view(torch.uint8), k_multiple=4)
+    assert torch.equal(a, b) and torch.equal(nvfp4._blocked_once(frozen, scales, k_multiple=4), a)

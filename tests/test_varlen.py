@@ -249,3 +249,9 @@ def test_bounds_are_read_once_per_tensor_and_version(monkeypatch):
     for _ in range(2):
         with pytest.raises(ValueError, match="non-decreasing"):
             varlen.sequence_bounds("cu", bad, 3, "m", 5, dev)
+    with torch.inference_mode():   # no version counter: read at every call, never cached
+        frozen = torch.tensor([0, 3, 7], dtype=torch.int32)
+    reads.clear()
+    for _ in range(2):
+        assert varlen.sequence_bounds("cu", frozen, 7, "m", 4, dev) == ((0, 3), (3, 7))
+    assert len(reads) == 2 and id(frozen) not in varlen._BOUNDS
