@@ -44,7 +44,8 @@ masks, a batch element) that keeps no key (SDPA's own semantics for such rows), 
 require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
 (reading the mask needs the host: device syncs once per mask tensor and version, cached like
 `varlen.sequence_bounds`; a model's layers sharing one mask read it once a step; an inference
-tensor, which has no version counter, is read at every call).
+tensor, which has no version counter, is read at every call; a mask not read before a CUDA
+graph capture keeps the SDPA route inside it).
 """
 
 from __future__ import annotations
@@ -175,13 +176,15 @@ def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int,
     or `RowRuns` for row prefixes), or None where the kernels cannot serve it this way
     (module docstring). Read once per mask tensor and version."""
     version = tensor_version(mask)
-    if version is None:   # an inference tensor: read every call
-        return _read(mask, batch, heads, nq, nkv)
     key = (version, mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, batch, heads, nq,
            nkv)
     hit = _CACHE.get(id(mask))
-    if hit is not None and hit[0]() is mask and hit[1] == key:
+    if version is not None and hit is not None and hit[0]() is mask and hit[1] == key:
         return hit[2]
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None   # reading it would sync inside a CUDA graph capture: the SDPA route
+    if version is None:   # an inference tensor: read every call
+        return _read(mask, batch, heads, nq, nkv)
     kept = _read(mask, batch, heads, nq, nkv)
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()

@@ -358,3 +358,28 @@ def test_inference_mode_masks(seed, monkeypatch):
     assert rel_err(out, ref) <= 1e-12 and torch.equal(out, again)
     assert sorted(p.seqlen_kv for p in fake.fwd_calls) == [4, 4, 9, 9, 12, 12]
     assert id(mask) not in dense_mask._CACHE
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_gpu(seed):
+    """A mask read before the capture (its keys cached) replays as the same kernel calls; a
+    mask first seen inside the capture is not read there (a sync would break the capture):
+    that call keeps the SDPA route, which captures too."""
+    b, h, n, d = 2, 4, 256, 512
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = (torch.arange(n, device="cuda") < torch.tensor([n, 100], device="cuda")[:, None])
+    mask = mask[:, None, None]
+    fresh = mask.clone()
+    want = attention(q, k, v, attn_mask=mask)   # reads the mask, compiles
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=fresh)  # SDPA warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = attention(q, k, v, attn_mask=mask)
+        other = attention(q, k, v, attn_mask=fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert id(fresh) not in dense_mask._CACHE
+    ref = ref_attention(q, k, v, mask=mask)[0]
+    assert rel_err(other, ref) <= 2e-2
