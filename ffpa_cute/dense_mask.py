@@ -267,8 +267,9 @@ def describe(kept: KeptKeys | RowRuns) -> str:
     """The start of `explain`'s line for a call this module serves."""
     if isinstance(kept, RowRuns):
         diag = sum(r[2] == "diagonal" for e in kept.runs for r in e)
+        per = ", per batch element" if len(kept.runs) > 1 else ""
         return (f"row-prefix mask: {kept.calls} kernel calls on runs of query rows ({diag} "
-                f"causal, {kept.calls - diag} unmasked{', per batch element' if len(kept.runs) > 1 else ''}): ")
+                f"causal, {kept.calls - diag} unmasked{per}): ")
     counts, nkv = kept.counts, kept.keep.shape[-1]
     n = counts[0] if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
     how = {"all": "the unmasked call", "prefix": "the unmasked call on views of k and v",

@@ -1,7 +1,7 @@
 """Public API: `attention` (SDPA's signature), `explain`, and the SDPA patch (sdpa_patch.py).
 
 Every call is routed one of two ways, decided from shapes/dtypes and `options.current()` only
-(never tensor data):
+(never tensor data, but for a dense mask's values: `dense_mask`, below):
   1. kernel: `dispatch.plan_fwd(problem).reason is None` -> the kernel forward (eagerly
      `ops.EagerAttention`; under torch.compile the custom op `ffpa_cute::attention_fwd`, opaque
      with a fake impl), whose backward runs the backward kernels or the SDPA recompute;
@@ -242,8 +242,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     keys in every row (a causal tensor, image blocks, prefix-LM) runs as kernel calls on the
     kept keys (ffpa_cute/dense_mask.py). Calls no kernel covers (small head dims, other
     masks, dropout, CPU, ...) run torch's native SDPA and log the reason once; `strict=True`
-    (or `Options.strict`, env `FFPA_CUTE_STRICT=1`) raises NotImplementedError(reason) instead. `explain(...)` tells which path a call takes;
-    `ffpa_cute.options` holds what else can be switched.
+    (or `Options.strict`, env `FFPA_CUTE_STRICT=1`) raises NotImplementedError(reason)
+    instead. `explain(...)` tells which path a call takes; `ffpa_cute.options` holds what else
+    can be switched.
 
     return_lse: also return lse [..., Hq, Nq], float32 (float64 for float64 inputs on the
     fallback), the natural-log log-sum-exp of each row's scaled, masked scores; -inf for rows
