@@ -61,8 +61,13 @@ def _row_chunk(nkv: int, elem: int, chunk_bytes: int, live: int) -> int:
     return max(1, chunk_bytes // max(1, nkv * elem * live))
 
 
-def _scores(qc, kh, scale, r0, nkv, nq, causal, offset):
+def _scores(qc, kh, scale, r0, nkv, nq, causal, offset, keep=None):
+    """Scaled scores of query rows r0.. (qc) against every key, masked: causal (bottom-right
+    `offset`) and / or `keep`, a bool [Nq or 1, Nkv] of the pairs a dense mask keeps."""
     s = (qc @ kh.transpose(0, 1)) * scale
+    if keep is not None:
+        s = s.masked_fill(~(keep if keep.shape[0] == 1 else keep[r0:r0 + qc.shape[0]]),
+                          float("-inf"))
     if causal:
         rows = torch.arange(r0, r0 + qc.shape[0], device=qc.device).unsqueeze(1)
         cols = torch.arange(nkv, device=qc.device).unsqueeze(0)
@@ -88,10 +93,16 @@ def _setup(q, k, scale, causal_offset, ref_dtype):
     return b, hq, nq, d, hkv, nkv, rd, scale, offset, hq // hkv
 
 
+def _keep(mask, bi):
+    """Batch element bi's [Nq or 1, Nkv] of a bool keep mask [B or 1, 1, Nq or 1, Nkv]."""
+    return None if mask is None else mask[bi if mask.shape[0] > 1 else 0, 0].to(torch.bool)
+
+
 def ref_forward(q, k, v, *, causal: bool, heads: list[int] | None = None, scale=None,
                 causal_offset: int | None = None, ref_dtype=None,
-                chunk_bytes: int = 1 << 30) -> torch.Tensor:
-    """Output for query heads `heads` as [B, len(heads), Nq, Dv] in `ref_dtype`."""
+                chunk_bytes: int = 1 << 30, mask=None) -> torch.Tensor:
+    """Output for query heads `heads` as [B, len(heads), Nq, Dv] in `ref_dtype`; `mask`: the
+    pairs a dense mask keeps, bool [B or 1, 1, Nq or 1, Nkv], on q's device."""
     b, hq, nq, d, hkv, nkv, rd, scale, offset, group = _setup(q, k, scale, causal_offset, ref_dtype)
     heads = list(range(hq)) if heads is None else heads
     out = torch.empty(b, len(heads), nq, v.shape[-1], dtype=rd, device=q.device)
@@ -103,14 +114,17 @@ def ref_forward(q, k, v, *, causal: bool, heads: list[int] | None = None, scale=
                 vh = v[bi, h // group].to(rd)
                 for r0 in range(0, nq, step):
                     qc = q[bi, h, r0:r0 + step].to(rd)
-                    p = _probs(_scores(qc, kh, scale, r0, nkv, nq, causal, offset))
+                    p = _probs(_scores(qc, kh, scale, r0, nkv, nq, causal, offset,
+                                       _keep(mask, bi)))
                     out[bi, oi, r0:r0 + step] = p @ vh
     return out
 
 
 def ref_backward(q, k, v, dout, *, causal: bool, kv_heads: list[int] | None = None, scale=None,
-                 causal_offset: int | None = None, ref_dtype=None, chunk_bytes: int = 1 << 30):
-    """(dq, dk, dv) for KV heads `kv_heads` and every query head of their groups.
+                 causal_offset: int | None = None, ref_dtype=None, chunk_bytes: int = 1 << 30,
+                 mask=None):
+    """(dq, dk, dv) for KV heads `kv_heads` and every query head of their groups (`mask` as
+    in `ref_forward`).
 
     dq is [B, len(kv_heads) * group, Nq, D] (query heads in group order), dk/dv are
     [B, len(kv_heads), Nkv, D].
@@ -130,7 +144,8 @@ def ref_backward(q, k, v, dout, *, causal: bool, kv_heads: list[int] | None = No
                     for r0 in range(0, nq, step):
                         qc = q[bi, h, r0:r0 + step].to(rd)
                         doc = dout[bi, h, r0:r0 + step].to(rd)
-                        p = _probs(_scores(qc, kh, scale, r0, nkv, nq, causal, offset))
+                        p = _probs(_scores(qc, kh, scale, r0, nkv, nq, causal, offset,
+                                           _keep(mask, bi)))
                         o = p @ vh
                         dp = doc @ vh.transpose(0, 1)
                         delta = (doc * o).sum(dim=-1, keepdim=True)

@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .cases import attn_mask
+
 
 class Unsupported(Exception):
     """This implementation has no kernel for the case; the cell stays blank."""
@@ -107,8 +109,10 @@ class Ours(Impl):
         return getattr(getattr(self, "mod", None), "__version__", None) or dist_version(
             "ffpa-cute", "ffpa_cute")
 
-    def explain(self, q, k, v, causal: bool, gqa: bool, direction: str = "fwd") -> str:
-        """ffpa_cute.explain(...) for this call; passes `direction`/`backward` if it takes them."""
+    def explain(self, q, k, v, causal: bool, gqa: bool, direction: str = "fwd",
+                mask=None) -> str:
+        """ffpa_cute.explain(...) for this call; passes `direction`/`backward` if it takes them,
+        and `mask` as attn_mask."""
         fn = getattr(self.mod, "explain", None)
         if fn is None:
             return "? (no ffpa_cute.explain)"
@@ -119,6 +123,8 @@ class Ours(Impl):
         kw = {"is_causal": causal}
         if gqa:
             kw["enable_gqa"] = True
+        if mask is not None:
+            kw["attn_mask"] = mask
         if "direction" in params:
             kw["direction"] = direction
         if "backward" in params:
@@ -135,9 +141,12 @@ class Ours(Impl):
 
     def prepare(self, case, q, k, v, direction, ctx):
         if case.dtype == "fp8":
+            if case.mask:
+                raise Unsupported("no FP8 rows with a dense mask")
             return self._prepare_fp8(case, q, k, v, direction)
         gqa = case.hq != case.hkv
-        path = self.explain(q, k, v, case.causal, gqa, direction)
+        mask = attn_mask(case, q.device) if case.mask else None
+        path = self.explain(q, k, v, case.causal, gqa, direction, mask)
         fallback = "fallback" in path.lower()
         note = None
         if direction == "bwd" and "sdpa recompute" in path.lower():
@@ -150,9 +159,10 @@ class Ours(Impl):
         elif direction == "bwd" and bwd_kernels(path):
             path = f"bwd {bwd_kernels(path)}; {path}"   # the table shows the row's start
         attention = self.mod.attention
+        kw = {} if mask is None else {"attn_mask": mask}
 
         def call(q, k, v):
-            return attention(q, k, v, is_causal=case.causal, enable_gqa=gqa)
+            return attention(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kw)
 
         return Prepared(call, "bhnd", backend=path, fallback=fallback, note=note)
 
@@ -242,8 +252,12 @@ class Sdpa(Impl):
             from torch.nn.attention.bias import causal_lower_right
             mask, is_causal = causal_lower_right(case.nq, case.nkv), False
         rep = case.hq // case.hkv
+        dense = {}   # a mask case's attn_mask, made on the inputs' device at the first call
 
         def call(q, k, v):
+            nonlocal mask
+            if case.mask and not dense:
+                dense["mask"] = mask = attn_mask(case, q.device)
             with sdpa_kernel([be]):
                 if gqa_mode == "expand":
                     k = k.repeat_interleave(rep, dim=1)
@@ -360,10 +374,10 @@ class Ffpa(Impl):
             kw[self.api["backend_kw"]] = self.backend
         return kw
 
-    def _routes_to_sdpa(self, q, k) -> bool:
+    def _routes_to_sdpa(self, q, k, mask=None) -> bool:
         try:
             iface = importlib.import_module(self.mod.__name__ + ".ffpa_attn_interface")
-            return bool(iface._should_fallback_to_sdpa(q, k, None, 0.0, self.backend))
+            return bool(iface._should_fallback_to_sdpa(q, k, mask, 0.0, self.backend))
         except Exception:
             return False
 
@@ -374,7 +388,12 @@ class Ffpa(Impl):
             raise Unsupported("no Dv != D path compared here (MLA rows: ffpa_cute and SDPA)")
         layout, fn, bkw = self.api["layout"], self.fn, self.api["backend_kw"]
         kw = self._kwargs(case, with_backend=True)
-        fallback = self._routes_to_sdpa(q, k) if layout == "bhnd" else False
+        mask = None
+        if case.mask:
+            if layout != "bhnd":
+                raise Unsupported("this ffpa_attn entry point takes no SDPA-style attn_mask")
+            kw["attn_mask"] = mask = attn_mask(case, q.device)
+        fallback = self._routes_to_sdpa(q, k, mask) if layout == "bhnd" else False
         label = self.backend + (" -> SDPA fallback" if fallback else "")
         prep = Prepared(None, layout, backend=label, fallback=fallback)
         if bkw is None:
@@ -430,6 +449,8 @@ class FlashAttn(Impl):
             raise Unsupported("no FP8 path compared here (FP8 rows time ffpa_cute alone)")
         if case.dv is not None:
             raise Unsupported("no Dv != D path compared here (MLA rows: ffpa_cute and SDPA)")
+        if case.mask:
+            raise Unsupported("FlashAttention takes no dense attn_mask")
         fn = self.fn
 
         def call(q, k, v):

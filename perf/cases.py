@@ -14,6 +14,10 @@ A `Case` is one attention problem in [B, H, N, D] terms. Families:
   so each KV head's 128 query rows fill one row tile: the compute-bound regime FlashMLA's dense
   decode measures; `attention` packs the heads into the rows),
   `vae` (diffusion VAE mid-block: B 1, H 1, D 512, N 16K-64K, non-causal, bf16 and fp32 input).
+* Dense masks (only when named, alias `masks`; B 4, H 32, D 512, N 4K / 8K, not causal; FLOPs
+  on the pairs the mask keeps): `keypad` (bool [B, 1, 1, N], right padding: element b keeps
+  its first N (8 - b) / 8 keys), `images` (bool [N, N]: causal text with four bidirectional
+  image blocks of N / 16 rows, Gemma's layout).
 
 `--head-dims` and `--seqlens` replace the FFPA grid; for the user families `--seqlens` replaces
 their N list and `--head-dims` filters them (their D belongs to the model).
@@ -21,6 +25,7 @@ their N list and `--head-dims` filters them (their D belongs to the model).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from .flops import attn_flops_bwd, attn_flops_fwd, valid_pairs
@@ -30,14 +35,16 @@ USER_FAMILIES = ("gemma4", "mqa", "mla", "mla-decode", "vae")
 ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
 # perf/serving.py's rows (their own table; only when named: not part of "all")
 SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8", "kvprefill")
+# dense masks (`Case.mask`; only when named: not part of "all")
+MASK_FAMILIES = ("keypad", "images")
 FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES,
-                  "serving": SERVING_FAMILIES}
+                  "serving": SERVING_FAMILIES, "masks": MASK_FAMILIES}
 
 FFPA_SEQLENS = (8192, 16384)
 FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
 USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
                 "mla": (4096, 8192, 16384), "mla-decode": (4096, 8192, 16384),
-                "vae": (16384, 32768, 65536)}
+                "vae": (16384, 32768, 65536), "keypad": (4096, 8192), "images": (4096, 8192)}
 MLA_DECODE_BATCH = 128
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: e4m3 inputs (quantised per head), bf16 out
 DEFAULT_DTYPE = "bf16"
@@ -60,13 +67,15 @@ class Case:
     d: int
     causal: bool = False
     dv: int | None = None
+    mask: str | None = None   # a MASK_FAMILIES kind: `attn_mask(case)` is the tensor
 
     @property
     def label(self) -> str:
         c = "c" if self.causal else "nc"
         dv = f"-dv{self.dv}" if self.dv is not None else ""
+        m = f"-m{self.mask}" if self.mask else ""
         return (f"{self.name}-{self.dtype}-b{self.batch}-h{self.hq}x{self.hkv}"
-                f"-n{self.nq}x{self.nkv}-d{self.d}{dv}-{c}")
+                f"-n{self.nq}x{self.nkv}-d{self.d}{dv}-{c}{m}")
 
     @property
     def gqa(self) -> bool:
@@ -74,9 +83,15 @@ class Case:
 
     @property
     def pairs(self) -> int:
+        """Visible (query, key) pairs of one head (with a mask: of the whole batch, over B)."""
+        if self.mask:
+            return kept_pairs(self) // self.batch
         return valid_pairs(self.nq, self.nkv, self.causal)
 
     def flops(self, direction: str) -> float:
+        if self.mask:   # 4 Hq D per kept pair of the batch (Dv = D), backward 2.5x
+            fwd = 4.0 * self.hq * kept_pairs(self) * self.d
+            return fwd if direction == "fwd" else 2.5 * fwd
         fn = attn_flops_fwd if direction == "fwd" else attn_flops_bwd
         return fn(self.batch, self.hq, self.nq, self.nkv, self.d, self.causal,
                   head_dim_v=self.dv)
@@ -99,6 +114,42 @@ def _ffpa_case(family: str, n: int, d: int, dtype: str, batch: int = 1, heads: i
     if family == "unaligned":
         return Case(family, dtype, batch, heads, heads, n - 1, n - 1, d)
     raise ValueError(f"unknown FFPA family {family!r}")
+
+
+def _mask_case(family: str, n: int, dtype: str) -> Case:
+    return Case(family, dtype, 4, 32, 32, n, n, 512, mask=family)
+
+
+def keep(case: Case):
+    """The kept (query, key) pairs of a mask case, bool [B or 1, 1, Nq or 1, Nkv] on the CPU."""
+    import torch
+
+    n, i = case.nkv, torch.arange(case.nkv)
+    if case.mask == "keypad":
+        lengths = torch.tensor([n * (8 - b % 8) // 8 for b in range(case.batch)])
+        return (i[None] < lengths[:, None])[:, None, None]
+    if case.mask == "images":
+        lengths = i + 1
+        for j in range(4):
+            a = n // 16 + j * n // 4
+            lengths[a:a + n // 16] = a + n // 16
+        return (i[None] < lengths[:, None])[None, None]
+    raise ValueError(f"unknown mask {case.mask!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def kept_pairs(case: Case) -> int:
+    """The (query, key) pairs a mask case keeps over its whole batch (one head)."""
+    k = keep(case)
+    per_row = k.sum(-1)   # [B or 1, 1, Nq or 1]
+    return int(per_row.expand(case.batch, 1, case.nq).sum())
+
+
+def attn_mask(case: Case, device):
+    """The `attn_mask` tensor a mask case passes (as users pass it: keypad [B, 1, 1, N],
+    images [N, N])."""
+    k = keep(case)
+    return (k if case.mask == "keypad" else k[0, 0]).to(device)
 
 
 def _user_case(family: str, n: int, dtype: str) -> Case:
@@ -125,9 +176,9 @@ def parse_families(spec: str | None) -> tuple[str, ...]:
             continue
         names = FAMILY_ALIASES.get(tok, (tok,))
         for name in names:
-            if name not in ALL_FAMILIES + SERVING_FAMILIES:
+            if name not in ALL_FAMILIES + SERVING_FAMILIES + MASK_FAMILIES:
                 raise ValueError(f"unknown case family {name!r}; choose from "
-                                 f"{', '.join(ALL_FAMILIES + SERVING_FAMILIES)}, or "
+                                 f"{', '.join(ALL_FAMILIES + SERVING_FAMILIES + MASK_FAMILIES)}, or "
                                  f"{', '.join(FAMILY_ALIASES)}")
             if name not in out:
                 out.append(name)
@@ -171,7 +222,13 @@ def full_cases(families=ALL_FAMILIES, head_dims=None, seqlens=None, dtypes=None)
     for fam in families:
         if fam in SERVING_FAMILIES:
             continue  # perf/serving.py's
-        if fam in FFPA_FAMILIES:
+        if fam in MASK_FAMILIES:
+            if head_dims and 512 not in head_dims:
+                continue
+            for dt in dtypes or (DEFAULT_DTYPE,):
+                for n in seqlens or USER_SEQLENS[fam]:
+                    cases.append(_mask_case(fam, n, dt))
+        elif fam in FFPA_FAMILIES:
             for dt in dtypes or (DEFAULT_DTYPE,):
                 for n in seqlens or FFPA_SEQLENS:
                     for d in hds:

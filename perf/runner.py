@@ -13,7 +13,7 @@ import torch
 
 from . import accuracy
 from .baselines import Impl, Unsupported, _short, from_layout, to_layout
-from .cases import Case
+from .cases import Case, keep
 from .flops import tflops
 from .timing import L2Flusher, bench, first_call
 
@@ -96,12 +96,15 @@ def blank(note: str | None = None) -> dict:
 def _reference(case, q, k, v, dout, direction, ctx):
     if ctx.err_heads <= 0:
         return None
+    mask = keep(case).to(q.device) if case.mask else None
     try:
         if direction == "fwd":
             heads = accuracy.fwd_heads(case.hq, ctx.err_heads)
-            return heads, accuracy.ref_forward(q, k, v, causal=case.causal, heads=heads)
+            return heads, accuracy.ref_forward(q, k, v, causal=case.causal, heads=heads,
+                                               mask=mask)
         qh, kvh = accuracy.bwd_heads(case.hq, case.hkv, ctx.err_heads)
-        return (qh, kvh), accuracy.ref_backward(q, k, v, dout, causal=case.causal, kv_heads=kvh)
+        return (qh, kvh), accuracy.ref_backward(q, k, v, dout, causal=case.causal, kv_heads=kvh,
+                                                mask=mask)
     except Exception as e:
         if is_fatal(e):
             raise FatalCudaError(_short(e)) from e

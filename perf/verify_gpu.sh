@@ -110,6 +110,11 @@
 #         gradients compared) and --variation (precompile: with SANITIZE_CASES="row units"
 #         `python -m tests.gpu_jobs --sections rows,sanitize`, `python -m perf.bwd_fused
 #         --row-units --precompile DIR` and `--variation --precompile DIR`, packed)
+#   masks dense masks as kernel calls (ffpa_cute/dense_mask.py): tests/test_dense_mask.py's GPU
+#         tests, then perf.sweep --cases masks (key padding and Gemma-style image blocks, B=4,
+#         H=32, D=512, N 4K / 8K, fwd and bwd) beside ${SWEEP_BASELINES:-sdpa,ffpa} (precompile:
+#         `python -m ffpa_cute.precompile --arch sm_90 --head-dims 512 --dtypes bf16 --causal
+#         both --backward --cache-dir DIR`, packed; the FFPA peer as .device_peers)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
 #         perf.shared_kv (MLA prefill 576 / 512 and D=512 with v = k's prefix, against the
 #         planned forward) (precompile: fwd_perf)
@@ -182,6 +187,15 @@ if has bwd17; then
       --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" --no-progress \
       --out "$out/sweep_bwd17" --commit "${PERF_COMMIT:-unknown}" > "$out/sweep_bwd17.log" 2>&1
   grep "^| [a-z]" "$out/sweep_bwd17/bwd.md" | cut -c1-200
+fi
+if has masks; then
+  step "dense masks: GPU tests, then perf.sweep --cases masks beside ${SWEEP_BASELINES:-sdpa,ffpa}"
+  timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_dense_mask.py 2>&1 \
+      | tee "$out/gpu_masks.log" | grep -E "FAIL|ERROR|passed|failed" | tail -8
+  timeout 380 python -m perf.sweep --cases masks --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" \
+      --no-progress --out "$out/sweep_masks" --commit "${PERF_COMMIT:-unknown}" \
+      > "$out/sweep_masks.log" 2>&1
+  grep "^| [a-z]" "$out/sweep_masks/fwd.md" "$out/sweep_masks/bwd.md" | cut -c1-220
 fi
 if has padded; then
   step "the fused backward on zero-padded operands: GPU tests, perf.bwd_fused --padded"

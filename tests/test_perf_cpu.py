@@ -715,3 +715,35 @@ def test_walk_experiments_pair_their_configs():
         assert dataclasses.replace(rows, row_units=False) == tiles
     for case, (cls, cfg) in zip(bwd_fused.L2_PROBE_CASES, bwd_fused.l2_probe_jobs()):
         assert (cls, cfg.row_units) == bwd_fused.WALKS[case[5]]
+
+
+def test_mask_cases_count_the_kept_pairs_and_reference_them():
+    """The dense-mask families (`--cases masks`, not in "all"): FLOPs on the pairs the mask
+    keeps, the mask as users pass it, and the reference with the mask equal to SDPA's."""
+    from perf import cases as pc
+
+    assert "keypad" not in pc.ALL_FAMILIES and pc.parse_families("masks") == pc.MASK_FAMILIES
+    keypad, _, images, _ = pc.select_cases(cases="masks")
+    n = keypad.nkv
+    assert pc.kept_pairs(keypad) == n * sum(n * (8 - b) // 8 for b in range(4))
+    assert keypad.flops("fwd") == 4.0 * 32 * pc.kept_pairs(keypad) * 512
+    assert keypad.flops("bwd") == 2.5 * keypad.flops("fwd")
+    assert pc.attn_mask(keypad, "cpu").shape == (4, 1, 1, n)
+    assert pc.attn_mask(images, "cpu").shape == (n, n)
+    assert n * (n + 1) // 2 * 4 < pc.kept_pairs(images) < n * n * 4   # causal plus the blocks
+    assert keypad.label.endswith("-mkeypad") and pc.select_cases(cases="masks",
+                                                                  head_dims="320") == []
+    small = pc.Case("images", "fp64", 2, 4, 2, 64, 64, 16, mask="images")
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, h, 64, 16, dtype=torch.float64) for h in (4, 2, 2, 4))
+    keep = pc.keep(small)
+    ins = [x.clone().requires_grad_() for x in (q, k.repeat_interleave(2, 1),
+                                                 v.repeat_interleave(2, 1))]
+    o = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=pc.attn_mask(small,
+                                                                                       "cpu"))
+    gq, gk, gv = torch.autograd.grad(o, ins, do)
+    r = accuracy.ref_forward(q, k, v, causal=False, mask=keep, chunk_bytes=256)
+    assert accuracy.fwd_error(o.detach(), r, list(range(4))) < 1e-12
+    rg = accuracy.ref_backward(q, k, v, do, causal=False, mask=keep, chunk_bytes=256)
+    gk, gv = (g.view(2, 2, 2, 64, 16).sum(2) for g in (gk, gv))
+    assert accuracy.bwd_error((gq, gk, gv), rg, list(range(4)), [0, 1]) < 1e-12
