@@ -383,3 +383,27 @@ def test_cuda_graph_capture_gpu(seed):
     assert id(fresh) not in dense_mask._CACHE
     ref = ref_attention(q, k, v, mask=mask)[0]
     assert rel_err(other, ref) <= 2e-2
+
+
+def test_row_prefixes_tall_and_strided(seed, monkeypatch):
+    """Upper-left causal as a tensor with Nq > Nkv (rows past Nkv keep every key: a causal run
+    then an unmasked one; one key run, upper-left, for the gradient), on q, k, v in the
+    [B, N, H, D] memory layout (transposed views)."""
+    fake = fake_kernels.install(monkeypatch)
+    nq, nkv = 20, NKV
+
+    def r(h, n, d):
+        return torch.randn(B, n, h, d, dtype=F64).transpose(1, 2).requires_grad_()
+    q, k, v = r(HQ, nq, D), r(HKV, nkv, D), r(HKV, nkv, DV)
+    keep = torch.ones(nq, nkv, dtype=torch.bool).tril()
+    kept = dense_mask.kept_keys(keep, B, HQ, nq, nkv)
+    assert [r[2] for r in kept.runs[0]] == ["diagonal", "full"]
+    assert kept.key_runs == (((0, nkv, "diagonal", 0),),)
+    out, lse = attention(q, k, v, attn_mask=keep, enable_gqa=True, return_lse=True, strict=True)
+    ref, ref_lse = ref_attention(q, k, v, mask=keep)
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, w in zip(got, torch.autograd.grad(ref.sum(), (q, k, v))):
+        assert rel_err(g, w) <= 1e-12
+    assert len(fake.fwd_calls) == 2 and len(fake.bwd_calls) == 1
+    assert fake.bwd_calls[0].causal and fake.bwd_calls[0].causal_offset == 0
