@@ -66,6 +66,7 @@ DROPPED = -65504.0  # a float mask value at or below this drops its key (module 
 # index_select each: no copy of q, out assembled by one cat); more take varlen's one launch
 PER_ELEMENT_MAX = 16
 MAX_RUNS = 64   # row-prefix masks of more runs (over the batch elements) keep the SDPA route
+CHUNK = 1 << 26  # mask elements compared at a time (64 Mi: no temporary of a mask's full size)
 
 # `varlen.varlen_attention`, set by varlen.py when it loads (`import ffpa_cute` loads it):
 # varlen routes each sequence through the interface, which calls this module, so neither this
@@ -200,11 +201,11 @@ def _read(mask, batch, heads, nq, nkv) -> KeptKeys | None:
     target = (batch, heads, nq, nkv)
     if any(s not in (1, t) for s, t in zip(m.shape, target)) or m.shape[3] != nkv:
         return None  # not broadcastable to the call: SDPA raises its own error
-    if m.shape[1] > 1 and m.stride(1) != 0 and not bool((m == m[:, :1]).all()):
+    if m.shape[1] > 1 and m.stride(1) != 0 and not _all_rows(m, lambda c: c == c[:, :1]):
         return None   # differs over heads (NaN never equal)
     m = m[:, 0]   # [b', q', nkv]
-    if m.shape[1] > 1 and m.stride(1) != 0 and not bool((m == m[:, :1]).all()):
-        return _row_runs(_kept(m), nkv)
+    if m.shape[1] > 1 and m.stride(1) != 0 and not _all_rows(m, lambda c: c == m[:, :1]):
+        return _row_runs(m, nkv)
     keep = _kept(m[:, 0])   # [b', nkv]
     if keep is None:
         return None
@@ -242,15 +243,28 @@ def _kept(values: torch.Tensor) -> torch.Tensor | None:
     return keep.contiguous()
 
 
-def _row_runs(keep: torch.Tensor | None, nkv: int) -> RowRuns | None:
-    """`RowRuns` of a keep pattern [b', Nq, Nkv] whose rows differ, or None unless every row
-    keeps a non-empty prefix and the runs are few."""
-    if keep is None:
-        return None
-    lengths = keep.sum(-1)   # [b', Nq]
-    if not bool((keep == (torch.arange(nkv, device=keep.device) < lengths[..., None])).all()):
-        return None
-    per = lengths.tolist()
+def _all_rows(m: torch.Tensor, test) -> bool:
+    """Whether `test(chunk)` holds everywhere over chunks of m's query rows (dim -2), each
+    chunk at most CHUNK elements: a mask can be as large as the memory left, so no
+    temporary of its full size is made."""
+    step = max(1, CHUNK // max(1, m[..., :1, :].numel()))
+    return all(bool(test(m[..., r:r + step, :]).all()) for r in range(0, m.shape[-2], step))
+
+
+def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
+    """`RowRuns` of mask values [b', Nq, Nkv] whose rows differ, or None unless every row
+    keeps a non-empty prefix and the runs are few (read in chunks of query rows)."""
+    step = max(1, CHUNK // max(1, m.shape[0] * nkv))
+    cols, parts = torch.arange(nkv, device=m.device), []
+    for r in range(0, m.shape[1], step):
+        keep = _kept(m[:, r:r + step])
+        if keep is None:
+            return None
+        lengths = keep.sum(-1)   # [b', rows]
+        if not bool((keep == (cols < lengths[..., None])).all()):
+            return None
+        parts.append(lengths)
+    per = torch.cat(parts, 1).tolist()
     if min(min(r) for r in per) == 0:
         return None
     if all(r == per[0] for r in per):

@@ -407,3 +407,25 @@ def test_row_prefixes_tall_and_strided(seed, monkeypatch):
         assert rel_err(g, w) <= 1e-12
     assert len(fake.fwd_calls) == 2 and len(fake.bwd_calls) == 1
     assert fake.bwd_calls[0].causal and fake.bwd_calls[0].causal_offset == 0
+
+
+def test_masks_read_in_chunks_of_rows(monkeypatch):
+    """The checks over queries and heads and the row-prefix read go by chunks of query rows
+    (`CHUNK` elements): the same verdicts and runs with chunks of a row or two."""
+    keep = as_keep(row_lengths(NKV, NKV, "image blocks"), NKV)
+    masks = [keep, as_float(keep, -1e9), keep[None, None].expand(B, HQ, NKV, NKV),
+             as_keep(row_lengths(NKV, NKV, "causal"), NKV) & (torch.rand(NKV, NKV) > 0.1),
+             keep_rows(B)[:, None, None].expand(B, HQ, NKV, NKV),
+             keep[None, None].repeat(1, HQ, 1, 1)]   # heads materialised: compared by chunks
+    want = [dense_mask._read(m, B, HQ, NKV, NKV) for m in masks]
+    monkeypatch.setattr(dense_mask, "CHUNK", NKV + 3)   # one row a chunk (two with heads)
+    got = [dense_mask._read(m, B, HQ, NKV, NKV) for m in masks]
+    assert [type(w) for w in want] == [dense_mask.RowRuns, dense_mask.RowRuns,
+                                       dense_mask.RowRuns, type(None), dense_mask.KeptKeys,
+                                       dense_mask.RowRuns]
+    for g, w in zip(got, want):
+        assert type(g) is type(w)
+        if isinstance(w, dense_mask.RowRuns):
+            assert g == w
+        elif w is not None:
+            assert g.counts == w.counts and torch.equal(g.keep, w.keep)
