@@ -193,7 +193,7 @@ def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int,
     return kept
 
 
-def _read(mask, batch, heads, nq, nkv) -> KeptKeys | None:
+def _read(mask, batch, heads, nq, nkv) -> KeptKeys | RowRuns | None:
     """`kept_keys` without the cache: the checks and the host reads."""
     if mask.requires_grad or mask.dim() > 4 or mask.numel() == 0:
         return None
