@@ -274,6 +274,19 @@ def test_the_sdpa_patch_serves_them_too(seed, monkeypatch):
         unpatch_sdpa()
     assert rel_err(out, ref_attention(q, k, v, mask=keep[:, None, None, :])[0]) <= 1e-12
     assert sorted(p.seqlen_kv for p in fake.fwd_calls) == [4, 9, 12]
+    # transformers' causal mask with right padding, through the patch: row runs, each causal
+    # run bottom-right in its own frame whatever the patch's upper-left is_causal means
+    rows = as_keep(row_lengths(NKV, NKV, "causal, padded"), NKV)
+    qs = torch.randn(B, HQ, NKV, D, dtype=F64)
+    patch_sdpa()
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs, k, v, attn_mask=as_float(rows, torch.finfo(F64).min)[None, None],
+            enable_gqa=True)
+    finally:
+        unpatch_sdpa()
+    assert rel_err(out, ref_attention(qs, k, v, mask=rows)[0]) <= 1e-12
+    assert [p.causal for p in fake.fwd_calls[3:]] == [True, False]
 
 
 def test_read_once_per_mask_and_version():
