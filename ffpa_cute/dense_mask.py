@@ -29,6 +29,13 @@ will be asked for, `RowRunAttention` runs the backward by runs of keys instead (
 call over every row that keeps a run of keys; its docstring), when the prefix lengths never
 shrink down the rows and the kernels serve every call.
 
+**Row intervals** (`RowRuns` with `starts`). Rows that each keep one interval [lo(i), hi(i)),
+some lo(i) > 0 (a sliding window passed as a dense tensor, a window on both sides, its
+anti-causal mirror): runs of rows whose lo and hi are each constant or rise by one a row,
+each one call on the keys [lo(first), hi(last)): unmasked, causal, or with the kernels'
+sliding window (`window=(left, right)`, `_window`). Their gradient runs through those calls
+(no key runs).
+
 Elsewhere the gradients reach q, k and v through the views, gathers and concatenations; a
 dropped key's are 0, as under the mask.
 
@@ -38,8 +45,8 @@ with; -1e9, finfo.min and -inf are below it). A dropped key's softmax weight und
 exp(mask + s_k - m) with m >= a kept key's score, which is 0 in float32 unless s_k exceeds every
 kept score by more than ~65400: then the mask and this route differ, as they would between
 two masks of different large values. Not served (the caller routes the masked call as before:
-SDPA, logged): masks that vary over heads, rows that keep other than a prefix while the rows
-differ, float masks with other values (a genuine additive bias), a row (or, for key-padding
+SDPA, logged): masks that vary over heads, rows that keep more than one interval of keys
+while the rows differ, float masks with other values (a genuine additive bias), a row (or, for key-padding
 masks, a batch element) that keeps no key (SDPA's own semantics for such rows), masks that
 require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
 (reading the mask needs the host: device syncs once per mask tensor and version, cached like
@@ -124,10 +131,15 @@ class RowRuns:
     rows (then the rows that see a key are not a suffix)."""
     runs: tuple
     key_runs: tuple | None = None
+    starts: tuple | None = None   # row intervals: each run's first key (`_interval_runs`)
 
     @property
     def route(self) -> str:
         return "row runs"
+
+    def first_key(self, b: int, i: int) -> int:
+        """The first key of entry b's run i (0 for row prefixes)."""
+        return 0 if self.starts is None else self.starts[b][i]
 
     @property
     def most_keys(self) -> int:
@@ -255,18 +267,24 @@ def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
     """`RowRuns` of mask values [b', Nq, Nkv] whose rows differ, or None unless every row
     keeps a non-empty prefix and the runs are few (read in chunks of query rows)."""
     step = max(1, CHUNK // max(1, m.shape[0] * nkv))
-    cols, parts = torch.arange(nkv, device=m.device), []
+    cols, parts, firsts = torch.arange(nkv, device=m.device), [], []
     for r in range(0, m.shape[1], step):
         keep = _kept(m[:, r:r + step])
         if keep is None:
             return None
         lengths = keep.sum(-1)   # [b', rows]
-        if not bool((keep == (cols < lengths[..., None])).all()):
-            return None
+        first = keep.to(torch.uint8).argmax(-1)   # the first kept key (0 for an empty row)
+        if not bool((keep == ((cols >= first[..., None])
+                              & (cols < (first + lengths)[..., None]))).all()):
+            return None   # a row's keys are not one interval
         parts.append(lengths)
+        firsts.append(first)
     per = torch.cat(parts, 1).tolist()
     if min(min(r) for r in per) == 0:
         return None
+    lows = torch.cat(firsts, 1).tolist()
+    if any(any(r) for r in lows):   # intervals, not prefixes
+        return _interval_runs(lows, per)
     if all(r == per[0] for r in per):
         per = per[:1]
     runs = tuple(_runs(r) for r in per)
@@ -277,13 +295,59 @@ def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
     return RowRuns(runs, keys if ok else None)
 
 
+def _interval_runs(lows: list, lengths: list) -> RowRuns | None:
+    """`RowRuns` of rows keeping keys [lo(i), hi(i)) (hi = lo + length), lo not all 0, or None
+    past MAX_RUNS runs. A run takes the longest of: "full" (lo and hi constant: unmasked),
+    "diagonal" (lo constant, hi rising by one a row: causal), "band" (both rising: a sliding
+    window of hi - lo keys) and "suffix" (lo rising, hi constant: a window open on the right),
+    each on keys [lo(first row), hi(last row)). The gradient runs by these row runs (no key
+    runs)."""
+    per = [(tuple(lo), tuple(a + n for a, n in zip(lo, ln))) for lo, ln in zip(lows, lengths)]
+    if all(x == per[0] for x in per):
+        per = per[:1]
+    runs, starts = [], []
+    for lo, hi in per:
+        rows, first, a, n = [], [], 0, len(lo)
+        while a < n:
+            best = None
+            for kind, dlo, dhi in (("full", 0, 0), ("diagonal", 0, 1), ("band", 1, 1),
+                                   ("suffix", 1, 0)):
+                e = a + 1
+                while e < n and lo[e] - lo[a] == dlo * (e - a) and hi[e] - hi[a] == dhi * (e - a):
+                    e += 1
+                if best is None or e > best[1]:
+                    best = (kind, e)
+            kind, e = best
+            rows.append((a, e, kind, hi[e - 1]))
+            first.append(lo[a])
+            a = e
+        runs.append(tuple(rows))
+        starts.append(tuple(first))
+    if sum(map(len, runs)) > MAX_RUNS:
+        return None
+    return RowRuns(tuple(runs), None, tuple(starts))
+
+
+def _window(kind: str, rows: int, keys: int):
+    """(causal, window) of a row run's call on `rows` queries and its `keys` keys (bottom-right
+    frame: query i' sits at key i' + keys - rows)."""
+    if kind == "band":   # row i' keeps local keys [i', i' + keys - rows]
+        return False, (keys - rows, 0)
+    if kind == "suffix":   # row i' keeps local keys [i', keys)
+        return False, (keys - rows, None)
+    return kind == "diagonal", None
+
+
 def describe(kept: KeptKeys | RowRuns) -> str:
     """The start of `explain`'s line for a call this module serves."""
     if isinstance(kept, RowRuns):
-        diag = sum(r[2] == "diagonal" for e in kept.runs for r in e)
+        kinds = [r[2] for e in kept.runs for r in e]
+        diag, full = kinds.count("diagonal"), kinds.count("full")
+        win = len(kinds) - diag - full
         per = ", per batch element" if len(kept.runs) > 1 else ""
-        return (f"row-prefix mask: {kept.calls} kernel calls on runs of query rows ({diag} "
-                f"causal, {kept.calls - diag} unmasked{per}): ")
+        what = "row-prefix" if kept.starts is None else "row-interval"
+        return (f"{what} mask: {kept.calls} kernel calls on runs of query rows ({diag} causal, "
+                f"{full} unmasked{f', {win} sliding-window' if win else ''}{per}): ")
     counts, nkv = kept.counts, kept.keep.shape[-1]
     n = counts[0] if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
     how = {"all": "the unmasked call", "prefix": "the unmasked call on views of k and v",
@@ -349,8 +413,12 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
     outs = []
     for b, runs in enumerate(kept.runs):
         qb, kb, vb = (q, k, v) if len(kept.runs) == 1 else (q[b:b + 1], k[b:b + 1], v[b:b + 1])
-        parts = [dense(qb[:, :, a:e], kb[:, :, :n], vb[:, :, :n], causal=kind == "diagonal")
-                 for a, e, kind, n in runs]
+        parts = []
+        for i, (a, e, kind, n) in enumerate(runs):
+            c = kept.first_key(b, i)
+            causal, window = _window(kind, e - a, n - c)
+            parts.append(dense(qb[:, :, a:e], kb[:, :, c:n], vb[:, :, c:n], causal=causal,
+                               window=window))
         if return_lse:
             outs.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
         else:

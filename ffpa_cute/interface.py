@@ -181,9 +181,10 @@ def _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, *, upper_left, s
     features = bounds is not None or sinks is not None
     kept = _kept_keys(q, k, mask, dropout_p, features, problem)
     if kept is not None:  # the kernels on the keys the mask keeps (dense_mask.py)
-        return dense_mask.run(kept, q, k, v, lambda *t, causal=False: _attention(
+        return dense_mask.run(kept, q, k, v, lambda *t, causal=False, window=None: _attention(
             *t, None, 0.0, causal, scale, upper_left=False, strict=strict, level=level,
-            return_lse=return_lse), scale=scale, strict=strict, return_lse=return_lse)
+            return_lse=return_lse, window=window), scale=scale, strict=strict,
+            return_lse=return_lse)
     if _route(problem, q.device, strict, level) is not None:
         if features:
             out, lse = math_attention(q, k, v, causal=causal, offset=offset, bounds=bounds,

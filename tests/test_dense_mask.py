@@ -192,14 +192,14 @@ def sdpa_masks():
     per_head[:, 1, :, :] = True
     none_kept = keep.clone()
     none_kept[1] = False
-    window = as_keep(torch.arange(NQ) + 1 + NKV - NQ, NKV) & ~as_keep(
-        torch.arange(NQ) + NKV - NQ - 2, NKV)   # a sliding window: not prefixes
+    two = as_keep(torch.arange(NQ) + 3, NKV)
+    two[3:, 1] = False   # rows differ, and some keep two intervals of keys
     no_key = as_keep(torch.arange(NQ) - 2, NKV)   # the first two rows keep nothing
     return [
         ("varies over queries", per_query),
-        ("rows not prefixes (a sliding window)", window),
+        ("rows keeping two intervals", two),
         ("a row that keeps no key", no_key),
-        ("varies over queries and heads", per_head & window.expand(B, HQ, NQ, NKV)),
+        ("varies over queries and heads", per_head & per_query[:1]),
         ("varies over heads", per_head),
         ("additive bias", torch.randn(NKV, dtype=F64)),
         ("bias of zeros and -100", as_float(keep, -100.0)),
@@ -370,7 +370,8 @@ def test_inference_mode_masks(seed, monkeypatch):
     ref = ref_attention(q, k, v, mask=keep[:, None, None, :])[0]
     assert rel_err(out, ref) <= 1e-12 and torch.equal(out, again)
     assert sorted(p.seqlen_kv for p in fake.fwd_calls) == [4, 4, 9, 9, 12, 12]
-    assert id(mask) not in dense_mask._CACHE
+    hit = dense_mask._CACHE.get(id(mask))   # (an id freed by an earlier test may be reused)
+    assert hit is None or hit[0]() is not mask
 
 
 @pytest.mark.gpu
@@ -393,7 +394,8 @@ def test_cuda_graph_capture_gpu(seed):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
-    assert id(fresh) not in dense_mask._CACHE
+    hit = dense_mask._CACHE.get(id(fresh))
+    assert hit is None or hit[0]() is not fresh
     ref = ref_attention(q, k, v, mask=mask)[0]
     assert rel_err(other, ref) <= 2e-2
 
@@ -442,3 +444,58 @@ def test_masks_read_in_chunks_of_rows(monkeypatch):
             assert g == w
         elif w is not None:
             assert g.counts == w.counts and torch.equal(g.keep, w.keep)
+
+
+def intervals(nq, nkv, kind, shift=0):
+    """(lo, hi) per row of a row-interval mask: row i keeps keys [lo(i), hi(i))."""
+    i = torch.arange(nq)
+    if kind == "sliding window":   # causal, the last 4 keys (bottom-right)
+        hi = (i + 1 + nkv - nq).clamp(max=nkv)
+        return (hi - 4 - shift).clamp(min=0), hi
+    if kind == "anti-causal":   # row i keeps keys [i, Nkv)
+        return i.clamp(max=nkv - 1), torch.full((nq,), nkv)
+    if kind == "window both sides":   # [i - 2, i + 3) clipped
+        return (i - 2).clamp(min=0), (i + 3 + shift).clamp(max=nkv)
+    raise ValueError(kind)
+
+
+INTERVAL_CASES = [  # (kind, Nq, kinds of the runs, per batch element)
+    ("sliding window", NKV, ["diagonal", "band"], False),
+    ("sliding window", NQ, ["band"], False),
+    ("anti-causal", NKV, ["suffix"], False),
+    ("window both sides", NKV, ["diagonal", "band", "suffix"], False),
+    ("sliding window", NKV, None, True),
+]
+
+
+@pytest.mark.parametrize("kind,nq,kinds,per_element", INTERVAL_CASES,
+                         ids=[f"{c[0]}-nq{c[1]}{'-per-element' if c[3] else ''}"
+                              for c in INTERVAL_CASES])
+def test_row_intervals_run_as_window_calls(seed, monkeypatch, kind, nq, kinds, per_element):
+    """Rows keeping one interval of keys each (a sliding window as a dense tensor, its
+    anti-causal mirror, a window on both sides): runs of unmasked, causal and sliding-window
+    kernel calls on key slices; out, lse and gradients (by those calls) against float64."""
+    fake = fake_kernels.install(monkeypatch)
+    q = torch.randn(B, HQ, nq, D, dtype=F64, requires_grad=True)
+    _, k, v = inputs()
+    cols = torch.arange(NKV)
+    bounds = [intervals(nq, NKV, kind, b if per_element else 0) for b in range(B)]
+    keep = torch.stack([(cols >= lo[:, None]) & (cols < hi[:, None]) for lo, hi in bounds])
+    mask = keep[:, None] if per_element else keep[0]
+    kept = dense_mask.kept_keys(mask, B, HQ, nq, NKV)
+    assert kept.route == "row runs" and kept.key_runs is None and kept.starts is not None
+    if kinds is not None:
+        assert [r[2] for r in kept.runs[0]] == kinds
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
+                         strict=True)
+    ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None])
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    for g, w in zip(got, torch.autograd.grad((ref, ref_lse), (q, k, v), (dout, dlse))):
+        assert rel_err(g, w) <= 1e-12
+    assert len(fake.fwd_calls) == kept.calls
+    assert any(p.window_lo is not None for p in fake.fwd_calls) == (
+        any(r[2] in ("band", "suffix") for e in kept.runs for r in e))
+    assert explain(q, k, v, attn_mask=mask, enable_gqa=True).startswith(
+        f"row-interval mask: {kept.calls} kernel calls")

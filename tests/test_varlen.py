@@ -254,4 +254,5 @@ def test_bounds_are_read_once_per_tensor_and_version(monkeypatch):
     reads.clear()
     for _ in range(2):
         assert varlen.sequence_bounds("cu", frozen, 7, "m", 4, dev) == ((0, 3), (3, 7))
-    assert len(reads) == 2 and id(frozen) not in varlen._BOUNDS
+    hit = varlen._BOUNDS.get(id(frozen))   # (an id freed earlier may be reused)
+    assert len(reads) == 2 and (hit is None or hit[0]() is not frozen)
