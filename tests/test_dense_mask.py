@@ -303,7 +303,7 @@ def test_read_once_per_mask_and_version():
 @pytest.mark.parametrize("d,dtype,hq,hkv", [(512, torch.bfloat16, 8, 2),
                                             (320, torch.float16, 4, 4)])
 @pytest.mark.parametrize("form", ["gather", "equal", "rows", "prefix", "prefix rows",
-                                  "varlen", "causal rows", "image blocks"])
+                                  "varlen", "causal rows", "image blocks", "sliding window"])
 def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     """The kernels on the kept keys against float64 with the mask, every route: within twice
     torch's own same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict
@@ -328,18 +328,21 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     else:
         keep = torch.arange(nkv, device=dev) < lengths
     mask = keep[:, None, None, :]
-    if form in ("causal rows", "image blocks"):   # row prefixes, Nq = Nkv = 700
+    if form in ("causal rows", "image blocks", "sliding window"):   # Nq = Nkv = 700
         nq = nkv = 700
         i = torch.arange(nq, device=dev)
         lengths = i + 1
         if form == "image blocks":   # Gemma's bidirectional image blocks in causal text
             for a, e in ((100, 356), (600, 700)):
                 lengths[a:e] = e
-        mask = (torch.arange(nkv, device=dev) < lengths[:, None])
+        cols = torch.arange(nkv, device=dev)
+        mask = cols < lengths[:, None]
+        if form == "sliding window":   # a window of 128 keys, as a dense tensor
+            mask &= cols > (i - 128)[:, None]
         keep = mask.expand(b, nq, nkv)[:, None]
     route = dense_mask.kept_keys(mask, b, hq, nq, nkv).route
-    assert route == {"equal": "gather", "causal rows": "row runs",
-                     "image blocks": "row runs"}.get(form, form)
+    assert route == {"equal": "gather", "causal rows": "row runs", "image blocks": "row runs",
+                     "sliding window": "row runs"}.get(form, form)
 
     def r(*s):
         return torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
