@@ -723,7 +723,8 @@ def test_mask_cases_count_the_kept_pairs_and_reference_them():
     from perf import cases as pc
 
     assert "keypad" not in pc.ALL_FAMILIES and pc.parse_families("masks") == pc.MASK_FAMILIES
-    keypad, _, images, _ = pc.select_cases(cases="masks")
+    keypad, _, images, _, window, _ = pc.select_cases(cases="masks")
+    assert pc.kept_pairs(window) == 4 * sum(min(i + 1, 128) for i in range(window.nq))
     n = keypad.nkv
     assert pc.kept_pairs(keypad) == n * sum(n * (8 - b) // 8 for b in range(4))
     assert keypad.flops("fwd") == 4.0 * 32 * pc.kept_pairs(keypad) * 512
