@@ -17,7 +17,7 @@ A `Case` is one attention problem in [B, H, N, D] terms. Families:
 * Dense masks (only when named, alias `masks`; B 4, H 32, D 512, N 4K / 8K, not causal; FLOPs
   on the pairs the mask keeps): `keypad` (bool [B, 1, 1, N], right padding: element b keeps
   its first N (8 - b) / 8 keys), `images` (bool [N, N]: causal text with four bidirectional
-  image blocks of N / 16 rows, Gemma's layout), `window` (bool [N, N]: a causal sliding window
+  image blocks of N / 16 rows, Gemma's layout), `windowmask` (bool [N, N]: a causal sliding window
   of 128 keys as a dense tensor, as transformers passes DeepSeek-V4's to SDPA).
 
 `--head-dims` and `--seqlens` replace the FFPA grid; for the user families `--seqlens` replaces
@@ -37,7 +37,7 @@ ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
 # perf/serving.py's rows (their own table; only when named: not part of "all")
 SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8", "kvprefill")
 # dense masks (`Case.mask`; only when named: not part of "all")
-MASK_FAMILIES = ("keypad", "images", "window")
+MASK_FAMILIES = ("keypad", "images", "windowmask")
 FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES,
                   "serving": SERVING_FAMILIES, "masks": MASK_FAMILIES}
 
@@ -46,7 +46,7 @@ FFPA_HEAD_DIMS = (320, 384, 512, 576, 640, 768, 1024)
 USER_SEQLENS = {"gemma4": (4096, 8192, 16384), "mqa": (4096, 8192, 16384),
                 "mla": (4096, 8192, 16384), "mla-decode": (4096, 8192, 16384),
                 "vae": (16384, 32768, 65536), "keypad": (4096, 8192), "images": (4096, 8192),
-                "window": (4096, 8192)}
+                "windowmask": (4096, 8192)}
 MLA_DECODE_BATCH = 128
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # fp8: e4m3 inputs (quantised per head), bf16 out
 DEFAULT_DTYPE = "bf16"
@@ -136,7 +136,7 @@ def keep(case: Case):
             a = n // 16 + j * n // 4
             lengths[a:a + n // 16] = a + n // 16
         return (i[None] < lengths[:, None])[None, None]
-    if case.mask == "window":
+    if case.mask == "windowmask":
         return ((i[None] <= i[:, None]) & (i[None] > i[:, None] - 128))[None, None]
     raise ValueError(f"unknown mask {case.mask!r}")
 
@@ -151,7 +151,7 @@ def kept_pairs(case: Case) -> int:
 
 def attn_mask(case: Case, device):
     """The `attn_mask` tensor a mask case passes (as users pass it: keypad [B, 1, 1, N],
-    images and window [N, N])."""
+    images and windowmask [N, N])."""
     k = keep(case)
     return (k if case.mask == "keypad" else k[0, 0]).to(device)
 
