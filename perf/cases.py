@@ -180,10 +180,10 @@ def parse_families(spec: str | None) -> tuple[str, ...]:
             continue
         names = FAMILY_ALIASES.get(tok, (tok,))
         for name in names:
-            if name not in ALL_FAMILIES + SERVING_FAMILIES + MASK_FAMILIES:
+            known = ALL_FAMILIES + SERVING_FAMILIES + MASK_FAMILIES
+            if name not in known:
                 raise ValueError(f"unknown case family {name!r}; choose from "
-                                 f"{', '.join(ALL_FAMILIES + SERVING_FAMILIES + MASK_FAMILIES)}, or "
-                                 f"{', '.join(FAMILY_ALIASES)}")
+                                 f"{', '.join(known)}, or {', '.join(FAMILY_ALIASES)}")
             if name not in out:
                 out.append(name)
     return tuple(out)
