@@ -94,6 +94,19 @@ def test_served_on_the_kept_keys(seed, monkeypatch, label, mask, keep, route):
     assert "key-padding mask" in explain(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def matches_reference(q, k, v, mask, keep):
+    """attention with `mask` against the float64 reference with the kept pairs `keep`: out,
+    lse and the gradients of both (fake kernels: to 1e-12)."""
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
+                         strict=True)
+    ref, ref_lse = ref_attention(q, k, v, mask=keep)
+    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    for g, w in zip(got, torch.autograd.grad((ref, ref_lse), (q, k, v), (dout, dlse))):
+        assert rel_err(g, w) <= 1e-12
+
+
 def row_lengths(nq, nkv, kind, shift=0):
     """Keep-lengths L(i) of a row-prefix mask (row i keeps keys [0, L(i)))."""
     i = torch.arange(nq)
@@ -143,14 +156,7 @@ def test_row_prefixes_run_as_causal_and_full_calls(seed, monkeypatch, kind, squa
         mask = as_float(mask, torch.finfo(torch.float64).min)
     kept = dense_mask.kept_keys(mask, B, HQ, nq, nkv)
     assert kept.route == "row runs" and kept.calls == calls
-    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
-                         strict=True)
-    ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None])
-    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    for g, w in zip(got, torch.autograd.grad((ref, ref_lse), (q, k, v), (dout, dlse))):
-        assert rel_err(g, w) <= 1e-12
+    matches_reference(q, k, v, mask, keep[:, None])
     assert len(fake.fwd_calls) == calls
     # the gradient by runs of keys (RowRunAttention): one call per key run
     assert len(fake.bwd_calls) == sum(map(len, kept.key_runs))
@@ -489,14 +495,7 @@ def test_row_intervals_run_as_window_calls(seed, monkeypatch, kind, nq, kinds, p
     assert kept.route == "row runs" and kept.key_runs is None and kept.starts is not None
     if kinds is not None:
         assert [r[2] for r in kept.runs[0]] == kinds
-    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
-                         strict=True)
-    ref, ref_lse = ref_attention(q, k, v, mask=keep[:, None])
-    assert rel_err(out, ref) <= 1e-12 and rel_err(lse, ref_lse) <= 1e-12
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    for g, w in zip(got, torch.autograd.grad((ref, ref_lse), (q, k, v), (dout, dlse))):
-        assert rel_err(g, w) <= 1e-12
+    matches_reference(q, k, v, mask, keep[:, None])
     assert len(fake.fwd_calls) == kept.calls
     assert any(p.window_lo is not None for p in fake.fwd_calls) == (
         any(r[2] in ("band", "suffix") for e in kept.runs for r in e))
