@@ -265,7 +265,8 @@ def _all_rows(m: torch.Tensor, test) -> bool:
 
 def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
     """`RowRuns` of mask values [b', Nq, Nkv] whose rows differ, or None unless every row
-    keeps a non-empty prefix and the runs are few (read in chunks of query rows)."""
+    keeps one non-empty interval of keys and the runs are few (read in chunks of query
+    rows): prefixes by `_runs` / `_key_runs`, other intervals by `_interval_runs`."""
     step = max(1, CHUNK // max(1, m.shape[0] * nkv))
     cols, parts, firsts = torch.arange(nkv, device=m.device), [], []
     for r in range(0, m.shape[1], step):
