@@ -150,11 +150,16 @@ class RowRuns:
         return sum(len(r) for r in self.runs)
 
 
+# run kinds: how each sequence steps from one row (or key) to the next within a run
+STEPS_1 = {"full": (0,), "diagonal": (1,)}
+STEPS_2 = {"full": (0, 0), "diagonal": (0, 1), "band": (1, 1), "suffix": (1, 0)}
+
+
 def _runs(lengths: list) -> tuple:
     """Greedy runs of rows with keep-lengths `lengths` (module docstring): (start, end, kind,
     the keys of the run's call)."""
     return tuple((a, e, kind, lengths[a] if kind == "full" else lengths[e - 1])
-                 for a, e, kind in _greedy(lengths))
+                 for a, e, kind in _greedy((lengths,), STEPS_1))
 
 
 def _key_runs(lengths: list) -> tuple | None:
@@ -165,22 +170,24 @@ def _key_runs(lengths: list) -> tuple | None:
     if any(b < a for a, b in zip(lengths, lengths[1:])):
         return None
     first = [bisect.bisect_right(lengths, j) for j in range(lengths[-1])]   # R(j)
-    return tuple((c, d, kind, first[c]) for c, d, kind in _greedy(first))
+    return tuple((c, d, kind, first[c]) for c, d, kind in _greedy((first,), STEPS_1))
 
 
-def _greedy(seq: list):
-    """Maximal runs [a, e) of `seq`, each constant ("full") or rising by one a step
-    ("diagonal"), the longer kind first."""
-    a, n = 0, len(seq)
+def _greedy(seqs: tuple, steps: dict):
+    """Maximal runs [a, e) over the positions of the equal-length sequences `seqs`: a run of
+    kind k has each sequence step by steps[k] (0: constant, 1: rising by one) from each
+    position to the next; at each start the longest kind, the first named on a tie."""
+    a, n = 0, len(seqs[0])
     while a < n:
-        full = a + 1
-        while full < n and seq[full] == seq[a]:
-            full += 1
-        diag = a + 1
-        while diag < n and seq[diag] - diag == seq[a] - a:
-            diag += 1
-        yield (a, full, "full") if full >= diag else (a, diag, "diagonal")
-        a = max(full, diag)
+        best = None
+        for kind, step in steps.items():
+            e = a + 1
+            while e < n and all(x[e] - x[a] == d * (e - a) for x, d in zip(seqs, step)):
+                e += 1
+            if best is None or e > best[1]:
+                best = (kind, e)
+        yield a, best[1], best[0]
+        a = best[1]
 
 
 def kept_keys(mask: torch.Tensor, batch: int, heads: int, nq: int,
@@ -308,22 +315,9 @@ def _interval_runs(lows: list, lengths: list) -> RowRuns | None:
         per = per[:1]
     runs, starts = [], []
     for lo, hi in per:
-        rows, first, a, n = [], [], 0, len(lo)
-        while a < n:
-            best = None
-            for kind, dlo, dhi in (("full", 0, 0), ("diagonal", 0, 1), ("band", 1, 1),
-                                   ("suffix", 1, 0)):
-                e = a + 1
-                while e < n and lo[e] - lo[a] == dlo * (e - a) and hi[e] - hi[a] == dhi * (e - a):
-                    e += 1
-                if best is None or e > best[1]:
-                    best = (kind, e)
-            kind, e = best
-            rows.append((a, e, kind, hi[e - 1]))
-            first.append(lo[a])
-            a = e
-        runs.append(tuple(rows))
-        starts.append(tuple(first))
+        rows = tuple((a, e, kind, hi[e - 1]) for a, e, kind in _greedy((lo, hi), STEPS_2))
+        runs.append(rows)
+        starts.append(tuple(lo[a] for a, _, _, _ in rows))
     if sum(map(len, runs)) > MAX_RUNS:
         return None
     return RowRuns(tuple(runs), None, tuple(starts))
