@@ -81,19 +81,24 @@ def _sdpa(mask):
 
 
 def _ref(q, k, v, keep, heads=2):
-    """float32 masked attention of the first `heads` heads (keep: [B, Nkv] or [B, Nq, Nkv])."""
+    """(heads, float32 masked attention of those query heads) from perf.accuracy (keep: [B,
+    Nkv] or [B, Nq, Nkv])."""
     import torch
 
-    s = q[:, :heads].float() @ k[:, :heads].float().transpose(-1, -2) / q.shape[-1] ** 0.5
+    from perf import accuracy
+
     keep = keep.to(q.device)
-    keep = keep[:, None, None, :] if keep.dim() == 2 else keep[:, None]
-    s = s.masked_fill(~keep, float("-inf"))
-    return torch.softmax(s, -1) @ v[:, :heads].float()
+    mask = keep[:, None, None, :] if keep.dim() == 2 else keep[:, None]
+    hs = list(range(heads))
+    return hs, accuracy.ref_forward(q, k, v, causal=False, heads=hs, mask=mask,
+                                    ref_dtype=torch.float32)
 
 
 def _err(out, ref):
-    heads = ref.shape[1]
-    return float((out[:, :heads].float() - ref).norm() / ref.norm())
+    from perf import accuracy
+
+    heads, r = ref
+    return accuracy.fwd_error(out, r, heads)
 
 
 def run(d: int, b: int, h: int, n: int) -> dict:
