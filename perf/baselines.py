@@ -244,20 +244,19 @@ class Sdpa(Impl):
             out.append(("math", "native" if case.hq != case.hkv else None))
         return out
 
-    def make_call(self, case, backend: str, gqa_mode):
+    def make_call(self, case, backend: str, gqa_mode, device=None):
+        """The timed SDPA call; a mask case's attn_mask is made once, on `device`."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
         be = getattr(SDPBackend, _SDPA_ENUM[backend])
         mask, is_causal = None, case.causal
         if case.causal and case.nq != case.nkv:
             from torch.nn.attention.bias import causal_lower_right
             mask, is_causal = causal_lower_right(case.nq, case.nkv), False
+        if case.mask:
+            mask = attn_mask(case, device)
         rep = case.hq // case.hkv
-        dense = {}   # a mask case's attn_mask, made on the inputs' device at the first call
 
         def call(q, k, v):
-            nonlocal mask
-            if case.mask and not dense:
-                dense["mask"] = mask = attn_mask(case, q.device)
             with sdpa_kernel([be]):
                 if gqa_mode == "expand":
                     k = k.repeat_interleave(rep, dim=1)
@@ -282,7 +281,7 @@ class Sdpa(Impl):
                 gb = math_bytes(case, direction) / 1e9
                 tried.append(f"MATH skipped (would need ~{gb:.0f} GB)")
                 continue
-            call = self.make_call(case, backend, mode)
+            call = self.make_call(case, backend, mode, q.device)
             try:
                 t0 = time.perf_counter()
                 self._trial(call, q, k, v, direction)
