@@ -65,8 +65,8 @@ import torch
 
 from .problem import tensor_version
 
-__all__ = ["DROPPED", "KeptKeys", "MAX_RUNS", "PER_ELEMENT_MAX", "RowRuns", "describe",
-           "kept_keys", "run"]
+__all__ = ["DROPPED", "KeptKeys", "MAX_RUNS", "PER_ELEMENT_MAX", "RowRuns", "clear",
+           "describe", "kept_keys", "run"]
 
 DROPPED = -65504.0  # a float mask value at or below this drops its key (module docstring)
 # Unequal counts over at most this many batch elements run one call per element (views or an
@@ -430,7 +430,37 @@ def _elements(kept: RowRuns, b: int, per: int):
     return slice(None) if per == 1 else slice(b, b + 1)
 
 
+_JOBS: dict = {}   # (RowRuns, the inputs' metadata, scale, options) -> `_plan_jobs`'s answer
+_JOBS_MAX = 64
+
+
+def clear() -> None:
+    """Forget the masks read and the runs planned (`interface._clear_caches`)."""
+    _CACHE.clear()
+    _JOBS.clear()
+
+
 def _jobs(kept: RowRuns, q, k, v, scale):
+    """`_plan_jobs`, remembered per RowRuns and call signature (the inputs' shapes, strides,
+    dtypes and device, the scale, the options in force): a model's layers sharing one mask
+    plan their runs once, not at every call."""
+    from . import options
+
+    if kept.key_runs is None:
+        return None
+    key = (id(kept), *(tuple(t.shape) + tuple(t.stride()) for t in (q, k, v)), q.dtype,
+           q.device, scale, options.current())
+    hit = _JOBS.get(key)
+    if hit is not None and hit[0] is kept:
+        return hit[1]
+    jobs = _plan_jobs(kept, q, k, v, scale)
+    if len(_JOBS) >= _JOBS_MAX:
+        _JOBS.clear()
+    _JOBS[key] = (kept, jobs)
+    return jobs
+
+
+def _plan_jobs(kept: RowRuns, q, k, v, scale):
     """The kernel calls of `RowRunAttention`: (forward [(batch slice, rows a:e, keys n, causal
     offset or None, plan)], gradient [(batch slice, keys c:d, rows r:, causal offset or None,
     plan)], the softmax scale), or None unless the kernels serve every one (their first-use
@@ -439,9 +469,6 @@ def _jobs(kept: RowRuns, q, k, v, scale):
 
     from . import dispatch, ops, selfcheck
     from .problem import AttnProblem
-
-    if kept.key_runs is None:
-        return None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     fwd, bwd = [], []
     for b, runs in enumerate(kept.runs):

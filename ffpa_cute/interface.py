@@ -56,6 +56,7 @@ def _clear_caches() -> None:
     _LOGGED.clear()
     dispatch.clear_plans()
     selfcheck.clear()
+    dense_mask.clear()
 
 
 # ---------------------------------------------------------------------------------- routing
