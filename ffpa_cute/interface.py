@@ -10,9 +10,9 @@ Every call is routed one of two ways, decided from shapes/dtypes and `options.cu
      The reason is logged once per distinct reason; strict mode raises NotImplementedError instead.
      A sliding window or sinks run the 16-bit kernels (`ops.FeatureAttention`; under
      torch.compile the custom op `ffpa_cute::feature_attention_fwd`), else exact torch math
-     (`math_attention`). A dense mask that only drops keys (a key-padding mask) or keeps a
-     key prefix in every row (causal as a tensor, image blocks) runs as kernel calls on the
-     keys it keeps (`dense_mask`; eager calls).
+     (`math_attention`). A dense mask that only drops keys (a key-padding mask) or keeps one
+     interval of keys in every row (causal or a sliding window as a tensor, image blocks) runs
+     as kernel calls on the keys it keeps (`dense_mask`; eager calls).
 
 A repeated eager call with the same signature (shapes, strides, dtypes, devices, flags, options)
 skips the checks and the routing: its first call left the decision in `_FAST_CALLS`.
@@ -240,9 +240,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         `torch.nn.attention.bias.causal_upper_left(Nq, Nkv)` as `attn_mask` for SDPA's alignment.
       * Rows that see no key output 0 (SDPA may give NaN).
     A dense `attn_mask` (bool, or float zeros and values <= -65504) that is the same for every
-    head and either the same for every query (a key-padding mask) or keeps a prefix of the
-    keys in every row (a causal tensor, image blocks, prefix-LM) runs as kernel calls on the
-    kept keys (ffpa_cute/dense_mask.py). Calls no kernel covers (small head dims, other
+    head and either the same for every query (a key-padding mask) or keeps one interval of
+    keys in every row (a causal or sliding-window tensor, image blocks, prefix-LM) runs as
+    kernel calls on the kept keys (ffpa_cute/dense_mask.py). Calls no kernel covers (small head dims, other
     masks, dropout, CPU, ...) run torch's native SDPA and log the reason once; `strict=True`
     (or `Options.strict`, env `FFPA_CUTE_STRICT=1`) raises NotImplementedError(reason)
     instead. `explain(...)` tells which path a call takes; `ffpa_cute.options` holds what else
