@@ -494,6 +494,18 @@ def _plan_jobs(kept: RowRuns, q, k, v, scale):
     return fwd, bwd, scale
 
 
+def _shared_dq_width(plans) -> int | None:
+    """The dQ accumulator's width when every gradient call of a key-run backward reduces dQ
+    into fp32 at the same width (`launch.reduces_dq`, `launch.fused_width`): they then share
+    one accumulator and one Delta. None: each call returns its own dQ."""
+    from . import launch
+
+    widths = {launch.fused_width(p) for p in plans}
+    if len(widths) == 1 and all(launch.reduces_dq(p) for p in plans):
+        return widths.pop()
+    return None
+
+
 class RowRunAttention(torch.autograd.Function):
     """A row-prefix mask with gradients: the forward by runs of rows (each run one forward
     kernel call, out and lse written into the whole), the backward by runs of keys (each one
@@ -532,7 +544,7 @@ class RowRunAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from . import ops
+        from . import launch, ops
 
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None and dlse is None:
@@ -543,15 +555,26 @@ class RowRunAttention(torch.autograd.Function):
             plan = ctx.bwd[0][4]
             return (*ops._kernel_backward(plan, q, k, v, out, lse, dout, dlse), None)
         wide = torch.float32 if q.dtype != torch.float64 else q.dtype
-        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         top = 0
+        plans = [job[4] for job in ctx.bwd]
+        width = _shared_dq_width(plans)
+        share = width is not None
+        if share:   # every call adds its dQ into one fp32 accumulator (zeroed and cast once)
+            # and reads Delta of all rows computed once, where each call would zero, cast
+            # and compute its own on its rows (passes over the rows it walks, per key run)
+            acc = torch.zeros(*q.shape[:-1], width, dtype=wide, device=q.device)
+            delta = launch.run_delta(plans[0], out, dout, dlse)
+        else:
+            acc = torch.zeros(q.shape, dtype=wide, device=q.device)
         for bs, c, d, r, plan in ctx.bwd:
+            rows = (bs, slice(None), slice(r, None))
             gq, gk, gv = ops._kernel_backward(
-                plan, q[bs][:, :, r:], k[bs][:, :, c:d], v[bs][:, :, c:d], out[bs][:, :, r:],
-                lse[bs][:, :, r:], dout[bs][:, :, r:],
-                None if dlse is None else dlse[bs][:, :, r:].contiguous())
-            dq[bs][:, :, r:] += gq
+                plan, q[rows], k[bs][:, :, c:d], v[bs][:, :, c:d], out[rows], lse[rows],
+                dout[rows], None if dlse is None else dlse[rows].contiguous(),
+                **(dict(dq_acc=acc[rows], delta=delta[rows]) if share else {}))
+            if gq is not None:
+                acc[rows] += gq
             dk[bs][:, :, c:d] = gk
             dv[bs][:, :, c:d] = gv
             top = max(top, d)
@@ -562,4 +585,4 @@ class RowRunAttention(torch.autograd.Function):
         else:
             dk[:, :, top:].zero_()
             dv[:, :, top:].zero_()
-        return dq.to(q.dtype), dk, dv, None
+        return acc[..., :q.shape[-1]].to(q.dtype), dk, dv, None

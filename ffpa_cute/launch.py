@@ -263,18 +263,53 @@ def run_grad_job(cls, cfg, tensors: dict, scalars: dict) -> None:
 
 
 def run_grad_jobs(plan: BwdPlan, tensors: dict, scalars: dict, dlse=None,
-                  padded: dict | None = None) -> None:
+                  padded: dict | None = None, delta_given: bool = False) -> None:
     """A backward plan's kernels in order (`run_grad_job`): Delta first, then the gradient
     kernels; dlse (not None): subtracted from Delta between the two, so that the gradient
     kernels (and a sink's gradient read from tensors["delta"]) take lse's gradient too (Note
     [The gradient of lse] in math_attention.py). padded: tensors the gradient kernels read in
-    place of the Delta kernel's (a zero-padded plan's q, k, v and dout: `run_bwd`)."""
+    place of the Delta kernel's (a zero-padded plan's q, k, v and dout: `run_bwd`).
+    delta_given: tensors["delta"] already holds Delta - dlse (`run_delta`): the Delta kernel
+    is skipped."""
+    if delta_given:
+        tensors.update(padded or {})
     for cls, cfg in plan.jobs:
-        run_grad_job(cls, cfg, tensors, scalars)
         if isinstance(cfg, DeltaConfig):
+            if delta_given:
+                continue
+            run_grad_job(cls, cfg, tensors, scalars)
             if dlse is not None:
                 tensors["delta"].sub_(dlse.reshape(tensors["delta"].shape))
             tensors.update(padded or {})
+        else:
+            run_grad_job(cls, cfg, tensors, scalars)
+
+
+def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous at a 16-byte aligned address (lse and Delta, read by the gradient kernels;
+    a row slice of a [B, H, N] buffer that starts mid-line is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def reduces_dq(plan: BwdPlan) -> bool:
+    """Whether a backward plan's kernel adds dQ into a zeroed fp32 accumulator (the fused
+    backward) rather than writing dq itself: `run_bwd`'s `dq_acc` applies to it."""
+    return any("dq_acc" in cls.OPERANDS for cls, _ in plan.jobs)
+
+
+def run_delta(plan: BwdPlan, out, dout, dlse=None) -> torch.Tensor:
+    """Delta = rowsum(dout * out) - dlse [B, Hq, Nq] fp32 by the plan's Delta kernel: what
+    `run_bwd(..., delta=)` takes, for calls over slices of one problem's keys that share it."""
+    delta = torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+    if out.numel():
+        t = dict(o=kernel_ready(out), do=kernel_ready(dout), delta=delta)
+        for cls, cfg in plan.jobs:
+            if isinstance(cfg, DeltaConfig):
+                run_grad_job(cls, cfg, t, {})
+    if dlse is not None:
+        delta.sub_(dlse.reshape(delta.shape))
+    return delta
 
 
 def kernel_args(plan: Plan, q, k, v, out, lse):
@@ -343,36 +378,50 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dlse=None):
+def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dlse=None,
+            dq_acc=None, delta=None):
     """(dq, dk, dv) from a backward plan's kernels: Delta = rowsum(dout * out) first, then the
     gradient kernels, each writing its own output (atomic-free: the same bits every run), or
     the fused kernel, whose dQ is reduced into a zeroed fp32 `dq_acc` and cast here.
     dlse: the gradient of lse [B, Hq, Nq] too, or None: Delta' = Delta - dlse is what the
     gradient kernels read (Note [The gradient of lse] in math_attention.py). `with_delta`:
-    (dq, dk, dv, Delta [B, Hq, Nq] fp32, dlse subtracted), for a sink's gradient."""
+    (dq, dk, dv, Delta [B, Hq, Nq] fp32, dlse subtracted), for a sink's gradient.
+
+    Calls over slices of one problem's keys (dense_mask's key runs) share two things: `delta`,
+    Delta' of these rows already computed (`run_delta`; dlse is then not read), and, for a plan
+    that `reduces_dq`, `dq_acc`: a float32 [B, Hq, Nq, fused_width(plan)] accumulator, zeroed by
+    the caller, that this call's dQ is added into (not cast; dq comes back as None)."""
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
     width = fused_width(plan)   # > D: the fused kernel on zero-padded operands
+    reduces = reduces_dq(plan)
+    if dq_acc is not None and (not reduces or dq_acc.shape != (*q.shape[:-1], width)
+                               or dq_acc.dtype != torch.float32):
+        raise ValueError(f"dq_acc: a float32 {(*q.shape[:-1], width)} accumulator for a plan "
+                         f"that reduces dQ, got {dq_acc.dtype} {tuple(dq_acc.shape)} "
+                         f"(reduces dQ: {reduces})")
     if q.numel() and k.numel() and repack_rows(p, plan.cfgs[-1], q.shape[2], k.shape[2]):
         q, k, v, dout = (row_aligned(t) for t in (q, k, v, dout))
     q, k, v, dout, out = (kernel_ready(t) for t in (q, k, v, dout, out))
-    t = dict(q=q, k=k, v=v, do=dout, o=out, lse=lse.contiguous())
-    t["delta"] = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    t["dq"] = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    t = dict(q=q, k=k, v=v, do=dout, o=out, lse=_aligned_rows(lse))
+    t["delta"] = (_aligned_rows(delta) if delta is not None
+                  else torch.empty(lse.shape, dtype=torch.float32, device=q.device))
+    t["dq"] = (None if dq_acc is not None
+               else torch.empty(q.shape, dtype=q.dtype, device=q.device))
     t["dk"] = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     t["dv"] = torch.empty(*k.shape[:-1], v.shape[-1], dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
-        grads = t["dq"].zero_(), t["dk"].zero_(), t["dv"].zero_()
-        if with_delta:
+        grads = (t["dq"] if t["dq"] is None else t["dq"].zero_()), t["dk"].zero_(), t["dv"].zero_()
+        if with_delta and delta is None:
             t["delta"].zero_()
             if dlse is not None:
                 t["delta"].sub_(dlse)
         return (*grads, t["delta"]) if with_delta else grads
     # a kernel that reduces dQ into fp32 (the fused backward) reads a zeroed accumulator
-    reduces_dq = any("dq_acc" in cls.OPERANDS for cls, _ in plan.jobs)
-    if reduces_dq:
-        t["dq_acc"] = torch.zeros(*q.shape[:-1], width, dtype=torch.float32, device=q.device)
+    if reduces:
+        t["dq_acc"] = (dq_acc if dq_acc is not None else
+                       torch.zeros(*q.shape[:-1], width, dtype=torch.float32, device=q.device))
     grads = t["dq"], t["dk"], t["dv"]
     padded = None
     if width != p.head_dim:   # Delta reads dout and out as they are, the fused kernel padded
@@ -380,8 +429,8 @@ def run_bwd(plan: BwdPlan, q, k, v, out, lse, dout, with_delta: bool = False, dl
         padded.update(dk=t["dk"].new_empty(*k.shape[:-1], width),
                       dv=t["dv"].new_empty(*k.shape[:-1], width))
     scalars = kernel_scalars(p, p.right_edge)
-    run_grad_jobs(plan, t, scalars, dlse, padded)
-    if reduces_dq:
+    run_grad_jobs(plan, t, scalars, dlse, padded, delta_given=delta is not None)
+    if reduces and dq_acc is None:
         grads[0].copy_(t["dq_acc"][..., :p.head_dim])
     if padded:
         copy_rows(grads[1], padded["dk"][..., :p.head_dim])

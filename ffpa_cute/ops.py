@@ -90,9 +90,14 @@ def bwd_plan(q, k, v, causal: bool, causal_offset: int, scale: float, opts=None)
     return plan
 
 
-def _kernel_backward(plan, q, k, v, out, lse, dout, dlse=None):
+def _kernel_backward(plan, q, k, v, out, lse, dout, dlse=None, **shared):
+    """launch.run_bwd on q's device (shared: its dq_acc / delta, for calls over key slices).
+    dout is copied where autograd hands over a broadcast (a stride 0: a loss such as
+    out.sum()); other layouts reach run_bwd as they are (a row slice is read in place)."""
+    if any(s == 0 for s, n in zip(dout.stride(), dout.shape) if n > 1):
+        dout = dout.contiguous()
     with on(q.device):
-        return launch.run_bwd(plan, q, k, v, out, lse, dout.contiguous(), dlse=dlse)
+        return launch.run_bwd(plan, q, k, v, out, lse, dout, dlse=dlse, **shared)
 
 
 @torch.library.custom_op("ffpa_cute::attention_bwd", mutates_args=())

@@ -1,7 +1,8 @@
 """Key-padding masks (ffpa_cute/dense_mask.py): `attention` with a dense mask that only drops
 keys, against torch SDPA given the same mask, on the GPU.
 
-    python -m perf.dense_mask [--d 512] [--batch 4] [--heads 32] [--seqlen 4096] [--out FILE]
+    python -m perf.dense_mask [--d 512] [--batch 4] [--heads 32] [--seqlen 4096]
+                              [--cases images,causal] [--out FILE]
 
 Cases (bf16, B x H x N x D, not causal; the route each takes, dense_mask.KeptKeys.route), each
 timed forward and forward + backward:
@@ -18,7 +19,9 @@ timed forward and forward + backward:
   causal       a causal bool [N, N] tensor (row prefixes: one causal call), with `kernel`
                the same call by is_causal=True;
   images       Gemma's bidirectional image blocks inside causal text: bool [N, N], four
-               blocks of N / 16 rows (row prefixes: nine calls, four unmasked, five causal);
+               blocks of N / 16 rows (row prefixes: nine calls, four unmasked, five causal),
+               with `ours, dQ per call` (forward + backward): the key-run backward's calls
+               each with their own dQ accumulator and Delta instead of one shared;
 and for `shared` also `kernel`, the unmasked call on keys gathered beforehand (what the route
 costs beyond the kernel). Variants timed in rotated rounds (perf.experiment.interleaved_ms, L2
 flushed); TFLOPS on the kept pairs (4 Hq Nq D times the keys kept summed over the batch;
@@ -101,7 +104,7 @@ def _err(out, ref):
     return accuracy.fwd_error(out, r, heads)
 
 
-def run(d: int, b: int, h: int, n: int) -> dict:
+def run(d: int, b: int, h: int, n: int, cases=None) -> dict:
     import torch
 
     import ffpa_cute
@@ -112,6 +115,8 @@ def run(d: int, b: int, h: int, n: int) -> dict:
     flush = L2Flusher(dev)
     res = {}
     for name, (b, n, mask, keep) in _masks(b, n).items():
+        if cases and name not in cases:
+            continue
         q, k, v, dout = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16)
                          for _ in range(4))
         mask = mask.to(dev)
@@ -143,6 +148,8 @@ def run(d: int, b: int, h: int, n: int) -> dict:
                                                                             attn_mask=m))}
         if backend is not None:
             trains[f"sdpa {backend}"] = train(dict(_sdpa(mask))[backend])
+        if name == "images":   # the key-run backward with each call's own dQ and Delta
+            trains["ours, dQ per call"] = _per_call_dq(trains["ours"])
         for fn in trains.values():
             fn()
         both = interleaved_ms(trains, dev, flush)
@@ -159,6 +166,21 @@ def run(d: int, b: int, h: int, n: int) -> dict:
     return res
 
 
+def _per_call_dq(fn):
+    """fn with the key-run backward's calls each zeroing, casting and computing their own dQ
+    accumulator and Delta (dense_mask._shared_dq_width answering None): what sharing saves."""
+    from ffpa_cute import dense_mask
+
+    def call():
+        saved = dense_mask._shared_dq_width
+        dense_mask._shared_dq_width = lambda plans: None
+        try:
+            return fn()
+        finally:
+            dense_mask._shared_dq_width = saved
+    return call
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.dense_mask", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,10 +188,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--cases", help="comma-separated subset of the cases (default: all)")
     ap.add_argument("--out", metavar="FILE")
     a = ap.parse_args(argv)
     res = dict(d=a.d, batch=a.batch, heads=a.heads, seqlen=a.seqlen,
-               cases=run(a.d, a.batch, a.heads, a.seqlen))
+               cases=run(a.d, a.batch, a.heads, a.seqlen,
+                         a.cases.split(",") if a.cases else None))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

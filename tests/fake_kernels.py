@@ -40,6 +40,7 @@ class FakeKernels:
 
     def __init__(self):
         self.fwd_calls, self.bwd_calls = [], []
+        self.reduces_dq = True   # like the fused backward: calls over key runs share dq_acc
 
     def plan_fwd(self, problem, *args, **kwargs):
         return FakePlan(problem)
@@ -62,9 +63,14 @@ class FakeKernels:
                                      scale=p.softmax_scale)
         return out.to(q.dtype), lse.float() if q.dtype != torch.float64 else lse
 
-    def run_bwd(self, plan, q, k, v, out, lse, dout, with_delta=False, dlse=None):
+    def run_bwd(self, plan, q, k, v, out, lse, dout, with_delta=False, dlse=None, dq_acc=None,
+                delta=None):
         p = plan.problem
         self.bwd_calls.append(p)
+        assert dq_acc is None or (self.reduces_dq and dq_acc.shape == (*q.shape[:-1], q.shape[-1]))
+        rowdot = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        if delta is not None:   # the caller's Delta - dlse, as the kernels would read it
+            dlse = rowdot - delta
         if p.has_window:
             grads = ma.math_grads(q, k, v, out, lse, dout, lo=p.window_lo, hi=_hi(p),
                                   scale=p.softmax_scale, dlse=dlse)
@@ -72,13 +78,23 @@ class FakeKernels:
             grads = block_grads(q, k, v, out, lse, dout, causal=p.causal,
                                 offset=p.causal_offset, scale=p.softmax_scale, dlse=dlse)
         grads = tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-        delta = ma.lse_delta((dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1), dlse, lse.shape,
-                             lse.dtype, lse.device)
+        if dq_acc is not None:
+            dq_acc += grads[0]
+            grads = (None, *grads[1:])
+        delta = ma.lse_delta(rowdot, dlse, lse.shape, lse.dtype, lse.device)
         return (*grads, delta) if with_delta else grads
+
+    def run_delta(self, plan, out, dout, dlse=None):
+        rowdot = (dout.to(torch.float64) * out.to(torch.float64)).sum(-1)
+        return (rowdot if dlse is None else rowdot - dlse).to(
+            torch.float64 if out.dtype == torch.float64 else torch.float32)
 
     def patches(self):
         return [(dispatch, "plan_fwd", self.plan_fwd), (dispatch, "plan_bwd", self.plan_bwd),
-                (launch, "run_fwd", self.run_fwd), (launch, "run_bwd", self.run_bwd)]
+                (launch, "run_fwd", self.run_fwd), (launch, "run_bwd", self.run_bwd),
+                (launch, "run_delta", self.run_delta),
+                (launch, "reduces_dq", lambda plan: self.reduces_dq),
+                (launch, "fused_width", lambda plan: plan.problem.head_dim)]
 
 
 def _hi(p: AttnProblem):

@@ -141,9 +141,13 @@ ROW_CASES = [  # (kind, Nq = Nkv, calls, per batch element)
                          ids=[f"{c[0]}-{'square' if c[1] else 'Nq<Nkv'}"
                               f"{'-per-element' if c[3] else ''}" for c in ROW_CASES])
 @pytest.mark.parametrize("as_float_mask", [False, True])
+@pytest.mark.parametrize("shared_dq", [True, False], ids=["dq_acc shared", "dq per call"])
 def test_row_prefixes_run_as_causal_and_full_calls(seed, monkeypatch, kind, square, calls,
-                                                   per_element, as_float_mask):
+                                                   per_element, as_float_mask, shared_dq):
+    """shared_dq: the gradient calls add dQ into one accumulator and read one Delta (a fused
+    backward plan), or each returns its own dQ (the atomic-free kernels)."""
     fake = fake_kernels.install(monkeypatch)
+    fake.reduces_dq = shared_dq
     nq, nkv = (NKV, NKV) if square else (NQ, NKV)
     q, k, v = inputs()
     q = torch.randn(B, HQ, nq, D, dtype=F64, requires_grad=True)
