@@ -112,7 +112,8 @@
 #         --row-units --precompile DIR` and `--variation --precompile DIR`, packed)
 #   masks dense masks as kernel calls (ffpa_cute/dense_mask.py): tests/test_dense_mask.py's GPU
 #         tests, then perf.sweep --cases masks (key padding and Gemma-style image blocks, B=4,
-#         H=32, D=512, N 4K / 8K, fwd and bwd) beside ${SWEEP_BASELINES:-sdpa,ffpa} (precompile:
+#         H=32, D=512, N 4K / 8K, fwd and bwd) beside ${SWEEP_BASELINES:-sdpa,ffpa-triton}
+#         (FFPA's CuTe backend takes no attn_mask; its Triton one does) (precompile:
 #         `python -m ffpa_cute.precompile --arch sm_90 --head-dims 512 --dtypes bf16 --causal
 #         both --backward --cache-dir DIR`, packed; the FFPA peer as .device_peers)
 #   fwd   the forward with V read from K's ring (`shared_kv`): its GPU tests, then
@@ -189,10 +190,10 @@ if has bwd17; then
   grep "^| [a-z]" "$out/sweep_bwd17/bwd.md" | cut -c1-200
 fi
 if has masks; then
-  step "dense masks: GPU tests, then perf.sweep --cases masks beside ${SWEEP_BASELINES:-sdpa,ffpa}"
+  step "dense masks: GPU tests, then perf.sweep --cases masks beside ${SWEEP_BASELINES:-sdpa,ffpa-triton}"
   timeout 200 pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_dense_mask.py 2>&1 \
       | tee "$out/gpu_masks.log" | grep -E "FAIL|ERROR|passed|failed" | tail -8
-  timeout 380 python -m perf.sweep --cases masks --baselines "${SWEEP_BASELINES:-sdpa,ffpa}" \
+  timeout 380 python -m perf.sweep --cases masks --baselines "${SWEEP_BASELINES:-sdpa,ffpa-triton}" \
       --no-progress --out "$out/sweep_masks" --commit "${PERF_COMMIT:-unknown}" \
       > "$out/sweep_masks.log" 2>&1
   grep "^| [a-z]" "$out/sweep_masks/fwd.md" "$out/sweep_masks/bwd.md" | cut -c1-220
