@@ -343,7 +343,7 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
         i = torch.arange(nq, device=dev)
         lengths = i + 1
         if form == "image blocks":   # Gemma's bidirectional image blocks in causal text
-            for a, e in ((100, 356), (600, 700)):
+            for a, e in ((101, 357), (603, 700)):   # key runs from odd rows
                 lengths[a:e] = e
         cols = torch.arange(nkv, device=dev)
         mask = cols < lengths[:, None]
@@ -361,6 +361,33 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     ref = ref_attention(q, k, v, mask=keep if keep.dim() == 4 else mask)[0]
     same = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), attn_mask=mask)
+    assert rel_err(out, ref) <= bound(rel_err(same, ref))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    base = torch.autograd.grad(same, (q, k, v), dout)
+    for g, w, s in zip(got, want, base):
+        assert rel_err(g, w) <= bound(rel_err(s, w))
+
+
+@pytest.mark.gpu
+def test_key_runs_from_odd_rows_one_head_gpu(seed):
+    """Image blocks starting at odd rows with B = Hq = 1: the key runs' lse and Delta row slices
+    start mid-line (copied to aligned buffers), their dQ added into row slices of the shared
+    fp32 accumulator; out and gradients against float64 within twice SDPA's error."""
+    from masked_ref import bound
+
+    dev, n = torch.device("cuda"), 517
+    i = torch.arange(n, device=dev)
+    lengths = i + 1
+    for a, e in ((37, 101), (259, 388)):
+        lengths[a:e] = e
+    mask = i[None] < lengths[:, None]
+    q, k, v = (torch.randn(1, 1, n, 512, device=dev, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    out = attention(q, k, v, attn_mask=mask, strict=True)
+    ref = ref_attention(q, k, v, mask=mask)[0]
+    same = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert rel_err(out, ref) <= bound(rel_err(same, ref))
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
