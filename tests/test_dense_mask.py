@@ -318,7 +318,6 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     """The kernels on the kept keys against float64 with the mask, every route: within twice
     torch's own same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict
     (no fallback anywhere)."""
-    from masked_ref import bound
 
     b, nq, nkv = (dense_mask.PER_ELEMENT_MAX + 2 if form == "varlen" else 3), 129, 1000
     dev = torch.device("cuda")
@@ -357,10 +356,20 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     def r(*s):
         return torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
     q, k, v = r(b, hq, nq, d), r(b, hkv, nkv, d), r(b, hkv, nkv, d)
-    out = attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv, strict=True)
-    ref = ref_attention(q, k, v, mask=keep if keep.dim() == 4 else mask)[0]
+    within_sdpa_bound(q, k, v, mask, keep if keep.dim() == 4 else mask)
+
+
+def within_sdpa_bound(q, k, v, mask, keep):
+    """attention with `mask` (strict) against float64 with the kept pairs `keep`: out and the
+    gradients within twice the error of SDPA given the mask in the inputs' dtype, plus a
+    floor (masked_ref.bound)."""
+    from masked_ref import bound
+
+    g = q.shape[1] // k.shape[1]
+    out = attention(q, k, v, attn_mask=mask, enable_gqa=g > 1, strict=True)
+    ref = ref_attention(q, k, v, mask=keep)[0]
     same = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), attn_mask=mask)
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask)
     assert rel_err(out, ref) <= bound(rel_err(same, ref))
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
@@ -375,8 +384,6 @@ def test_key_runs_from_odd_rows_one_head_gpu(seed):
     """Image blocks starting at odd rows with B = Hq = 1: the key runs' lse and Delta row slices
     start mid-line (copied to aligned buffers), their dQ added into row slices of the shared
     fp32 accumulator; out and gradients against float64 within twice SDPA's error."""
-    from masked_ref import bound
-
     dev, n = torch.device("cuda"), 517
     i = torch.arange(n, device=dev)
     lengths = i + 1
@@ -385,16 +392,7 @@ def test_key_runs_from_odd_rows_one_head_gpu(seed):
     mask = i[None] < lengths[:, None]
     q, k, v = (torch.randn(1, 1, n, 512, device=dev, dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
-    out = attention(q, k, v, attn_mask=mask, strict=True)
-    ref = ref_attention(q, k, v, mask=mask)[0]
-    same = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert rel_err(out, ref) <= bound(rel_err(same, ref))
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
-    base = torch.autograd.grad(same, (q, k, v), dout)
-    for g, w, s in zip(got, want, base):
-        assert rel_err(g, w) <= bound(rel_err(s, w))
+    within_sdpa_bound(q, k, v, mask, mask)
 
 
 def test_inference_mode_masks(seed, monkeypatch):
