@@ -365,11 +365,11 @@ def within_sdpa_bound(q, k, v, mask, keep):
     floor (masked_ref.bound)."""
     from masked_ref import bound
 
-    g = q.shape[1] // k.shape[1]
-    out = attention(q, k, v, attn_mask=mask, enable_gqa=g > 1, strict=True)
+    group = q.shape[1] // k.shape[1]
+    out = attention(q, k, v, attn_mask=mask, enable_gqa=group > 1, strict=True)
     ref = ref_attention(q, k, v, mask=keep)[0]
     same = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask)
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
     assert rel_err(out, ref) <= bound(rel_err(same, ref))
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
