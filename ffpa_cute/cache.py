@@ -124,16 +124,24 @@ class CacheStats:
     compile_seconds: float = 0.0
 
 
+class JitCompileError(RuntimeError):
+    """A kernel missing from the cache while `Options.jit` is "error" (no compile at run time)."""
+
+
 class JitCache:
     """`get(kernel_cls, cfg)` returns a callable compiled kernel, compiling at most once.
 
     kernel_cls must provide `compile(cfg)` (returns a cute compiled function, built from fake
-    tensors, no GPU needed) and `arch_of(cfg)` (the target, e.g. "sm_90").
+    tensors, no GPU needed) and `arch_of(cfg)` (the target, e.g. "sm_90"). `jit`: what a compile
+    is allowed to do ("allow", "warn", "error": `Options.jit`); None (the process cache) reads
+    the options in force at each compile; precompiling passes "allow".
     """
 
-    def __init__(self, cache_dir: pathlib.Path | str | None = None, disk: bool | None = None):
+    def __init__(self, cache_dir: pathlib.Path | str | None = None, disk: bool | None = None,
+                 jit: str | None = None):
         self._dir = pathlib.Path(cache_dir) if cache_dir else None
         self._disk = disk
+        self._jit = jit
         self._mem: dict = {}
         self._lock = threading.Lock()
         self.stats = CacheStats()
@@ -168,6 +176,20 @@ class JitCache:
         return fn
 
     def _compile(self, kernel_cls, cfg):
+        policy = self._jit
+        if policy is None:
+            from .options import current
+
+            policy = current().jit
+        if policy != "allow":
+            what = (f"{kernel_cls.__qualname__} {cfg} for {kernel_cls.arch_of(cfg)} is not in "
+                    f"{self.cache_dir if self.disk_enabled else 'the cache (disk cache off)'}")
+            hint = ("precompile it (python -m ffpa_cute.precompile --arch ... --head-dims ... "
+                    "--cache-dir DIR, then FFPA_CUTE_CACHE_DIR=DIR)")
+            if policy == "error":
+                raise JitCompileError(f"ffpa_cute: {what}, and Options.jit='error' forbids "
+                                      f"compiling at run time: {hint}")
+            log.warning("ffpa_cute: compiling at run time: %s; %s", what, hint)
         t0 = time.perf_counter()
         fn = kernel_cls.compile(cfg)
         dt = time.perf_counter() - t0

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 FAMILIES = ("sm80", "sm90", "sm100", "sm120")
 SELF_CHECK = ("unverified", "always", "off")
+JIT = ("allow", "warn", "error")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -68,6 +69,12 @@ class Options:
                  canary problem against a float32 reference, else it falls back
                  (ffpa_cute/selfcheck.py); "always": every family; "off": no canary
                  (FFPA_CUTE_SELF_CHECK).
+    jit:         a kernel compiled at run time, in a call (not by `python -m
+                 ffpa_cute.precompile`): "allow" (default; logged at INFO), "warn" (a warning
+                 naming the kernel, its config and the precompile command), "error" (raise
+                 `cache.JitCompileError` instead: a deployment that precompiled its kernels finds
+                 a missing one in its warm-up, not as a multi-second stall in serving)
+                 (FFPA_CUTE_JIT).
     """
 
     family: str | None = None
@@ -79,27 +86,30 @@ class Options:
     fast_launch: bool = True
     deterministic: bool = False
     self_check: str = "unverified"
+    jit: str = "allow"
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
             raise ValueError(f"Options.family={self.family!r}: accepted values are None, "
                              f"{', '.join(FAMILIES)}")
-        if self.self_check not in SELF_CHECK:
-            raise ValueError(f"Options.self_check={self.self_check!r}: accepted values are "
-                             f"{', '.join(SELF_CHECK)}")
+        for name, accepted in _CHOICES.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"Options.{name}={getattr(self, name)!r}: accepted values are "
+                                 f"{', '.join(accepted)}")
         for f in dataclasses.fields(self):
-            if f.name not in ("family", "self_check") and not isinstance(getattr(self, f.name),
-                                                                         bool):
+            if f.name not in ("family", *_CHOICES) and not isinstance(getattr(self, f.name),
+                                                                      bool):
                 raise TypeError(f"Options.{f.name} must be a bool, got "
                                 f"{type(getattr(self, f.name)).__name__}")
 
 
+_CHOICES = {"self_check": SELF_CHECK, "jit": JIT}   # fields taking one of a few strings
 ENV = {"family": "FFPA_CUTE_ARCH", "strict": "FFPA_CUTE_STRICT", "pack_gqa": "FFPA_CUTE_PACK_GQA",
        "kv_pair": "FFPA_CUTE_KV_PAIR", "persistent": "FFPA_CUTE_PERSISTENT",
        "deterministic": "FFPA_CUTE_DETERMINISTIC",
        "varlen_launch": "FFPA_CUTE_VARLEN_LAUNCH",
        "fast_launch": "FFPA_CUTE_FAST_LAUNCH",
-       "self_check": "FFPA_CUTE_SELF_CHECK"}
+       "self_check": "FFPA_CUTE_SELF_CHECK", "jit": "FFPA_CUTE_JIT"}
 
 
 def from_env(environ=None) -> Options:
@@ -116,9 +126,10 @@ def from_env(environ=None) -> Options:
             if value not in FAMILIES:
                 raise ValueError(f"{var}={raw!r}: accepted values are {', '.join(FAMILIES)}")
             kw[field] = value
-        elif field == "self_check":
-            if raw not in SELF_CHECK:
-                raise ValueError(f"{var}={raw!r}: accepted values are {', '.join(SELF_CHECK)}")
+        elif field in _CHOICES:
+            if raw not in _CHOICES[field]:
+                raise ValueError(f"{var}={raw!r}: accepted values are "
+                                 f"{', '.join(_CHOICES[field])}")
             kw[field] = raw
         elif raw in _TRUE or raw in _FALSE:
             kw[field] = raw in _TRUE
@@ -178,5 +189,5 @@ def use(options: Options | None = None, **changes):
         _CURRENT.reset(token)
 
 
-__all__ = ["ENV", "FAMILIES", "Options", "current", "default", "for_backward", "from_env",
+__all__ = ["ENV", "FAMILIES", "JIT", "Options", "current", "default", "for_backward", "from_env",
            "set_default", "use"]

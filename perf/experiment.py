@@ -199,7 +199,7 @@ def main(prog: str, doc: str, jobs, run, argv=None) -> int:
         from ffpa_cute.cache import JitCache
 
         i, n = (int(x) for x in a.shard.split("/"))
-        cache = JitCache(a.precompile, disk=True)
+        cache = JitCache(a.precompile, disk=True, jit="allow")
         for cls, cfg in jobs()[i::n]:
             cache.get(cls, cfg)
         print(f"{prog}: {cache.stats.compiles} compiled into {a.precompile}")

@@ -442,7 +442,7 @@ def _compile_part(args):
     directory, part, parts, sections = args
     from ffpa_cute.cache import JitCache
 
-    cache = JitCache(directory, disk=True)
+    cache = JitCache(directory, disk=True, jit="allow")
     for i, (cls, cfg) in enumerate(jobs(sections)):
         if i % parts == part:
             cache.get(cls, cfg)

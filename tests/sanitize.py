@@ -575,7 +575,7 @@ def main(argv=None) -> int:
     if a.precompile:
         from ffpa_cute.cache import JitCache
 
-        cache = JitCache(a.precompile, disk=True)
+        cache = JitCache(a.precompile, disk=True, jit="allow")
         todo = jobs()
         for cls, cfg in todo:
             cache.get(cls, cfg)

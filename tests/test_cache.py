@@ -198,3 +198,33 @@ def test_gpu_jobs_pack_takes_only_the_selected_entries(tmp_path, monkeypatch):
     c2 = JitCache(tmp_path / "dev" / ".precache", disk=True)
     c2.get(TinyKernel, want)
     assert c2.stats.compiles == 0 and c2.stats.disk_loads == 1
+
+
+def test_jit_policy_at_run_time(tmp_path, caplog):
+    """Options.jit: "error" raises JitCompileError for a kernel missing from the cache (naming
+    it and the precompile command) and still loads what is there; "warn" compiles with a
+    warning; a precompiling cache (jit="allow") compiles whatever the options say."""
+    import logging
+
+    import pytest
+
+    from ffpa_cute import options
+
+    precompiled = JitCache(tmp_path, disk=True, jit="allow")
+    with options.use(jit="error"):
+        precompiled.get(TinyKernel, TinyCfg(n=6))
+        serving = JitCache(tmp_path, disk=True)   # a later process on the precompiled cache
+        serving.get(TinyKernel, TinyCfg(n=6))
+        assert serving.stats.disk_loads == 1 and serving.stats.compiles == 0
+        with pytest.raises(cache_mod.JitCompileError, match=r"TinyKernel.*precompile"):
+            serving.get(TinyKernel, TinyCfg(n=7))
+    with options.use(jit="warn"), caplog.at_level(logging.WARNING, logger="ffpa_cute"):
+        serving.get(TinyKernel, TinyCfg(n=7))
+    assert serving.stats.compiles == 1
+    assert any("compiling at run time" in r.getMessage() and "n=7" in r.getMessage()
+               for r in caplog.records)
+    assert options.from_env({"FFPA_CUTE_JIT": "Error"}).jit == "error"
+    with pytest.raises(ValueError, match="FFPA_CUTE_JIT='never': accepted values are allow"):
+        options.from_env({"FFPA_CUTE_JIT": "never"})
+    with pytest.raises(ValueError, match="Options.jit='off'"):
+        options.Options(jit="off")
