@@ -414,7 +414,9 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
             causal, window = _window(kind, e - a, n - c)
             parts.append(dense(qb[:, :, a:e], kb[:, :, c:n], vb[:, :, c:n], causal=causal,
                                window=window))
-        if return_lse:
+        if len(parts) == 1:   # one run (a causal mask as a tensor): no copy
+            outs.append(parts[0])
+        elif return_lse:
             outs.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
         else:
             outs.append(torch.cat(parts, 2))
