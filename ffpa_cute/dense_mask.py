@@ -36,6 +36,12 @@ each one call on the keys [lo(first), hi(last)): unmasked, causal, or with the k
 sliding window (`window=(left, right)`, `_window`). Their gradient runs through those calls
 (no key runs).
 
+**Rows that keep no key** (left padding under a causal mask: the padded query rows; a causal
+mask shifted past the first rows) are runs of kind "empty" in either form: no kernel call,
+out 0 and lse -inf, SDPA's answer for such rows of a bool or -inf mask. (Of a mask of finite
+lows, finfo.min say, SDPA averages every key in such a row, the scores all rounding to the
+same value: that keeps the SDPA route.)
+
 Elsewhere the gradients reach q, k and v through the views, gathers and concatenations; a
 dropped key's are 0, as under the mask.
 
@@ -46,9 +52,9 @@ exp(mask + s_k - m) with m >= a kept key's score, which is 0 in float32 unless s
 kept score by more than ~65400: then the mask and this route differ, as they would between
 two masks of different large values. Not served (the caller routes the masked call as before:
 SDPA, logged): masks that vary over heads, rows that keep more than one interval of keys
-while the rows differ, float masks with other values (a genuine additive bias), a row (or, for key-padding
-masks, a batch element) that keeps no key (SDPA's own semantics for such rows), masks that
-require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
+while the rows differ, float masks with other values (a genuine additive bias), a row of
+finite lows that keeps no key, a key-padding mask's batch element that keeps none, a mask that
+keeps nothing at all (SDPA's own semantics for such rows), masks that require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
 (reading the mask needs the host: device syncs once per mask tensor and version, cached like
 `varlen.sequence_bounds`; a model's layers sharing one mask read it once a step; an inference
 tensor, which has no version counter, is read at every call; a mask not read before a CUDA
@@ -124,8 +130,9 @@ class KeptKeys:
 @dataclass(frozen=True)
 class RowRuns:
     """A row-prefix mask as runs of query rows (module docstring): `runs[b]` for batch element
-    b (one entry when every element has the same), each run (start, end, "full" or
-    "diagonal", the keys its kernel call takes); `key_runs[b]` the same mask as runs of keys
+    b (one entry when every element has the same), each run (start, end, "full", "diagonal"
+    or for row intervals "band" / "suffix", or "empty" (no key kept, no call), the keys its
+    kernel call takes); `key_runs[b]` the same mask as runs of keys
     for the gradient (`RowRunAttention`), (start, end, "full" or "diagonal", the first row
     that sees the run's first key), or None where the prefix lengths ever shrink down the
     rows (then the rows that see a key are not a suffix)."""
@@ -147,7 +154,8 @@ class RowRuns:
 
     @property
     def calls(self) -> int:
-        return sum(len(r) for r in self.runs)
+        """Kernel calls of the forward (runs of rows that keep no key make none)."""
+        return sum(r[2] != "empty" for e in self.runs for r in e)
 
 
 # run kinds: how each sequence steps from one row (or key) to the next within a run
@@ -158,8 +166,15 @@ STEPS_2 = {"full": (0, 0), "diagonal": (0, 1), "band": (1, 1), "suffix": (1, 0)}
 def _runs(lengths: list) -> tuple:
     """Greedy runs of rows with keep-lengths `lengths` (module docstring): (start, end, kind,
     the keys of the run's call)."""
-    return tuple((a, e, kind, lengths[a] if kind == "full" else lengths[e - 1])
+    return tuple(_emptied((a, e, kind, lengths[a] if kind == "full" else lengths[e - 1]))
                  for a, e, kind in _greedy((lengths,), STEPS_1))
+
+
+def _emptied(run: tuple, first_key: int = 0) -> tuple:
+    """`run` (start, end, kind, keys), its kind "empty" when its rows keep no key (a "full"
+    run ending at its first key): its rows get out 0 and lse -inf, no kernel call."""
+    a, e, kind, n = run
+    return (a, e, "empty", n) if kind == "full" and n == first_key else run
 
 
 def _key_runs(lengths: list) -> tuple | None:
@@ -277,7 +292,8 @@ def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
     step = max(1, CHUNK // max(1, m.shape[0] * nkv))
     cols, parts, firsts = torch.arange(nkv, device=m.device), [], []
     for r in range(0, m.shape[1], step):
-        keep = _kept(m[:, r:r + step])
+        chunk = m[:, r:r + step]
+        keep = _kept(chunk)
         if keep is None:
             return None
         lengths = keep.sum(-1)   # [b', rows]
@@ -285,11 +301,15 @@ def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
         if not bool((keep == ((cols >= first[..., None])
                               & (cols < (first + lengths)[..., None]))).all()):
             return None   # a row's keys are not one interval
+        empty = lengths == 0
+        if chunk.dtype != torch.bool and bool(empty.any()) and not bool(
+                (chunk[empty] == -float("inf")).all()):
+            return None   # an empty row of finite lows: SDPA averages every key there
         parts.append(lengths)
         firsts.append(first)
     per = torch.cat(parts, 1).tolist()
-    if min(min(r) for r in per) == 0:
-        return None
+    if max(max(r) for r in per) == 0:
+        return None   # no row keeps a key
     lows = torch.cat(firsts, 1).tolist()
     if any(any(r) for r in lows):   # intervals, not prefixes
         return _interval_runs(lows, per)
@@ -315,7 +335,8 @@ def _interval_runs(lows: list, lengths: list) -> RowRuns | None:
         per = per[:1]
     runs, starts = [], []
     for lo, hi in per:
-        rows = tuple((a, e, kind, hi[e - 1]) for a, e, kind in _greedy((lo, hi), STEPS_2))
+        rows = tuple(_emptied((a, e, kind, hi[e - 1]), lo[a])
+                     for a, e, kind in _greedy((lo, hi), STEPS_2))
         runs.append(rows)
         starts.append(tuple(lo[a] for a, _, _, _ in rows))
     if sum(map(len, runs)) > MAX_RUNS:
@@ -337,12 +358,13 @@ def describe(kept: KeptKeys | RowRuns) -> str:
     """The start of `explain`'s line for a call this module serves."""
     if isinstance(kept, RowRuns):
         kinds = [r[2] for e in kept.runs for r in e]
-        diag, full = kinds.count("diagonal"), kinds.count("full")
-        win = len(kinds) - diag - full
+        diag, full, empty = (kinds.count(k) for k in ("diagonal", "full", "empty"))
+        win = len(kinds) - diag - full - empty
         per = ", per batch element" if len(kept.runs) > 1 else ""
         what = "row-prefix" if kept.starts is None else "row-interval"
         return (f"{what} mask: {kept.calls} kernel calls on runs of query rows ({diag} causal, "
-                f"{full} unmasked{f', {win} sliding-window' if win else ''}{per}): ")
+                f"{full} unmasked{f', {win} sliding-window' if win else ''}"
+                f"{f', {empty} of rows keeping no key (out 0)' if empty else ''}{per}): ")
     counts, nkv = kept.counts, kept.keep.shape[-1]
     n = counts[0] if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
     how = {"all": "the unmasked call", "prefix": "the unmasked call on views of k and v",
@@ -410,6 +432,9 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
         qb, kb, vb = (q, k, v) if len(kept.runs) == 1 else (q[b:b + 1], k[b:b + 1], v[b:b + 1])
         parts = []
         for i, (a, e, kind, n) in enumerate(runs):
+            if kind == "empty":
+                parts.append(_empty_rows(qb, vb, e - a, return_lse))
+                continue
             c = kept.first_key(b, i)
             causal, window = _window(kind, e - a, n - c)
             parts.append(dense(qb[:, :, a:e], kb[:, :, c:n], vb[:, :, c:n], causal=causal,
@@ -425,6 +450,18 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
     if return_lse:
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
     return torch.cat(outs)
+
+
+def _empty_rows(q, v, rows: int, return_lse: bool):
+    """out (and lse) of `rows` query rows that keep no key: 0 (and -inf), SDPA's answer for a
+    row whose bool (or -inf) mask keeps nothing."""
+    from .math_attention import compute_dtype
+
+    out = q.new_zeros(*q.shape[:2], rows, v.shape[-1])
+    if not return_lse:
+        return out
+    return out, torch.full((*q.shape[:2], rows), -float("inf"), dtype=compute_dtype(q.dtype),
+                           device=q.device)
 
 
 def _elements(kept: RowRuns, b: int, per: int):
@@ -476,6 +513,8 @@ def _plan_jobs(kept: RowRuns, q, k, v, scale):
     for b, runs in enumerate(kept.runs):
         bs = _elements(kept, b, len(kept.runs))
         for a, e, kind, n in runs:
+            if kind == "empty":   # out 0, lse -inf: RowRunAttention.forward's initial values
+                continue
             off = n - (e - a) if kind == "diagonal" else None   # bottom-right
             qs, ks, vs = q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n]
             plan = dispatch.plan_fwd(AttnProblem.from_tensors(
@@ -523,14 +562,16 @@ class RowRunAttention(torch.autograd.Function):
 
         fwd, bwd, scale = jobs
         out = lse = None
+        done = sum((e - a) * (1 if bs != slice(None) else q.shape[0]) for bs, a, e, *_ in fwd)
         for bs, a, e, n, off, plan in fwd:
             o, m = ops.kernel_forward(q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n],
                                       off is not None, off or 0, scale, plan)
-            if len(fwd) == 1:   # one call for every row (a causal mask as a tensor)
-                out, lse = o, m
+            if done == q.shape[0] * q.shape[2] and len(fwd) == 1:   # one call for every row
+                out, lse = o, m   # (a causal mask as a tensor)
                 break
-            if lse is None:
-                out, lse = q.new_empty(*q.shape[:-1], v.shape[-1]), m.new_empty(q.shape[:-1])
+            if lse is None:   # rows of "empty" runs (no call) keep out 0 and lse -inf
+                out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+                lse = m.new_full(q.shape[:-1], -float("inf"))
             out[bs][:, :, a:e] = o
             lse[bs][:, :, a:e] = m
         ctx.save_for_backward(q, k, v, out, lse)

@@ -193,6 +193,52 @@ def test_shrinking_prefixes_take_the_row_runs_gradient(seed, monkeypatch):
     assert len(fake.bwd_calls) == kept.calls
 
 
+def empty_row_masks():
+    """(label, bool keep [B or 1, NQ, NKV], the runs' kinds) of masks whose first rows keep no
+    key: SDPA gives those rows 0 (bool or -inf masks), and so does the route, with no call."""
+    i = torch.arange(NQ)[:, None]
+    cols = torch.arange(NKV)[None, :]
+    pads = torch.tensor([2, 4, 3])[:, None, None]
+    return [
+        ("causal, upper-left shifted", cols < i - 1, ["empty", "diagonal"]),
+        ("left padding + causal (interval rows)", (cols <= i + NKV - NQ) & (cols >= 9),
+         ["empty", "diagonal"]),
+        ("left padding + causal per element", ((cols <= i + NKV - NQ) & (cols >= pads + 5)),
+         None),
+    ]
+
+
+@pytest.mark.parametrize("label,keep,kinds", empty_row_masks(),
+                         ids=[m[0] for m in empty_row_masks()])
+@pytest.mark.parametrize("form", ["bool", "-inf"])
+def test_rows_keeping_no_key_give_zero(seed, monkeypatch, label, keep, kinds, form):
+    """Rows whose bool or -inf mask keeps no key come out 0 (lse -inf, gradients 0), as from
+    SDPA, with no kernel call; the other rows as any row run."""
+    fake = fake_kernels.install(monkeypatch)
+    q, k, v = inputs()
+    keep = keep[:, None] if keep.dim() == 3 else keep   # per element: [B, 1, NQ, NKV]
+    mask = keep if form == "bool" else as_float(keep)
+    kept = dense_mask.kept_keys(mask, B, HQ, NQ, NKV)
+    assert kept is not None and kept.route == "row runs"
+    if kinds is not None:
+        assert [r[2] for r in kept.runs[0]] == kinds
+    out, lse = attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True,
+                         strict=True)
+    ref = ref_attention(q, k, v, mask=keep)[0]
+    assert rel_err(out, ref) <= 1e-12
+    empty = ~keep.expand(B, 1, NQ, NKV)[:, 0].any(-1)
+    assert bool((out[empty.nonzero(as_tuple=True)[0], :, empty.nonzero(as_tuple=True)[1]]
+                 == 0).all())
+    assert bool(torch.isneginf(lse.transpose(1, 2)[empty]).all())
+    assert len(fake.fwd_calls) == kept.calls
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-12
+    assert "keeping no key" in explain(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def sdpa_masks():
     """Masks that do more than drop keys, or drop all of a row's: the SDPA route."""
     keep = keep_rows(B)
@@ -208,7 +254,8 @@ def sdpa_masks():
     return [
         ("varies over queries", per_query),
         ("rows keeping two intervals", two),
-        ("a row that keeps no key", no_key),
+        ("a row that keeps no key, finite lows (SDPA averages every key there)",
+         as_float(no_key, torch.finfo(torch.float64).min)),
         ("varies over queries and heads", per_head & per_query[:1]),
         ("varies over heads", per_head),
         ("additive bias", torch.randn(NKV, dtype=F64)),
@@ -313,7 +360,8 @@ def test_read_once_per_mask_and_version():
 @pytest.mark.parametrize("d,dtype,hq,hkv", [(512, torch.bfloat16, 8, 2),
                                             (320, torch.float16, 4, 4)])
 @pytest.mark.parametrize("form", ["gather", "equal", "rows", "prefix", "prefix rows",
-                                  "varlen", "causal rows", "image blocks", "sliding window"])
+                                  "varlen", "causal rows", "image blocks", "sliding window",
+                                  "left padding"])
 def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     """The kernels on the kept keys against float64 with the mask, every route: within twice
     torch's own same-dtype error (SDPA given the mask) plus a floor, out and gradients; strict
@@ -337,6 +385,12 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
     else:
         keep = torch.arange(nkv, device=dev) < lengths
     mask = keep[:, None, None, :]
+    if form == "left padding":   # causal, element b's first pads[b] keys padding: its rows
+        nq = nkv = 700           # before them keep no key (out 0, as from SDPA)
+        i = torch.arange(nq, device=dev)[:, None]
+        pads = torch.tensor([0, 37, 301], device=dev)[:b, None, None]
+        mask = ((torch.arange(nkv, device=dev) <= i) & (torch.arange(nkv, device=dev) >= pads))
+        mask = keep = mask[:, None]
     if form in ("causal rows", "image blocks", "sliding window"):   # Nq = Nkv = 700
         nq = nkv = 700
         i = torch.arange(nq, device=dev)
@@ -351,7 +405,7 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
         keep = mask.expand(b, nq, nkv)[:, None]
     route = dense_mask.kept_keys(mask, b, hq, nq, nkv).route
     assert route == {"equal": "gather", "causal rows": "row runs", "image blocks": "row runs",
-                     "sliding window": "row runs"}.get(form, form)
+                     "sliding window": "row runs", "left padding": "row runs"}.get(form, form)
 
     def r(*s):
         return torch.randn(*s, device=dev, dtype=dtype).requires_grad_()
@@ -361,8 +415,9 @@ def test_kernels_on_the_kept_keys_gpu(seed, d, dtype, hq, hkv, form):
 
 def within_sdpa_bound(q, k, v, mask, keep):
     """attention with `mask` (strict) against float64 with the kept pairs `keep`: out and the
-    gradients within twice the error of SDPA given the mask in the inputs' dtype, plus a
-    floor (masked_ref.bound)."""
+    gradients within twice the error of SDPA given the mask in the inputs' dtype (where its
+    answer is not finite, rows keeping no key: masked_ref in that dtype), plus a floor
+    (masked_ref.bound)."""
     from masked_ref import bound
 
     group = q.shape[1] // k.shape[1]
@@ -370,11 +425,15 @@ def within_sdpa_bound(q, k, v, mask, keep):
     ref = ref_attention(q, k, v, mask=keep)[0]
     same = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
-    assert rel_err(out, ref) <= bound(rel_err(same, ref))
     dout = torch.randn_like(out)
+    base = torch.autograd.grad(same, (q, k, v), dout)
+    if not all(bool(t.isfinite().all()) for t in (same, *base)):
+        # SDPA's backward on rows that keep no key: the reference in the inputs' dtype
+        same = ref_attention(q, k, v, mask=keep, dtype=q.dtype)[0]
+        base = torch.autograd.grad(same, (q, k, v), dout)
+    assert rel_err(out, ref) <= bound(rel_err(same, ref))
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(ref, (q, k, v), dout)
-    base = torch.autograd.grad(same, (q, k, v), dout)
     for g, w, s in zip(got, want, base):
         assert rel_err(g, w) <= bound(rel_err(s, w))
 
