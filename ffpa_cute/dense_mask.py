@@ -54,8 +54,9 @@ two masks of different large values. Not served (the caller routes the masked ca
 SDPA, logged): masks that vary over heads, rows that keep more than one interval of keys
 while the rows differ, float masks with other values (a genuine additive bias), a row of
 finite lows that keeps no key, a key-padding mask's batch element that keeps none, a mask that
-keeps nothing at all (SDPA's own semantics for such rows), masks that require grad, non-4-D inputs, dropout, a window or sinks, and calls under torch.compile
-(reading the mask needs the host: device syncs once per mask tensor and version, cached like
+keeps nothing at all (SDPA's own semantics for such rows), masks that require grad, non-4-D
+inputs, dropout, a window or sinks, and calls under torch.compile (reading the mask needs the
+host: device syncs once per mask tensor and version, cached like
 `varlen.sequence_bounds`; a model's layers sharing one mask read it once a step; an inference
 tensor, which has no version counter, is read at every call; a mask not read before a CUDA
 graph capture keeps the SDPA route inside it).
@@ -364,7 +365,7 @@ def describe(kept: KeptKeys | RowRuns) -> str:
         what = "row-prefix" if kept.starts is None else "row-interval"
         return (f"{what} mask: {kept.calls} kernel calls on runs of query rows ({diag} causal, "
                 f"{full} unmasked{f', {win} sliding-window' if win else ''}"
-                f"{f', {empty} of rows keeping no key (out 0)' if empty else ''}{per}): ")
+                f"{f', {empty} keeping no key (out 0)' if empty else ''}{per}): ")
     counts, nkv = kept.counts, kept.keep.shape[-1]
     n = counts[0] if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
     how = {"all": "the unmasked call", "prefix": "the unmasked call on views of k and v",
