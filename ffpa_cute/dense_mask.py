@@ -23,7 +23,7 @@ up to the block's end), a prefix-LM mask, any of them with right padding of the 
 rows split into runs that one kernel call serves each: "full" (every row keeps the same L:
 the run's queries against k[:L], unmasked) and "diagonal" (L(i) - i constant: the run's
 queries against k[:L(last row)], causal bottom-right, which gives row i exactly keys < L(i)).
-Runs are taken greedily, the longer kind first; a mask of more than MAX_RUNS runs keeps the
+Runs are taken greedily, the longer kind first; a mask of more than MAX_RUNS calls keeps the
 SDPA route. out (and lse) are the runs' concatenated along the queries. Where a gradient
 will be asked for, `RowRunAttention` runs the backward by runs of keys instead (one gradient
 call over every row that keeps a run of keys; its docstring), when the prefix lengths never
@@ -79,7 +79,8 @@ DROPPED = -65504.0  # a float mask value at or below this drops its key (module 
 # Unequal counts over at most this many batch elements run one call per element (views or an
 # index_select each: no copy of q, out assembled by one cat); more take varlen's one launch
 PER_ELEMENT_MAX = 16
-MAX_RUNS = 64   # row-prefix masks of more runs (over the batch elements) keep the SDPA route
+MAX_RUNS = 64   # masks of more calls (runs over the batch elements that keep keys) keep SDPA's
+# route
 CHUNK = 1 << 26  # mask elements compared at a time (64 Mi: no temporary of a mask's full size)
 
 # `varlen.varlen_attention`, set by varlen.py when it loads (`import ffpa_cute` loads it):
@@ -156,7 +157,12 @@ class RowRuns:
     @property
     def calls(self) -> int:
         """Kernel calls of the forward (runs of rows that keep no key make none)."""
-        return sum(r[2] != "empty" for e in self.runs for r in e)
+        return _calls(self.runs)
+
+
+def _calls(runs: tuple) -> int:
+    """The kernel calls of row runs per batch element (an "empty" run makes none)."""
+    return sum(r[2] != "empty" for e in runs for r in e)
 
 
 # run kinds: how each sequence steps from one row (or key) to the next within a run
@@ -317,7 +323,7 @@ def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
     if all(r == per[0] for r in per):
         per = per[:1]
     runs = tuple(_runs(r) for r in per)
-    if sum(map(len, runs)) > MAX_RUNS:
+    if _calls(runs) > MAX_RUNS:
         return None
     keys = tuple(_key_runs(r) for r in per)
     ok = all(r is not None for r in keys) and sum(map(len, keys)) <= MAX_RUNS
@@ -326,7 +332,7 @@ def _row_runs(m: torch.Tensor, nkv: int) -> RowRuns | None:
 
 def _interval_runs(lows: list, lengths: list) -> RowRuns | None:
     """`RowRuns` of rows keeping keys [lo(i), hi(i)) (hi = lo + length), lo not all 0, or None
-    past MAX_RUNS runs. A run takes the longest of: "full" (lo and hi constant: unmasked),
+    past MAX_RUNS calls. A run takes the longest of: "full" (lo and hi constant: unmasked),
     "diagonal" (lo constant, hi rising by one a row: causal), "band" (both rising: a sliding
     window of hi - lo keys) and "suffix" (lo rising, hi constant: a window open on the right),
     each on keys [lo(first row), hi(last row)). The gradient runs by these row runs (no key
@@ -340,7 +346,7 @@ def _interval_runs(lows: list, lengths: list) -> RowRuns | None:
                      for a, e, kind in _greedy((lo, hi), STEPS_2))
         runs.append(rows)
         starts.append(tuple(lo[a] for a, _, _, _ in rows))
-    if sum(map(len, runs)) > MAX_RUNS:
+    if _calls(runs) > MAX_RUNS:
         return None
     return RowRuns(tuple(runs), None, tuple(starts))
 
