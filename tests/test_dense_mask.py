@@ -239,6 +239,18 @@ def test_rows_keeping_no_key_give_zero(seed, monkeypatch, label, keep, kinds, fo
     assert "keeping no key" in explain(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def test_runs_keeping_no_key_make_no_call_toward_max_runs(monkeypatch):
+    """MAX_RUNS bounds the kernel calls: left padding per element is two runs an element, one
+    of them a call."""
+    keep = empty_row_masks()[2][1][:, None]   # [B, 1, NQ, NKV], a pad per element
+    monkeypatch.setattr(dense_mask, "MAX_RUNS", B)
+    kept = dense_mask.kept_keys(keep, B, HQ, NQ, NKV)
+    assert kept is not None and kept.calls == B and sum(map(len, kept.runs)) == 2 * B
+    monkeypatch.setattr(dense_mask, "MAX_RUNS", B - 1)
+    dense_mask.clear()
+    assert dense_mask.kept_keys(keep.clone(), B, HQ, NQ, NKV) is None
+
+
 def sdpa_masks():
     """Masks that do more than drop keys, or drop all of a row's: the SDPA route."""
     keep = keep_rows(B)
