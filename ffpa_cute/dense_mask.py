@@ -410,9 +410,7 @@ def run(kept: KeptKeys, q, k, v, dense, *, scale, strict, return_lse):
             else:
                 ki, vi = ki.index_select(2, kept.rows[i]), vi.index_select(2, kept.rows[i])
             res.append(dense(q[i:i + 1], ki, vi))
-        if not return_lse:
-            return torch.cat(res)
-        return torch.cat([r[0] for r in res]), torch.cat([r[1] for r in res])
+        return _cat(res, 0, return_lse)
     b, hq, nq, d = q.shape
     res = PACKED["varlen_attention"](
         q.transpose(1, 2).reshape(b * nq, hq, d), k.transpose(1, 2)[kept.keep],
@@ -446,17 +444,18 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
             causal, window = _window(kind, e - a, n - c)
             parts.append(dense(qb[:, :, a:e], kb[:, :, c:n], vb[:, :, c:n], causal=causal,
                                window=window))
-        if len(parts) == 1:   # one run (a causal mask as a tensor): no copy
-            outs.append(parts[0])
-        elif return_lse:
-            outs.append((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)))
-        else:
-            outs.append(torch.cat(parts, 2))
-    if len(outs) == 1:
-        return outs[0]
+        outs.append(_cat(parts, 2, return_lse))
+    return _cat(outs, 0, return_lse)
+
+
+def _cat(parts: list, dim: int, return_lse: bool):
+    """The calls' outs (and lses) concatenated along `dim` (queries 2, batch 0); one part is
+    returned as it is (a causal mask as a tensor: one call, no copy)."""
+    if len(parts) == 1:
+        return parts[0]
     if return_lse:
-        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
-    return torch.cat(outs)
+        return torch.cat([p[0] for p in parts], dim), torch.cat([p[1] for p in parts], dim)
+    return torch.cat(parts, dim)
 
 
 def _empty_rows(q, v, rows: int, return_lse: bool):

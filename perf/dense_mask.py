@@ -37,8 +37,11 @@ import json
 
 
 def _masks(b: int, n: int):
-    """{case: (batch, keys, mask on the CPU, keep [batch, keys])} (module docstring)."""
+    """{case: (batch, keys, mask on the CPU, keep [batch, keys])} (module docstring); right
+    padding and the image blocks are perf.sweep's `keypad` / `images` (perf.cases.keep)."""
     import torch
+
+    from .cases import Case, keep
 
     g = torch.Generator(device="cpu").manual_seed(1)
     shared = torch.zeros(n, dtype=torch.bool)
@@ -47,18 +50,14 @@ def _masks(b: int, n: int):
     rows = torch.zeros(b, n, dtype=torch.bool)
     for i in range(b):
         rows[i, torch.randperm(n, generator=g)[: n * (8 - i % 8) // 8]] = True
-    pre = torch.arange(n)[None] < torch.tensor([n * (8 - i % 8) // 8 for i in range(b)])[:, None]
+    pre = keep(Case("keypad", "bf16", b, 1, 1, n, n, 512, mask="keypad"))[:, 0, 0]
     hf = torch.zeros(b, 1, n, n, dtype=torch.bfloat16)
     hf.masked_fill_(~pre[:, None, None, :], torch.finfo(torch.bfloat16).min)
     bm, nm = 8 * b, n // 4
     many = torch.arange(nm)[None] < torch.tensor([nm * (8 - i % 8) // 8 for i in range(bm)])[
         :, None]
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    lengths = torch.arange(n) + 1
-    for j in range(4):
-        a = n // 16 + j * n // 4
-        lengths[a:a + n // 16] = a + n // 16
-    images = torch.arange(n)[None] < lengths[:, None]
+    images = keep(Case("images", "bf16", 1, 1, 1, n, n, 512, mask="images"))[0, 0]
     return {"shared": (b, n, shared[None, None, None], shared.expand(b, n)),
             "causal": (b, n, causal, causal.expand(b, n, n)),
             "images": (b, n, images, images.expand(b, n, n)),

@@ -85,9 +85,9 @@ class FakeKernels:
         return (*grads, delta) if with_delta else grads
 
     def run_delta(self, plan, out, dout, dlse=None):
-        rowdot = (dout.to(torch.float64) * out.to(torch.float64)).sum(-1)
-        return (rowdot if dlse is None else rowdot - dlse).to(
-            torch.float64 if out.dtype == torch.float64 else torch.float32)
+        dtype = ma.compute_dtype(out.dtype)
+        rowdot = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        return ma.lse_delta(rowdot, dlse, rowdot.shape, dtype, out.device)
 
     def patches(self):
         return [(dispatch, "plan_fwd", self.plan_fwd), (dispatch, "plan_bwd", self.plan_bwd),
