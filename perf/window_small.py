@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .experiment import interleaved_ms, main
 from .flops import tflops
+from .serving import _pairs_window
 
 D = 512
 SHAPES = [  # (left, B, Hq, Hkv, N)
@@ -20,12 +21,6 @@ SHAPES = [  # (left, B, Hq, Hkv, N)
 
 def jobs():
     return []
-
-
-def _pairs(n: int, left: int) -> int:
-    """Visible (query, key) pairs of a causal window of `left` keys to the left, Nq == Nkv."""
-    full = min(n, left + 1)
-    return full * (full + 1) // 2 + (n - full) * (left + 1)
 
 
 def _profile(fn, n_iter: int = 5) -> dict:
@@ -76,7 +71,7 @@ def run(dev, flush):
         for f in allf.values():
             f()
         ms = interleaved_ms(allf, dev, flush)
-        pw, pc = _pairs(n, left), n * (n + 1) // 2
+        pw, pc = _pairs_window(n, left), n * (n + 1) // 2
         name = f"left {left} B={b} {hq}/{hkv} N={n}"
         row = {k_: {"ms": t, "tflops": tflops((2.5 if k_.startswith("bwd") else 1.0) * 4 * b
                                               * hq * (pc if "causal" in k_ else pw) * D, t)}
