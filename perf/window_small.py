@@ -54,9 +54,8 @@ def run(dev, flush):
                             requires_grad=True) for _ in range(2))
         kw = dict(is_causal=True, enable_gqa=hq != hkv)
         win = dict(kw, window=(left, 0))
-        with torch.no_grad():
-            fwd = {"fwd window": lambda: ffpa_cute.attention(q, k, v, **win),
-                   "fwd causal": lambda: ffpa_cute.attention(q, k, v, **kw)}
+        fwd = {"fwd window": lambda: ffpa_cute.attention(q, k, v, **win),   # run under no_grad
+               "fwd causal": lambda: ffpa_cute.attention(q, k, v, **kw)}
         fns = {}
         for name, args in (("window", win), ("causal", kw)):
             out = ffpa_cute.attention(q, k, v, **args)
@@ -97,14 +96,11 @@ def _nograd(f):
 
 
 def _det(out, q, k, v, do):
-    """The backward of a graph built under deterministic=True, run under it too (the backward
-    reads the options at its own call)."""
+    """The backward of a graph built under deterministic=True (the forward keeps the options
+    in force for its backward)."""
     import torch
 
-    import ffpa_cute
-
-    with ffpa_cute.options.use(deterministic=True):
-        return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
 
 if __name__ == "__main__":
