@@ -62,10 +62,11 @@ def run(dev, flush):
             do = torch.randn_like(out)
             fns[f"bwd {name}"] = (lambda o=out, g=do: torch.autograd.grad(
                 o, (q, k, v), g, retain_graph=True))
-        with ffpa_cute.options.use(deterministic=True):
+        with ffpa_cute.options.use(deterministic=True):   # the graph keeps it for backward
             out_d = ffpa_cute.attention(q, k, v, **win)
             do_d = torch.randn_like(out_d)
-        fns["bwd window det"] = lambda: _det(out_d, q, k, v, do_d)
+        fns["bwd window det"] = lambda: torch.autograd.grad(out_d, (q, k, v), do_d,
+                                                            retain_graph=True)
         allf = {**{k_: (lambda f=f: _nograd(f)) for k_, f in fwd.items()}, **fns}
         for f in allf.values():
             f()
@@ -93,14 +94,6 @@ def _nograd(f):
 
     with torch.no_grad():
         return f()
-
-
-def _det(out, q, k, v, do):
-    """The backward of a graph built under deterministic=True (the forward keeps the options
-    in force for its backward)."""
-    import torch
-
-    return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
 
 if __name__ == "__main__":
