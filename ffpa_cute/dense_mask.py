@@ -424,14 +424,16 @@ def run(kept: KeptKeys, q, k, v, dense, *, scale, strict, return_lse):
 
 
 def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
-    """`run` for row prefixes: one `dense` call per run (on every batch element at once when
-    they share their runs), out (and lse) concatenated along the queries; where a gradient
-    will be asked for and the kernels serve every run and key run, `RowRunAttention`."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        jobs = _jobs(kept, q, k, v, scale)
-        if jobs is not None:
-            out, lse = RowRunAttention.apply(q, k, v, jobs)
-            return (out, lse) if return_lse else out
+    """`run` for row prefixes: where the kernels serve every run (and, when a gradient will be
+    asked for, every key run), `_forward_runs` (no gradient) or `RowRunAttention`; else one
+    `dense` call per run (on every batch element at once when they share their runs), out
+    (and lse) concatenated along the queries."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    jobs = _jobs(kept, q, k, v, scale, grad)
+    if jobs is not None:
+        out, lse = (RowRunAttention.apply(q, k, v, jobs) if grad else
+                    _forward_runs(q, k, v, jobs[0], jobs[2]))
+        return (out, lse) if return_lse else out
     outs = []
     for b, runs in enumerate(kept.runs):
         qb, kb, vb = (q, k, v) if len(kept.runs) == 1 else (q[b:b + 1], k[b:b + 1], v[b:b + 1])
@@ -446,6 +448,30 @@ def _run_rows(kept: RowRuns, q, k, v, dense, return_lse, scale=None):
                                window=window))
         outs.append(_cat(parts, 2, return_lse))
     return _cat(outs, 0, return_lse)
+
+
+def _forward_runs(q, k, v, fwd: list, scale: float):
+    """(out, lse) of the forward calls `fwd` (`_plan_jobs`), each writing its run's rows of
+    out and lse in place (`launch.run_fwd`'s out / lse); rows of "empty" runs (no call) keep
+    out 0 and lse -inf. One call for every row (a causal mask as a tensor) returns its own."""
+    from . import ops
+    from .math_attention import compute_dtype
+
+    rows = sum((e - a) * (q.shape[0] if bs == slice(None) else 1) for bs, a, e, *_ in fwd)
+    every = rows == q.shape[0] * q.shape[2]
+    if every and len(fwd) == 1:
+        _, _, _, n, off, plan = fwd[0]
+        return ops.kernel_forward(q, k[:, :, :n], v[:, :, :n], off is not None, off or 0,
+                                  scale, plan)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))   # float32 for 16 bits
+    if not every:
+        out.zero_()
+        lse.fill_(-float("inf"))
+    for bs, a, e, n, off, plan in fwd:
+        ops.kernel_forward(q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n], off is not None,
+                           off or 0, scale, plan, out=out[bs][:, :, a:e], lse=lse[bs][:, :, a:e])
+    return out, lse
 
 
 def _cat(parts: list, dim: int, return_lse: bool):
@@ -485,41 +511,42 @@ def clear() -> None:
     _JOBS.clear()
 
 
-def _jobs(kept: RowRuns, q, k, v, scale):
+def _jobs(kept: RowRuns, q, k, v, scale, backward: bool = True):
     """`_plan_jobs`, remembered per RowRuns and call signature (the inputs' shapes, strides,
-    dtypes and device, the scale, the options in force): a model's layers sharing one mask
-    plan their runs once, not at every call."""
+    dtypes and device, the scale, the options in force, `backward`): a model's layers sharing
+    one mask plan their runs once, not at every call."""
     from . import options
 
-    if kept.key_runs is None:
-        return None
     key = (id(kept), *(tuple(t.shape) + tuple(t.stride()) for t in (q, k, v)), q.dtype,
-           q.device, scale, options.current())
+           q.device, scale, options.current(), backward)
     hit = _JOBS.get(key)
     if hit is not None and hit[0] is kept:
         return hit[1]
-    jobs = _plan_jobs(kept, q, k, v, scale)
+    jobs = _plan_jobs(kept, q, k, v, scale, backward)
     if len(_JOBS) >= _JOBS_MAX:
         _JOBS.clear()
     _JOBS[key] = (kept, jobs)
     return jobs
 
 
-def _plan_jobs(kept: RowRuns, q, k, v, scale):
-    """The kernel calls of `RowRunAttention`: (forward [(batch slice, rows a:e, keys n, causal
+def _plan_jobs(kept: RowRuns, q, k, v, scale, backward: bool = True):
+    """The kernel calls of a row-prefix mask: (forward [(batch slice, rows a:e, keys n, causal
     offset or None, plan)], gradient [(batch slice, keys c:d, rows r:, causal offset or None,
-    plan)], the softmax scale), or None unless the kernels serve every one (their first-use
-    self-checks included)."""
+    plan)] (empty unless `backward`: `RowRunAttention`'s key runs), the softmax scale), or None
+    unless the kernels serve every one (their first-use self-checks included) and the mask's
+    rows keep prefixes (row intervals take `dense` calls; a backward needs key runs)."""
     import math
 
     from . import dispatch, ops, selfcheck
     from .problem import AttnProblem
+    if kept.starts is not None or (backward and kept.key_runs is None):
+        return None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     fwd, bwd = [], []
     for b, runs in enumerate(kept.runs):
         bs = _elements(kept, b, len(kept.runs))
         for a, e, kind, n in runs:
-            if kind == "empty":   # out 0, lse -inf: RowRunAttention.forward's initial values
+            if kind == "empty":   # out 0, lse -inf: `_forward_runs`' initial values
                 continue
             off = n - (e - a) if kind == "diagonal" else None   # bottom-right
             qs, ks, vs = q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n]
@@ -529,7 +556,7 @@ def _plan_jobs(kept: RowRuns, q, k, v, scale):
             if plan.reason is not None or selfcheck.reason(plan, q.device) is not None:
                 return None
             fwd.append((bs, a, e, n, off, plan))
-    for b, runs in enumerate(kept.key_runs):
+    for b, runs in enumerate(kept.key_runs if backward else ()):
         bs = _elements(kept, b, len(kept.key_runs))
         for c, d, kind, r in runs:
             off = 0 if kind == "diagonal" else None   # upper-left from the run's first key
@@ -564,22 +591,8 @@ class RowRunAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, jobs):
-        from . import ops
-
         fwd, bwd, scale = jobs
-        out = lse = None
-        done = sum((e - a) * (1 if bs != slice(None) else q.shape[0]) for bs, a, e, *_ in fwd)
-        for bs, a, e, n, off, plan in fwd:
-            o, m = ops.kernel_forward(q[bs][:, :, a:e], k[bs][:, :, :n], v[bs][:, :, :n],
-                                      off is not None, off or 0, scale, plan)
-            if done == q.shape[0] * q.shape[2] and len(fwd) == 1:   # one call for every row
-                out, lse = o, m   # (a causal mask as a tensor)
-                break
-            if lse is None:   # rows of "empty" runs (no call) keep out 0 and lse -inf
-                out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-                lse = m.new_full(q.shape[:-1], -float("inf"))
-            out[bs][:, :, a:e] = o
-            lse[bs][:, :, a:e] = m
+        out, lse = _forward_runs(q, k, v, fwd, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.bwd = bwd
         ctx.per_element = any(job[0] != slice(None) for job in bwd)

@@ -323,15 +323,46 @@ def kernel_args(plan: Plan, q, k, v, out, lse):
              lse.view(b, hkv, -1)), 0)
 
 
-def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks=None):
+def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks=None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Run a forward plan: (out [B, Hq, Nq, Dv] in q.dtype, lse [B, Hq, Nq] fp32). sinks: the
-    [Hq] logits of a plan with sinks (its lse then includes them)."""
+    [Hq] logits of a plan with sinks (its lse then includes them). out / lse: where to write
+    them (e.g. a run of rows of a larger out, `dense_mask.RowRunAttention`), returned; the
+    kernel writes into them where it can take them as they are (`_writable`), else they are
+    copied in."""
+    o, m = _writable(plan, out, lse)
+    o, m = _run_fwd(plan, q, k, v, sinks, o, m)
+    if out is not None and o is not out:
+        copy_rows(out, o)
+    if lse is not None and m is not lse:
+        lse.copy_(m)
+    return (o if out is None else out), (m if lse is None else lse)
+
+
+def _writable(plan: Plan, out, lse):
+    """(out, lse) as given where the kernel can write them in place, else None each (then
+    allocated): D at unit stride and every tensor 16-byte aligned (what the kernels assume:
+    `common.tensors.fake_args`), out's outer strides whole 16-byte units, and for a packed
+    plan both contiguous (it views them as [B, Hkv, G * Nq])."""
+    if plan.packed and any(t is not None and not t.is_contiguous() for t in (out, lse)):
+        return None, None
+    if out is not None and kernel_ready(out) is not out:
+        out = None
+    if lse is not None and (lse.stride(-1) != 1 or lse.data_ptr() % 16):
+        lse = None
+    return out, lse
+
+
+def _run_fwd(plan: Plan, q, k, v, sinks, out, lse):
+    """`run_fwd` writing into out / lse (None: new tensors)."""
     if plan.reason is not None:
         raise NotImplementedError(plan.reason)
     p = plan.problem
     b, hq, nq, _ = q.shape
-    out = torch.empty(b, hq, nq, p.head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(b, hq, nq, p.head_dim_v, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     if sinks is not None:
@@ -341,7 +372,7 @@ def run_fwd(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
     pad = padded_fwd(plan, nq, k.shape[2])
     if pad is not None:   # the pair at D % 64 != 0: the next multiple of 64, zero-padded
         w = pad.problem.head_dim
-        o, lse = run_fwd(pad, *(zero_padded(t, w) for t in (q, k, v)))
+        o, lse = run_fwd(pad, *(zero_padded(t, w) for t in (q, k, v)), lse=lse)
         return copy_rows(out, o[..., :p.head_dim_v]), lse
     wide = widened_fwd(plan, nq, k.shape[2])
     if wide is not None:   # D % 16 == 8: the scores over D + 8 columns, 8 of them zeros

@@ -30,12 +30,18 @@ def on(device: torch.device):
 
 
 def kernel_forward(q, k, v, causal: bool, causal_offset: int, scale: float, plan=None,
-                   fwd_call=None):
+                   fwd_call=None, out=None, lse=None):
     """Kernel forward on [B, H, N, D] tensors: (out [B,Hq,Nq,Dv] q.dtype, lse [B,Hq,Nq] fp32).
 
     The body of the custom op, and of the eager path (`EagerAttention`), which passes the plan
     `attention()` already made and, for a repeated call signature, its `launch.FwdCall`.
+    out / lse (with a plan, no fwd_call): where to write them (`launch.run_fwd`), returned as
+    given.
     """
+    if out is not None or lse is not None:
+        with on(q.device):
+            return launch.run_fwd(plan, *(t if t.stride(-1) == 1 else t.contiguous()
+                                          for t in (q, k, v)), out=out, lse=lse)
     if fwd_call is not None:
         res = fwd_call(q, k, v)
         if res is not None:

@@ -20,8 +20,10 @@ timed forward and forward + backward:
                the same call by is_causal=True;
   images       Gemma's bidirectional image blocks inside causal text: bool [N, N], four
                blocks of N / 16 rows (row prefixes: nine calls, four unmasked, five causal),
-               with `ours, dQ per call` (forward + backward): the key-run backward's calls
-               each with their own dQ accumulator and Delta instead of one shared;
+               with `ours, rows copied` (forward): each call's out and lse written apart and
+               copied into the whole, instead of written in place, and `ours, dQ per call`
+               (forward + backward): the key-run backward's calls each with their own dQ
+               accumulator and Delta instead of one shared;
 and for `shared` also `kernel`, the unmasked call on keys gathered beforehand (what the route
 costs beyond the kernel). Variants timed in rotated rounds (perf.experiment.interleaved_ms, L2
 flushed); TFLOPS on the kept pairs (4 Hq Nq D times the keys kept summed over the batch;
@@ -133,6 +135,8 @@ def run(d: int, b: int, h: int, n: int, cases=None) -> dict:
                 continue
         if name == "causal":
             fns["kernel"] = lambda: ffpa_cute.attention(q, k, v, is_causal=True)
+        if name == "images":   # each call's out and lse written apart, then copied in
+            fns["ours, rows copied"] = _rows_copied(fns["ours"])
         if name == "shared":
             idx = keep[0].nonzero().squeeze(1).to(dev)
             ks, vs = k.index_select(2, idx), v.index_select(2, idx)
@@ -170,13 +174,26 @@ def _per_call_dq(fn):
     accumulator and Delta (dense_mask._shared_dq_width answering None): what sharing saves."""
     from ffpa_cute import dense_mask
 
+    return _patched(fn, dense_mask, "_shared_dq_width", lambda plans: None)
+
+
+def _rows_copied(fn):
+    """fn with each forward call of the row runs writing its own out and lse, copied into the
+    whole afterwards (launch._writable answering None): what writing in place saves."""
+    from ffpa_cute import launch
+
+    return _patched(fn, launch, "_writable", lambda plan, out, lse: (None, None))
+
+
+def _patched(fn, module, name: str, value):
+    """fn run with module.name set to value."""
     def call():
-        saved = dense_mask._shared_dq_width
-        dense_mask._shared_dq_width = lambda plans: None
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn()
         finally:
-            dense_mask._shared_dq_width = saved
+            setattr(module, name, saved)
     return call
 
 

@@ -161,10 +161,14 @@ def test_row_prefixes_run_as_causal_and_full_calls(seed, monkeypatch, kind, squa
         mask = as_float(mask, torch.finfo(torch.float64).min)
     kept = dense_mask.kept_keys(mask, B, HQ, nq, nkv)
     assert kept.route == "row runs" and kept.calls == calls
-    matches_reference(q, k, v, mask, keep[:, None])
+    out, _ = matches_reference(q, k, v, mask, keep[:, None])
     assert len(fake.fwd_calls) == calls
     # the gradient by runs of keys (RowRunAttention): one call per key run
     assert len(fake.bwd_calls) == sum(map(len, kept.key_runs))
+    with torch.no_grad():   # the forward alone: the same calls, each writing its rows
+        assert torch.equal(attention(q, k, v, attn_mask=mask, enable_gqa=True, strict=True),
+                           out)
+    assert len(fake.fwd_calls) == 2 * calls
     assert explain(q, k, v, attn_mask=mask, enable_gqa=True).startswith(
         f"row-prefix mask: {calls} kernel calls")
 
@@ -192,6 +196,10 @@ def test_shrinking_prefixes_take_the_row_runs_gradient(seed, monkeypatch):
     for g, w in zip(got, torch.autograd.grad(ref.sum(), (q, k, v))):
         assert rel_err(g, w) <= 1e-12
     assert len(fake.bwd_calls) == kept.calls
+    with torch.no_grad():   # no gradient: the row runs' calls write their rows in place
+        assert torch.equal(attention(q, k, v, attn_mask=keep, enable_gqa=True, strict=True),
+                           out)
+    assert len(fake.fwd_calls) == 2 * kept.calls
 
 
 def empty_row_masks():

@@ -323,6 +323,43 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
     assert not launch.FwdCall(plan, strided, k, v).usable
 
 
+@pytest.mark.parametrize("hq,hkv,nq,a,in_place", [
+    (8, 8, 64, 128, (True, True)),    # a run of rows of a larger out: both written in place
+    (8, 8, 64, 130, (True, False)),   # lse's view 8 bytes off a 16-byte boundary: lse copied
+    (32, 8, 1, 0, (False, False))])   # packed (GQA decode): a row slice is no [B, Hkv, G, .]
+def test_run_fwd_writes_into_given_out_and_lse(monkeypatch, hq, hkv, nq, a, in_place):
+    """`launch.run_fwd(out=, lse=)` hands the kernel the caller's views where it can write them
+    (unit stride on D, 16-byte aligned, not packed), else new tensors copied into the views;
+    either way it returns the views, holding what the kernel wrote."""
+    from ffpa_cute import cache
+    from ffpa_cute.sm90.fwd_sm90 import FFPAFwdSm90
+
+    rows = 300
+    q = torch.randn(2, hq, nq, 512, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, hkv, 700, 512, dtype=torch.bfloat16) for _ in range(2))
+    p = dataclasses.replace(AttnProblem.from_tensors(q, k, v), device_type="cuda")
+    plan = dispatch.plan_fwd(p, target="sm_90a")
+    assert plan.packed == (hq != hkv)
+    seen = []
+
+    def kernel(fn, q, k, v, o, lse, *rest):   # writes a known value, as the kernel would
+        seen.append((o, lse))
+        o.fill_(3.0)
+        lse.fill_(-2.0)
+
+    monkeypatch.setattr(cache.JitCache, "get", lambda self, cls, cfg: "fn")
+    monkeypatch.setattr(FFPAFwdSm90, "launch", staticmethod(kernel))
+    big_out = torch.zeros(2, hq, rows, 512, dtype=torch.bfloat16)
+    big_lse = torch.zeros(2, hq, rows)
+    out, lse = big_out[:, :, a:a + nq], big_lse[:, :, a:a + nq]
+    got = launch.run_fwd(plan, q, k, v, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    o, m = seen[0]
+    assert ((o.data_ptr() == out.data_ptr()), (m.data_ptr() == lse.data_ptr())) == in_place
+    assert (out == 3).all() and (lse == -2).all()
+    assert big_out.count_nonzero() == out.numel() and big_lse.count_nonzero() == lse.numel()
+
+
 @pytest.mark.parametrize("hq", [2, 4])
 def test_backward_launch_feeds_each_kernel_its_operands(monkeypatch, hq):
     """`launch.run_bwd` runs Delta, then dQ, dK, dV (the atomic-free plan), each with the tensors its `OPERANDS` name
