@@ -326,7 +326,7 @@ def test_fwd_call_passes_what_run_fwd_passes(monkeypatch, hq, hkv, nq, nkv, caus
 @pytest.mark.parametrize("hq,hkv,nq,a,in_place", [
     (8, 8, 64, 128, (True, True)),    # a run of rows of a larger out: both written in place
     (8, 8, 64, 130, (True, False)),   # lse's view 8 bytes off a 16-byte boundary: lse copied
-    (32, 8, 1, 0, (False, False))])   # packed (GQA decode): a row slice is no [B, Hkv, G, .]
+    (32, 8, 1, 0, (False, False))])   # packed (GQA decode): row slices don't view as packed
 def test_run_fwd_writes_into_given_out_and_lse(monkeypatch, hq, hkv, nq, a, in_place):
     """`launch.run_fwd(out=, lse=)` hands the kernel the caller's views where it can write them
     (unit stride on D, 16-byte aligned, not packed), else new tensors copied into the views;
