@@ -430,7 +430,7 @@ def within_sdpa_bound(q, k, v, mask, keep):
     """attention with `mask` (strict) against float64 with the kept pairs `keep`: out and the
     gradients within twice the error of SDPA given the mask in the inputs' dtype (where its
     answer is not finite, rows keeping no key: masked_ref in that dtype), plus a floor
-    (masked_ref.bound)."""
+    (masked_ref.bound); out without gradients the same bits."""
     from masked_ref import bound
 
     group = q.shape[1] // k.shape[1]
@@ -445,6 +445,9 @@ def within_sdpa_bound(q, k, v, mask, keep):
         same = ref_attention(q, k, v, mask=keep, dtype=q.dtype)[0]
         base = torch.autograd.grad(same, (q, k, v), dout)
     assert rel_err(out, ref) <= bound(rel_err(same, ref))
+    with torch.no_grad():   # the forward alone: the same kernel calls, the same bits
+        assert torch.equal(attention(q, k, v, attn_mask=mask, enable_gqa=group > 1,
+                                     strict=True), out)
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     for g, w, s in zip(got, want, base):
