@@ -1,4 +1,12 @@
-"""The static persistent tile schedule: which row tiles a persistent CTA computes, in order.
+"""Tile schedules: which row tile a CTA computes.
+
+The varlen walk (`varlen_tile`): one launch over packed sequences gives CTA t the t-th row
+tile of sequence 0's tiles, then sequence 1's, ..., found by a walk over the cumulative
+lengths (every thread of the CTA reads the same few words), with no host-side tile list. The
+grid counts ceil(total / tile_m) + B tiles, at least every sequence's ceil(n_b / tile_m); a t
+past the last tile gets an empty one (no rows).
+
+The static persistent tile schedule: which row tiles a persistent CTA computes, in order.
 
 A persistent kernel launches min(tiles, num_ctas) CTAs (num_ctas: the device's SM count, one
 CTA per SM) and CTA c computes tiles c, c + grid, c + 2 grid, ... of the linear order
@@ -18,6 +26,10 @@ grid, whose hardware block scheduler balances them dynamically.
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
 
 def tile_coords(t, m_tiles, heads):
     """(m_block, head, batch) of linear tile t (module docstring). Plain integer arithmetic:
@@ -30,9 +42,36 @@ def tile_coords(t, m_tiles, heads):
     return m_tiles - 1 - (rest - head * m_tiles), head, batch
 
 
+@cute.jit
+def varlen_tile(cu_r: cute.Tensor, cu_c: cute.Tensor, t: Int32, tile_m: cutlass.Constexpr,
+                ascending: cutlass.Constexpr):
+    """(m_block, first row in R, rows of R, first row in C, rows of C) of CTA tile t of the
+    sequences' row tiles (module docstring): R's sequence b is rows cu_r[b]:cu_r[b + 1] of
+    the packed tensor, C's cu_c[b]:cu_c[b + 1]. Within a sequence the tiles go last first (the
+    longest under causal, as the dense grid orders them), or first first when `ascending`
+    (rows are keys under causal). A t past the last tile: (0, 0, 0, 0, 0)."""
+    rest = Int32(t)
+    m_block, row0, row0_c = Int32(0), Int32(0), Int32(0)
+    seqlen_r, seqlen_c = Int32(0), Int32(0)
+    for b in cutlass.range(cute.size(cu_r) - 1, unroll=1):
+        start = cu_r[b]
+        rows = cu_r[b + 1] - start
+        tiles = (rows + tile_m - 1) // tile_m
+        if rest >= 0:
+            if rest < tiles:
+                m_block = tiles - 1 - rest
+                if const_expr(ascending):
+                    m_block = rest
+                row0, seqlen_r = start, rows
+                row0_c = cu_c[b]
+                seqlen_c = cu_c[b + 1] - row0_c
+        rest = rest - tiles
+    return m_block, row0, seqlen_r, row0_c, seqlen_c
+
+
 def tile_count(m_tiles, heads, batch):
     """Tiles in the schedule (host or device values)."""
     return m_tiles * heads * batch
 
 
-__all__ = ["tile_coords", "tile_count"]
+__all__ = ["tile_coords", "tile_count", "varlen_tile"]

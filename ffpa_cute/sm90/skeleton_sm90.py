@@ -116,7 +116,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.convert import convert_stage, e4m3_pairs
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
-from ..common.scheduler import tile_coords, tile_count
+from ..common.scheduler import tile_coords, tile_count, varlen_tile
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, WIDE_O_REGS, FwdConfigSm90, cvt_tiling, pv_atom_n
@@ -579,28 +579,12 @@ class RingSkeletonSm90(SharedKVRing, OverlapSchedule, KernelEntry):
 
     @cute.jit
     def _varlen_tile(self, ops: Operands, scalars: Scalars, extra, t, o_part, head, part):
-        """`varlen`: (Tile, BlockSeq) of the CTA's tile t in the order sequence 0's row tiles
-        (longest first under causal, as the dense grid orders them), then sequence 1's, ...: a
-        walk over cu_r (every thread of the CTA reads the same few words). A t past the last
-        tile (the grid's bound counts one spare per sequence) gets an empty tile: no rows, no
-        blocks, nothing stored."""
-        cu_r, cu_c = scalars.cu_r, scalars.cu_c
-        rest = Int32(t)
-        m_block, row0, row0_c = Int32(0), Int32(0), Int32(0)
-        seqlen_r, seqlen_c = Int32(0), Int32(0)
-        for b in cutlass.range(cute.size(cu_r) - 1, unroll=1):
-            start = cu_r[b]
-            rows = cu_r[b + 1] - start
-            tiles = (rows + TILE_M - 1) // TILE_M
-            if rest >= 0:
-                if rest < tiles:
-                    m_block = tiles - 1 - rest
-                    if const_expr(self.keys_are_rows and self.causal):
-                        m_block = rest
-                    row0, seqlen_r = start, rows
-                    row0_c = cu_c[b]
-                    seqlen_c = cu_c[b + 1] - row0_c
-            rest = rest - tiles
+        """`varlen`: (Tile, BlockSeq) of the CTA's tile t (common/scheduler.py's
+        `varlen_tile`: sequence 0's row tiles, longest first under causal, then sequence
+        1's, ...); a t past the last tile gets an empty tile: no rows, no blocks, nothing
+        stored."""
+        m_block, row0, seqlen_r, row0_c, seqlen_c = varlen_tile(
+            scalars.cu_r, scalars.cu_c, t, TILE_M, self.keys_are_rows and self.causal)
         frame = seqlen_c - seqlen_r  # the sequence's bottom-right causal frame: Nkv - Nq
         if const_expr(self.keys_are_rows):
             frame = seqlen_r - seqlen_c
