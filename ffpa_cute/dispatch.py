@@ -118,8 +118,8 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
 
 
 def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 forward, 16-bit (a sliding window and sinks too), e4m3 or NVFP4 (no
-    one-launch varlen yet)."""
+    """The tcgen05 forward, 16-bit (a sliding window, sinks and one-launch varlen too), e4m3
+    or NVFP4."""
     return sm100_config.plan_fwd(p, target)
 
 

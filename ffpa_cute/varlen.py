@@ -29,13 +29,14 @@ sharing one cu_seqlens sync once per step, not once per layer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import numbers
 import weakref
 
 import torch
 
-from . import dispatch, dense_mask, launch
+from . import dispatch, dense_mask, launch, selfcheck
 from . import options as _options
 from .math_attention import compute_dtype
 from .interface import _attention
@@ -220,6 +221,8 @@ def _one_launch_plan(q, k, v, nseq: int, max_q: int, max_k: int, is_causal, scal
     plan = dispatch.plan_fwd(problem, q.device)
     if plan.reason is not None or not getattr(plan.cfg, "varlen", False):
         return None
+    if selfcheck.reason(plan, q.device, canary) is not None:   # a kernel never run here
+        return None
     if torch.is_grad_enabled() and (problem.requires_grad or (
             sinks is not None and sinks.requires_grad)):
         if dispatch.plan_bwd(problem, q.device).reason is not None:
@@ -239,19 +242,10 @@ class VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_q, cu_k, plan):
-        p = plan.problem
-        total_q, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
-        out = torch.empty(total_q, hq, dv, dtype=q.dtype, device=q.device)
-        lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
-        sinks32 = sinks.to(torch.float32).contiguous() if sinks is not None else None
-        tensors = dict(q=launch.kernel_ready(_bhnd(q)), k=launch.kernel_ready(_bhnd(k)),
-                       v=launch.kernel_ready(_bhnd(v)), o=_bhnd(out), lse=lse.unsqueeze(0),
-                       sinks=sinks32, cu_q=cu_q, cu_k=cu_k)
         with on(q.device):
-            launch.run_job(plan.kernel_cls, plan.cfg, tensors,
-                           launch.kernel_scalars(p, p.right_edge))
+            out, lse = _forward(plan, q, k, v, sinks, cu_q, cu_k)
         ctx.save_for_backward(q, k, v, sinks, cu_q, cu_k, out, lse)
-        ctx.problem = p
+        ctx.problem = plan.problem
         ctx.options = _options.current()
         ctx.set_materialize_grads(False)  # None for an output the loss does not read
         return out, lse
@@ -282,6 +276,68 @@ class VarlenAttention(torch.autograd.Function):
             dsinks = dsinks.to(sinks.dtype)
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 dsinks, None, None, None)
+
+
+def _forward(plan, q, k, v, sinks, cu_q, cu_k):
+    """The one-launch forward kernel of `plan` on packed q, k, v with int32 cu_q, cu_k: (out
+    [total_q, Hq, Dv], lse [Hq, total_q] fp32)."""
+    p = plan.problem
+    total_q, hq, dv = q.shape[0], q.shape[1], v.shape[-1]
+    out = torch.empty(total_q, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
+    sinks32 = sinks.to(torch.float32).contiguous() if sinks is not None else None
+    tensors = dict(q=launch.kernel_ready(_bhnd(q)), k=launch.kernel_ready(_bhnd(k)),
+                   v=launch.kernel_ready(_bhnd(v)), o=_bhnd(out), lse=lse.unsqueeze(0),
+                   sinks=sinks32, cu_q=cu_q, cu_k=cu_k)
+    launch.run_job(plan.kernel_cls, plan.cfg, tensors, launch.kernel_scalars(p, p.right_edge))
+    return out, lse
+
+
+# the varlen canary's sequences: rows of q, keys of k / v (several row tiles and key blocks,
+# partial last ones; a causal row of the second that sees no key)
+CANARY_ROWS, CANARY_KEYS = (67, 131), (200, 130)
+
+
+def canary(plan, cplan, device) -> str | None:
+    """`selfcheck`'s canary for a one-launch varlen forward configuration never run on this
+    target: two packed sequences (CANARY_ROWS / CANARY_KEYS) through the kernel at once,
+    against float32 attention per sequence (its bottom-right frame, the window's left edge
+    CANARY_WINDOW_LEFT keys behind it, the sinks) within twice torch's same-dtype error plus
+    1e-3; None when it passes, else why."""
+    from .reference import attention_ref, attention_same_dtype
+
+    cp = cplan.problem
+    dtype = selfcheck.DTYPES[cp.dtype]
+    gen = torch.Generator(device=device).manual_seed(1234)
+    tq, tk = sum(CANARY_ROWS), sum(CANARY_KEYS)
+    q = torch.randn(tq, cp.heads_q, cp.head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(tk, cp.heads_kv, cp.head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(tk, cp.heads_kv, cp.head_dim_v, device=device, dtype=dtype, generator=gen)
+    cu_q, cu_k = (torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32, device=device)
+                  for n in (CANARY_ROWS, CANARY_KEYS))
+    sinks = selfcheck.canary_sinks(cp, device)
+    left = selfcheck.CANARY_WINDOW_LEFT if cp.window_lo is not None else None
+    # the runtime offsets in frame 0: the kernel adds each sequence's frame
+    run = dataclasses.replace(cplan, problem=dataclasses.replace(
+        cp, causal_offset=0, window_lo=None if left is None else -left))
+    with selfcheck.on_device(device):
+        out, _ = _forward(run, q, k, v, sinks, cu_q, cu_k)
+    refs, bases = [], []
+    for b in range(2):
+        (qa, qb), (ka, kb) = (cu_q[b:b + 2].tolist(), cu_k[b:b + 2].tolist())
+        qs, ks, vs = (t[a:e].transpose(0, 1)[None] for t, a, e in ((q, qa, qb), (k, ka, kb),
+                                                                   (v, ka, kb)))
+        frame = (kb - ka) - (qb - qa)
+        args = dict(causal=cp.causal, causal_offset=frame, scale=cp.softmax_scale,
+                    window_lo=None if left is None else frame - left, sinks=sinks)
+        refs.append(attention_ref(qs, ks, vs, upcast=torch.float32, **args)[0][0])
+        bases.append(attention_same_dtype(qs, ks, vs, **args)[0][0])
+    miss = selfcheck._miss(out.transpose(0, 1), torch.cat(refs, 1), torch.cat(bases, 1))
+    if miss is not None:
+        return (f"self-check failed for the {plan.family} one-launch varlen kernel on "
+                f"{plan.target} ({type(plan.cfg).__name__}): canary {miss}; varlen_attention "
+                "runs each sequence on its own in this process")
+    return None
 
 
 dense_mask.PACKED["varlen_attention"] = varlen_attention  # key-padding masks of unequal counts

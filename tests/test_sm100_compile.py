@@ -79,6 +79,37 @@ def test_sm100_forward_with_window_and_sinks_compiles(d, window_hi, sinks):
         assert res[0] == 0 and res[1] == 0, res
 
 
+@pytest.mark.parametrize("d,dv,causal,window,sinks", [
+    (512, None, True, False, False), (320, None, False, True, True), (576, 512, True, False,
+                                                                      False)])
+def test_sm100_varlen_forward_compiles(d, dv, causal, window, sinks):
+    """One launch over packed sequences (`varlen`, 16-bit): the CTA finds its tile by a loop
+    over cu_seqlens, the same tcgen05 / TMA instructions as the dense forward, no local
+    memory, no spills. The backward and the FP8 / NVFP4 forwards have no varlen form (the
+    host loop runs them per sequence)."""
+    import dataclasses
+
+    p = dataclasses.replace(_problem(d, causal, dv), varlen=True, has_sinks=sinks,
+                            window_lo=-100 if window else None)
+    plan = dispatch.plan_fwd(p, target="sm_100a")
+    assert plan.reason is None and plan.cfg.varlen and plan.cfg.window == window
+    cfg = plan.cfg
+    ptx = plan.kernel_cls.compile(cfg, options="--keep-ptx").__ptx__
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and ".local" not in ptx
+    assert "cp.async.bulk.tensor.4d" in ptx
+    assert cfg.multicast == (cfg.o_split > 1)
+    if cfg.multicast:
+        assert ptx.count(".global.tile.mbarrier::complete_tx::bytes.multicast::cluster") == 2 * (
+            cfg.num_k_chunks)
+    res = _ptxas_spills(ptx, "sm_100a")
+    if res is not None:
+        assert res[0] == 0 and res[1] == 0, res
+    assert "varlen" in dispatch.plan_bwd(p, target="sm_100a").reason
+    fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3", out_dtype="bf16"),
+                            target="sm_100a")
+    assert fp8.reason is not None and "varlen" in fp8.reason
+
+
 def test_sm100_forward_without_multicast_compiles():
     """The unshared form (each CTA loads its own Q and K) stays buildable: one config key."""
     import dataclasses

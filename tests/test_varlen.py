@@ -256,3 +256,45 @@ def test_bounds_are_read_once_per_tensor_and_version(monkeypatch):
         assert varlen.sequence_bounds("cu", frozen, 7, "m", 4, dev) == ((0, 3), (3, 7))
     hit = varlen._BOUNDS.get(id(frozen))   # (an id freed earlier may be reused)
     assert len(reads) == 2 and (hit is None or hit[0]() is not frozen)
+
+
+@pytest.mark.parametrize("causal,window,sinks", [(True, False, False), (True, True, True),
+                                                 (False, False, True)])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_one_launch_canary_catches_a_frame_off(monkeypatch, causal, window, sinks, wrong):
+    """The self-check canary of a one-launch varlen configuration never run on its target
+    (sm100): two packed sequences through the "kernel" at once against float32 per sequence.
+    A stand-in kernel honouring the launch contract (each sequence's bottom-right frame added
+    to the runtime causal offset and window edge) passes; one that drops the frame fails."""
+    import dataclasses
+
+    from ffpa_cute import dispatch, launch, varlen
+    from ffpa_cute.problem import AttnProblem
+    from ffpa_cute.reference import attention_ref
+
+    p = AttnProblem(dtype="bf16", batch=2, heads_q=4, heads_kv=2, seqlen_q=131, seqlen_kv=200,
+                    head_dim=512, head_dim_v=512, causal=causal, varlen=True,
+                    window_lo=-40 if window else None, has_sinks=sinks)
+    plan = dispatch.plan_fwd(p, target="sm_100a")
+    assert plan.reason is None and plan.cfg.varlen
+
+    def kernel(cls, cfg, t, s):   # [1, H, total, D] views; cu_q / cu_k int32
+        cq, ck = t["cu_q"].tolist(), t["cu_k"].tolist()
+        for b in range(len(cq) - 1):
+            frame = 0 if wrong else (ck[b + 1] - ck[b]) - (cq[b + 1] - cq[b])
+            qs = t["q"][:, :, cq[b]:cq[b + 1]]
+            ks, vs = (t[n][:, :, ck[b]:ck[b + 1]] for n in ("k", "v"))
+            out, lse = attention_ref(
+                qs, ks, vs, causal=cfg.causal, causal_offset=s["causal_offset"] + frame,
+                scale=s["softmax_scale"], upcast=torch.float32, sinks=t["sinks"],
+                window_lo=s["window_lo"] + frame if cfg.window else None)
+            t["o"][:, :, cq[b]:cq[b + 1]] = out.to(t["o"].dtype)
+            t["lse"][:, :, cq[b]:cq[b + 1]] = lse
+
+    monkeypatch.setattr(launch, "run_job", kernel)
+    cplan = dispatch.plan_fwd(dataclasses.replace(p, batch=1), target="sm_100a")
+    got = varlen.canary(plan, cplan, torch.device("cpu"))
+    if wrong and not causal and not window:
+        assert got is None   # no frame to drop: the same answer
+    else:
+        assert (got is None) == (not wrong), got

@@ -98,6 +98,11 @@ class FwdConfigSm100:
     sinks:      a per-query-head sink logit in each row's denominator and LSE (a runtime [Hq]
                 fp32 tensor). The forwards' field; the backward reads the sinks through the
                 LSE.
+    varlen:     one launch over packed sequences (q / k / v / o as [1, H, total, D] views and
+                their int32 cumulative lengths): each CTA finds its sequence's row tile by a
+                walk over them (common/scheduler.py's `varlen_tile`), its TMA views start at
+                the sequence's first rows, and the causal offset and window edge add the
+                sequence's bottom-right frame. The 16-bit forward's field.
     """
 
     arch: str
@@ -110,6 +115,7 @@ class FwdConfigSm100:
     multicast: bool = False
     window: bool = False
     sinks: bool = False
+    varlen: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm100.fwd_sm100:FFPAFwdSm100"
 
@@ -477,19 +483,21 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
         return "the warp roles' registers exceed the register file"
     if cfg.sinks and type(cfg) not in (FwdConfigSm100, FwdFP8ConfigSm100, FwdFP4ConfigSm100):
         return "sinks are the forwards' field (the backward reads them through the LSE)"
+    if cfg.varlen and type(cfg) is not FwdConfigSm100:
+        return "one-launch varlen is the 16-bit forward's field (the others: per sequence)"
     return None
 
 
 def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> FwdConfigSm100:
-    """The config for `problem` (16-bit, e4m3 or NVFP4, with a sliding window and sinks; no
-    one-launch varlen); raises ValueError with the reason when this kernel cannot
+    """The config for `problem` (16-bit, e4m3 or NVFP4, with a sliding window and sinks;
+    one-launch varlen at 16 bits); raises ValueError with the reason when this kernel cannot
     run it. Ring depths: the deepest V ring (4, 3, 2) beside a 3-deep QK ring, then the
     deepest QK ring beside it. `multicast`: share Q and K over the row tile's cluster (the
     default: the design's prediction says the unshared form is L2-bound, docs/design.md
     section 7)."""
     quantized = problem.dtype in FP8_DTYPES or problem.dtype == FP4_DTYPE
-    if problem.varlen:
-        raise ValueError("the sm100 forward has no one-launch varlen yet")
+    if problem.varlen and quantized:
+        raise ValueError("the sm100 FP8 / NVFP4 forwards have no one-launch varlen")
     dv = problem.head_dim_v
     cls = {FP4_DTYPE: FwdFP4ConfigSm100}.get(
         problem.dtype, FwdFP8ConfigSm100 if quantized else FwdConfigSm100)
@@ -497,7 +505,8 @@ def plan_fwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
     base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=problem.right_bounded, **extra,
                 head_dim_v=None if dv == problem.head_dim else dv,
-                window=problem.window_lo is not None, sinks=problem.has_sinks)
+                window=problem.window_lo is not None, sinks=problem.has_sinks,
+                varlen=problem.varlen)
     base["multicast"] = multicast and cls(**base).o_split > 1  # a cluster needs o_split >= 2
     return deepest_rings(lambda qk, v: cls(**base, qk_stages=qk, v_stages=v), can_implement,
                          min_k=3)

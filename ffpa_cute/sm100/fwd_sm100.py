@@ -34,7 +34,7 @@ import cutlass.utils.blockscaled_layout as blockscaled
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
-from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_tensor
+from ..common.tensors import CUTLASS_DTYPES, LOG2_E, fake_args, fake_cu, fake_tensor
 from .config import FP4_MMA_K, RESCALE_THRESHOLD, SF_ATOM_BYTES, SF_ATOM_ROWS, SF_VEC
 from .skeleton_sm100 import Ctx, RingSkeletonSm100, Roles
 
@@ -46,25 +46,30 @@ class FFPAFwdSm100(RingSkeletonSm100):
     causal / Nkv bound of the tile first), each as QK[n] -> softmax[n] -> PV[n] on the
     skeleton's roles. Constraints: `config.can_implement`."""
 
-    OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
+    OPERANDS = ("q", "k", "v", "o", "lse", "sinks", "cu_q", "cu_k")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
 
     @staticmethod
     def fake_inputs(cfg):
         """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, else
-        None."""
-        return (*fake_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None)
+        None, then cu_q, cu_k: int32 [B + 1] stand-ins with `varlen`, else None each."""
+        return (*fake_args(cfg), fake_tensor(Float32, 1, 1) if cfg.sinks else None,
+                *fake_cu(cfg))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mSinks, softmax_scale: Float32, causal_offset: Int32,
-                 window_lo: Int32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, mSinks, mCuQ, mCuK, softmax_scale: Float32,
+                 causal_offset: Int32, window_lo: Int32, stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32 (written); sinks: (Hq,) fp32 with
-        `sinks`, else None; window_lo: read with `window`. Grid (ceil(Nq / 128) * o_split,
-        Hq, B), 192 threads; clusters of o_split CTAs along x with `multicast`."""
+        `sinks`, else None; cu_q, cu_k: with `varlen` the sequences' cumulative lengths
+        (int32 [B + 1]; q, k, v, o then (1, H, total, D), lse (1, Hq, total_q)), else None;
+        window_lo: read with `window`. Grid (ceil(Nq / 128) * o_split, Hq, B) (`varlen`:
+        ((ceil(total_q / 128) + B) * o_split, Hq, 1)), 192 threads; clusters of o_split CTAs
+        along x with `multicast`."""
         self._launch(Roles(rows=mQ, cols=mK, rows2=None, cols2=None, acc_b=mV, out=mO),
                      (mLSE, mSinks) if const_expr(self.cfg.sinks) else (mLSE,), softmax_scale,
-                     causal_offset, stream, window_lo)
+                     causal_offset, stream, window_lo,
+                     cu=(mCuQ, mCuK) if const_expr(self.cfg.varlen) else None)
 
     @cute.jit
     def _init_state(self, ctx: Ctx):
@@ -158,7 +163,7 @@ class FFPAFwdSm100(RingSkeletonSm100):
                        + cute.math.log2(l_run, fastmath=True)) * (1.0 / LOG2_E)
         self._store_acc(ctx, inv, n_blocks > 0)
         if ctx.o_part == 0 and ctx.row < ctx.seqlen_r:
-            ctx.stats[0][ctx.batch, ctx.head, ctx.row] = lse
+            ctx.stats[0][ctx.batch, ctx.head, ctx.row0 + ctx.row] = lse
 
 
 class FFPAFwdSm100FP8(FFPAFwdSm100):

@@ -45,6 +45,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..common.mask import mask_row, n_block_max, n_block_min, query_block_range
+from ..common.scheduler import varlen_tile
 from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
@@ -89,6 +90,7 @@ class Ctx(NamedTuple):
     mOut: cute.Tensor
     stats: object       # the kernel's statistics tensors (LSE, Delta), or None
     sStat: object       # smem [2, col_stats, tile_n] for per-column statistics, or None
+    row0: Int32         # the sequence's first row in the packed output (`varlen`; else 0)
 
 
 class RingSkeletonSm100(KernelEntry):
@@ -126,12 +128,14 @@ class RingSkeletonSm100(KernelEntry):
     # ------------------------------------------------------------------ host side
     @cute.jit
     def _launch(self, roles: Roles, stats, softmax_scale: Float32, causal_offset: Int32,
-                stream, window_lo: Int32 = 0, scales=None):
+                stream, window_lo: Int32 = 0, scales=None, cu=None):
         """TMA atoms, the storage struct, the grid (ceil(N_R / 128) * o_split, H_R, B) and the
         launch (clusters of o_split CTAs along x with `multicast`). `stats`: the tensors the
         hooks read (LSE, Delta; the forward's LSE output and sinks), or None. `window_lo`: read
         with `window`. `scales`: with BLOCK_SCALED, the scale tensors of R, C and the B
-        operand (`_scale_layouts` says how they are laid out)."""
+        operand (`_scale_layouts` says how they are laid out). `cu` (`varlen`): the int32
+        cumulative lengths of R's and C's sequences, the tensors [1, H, total, dim]; the grid
+        then counts (ceil(total_R / 128) + sequences) row tiles (common/scheduler.py)."""
         cfg = self.cfg
         dims = cfg.products
         r1 = aligned_bhnd(roles.rows, dims[0], self.dtype)
@@ -177,11 +181,13 @@ class RingSkeletonSm100(KernelEntry):
         Storage = self._storage(sR_l, sC_l, sB_l, tP_l, scaled)
         assert Storage.size_in_bytes() == cfg.smem_bytes(), (Storage.size_in_bytes(),
                                                              cfg.smem_bytes())
-        grid = (cute.ceil_div(r1.shape[2], TILE_M) * cfg.o_split, cute.size(out.shape[1]),
-                cute.size(out.shape[0]))
+        tiles = cute.ceil_div(r1.shape[2], TILE_M)
+        if const_expr(cfg.varlen):
+            tiles = tiles + cute.size(cu[0]) - 1
+        grid = (tiles * cfg.o_split, cute.size(out.shape[1]), cute.size(out.shape[0]))
         self.kernel(qk, pv, (tma_r1, gR1, tma_c1, gC1), second, (tma_b, gB), out, stats,
                     c1.shape[2], c1.shape[1], r1.shape[2], softmax_scale, causal_offset,
-                    window_lo, sR_l, sC_l, sB_l, tP_l, scaled, Storage).launch(
+                    window_lo, cu, sR_l, sC_l, sB_l, tP_l, scaled, Storage).launch(
             grid=grid, block=[num_threads(), 1, 1], smem=Storage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1,
             **({"cluster": [cfg.cluster_size, 1, 1]} if const_expr(cfg.multicast) else {}))
@@ -207,7 +213,7 @@ class RingSkeletonSm100(KernelEntry):
     @cute.kernel
     def kernel(self, qk: cute.TiledMma, pv: cute.TiledMma, first, second, acc_b,
                mOut: cute.Tensor, stats, seqlen_c: Int32, heads_c: Int32, seqlen_r: Int32,
-               softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
+               softmax_scale: Float32, causal_offset: Int32, window_lo: Int32, cu,
                sR_l: cute.ComposedLayout,
                sC_l: cute.ComposedLayout, sB_l: cute.ComposedLayout,
                tP_l: cute.ComposedLayout, scaled, Storage: cutlass.Constexpr):
@@ -217,6 +223,14 @@ class RingSkeletonSm100(KernelEntry):
         bidx, head, batch = cute.arch.block_idx()
         m_block = bidx // cfg.o_split
         o_part = bidx % cfg.o_split
+        rows0 = (Int32(0), Int32(0))  # the first rows of R and C (`varlen`: the sequence's)
+        if const_expr(cfg.varlen):  # tile t of the sequences' row tiles, in its own frame
+            m_block, row0, seqlen_r, row0_c, seqlen_c = varlen_tile(
+                cu[0], cu[1], m_block, TILE_M, cfg.rows_are_keys and cfg.causal)
+            rows0 = (row0, row0_c)
+            frame = seqlen_c - seqlen_r  # bottom-right: Nkv - Nq of the sequence
+            causal_offset = causal_offset + frame
+            window_lo = window_lo + frame
 
         storage = cutlass.memory.SmemAllocator().allocate(Storage)
         bars = {name: getattr(storage, name).data_ptr() for name in cfg.barriers()}
@@ -274,7 +288,7 @@ class RingSkeletonSm100(KernelEntry):
 
         if warp == LOAD_WARP:
             self._load(first, second, acc_b, sR, sC, sB, thr_qk, thr_pv, bars, m_block, o_part,
-                       head, batch, walk, sc)
+                       head, batch, walk, sc, rows0)
         if warp == MMA_WARP:
             self._mma(qk, pv, sR, sC, sB, tStS, tOtO, tOrP, bars, walk[0], sc, tmem, o_part)
         if warp < SOFTMAX_FIRST + SOFTMAX_WARPS:
@@ -284,7 +298,7 @@ class RingSkeletonSm100(KernelEntry):
                     cute.make_layout((cfg.tile_n, cfg.col_stats, 2)))
             self._softmax(tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                           seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat,
-                          walk, window_lo, sc)
+                          walk, window_lo, sc, rows0[0])
 
         # every TMEM read done; with `multicast` also every peer's copies into and commits to
         # this CTA's shared memory (each peer consumed every stage before its epilogue)
@@ -319,6 +333,12 @@ class RingSkeletonSm100(KernelEntry):
             count = cutlass.max(n_max - n_block_min(m_block, window_lo, TILE_M, n), 0)
         return count, n_max, cutlass.max(count, 1), head // group
 
+    def _from_row(self, t: cute.Tensor, row0) -> cute.Tensor:
+        """t (rows first) from row `row0` on under `varlen`, else t itself."""
+        if const_expr(self.cfg.varlen):
+            return cute.domain_offset((row0, 0), t)
+        return t
+
     @cute.jit
     def _block(self, walk, i):
         """(C head, C block) of block i."""
@@ -328,12 +348,14 @@ class RingSkeletonSm100(KernelEntry):
     # ------------------------------------------------------------------ load
     @cute.jit
     def _load(self, first, second, acc_b, sR, sC, sB, thr_qk, thr_pv, bars, m_block, o_part,
-              head, batch, walk, sc):
+              head, batch, walk, sc, rows0):
         """Per block i: its QK-ring stages (each product's chunks), then the B operand's stages
         of block i - lookahead (the one the MMA thread accumulates next); each stage: wait for
         its release (the previous round's phase), expect its bytes, issue the copies (with
         `multicast` only the chunk's owner copies, into every CTA of the cluster; BLOCK_SCALED:
-        the stage's scales beside its codes, on the same barrier)."""
+        the stage's scales beside its codes, on the same barrier). `rows0`: the first rows of
+        R and C (`varlen`: the sequence's in the packed tensors; TMA coordinates may start
+        anywhere, rows past the sequence are masked or not stored)."""
         cfg = self.cfg
         one = cute.make_layout(1)
         n_blocks = walk[0]
@@ -341,8 +363,8 @@ class RingSkeletonSm100(KernelEntry):
         def parts(tma_r, gR, tma_c, gC):
             """TMA partitions of one product's R chunks of this row tile: (smem (TMA, stage),
             gmem (TMA, chunk)); C's are partitioned per block on use (its head may change)."""
-            gr = cute.local_tile(gR[None, None, head, batch], cute.select(self.qk_tiler, [0, 2]),
-                                 (m_block, None))
+            gr = cute.local_tile(self._from_row(gR[None, None, head, batch], rows0[0]),
+                                 cute.select(self.qk_tiler, [0, 2]), (m_block, None))
             tRs, tRg = cpasync.tma_partition(tma_r, 0, one, cute.group_modes(sR, 0, 3),
                                              cute.group_modes(thr_qk.partition_A(gr), 0, 3))
             return tRs, tRg
@@ -361,7 +383,7 @@ class RingSkeletonSm100(KernelEntry):
                 for p in cutlass.range_constexpr(len(cfg.products)):
                     tma_r, _, tma_c, gC = first if const_expr(p == 0) else second
                     tRg = tRg1 if const_expr(p == 0) else tRg2
-                    gc = cute.local_tile(gC[None, None, c_head, batch],
+                    gc = cute.local_tile(self._from_row(gC[None, None, c_head, batch], rows0[1]),
                                          cute.select(self.qk_tiler, [1, 2]), (n, None))
                     tCs, tCg = cpasync.tma_partition(
                         tma_c, 0, one, cute.group_modes(sC, 0, 3),
@@ -394,8 +416,10 @@ class RingSkeletonSm100(KernelEntry):
             if i >= cfg.lookahead:
                 c_head, n = self._block(walk, i - cfg.lookahead)
                 tma_b, gB = acc_b
-                gb = cute.local_tile(gB[None, None, c_head, batch],
-                                     cute.select(self.pv_tiler, [1, 2]), (o_part, None))
+                gb_rows = gB[None, None, c_head, batch]  # (acc_dim, N): the keys second
+                if const_expr(self.cfg.varlen):
+                    gb_rows = cute.domain_offset((0, rows0[1]), gb_rows)
+                gb = cute.local_tile(gb_rows, cute.select(self.pv_tiler, [1, 2]), (o_part, None))
                 tBs, tBg = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sB, 0, 3),
                                                  cute.group_modes(thr_pv.partition_B(gb), 0, 3))
                 for j in cutlass.range_constexpr(cfg.v_blocks_per_tile):
@@ -493,7 +517,7 @@ class RingSkeletonSm100(KernelEntry):
     @cute.jit
     def _softmax(self, tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                  seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat, walk,
-                 window_lo, sc):
+                 window_lo, sc, row0):
         """Per block: wait for its scores, load them (two products: S and dP 32 columns at a
         time), mask, the kernel's score step (`_score_step`, which fills the 16-bit operand for
         the columns it is given), store it over buffer 0 / i % 2, publish it; then
@@ -520,7 +544,7 @@ class RingSkeletonSm100(KernelEntry):
 
         ctx = Ctx(bars, tidx, m_block * TILE_M + tScS[0][0], m_block, o_part, head, batch,
                   seqlen_r, seqlen_c, softmax_scale * 1.4426950408889634, softmax_scale,
-                  causal_offset, walk[3], window_lo, tOtO, mOut, stats, sStat)
+                  causal_offset, walk[3], window_lo, tOtO, mOut, stats, sStat, row0)
         state = self._init_state(ctx)
         n_blocks = walk[0]
         for i in cutlass.range(n_blocks, unroll=1):
@@ -613,7 +637,10 @@ class RingSkeletonSm100(KernelEntry):
         col0 = ctx.o_part * cfg.acc_cta
         vec = 8
         row = ctx.row
-        gO = ctx.mOut[ctx.batch, ctx.head, cutlass.min(row, ctx.seqlen_r - 1), None]
+        last = cutlass.min(row, ctx.seqlen_r - 1)
+        if const_expr(cfg.varlen):  # (an empty tile: no rows, none stored)
+            last = ctx.row0 + cutlass.max(last, 0)
+        gO = ctx.mOut[ctx.batch, ctx.head, last, None]
         for c in cutlass.range_constexpr(cute.size(chunks, mode=[3])):
             reg = cute.make_rmem_tensor(ld.partition_D(chunks[None, None, 0, c]).shape, Float32)
             if any_block:
