@@ -124,8 +124,8 @@ def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
 
 
 def _sm100_bwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 dQ / dK / dV (16-bit; a sliding window, sinks through the LSE; no
-    one-launch varlen yet)."""
+    """The tcgen05 dQ / dK / dV (16-bit; a sliding window, sinks through the LSE, one-launch
+    varlen)."""
     return sm100_config.plan_bwd(p, target)
 
 

@@ -192,15 +192,15 @@ def _canary_bwd(plan, device, opts=None) -> str | None:
     return None
 
 
-def bwd_reason(plan, device: torch.device, opts=None) -> str | None:
+def bwd_reason(plan, device: torch.device, opts=None, canary=None) -> str | None:
     """None when backward plan `plan` (without a reason) may serve on `device` under `opts`
-    (default: the current options), else why not; runs its canary on first use and logs a
-    failure once."""
+    (default: the current options), else why not; runs its canary on first use (`canary(plan,
+    device, opts)` when given: varlen's, else the dense one) and logs a failure once."""
     if not needed(plan, opts):
         return None
     key = (plan.family, plan.cfgs, str(device))
     if key not in _RESULTS:
-        _RESULTS[key] = _canary_bwd(plan, device, opts)
+        _RESULTS[key] = (canary or _canary_bwd)(plan, device, opts)
         if _RESULTS[key] is not None:
             log.warning("ffpa_cute: %s", _RESULTS[key])
     return _RESULTS[key]

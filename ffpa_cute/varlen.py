@@ -11,11 +11,12 @@ on CUDA), once per tensor: a cu_seqlens tensor passed again unchanged (the same 
 in-place write since: its version counter) reuses the bounds it gave, so the layers of a model
 sharing one cu_seqlens sync once per step, not once per layer.
 
-* One launch (`Options.varlen_launch`, the sm90 16-bit kernels): the packed tensors are passed
-  as [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of the forward,
-  dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no padding work,
-  no host-side tile list), and masks, causal offset and window are per sequence
-  (`varlen` in sm90/config.py). `VarlenAttention` is its autograd function; Delta runs on the
+* One launch (`Options.varlen_launch`, the sm90 and sm100 16-bit kernels; sm100's, never run,
+  only after their canaries, `canary` / `bwd_canary`, pass on the device): the packed tensors
+  are passed as [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of
+  the forward, dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no
+  padding work, no host-side tile list), and masks, causal offset and window are per sequence
+  (`varlen` in sm90/config.py and sm100/config.py). `VarlenAttention` is its autograd function; Delta runs on the
   packed views as it is. Taken when the forward plan (and, for inputs that require grad, the
   backward plan) of the problem has varlen kernels.
 * Otherwise a host loop: each sequence is one call of the routine behind `attention()`,
@@ -144,9 +145,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     bottom-right (query i of a sequence with nq queries and nkv keys sees key j iff
     j <= i + nkv - nq), `window=(left, right)` is in the same frame, `sinks` [Hq] joins every
     row's denominator, GQA needs `enable_gqa=True`; lse is float32 (float64 for float64
-    inputs). out and lse are differentiable in q, k, v and sinks. One kernel launch
-    over all sequences where the sm90 kernels serve the problem, else one `attention()`-routed
-    call per sequence (module docstring).
+    inputs). out and lse are differentiable in q, k, v and sinks. One kernel launch over
+    all sequences where the sm90 (or sm100) kernels serve the problem, else one
+    `attention()`-routed call per sequence (module docstring).
     """
     err = (_check_packed(q, k, v)
            or check_args(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None, 0.0,
@@ -225,7 +226,9 @@ def _one_launch_plan(q, k, v, nseq: int, max_q: int, max_k: int, is_causal, scal
         return None
     if torch.is_grad_enabled() and (problem.requires_grad or (
             sinks is not None and sinks.requires_grad)):
-        if dispatch.plan_bwd(problem, q.device).reason is not None:
+        bwd = dispatch.plan_bwd(problem, q.device)
+        if bwd.reason is not None or selfcheck.bwd_reason(bwd, q.device,
+                                                          canary=bwd_canary) is not None:
             return None
     return plan
 
@@ -260,15 +263,8 @@ class VarlenAttention(torch.autograd.Function):
         plan = dispatch.plan_bwd(p, q.device, opts=ctx.options)
         if plan.reason is not None:  # planned at the forward: the planner changed its mind
             raise RuntimeError(f"varlen backward: {plan.reason}")
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        delta = torch.empty_like(lse)
-        t = dict(q=launch.kernel_ready(_bhnd(q)), k=launch.kernel_ready(_bhnd(k)),
-                 v=launch.kernel_ready(_bhnd(v)), o=_bhnd(out),
-                 do=launch.kernel_ready(_bhnd(dout)), lse=lse.unsqueeze(0),
-                 delta=delta.unsqueeze(0), dq=_bhnd(dq), dk=_bhnd(dk), dv=_bhnd(dv),
-                 cu_q=cu_q, cu_k=cu_k)
         with on(q.device):
-            launch.run_grad_jobs(plan, t, launch.kernel_scalars(p, p.right_edge), dlse)
+            dq, dk, dv, delta = _backward(plan, q, k, v, out, lse, dout, cu_q, cu_k, dlse)
         needs = ctx.needs_input_grad
         dsinks = None
         if sinks is not None and needs[3]:  # -sum_i exp(sink - lse_i) Delta'_i per head
@@ -293,50 +289,106 @@ def _forward(plan, q, k, v, sinks, cu_q, cu_k):
     return out, lse
 
 
-# the varlen canary's sequences: rows of q, keys of k / v (several row tiles and key blocks,
+def _backward(plan, q, k, v, out, lse, dout, cu_q, cu_k, dlse=None):
+    """The one-launch backward kernels of `plan` (Delta, dQ, dK, dV; Delta - dlse with lse's
+    gradient) on packed tensors: (dq, dk, dv, Delta - dlse [Hq, total_q])."""
+    p = plan.problem
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    delta = torch.empty_like(lse)
+    t = dict(q=launch.kernel_ready(_bhnd(q)), k=launch.kernel_ready(_bhnd(k)),
+             v=launch.kernel_ready(_bhnd(v)), o=_bhnd(out),
+             do=launch.kernel_ready(_bhnd(dout)), lse=lse.unsqueeze(0),
+             delta=delta.unsqueeze(0), dq=_bhnd(dq), dk=_bhnd(dk), dv=_bhnd(dv),
+             cu_q=cu_q, cu_k=cu_k)
+    launch.run_grad_jobs(plan, t, launch.kernel_scalars(p, p.right_edge), dlse)
+    return dq, dk, dv, delta
+
+
+# the varlen canaries' sequences: rows of q, keys of k / v (several row tiles and key blocks,
 # partial last ones; a causal row of the second that sees no key)
 CANARY_ROWS, CANARY_KEYS = (67, 131), (200, 130)
 
 
+class _Canary:
+    """Two packed sequences (CANARY_ROWS / CANARY_KEYS) of canary problem `cp` on `device`:
+    q, k, v (and dout) drawn from `seed`, int32 cu_q / cu_k, the sinks, the window's left edge
+    (CANARY_WINDOW_LEFT keys behind each sequence's bottom-right frame), the run's problem
+    (its runtime offsets in frame 0: the kernels add each sequence's frame), and per sequence
+    the reference's arguments and [1, H, n, .] views."""
+
+    def __init__(self, cp: AttnProblem, device, seed: int):
+        dtype = selfcheck.DTYPES[cp.dtype]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        tq, tk = sum(CANARY_ROWS), sum(CANARY_KEYS)
+        shapes = ((tq, cp.heads_q, cp.head_dim), (tk, cp.heads_kv, cp.head_dim),
+                  (tk, cp.heads_kv, cp.head_dim_v), (tq, cp.heads_q, cp.head_dim_v))
+        self.q, self.k, self.v, self.dout = (
+            torch.randn(*s, device=device, dtype=dtype, generator=gen) for s in shapes)
+        self.cu_q, self.cu_k = (torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32,
+                                             device=device) for n in (CANARY_ROWS, CANARY_KEYS))
+        self.sinks = selfcheck.canary_sinks(cp, device)
+        left = selfcheck.CANARY_WINDOW_LEFT if cp.window_lo is not None else None
+        self.problem = dataclasses.replace(cp, causal_offset=0,
+                                           window_lo=None if left is None else -left)
+        self.seqs = []
+        for b in range(2):
+            (qa, qb), (ka, kb) = self.cu_q[b:b + 2].tolist(), self.cu_k[b:b + 2].tolist()
+            frame = (kb - ka) - (qb - qa)
+            args = dict(causal=cp.causal, causal_offset=frame, scale=cp.softmax_scale,
+                        window_lo=None if left is None else frame - left, sinks=self.sinks)
+            views = tuple(t[a:e].transpose(0, 1)[None] for t, a, e in (
+                (self.q, qa, qb), (self.k, ka, kb), (self.v, ka, kb), (self.dout, qa, qb)))
+            self.seqs.append((args, views))
+
+
 def canary(plan, cplan, device) -> str | None:
     """`selfcheck`'s canary for a one-launch varlen forward configuration never run on this
-    target: two packed sequences (CANARY_ROWS / CANARY_KEYS) through the kernel at once,
-    against float32 attention per sequence (its bottom-right frame, the window's left edge
-    CANARY_WINDOW_LEFT keys behind it, the sinks) within twice torch's same-dtype error plus
-    1e-3; None when it passes, else why."""
+    target: two packed sequences (`_Canary`) through the kernel at once, against float32
+    attention per sequence (its bottom-right frame, window and sinks) within twice torch's
+    same-dtype error plus 1e-3; None when it passes, else why."""
     from .reference import attention_ref, attention_same_dtype
 
-    cp = cplan.problem
-    dtype = selfcheck.DTYPES[cp.dtype]
-    gen = torch.Generator(device=device).manual_seed(1234)
-    tq, tk = sum(CANARY_ROWS), sum(CANARY_KEYS)
-    q = torch.randn(tq, cp.heads_q, cp.head_dim, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(tk, cp.heads_kv, cp.head_dim, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(tk, cp.heads_kv, cp.head_dim_v, device=device, dtype=dtype, generator=gen)
-    cu_q, cu_k = (torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32, device=device)
-                  for n in (CANARY_ROWS, CANARY_KEYS))
-    sinks = selfcheck.canary_sinks(cp, device)
-    left = selfcheck.CANARY_WINDOW_LEFT if cp.window_lo is not None else None
-    # the runtime offsets in frame 0: the kernel adds each sequence's frame
-    run = dataclasses.replace(cplan, problem=dataclasses.replace(
-        cp, causal_offset=0, window_lo=None if left is None else -left))
+    c = _Canary(cplan.problem, device, 1234)
     with selfcheck.on_device(device):
-        out, _ = _forward(run, q, k, v, sinks, cu_q, cu_k)
-    refs, bases = [], []
-    for b in range(2):
-        (qa, qb), (ka, kb) = (cu_q[b:b + 2].tolist(), cu_k[b:b + 2].tolist())
-        qs, ks, vs = (t[a:e].transpose(0, 1)[None] for t, a, e in ((q, qa, qb), (k, ka, kb),
-                                                                   (v, ka, kb)))
-        frame = (kb - ka) - (qb - qa)
-        args = dict(causal=cp.causal, causal_offset=frame, scale=cp.softmax_scale,
-                    window_lo=None if left is None else frame - left, sinks=sinks)
-        refs.append(attention_ref(qs, ks, vs, upcast=torch.float32, **args)[0][0])
-        bases.append(attention_same_dtype(qs, ks, vs, **args)[0][0])
+        out, _ = _forward(dataclasses.replace(cplan, problem=c.problem), c.q, c.k, c.v,
+                          c.sinks, c.cu_q, c.cu_k)
+    refs = [attention_ref(*x[:3], upcast=torch.float32, **a)[0][0] for a, x in c.seqs]
+    bases = [attention_same_dtype(*x[:3], **a)[0][0] for a, x in c.seqs]
     miss = selfcheck._miss(out.transpose(0, 1), torch.cat(refs, 1), torch.cat(bases, 1))
     if miss is not None:
         return (f"self-check failed for the {plan.family} one-launch varlen kernel on "
                 f"{plan.target} ({type(plan.cfg).__name__}): canary {miss}; varlen_attention "
                 "runs each sequence on its own in this process")
+    return None
+
+
+def bwd_canary(plan, device, opts=None) -> str | None:
+    """`selfcheck.bwd_reason`'s canary for a one-launch varlen backward plan never run on
+    this target: the forward's out and lse in float32 per sequence (`_Canary`, packed), then
+    the backward kernels over both sequences at once; dq, dk, dv against float32 gradients per
+    sequence within twice torch's same-dtype error plus 1e-3."""
+    from .reference import attention_grads, attention_ref
+
+    cp = selfcheck.canary_problem(plan, packed=False, requires_grad=True)
+    cplan = dispatch.plan_bwd(cp, device, opts=opts)
+    if cplan.reason is not None or cplan.cfgs != plan.cfgs:
+        return (f"self-check could not build a varlen backward canary for {plan.cfgs}: it "
+                f"planned {cplan.cfgs or cplan.reason}")
+    c = _Canary(cp, device, 4321)
+    fwd = [attention_ref(*x[:3], upcast=torch.float32, **a) for a, x in c.seqs]
+    out = torch.cat([o[0].transpose(0, 1) for o, _ in fwd]).to(c.q.dtype)
+    lse = torch.cat([m[0] for _, m in fwd], 1).float()
+    with selfcheck.on_device(device):
+        got = _backward(dataclasses.replace(cplan, problem=c.problem), c.q, c.k, c.v, out, lse,
+                        c.dout, c.cu_q, c.cu_k)[:3]
+    for i, name in enumerate(("dq", "dk", "dv")):
+        per = [[attention_grads(*x, dtype=dt, **a)[i][0].transpose(0, 1) for a, x in c.seqs]
+               for dt in (torch.float32, c.q.dtype)]
+        miss = selfcheck._miss(got[i], torch.cat(per[0]), torch.cat(per[1]))
+        if miss is not None:
+            return (f"self-check failed for the {plan.family} one-launch varlen backward on "
+                    f"{plan.target}: canary {name} {miss}; varlen_attention runs each "
+                    "sequence on its own in this process")
     return None
 
 

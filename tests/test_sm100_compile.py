@@ -85,8 +85,8 @@ def test_sm100_forward_with_window_and_sinks_compiles(d, window_hi, sinks):
 def test_sm100_varlen_forward_compiles(d, dv, causal, window, sinks):
     """One launch over packed sequences (`varlen`, 16-bit): the CTA finds its tile by a loop
     over cu_seqlens, the same tcgen05 / TMA instructions as the dense forward, no local
-    memory, no spills. The backward and the FP8 / NVFP4 forwards have no varlen form (the
-    host loop runs them per sequence)."""
+    memory, no spills. The FP8 / NVFP4 forwards have no varlen form (the host loop runs them
+    per sequence)."""
     import dataclasses
 
     p = dataclasses.replace(_problem(d, causal, dv), varlen=True, has_sinks=sinks,
@@ -104,10 +104,32 @@ def test_sm100_varlen_forward_compiles(d, dv, causal, window, sinks):
     res = _ptxas_spills(ptx, "sm_100a")
     if res is not None:
         assert res[0] == 0 and res[1] == 0, res
-    assert "varlen" in dispatch.plan_bwd(p, target="sm_100a").reason
     fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3", out_dtype="bf16"),
                             target="sm_100a")
     assert fp8.reason is not None and "varlen" in fp8.reason
+
+
+@pytest.mark.parametrize("d,dv,causal,window", [(512, None, True, False),
+                                                 (320, None, False, True)])
+def test_sm100_varlen_backward_compiles(d, dv, causal, window):
+    """dQ, dK and dV over packed sequences in one launch each (`varlen`): keys as rows walk
+    their own sequence's query blocks; tcgen05 MMAs and TMA as the dense kernels, no local
+    memory, no spills."""
+    import dataclasses
+
+    p = dataclasses.replace(_problem(d, causal, dv), varlen=True,
+                            window_lo=-100 if window else None)
+    plan = dispatch.plan_bwd(p, target="sm_100a")
+    assert plan.reason is None
+    jobs = [(c, g) for c, g in plan.jobs if hasattr(g, "varlen")]
+    assert len(jobs) == 3 and all(g.varlen for _, g in jobs)
+    for cls, cfg in jobs:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "tcgen05.mma.cta_group::1.kind::f16" in ptx, cls.__name__
+        assert "cp.async.bulk.tensor.4d" in ptx and ".local" not in ptx, cls.__name__
+        res = _ptxas_spills(ptx, "sm_100a")
+        if res is not None:
+            assert res[0] == 0 and res[1] == 0, (cls.__name__, res)
 
 
 def test_sm100_forward_without_multicast_compiles():

@@ -298,3 +298,64 @@ def test_one_launch_canary_catches_a_frame_off(monkeypatch, causal, window, sink
         assert got is None   # no frame to drop: the same answer
     else:
         assert (got is None) == (not wrong), got
+
+
+def grads_from_stats(q, k, v, do, o, lse, causal, offset, scale, lo):
+    """(dq, dk, dv) [1, H, n, .] as the gradient kernels form them from the forward's out and
+    lse (P = exp(S - lse), Delta = rowsum(dO * O)), in float32, dK / dV summed over each KV
+    head's query heads."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (t.float().repeat_interleave(g, 1) for t in (k, v))
+    s = q.float() @ kk.transpose(-1, -2) * scale
+    i = torch.arange(q.shape[2])[:, None]
+    j = torch.arange(k.shape[2])[None, :]
+    seen = (j <= i + offset) if causal else torch.ones_like(j == i)
+    if lo is not None:
+        seen = seen & (j >= i + lo)
+    p = torch.where(seen, torch.exp(s - lse[..., None]), 0.0)
+    delta = (do.float() * o.float()).sum(-1, keepdim=True)
+    ds = p * (do.float() @ vv.transpose(-1, -2) - delta)
+    dq = ds @ kk * scale
+    dk = (ds.transpose(-1, -2) @ q.float() * scale).unflatten(1, (-1, g)).sum(2)
+    dv = (p.transpose(-1, -2) @ do.float()).unflatten(1, (-1, g)).sum(2)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("causal,window", [(True, False), (False, True)])
+@pytest.mark.parametrize("wrong", [None, "frame", "stats"])
+def test_one_launch_backward_canary(monkeypatch, causal, window, wrong):
+    """The backward's canary of a one-launch varlen plan never run on its target (sm100):
+    stand-in gradient kernels honouring the launch contract (each sequence's frame added to
+    the runtime offsets, its rows' LSE read from the packed [Hq, total_q]) pass; ones that drop
+    the frame, or read the statistics from the packed tensor's first rows, fail."""
+
+    from ffpa_cute import dispatch, launch, varlen
+    from ffpa_cute.problem import AttnProblem
+
+    p = AttnProblem(dtype="bf16", batch=2, heads_q=4, heads_kv=2, seqlen_q=131, seqlen_kv=200,
+                    head_dim=512, head_dim_v=512, causal=causal, varlen=True,
+                    window_lo=-40 if window else None, requires_grad=True)
+    plan = dispatch.plan_bwd(p, target="sm_100a")
+    assert plan.reason is None and all(getattr(c, "varlen", True) for c in plan.cfgs)
+
+    def kernels(plan, t, s, dlse=None):   # [1, H, total, .] views; lse [1, Hq, total_q]
+        cq, ck = t["cu_q"].tolist(), t["cu_k"].tolist()
+        for b in range(len(cq) - 1):
+            frame = 0 if wrong == "frame" else (ck[b + 1] - ck[b]) - (cq[b + 1] - cq[b])
+            rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            stat_rows = slice(0, cq[b + 1] - cq[b]) if wrong == "stats" else rows
+            q, do = t["q"][:, :, rows], t["do"][:, :, rows]
+            k, v = t["k"][:, :, keys], t["v"][:, :, keys]
+            lo = s["window_lo"] + frame if plan.problem.window_lo is not None else None
+            grads = grads_from_stats(q, k, v, do, t["o"][:, :, rows],
+                                     t["lse"][:, :, stat_rows], plan.problem.causal,
+                                     s["causal_offset"] + frame, s["softmax_scale"], lo)
+            for name, g, sl in zip(("dq", "dk", "dv"), grads, (rows, keys, keys)):
+                t[name][:, :, sl] = g.to(t[name].dtype)
+
+    monkeypatch.setattr(launch, "run_grad_jobs", kernels)
+    plan_bwd = dispatch.plan_bwd   # the canary's plan, for sm_100a (no GPU here)
+    monkeypatch.setattr(dispatch, "plan_bwd",
+                        lambda p, device=None, opts=None: plan_bwd(p, target="sm_100a"))
+    got = varlen.bwd_canary(plan, torch.device("cpu"))
+    assert (got is None) == (wrong is None), got

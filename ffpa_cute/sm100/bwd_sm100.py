@@ -27,6 +27,10 @@ The two-product kernels fill both TMEM score buffers with one block's S and dP, 
 MMAs do not overlap the previous block's accumulator MMAs (`lookahead` 0, config.py); dV keeps
 the forward's overlap.
 
+One launch over packed sequences (config `varlen`): the skeleton finds the tile's sequence and
+frame; the column statistics are read at the sequence's query rows (`Ctx.row0_c`), dQ's row
+statistics at its own (`Ctx.row0`).
+
 A sliding window (config `window`): dQ walks the forward's key blocks (from the first its tile's
 first row sees); dK and dV walk the query blocks up to the last query that sees the tile's last
 key (i <= j - window_lo) and mask the crossing ones (the skeleton's `_walk` and `_mask`). Sinks
@@ -41,7 +45,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..common.tensors import LOG2_E, fake_args, fake_grad_args
+from ..common.tensors import LOG2_E, fake_args, fake_cu, fake_grad_args
 from .skeleton_sm100 import COLSTAT_BARRIER, SOFTMAX_THREADS, Ctx, RingSkeletonSm100, Roles
 
 
@@ -62,11 +66,11 @@ class _BwdSm100(RingSkeletonSm100):
         lse = Float32.inf
         delta = Float32(0.0)
         if i < ctx.seqlen_c:
-            lse = ctx.stats[0][ctx.batch, c_head, i]
+            lse = ctx.stats[0][ctx.batch, c_head, ctx.row0_c + i]
             if lse == -Float32.inf:
                 lse = Float32.inf
             if const_expr(self.cfg.col_stats == 2):
-                delta = ctx.stats[1][ctx.batch, c_head, i]
+                delta = ctx.stats[1][ctx.batch, c_head, ctx.row0_c + i]
         ctx.sStat[ctx.tidx, 0, slot] = lse * LOG2_E
         if const_expr(self.cfg.col_stats == 2):
             ctx.sStat[ctx.tidx, 1, slot] = delta
@@ -89,19 +93,26 @@ class _BwdSm100(RingSkeletonSm100):
 class FFPABwdDVSm100(_BwdSm100):
     """dV: K the rows, Q the blocks, dO the accumulator's B operand, dV the output."""
 
-    OPERANDS = ("k", "q", "do", "dv", "lse")
+    OPERANDS = ("k", "q", "do", "dv", "lse", "cu_q", "cu_k")
     OUT_SCALE = False
-    fake_inputs = staticmethod(fake_args)  # (k, q, do, dv) [B, H, N, D] and lse
+
+    @staticmethod
+    def fake_inputs(cfg):
+        """(k, q, do, dv) [B, H, N, D] and lse stand-ins, then cu_q, cu_k (`varlen`, else
+        None each)."""
+        return (*fake_args(cfg), *fake_cu(cfg))
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mQ: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: Int32,
+                 mLSE: cute.Tensor, mCuQ, mCuK, softmax_scale: Float32, causal_offset: Int32,
                  window_lo: Int32, stream: cuda.CUstream):
         """k: (B, Hkv, Nkv, D); q: (B, Hq, Nq, D); do: (B, Hq, Nq, Dv); dv: (B, Hkv, Nkv, Dv);
-        lse: (B, Hq, Nq) fp32; window_lo: read with `window`. Grid (ceil(Nkv / 128) *
-        o_split, Hkv, B)."""
+        lse: (B, Hq, Nq) fp32; cu_q, cu_k: with `varlen` the sequences' cumulative lengths
+        (the tensors (1, H, total, .)), else None; window_lo: read with `window`. Grid
+        (ceil(Nkv / 128) * o_split, Hkv, B)."""
         self._launch(Roles(rows=mK, cols=mQ, rows2=None, cols2=None, acc_b=mdO, out=mdV),
-                     (mLSE,), softmax_scale, causal_offset, stream, window_lo)
+                     (mLSE,), softmax_scale, causal_offset, stream, window_lo,
+                     cu=(mCuK, mCuQ) if const_expr(self.cfg.varlen) else None)
 
     @cute.jit
     def _score_step(self, ctx: Ctx, state, i, tSr, tDPr, tScS, tPr):
@@ -114,25 +125,33 @@ class _TwoProductBwd(_BwdSm100):
     """dK and dQ: one entry (q, k, v, do, the gradient, lse, Delta), their operands in the
     skeleton's roles given by `_roles` (the subclass's OPERANDS name the gradient)."""
 
-    fake_inputs = staticmethod(fake_grad_args)
+    @staticmethod
+    def fake_inputs(cfg):
+        """(q, k, v, do, the gradient, lse, delta) stand-ins, then cu_q, cu_k (`varlen`, else
+        None each)."""
+        return (*fake_grad_args(cfg), *fake_cu(cfg))
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mGrad: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mGrad: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mCuQ, mCuK,
                  softmax_scale: Float32, causal_offset: Int32, window_lo: Int32,
                  stream: cuda.CUstream):
         """q, do: (B, Hq, Nq, D | Dv); k, v: (B, Hkv, Nkv, D | Dv); the gradient: dK (B, Hkv,
-        Nkv, D) or dQ (B, Hq, Nq, D); lse, delta: (B, Hq, Nq) fp32; window_lo: read with
-        `window`. Grid (ceil(N_rows / 128) * o_split, H_rows, B)."""
+        Nkv, D) or dQ (B, Hq, Nq, D); lse, delta: (B, Hq, Nq) fp32; cu_q, cu_k: with `varlen`
+        the sequences' cumulative lengths (the tensors (1, H, total, .)), else None;
+        window_lo: read with `window`. Grid (ceil(N_rows / 128) * o_split, H_rows, B)."""
+        cu = None
+        if const_expr(self.cfg.varlen):  # R's sequences first: keys for dK
+            cu = (mCuK, mCuQ) if const_expr(self.cfg.rows_are_keys) else (mCuQ, mCuK)
         self._launch(self._roles(mQ, mK, mV, mdO, mGrad), (mLSE, mDelta), softmax_scale,
-                     causal_offset, stream, window_lo)
+                     causal_offset, stream, window_lo, cu=cu)
 
 
 class FFPABwdDKSm100(_TwoProductBwd):
     """dK: K the rows, Q the blocks (S^T = K Q^T), V and dO the second product (dP^T =
     V dO^T), Q the accumulator's B operand, dK the output."""
 
-    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta", "cu_q", "cu_k")
 
     @staticmethod
     def _roles(q, k, v, do, dk):
@@ -151,7 +170,7 @@ class FFPABwdDQSm100(_TwoProductBwd):
     """dQ: Q the rows, K the blocks (S = Q K^T), dO and V the second product (dP = dO V^T),
     K the accumulator's B operand, dQ the output; the row's LSE and Delta in registers."""
 
-    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
+    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta", "cu_q", "cu_k")
 
     @staticmethod
     def _roles(q, k, v, do, dq):
@@ -164,10 +183,10 @@ class FFPABwdDQSm100(_TwoProductBwd):
         state[0] = Float32.inf
         state[1] = Float32(0.0)
         if ctx.row < ctx.seqlen_r:
-            lse = ctx.stats[0][ctx.batch, ctx.head, ctx.row]
+            lse = ctx.stats[0][ctx.batch, ctx.head, ctx.row0 + ctx.row]
             if lse != -Float32.inf:
                 state[0] = lse * LOG2_E
-            state[1] = ctx.stats[1][ctx.batch, ctx.head, ctx.row]
+            state[1] = ctx.stats[1][ctx.batch, ctx.head, ctx.row0 + ctx.row]
         return state
 
     @cute.jit

@@ -102,7 +102,8 @@ class FwdConfigSm100:
                 their int32 cumulative lengths): each CTA finds its sequence's row tile by a
                 walk over them (common/scheduler.py's `varlen_tile`), its TMA views start at
                 the sequence's first rows, and the causal offset and window edge add the
-                sequence's bottom-right frame. The 16-bit forward's field.
+                sequence's bottom-right frame. The 16-bit forward's and gradient kernels'
+                field (their statistics read at the columns' sequence rows).
     """
 
     arch: str
@@ -483,8 +484,8 @@ def can_implement(cfg: FwdConfigSm100) -> str | None:
         return "the warp roles' registers exceed the register file"
     if cfg.sinks and type(cfg) not in (FwdConfigSm100, FwdFP8ConfigSm100, FwdFP4ConfigSm100):
         return "sinks are the forwards' field (the backward reads them through the LSE)"
-    if cfg.varlen and type(cfg) is not FwdConfigSm100:
-        return "one-launch varlen is the 16-bit forward's field (the others: per sequence)"
+    if cfg.varlen and isinstance(cfg, FwdFP8ConfigSm100):
+        return "one-launch varlen is the 16-bit kernels' field (FP8 / NVFP4: per sequence)"
     return None
 
 
@@ -570,11 +571,8 @@ BWD_CONFIGS = {"dq": BwdDQConfigSm100, "dk": BwdDKConfigSm100, "dv": BwdDVConfig
 
 
 def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> list:
-    """The dQ, dK and dV configs for `problem` (16-bit; a sliding window, and sinks through the
-    LSE; no one-launch varlen; the deepest rings that fit); raises ValueError with the
-    reason."""
-    if problem.varlen:
-        raise ValueError("the sm100 backward has no one-launch varlen yet")
+    """The dQ, dK and dV configs for `problem` (16-bit; a sliding window, sinks through the
+    LSE, one-launch varlen; the deepest rings that fit); raises ValueError with the reason."""
     dv = problem.head_dim_v
     out = []
     for kind in ("dq", "dk", "dv"):
@@ -582,7 +580,7 @@ def plan_bwd(problem: AttnProblem, arch: str = ARCH, multicast: bool = True) -> 
         base = dict(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                     causal=problem.right_bounded,
                     head_dim_v=None if dv == problem.head_dim else dv,
-                    window=problem.window_lo is not None)
+                    window=problem.window_lo is not None, varlen=problem.varlen)
         base["multicast"] = multicast and cls(**base).acc_dim > MAX_MMA_N
         out.append(deepest_rings(lambda qk, v, base=base, cls=cls: cls(
             **base, qk_stages=qk, v_stages=v), can_implement, min_k=3))

@@ -90,7 +90,8 @@ class Ctx(NamedTuple):
     mOut: cute.Tensor
     stats: object       # the kernel's statistics tensors (LSE, Delta), or None
     sStat: object       # smem [2, col_stats, tile_n] for per-column statistics, or None
-    row0: Int32         # the sequence's first row in the packed output (`varlen`; else 0)
+    row0: Int32         # the sequence's first row of R in the packed tensors (`varlen`; else 0)
+    row0_c: Int32       # ... and of C (the columns' statistics: LSE, Delta)
 
 
 class RingSkeletonSm100(KernelEntry):
@@ -229,6 +230,8 @@ class RingSkeletonSm100(KernelEntry):
                 cu[0], cu[1], m_block, TILE_M, cfg.rows_are_keys and cfg.causal)
             rows0 = (row0, row0_c)
             frame = seqlen_c - seqlen_r  # bottom-right: Nkv - Nq of the sequence
+            if const_expr(cfg.rows_are_keys):
+                frame = seqlen_r - seqlen_c
             causal_offset = causal_offset + frame
             window_lo = window_lo + frame
 
@@ -298,7 +301,7 @@ class RingSkeletonSm100(KernelEntry):
                     cute.make_layout((cfg.tile_n, cfg.col_stats, 2)))
             self._softmax(tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                           seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat,
-                          walk, window_lo, sc, rows0[0])
+                          walk, window_lo, sc, rows0)
 
         # every TMEM read done; with `multicast` also every peer's copies into and commits to
         # this CTA's shared memory (each peer consumed every stage before its epilogue)
@@ -517,7 +520,7 @@ class RingSkeletonSm100(KernelEntry):
     @cute.jit
     def _softmax(self, tStS, thr_qk, bars, tidx, m_block, o_part, head, batch, seqlen_r,
                  seqlen_c, softmax_scale, causal_offset, tOtO, mOut, stats, sStat, walk,
-                 window_lo, sc, row0):
+                 window_lo, sc, rows0):
         """Per block: wait for its scores, load them (two products: S and dP 32 columns at a
         time), mask, the kernel's score step (`_score_step`, which fills the 16-bit operand for
         the columns it is given), store it over buffer 0 / i % 2, publish it; then
@@ -544,7 +547,7 @@ class RingSkeletonSm100(KernelEntry):
 
         ctx = Ctx(bars, tidx, m_block * TILE_M + tScS[0][0], m_block, o_part, head, batch,
                   seqlen_r, seqlen_c, softmax_scale * 1.4426950408889634, softmax_scale,
-                  causal_offset, walk[3], window_lo, tOtO, mOut, stats, sStat, row0)
+                  causal_offset, walk[3], window_lo, tOtO, mOut, stats, sStat, *rows0)
         state = self._init_state(ctx)
         n_blocks = walk[0]
         for i in cutlass.range(n_blocks, unroll=1):
