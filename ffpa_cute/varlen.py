@@ -16,9 +16,9 @@ sharing one cu_seqlens sync once per step, not once per layer.
   are passed as [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of
   the forward, dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no
   padding work, no host-side tile list), and masks, causal offset and window are per sequence
-  (`varlen` in sm90/config.py and sm100/config.py). `VarlenAttention` is its autograd function; Delta runs on the
-  packed views as it is. Taken when the forward plan (and, for inputs that require grad, the
-  backward plan) of the problem has varlen kernels.
+  (`varlen` in sm90/config.py and sm100/config.py). `VarlenAttention` is its autograd
+  function; Delta runs on the packed views as it is. Taken when the forward plan (and, for
+  inputs that require grad, the backward plan) of the problem has varlen kernels.
 * Otherwise a host loop: each sequence is one call of the routine behind `attention()`,
   routed like it (a kernel where one serves that sequence, window and sinks included, else the
   native fallback, logged once per reason; strict raises). On CUDA the sequences are issued
