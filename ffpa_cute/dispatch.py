@@ -67,8 +67,10 @@ def _no_varlen(p: AttnProblem, family: str):
 
 
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
-    """The Split-D forward, 16-bit or (sm_89 and up) e4m3."""
-    _no_varlen(p, "Split-D")
+    """The Split-D forward, 16-bit (one-launch varlen too, canaried: not yet run) or (sm_89
+    and up) e4m3."""
+    if p.varlen and p.dtype not in ("bf16", "fp16"):
+        _no_varlen(p, "Split-D FP8")
     return sm80_config.plan_fwd(p, target)
 
 

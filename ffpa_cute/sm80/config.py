@@ -53,6 +53,11 @@ class FwdConfigSm80:
                  the crossing ones masked); the right edge is `causal` at min(offset, right)
     sinks:       a per-query-head sink logit in each row's denominator and LSE (a runtime [Hq]
                  fp32 tensor; the forward's only: the gradient kernels read it through the LSE)
+    varlen:      one launch over packed sequences (q / k / v / o as [1, H, total, D] views and
+                 their int32 cumulative lengths): each CTA finds its sequence's row tile by
+                 common/scheduler.py's `varlen_tile`, its tiles start at the sequence's first
+                 rows, and the causal offset and window edge add the sequence's frame. The
+                 16-bit forward's field; not yet run on a GPU (`VERIFIED` False: canaried).
     """
 
     arch: str
@@ -65,8 +70,15 @@ class FwdConfigSm80:
     num_stages: int = 3
     window: bool = False
     sinks: bool = False
+    varlen: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm80.fwd_sm80:FFPAFwdSm80"
+
+    @property
+    def VERIFIED(self) -> bool:
+        """Run and GPU-tested (on an H200 / H100 as sm_90a code), except the one-launch
+        varlen form, which has not run yet: selfcheck canaries it before its first use."""
+        return not self.varlen
 
     @property
     def warp_m(self) -> int:
@@ -210,6 +222,8 @@ def can_implement(cfg: FwdConfigSm80) -> str | None:
         return f"O needs {cfg.o_registers()} registers per thread with {cfg.warp_layout} (> 160)"
     if cfg.sinks and type(cfg) in BWD_CONFIGS.values():
         return "sinks is the forward's field (the gradient kernels read it through the LSE)"
+    if cfg.varlen and type(cfg) is not FwdConfigSm80:
+        return "one-launch varlen is the 16-bit forward's field (the others: per sequence)"
     return None
 
 
@@ -241,7 +255,8 @@ def plan_fwd(problem: AttnProblem, arch: str, warp_layout: str | None = None) ->
         cfg = cls(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                   causal=problem.right_bounded, warp_layout=layout, num_stages=stages,
                   tile_n=32 if layout == "m8n1" else 64,
-                  window=problem.window_lo is not None, sinks=problem.has_sinks, **extra)
+                  window=problem.window_lo is not None, sinks=problem.has_sinks,
+                  varlen=problem.varlen, **extra)
         if cfg.smem_bytes() <= SMEM_CAPACITY.get(arch, 0):
             break
     if warp_layout is None and can_implement(cfg) and layout == "m8n1":

@@ -54,10 +54,11 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.utils import blackwell_helpers as bh
 
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
+from ..common.scheduler import varlen_tile
 from ..common.softmax import (FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax, mn_view,
                               quad_allreduce_max)
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd,
-                              fake_args, fake_fp8_args, fake_tensor)
+                              fake_args, fake_cu, fake_fp8_args, fake_tensor)
 from .config import FwdConfigSm80, can_implement
 
 
@@ -74,31 +75,37 @@ class BlockSeq(NamedTuple):
 
 class Features(NamedTuple):
     """The runtime values of a config's features (None: compiled without it): the window's
-    left edge (query i sees key j only if j >= i + window_lo) and the [Hq] sink logits."""
+    left edge (query i sees key j only if j >= i + window_lo), the [Hq] sink logits, and
+    (`varlen`) the int32 cumulative lengths of the rows' and the columns' sequences."""
 
     window_lo: object
     sinks: object
+    cu: object = None
 
 
-def features_of(cfg, window_lo, mSinks):
-    """The kernel's `features` argument: None for a config with neither (its code has none)."""
-    if not (cfg.window or cfg.sinks):
+def features_of(cfg, window_lo, mSinks, cu=None):
+    """The kernel's `features` argument: None for a config with none of them (its code has
+    none)."""
+    varlen = getattr(cfg, "varlen", False)
+    if not (cfg.window or cfg.sinks or varlen):
         return None
-    return Features(window_lo if cfg.window else None, mSinks if cfg.sinks else None)
+    return Features(window_lo if cfg.window else None, mSinks if cfg.sinks else None,
+                    cu if varlen else None)
 
 
 class FFPAFwdSm80(KernelEntry):
     """Split-D forward; one instance per `FwdConfigSm80` (the compile key)."""
 
     arch_family = "sm80"
-    OPERANDS = ("q", "k", "v", "o", "lse", "sinks")
+    OPERANDS = ("q", "k", "v", "o", "lse", "sinks", "cu_q", "cu_k")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
 
     @staticmethod
     def fake_inputs(cfg):
         """(q, k, v, o, lse) stand-ins, then sinks: an [Hq] fp32 stand-in with `sinks`, else
-        None."""
-        return (*fake_args(cfg), fake_tensor(cutlass.Float32, 1, 1) if cfg.sinks else None)
+        None, then cu_q, cu_k: int32 [B + 1] stand-ins with `varlen`, else None each."""
+        return (*fake_args(cfg), fake_tensor(cutlass.Float32, 1, 1) if cfg.sinks else None,
+                *fake_cu(cfg))
 
     def __init__(self, cfg: FwdConfigSm80):
         self._refuse(can_implement(cfg))
@@ -152,13 +159,17 @@ class FFPAFwdSm80(KernelEntry):
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mSinks, softmax_scale: cutlass.Float32,
+                 mLSE: cute.Tensor, mSinks, mCuQ, mCuK, softmax_scale: cutlass.Float32,
                  causal_offset: cutlass.Int32, window_lo: cutlass.Int32, stream: cuda.CUstream):
         """q/k/v/o: (B, H, N, D); lse: (B, Hq, Nq) fp32; sinks: (Hq,) fp32 with `sinks`, else
-        None; window_lo: read with `window`. Launch grid = (m_blocks, Hq, B)."""
+        None; cu_q, cu_k: with `varlen` the sequences' cumulative lengths (int32 [B + 1]; the
+        tensors (1, H, total, D), lse (1, Hq, total_q)), else None; window_lo: read with
+        `window`. Launch grid = (m_blocks, Hq, B) (`varlen`: (ceil(total_q / tile_m) + B,
+        Hq, 1))."""
         mQ, mK, mV, mO = [self._aligned(t) for t in (mQ, mK, mV, mO)]
         self._launch(mQ, mK, mV, mO, mLSE, softmax_scale, causal_offset,
-                     self._gmem_tiled_copy(True), stream, features_of(self.cfg, window_lo, mSinks))
+                     self._gmem_tiled_copy(True), stream,
+                     features_of(self.cfg, window_lo, mSinks, (mCuQ, mCuK)))
 
     @cute.jit
     def _launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -171,8 +182,10 @@ class FFPAFwdSm80(KernelEntry):
         sinks (`features_of`), or None."""
         layouts = self._smem_layouts()
         SharedStorage = self._shared_storage(self._storage_fields(*layouts))
-        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]),
-                cute.size(mQ.shape[0]))
+        tiles = cute.ceil_div(mQ.shape[2], self.tile_m)
+        if cutlass.const_expr(features is not None and features.cu is not None):
+            tiles = tiles + cute.size(features.cu[0]) - 1   # common/scheduler.py's bound
+        grid = (tiles, cute.size(mQ.shape[1]), cute.size(mQ.shape[0]))
         self.kernel(
             mQ, mK, mV, mO, stats, softmax_scale * LOG2_E, causal_offset, *layouts, copy_in,
             self._gmem_tiled_copy(False, self.out_dtype), self._tiled_mma(), SharedStorage,
@@ -241,6 +254,15 @@ class FFPAFwdSm80(KernelEntry):
         m_block = self._tile_index(bidx, grid_m)
         mQ, mK = rows[0], cols[0]
         seqlen_q, seqlen_k, hdim = mQ.shape[2], mK.shape[2], mQ.shape[3]
+        row0 = col0 = None  # the first rows of R and C (`varlen`: the sequence's)
+        window_lo = None if features is None else features.window_lo
+        if cutlass.const_expr(self._varlen(features)):
+            # tile bidx of the sequences' row tiles, in its sequence's frame
+            m_block, row0, seqlen_q, col0, seqlen_k = varlen_tile(
+                features.cu[0], features.cu[1], bidx, self.tile_m, False)
+            causal_offset = causal_offset + seqlen_k - seqlen_q   # bottom-right: Nkv - Nq
+            if cutlass.const_expr(window_lo is not None):
+                window_lo = window_lo + seqlen_k - seqlen_q
         head_kv, group = self._heads(head, mQ.shape[1], mK.shape[1])
         warp_n_idx = cute.arch.warp_idx() // self.warp_m
         lane = cute.arch.lane_idx()
@@ -258,10 +280,11 @@ class FFPAFwdSm80(KernelEntry):
 
         # ///// global tiles and their coordinates
         # (tile_m, tile_hdim, C)
-        gQ = cute.local_tile(mQ[batch, head, None, None], (self.tile_m, self.tile_hdim),
-                             (m_block, None))
+        gQ = cute.local_tile(self._from_row(mQ[batch, head, None, None], row0, features),
+                             (self.tile_m, self.tile_hdim), (m_block, None))
         # per ring phase (tile_n, tile_hdim, n_blocks, C), or None where the head varies
-        gCols = self._col_tiles(cols, batch, head_kv)
+        gCols = self._col_tiles([self._from_row(m, col0, features, True) for m in cols],
+                                batch, head_kv)
         idQ = cute.make_identity_tensor((seqlen_q, hdim))
         idKV = cute.make_identity_tensor((seqlen_k, hdim))
         cQ = cute.local_tile(idQ, (self.tile_m, self.tile_hdim), (m_block, None))
@@ -336,7 +359,7 @@ class FFPAFwdSm80(KernelEntry):
             gmem_copy_in=gmem_copy_in, gmem_copy_out=gmem_copy_out, thr_copy=thr_copy, tCg=tCg,
             tKVcKV=tKVcKV, tKVsKV=tKVsKV, thr_mma=thr_mma, acc_S=acc_S, acc_S_mn=acc_S_mn,
             acc_2=acc_2, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, row_idx=row_idx,
-            rP=rP, window_lo=None if features is None else features.window_lo,
+            rP=rP, window_lo=window_lo, row0=row0, varlen=self._varlen(features),
             sinks=None if features is None else features.sinks, storage=storage,
             tiled_mma=tiled_mma, s2r_A=s2r_A, s2r_B=s2r_B, s2r_Bt=s2r_Bt, tSrQ=tSrQ, tSrK=tSrK,
             tSrQ_v=tSrQ_v, tSrK_v=tSrK_v, tOrVt=tOrVt, tOrVt_v=tOrVt_v, tOrP=tOrP,
@@ -420,6 +443,20 @@ class FFPAFwdSm80(KernelEntry):
     def _tile_index(self, bidx, grid_m):
         """Row tile of this CTA: longest tiles first under causal (bottom-right)."""
         return grid_m - 1 - bidx
+
+    @staticmethod
+    def _varlen(features) -> bool:
+        """Whether the kernel runs over packed sequences (`varlen`: features carry cu)."""
+        return features is not None and features.cu is not None
+
+    def _from_row(self, t: cute.Tensor, row0, features, per_batch: bool = False):
+        """t from row `row0` on under `varlen` (its rows, then columns; per_batch: t is (B, H,
+        N, D), offset along N), else t itself."""
+        if cutlass.const_expr(not self._varlen(features)):
+            return t
+        if cutlass.const_expr(per_batch):
+            return cute.domain_offset((0, 0, row0, 0), t)
+        return cute.domain_offset((row0, 0), t)
 
     @cute.jit
     def _heads(self, head, heads_rows, heads_cols):
@@ -583,6 +620,8 @@ class FFPAFwdSm80(KernelEntry):
             for r in cutlass.range_constexpr(softmax.num_rows):
                 row = ctx.m_block * self.tile_m + ctx.row_idx[r]
                 if row < ctx.seqlen_q:
+                    if cutlass.const_expr(ctx.varlen):
+                        row = ctx.row0 + row
                     mLSE[ctx.batch, ctx.head, row] = lse[r]
         self._store_acc(ctx, ctx.acc_O)
 
@@ -598,8 +637,10 @@ class FFPAFwdSm80(KernelEntry):
             rO.store(acc_O[c].load().to(self.out_dtype))
             cute.autovec_copy(rO, ctx.thr_mma.partition_C(sQ[None, None, c]))
         ctx.cta_sync.arrive_and_wait()
-        gO = cute.local_tile(mO[ctx.batch, ctx.head, None, None], (self.tile_m, self.tile_hdim),
-                             (ctx.m_block, None))
+        mO_bh = mO[ctx.batch, ctx.head, None, None]
+        if cutlass.const_expr(ctx.varlen):  # the sequence's rows of the packed output
+            mO_bh = cute.domain_offset((ctx.row0, 0), mO_bh)
+        gO = cute.local_tile(mO_bh, (self.tile_m, self.tile_hdim), (ctx.m_block, None))
         cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, hdim)),
                              (self.tile_m, self.tile_hdim), (ctx.m_block, None))
         gmem_copy_out = ctx.gmem_copy_out
