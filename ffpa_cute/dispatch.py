@@ -59,18 +59,17 @@ PLAN_CACHES = []  # other modules' cached plans (launch's widened forward): clea
 
 
 # ------------------------------------------------------------------------------ planners
-def _no_varlen(p: AttnProblem, family: str):
+def _no_varlen(p: AttnProblem, family: str, sixteen_bit: bool = False):
     """Raise (the planners' "cannot run it") for a one-launch varlen problem in a family whose
-    kernels take no cu_seqlens (`varlen_attention` then calls them per sequence)."""
-    if p.varlen:
+    kernels (`sixteen_bit`: but its 16-bit ones) take no cu_seqlens: a call per sequence."""
+    if p.varlen and not (sixteen_bit and p.dtype in ("bf16", "fp16")):
         raise ValueError(f"the {family} kernels have no one-launch varlen form")
 
 
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
     """The Split-D forward, 16-bit (one-launch varlen too, canaried: not yet run) or (sm_89
     and up) e4m3."""
-    if p.varlen and p.dtype not in ("bf16", "fp16"):
-        _no_varlen(p, "Split-D FP8")
+    _no_varlen(p, "Split-D FP8 / NVFP4", sixteen_bit=True)
     return sm80_config.plan_fwd(p, target)
 
 
@@ -120,19 +119,18 @@ def _sm90_decode(p: AttnProblem, target: str, page_rows: int | None, kv_dtype: s
 
 
 def _sm100_fwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 forward, 16-bit (a sliding window, sinks and one-launch varlen too), e4m3
-    or NVFP4."""
+    """The tcgen05 forward: 16-bit (window, sinks, one-launch varlen), e4m3 or NVFP4."""
     return sm100_config.plan_fwd(p, target)
 
 
 def _sm100_bwd(p: AttnProblem, target: str, opts: Options):
-    """The tcgen05 dQ / dK / dV (16-bit; a sliding window, sinks through the LSE, one-launch
-    varlen)."""
+    """The tcgen05 dQ / dK / dV (16-bit; window, sinks through the LSE, one-launch varlen)."""
     return sm100_config.plan_bwd(p, target)
 
 
 def _sm120_fwd(p: AttnProblem, target: str, opts: Options):
-    _no_varlen(p, "sm120")
+    """The Split-D forward under 99 KB (one-launch varlen at 16 bits, as the sm80 family's)."""
+    _no_varlen(p, "sm120 FP8 / NVFP4", sixteen_bit=True)
     return sm120_config.plan_fwd(p, target)
 
 

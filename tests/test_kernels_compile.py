@@ -92,7 +92,7 @@ def test_splitd_compiles_with_mma_sync_and_no_spills(target, d, causal):
 
 @pytest.mark.parametrize("target,d,causal,window,sinks", [
     ("sm_80", 512, True, False, False), ("sm_90a", 320, False, True, True),
-    ("sm_89", 1024, True, False, False)])
+    ("sm_89", 1024, True, False, False), ("sm_120a", 512, True, True, False)])
 def test_splitd_varlen_forward_compiles(target, d, causal, window, sinks):
     """The Split-D forward over packed sequences (`varlen`): the CTA's tile from a walk over
     cu_seqlens, mma.sync / ldmatrix / cp.async as the dense kernel, no local memory, no
