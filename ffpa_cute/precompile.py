@@ -11,8 +11,9 @@ it is the default (sm90, D 264-576, at the next multiple of 64) or dQ, dK and dV
 query head per KV head and for GQA / MQA groups that the dV / dK kernels split;
 FFPA_CUTE_DETERMINISTIC=1 plans the atomic-free kernels everywhere, as `deterministic=True`
 runs them; with --decode the split-KV decode kernels of `attention_with_kvcache` for those
-page sizes: 16-bit caches, and e4m3 caches under the 16-bit dtypes when --dtypes has fp8),
-compiled
+page sizes: 16-bit caches, and e4m3 caches under the 16-bit dtypes when --dtypes has fp8; with
+--varlen the one-launch kernels of `varlen_attention` for the same problems, forward and with
+--backward its gradient kernels, where the target's family has them), compiled
 from fake tensors (cutlass-dsl's `--gpu-arch`, so no device is queried) and exported as
 an object file into `<cache-dir>/<fingerprint>/`. A process on the GPU machine that sets
 `FFPA_CUTE_CACHE_DIR` to the same directory (same package sources and cutlass-dsl version) loads
@@ -117,11 +118,11 @@ def decode_jobs(target: str, head_dims, dtypes, pages) -> list:
 
 
 def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
-             decode_pages=()) -> list:
+             decode_pages=(), varlen: bool = False) -> list:
     """(kernel class, config) pairs to compile: the forward plans (FP8 ones with the transpose
-    kernel that gives them Vt), with `backward` the backward kernels of the same problems, and
-    the decode kernels for `decode_pages` (`decode_jobs`) (deduplicated, uncovered combinations
-    skipped)."""
+    kernel that gives them Vt), with `backward` the backward kernels of the same problems, the
+    decode kernels for `decode_pages` (`decode_jobs`), and with `varlen` the one-launch varlen
+    kernels (`varlen_jobs`) (deduplicated, uncovered combinations skipped)."""
     from .fp8 import vt_config
 
     jobs = []
@@ -142,8 +143,35 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
                                         seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
                         jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
                                  if j not in jobs]
-    return jobs + [j for j in decode_jobs(target, head_dims, dtypes, decode_pages)
-                   if j not in jobs]
+    jobs += [j for j in decode_jobs(target, head_dims, dtypes, decode_pages) if j not in jobs]
+    if varlen:
+        jobs += [j for j in varlen_jobs(target, head_dims, dtypes, causals, backward)
+                 if j not in jobs]
+    return jobs
+
+
+def varlen_jobs(target: str, head_dims, dtypes, causals, backward: bool = False) -> list:
+    """(kernel class, config) of the one-launch varlen kernels (`varlen=True` configs:
+    `varlen_attention` over packed sequences) per head dim, dtype and causal mode, forward
+    and with `backward` the gradient kernels (one query head per KV head and GQA / MQA
+    groups, as `jobs_for`), where the target's family has them."""
+    jobs = []
+    for d, dv in map(head_dim_pair, head_dims):
+        for dt in dtypes:
+            for causal in causals:
+                for hq in ((1, 2, 32) if backward else (1,)):
+                    p = AttnProblem(dtype=dt, batch=2, heads_q=hq, heads_kv=1, seqlen_q=1,
+                                    seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal,
+                                    varlen=True)
+                    plan = dispatch.plan_fwd(p, target=target)
+                    if plan.reason is not None or not getattr(plan.cfg, "varlen", False):
+                        continue
+                    todo = [(plan.kernel_cls, plan.cfg)]
+                    if backward:
+                        bwd = dispatch.plan_bwd(p, target=target)
+                        todo += bwd.jobs if bwd.reason is None else []
+                    jobs += [j for j in todo if j not in jobs]
+    return jobs
 
 
 def job_label(cls, cfg) -> str:
@@ -157,11 +185,11 @@ def job_label(cls, cfg) -> str:
 
 
 def precompile(target: str, head_dims, dtypes, causals, cache_dir, progress: bool = True,
-               backward: bool = False, decode_pages=()):
+               backward: bool = False, decode_pages=(), varlen: bool = False):
     """Compile every job into cache_dir; returns (the cache, its .stats count the work; the
     (kernel class, config) jobs)."""
     cache = JitCache(cache_dir, disk=True, jit="allow")
-    plans = jobs_for(target, head_dims, dtypes, causals, backward, decode_pages)
+    plans = jobs_for(target, head_dims, dtypes, causals, backward, decode_pages, varlen)
     try:
         from rich.progress import Progress
     except ImportError:  # rich is a dependency, but keep precompile usable without it
@@ -202,6 +230,9 @@ def main(argv=None) -> int:
                     help="also the split-KV decode kernels (serving, sm_90) for these page sizes, "
                     "e.g. 'none,64' (none: a contiguous cache); e4m3 caches when --dtypes has "
                     "fp8")
+    ap.add_argument("--varlen", action="store_true",
+                    help="also the one-launch kernels of varlen_attention (packed sequences) "
+                         "for the same problems; with --backward their gradient kernels too")
     args = ap.parse_args(argv)
     target = normalize_arch(args.arch)
     dims = ALL_HEAD_DIMS if args.head_dims == "all" else _csv(args.head_dims, head_dim_pair)
@@ -210,7 +241,7 @@ def main(argv=None) -> int:
     dtypes = [DTYPE_ALIASES.get(d, d) for d in _csv(args.dtypes)]
     pages = [None if x.lower() == "none" else int(x) for x in _csv(args.decode)]
     cache, plans = precompile(target, dims, dtypes, causals, args.cache_dir,
-                              backward=args.backward, decode_pages=pages)
+                              backward=args.backward, decode_pages=pages, varlen=args.varlen)
     st = cache.stats
     print(f"{len(plans)} kernels for {target} in {cache.entry_dir(target)}: {st.compiles} "
           f"compiled, {st.disk_loads} already there ({time.time() - t0:.0f} s)")

@@ -48,6 +48,28 @@ def test_backward_jobs_are_what_run_bwd_compiles():
         "RowDot", "FFPABwdDQSm100", "FFPABwdDKSm100", "FFPABwdDVSm100"] * 2
 
 
+def test_varlen_jobs_are_the_one_launch_kernels():
+    """--varlen adds the `varlen=True` configs `varlen_attention`'s one launch plans: on
+    sm_90a the WGMMA forward and (--backward) its dQ, dK, dV (dK / dV also with split head
+    groups); the tcgen05 ones on sm_100a; the Split-D forward alone on sm_80 / sm_120a (their
+    gradient kernels run per sequence); none of the FP8 forwards."""
+    jobs = {t: precompile.jobs_for(t, [512], ["bf16", "e4m3"], (True,), backward=True,
+                                   varlen=True) for t in ("sm_90a", "sm_80", "sm_120a",
+                                                          "sm_100a")}
+    plain = {t: precompile.jobs_for(t, [512], ["bf16", "e4m3"], (True,), backward=True)
+             for t in jobs}
+    added = {t: [(cls.__name__, cfg) for cls, cfg in jobs[t] if (cls, cfg) not in plain[t]]
+             for t in jobs}
+    assert all(getattr(cfg, "varlen", False) for t in added for _, cfg in added[t])
+    assert [n for n, _ in added["sm_90a"]] == ["FFPAFwdSm90", "FFPABwdDQSm90", "FFPABwdDKSm90",
+                                               "FFPABwdDVSm90", "FFPABwdDKSm90",
+                                               "FFPABwdDVSm90"]
+    assert [n for n, _ in added["sm_100a"]] == ["FFPAFwdSm100", "FFPABwdDQSm100",
+                                                "FFPABwdDKSm100", "FFPABwdDVSm100"]
+    assert [n for n, _ in added["sm_80"]] == [n for n, _ in added["sm_120a"]] == ["FFPAFwdSm80"]
+    assert all(cfg.dtype == "bf16" for t in added for _, cfg in added[t])
+
+
 def test_decode_jobs_cover_caches_and_pages():
     """--decode: the decode kernel per head dim, 16-bit dtype and page size, e4m3 caches under
     the 16-bit dtypes when fp8 is asked for (only e4m3 under bf16 when fp8 comes alone); none
