@@ -76,7 +76,7 @@ def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
 def _sm80_bwd(p: AttnProblem, target: str, opts: Options):
     """The Split-D dQ / dK / dV: the sm80 family's backward, and (compile-verified only,
     canaried on first use: selfcheck.bwd_reason) the sm120 family's."""
-    _no_varlen(p, "Split-D")
+    _no_varlen(p, "Split-D", sixteen_bit=True)
     return [sm80_config.plan_bwd(kind, p, target) for kind in ("dq", "dk", "dv")]
 
 

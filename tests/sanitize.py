@@ -137,14 +137,14 @@ KV_CASES = [
     ("sm90 chunked prefill (causal, Nq 5) paged 64 GQA", 2, 8, 2, 300, 512, 512, 64, "bf16", 5),
 ]
 # (label, Hq, Hkv, query lengths, key lengths, D, Dv, causal, window, sinks[, family]): one
-# launch of `varlen_attention` over packed sequences, forward and backward (family "sm80":
-# the Split-D forward, whose varlen form has no backward, without gradients)
+# launch of `varlen_attention` over packed sequences, forward and backward (family "sm80": the
+# Split-D kernels)
 VARLEN_CASES = [
     ("sm90 varlen D512 GQA causal, Nq != Nkv, no keys, no queries", 4, 2, (129, 0, 77, 1, 40),
      (200, 30, 0, 1, 40), 512, 512, True, None, False),
     ("sm90 varlen D576 CTA pair window + sinks", 2, 1, (65, 130), (130, 65), 576, 576, True,
      (64, 0), True),
-    ("sm80 varlen forward D512 GQA causal, window + sinks, no keys, no queries", 4, 2,
+    ("sm80 varlen D512 GQA causal, window + sinks, no keys, no queries", 4, 2,
      (129, 0, 77, 1, 40), (200, 30, 0, 1, 40), 512, 512, True, (64, 0), True, "sm80"),
 ]
 
@@ -357,9 +357,8 @@ def jobs(target: str = "sm_90a") -> list:
         opts = atomic_free(family=fam[0] if fam else None)
         plan = dispatch.plan_fwd(p, target=target, opts=opts)
         assert plan.reason is None and plan.cfg.varlen, plan.reason
-        todo = [(plan.kernel_cls, plan.cfg)]
-        if not fam:   # with its backward
-            todo += dispatch.plan_bwd(p, target=target, opts=opts).jobs
+        todo = [(plan.kernel_cls, plan.cfg)] + dispatch.plan_bwd(p, target=target,
+                                                                 opts=opts).jobs
         out += [j for j in todo if j not in out]
     for _, *case in _chosen(FUSED_CASES):
         p, bwd = _fused_plan(*case)
@@ -467,14 +466,13 @@ def workload() -> int:
     for label, hq, hkv, lq, lk, d, dv, causal, window, sinks, *fam in VARLEN_CASES:
         if not _selected(label):
             continue
-        grad = not fam   # the Split-D varlen form: the forward only
         cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
                                device="cuda") for n in (lq, lk))
-        q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
-        k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+        q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(sum(lk), hkv, dv, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=grad)
-        sk = torch.randn(hq, device="cuda", requires_grad=grad) if sinks else None
+                        requires_grad=True)
+        sk = torch.randn(hq, device="cuda", requires_grad=True) if sinks else None
         with ffpa_cute.options.use(**(dict(family=fam[0]) if fam else {})):
             plan = varlen._one_launch_plan(q, k, v, len(lq), max(lq), max(lk), causal, None,
                                            window, sk)
@@ -482,7 +480,6 @@ def workload() -> int:
             out = ffpa_cute.varlen_attention(q, k, v, cq, ck, max(lq), max(lk),
                                              is_causal=causal, enable_gqa=hq != hkv,
                                              window=window, sinks=sk, strict=True)
-        if grad:
             out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print(f"[workload] {label}: {plan.describe()[:160]}", flush=True)

@@ -504,10 +504,11 @@ SPLITD_VARLEN_CASES = [  # d, hq, hkv, causal, window, sinks, dtype
 
 @pytest.mark.parametrize("case", SPLITD_VARLEN_CASES, ids=lambda c: "-".join(map(str, c[:6])))
 def test_splitd_varlen_one_launch_is_the_per_sequence_kernel(seed, case):
-    """The Split-D forward over packed sequences in one launch (`Options(family="sm80")`: the
-    mma.sync kernels as sm_90a code) passes its canary (it has not run before: `VERIFIED`
-    False) and gives out and lse bit for bit as one kernel call per sequence (the same tiles,
-    the same order); cross lengths per sequence (Nq > Nkv, Nq < Nkv, no keys, no queries, 1,
+    """The Split-D forward and dQ / dK / dV over packed sequences in one launch each
+    (`Options(family="sm80")`: the mma.sync kernels as sm_90a code) pass their canaries (they
+    have not run before: `VERIFIED` False) and give out, lse and every gradient bit for bit as
+    one kernel call per sequence (the same tiles, the same order; the sinks' gradient, a torch
+    sum, to rounding); cross lengths per sequence (Nq > Nkv, Nq < Nkv, no keys, no queries, 1,
     7, 129), GQA / MQA, a window, sinks, fp16; one sequence also against float64."""
     from ffpa_cute import varlen, varlen_attention
 
@@ -516,25 +517,39 @@ def test_splitd_varlen_one_launch_is_the_per_sequence_kernel(seed, case):
     lk = [129, 700, 300, 50, 0, 1, 1000, 64]
     cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
                            device="cuda") for n in (lq, lk))
-    q, k, v = (rnd(sum(n), h, d, dtype=dtype) for n, h in ((lq, hq), (lk, hkv), (lk, hkv)))
-    sinks = torch.randn(hq, device="cuda") if with_sinks else None
+    q, k, v = (rnd(sum(n), h, d, dtype=dtype, grad=True)
+               for n, h in ((lq, hq), (lk, hkv), (lk, hkv)))
+    sinks = torch.randn(hq, device="cuda", requires_grad=True) if with_sinks else None
     kw = dict(is_causal=causal, enable_gqa=True, return_lse=True, strict=True, window=window,
               sinks=sinks)
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
     res = {}
     with ffpa_cute.options.use(family="sm80"):
         plan = varlen._one_launch_plan(q, k, v, len(lq), max(lq), max(lk), causal, None,
                                        window, sinks)
-        assert plan is not None and plan.cfg.varlen   # its canary passed
+        assert plan is not None and plan.cfg.varlen   # its canaries passed
         for one in (True, False):
             with ffpa_cute.options.use(varlen_launch=one):
-                res[one] = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)
-    (out, lse), (out1, lse1) = res[True], res[False]
+                out, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)
+                dout, dlse = ((torch.randn_like(out), torch.randn_like(lse)) if one
+                              else res[True][0][1:])
+                loss = ((out * dout).sum()
+                        + (lse.masked_fill(torch.isneginf(lse), 0.0) * dlse).sum())
+                res[one] = ((out, dout, dlse), lse, torch.autograd.grad(loss, leaves))
+    (out, _, _), lse, grads = res[True]
+    (out1, _, _), lse1, grads1 = res[False]
     assert torch.equal(out, out1), (out - out1).abs().max()
     keyless = torch.cat([torch.full((n,), m == 0) for n, m in zip(lq, lk)]).cuda()
     assert torch.equal(lse[:, ~keyless], lse1[:, ~keyless])
     assert rel_err(lse[:, keyless], lse1[:, keyless]) <= 1e-6
+    for name, g, h in zip("qkvs", grads, grads1):
+        if name == "s":
+            assert rel_err(g, h) <= 1e-5
+        else:
+            assert torch.equal(g, h), (name, (g - h).abs().max())
     s, t = slice(lq[0], sum(lq[:2])), slice(lk[0], sum(lk[:2]))  # 1000 queries, 700 keys
-    ins = [x.to(F64).transpose(0, 1).unsqueeze(0) for x in (q[s], k[t], v[t])]
-    ref, ref_lse = ref_attention(*ins, causal=causal, window=window, sinks=sinks)
+    ins = [x.detach().to(F64).transpose(0, 1).unsqueeze(0) for x in (q[s], k[t], v[t])]
+    ref, ref_lse = ref_attention(*ins, causal=causal, window=window,
+                                 sinks=None if sinks is None else sinks.detach())
     assert rel_err(out[s], ref[0].transpose(0, 1)) <= 1e-2
     assert rel_err(lse[:, s], ref_lse[0]) <= 1e-4

@@ -93,22 +93,27 @@ def test_splitd_compiles_with_mma_sync_and_no_spills(target, d, causal):
 @pytest.mark.parametrize("target,d,causal,window,sinks", [
     ("sm_80", 512, True, False, False), ("sm_90a", 320, False, True, True),
     ("sm_89", 1024, True, False, False), ("sm_120a", 512, True, True, False)])
-def test_splitd_varlen_forward_compiles(target, d, causal, window, sinks):
-    """The Split-D forward over packed sequences (`varlen`): the CTA's tile from a walk over
-    cu_seqlens, mma.sync / ldmatrix / cp.async as the dense kernel, no local memory, no
-    spills; canaried before its first use (not yet run: `VERIFIED` False); FP8 has no varlen
-    form."""
+def test_splitd_varlen_compiles(target, d, causal, window, sinks):
+    """The Split-D forward and dQ / dK / dV over packed sequences (`varlen`): the CTA's tile
+    from a walk over cu_seqlens, mma.sync / ldmatrix / cp.async as the dense kernels, no local
+    memory, no spills; canaried before their first use (not yet run: `VERIFIED` False); FP8
+    has no varlen form."""
     p = dataclasses.replace(_problem(d, causal), varlen=True, has_sinks=sinks,
                             window_lo=-64 if window else None)
     opts = Options(family="sm80" if target == "sm_90a" else None)
     plan = dispatch.plan_fwd(p, target=target, opts=opts)
     assert plan.reason is None and plan.cfg.varlen and not plan.cfg.VERIFIED
-    ptx = plan.kernel_cls.compile(plan.cfg, options="--keep-ptx").__ptx__
-    assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx and "cp.async" in ptx
-    assert ".local" not in ptx, "local memory in PTX"
-    res = _ptxas_spills(ptx, target)
-    if res is not None:
-        assert res[0] == 0 and res[1] == 0, f"{plan.cfg}: spills {res}"
+    bwd = dispatch.plan_bwd(p, target=target, opts=opts)
+    assert bwd.reason is None
+    grads = [(c, g) for c, g in bwd.jobs if hasattr(g, "varlen")]
+    assert len(grads) == 3 and all(g.varlen and not g.VERIFIED for _, g in grads)
+    for cls, cfg in [(plan.kernel_cls, plan.cfg)] + grads:
+        ptx = cls.compile(cfg, options="--keep-ptx").__ptx__
+        assert "mma.sync.aligned.m16n8k16" in ptx and "ldmatrix" in ptx and "cp.async" in ptx
+        assert ".local" not in ptx, f"{cls.__name__}: local memory in PTX"
+        res = _ptxas_spills(ptx, target)
+        if res is not None:
+            assert res[0] == 0 and res[1] == 0, f"{cfg}: spills {res}"
     fp8 = dispatch.plan_fwd(dataclasses.replace(p, dtype="e4m3", out_dtype="bf16"),
                             target=target, opts=opts)
     assert fp8.reason is not None and "varlen" in fp8.reason

@@ -51,8 +51,8 @@ def test_backward_jobs_are_what_run_bwd_compiles():
 def test_varlen_jobs_are_the_one_launch_kernels():
     """--varlen adds the `varlen=True` configs `varlen_attention`'s one launch plans: on
     sm_90a the WGMMA forward and (--backward) its dQ, dK, dV (dK / dV also with split head
-    groups); the tcgen05 ones on sm_100a; the Split-D forward alone on sm_80 / sm_120a (their
-    gradient kernels run per sequence); none of the FP8 forwards."""
+    groups); the tcgen05 ones on sm_100a; the Split-D ones on sm_80 / sm_120a; none of the FP8
+    forwards."""
     jobs = {t: precompile.jobs_for(t, [512], ["bf16", "e4m3"], (True,), backward=True,
                                    varlen=True) for t in ("sm_90a", "sm_80", "sm_120a",
                                                           "sm_100a")}
@@ -66,7 +66,8 @@ def test_varlen_jobs_are_the_one_launch_kernels():
                                                "FFPABwdDVSm90"]
     assert [n for n, _ in added["sm_100a"]] == ["FFPAFwdSm100", "FFPABwdDQSm100",
                                                 "FFPABwdDKSm100", "FFPABwdDVSm100"]
-    assert [n for n, _ in added["sm_80"]] == [n for n, _ in added["sm_120a"]] == ["FFPAFwdSm80"]
+    assert [n for n, _ in added["sm_80"]] == [n for n, _ in added["sm_120a"]] == [
+        "FFPAFwdSm80", "FFPABwdDQSm80", "FFPABwdDKSm80", "FFPABwdDVSm80"]
     assert all(cfg.dtype == "bf16" for t in added for _, cfg in added[t])
 
 

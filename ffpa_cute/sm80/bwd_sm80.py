@@ -74,7 +74,7 @@ from cutlass import Float32
 
 from ..common.mask import apply_mask, block_needs_mask, query_block_range
 from ..common.softmax import mn_view
-from ..common.tensors import LOG2_E, fake_args, fake_grad_args
+from ..common.tensors import LOG2_E, fake_args, fake_cu, fake_grad_args
 from .config import can_implement
 from .fwd_sm80 import BlockSeq, FFPAFwdSm80, features_of
 
@@ -85,20 +85,26 @@ class _BwdSm80(FFPAFwdSm80):
 
     transposed = False  # rows are keys and columns queries (dV, dK)
     scaled = False      # the gradient is multiplied by the softmax scale (dK, dQ)
-    fake_inputs = staticmethod(fake_args)  # dV: q, k, do, dv, lse (no sinks)
 
     def __init__(self, cfg):
         self._refuse(can_implement(cfg))
         super().__init__(cfg)
 
     # ---------------------------------------------------------------- host side
+    @staticmethod
+    def fake_inputs(cfg):
+        """dV's q, k, do, dv, lse (no sinks), then cu_q, cu_k (`varlen`, else None each)."""
+        return (*fake_args(cfg), *fake_cu(cfg))
+
     @cute.jit
     def _launch_bwd(self, mR1: cute.Tensor, mR2: cute.Tensor, mC1: cute.Tensor,
                     mC2: cute.Tensor, mC3: cute.Tensor, mOut: cute.Tensor, mLSE: cute.Tensor,
                     mDelta: cute.Tensor, softmax_scale: Float32, causal_offset: cutlass.Int32,
-                    window_lo: cutlass.Int32, stream: cuda.CUstream):
+                    window_lo: cutlass.Int32, stream: cuda.CUstream, mCuQ=None, mCuK=None):
         """rows (mR1 resident, mR2 the second product's streamed rows), ring phases
-        (mC1, mC2, mC3; dV uses two), output; grid = (row tiles, heads of mR1, B)."""
+        (mC1, mC2, mC3; dV uses two), output; grid = (row tiles, heads of mR1, B); cu_q,
+        cu_k: with `varlen` the sequences' cumulative lengths (the grid then counts
+        common/scheduler.py's ceil(total / tile_m) + B row tiles)."""
         mR1, mR2, mC1, mC2, mC3, mOut = [self._aligned(t)
                                          for t in (mR1, mR2, mC1, mC2, mC3, mOut)]
         sQ_layout, sKV_layout, sP_layout, sStat_layout = self._smem_layouts()
@@ -107,13 +113,16 @@ class _BwdSm80(FFPAFwdSm80):
             cute.struct.MemRange[self.dtype, cute.cosize(self._row_ring_layout())], 1024]
         SharedStorage = self._shared_storage(fields)
 
-        grid = (cute.ceil_div(mR1.shape[2], self.tile_m), cute.size(mR1.shape[1]),
-                cute.size(mR1.shape[0]))
+        cu = (mCuK, mCuQ) if cutlass.const_expr(self.transposed) else (mCuQ, mCuK)  # R's first
+        tiles = cute.ceil_div(mR1.shape[2], self.tile_m)
+        if cutlass.const_expr(self.cfg.varlen):
+            tiles = tiles + cute.size(cu[0]) - 1
+        grid = (tiles, cute.size(mR1.shape[1]), cute.size(mR1.shape[0]))
         self.kernel_bwd(
             mR1, mR2, mC1, mC2, mC3, mOut, mLSE, mDelta, softmax_scale * LOG2_E, causal_offset,
             sQ_layout, sKV_layout, sP_layout, sStat_layout,
             self._gmem_tiled_copy(True), self._gmem_tiled_copy(False), self._tiled_mma(),
-            SharedStorage, features_of(self.cfg, window_lo, None),
+            SharedStorage, features_of(self.cfg, window_lo, None, cu),
         ).launch(grid=grid, block=[self.num_threads, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -198,11 +207,14 @@ class _BwdSm80(FFPAFwdSm80):
             v = Float32.inf
             d = Float32(0.0)
             if i < limit:
-                v = mLSE[ctx.batch, head, i]
+                at = i
+                if cutlass.const_expr(ctx.varlen):  # the sequence's queries in the packed stats
+                    at = ctx.stat0 + i
+                v = mLSE[ctx.batch, head, at]
                 if v == -Float32.inf:
                     v = Float32.inf
                 if cutlass.const_expr(self.num_scores == 2):
-                    d = mDelta[ctx.batch, head, i]
+                    d = mDelta[ctx.batch, head, at]
             st.lse[x] = v * LOG2_E
             if cutlass.const_expr(self.num_scores == 2):
                 st.delta[x] = d
@@ -295,17 +307,18 @@ class FFPABwdDVSm80(_TransposedSm80):
     """dV = P^T dO, summed over each KV head's query heads (one config: `BwdDVConfigSm80`)."""
 
     num_scores = 1
-    OPERANDS = ("q", "k", "do", "dv", "lse")
+    OPERANDS = ("q", "k", "do", "dv", "lse", "cu_q", "cu_k")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mdO: cute.Tensor, mdV: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, causal_offset: cutlass.Int32,
-                 window_lo: cutlass.Int32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, mCuQ, mCuK, softmax_scale: Float32,
+                 causal_offset: cutlass.Int32, window_lo: cutlass.Int32, stream: cuda.CUstream):
         """q, do [B, Hq, Nq, D]; k, dv [B, Hkv, Nkv, D]; lse [B, Hq, Nq] fp32 (the forward's);
-        window_lo read with `window`."""
+        cu_q, cu_k: with `varlen` the sequences' cumulative lengths, else None; window_lo
+        read with `window`."""
         # rows K; ring Q chunks (S^T = K Q^T), then dO chunks (dV += P^T dO)
         self._launch_bwd(mK, mK, mQ, mdO, mdO, mdV, mLSE, mLSE, softmax_scale, causal_offset,
-                         window_lo, stream)
+                         window_lo, stream, mCuQ, mCuK)
 
     @cute.jit
     def _softmax_step(self, ctx, head, n_block):
@@ -326,7 +339,10 @@ class _TwoScoresSm80(_BwdSm80):
     num_scores = 2
     scaled = True
 
-    fake_inputs = staticmethod(fake_grad_args)  # q, k, v, do, grad; lse, delta
+    @staticmethod
+    def fake_inputs(cfg):
+        """q, k, v, do, the gradient; lse, delta; then cu_q, cu_k (`varlen`, else None)."""
+        return (*fake_grad_args(cfg), *fake_cu(cfg))
 
     @cute.jit
     def _ds(self, ctx, lse_of, delta_of):
@@ -344,17 +360,17 @@ class FFPABwdDKSm80(_TwoScoresSm80, _TransposedSm80):
     """dK = scale * dS^T Q, dS^T = P^T (dP^T - Delta[i]), summed over each KV head's query heads
     (one config: `BwdDKConfigSm80`)."""
 
-    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta")
+    OPERANDS = ("q", "k", "v", "do", "dk", "lse", "delta", "cu_q", "cu_k")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mdK: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mCuQ, mCuK,
                  softmax_scale: Float32, causal_offset: cutlass.Int32,
                  window_lo: cutlass.Int32, stream: cuda.CUstream):
         # rows K (resident) and V (row ring); ring Q chunks (S^T), dO chunks (dP^T = V dO^T),
         # then Q chunks again (dK += dS^T Q)
         self._launch_bwd(mK, mV, mQ, mdO, mQ, mdK, mLSE, mDelta, softmax_scale, causal_offset,
-                         window_lo, stream)
+                         window_lo, stream, mCuQ, mCuK)
 
     @cute.jit
     def _softmax_step(self, ctx, head, n_block):
@@ -367,17 +383,17 @@ class FFPABwdDQSm80(_TwoScoresSm80):
     """dQ = scale * dS K, dS = P (dP - Delta): the forward's KV blocks, heads and causal rule
     (one config: `BwdDQConfigSm80`)."""
 
-    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta")
+    OPERANDS = ("q", "k", "v", "do", "dq", "lse", "delta", "cu_q", "cu_k")
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                 mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mCuQ, mCuK,
                  softmax_scale: Float32, causal_offset: cutlass.Int32,
                  window_lo: cutlass.Int32, stream: cuda.CUstream):
         # rows Q (resident) and dO (row ring); ring K chunks (S), V chunks (dP = dO V^T), then
         # K chunks again (dQ += dS K)
         self._launch_bwd(mQ, mdO, mK, mV, mK, mdQ, mLSE, mDelta, softmax_scale, causal_offset,
-                         window_lo, stream)
+                         window_lo, stream, mCuQ, mCuK)
 
     @cute.jit
     def _row_state(self, ctx):

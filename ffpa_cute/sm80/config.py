@@ -57,7 +57,8 @@ class FwdConfigSm80:
                  their int32 cumulative lengths): each CTA finds its sequence's row tile by
                  common/scheduler.py's `varlen_tile`, its tiles start at the sequence's first
                  rows, and the causal offset and window edge add the sequence's frame. The
-                 16-bit forward's field; not yet run on a GPU (`VERIFIED` False: canaried).
+                 16-bit forward's and gradient kernels' field; not yet run on a GPU
+                 (`VERIFIED` False: canaried).
     """
 
     arch: str
@@ -222,8 +223,8 @@ def can_implement(cfg: FwdConfigSm80) -> str | None:
         return f"O needs {cfg.o_registers()} registers per thread with {cfg.warp_layout} (> 160)"
     if cfg.sinks and type(cfg) in BWD_CONFIGS.values():
         return "sinks is the forward's field (the gradient kernels read it through the LSE)"
-    if cfg.varlen and type(cfg) is not FwdConfigSm80:
-        return "one-launch varlen is the 16-bit forward's field (the others: per sequence)"
+    if cfg.varlen and isinstance(cfg, FwdFP8ConfigSm80):
+        return "one-launch varlen is the 16-bit kernels' field (FP8 / NVFP4: per sequence)"
     return None
 
 
@@ -337,7 +338,7 @@ def plan_bwd(kind: str, problem: AttnProblem, arch: str, warp_layout: str | None
         for stages in (4, 3, 2):
             cfg = cls(arch=arch, dtype=problem.dtype, head_dim=problem.head_dim,
                       causal=problem.right_bounded, warp_layout=layout, num_stages=stages,
-                      tile_n=64, window=problem.window_lo is not None)
+                      tile_n=64, window=problem.window_lo is not None, varlen=problem.varlen)
             if can_implement(cfg) is None:
                 return cfg
     raise ValueError(f"{kind}: {can_implement(cfg)}")

@@ -254,15 +254,23 @@ class FFPAFwdSm80(KernelEntry):
         m_block = self._tile_index(bidx, grid_m)
         mQ, mK = rows[0], cols[0]
         seqlen_q, seqlen_k, hdim = mQ.shape[2], mK.shape[2], mQ.shape[3]
-        row0 = col0 = None  # the first rows of R and C (`varlen`: the sequence's)
+        row0 = col0 = stat0 = None  # the first rows of R and C (`varlen`: the sequence's)
         window_lo = None if features is None else features.window_lo
         if cutlass.const_expr(self._varlen(features)):
-            # tile bidx of the sequences' row tiles, in its sequence's frame
+            # tile bidx of the sequences' row tiles (R's: keys for dV / dK, whose tiles go
+            # first first), in its sequence's frame: Nkv - Nq, bottom-right
+            keys_rows = getattr(self, "transposed", False)
             m_block, row0, seqlen_q, col0, seqlen_k = varlen_tile(
-                features.cu[0], features.cu[1], bidx, self.tile_m, False)
-            causal_offset = causal_offset + seqlen_k - seqlen_q   # bottom-right: Nkv - Nq
+                features.cu[0], features.cu[1], bidx, self.tile_m, keys_rows)
+            frame = seqlen_q - seqlen_k if cutlass.const_expr(keys_rows) else (
+                seqlen_k - seqlen_q)
+            causal_offset = causal_offset + frame
             if cutlass.const_expr(window_lo is not None):
-                window_lo = window_lo + seqlen_k - seqlen_q
+                window_lo = window_lo + frame
+            stat0 = col0 if cutlass.const_expr(keys_rows) else row0   # the queries' first row
+            rows = tuple(self._from_row(m, row0, features, True) for m in rows)
+            cols = tuple(self._from_row(m, col0, features, True) for m in cols)
+            mQ = rows[0]
         head_kv, group = self._heads(head, mQ.shape[1], mK.shape[1])
         warp_n_idx = cute.arch.warp_idx() // self.warp_m
         lane = cute.arch.lane_idx()
@@ -280,11 +288,10 @@ class FFPAFwdSm80(KernelEntry):
 
         # ///// global tiles and their coordinates
         # (tile_m, tile_hdim, C)
-        gQ = cute.local_tile(self._from_row(mQ[batch, head, None, None], row0, features),
-                             (self.tile_m, self.tile_hdim), (m_block, None))
+        gQ = cute.local_tile(mQ[batch, head, None, None], (self.tile_m, self.tile_hdim),
+                             (m_block, None))
         # per ring phase (tile_n, tile_hdim, n_blocks, C), or None where the head varies
-        gCols = self._col_tiles([self._from_row(m, col0, features, True) for m in cols],
-                                batch, head_kv)
+        gCols = self._col_tiles(cols, batch, head_kv)
         idQ = cute.make_identity_tensor((seqlen_q, hdim))
         idKV = cute.make_identity_tensor((seqlen_k, hdim))
         cQ = cute.local_tile(idQ, (self.tile_m, self.tile_hdim), (m_block, None))
@@ -359,7 +366,7 @@ class FFPAFwdSm80(KernelEntry):
             gmem_copy_in=gmem_copy_in, gmem_copy_out=gmem_copy_out, thr_copy=thr_copy, tCg=tCg,
             tKVcKV=tKVcKV, tKVsKV=tKVsKV, thr_mma=thr_mma, acc_S=acc_S, acc_S_mn=acc_S_mn,
             acc_2=acc_2, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn, row_idx=row_idx,
-            rP=rP, window_lo=window_lo, row0=row0, varlen=self._varlen(features),
+            rP=rP, window_lo=window_lo, row0=row0, stat0=stat0, varlen=self._varlen(features),
             sinks=None if features is None else features.sinks, storage=storage,
             tiled_mma=tiled_mma, s2r_A=s2r_A, s2r_B=s2r_B, s2r_Bt=s2r_Bt, tSrQ=tSrQ, tSrK=tSrK,
             tSrQ_v=tSrQ_v, tSrK_v=tSrK_v, tOrVt=tOrVt, tOrVt_v=tOrVt_v, tOrP=tOrP,
@@ -450,8 +457,8 @@ class FFPAFwdSm80(KernelEntry):
         return features is not None and features.cu is not None
 
     def _from_row(self, t: cute.Tensor, row0, features, per_batch: bool = False):
-        """t from row `row0` on under `varlen` (its rows, then columns; per_batch: t is (B, H,
-        N, D), offset along N), else t itself."""
+        """t from row `row0` on under `varlen` (t (rows, columns); per_batch: (B, H, N, D),
+        offset along N), else t itself."""
         if cutlass.const_expr(not self._varlen(features)):
             return t
         if cutlass.const_expr(per_batch):
