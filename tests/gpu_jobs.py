@@ -53,6 +53,13 @@ VARLEN_FIELDS = ((512, 512, True, None, None, False, "bf16"),
                  (576, 512, True, -300, None, False, "bf16"),
                  (1024, 1024, False, -64, 64, True, "bf16"),
                  (512, 512, True, -200, 0, True, "bf16"))
+# the Split-D family's one-launch varlen kernels and their per-sequence twins
+# (test_splitd_varlen_one_launch_is_the_per_sequence_kernel): (d, causal, window_lo,
+# window_hi, sinks, dtype)
+SPLITD_VARLEN_FIELDS = ((320, True, None, None, False, "bf16"),
+                        (512, True, -100, 20, True, "bf16"),
+                        (1024, True, None, None, True, "fp16"),
+                        (512, True, -64, 0, True, "bf16"))
 TARGET = "sm_90a"
 
 
@@ -198,6 +205,19 @@ def jobs(sections=SECTIONS) -> list:
             add([(plan.kernel_cls, plan.cfg), *_one_cta_per_tile(plan.cfg)])
             bwd = dispatch.plan_bwd(q, target=TARGET, opts=Options()).jobs
             add(bwd + _group_split_twins(bwd))
+    for d, causal, lo, hi, sinks, dtype in SPLITD_VARLEN_FIELDS if "varlen" in sections else ():
+        splitd = Options(family="sm80")
+        for nq, nkv, varlen in ((1000, 1000, True), (1000, 1000, False), (7, 300, False),
+                                (300, 1, False), (1, 1, False)):
+            off = 0 if varlen else nkv - nq   # the per-sequence calls' own frames
+            p = AttnProblem(dtype=dtype, batch=1, heads_q=4, heads_kv=2, seqlen_q=nq,
+                            seqlen_kv=nkv, head_dim=d, head_dim_v=d, causal=causal,
+                            causal_offset=off, varlen=varlen,
+                            window_lo=None if lo is None else off + lo,
+                            window_hi=None if hi is None else off + hi, has_sinks=sinks)
+            plan = dispatch.plan_fwd(p, target=TARGET, opts=splitd)
+            add([(plan.kernel_cls, plan.cfg)])
+            add(dispatch.plan_bwd(p, target=TARGET, opts=splitd).jobs)
     for d, dv in DV_PAIRS if "dv" in sections else ():
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
