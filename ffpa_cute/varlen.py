@@ -11,12 +11,13 @@ on CUDA), once per tensor: a cu_seqlens tensor passed again unchanged (the same 
 in-place write since: its version counter) reuses the bounds it gave, so the layers of a model
 sharing one cu_seqlens sync once per step, not once per layer.
 
-* One launch (`Options.varlen_launch`, the sm90 and sm100 16-bit kernels; sm100's, never run,
-  only after their canaries, `canary` / `bwd_canary`, pass on the device): the packed tensors
-  are passed as [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of
-  the forward, dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no
-  padding work, no host-side tile list), and masks, causal offset and window are per sequence
-  (`varlen` in sm90/config.py and sm100/config.py). `VarlenAttention` is its autograd
+* One launch (`Options.varlen_launch`, the 16-bit kernels of sm90, sm100 and the Split-D
+  families; those never run on the device's target, or not yet run at all, only after their
+  canaries, `canary` / `bwd_canary`, pass on the device): the packed tensors are passed as
+  [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of the forward,
+  dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no padding
+  work, no host-side tile list), and masks, causal offset and window are per sequence
+  (`varlen` in the families' config.py). `VarlenAttention` is its autograd
   function; Delta runs on the packed views as it is. Taken when the forward plan (and, for
   inputs that require grad, the backward plan) of the problem has varlen kernels.
 * Otherwise a host loop: each sequence is one call of the routine behind `attention()`,
@@ -146,7 +147,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     j <= i + nkv - nq), `window=(left, right)` is in the same frame, `sinks` [Hq] joins every
     row's denominator, GQA needs `enable_gqa=True`; lse is float32 (float64 for float64
     inputs). out and lse are differentiable in q, k, v and sinks. One kernel launch over
-    all sequences where the sm90 (or sm100) kernels serve the problem, else one
+    all sequences where the kernels serve the problem that way, else one
     `attention()`-routed call per sequence (module docstring).
     """
     err = (_check_packed(q, k, v)
