@@ -44,12 +44,14 @@ def tile_coords(t, m_tiles, heads):
 
 @cute.jit
 def varlen_tile(cu_r: cute.Tensor, cu_c: cute.Tensor, t: Int32, tile_m: cutlass.Constexpr,
-                ascending: cutlass.Constexpr):
-    """(m_block, first row in R, rows of R, first row in C, rows of C) of CTA tile t of the
-    sequences' row tiles (module docstring): R's sequence b is rows cu_r[b]:cu_r[b + 1] of
+                ascending: cutlass.Constexpr, keys_rows: cutlass.Constexpr):
+    """(m_block, first row in R, rows of R, first row in C, rows of C, frame) of CTA tile t of
+    the sequences' row tiles (module docstring): R's sequence b is rows cu_r[b]:cu_r[b + 1] of
     the packed tensor, C's cu_c[b]:cu_c[b + 1]. Within a sequence the tiles go last first (the
-    longest under causal, as the dense grid orders them), or first first when `ascending`
-    (rows are keys under causal). A t past the last tile: (0, 0, 0, 0, 0)."""
+    longest under causal, as the dense grid orders them), or first first when `ascending`.
+    frame: the sequence's bottom-right causal frame Nkv - Nq, which the kernels add to their
+    runtime causal offset and window edge (R holds the keys when `keys_rows`: dV, dK). A t
+    past the last tile: all 0."""
     rest = Int32(t)
     m_block, row0, row0_c = Int32(0), Int32(0), Int32(0)
     seqlen_r, seqlen_c = Int32(0), Int32(0)
@@ -66,7 +68,18 @@ def varlen_tile(cu_r: cute.Tensor, cu_c: cute.Tensor, t: Int32, tile_m: cutlass.
                 row0_c = cu_c[b]
                 seqlen_c = cu_c[b + 1] - row0_c
         rest = rest - tiles
-    return m_block, row0, seqlen_r, row0_c, seqlen_c
+    frame = seqlen_c - seqlen_r
+    if const_expr(keys_rows):
+        frame = seqlen_r - seqlen_c
+    return m_block, row0, seqlen_r, row0_c, seqlen_c, frame
+
+
+def rows_from(t: cute.Tensor, row0, varlen: bool, mode: int = 0) -> cute.Tensor:
+    """t from row `row0` of its mode `mode` on (a packed sequence's first row: TMA coordinates
+    and cp.async tiles may start anywhere) when `varlen`, else t itself."""
+    if not varlen:
+        return t
+    return cute.domain_offset(tuple(row0 if i == mode else 0 for i in range(cute.rank(t))), t)
 
 
 def tile_count(m_tiles, heads, batch):
@@ -74,4 +87,4 @@ def tile_count(m_tiles, heads, batch):
     return m_tiles * heads * batch
 
 
-__all__ = ["tile_coords", "tile_count", "varlen_tile"]
+__all__ = ["rows_from", "tile_coords", "tile_count", "varlen_tile"]

@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..common.mask import mask_row, n_block_max, n_block_min, query_block_range
-from ..common.scheduler import varlen_tile
+from ..common.scheduler import rows_from, varlen_tile
 from ..common.tensors import CUTLASS_DTYPES, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, V_ROWS, FwdConfigSm100, _role, can_implement, num_threads
 
@@ -226,12 +226,10 @@ class RingSkeletonSm100(KernelEntry):
         o_part = bidx % cfg.o_split
         rows0 = (Int32(0), Int32(0))  # the first rows of R and C (`varlen`: the sequence's)
         if const_expr(cfg.varlen):  # tile t of the sequences' row tiles, in its own frame
-            m_block, row0, seqlen_r, row0_c, seqlen_c = varlen_tile(
-                cu[0], cu[1], m_block, TILE_M, cfg.rows_are_keys and cfg.causal)
+            m_block, row0, seqlen_r, row0_c, seqlen_c, frame = varlen_tile(
+                cu[0], cu[1], m_block, TILE_M, cfg.rows_are_keys and cfg.causal,
+                cfg.rows_are_keys)
             rows0 = (row0, row0_c)
-            frame = seqlen_c - seqlen_r  # bottom-right: Nkv - Nq of the sequence
-            if const_expr(cfg.rows_are_keys):
-                frame = seqlen_r - seqlen_c
             causal_offset = causal_offset + frame
             window_lo = window_lo + frame
 
@@ -336,12 +334,6 @@ class RingSkeletonSm100(KernelEntry):
             count = cutlass.max(n_max - n_block_min(m_block, window_lo, TILE_M, n), 0)
         return count, n_max, cutlass.max(count, 1), head // group
 
-    def _from_row(self, t: cute.Tensor, row0) -> cute.Tensor:
-        """t (rows first) from row `row0` on under `varlen`, else t itself."""
-        if const_expr(self.cfg.varlen):
-            return cute.domain_offset((row0, 0), t)
-        return t
-
     @cute.jit
     def _block(self, walk, i):
         """(C head, C block) of block i."""
@@ -366,7 +358,7 @@ class RingSkeletonSm100(KernelEntry):
         def parts(tma_r, gR, tma_c, gC):
             """TMA partitions of one product's R chunks of this row tile: (smem (TMA, stage),
             gmem (TMA, chunk)); C's are partitioned per block on use (its head may change)."""
-            gr = cute.local_tile(self._from_row(gR[None, None, head, batch], rows0[0]),
+            gr = cute.local_tile(rows_from(gR[None, None, head, batch], rows0[0], cfg.varlen),
                                  cute.select(self.qk_tiler, [0, 2]), (m_block, None))
             tRs, tRg = cpasync.tma_partition(tma_r, 0, one, cute.group_modes(sR, 0, 3),
                                              cute.group_modes(thr_qk.partition_A(gr), 0, 3))
@@ -386,8 +378,9 @@ class RingSkeletonSm100(KernelEntry):
                 for p in cutlass.range_constexpr(len(cfg.products)):
                     tma_r, _, tma_c, gC = first if const_expr(p == 0) else second
                     tRg = tRg1 if const_expr(p == 0) else tRg2
-                    gc = cute.local_tile(self._from_row(gC[None, None, c_head, batch], rows0[1]),
-                                         cute.select(self.qk_tiler, [1, 2]), (n, None))
+                    gc = cute.local_tile(
+                        rows_from(gC[None, None, c_head, batch], rows0[1], cfg.varlen),
+                        cute.select(self.qk_tiler, [1, 2]), (n, None))
                     tCs, tCg = cpasync.tma_partition(
                         tma_c, 0, one, cute.group_modes(sC, 0, 3),
                         cute.group_modes(thr_qk.partition_B(gc), 0, 3))
@@ -419,10 +412,9 @@ class RingSkeletonSm100(KernelEntry):
             if i >= cfg.lookahead:
                 c_head, n = self._block(walk, i - cfg.lookahead)
                 tma_b, gB = acc_b
-                gb_rows = gB[None, None, c_head, batch]  # (acc_dim, N): the keys second
-                if const_expr(self.cfg.varlen):
-                    gb_rows = cute.domain_offset((0, rows0[1]), gb_rows)
-                gb = cute.local_tile(gb_rows, cute.select(self.pv_tiler, [1, 2]), (o_part, None))
+                gb = cute.local_tile(  # (acc_dim, N): the keys second
+                    rows_from(gB[None, None, c_head, batch], rows0[1], cfg.varlen, mode=1),
+                    cute.select(self.pv_tiler, [1, 2]), (o_part, None))
                 tBs, tBg = cpasync.tma_partition(tma_b, 0, one, cute.group_modes(sB, 0, 3),
                                                  cute.group_modes(thr_pv.partition_B(gb), 0, 3))
                 for j in cutlass.range_constexpr(cfg.v_blocks_per_tile):

@@ -54,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.utils import blackwell_helpers as bh
 
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
-from ..common.scheduler import varlen_tile
+from ..common.scheduler import rows_from, varlen_tile
 from ..common.softmax import (FRAME_FLOOR_LOG2, P_BIAS_LOG2, OnlineSoftmax, mn_view,
                               quad_allreduce_max)
 from ..common.tensors import (CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd,
@@ -260,16 +260,14 @@ class FFPAFwdSm80(KernelEntry):
             # tile bidx of the sequences' row tiles (R's: keys for dV / dK, whose tiles go
             # first first), in its sequence's frame: Nkv - Nq, bottom-right
             keys_rows = getattr(self, "transposed", False)
-            m_block, row0, seqlen_q, col0, seqlen_k = varlen_tile(
-                features.cu[0], features.cu[1], bidx, self.tile_m, keys_rows)
-            frame = seqlen_q - seqlen_k if cutlass.const_expr(keys_rows) else (
-                seqlen_k - seqlen_q)
+            m_block, row0, seqlen_q, col0, seqlen_k, frame = varlen_tile(
+                features.cu[0], features.cu[1], bidx, self.tile_m, keys_rows, keys_rows)
             causal_offset = causal_offset + frame
             if cutlass.const_expr(window_lo is not None):
                 window_lo = window_lo + frame
             stat0 = col0 if cutlass.const_expr(keys_rows) else row0   # the queries' first row
-            rows = tuple(self._from_row(m, row0, features, True) for m in rows)
-            cols = tuple(self._from_row(m, col0, features, True) for m in cols)
+            rows = tuple(rows_from(m, row0, True, mode=2) for m in rows)   # (B, H, N, D)
+            cols = tuple(rows_from(m, col0, True, mode=2) for m in cols)
             mQ = rows[0]
         head_kv, group = self._heads(head, mQ.shape[1], mK.shape[1])
         warp_n_idx = cute.arch.warp_idx() // self.warp_m
@@ -456,15 +454,6 @@ class FFPAFwdSm80(KernelEntry):
         """Whether the kernel runs over packed sequences (`varlen`: features carry cu)."""
         return features is not None and features.cu is not None
 
-    def _from_row(self, t: cute.Tensor, row0, features, per_batch: bool = False):
-        """t from row `row0` on under `varlen` (t (rows, columns); per_batch: (B, H, N, D),
-        offset along N), else t itself."""
-        if cutlass.const_expr(not self._varlen(features)):
-            return t
-        if cutlass.const_expr(per_batch):
-            return cute.domain_offset((0, 0, row0, 0), t)
-        return cute.domain_offset((row0, 0), t)
-
     @cute.jit
     def _heads(self, head, heads_rows, heads_cols):
         """(head of the ring tensors for this CTA's row head, group size): the KV head."""
@@ -644,9 +633,7 @@ class FFPAFwdSm80(KernelEntry):
             rO.store(acc_O[c].load().to(self.out_dtype))
             cute.autovec_copy(rO, ctx.thr_mma.partition_C(sQ[None, None, c]))
         ctx.cta_sync.arrive_and_wait()
-        mO_bh = mO[ctx.batch, ctx.head, None, None]
-        if cutlass.const_expr(ctx.varlen):  # the sequence's rows of the packed output
-            mO_bh = cute.domain_offset((ctx.row0, 0), mO_bh)
+        mO_bh = rows_from(mO[ctx.batch, ctx.head, None, None], ctx.row0, ctx.varlen)
         gO = cute.local_tile(mO_bh, (self.tile_m, self.tile_hdim), (ctx.m_block, None))
         cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, hdim)),
                              (self.tile_m, self.tile_hdim), (ctx.m_block, None))

@@ -116,7 +116,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common.convert import convert_stage, e4m3_pairs
 from ..common.mask import apply_mask, block_needs_mask, n_block_max, n_block_min
-from ..common.scheduler import tile_coords, tile_count, varlen_tile
+from ..common.scheduler import rows_from, tile_coords, tile_count, varlen_tile
 from ..common.softmax import OnlineSoftmax, mn_view
 from ..common.tensors import CUTLASS_DTYPES, LOG2_E, KernelEntry, aligned_bhdn, aligned_bhnd
 from .config import TILE_M, WIDE_O_REGS, FwdConfigSm90, cvt_tiling, pv_atom_n
@@ -583,20 +583,16 @@ class RingSkeletonSm90(SharedKVRing, OverlapSchedule, KernelEntry):
         `varlen_tile`: sequence 0's row tiles, longest first under causal, then sequence
         1's, ...); a t past the last tile gets an empty tile: no rows, no blocks, nothing
         stored."""
-        m_block, row0, seqlen_r, row0_c, seqlen_c = varlen_tile(
-            scalars.cu_r, scalars.cu_c, t, TILE_M, self.keys_are_rows and self.causal)
-        frame = seqlen_c - seqlen_r  # the sequence's bottom-right causal frame: Nkv - Nq
-        if const_expr(self.keys_are_rows):
-            frame = seqlen_r - seqlen_c
+        m_block, row0, seqlen_r, row0_c, seqlen_c, frame = varlen_tile(
+            scalars.cu_r, scalars.cu_c, t, TILE_M, self.keys_are_rows and self.causal,
+            self.keys_are_rows)
         return self._tile(ops, scalars, extra, m_block, o_part, head, 0,
                           (seqlen_r, seqlen_c, row0, row0_c, frame), part)
 
     def _from_row(self, t: cute.Tensor, row0) -> cute.Tensor:
         """t (rows first) from row `row0` on: under `varlen` the sequence's first row in the
         packed tensor (TMA coordinates may start anywhere), else t itself."""
-        if const_expr(self.cfg.varlen):
-            return cute.domain_offset((row0, 0), t)
-        return t
+        return rows_from(t, row0, self.cfg.varlen)
 
     @cute.jit
     def _tiles(self, ops: Operands):
