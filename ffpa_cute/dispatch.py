@@ -67,8 +67,7 @@ def _no_varlen(p: AttnProblem, family: str, sixteen_bit: bool = False):
 
 
 def _sm80_fwd(p: AttnProblem, target: str, opts: Options):
-    """The Split-D forward, 16-bit (one-launch varlen too, canaried: not yet run) or (sm_89
-    and up) e4m3."""
+    """The Split-D forward, 16-bit (one-launch varlen too) or (sm_89 and up) e4m3."""
     _no_varlen(p, "Split-D FP8 / NVFP4", sixteen_bit=True)
     return sm80_config.plan_fwd(p, target)
 

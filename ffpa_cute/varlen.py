@@ -12,8 +12,8 @@ in-place write since: its version counter) reuses the bounds it gave, so the lay
 sharing one cu_seqlens sync once per step, not once per layer.
 
 * One launch (`Options.varlen_launch`, the 16-bit kernels of sm90, sm100 and the Split-D
-  families; those never run on the device's target, or not yet run at all, only after their
-  canaries, `canary` / `bwd_canary`, pass on the device): the packed tensors are passed as
+  families; those never run on the device's target (sm100; Split-D off sm_90a) only after
+  their canaries, `canary` / `bwd_canary`, pass on the device): the packed tensors are passed as
   [1, H, total, D] views and the kernels take cu_seqlens themselves: each CTA of the forward,
   dQ, dK and dV kernels finds its sequence and row tile by walking cu_seqlens (no padding
   work, no host-side tile list), and masks, causal offset and window are per sequence

@@ -119,6 +119,11 @@ def kernels() -> dict:
     out["splitd-fwd-d520-window-sinks-sm90a"] = (plan.kernel_cls, plan.cfg)
     cfg = sm80_config.plan_bwd("dk", p, "sm_90a")
     out["splitd-bwd-dk-d520-window-sm90a"] = (dispatch.kernel_class(cfg), cfg)
+    p = dataclasses.replace(_problem(512, True), varlen=True)  # Split-D, one launch
+    plan = dispatch.plan_fwd(p, target="sm_90a", opts=Options(family="sm80"))
+    out["splitd-fwd-d512-varlen-sm90a"] = (plan.kernel_cls, plan.cfg)
+    cfg = sm80_config.plan_bwd("dk", p, "sm_90a")
+    out["splitd-bwd-dk-d512-varlen-sm90a"] = (dispatch.kernel_class(cfg), cfg)
     return out
 
 

@@ -448,7 +448,7 @@ def test_persistent_rule(kw, persistent):
 def test_varlen_rule(kw):
     """A one-launch varlen problem plans the sm90 kernels with `varlen` (never persistent,
     never query heads packed into rows), forward and backward; the Split-D family plans its
-    `varlen` kernels (Dv == D; not yet run on a GPU: `VERIFIED` False, canaried), the FP8
+    `varlen` kernels (Dv == D), the FP8
     forward refuses it (varlen_attention then loops over the sequences)."""
     from ffpa_cute.sm90 import config as sm90_config
 
@@ -462,7 +462,7 @@ def test_varlen_rule(kw):
     assert all(cfg.varlen for cfg in bwd.cfgs if hasattr(cfg, "varlen"))
     splitd = dispatch.plan_fwd(p, target="sm_90a", opts=Options(family="sm80"))
     if p.head_dim_v == p.head_dim:
-        assert splitd.reason is None and splitd.cfg.varlen and not splitd.cfg.VERIFIED
+        assert splitd.reason is None and splitd.cfg.varlen
     else:
         assert "equal head dims" in splitd.reason
     persistent = dataclasses.replace(plan.cfg, persistent=True)

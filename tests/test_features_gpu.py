@@ -505,11 +505,11 @@ SPLITD_VARLEN_CASES = [  # d, hq, hkv, causal, window, sinks, dtype
 @pytest.mark.parametrize("case", SPLITD_VARLEN_CASES, ids=lambda c: "-".join(map(str, c[:6])))
 def test_splitd_varlen_one_launch_is_the_per_sequence_kernel(seed, case):
     """The Split-D forward and dQ / dK / dV over packed sequences in one launch each
-    (`Options(family="sm80")`: the mma.sync kernels as sm_90a code) pass their canaries (they
-    have not run before: `VERIFIED` False) and give out, lse and every gradient bit for bit as
-    one kernel call per sequence (the same tiles, the same order; the sinks' gradient, a torch
-    sum, to rounding); cross lengths per sequence (Nq > Nkv, Nq < Nkv, no keys, no queries, 1,
-    7, 129), GQA / MQA, a window, sinks, fp16; one sequence also against float64."""
+    (`Options(family="sm80")`: the mma.sync kernels as sm_90a code) give out, lse and every
+    gradient bit for bit as one kernel call per sequence (the same tiles, the same order; the
+    sinks' gradient, a torch sum, to rounding); cross lengths per sequence (Nq > Nkv, Nq < Nkv,
+    no keys, no queries, 1, 7, 129), GQA / MQA, a window, sinks, fp16; one sequence also
+    against float64."""
     from ffpa_cute import varlen, varlen_attention
 
     d, hq, hkv, causal, window, with_sinks, dtype = case
@@ -527,7 +527,7 @@ def test_splitd_varlen_one_launch_is_the_per_sequence_kernel(seed, case):
     with ffpa_cute.options.use(family="sm80"):
         plan = varlen._one_launch_plan(q, k, v, len(lq), max(lq), max(lk), causal, None,
                                        window, sinks)
-        assert plan is not None and plan.cfg.varlen   # its canaries passed
+        assert plan is not None and plan.cfg.varlen   # one launch, not the loop
         for one in (True, False):
             with ffpa_cute.options.use(varlen_launch=one):
                 out, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)

@@ -57,8 +57,7 @@ class FwdConfigSm80:
                  their int32 cumulative lengths): each CTA finds its sequence's row tile by
                  common/scheduler.py's `varlen_tile`, its tiles start at the sequence's first
                  rows, and the causal offset and window edge add the sequence's frame. The
-                 16-bit forward's and gradient kernels' field; not yet run on a GPU
-                 (`VERIFIED` False: canaried).
+                 16-bit forward's and gradient kernels' field.
     """
 
     arch: str
@@ -74,12 +73,6 @@ class FwdConfigSm80:
     varlen: bool = False
 
     KERNEL: ClassVar[str] = "ffpa_cute.sm80.fwd_sm80:FFPAFwdSm80"
-
-    @property
-    def VERIFIED(self) -> bool:
-        """Run and GPU-tested (on an H200 / H100 as sm_90a code), except the one-launch
-        varlen form, which has not run yet: selfcheck canaries it before its first use."""
-        return not self.varlen
 
     @property
     def warp_m(self) -> int:
