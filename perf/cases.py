@@ -35,7 +35,8 @@ FFPA_FAMILIES = ("self", "cross", "decode", "gqa", "causal", "unaligned")
 USER_FAMILIES = ("gemma4", "mqa", "mla", "mla-decode", "vae")
 ALL_FAMILIES = FFPA_FAMILIES + USER_FAMILIES
 # perf/serving.py's rows (their own table; only when named: not part of "all")
-SERVING_FAMILIES = ("window", "varlen", "kvdecode", "kvdecode-fp8", "kvprefill")
+SERVING_FAMILIES = ("window", "varlen", "varlen-short", "kvdecode", "kvdecode-fp8",
+                    "kvprefill")
 # dense masks (`Case.mask`; only when named: not part of "all")
 MASK_FAMILIES = ("keypad", "images", "windowmask")
 FAMILY_ALIASES = {"ffpa": FFPA_FAMILIES, "users": USER_FAMILIES, "all": ALL_FAMILIES,

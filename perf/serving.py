@@ -11,6 +11,9 @@ beside the attention tables:
   forward and backward, against `attention()` on the padded equal-length batch of the same total
   tokens (B=8, N = total / 8); TFLOPS on valid pairs. The bar: within 5%. Also the per-sequence
   route (`Options(varlen_launch=False)`) in the same run.
+* `varlen-short`: the same on 32 short sequences (64-1006 tokens, 17K in all), where the
+  per-sequence route pays 32 launches a kernel and partial waves: the regime the one launch
+  is for. Under FFPA_CUTE_ARCH=sm80 both rows time the Split-D kernels.
 * `kvdecode`: one decode step (Nq = 1, bf16) of `attention_with_kvcache` on a paged cache
   (page 64, every row at length N, D=512, Hq 32 / Hkv 4 and Hq 64 / Hkv 1, B 1 / 8 / 64); GB/s of
   K/V bytes read, and that as a share of the measured copy bandwidth (the bar: 85%). SDPA beside
@@ -42,6 +45,7 @@ from .timing import bench
 WINDOW_SEQLENS = (8192, 16384)
 WINDOW_SHAPES = ((1024, 32, 32), (128, 64, 1))  # (left, Hq, Hkv)
 VARLEN_LENS = (1024, 8192, 2048, 4096, 3072, 6144, 5120, 7168)
+VARLEN_SHORT_LENS = tuple(64 + (i * 397) % 961 for i in range(32))  # 64-1006, 17K tokens
 KVDECODE_SEQLENS = (4096, 32768, 131072)
 KVDECODE_SHAPES = ((32, 4), (64, 1))
 KVDECODE_BATCHES = (1, 8, 64)
@@ -77,9 +81,9 @@ def serving_cases(families, seqlens=None) -> list[ServingCase]:
         if fam == "window":
             out += [ServingCase("window", n, hq=hq, hkv=hkv, left=left)
                     for left, hq, hkv in WINDOW_SHAPES for n in seqlens or WINDOW_SEQLENS]
-        elif fam == "varlen":
-            out.append(ServingCase("varlen", sum(VARLEN_LENS), len(VARLEN_LENS), 32, 4,
-                                   lens=VARLEN_LENS))
+        elif fam in ("varlen", "varlen-short"):
+            lens = VARLEN_LENS if fam == "varlen" else VARLEN_SHORT_LENS
+            out.append(ServingCase(fam, sum(lens), len(lens), 32, 4, lens=lens))
         elif fam == "kvprefill":
             out += [ServingCase("kvprefill", n, 4, 32, 4, nq=c) for c in KVPREFILL_CHUNKS
                     for n in seqlens or KVPREFILL_SEQLENS]
@@ -298,7 +302,7 @@ def run_serving(cases, device, bench_kw: dict, mem_limit: float, log=print) -> l
         try:
             if case.family == "window":
                 row = run_window(case, device, bench_kw, ffpa)
-            elif case.family == "varlen":
+            elif case.family in ("varlen", "varlen-short"):
                 row = run_varlen(case, device, bench_kw, ffpa)
             elif case.family == "kvprefill":
                 row = run_kvprefill(case, device, bench_kw, ffpa)
@@ -338,15 +342,17 @@ def render(rows: list[dict], copy_gbps: float | None) -> str:
                        f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('sdpa_tflops'))} | "
                        f"{_f(c.get('err'), '{:.1e}')} |")
         out.append("")
-    var = [r for r in rows if r["case"]["family"] == "varlen"]
+    var = [r for r in rows if r["case"]["family"] in ("varlen", "varlen-short")]
     if var:
-        out += ["## Varlen (8 causal sequences 1K-8K, D=512, Hq 32 / Hkv 4; TFLOPS on valid "
+        out += ["## Varlen (causal sequences, D=512, Hq 32 / Hkv 4; TFLOPS on valid "
                 "pairs) vs the padded equal-length batch", "",
-                "| total | varlen fwd | padded fwd | ratio | varlen bwd | padded bwd | ratio | "
-                "per-sequence fwd / bwd | err |", "|---|---|---|---|---|---|---|---|---|"]
+                "| sequences | total | varlen fwd | padded fwd | ratio | varlen bwd | padded bwd | ratio | "
+                "per-sequence fwd / bwd | err |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in var:
             c = r["cells"]
-            out.append(f"| {r['case']['n']} | {_f(c.get('varlen_tflops'))} | "
+            lens = r["case"]["lens"]
+            out.append(f"| {len(lens)} of {min(lens)}-{max(lens)} | {r['case']['n']} | "
+                       f"{_f(c.get('varlen_tflops'))} | "
                        f"{_f(c.get('padded_tflops'))} | {_f(c.get('ratio'), '{:.2f}')} | "
                        f"{_f(c.get('varlen_bwd_tflops'))} | {_f(c.get('padded_bwd_tflops'))} | "
                        f"{_f(c.get('bwd_ratio'), '{:.2f}')} | {_f(c.get('loop_tflops'))} / "
