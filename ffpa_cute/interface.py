@@ -263,8 +263,9 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     sink). The 16-bit kernels (sm90, Split-D) serve both (eager calls), blocks outside the
     window skipped; FP8 too (forward); elsewhere exact torch math (logged). Not with dropout.
 
-    q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout): one call
-    per sequence, out (and lse) on q's offsets (`ffpa_cute.nested`).
+    q, k, v may also be torch jagged NestedTensors [B, H, j, D] (SDPA's NJT layout):
+    `varlen_attention` on their values (one launch where the kernels serve it; with dropout,
+    one call per sequence), out (and lse) on q's offsets (`ffpa_cute.nested`).
 
     FP8: q, k, v in float8_e4m3fn (or e5m2) with fp32 `q_descale` / `k_descale` / `v_descale`
     (a number, or [B, Hkv] per batch and KV head; x = x_fp8 * descale) give the attention of

@@ -2,13 +2,16 @@
 layout (`nt.transpose(1, 2)` of a `torch.nested.nested_tensor(..., layout=torch.jagged)` of
 [n_b, H, D] sequences).
 
-Each sequence runs as one dense `attention` call on a [1, H, n_b, D] view (its routing, its
-checks and errors), so everything `attention` takes per call applies per sequence (causal
-bottom-right per sequence, GQA, window, sinks, dropout). The outputs are packed into a
-NestedTensor on q's own offsets, so out has q's ragged dimension (`out + q` works when Dv ==
-D); with `return_lse`, lse is [B, Hq, j] the same way. Differentiable through the unbinding
-and the packing. A host loop over sequences (as `varlen_attention`); no dense attn_mask and
-no FP8 inputs.
+A NestedTensor's values are packed sequences with cumulative lengths (its offsets), which is
+`varlen_attention`'s input: without dropout, and where every tensor's sequences fill its values
+from row 0 with no holes (no `lengths()`) and k and v share their offsets, the call is
+`varlen_attention` on the values (one launch of the 16-bit kernels where they serve it, the
+per-sequence route elsewhere). Otherwise (dropout, holes, k and v of different lengths, which
+then raise there) each sequence runs as one dense `attention` call on a [1, H, n_b, D] view.
+Both give `attention`'s semantics per sequence (causal bottom-right per sequence, GQA, window,
+sinks) and pack the outputs into a NestedTensor on q's own offsets, so out has q's ragged
+dimension (`out + q` works when Dv == D); with `return_lse`, lse is [B, Hq, j] the same way.
+Differentiable through the values and the packing. No dense attn_mask and no FP8 inputs.
 """
 
 from __future__ import annotations
@@ -45,8 +48,23 @@ def _check(q, k, v, attn_mask, fp8_args):
 
 def per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, kw):
     """`attention(q_b, k_b, v_b, return_lse=return_lse, **kw)` for each sequence b of jagged
-    q, k, v; returns out (and lse) as NestedTensors on q's offsets."""
+    q, k, v (as one `varlen_attention` call where the module docstring says); returns out
+    (and lse) as NestedTensors on q's offsets."""
     _check(q, k, v, attn_mask, fp8_args)
+
+    def pack(values):  # [total, H, ...] values on q's offsets, as [B, H, j, ...]
+        return torch.nested.nested_tensor_from_jagged(values, q.offsets()).transpose(1, 2)
+
+    bounds = _varlen_bounds(q, k, v, kw["dropout_p"])
+    if bounds is not None:
+        from .varlen import varlen_attention
+
+        args = {name: val for name, val in kw.items() if name != "dropout_p"}
+        res = varlen_attention(*(t.values().transpose(0, 1) for t in (q, k, v)),
+                               q.offsets(), k.offsets(), *bounds, return_lse=return_lse,
+                               **args)
+        out, lse = res if return_lse else (res, None)   # lse [Hq, total_q]
+        return (pack(out), pack(lse.transpose(0, 1))) if return_lse else pack(out)
     outs, lses = [], []
     for qs, ks, vs in zip(q.unbind(), k.unbind(), v.unbind()):  # [H, n_b, D] each
         res = attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
@@ -54,9 +72,20 @@ def per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, kw):
         out, lse = res if return_lse else (res, None)
         outs.append(out[0].transpose(0, 1))  # [n_b, Hq, Dv]
         lses.append(None if lse is None else lse[0].transpose(0, 1))
+    return (pack(torch.cat(outs)), pack(torch.cat(lses))) if return_lse else pack(torch.cat(outs))
 
-    def pack(parts):  # [total, H, ...] values on q's offsets, as [B, H, j, ...]
-        packed = torch.nested.nested_tensor_from_jagged(torch.cat(parts), q.offsets())
-        return packed.transpose(1, 2)
 
-    return (pack(outs), pack(lses)) if return_lse else pack(outs)
+def _varlen_bounds(q, k, v, dropout_p):
+    """(max_seqlen_q, max_seqlen_k) when jagged q, k, v are `varlen_attention`'s packed input
+    (module docstring), else None. Reads the offsets on the host (one device sync on CUDA, as
+    unbinding them would)."""
+    if dropout_p != 0 or any(t.lengths() is not None for t in (q, k, v)):
+        return None
+    offsets = [t.offsets() for t in (q, k, v)]
+    if len({o.device for o in offsets}) != 1:
+        return None
+    cq, ck, cv = torch.stack(offsets).tolist()
+    if ck != cv or any(c[0] != 0 or c[-1] != t.values().shape[1]
+                       for c, t in ((cq, q), (ck, k))):
+        return None
+    return tuple(max((b - a for a, b in zip(c, c[1:])), default=0) for c in (cq, ck))

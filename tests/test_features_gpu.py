@@ -422,6 +422,34 @@ def test_varlen_on_side_streams(seed, one_launch):
                 assert rel_err(g[s], w[0].transpose(0, 1)) <= 2e-2
 
 
+def test_nested_tensor_is_one_varlen_launch(seed):
+    """attention() on jagged NestedTensors (bf16, GQA, causal) is `varlen_attention` on their
+    values: out, lse and the gradients the same bits as the one-launch call on the packed
+    tensors, and its out against float64 on one sequence."""
+    from ffpa_cute import varlen_attention
+
+    lq, lk = [300, 1, 0, 1000, 129], [200, 7, 64, 1000, 129]
+    cq, ck = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device="cuda")
+              for n in (lq, lk))
+    q, k, v = rnd(sum(lq), 8, 512, grad=True), rnd(sum(lk), 2, 512, grad=True), \
+        rnd(sum(lk), 2, 512, grad=True)
+    nts = [torch.nested.nested_tensor_from_jagged(t, c).transpose(1, 2)
+           for t, c in ((q, cq), (k, ck), (v, ck))]
+    out, lse = attention(*nts, is_causal=True, enable_gqa=True, return_lse=True, strict=True)
+    out, lse = out.transpose(1, 2).values(), lse.transpose(1, 2).values().transpose(0, 1)
+    ref, ref_lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), is_causal=True,
+                                    enable_gqa=True, return_lse=True, strict=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    for g, h in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(ref, (q, k, v), dout)):
+        assert torch.equal(g, h)
+    s, t = slice(sum(lq[:3]), sum(lq[:4])), slice(sum(lk[:3]), sum(lk[:4]))
+    ins = [x.detach().to(F64).transpose(0, 1).unsqueeze(0) for x in (q[s], k[t], v[t])]
+    want, _ = ref_attention(*ins, causal=True)
+    assert rel_err(out[s], want[0].transpose(0, 1)) <= 1e-2
+
+
 VARLEN_CASES = [  # d, dv, hq, hkv, causal, window, sinks, dtype
     (512, 512, 4, 2, True, None, False, BF16),
     (512, 512, 8, 1, False, None, True, BF16),

@@ -209,6 +209,39 @@ def test_nested_tensor_input(seed, causal, window, with_sinks):
         assert rel_err(g, w) <= 1e-12
 
 
+def test_nested_tensor_routes(seed, monkeypatch):
+    """Jagged inputs without dropout are one `varlen_attention` call on their values (its
+    one launch where the kernels serve it); values with rows outside the sequences
+    (`lengths`) take the per-sequence route, with the same result."""
+    from ffpa_cute import attention, varlen
+
+    calls = []
+    real = varlen.varlen_attention
+    monkeypatch.setattr(varlen, "varlen_attention",
+                        lambda *a, **kw: calls.append(a[5:7]) or real(*a, **kw))
+    lq, lk = [5, 0, 13, 2], [7, 4, 13, 0]
+    q, k, v = packed(lq, lk, dv=16)
+    ref, _ = ref_varlen(q, k, v, lq, lk, causal=True)
+    out = attention(jagged(q, lq), jagged(k, lk), jagged(v, lk), is_causal=True, enable_gqa=True)
+    assert calls == [(13, 13)] and rel_err(out.transpose(1, 2).values(), ref) <= 1e-12
+    # the same sequences inside larger buffers (`lengths`: rows before and after them)
+    def inside(t, lengths, before):
+        buf = torch.cat([torch.randn(before, *t.shape[1:], dtype=F64), t,
+                         torch.randn(4, *t.shape[1:], dtype=F64)])
+        return torch.nested.nested_tensor_from_jagged(
+            buf, cu(lengths, torch.int64) + before, lengths=torch.tensor(lengths)).transpose(1, 2)
+
+    for args in ((inside(q, lq, 3), jagged(k, lk), jagged(v, lk)),
+                 (jagged(q, lq), inside(k, lk, 2), inside(v, lk, 2))):
+        calls.clear()
+        out = attention(*args, is_causal=True, enable_gqa=True)
+        assert calls == []  # the per-sequence route
+        assert rel_err(torch.cat([o.transpose(0, 1) for o in out.unbind()]), ref) <= 1e-12
+    calls.clear()
+    out = attention(jagged(q, lq), jagged(k, lk), jagged(v, lk), dropout_p=0.5, enable_gqa=True)
+    assert calls == [] and out.is_nested  # dropout: per sequence (varlen has none)
+
+
 def test_nested_tensor_errors(seed):
     from ffpa_cute import attention
 
