@@ -20,6 +20,10 @@ import torch
 
 __all__ = ["is_nested", "per_sequence"]
 
+# varlen routes each sequence through the interface, which calls this module, so this module
+# may not import varlen: varlen.py puts its `varlen_attention` here
+PACKED: dict = {}
+
 
 def is_nested(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_nested
@@ -57,10 +61,8 @@ def per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, kw):
 
     bounds = _varlen_bounds(q, k, v, kw["dropout_p"])
     if bounds is not None:
-        from .varlen import varlen_attention
-
         args = {name: val for name, val in kw.items() if name != "dropout_p"}
-        res = varlen_attention(*(t.values().transpose(0, 1) for t in (q, k, v)),
+        res = PACKED["varlen_attention"](*(t.values().transpose(0, 1) for t in (q, k, v)),
                                q.offsets(), k.offsets(), *bounds, return_lse=return_lse,
                                **args)
         out, lse = res if return_lse else (res, None)   # lse [Hq, total_q]

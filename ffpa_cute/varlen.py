@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from . import dispatch, dense_mask, launch, selfcheck
+from . import dispatch, dense_mask, launch, nested, selfcheck
 from . import options as _options
 from .math_attention import compute_dtype
 from .interface import _attention
@@ -394,3 +394,4 @@ def bwd_canary(plan, device, opts=None) -> str | None:
 
 
 dense_mask.PACKED["varlen_attention"] = varlen_attention  # key-padding masks of unequal counts
+nested.PACKED["varlen_attention"] = varlen_attention  # jagged NestedTensors

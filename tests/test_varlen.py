@@ -213,12 +213,11 @@ def test_nested_tensor_routes(seed, monkeypatch):
     """Jagged inputs without dropout are one `varlen_attention` call on their values (its
     one launch where the kernels serve it); values with rows outside the sequences
     (`lengths`) take the per-sequence route, with the same result."""
-    from ffpa_cute import attention, varlen
+    from ffpa_cute import attention, nested, varlen_attention
 
     calls = []
-    real = varlen.varlen_attention
-    monkeypatch.setattr(varlen, "varlen_attention",
-                        lambda *a, **kw: calls.append(a[5:7]) or real(*a, **kw))
+    monkeypatch.setitem(nested.PACKED, "varlen_attention",
+                        lambda *a, **kw: calls.append(a[5:7]) or varlen_attention(*a, **kw))
     lq, lk = [5, 0, 13, 2], [7, 4, 13, 0]
     q, k, v = packed(lq, lk, dv=16)
     ref, _ = ref_varlen(q, k, v, lq, lk, causal=True)
