@@ -26,6 +26,13 @@ sharing one cu_seqlens sync once per step, not once per layer.
   longest first, round-robin on `STREAMS` side streams forked from and joined to the caller's
   stream, so one kernel's last, partial wave overlaps the next kernel's first; autograd runs
   each backward on its forward's stream.
+
+Under torch.compile the call is one opaque custom op, `ffpa_cute::varlen_fwd` (its gradient
+`ffpa_cute::varlen_bwd`), which takes cu_seqlens as tensors: the graph neither reads them on
+the host nor specialises on the sequence lengths (one graph for every packing, fullgraph
+included), and at run time the op takes the routes above. Its backward runs the one-launch
+gradient kernels where they serve the problem, else exact torch math per sequence
+(`math_attention.math_grads` on the forward's out and lse).
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ import torch
 
 from . import dispatch, dense_mask, launch, nested, selfcheck
 from . import options as _options
-from .math_attention import compute_dtype
+from typing import Optional
+
+from .math_attention import compute_dtype, math_grads
 from .interface import _attention
 from .ops import on
 from .problem import AttnProblem, dtype_name, tensor_version
@@ -157,6 +166,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
            or check_window_sinks(window, sinks, q.transpose(0, 1)))
     if err is not None:
         raise err
+    if torch.compiler.is_compiling():  # one opaque op: cu_seqlens stay tensors in the graph
+        out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q,
+                              max_seqlen_k, bool(is_causal),
+                              None if scale is None else float(scale), *_window_args(window),
+                              None if strict is None else bool(strict))
+        return (out, lse) if return_lse else out
     seq_q = sequence_bounds("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q",
                             max_seqlen_q, q.device)
     seq_k = sequence_bounds("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k",
@@ -205,10 +220,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _one_launch_plan(q, k, v, nseq: int, max_q: int, max_k: int, is_causal, scale, window,
-                     sinks):
+                     sinks, backward: bool = False):
     """The forward plan of the one-launch route, or None (host loop): CUDA, not under
     torch.compile, `Options.varlen_launch`, something to compute, and a varlen kernel for the
-    forward and, when an input requires grad, for the backward too."""
+    forward and, when an input requires grad (or `backward`), for the backward too."""
     if (q.device.type != "cuda" or torch.compiler.is_compiling()
             or not _options.current().varlen_launch or q.shape[0] == 0 or k.shape[0] == 0):
         return None
@@ -218,14 +233,14 @@ def _one_launch_plan(q, k, v, nseq: int, max_q: int, max_k: int, is_causal, scal
         seqlen_q=max_q, seqlen_kv=max_k, head_dim=q.shape[2], head_dim_v=v.shape[2],
         causal=bool(is_causal), causal_offset=0,
         scale=float(scale) if scale is not None else None, device_type=q.device.type,
-        requires_grad=any(t.requires_grad for t in (q, k, v)),
+        requires_grad=backward or any(t.requires_grad for t in (q, k, v)),
         window_lo=lo, window_hi=hi, has_sinks=sinks is not None, varlen=True)
     plan = dispatch.plan_fwd(problem, q.device)
     if plan.reason is not None or not getattr(plan.cfg, "varlen", False):
         return None
     if selfcheck.reason(plan, q.device, canary) is not None:   # a kernel never run here
         return None
-    if torch.is_grad_enabled() and (problem.requires_grad or (
+    if backward or torch.is_grad_enabled() and (problem.requires_grad or (
             sinks is not None and sinks.requires_grad)):
         bwd = dispatch.plan_bwd(problem, q.device)
         if bwd.reason is not None or selfcheck.bwd_reason(bwd, q.device,
@@ -391,6 +406,110 @@ def bwd_canary(plan, device, opts=None) -> str | None:
                     f"{plan.target}: canary {name} {miss}; varlen_attention runs each "
                     "sequence on its own in this process")
     return None
+
+
+# ------------------------------------------------------------------ torch.compile: one op
+
+
+def _window_args(window):
+    """(has_window, left, right): a window as the ops' scalar arguments."""
+    return (False, None, None) if window is None else (True, *window)
+
+
+@torch.library.custom_op("ffpa_cute::varlen_fwd", mutates_args=())
+def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+               cu_k: torch.Tensor, sinks: Optional[torch.Tensor], max_q: int, max_k: int,
+               causal: bool, scale: Optional[float], has_window: bool, left: Optional[int],
+               right: Optional[int], strict: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`varlen_attention(..., enable_gqa=True, return_lse=True)` as one op (its arguments
+    checked at trace time, cu_seqlens and max_seqlen here): (out [total_q, Hq, Dv], lse [Hq,
+    total_q]), contiguous."""
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=causal,
+                                scale=scale, enable_gqa=True,
+                                window=(left, right) if has_window else None, sinks=sinks,
+                                return_lse=True, strict=strict)
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_q, cu_k, sinks, max_q, max_k, causal, scale, has_window, left,
+                     right, strict):
+    return (q.new_empty(q.shape[0], q.shape[1], v.shape[-1]),
+            q.new_empty(q.shape[1], q.shape[0], dtype=compute_dtype(q.dtype)))
+
+
+@torch.library.custom_op("ffpa_cute::varlen_bwd", mutates_args=())
+def varlen_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+               cu_k: torch.Tensor, sinks: Optional[torch.Tensor], out: torch.Tensor,
+               lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor], max_q: int,
+               max_k: int, causal: bool, scale: Optional[float], has_window: bool,
+               left: Optional[int], right: Optional[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of `varlen_fwd` (dsinks [Hq] in lse's dtype, zeros without
+    sinks): the one-launch gradient kernels where they serve the problem, else `math_grads`
+    per sequence on the forward's out and lse (dlse: lse's gradient, or None)."""
+    window = (left, right) if has_window else None
+    seq_q = sequence_bounds("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q, q.device)
+    seq_k = sequence_bounds("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_k, q.device)
+    plan = _one_launch_plan(q, k, v, len(seq_q), max_q, max_k, causal, scale, window, sinks,
+                            backward=True)
+    if plan is not None:
+        bwd = dispatch.plan_bwd(plan.problem, q.device)
+        cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32).contiguous() for c in (cu_q, cu_k))
+        with on(q.device):
+            dq, dk, dv, delta = _backward(bwd, q, k, v, out, lse, dout, cu_q, cu_k, dlse)
+    else:
+        rowdot = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(0, 1)
+        delta = rowdot if dlse is None else rowdot - dlse
+        dq, dk, dv = (torch.zeros(t.shape, dtype=compute_dtype(t.dtype), device=t.device)
+                      for t in (q, k, v))
+        for (qa, qb), (ka, kb) in zip(seq_q, seq_k):
+            if qb == qa or kb == ka:
+                continue
+            lo, hi = window_bounds(window, (kb - ka) - (qb - qa)) or (None, None)
+            if causal:
+                hi = (kb - ka) - (qb - qa) if hi is None else min(hi, (kb - ka) - (qb - qa))
+            rows = [t[a:b].transpose(0, 1) for t, a, b in (  # [H, n, D] / [H, n]
+                (q, qa, qb), (k, ka, kb), (v, ka, kb), (out, qa, qb), (dout, qa, qb))]
+            g = math_grads(*rows[:4], lse[:, qa:qb], rows[4], lo=lo, hi=hi, scale=scale,
+                           dlse=None if dlse is None else dlse[:, qa:qb])
+            for acc, grad, a, b in ((dq, g[0], qa, qb), (dk, g[1], ka, kb), (dv, g[2], ka, kb)):
+                acc[a:b] = grad.transpose(0, 1)
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dsinks = torch.zeros(q.shape[1], dtype=compute_dtype(q.dtype), device=q.device)
+    if sinks is not None:  # -sum_i exp(sink - lse_i) (Delta_i - dlse_i) per head
+        dsinks = -(torch.exp(sinks.to(lse.dtype)[:, None] - lse) * delta).sum(1).to(dsinks.dtype)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(q, k, v, cu_q, cu_k, sinks, out, lse, dout, dlse, max_q, max_k, causal,
+                     scale, has_window, left, right):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(q.shape[1], dtype=compute_dtype(q.dtype)))
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, sinks, *args = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, sinks, *output)
+    ctx.args = tuple(args[:-1])   # max_q .. right (strict is the forward's)
+    ctx.set_materialize_grads(False)  # None for an output the loss does not read
+
+
+def _varlen_op_backward(ctx, dout, dlse):
+    if dout is None and dlse is None:
+        return (None,) * 14
+    q, k, v, cu_q, cu_k, sinks, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dsinks = varlen_bwd(q, k, v, cu_q, cu_k, sinks, out, lse, dout, dlse, *ctx.args)
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            None, None, dsinks.to(sinks.dtype) if sinks is not None and needs[5] else None,
+            *(None,) * 8)
+
+
+torch.library.register_autograd("ffpa_cute::varlen_fwd", _varlen_op_backward,
+                                setup_context=_varlen_setup)
 
 
 dense_mask.PACKED["varlen_attention"] = varlen_attention  # key-padding masks of unequal counts

@@ -450,6 +450,49 @@ def test_nested_tensor_is_one_varlen_launch(seed):
     assert rel_err(out[s], want[0].transpose(0, 1)) <= 1e-2
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_varlen_under_torch_compile_is_the_one_launch(seed, with_sinks):
+    """torch.compile(fullgraph=True) of varlen_attention (bf16, GQA, causal, a window with
+    sinks): its one op runs the one-launch kernels, so out, lse and the gradients are the
+    eager call's bits; one graph for two packings."""
+    from ffpa_cute import varlen_attention
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    window = (200, 0) if with_sinks else None
+
+    def f(q, k, v, cq, ck, sinks):
+        return varlen_attention(q, k, v, cq, ck, 1000, 1000, is_causal=True, enable_gqa=True,
+                                window=window, sinks=sinks, return_lse=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    lk = [200, 7, 64, 1000, 129]
+    q, k, v = rnd(1430, 8, 512, grad=True), rnd(sum(lk), 2, 512, grad=True), \
+        rnd(sum(lk), 2, 512, grad=True)
+    sinks = torch.randn(8, device="cuda", requires_grad=True) if with_sinks else None
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
+    ck = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], device="cuda")
+    for lq in ([300, 1, 0, 1000, 129], [30, 271, 100, 900, 129]):
+        cq = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], device="cuda")
+        res = []
+        for fn in (f, compiled):
+            out, lse = fn(q, k, v, cq, ck, sinks)
+            dout = torch.randn_like(out) if not res else res[0][-1]
+            grads = torch.autograd.grad((out, lse.masked_fill(torch.isinf(lse), 0)), leaves,
+                                        (dout, torch.full_like(lse, 0.3)))
+            res.append((out, lse, *grads, dout))
+        n = 5 if with_sinks else 6   # out, lse, dq, dk, dv (then sinks' gradient, a torch sum)
+        for a, b in zip(res[0][:n], res[1][:n]):
+            assert torch.equal(a, b)
+        if with_sinks:
+            assert rel_err(res[0][5], res[1][5]) <= 1e-5
+    assert len(graphs) == 1
+
+
 VARLEN_CASES = [  # d, dv, hq, hkv, causal, window, sinks, dtype
     (512, 512, 4, 2, True, None, False, BF16),
     (512, 512, 8, 1, False, None, True, BF16),

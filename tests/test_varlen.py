@@ -256,6 +256,47 @@ def test_nested_tensor_errors(seed):
         attention(qn, jagged(k[:5], [5]), vn)
 
 
+@pytest.mark.parametrize("causal,window,with_sinks", [(True, None, False), (True, (3, 1), True),
+                                                      (False, (None, 2), False)])
+def test_varlen_under_torch_compile(seed, causal, window, with_sinks):
+    """Under torch.compile (fullgraph) varlen_attention is one op with cu_seqlens as tensors:
+    out, lse and every gradient (sinks' included, lse's gradient read) as eager, and one
+    graph for two packings of the same tokens (no host read of cu_seqlens, no specialising on
+    the lengths); bad cu_seqlens still raise, at run time."""
+    from ffpa_cute import varlen_attention
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    def f(q, k, v, cq, ck, sinks):
+        return varlen_attention(q, k, v, cq, ck, 13, 13, is_causal=causal, enable_gqa=True,
+                                window=window, sinks=sinks, return_lse=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    torch._dynamo.reset()
+    lk = [7, 4, 13, 0, 3]
+    q, k, v = packed([5, 0, 13, 2, 9], lk, grad=True)
+    sinks = torch.randn(6, dtype=F64, requires_grad=True) if with_sinks else None
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
+    for lq in ([5, 0, 13, 2, 9], [1, 12, 5, 2, 9]):
+        res = []
+        for fn in (f, compiled):
+            out, lse = fn(q, k, v, cu(lq), cu(lk), sinks)
+            w = torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out)
+            loss = (out * w).sum() + 0.3 * lse.masked_fill(torch.isinf(lse), 0).sum()
+            res.append((out, lse, *torch.autograd.grad(loss, leaves)))
+        for a, b in zip(*res):
+            assert torch.equal(torch.isinf(a), torch.isinf(b))
+            assert rel_err(a.masked_fill(torch.isinf(a), 0), b.masked_fill(torch.isinf(b), 0)) \
+                <= 1e-12
+    assert len(graphs) == 1
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0\] must be 0"):
+        compiled(q, k, v, cu([5, 0, 13, 2, 9]).flip(0), cu(lk), sinks)
+
+
 def test_bounds_are_read_once_per_tensor_and_version(monkeypatch):
     """cu_seqlens are read (a device sync on CUDA) once per tensor: passed again unchanged they
     reuse the bounds; an in-place write (a new version) or another tensor reads again, and a
