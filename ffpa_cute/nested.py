@@ -62,9 +62,9 @@ def per_sequence(attention, q, k, v, attn_mask, fp8_args, return_lse, kw):
     bounds = _varlen_bounds(q, k, v, kw["dropout_p"])
     if bounds is not None:
         args = {name: val for name, val in kw.items() if name != "dropout_p"}
-        res = PACKED["varlen_attention"](*(t.values().transpose(0, 1) for t in (q, k, v)),
-                               q.offsets(), k.offsets(), *bounds, return_lse=return_lse,
-                               **args)
+        packed = (t.values().transpose(0, 1) for t in (q, k, v))  # [total, H, D] views
+        res = PACKED["varlen_attention"](*packed, q.offsets(), k.offsets(), *bounds,
+                                         return_lse=return_lse, **args)
         out, lse = res if return_lse else (res, None)   # lse [Hq, total_q]
         return (pack(out), pack(lse.transpose(0, 1))) if return_lse else pack(out)
     outs, lses = [], []

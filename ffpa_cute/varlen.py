@@ -42,13 +42,12 @@ import dataclasses
 import logging
 import numbers
 import weakref
+from typing import Optional
 
 import torch
 
 from . import dispatch, dense_mask, launch, nested, selfcheck
 from . import options as _options
-from typing import Optional
-
 from .math_attention import compute_dtype, math_grads
 from .interface import _attention
 from .ops import on
