@@ -4,8 +4,8 @@ of 64-1006 tokens, D=512, GQA 32/4, bf16, no grad), against the one launch on th
 
 Per route: the host time of one call (wall clock from the call to its return, GPU work queued
 behind it; the GPU is idle at the start), the GPU-inclusive time (synchronised after the
-call), and cProfile's top functions by cumulative time over 20 calls. The session-43 sweep saw
-the per-sequence route at ~0.3 ms a sequence while its kernels take ~0.065 ms.
+call), and cProfile's top functions by cumulative time over 20 calls (docs/perf-log.md has the
+H100 numbers: the per-sequence route is host-bound).
 
     python -m perf.varlen_host              # GPU: prints both routes
 """
