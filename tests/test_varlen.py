@@ -241,6 +241,22 @@ def test_nested_tensor_routes(seed, monkeypatch):
     assert calls == [] and out.is_nested  # dropout: per sequence (varlen has none)
 
 
+def test_nested_tensor_under_torch_compile(seed):
+    """Jagged inputs under torch.compile: the offsets are read on the host (a graph break),
+    then the varlen op; the same result as eager."""
+    from ffpa_cute import attention
+
+    lq, lk = [5, 0, 13, 2], [7, 4, 13, 0]
+    q, k, v = packed(lq, lk, dv=16)
+
+    def f(a, b, c):
+        return attention(a, b, c, is_causal=True, enable_gqa=True)
+
+    want = f(jagged(q, lq), jagged(k, lk), jagged(v, lk))
+    got = torch.compile(f, backend="aot_eager")(jagged(q, lq), jagged(k, lk), jagged(v, lk))
+    assert torch.equal(got.values(), want.values())
+
+
 def test_nested_tensor_errors(seed):
     from ffpa_cute import attention
 
