@@ -465,9 +465,10 @@ def varlen_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
         for (qa, qb), (ka, kb) in zip(seq_q, seq_k):
             if qb == qa or kb == ka:
                 continue
-            lo, hi = window_bounds(window, (kb - ka) - (qb - qa)) or (None, None)
+            frame = (kb - ka) - (qb - qa)   # bottom-right: row i sits at key i + frame
+            lo, hi = window_bounds(window, frame) or (None, None)
             if causal:
-                hi = (kb - ka) - (qb - qa) if hi is None else min(hi, (kb - ka) - (qb - qa))
+                hi = frame if hi is None else min(hi, frame)
             rows = [t[a:b].transpose(0, 1) for t, a, b in (  # [H, n, D] / [H, n]
                 (q, qa, qb), (k, ka, kb), (v, ka, kb), (out, qa, qb), (dout, qa, qb))]
             g = math_grads(*rows[:4], lse[:, qa:qb], rows[4], lo=lo, hi=hi, scale=scale,
