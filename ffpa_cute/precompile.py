@@ -132,17 +132,9 @@ def jobs_for(target: str, head_dims, dtypes, causals, backward: bool = False,
             t = vt_config(plan.kernel_cls, target, plan.problem.head_dim_v)
             if (dispatch.kernel_class(t), t) not in jobs:
                 jobs.append((dispatch.kernel_class(t), t))
-    if backward:   # one query head per KV head, a group over few KV tiles (GQA / MQA:
-        # the dV / dK kernels split it over CTAs, `group_split`), and a large causal group
-        # (the fused kernel by row units, `row_units`)
-        for d, dv in map(head_dim_pair, head_dims):
-            for dt in dtypes:
-                for causal in causals:
-                    for hq in (1, 2, 32):
-                        p = AttnProblem(dtype=dt, batch=1, heads_q=hq, heads_kv=1, seqlen_q=1,
-                                        seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal)
-                        jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs
-                                 if j not in jobs]
+    if backward:
+        for p in _problems(head_dims, dtypes, causals, GRAD_GROUPS):
+            jobs += [j for j in dispatch.plan_bwd(p, target=target).jobs if j not in jobs]
     jobs += [j for j in decode_jobs(target, head_dims, dtypes, decode_pages) if j not in jobs]
     if varlen:
         jobs += [j for j in varlen_jobs(target, head_dims, dtypes, causals, backward)
@@ -156,22 +148,35 @@ def varlen_jobs(target: str, head_dims, dtypes, causals, backward: bool = False)
     and with `backward` the gradient kernels (one query head per KV head and GQA / MQA
     groups, as `jobs_for`), where the target's family has them."""
     jobs = []
+    for p in _problems(head_dims, dtypes, causals, GRAD_GROUPS if backward else (1,), batch=2,
+                       varlen=True):
+        plan = dispatch.plan_fwd(p, target=target)
+        if plan.reason is not None or not getattr(plan.cfg, "varlen", False):
+            continue
+        todo = [(plan.kernel_cls, plan.cfg)]
+        if backward:
+            bwd = dispatch.plan_bwd(p, target=target)
+            todo += bwd.jobs if bwd.reason is None else []
+        jobs += [j for j in todo if j not in jobs]
+    return jobs
+
+
+# the query heads per KV head whose gradient kernels are precompiled: one, a group over few KV
+# tiles (GQA / MQA: the dV / dK kernels split it over CTAs, `group_split`), and a large causal
+# group (the fused kernel by row units, `row_units`)
+GRAD_GROUPS = (1, 2, 32)
+
+
+def _problems(head_dims, dtypes, causals, groups, batch=1, **fields):
+    """A one-row problem per head dim (pair), dtype, causal mode and query heads per KV head
+    in `groups` (fields: more AttnProblem fields, e.g. varlen)."""
     for d, dv in map(head_dim_pair, head_dims):
         for dt in dtypes:
             for causal in causals:
-                for hq in ((1, 2, 32) if backward else (1,)):
-                    p = AttnProblem(dtype=dt, batch=2, heads_q=hq, heads_kv=1, seqlen_q=1,
-                                    seqlen_kv=1, head_dim=d, head_dim_v=dv, causal=causal,
-                                    varlen=True)
-                    plan = dispatch.plan_fwd(p, target=target)
-                    if plan.reason is not None or not getattr(plan.cfg, "varlen", False):
-                        continue
-                    todo = [(plan.kernel_cls, plan.cfg)]
-                    if backward:
-                        bwd = dispatch.plan_bwd(p, target=target)
-                        todo += bwd.jobs if bwd.reason is None else []
-                    jobs += [j for j in todo if j not in jobs]
-    return jobs
+                for hq in groups:
+                    yield AttnProblem(dtype=dt, batch=batch, heads_q=hq, heads_kv=1,
+                                      seqlen_q=1, seqlen_kv=1, head_dim=d, head_dim_v=dv,
+                                      causal=causal, **fields)
 
 
 def job_label(cls, cfg) -> str:
