@@ -83,7 +83,6 @@ class _BwdSm80(FFPAFwdSm80):
     """What the three backward kernels share: launch, row ring, per-row / per-column LSE and
     Delta, the epilogue. Subclasses set `num_scores`, `transposed` and `scaled`."""
 
-    transposed = False  # rows are keys and columns queries (dV, dK)
     scaled = False      # the gradient is multiplied by the softmax scale (dK, dQ)
 
     def __init__(self, cfg):

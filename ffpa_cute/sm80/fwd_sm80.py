@@ -86,17 +86,17 @@ class Features(NamedTuple):
 def features_of(cfg, window_lo, mSinks, cu=None):
     """The kernel's `features` argument: None for a config with none of them (its code has
     none)."""
-    varlen = getattr(cfg, "varlen", False)
-    if not (cfg.window or cfg.sinks or varlen):
+    if not (cfg.window or cfg.sinks or cfg.varlen):
         return None
     return Features(window_lo if cfg.window else None, mSinks if cfg.sinks else None,
-                    cu if varlen else None)
+                    cu if cfg.varlen else None)
 
 
 class FFPAFwdSm80(KernelEntry):
     """Split-D forward; one instance per `FwdConfigSm80` (the compile key)."""
 
     arch_family = "sm80"
+    transposed = False  # rows are queries (the gradient kernels dV / dK: keys)
     OPERANDS = ("q", "k", "v", "o", "lse", "sinks", "cu_q", "cu_k")
     SCALARS = ("softmax_scale", "causal_offset", "window_lo")
 
@@ -259,7 +259,7 @@ class FFPAFwdSm80(KernelEntry):
         if cutlass.const_expr(self._varlen(features)):
             # tile bidx of the sequences' row tiles (R's: keys for dV / dK, whose tiles go
             # first first), in its sequence's frame: Nkv - Nq, bottom-right
-            keys_rows = getattr(self, "transposed", False)
+            keys_rows = self.transposed
             m_block, row0, seqlen_q, col0, seqlen_k, frame = varlen_tile(
                 features.cu[0], features.cu[1], bidx, self.tile_m, keys_rows, keys_rows)
             causal_offset = causal_offset + frame
